@@ -1,0 +1,110 @@
+"""Backend contract: start and stop *instances* (role, index) and stream their lifecycle events.
+
+The master never knows whether an instance is a subprocess or a pod. Implementations:
+`local.LocalBackend` (subprocesses; the embedded default) and `kubernetes.KubernetesBackend`.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import queue
+import time
+from typing import Iterator
+
+from elastic_step.errors import ConfigError
+
+ROLES = ("worker", "ps")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class InstanceId:
+    role: str
+    index: int
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ConfigError(f"Unknown instance role {self.role!r}; expected one of {ROLES}.")
+        if self.index < 0:
+            raise ConfigError(f"Instance index must be >= 0, got {self.index}.")
+
+    def __str__(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceSpec:
+    """What to run: the same command line whatever the backend."""
+    id: InstanceId
+    argv: list[str]                       # e.g. [python, -m, elastic_step.worker, ...]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    cpu: str | None = None                # Kubernetes quantities, e.g. "1", "500m"
+    memory: str | None = None
+    priority_class: str | None = None
+
+
+class EventKind(str, enum.Enum):
+    STARTED = "started"      # accepted by the backend (a pod may still be Pending)
+    RUNNING = "running"      # the process runs
+    EXITED = "exited"        # ended by itself; exit_code says how
+    LOST = "lost"            # killed, preempted or deleted from outside
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceEvent:
+    kind: EventKind
+    instance: InstanceId
+    exit_code: int | None = None
+    detail: str = ""
+    time: float = dataclasses.field(default_factory=time.time)
+
+
+class BackendError(Exception):
+    """The backend could not start or stop an instance (e.g. a missing permission)."""
+
+
+class Backend(abc.ABC):
+    """Starts/stops instances and reports what happens to them, as soon as it happens."""
+
+    def __init__(self) -> None:
+        self._events: queue.Queue[InstanceEvent] = queue.Queue()
+
+    def emit(self, event: InstanceEvent) -> None:
+        self._events.put(event)
+
+    def events(self, timeout: float) -> Iterator[InstanceEvent]:
+        """Yield the events that arrive within `timeout` seconds (at least waiting for one)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                yield self._events.get(timeout=max(0.0, remaining))
+            except queue.Empty:
+                return
+            if remaining <= 0:
+                return
+
+    @abc.abstractmethod
+    def start(self, spec: InstanceSpec) -> None:
+        """Start the instance; emits STARTED, then RUNNING, then EXITED or LOST."""
+
+    @abc.abstractmethod
+    def stop(self, instance: InstanceId, grace_s: float = 10.0) -> None:
+        """Ask the instance to stop (SIGTERM), then kill it after `grace_s`."""
+
+    @abc.abstractmethod
+    def kill(self, instance: InstanceId) -> None:
+        """Kill at once (SIGKILL / delete with grace 0). Used by tests and chaos."""
+
+    @abc.abstractmethod
+    def alive(self) -> set[InstanceId]:
+        """Instances started and not yet ended."""
+
+    @abc.abstractmethod
+    def master_address(self, port: int) -> str:
+        """The address at which instances reach a master listening on `port`."""
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop every instance this backend started (the master's SIGTERM path)."""
+        for inst in sorted(self.alive()):
+            self.stop(inst, grace_s)

@@ -1,0 +1,107 @@
+"""Data contract: the manifest a prep step writes and a training step reads.
+
+A manifest lists Parquet shards (paths relative to the manifest, so a KFP artifact can be
+moved), their row counts and the schema. Training cuts shards into record-range tasks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import posixpath
+from typing import Any
+
+import fsspec
+
+from elastic_step.errors import DataError
+from elastic_step.util.atomic import atomic_write_text
+
+MANIFEST_FORMAT = "elastic-step/manifest/v1"
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    name: str
+    type: str  # arrow type name: "int64", "double", "string", ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    path: str   # relative to the manifest's folder, or an absolute URI
+    rows: int
+
+
+@dataclasses.dataclass
+class Manifest:
+    split: str
+    shards: list[Shard]
+    schema: list[Field]
+    label: str | None = None
+    source: str = ""
+    skipped_rows: int = 0
+    bad_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # first few skipped
+    uri: str = ""  # where this manifest was read from (not serialised)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(s.rows for s in self.shards)
+
+    @property
+    def columns(self) -> list[str]:
+        return [f.name for f in self.schema]
+
+    def shard_uri(self, shard: Shard) -> str:
+        if "://" in shard.path or shard.path.startswith("/"):
+            return shard.path
+        return posixpath.join(posixpath.dirname(self.uri), shard.path)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": MANIFEST_FORMAT,
+            "split": self.split,
+            "label": self.label,
+            "source": self.source,
+            "total_rows": self.total_rows,
+            "skipped_rows": self.skipped_rows,
+            "bad_rows": self.bad_rows,
+            "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
+            "shards": [dataclasses.asdict(s) for s in self.shards],
+        }, indent=2)
+
+    def save(self, uri: str) -> None:
+        atomic_write_text(uri, self.to_json())
+        self.uri = uri
+
+
+def manifest_uri(path_or_dir: str) -> str:
+    """Accept a manifest file or the folder holding `manifest.json` (a KFP Dataset artifact)."""
+    fs, path = fsspec.core.url_to_fs(path_or_dir)
+    if fs.isdir(path):
+        return posixpath.join(path_or_dir.rstrip("/"), MANIFEST_NAME)
+    return path_or_dir
+
+
+def load_manifest(path_or_dir: str) -> Manifest:
+    uri = manifest_uri(path_or_dir)
+    try:
+        with fsspec.open(uri, "r") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise DataError(f"No manifest at {uri}: pass the manifest.json (or its folder) "
+                        "written by `elastic-step data prep`.") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"The manifest {uri} is not valid JSON ({e}); re-run `elastic-step data prep`.") from None
+    except OSError as e:
+        raise DataError(f"Cannot read the manifest {uri}: {e}. Check the URI and credentials.") from None
+    if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+        raise DataError(f"{uri} is not an elastic-step manifest (expected format {MANIFEST_FORMAT!r}); "
+                        "re-run `elastic-step data prep` on the source data.")
+    try:
+        return Manifest(
+            split=raw["split"], label=raw.get("label"), source=raw.get("source", ""),
+            skipped_rows=int(raw.get("skipped_rows", 0)), bad_rows=list(raw.get("bad_rows", [])),
+            schema=[Field(**f) for f in raw["schema"]["fields"]],
+            shards=[Shard(path=s["path"], rows=int(s["rows"])) for s in raw["shards"]],
+            uri=uri)
+    except (KeyError, TypeError) as e:
+        raise DataError(f"The manifest {uri} lacks field {e}; re-run `elastic-step data prep`.") from None

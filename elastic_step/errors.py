@@ -1,0 +1,29 @@
+"""Errors a user sees. Each carries one paragraph that names the thing and the fix.
+
+The CLI prints `str(error)` and exits non-zero; it never shows a traceback for these.
+"""
+from __future__ import annotations
+
+
+class ElasticStepError(Exception):
+    """Base of every user-facing error."""
+
+    exit_code = 2
+
+
+class ConfigError(ElasticStepError):
+    """A parameter is out of range or inconsistent."""
+
+
+class DataError(ElasticStepError):
+    """Input data cannot be read, does not match its schema, or has a bad row."""
+
+
+class ModelDefError(ElasticStepError):
+    """The model definition module is missing, lacks a function, or a function raised."""
+
+
+class JobFailed(ElasticStepError):
+    """The training job failed; the message says which instance and why."""
+
+    exit_code = 1

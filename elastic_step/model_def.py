@@ -1,0 +1,137 @@
+"""The model contract: a user module with model(), loss(), optimizer(), feed() and, optionally,
+eval_metrics(). The same module trains with plain Keras and elastically, unchanged.
+
+`spec` is an importable module path (`samples.digits.model`) or a path/URI to a `.py` file
+(any fsspec URI), so trying a model needs no image rebuild.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+import tempfile
+import types
+from typing import Any, Callable
+
+from elastic_step.errors import ModelDefError
+
+REQUIRED = ("model", "loss", "optimizer", "feed")
+OPTIONAL = ("eval_metrics",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    spec: str
+    module: types.ModuleType
+
+    def _call(self, name: str, *args) -> Any:
+        try:
+            return getattr(self.module, name)(*args)
+        except Exception as e:  # the user's code raised: say where, keep the cause
+            raise ModelDefError(
+                f"{name}() in the model definition {self.spec!r} raised {type(e).__name__}: {e}. "
+                f"Fix {name}() in that module; it must run with plain Keras too.") from e
+
+    def model(self):
+        import keras
+        m = self._call("model")
+        if not isinstance(m, keras.Model):
+            raise ModelDefError(f"model() in {self.spec!r} returned {type(m).__name__}, not a keras.Model.")
+        return m
+
+    def optimizer(self):
+        import keras
+        o = self._call("optimizer")
+        if not isinstance(o, keras.optimizers.Optimizer):
+            raise ModelDefError(f"optimizer() in {self.spec!r} returned {type(o).__name__}, "
+                                "not a keras.optimizers.Optimizer.")
+        return o
+
+    def eval_metrics(self) -> dict:
+        if not hasattr(self.module, "eval_metrics"):
+            return {}
+        metrics = self._call("eval_metrics")
+        if not isinstance(metrics, dict):
+            raise ModelDefError(f"eval_metrics() in {self.spec!r} must return a dict of name -> "
+                                f"keras.metrics.Metric, got {type(metrics).__name__}.")
+        return metrics
+
+    def feed(self, batch):
+        return self._call("feed", batch)
+
+    @property
+    def loss_fn(self) -> Callable:
+        return self.module.loss
+
+    @property
+    def feed_fn(self) -> Callable:
+        return self.module.feed
+
+
+def _import_file(spec: str) -> types.ModuleType:
+    if "://" in spec and not spec.startswith("file://"):
+        import fsspec
+        try:
+            with fsspec.open(spec, "rb") as f:
+                source = f.read()
+        except (OSError, ValueError) as e:
+            raise ModelDefError(f"Cannot read the model definition {spec!r}: {e}. "
+                                "Check the URI and the credentials of the step.") from None
+        path = os.path.join(tempfile.mkdtemp(prefix="elastic-step-model-"), os.path.basename(spec))
+        with open(path, "wb") as f:
+            f.write(source)
+    else:
+        path = spec[len("file://"):] if spec.startswith("file://") else spec
+        if not os.path.isfile(path):
+            raise ModelDefError(f"The model definition file {spec!r} does not exist. Pass an importable "
+                                "module (pkg.module) or the path/URI of a .py file.")
+    name = "elastic_step_user_model_" + hashlib.sha1(spec.encode()).hexdigest()[:10]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # keras serialisation looks classes up by module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        raise ModelDefError(f"Importing the model definition {spec!r} raised {type(e).__name__}: {e}.") from e
+    return module
+
+
+def load_model_def(spec: str) -> ModelDef:
+    if not spec:
+        raise ModelDefError("No model definition given: pass --model-def pkg.module or a .py path/URI.")
+    if spec.endswith(".py") or "/" in spec or "://" in spec:
+        module = _import_file(spec)
+    else:
+        try:
+            module = importlib.import_module(spec)
+        except ModuleNotFoundError as e:
+            raise ModelDefError(f"Cannot import the model definition module {spec!r} ({e}). Pass an "
+                                "importable module path or the path/URI of a .py file.") from None
+        except Exception as e:
+            raise ModelDefError(f"Importing the model definition {spec!r} raised {type(e).__name__}: {e}.") from e
+    for name in REQUIRED:
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise ModelDefError(f"The model definition {spec!r} has no function {name}(). It must define "
+                                "model(), loss(labels, predictions), optimizer() and feed(batch).")
+        if not callable(fn):
+            raise ModelDefError(f"{name} in the model definition {spec!r} is a "
+                                f"{type(fn).__name__}, not a function.")
+    arity = {"model": 0, "optimizer": 0, "loss": 2, "feed": 1}
+    for name, n in arity.items():
+        try:
+            params = [p for p in inspect.signature(getattr(module, name)).parameters.values()
+                      if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        except (TypeError, ValueError):
+            continue
+        if len(params) != n:
+            raise ModelDefError(f"{name}() in the model definition {spec!r} takes {len(params)} required "
+                                f"argument(s); the contract is {name}({', '.join(['...'] * n)}) with {n}.")
+    ev = getattr(module, "eval_metrics", None)
+    if ev is not None and not callable(ev):
+        raise ModelDefError(f"eval_metrics in {spec!r} must be a function returning a dict of metrics.")
+    return ModelDef(spec=spec, module=module)

@@ -1,0 +1,31 @@
+"""numpy <-> wire tensors: raw bytes + dtype + shape (no pickles, so no code runs on decode)."""
+from __future__ import annotations
+
+import numpy as np
+
+from elastic_step.proto import elastic_pb2 as pb
+
+# Only plain numeric dtypes cross the wire; anything else is a bug in the caller.
+_ALLOWED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"}
+
+
+def encode(array, out: pb.Tensor | None = None) -> pb.Tensor:
+    a = np.ascontiguousarray(array)
+    if a.dtype.name not in _ALLOWED:
+        raise TypeError(f"cannot send a tensor of dtype {a.dtype.name} (allowed: {sorted(_ALLOWED)})")
+    t = out if out is not None else pb.Tensor()
+    t.dtype = a.dtype.name
+    t.shape[:] = a.shape
+    t.data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+    return t
+
+
+def decode(t: pb.Tensor) -> np.ndarray:
+    if t.dtype not in _ALLOWED:
+        raise ValueError(f"received a tensor of unsupported dtype {t.dtype!r}")
+    dtype = np.dtype(t.dtype).newbyteorder("<")
+    a = np.frombuffer(t.data, dtype=dtype)
+    expected = int(np.prod(t.shape)) if len(t.shape) else 1
+    if a.size != expected:
+        raise ValueError(f"tensor payload has {a.size} values, shape {list(t.shape)} needs {expected}")
+    return a.reshape(tuple(t.shape))
