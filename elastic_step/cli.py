@@ -1,0 +1,114 @@
+"""The `elastic-step` command line.
+
+Progress and logs go to stderr; stdout carries one machine-readable JSON result per command,
+so `elastic-step train ... | jq .eval` works in scripts and pipeline steps.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from elastic_step.errors import ElasticStepError
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-def", required=True, help="module path (pkg.module) or path/URI of a .py file")
+    p.add_argument("--train-data", required=True, help="train manifest.json (or its folder)")
+    p.add_argument("--eval-data", help="eval manifest.json (or its folder)")
+    p.add_argument("--output", required=True, help="folder for model.keras, saved_model/, summary.json")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--minibatch-size", type=int, default=64)
+    p.add_argument("--records-per-task", type=int, default=512)
+    p.add_argument("--min-workers", type=int, default=1)
+    p.add_argument("--max-workers", type=int, default=2)
+    p.add_argument("--num-ps", type=int, default=1)
+    p.add_argument("--strategy", default="ps", help="ps (async SGD with parameter servers)")
+    p.add_argument("--backend", default="local", help="local (subprocesses) or kubernetes (pods)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job-id", help="stable id of the job (a retried step reuses it)")
+    p.add_argument("--worker-cpu")
+    p.add_argument("--worker-memory")
+    p.add_argument("--worker-priority-class")
+    p.add_argument("--ps-priority-class")
+    p.add_argument("--image", help="runtime image for worker/PS pods (kubernetes backend)")
+    p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines", "off"])
+    p.add_argument("--chaos", action="append", default=[], metavar="ACTION:INSTANCE@RECORDS",
+                   help="testing: kill:worker-0@400 SIGKILLs worker-0 after 400 committed records; "
+                        "term: sends SIGTERM")
+
+
+def _train(args) -> dict:
+    from elastic_step.master.api import TrainConfig
+    from elastic_step.master.job import train
+
+    cfg = TrainConfig(
+        model_def=args.model_def, train_data=args.train_data, eval_data=args.eval_data, output=args.output,
+        epochs=args.epochs, minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
+        min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
+        strategy=args.strategy, backend=args.backend, seed=args.seed, worker_cpu=args.worker_cpu,
+        worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
+        ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
+        chaos=args.chaos)
+    if args.job_id:
+        cfg.job_id = args.job_id
+    s = train(cfg)
+    return {"status": s["status"], "job_id": s["job_id"], "eval": s["eval"], "outputs": s.get("outputs", {}),
+            "summary": f"{args.output.rstrip('/')}/summary.json", "ledger": s["ledger"]["epochs"],
+            "throughput_records_per_s": s["throughput_records_per_s"]}
+
+
+def _prep(args) -> dict:
+    from elastic_step.data.prep import prepare
+
+    r = prepare(args.source, args.output, label=args.label, eval_fraction=args.eval_fraction,
+                shard_rows=args.shard_rows, schema=args.schema, on_bad_rows=args.on_bad_rows, seed=args.seed)
+    return {"train": r.train_uri, "eval": r.eval_uri, "train_rows": r.train.total_rows,
+            "eval_rows": r.eval.total_rows, "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="elastic-step", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
+    prep = data.add_parser("prep", help="CSV/Parquet/JSON lines -> validated Parquet shards + manifests")
+    prep.add_argument("--source", required=True, help="file, folder or glob; any fsspec URI")
+    prep.add_argument("--output", required=True)
+    prep.add_argument("--label")
+    prep.add_argument("--eval-fraction", type=float, default=0.2)
+    prep.add_argument("--shard-rows", type=int, default=50_000)
+    prep.add_argument("--schema", help="JSON schema file: {\"fields\": [{\"name\", \"type\"}]}")
+    prep.add_argument("--on-bad-rows", default="fail", choices=["fail", "skip"])
+    prep.add_argument("--seed", type=int, default=0)
+    prep.set_defaults(func=_prep)
+
+    train = sub.add_parser("train", help="elastic training: master + workers + parameter servers")
+    _add_train_args(train)
+    train.set_defaults(func=_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from elastic_step.instance import quiet_tensorflow
+    quiet_tensorflow()
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    try:
+        result = args.func(args)
+    except ElasticStepError as e:
+        print(f"elastic-step: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("elastic-step: interrupted", file=sys.stderr)
+        return 130
+    json.dump(result, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Evaluate a Keras model on a manifest's data with the model definition's feed, loss and metrics."""
+from __future__ import annotations
+
+import numpy as np
+
+from elastic_step.data.api import Manifest
+from elastic_step.data.reader import ShardReader
+from elastic_step.errors import ModelDefError
+
+
+def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
+             keep_predictions: bool = False) -> dict:
+    """Returns {"loss", <each eval metric>, "records"} and, if asked, labels and predictions."""
+    metrics = model_def.eval_metrics()
+    total_loss, count = 0.0, 0
+    labels_all, preds_all = [], []
+    for shard in manifest.shards:
+        reader = ShardReader(manifest.shard_uri(shard))
+        try:
+            for lo in range(0, reader.num_rows, batch_size):
+                batch = reader.read(lo, min(reader.num_rows, lo + batch_size))
+                features, labels = model_def.feed(batch)
+                try:
+                    preds = model(features, training=False)
+                    loss = float(model_def.loss_fn(labels, preds))
+                    for m in metrics.values():
+                        m.update_state(labels, preds)
+                except Exception as e:
+                    raise ModelDefError(f"Evaluating the model of {model_def.spec!r} raised "
+                                        f"{type(e).__name__}: {e}") from e
+                k = len(labels)
+                total_loss += loss * k
+                count += k
+                if keep_predictions:
+                    labels_all.append(np.asarray(labels))
+                    preds_all.append(np.asarray(preds))
+        finally:
+            reader.close()
+    result = {"loss": total_loss / count if count else float("nan"), "records": count}
+    result.update({name: float(m.result()) for name, m in metrics.items()})
+    if keep_predictions:
+        result["labels"] = np.concatenate(labels_all) if labels_all else np.array([])
+        result["predictions"] = np.concatenate(preds_all) if preds_all else np.array([])
+    return result

@@ -1,0 +1,56 @@
+"""Master contract: the validated parameters of a training job and the job's outcome."""
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import uuid
+
+from elastic_step.errors import ConfigError
+
+STRATEGIES = ("ps",)
+BACKENDS = ("local", "kubernetes")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model_def: str
+    train_data: str
+    eval_data: str | None
+    output: str
+    epochs: int = 1
+    minibatch_size: int = 64
+    records_per_task: int = 512
+    min_workers: int = 1
+    max_workers: int = 2
+    num_ps: int = 1
+    backend: str = "local"
+    strategy: str = "ps"
+    seed: int = 0
+    job_id: str = dataclasses.field(default_factory=lambda: "es-" + uuid.uuid4().hex[:8])
+    token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
+    worker_cpu: str | None = None
+    worker_memory: str | None = None
+    worker_priority_class: str | None = None
+    ps_priority_class: str | None = None
+    image: str | None = None
+    max_relaunches: int = 20           # per job: a crash loop fails the job instead of spinning
+    progress: str = "auto"             # auto | bar | lines | off
+    # Chaos hooks for tests and benchmarks: kill a worker after N committed records.
+    chaos: list[str] = dataclasses.field(default_factory=list)
+
+    def validate(self) -> "TrainConfig":
+        def positive(name: str) -> None:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
+        for name in ("epochs", "minibatch_size", "records_per_task", "min_workers", "max_workers", "num_ps"):
+            positive(name)
+        if self.min_workers > self.max_workers:
+            raise ConfigError(f"--min-workers ({self.min_workers}) is larger than --max-workers "
+                              f"({self.max_workers}); the job could never start training.")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"Unknown --backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"Unknown --strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if self.progress not in ("auto", "bar", "lines", "off"):
+            raise ConfigError(f"Unknown progress mode {self.progress!r}.")
+        return self

@@ -1,0 +1,135 @@
+"""The master's state machine: ledger + membership + timeline behind one lock.
+
+The gRPC service and the job loop both call into it; it decides nothing about processes
+(that is the scaler's job) and never blocks on I/O while holding its lock.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
+from elastic_step.master.ledger import Ledger, LedgerError, Lease
+from elastic_step.master.membership import Membership
+
+log = logging.getLogger("elastic_step.master")
+
+
+class Coordinator:
+    def __init__(self, ledger: Ledger, num_ps: int):
+        self.lock = threading.Lock()
+        self.ledger = ledger
+        self.membership = Membership()
+        self.num_ps = num_ps
+        self.ps_addresses: list[str] = [""] * num_ps
+        self.ps_ready = threading.Event()
+        self.events: list[dict] = []
+        self.samples: list[dict] = []           # progress over time, for the report
+        self.failure: dict | None = None
+        self.finished = threading.Event()       # training over (done or failed)
+        self.stop_all = threading.Event()       # the master no longer needs any instance (PS included)
+        self.loss_ema: float | None = None
+        self.duplicates_suppressed = 0
+        self.t0 = time.time()
+        self._lost_at: dict[str, float] = {}    # worker -> time of the loss event, for recovery figures
+        self.recovery_first_commit_s: list[float] = []
+
+    # ------------------------------------------------------------ timeline
+    def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None) -> None:
+        t = time.time() if t is None else t
+        self.events.append({"t": round(t - self.t0, 4), "kind": kind, "instance": instance, "detail": detail})
+
+    # ------------------------------------------------------------ RPC side
+    def register(self, inst: InstanceId, address: str) -> list[str]:
+        with self.lock:
+            self.membership.registered(inst, address)
+            if inst.role == "ps":
+                self.ps_addresses[inst.index] = address
+                if all(self.ps_addresses):
+                    self.ps_ready.set()
+            self.record("registered", str(inst), address)
+            log.info("%s registered%s", inst, f" at {address}" if address else "")
+            return list(self.ps_addresses)
+
+    def get_task(self, inst: InstanceId) -> Lease | None | str:
+        """A lease, None (wait), or "done"."""
+        with self.lock:
+            if self.finished.is_set() or self.ledger.done:
+                return "done"
+            self.membership.seen(inst)
+            worker = str(inst)
+            had = worker in self.ledger.leases
+            lease = self.ledger.lease(worker, time.time())
+            if lease is not None and not had:
+                self.record("leased", worker, f"task {lease.task.task_id} [{lease.start},{lease.task.end})"
+                            f" epoch {lease.task.epoch}")
+            return lease
+
+    def report_progress(self, inst: InstanceId, task_id: int, watermark: int, loss: float,
+                        duplicate: bool) -> bool:
+        """Commit a minibatch. Returns False when the report is refused (the worker must stop)."""
+        now = time.time()
+        with self.lock:
+            worker = str(inst)
+            epoch_before = self.ledger.epoch
+            try:
+                self.ledger.report(worker, task_id, watermark)
+            except LedgerError as e:
+                log.warning("refused a progress report: %s", e)
+                self.record("refused", worker, str(e))
+                return False
+            self.membership.seen(inst, progressed=True)
+            lost_at = self._lost_at.pop(worker + "*replacement", None)
+            if lost_at is not None:
+                self.recovery_first_commit_s.append(now - lost_at)
+            if duplicate:
+                self.duplicates_suppressed += 1
+            if loss == loss:  # not NaN
+                self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+            if self.ledger.epoch != epoch_before:
+                self.record("epoch_end", "", f"epoch {epoch_before} committed "
+                            f"{self.ledger.accounts[epoch_before].committed} records")
+                log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
+                if self.ledger.done:
+                    self.finished.set()
+            return True
+
+    def report_failure(self, instance: str, kind: str, message: str, tb: str) -> None:
+        """The job fails; the first failure is the one reported to the user."""
+        with self.lock:
+            self.record("failure", instance, f"{kind}: {message}")
+            if self.failure is None:
+                self.failure = {"instance": instance, "kind": kind, "message": message, "traceback": tb}
+                self.finished.set()
+
+    # ------------------------------------------------------------ backend side
+    def on_instance_event(self, ev: InstanceEvent) -> tuple[int, int] | None:
+        """Apply a backend event; a lost worker's remainder is requeued at once. Returns it."""
+        with self.lock:
+            self.membership.on_event(ev)
+            detail = ev.detail or ("" if ev.exit_code is None else f"exit code {ev.exit_code}")
+            self.record(ev.kind.value, str(ev.instance), detail, t=ev.time)
+            if ev.kind not in (EventKind.EXITED, EventKind.LOST) or ev.instance.role != "worker":
+                return None
+            worker = str(ev.instance)
+            remainder = self.ledger.release(worker, ev.time)
+            if remainder is not None:
+                self._lost_at[worker] = ev.time
+                self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})")
+                log.info("%s gone (%s): requeued its remainder [%d, %d) at once", worker,
+                         detail or ev.kind.value, *remainder)
+            return remainder
+
+    def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
+        with self.lock:
+            self._lost_at[str(inst) + "*replacement"] = lost_at
+
+    def sample(self, records_per_s: float) -> dict:
+        with self.lock:
+            s = {"t": round(time.time() - self.t0, 3), "epoch": min(self.ledger.epoch, self.ledger.epochs - 1),
+                 "records": self.ledger.records_committed_total(), "records_per_s": round(records_per_s, 1),
+                 "loss": None if self.loss_ema is None else round(self.loss_ema, 5),
+                 "workers_alive": len(self.membership.training())}
+            self.samples.append(s)
+            return s

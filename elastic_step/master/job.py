@@ -1,0 +1,267 @@
+"""The elastic master for the length of a training step.
+
+Cuts the data into tasks, starts PS shards and workers through a backend, reacts to their
+events (requeue a lost worker's remainder at once, relaunch it), shows progress, and at the
+end evaluates, exports the model and writes `summary.json`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import signal
+import threading
+import time
+
+from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
+from elastic_step.data.api import load_manifest
+from elastic_step.errors import ElasticStepError, JobFailed
+from elastic_step.instance import TOKEN_ENV, instance_argv
+from elastic_step.master.api import TrainConfig
+from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.progress import Progress
+from elastic_step.master.scaler import Scaler
+from elastic_step.master.service import MasterService, serve
+from elastic_step.util.atomic import atomic_write_text
+
+log = logging.getLogger("elastic_step.master")
+
+SUMMARY_FILE = "summary.json"
+
+
+def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+    if cfg.backend == "local":
+        from elastic_step.backends.local import LocalBackend
+        return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token})
+    from elastic_step.backends import kubernetes  # noqa: F401 - raises a clear error until it lands
+    raise ElasticStepError("The kubernetes backend is not available in this build.")
+
+
+class Chaos:
+    """Test/benchmark hook: `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed;
+    `term:` sends SIGTERM instead (graceful scale-in)."""
+
+    def __init__(self, specs: list[str]):
+        self.pending = []
+        for s in specs:
+            try:
+                action, rest = s.split(":", 1)
+                name, at = rest.split("@", 1)
+                role, index = name.rsplit("-", 1)
+                self.pending.append((action, InstanceId(role, int(index)), int(at)))
+                assert action in ("kill", "term")
+            except (ValueError, AssertionError):
+                raise ElasticStepError(f"Bad --chaos spec {s!r}: use kill:worker-0@400 or term:worker-1@900.")
+
+    def tick(self, committed: int, backend: Backend, coord: Coordinator) -> None:
+        for item in list(self.pending):
+            action, inst, at = item
+            if committed >= at and inst in backend.alive():
+                self.pending.remove(item)
+                coord.record("chaos", str(inst), f"{action} at {committed} records")
+                log.info("chaos: %s %s at %d committed records", action, inst, committed)
+                if action == "kill":
+                    backend.kill(inst)
+                else:
+                    threading.Thread(target=backend.stop, args=(inst, 30.0), daemon=True).start()
+
+
+class TrainingJob:
+    def __init__(self, cfg: TrainConfig, backend: Backend | None = None):
+        self.cfg = cfg.validate()
+        self.output = pathlib.Path(cfg.output)
+        self.train = load_manifest(cfg.train_data)
+        self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
+        from elastic_step.model_def import load_model_def
+        self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
+        self.ledger = Ledger([ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
+                             cfg.records_per_task, cfg.epochs, cfg.minibatch_size, cfg.seed)
+        self.coord = Coordinator(self.ledger, cfg.num_ps)
+        self.backend = backend or make_backend(cfg, self.output / "logs")
+        self.scaler = Scaler(cfg.max_relaunches)
+        self.chaos = Chaos(cfg.chaos)
+        self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
+        self.train_seconds = 0.0
+
+    # ------------------------------------------------------------------ launching
+    def _spec(self, inst: InstanceId) -> InstanceSpec:
+        c = self.cfg
+        argv = instance_argv(inst.role, self.master_address, inst.index, c.model_def, c.num_ps, c.seed,
+                             c.minibatch_size)
+        if inst.role == "worker":
+            return InstanceSpec(inst, argv, cpu=c.worker_cpu, memory=c.worker_memory,
+                                priority_class=c.worker_priority_class)
+        return InstanceSpec(inst, argv, priority_class=c.ps_priority_class)
+
+    def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
+        self.coord.membership.launched(inst, relaunch)
+        self.backend.start(self._spec(inst))
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> dict:
+        cfg = self.cfg
+        service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def)
+        host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
+        server, port = serve(service, host=host)
+        self.master_address = self.backend.master_address(port)
+        previous = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():
+            # The step's pod is being deleted: stop our instances before we go.
+            signal.signal(signal.SIGTERM, lambda *_: self.coord.report_failure(
+                "master", "terminated", "the master received SIGTERM", ""))
+        log.info("job %s: %d records/epoch in %d tasks of <= %d records, %d epoch(s); %d PS, "
+                 "%d-%d workers on the %s backend", cfg.job_id, self.ledger.records_per_epoch,
+                 len(self.ledger.queue), self.ledger.records_per_task, cfg.epochs, cfg.num_ps,
+                 cfg.min_workers, cfg.max_workers, cfg.backend)
+        t_start = time.time()
+        try:
+            for i in range(cfg.num_ps):
+                self._launch(InstanceId("ps", i))
+            self._pump(until=self.coord.ps_ready.is_set)
+            for i in range(cfg.max_workers):
+                self._launch(InstanceId("worker", i))
+            self._pump(until=self.coord.finished.is_set)
+            self.train_seconds = time.time() - t_start
+            if self.coord.failure:
+                raise self._failure()
+            self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())),
+                               final=True)
+            model, ps_stats = self._final_model()
+        finally:
+            self.coord.stop_all.set()
+            self.backend.close(grace_s=10.0)
+            server.stop(grace=1)
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)
+        return self._finish(model, ps_stats)
+
+    def _pump(self, until) -> None:
+        """Handle backend events and show progress until `until()` holds or the job fails."""
+        last_tick = 0.0
+        while not until() and self.coord.failure is None:
+            for ev in self.backend.events(timeout=0.1):
+                self._on_event(ev)
+            now = time.time()
+            committed = self.ledger.records_committed_total()
+            self.chaos.tick(committed, self.backend, self.coord)
+            if now - last_tick >= 0.5:
+                last_tick = now
+                self.progress.show(self.coord.sample(self.progress.rate(committed, now)))
+
+    def _on_event(self, ev) -> None:
+        remainder = self.coord.on_instance_event(ev)
+        if ev.kind not in (EventKind.EXITED, EventKind.LOST):
+            return
+        over = self.coord.finished.is_set()
+        decision = self.scaler.on_end(ev, over, self.coord.failure is not None)
+        if decision.action == "none":
+            return
+        if ev.instance.role == "worker" and not (ev.kind == EventKind.EXITED and ev.exit_code == 0 and over):
+            with self.coord.lock:
+                self.coord.membership.lost += 1
+        log.info("decision: %s — %s%s", decision.action, decision.reason,
+                 f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "")
+        self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")
+        if decision.action == "relaunch":
+            self.coord.mark_replacement(ev.instance, ev.time)
+            self._launch(ev.instance, relaunch=True)
+        elif decision.action == "fail" and self.coord.failure is None:
+            tail = self._log_tail(ev.instance)
+            self.coord.report_failure(str(ev.instance), "instance_failed", decision.reason, tail)
+
+    def _log_tail(self, inst: InstanceId, lines: int = 15) -> str:
+        path = getattr(self.backend, "log_path", lambda _i: None)(inst)
+        try:
+            return "".join(open(path, errors="replace").readlines()[-lines:]) if path else ""
+        except OSError:
+            return ""
+
+    def _failure(self) -> JobFailed:
+        f = self.coord.failure
+        self._write_summary(status="failed", error=f)
+        if f["kind"] == "terminated":
+            return JobFailed("The training step was terminated (SIGTERM) before it finished; all its "
+                             "workers and parameter servers were stopped.")
+        where = f" ({f['instance']})" if f.get("instance") else ""
+        detail = f["message"]
+        if f["kind"] == "instance_failed" and f.get("traceback"):
+            detail += "\nLast lines of its log:\n" + f["traceback"]
+        return JobFailed(f"Training failed{where}: {detail}")
+
+    # ------------------------------------------------------------------ the end
+    def _final_model(self):
+        import keras
+
+        from elastic_step.ps.api import Placement
+        from elastic_step.ps.client import PSClient
+
+        keras.utils.set_random_seed(self.cfg.seed)
+        model = self.model_def.model()
+        placement = Placement.of(model, self.cfg.num_ps)
+        ps = PSClient(self.coord.ps_addresses, self.cfg.token, placement)
+        try:
+            values = ps.pull_dense()
+            values.update(ps.all_rows())
+            stats = ps.stats()
+        finally:
+            ps.close()
+        from elastic_step.ps.api import variable_names
+        for name, var in zip(variable_names(model), model.trainable_variables):
+            var.assign(values[name])
+        from elastic_step.proto import tensors
+        ps_stats = [{"shard": s.shard, "pushes_applied": s.pushes_applied, "pushes_skipped": s.pushes_skipped,
+                     "dense_variables": len(s.dense_names),
+                     "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in s.touched},
+                     "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in s.touched}}
+                    for s in stats]
+        return model, ps_stats
+
+    def _finish(self, model, ps_stats) -> dict:
+        from elastic_step.evaluation import evaluate
+        from elastic_step.model_io import save_model
+
+        metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
+        outputs = save_model(model, str(self.output))
+        summary = self._write_summary(status="succeeded", eval=metrics, ps=ps_stats, outputs=outputs)
+        log.info("job %s succeeded: %s", self.cfg.job_id,
+                 ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
+        return summary
+
+    def _write_summary(self, status: str, **extra) -> dict:
+        c, coord = self.cfg, self.coord
+        with coord.lock:
+            committed = self.ledger.records_committed_total()
+            summary = {
+                "status": status,
+                "job_id": c.job_id,
+                "strategy": c.strategy,
+                "backend": c.backend,
+                "records_per_epoch": self.ledger.records_per_epoch,
+                "epochs": c.epochs,
+                "config": {"minibatch_size": c.minibatch_size, "records_per_task": self.ledger.records_per_task,
+                           "min_workers": c.min_workers, "max_workers": c.max_workers, "num_ps": c.num_ps,
+                           "model_def": c.model_def, "train_data": c.train_data, "eval_data": c.eval_data},
+                "ledger": {"epochs": [a.as_dict() for a in self.ledger.accounts],
+                           "records_committed": committed,
+                           "duplicate_pushes_suppressed": coord.duplicates_suppressed},
+                "workers": coord.membership.summary(),
+                "recovery": {"requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
+                             "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s]},
+                "training_seconds": round(self.train_seconds, 3),
+                "throughput_records_per_s": round(committed / self.train_seconds, 1) if self.train_seconds else 0.0,
+                "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
+                "timeseries": list(coord.samples),
+                "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
+                "events": list(coord.events),
+            }
+        summary.update(extra)
+        atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))
+        return summary
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run a whole training job; returns the summary (also written to OUTPUT/summary.json)."""
+    os.makedirs(cfg.output, exist_ok=True)
+    return TrainingJob(cfg).run()

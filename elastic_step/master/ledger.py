@@ -1,0 +1,196 @@
+"""The task ledger: which records of which epoch are leased, committed, or waiting.
+
+A task is a record range `[start, end)` of one shard. A worker holds at most one *lease*
+(a task, or the remainder of one) and reports a *watermark* after each minibatch it pushed;
+the records below the watermark are committed. When a worker is lost, only the remainder
+`[watermark, end)` goes back to the front of the queue. Epochs never overlap: epoch e+1 is
+cut only when every record of epoch e is committed.
+
+The ledger is plain data and deterministic (no clock, no threads): callers pass `now`,
+the service wraps it in a lock, and a property-based test drives it directly.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+from typing import Iterable
+
+from elastic_step.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    uri: str
+    rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskDef:
+    task_id: int
+    epoch: int
+    shard: str
+    start: int
+    end: int
+
+
+@dataclasses.dataclass
+class Lease:
+    task: TaskDef
+    start: int          # first record of this lease
+    watermark: int      # records below this are committed
+    worker: str
+    leased_at: float
+
+    @property
+    def remainder(self) -> tuple[int, int]:
+        return self.watermark, self.task.end
+
+
+@dataclasses.dataclass
+class EpochAccount:
+    epoch: int
+    records: int
+    committed: int = 0
+    double_applied: int = 0
+    requeued: int = 0          # records put back in the queue by losses
+
+    @property
+    def lost(self) -> int:
+        return self.records - self.committed
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "records": self.records, "committed": self.committed,
+                "lost": self.lost, "double_applied": self.double_applied, "requeued": self.requeued}
+
+
+class LedgerError(Exception):
+    """A report that contradicts the ledger (wrong worker, unknown task, watermark out of range)."""
+
+
+class Ledger:
+    def __init__(self, shards: Iterable[ShardInfo], records_per_task: int, epochs: int,
+                 minibatch_size: int = 1, seed: int = 0):
+        self.shards = [s for s in shards if s.rows > 0]
+        if not self.shards:
+            raise ConfigError("The training data has no records: check the train manifest.")
+        if records_per_task < 1 or epochs < 1 or minibatch_size < 1:
+            raise ConfigError("records_per_task, epochs and minibatch_size must all be >= 1.")
+        # Tasks hold whole minibatches, so minibatch boundaries (the PS idempotency keys) are the
+        # same whoever processes a task and wherever it was interrupted.
+        self.records_per_task = max(minibatch_size, records_per_task // minibatch_size * minibatch_size)
+        self.epochs = epochs
+        self.seed = seed
+        self.records_per_epoch = sum(s.rows for s in self.shards)
+        self.epoch = -1
+        self.accounts: list[EpochAccount] = []
+        self.queue: collections.deque[tuple[TaskDef, int]] = collections.deque()  # (task, start)
+        self.leases: dict[str, Lease] = {}
+        self.committed: dict[int, list[list[int]]] = {}  # task_id -> merged committed intervals
+        self.tasks: dict[int, TaskDef] = {}
+        self._next_id = 0
+        self._lost_at: dict[int, float] = {}             # task_id -> when its remainder was requeued
+        self.requeue_latencies: list[float] = []
+        self._advance_epoch()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def done(self) -> bool:
+        return self.epoch >= self.epochs
+
+    @property
+    def account(self) -> EpochAccount:
+        return self.accounts[self.epoch]
+
+    def records_committed_total(self) -> int:
+        return sum(a.committed for a in self.accounts)
+
+    # ------------------------------------------------------------------ transitions
+    def lease(self, worker: str, now: float) -> Lease | None:
+        """The worker's current lease, or a new one from the queue; None when nothing is leasable."""
+        if worker in self.leases:
+            return self.leases[worker]
+        if self.done or not self.queue:
+            return None
+        task, start = self.queue.popleft()
+        lease = Lease(task=task, start=start, watermark=start, worker=worker, leased_at=now)
+        self.leases[worker] = lease
+        lost_at = self._lost_at.pop(task.task_id, None)
+        if lost_at is not None:
+            self.requeue_latencies.append(max(0.0, now - lost_at))
+        return lease
+
+    def report(self, worker: str, task_id: int, watermark: int) -> int:
+        """Commit the worker's records up to `watermark`; returns how many were newly committed."""
+        lease = self.leases.get(worker)
+        if lease is None or lease.task.task_id != task_id:
+            raise LedgerError(f"{worker} reported task {task_id} it does not hold")
+        if not lease.watermark <= watermark <= lease.task.end:
+            raise LedgerError(f"{worker} reported watermark {watermark} outside "
+                              f"[{lease.watermark}, {lease.task.end}] of task {task_id}")
+        fresh = self._commit(lease.task, lease.watermark, watermark)
+        lease.watermark = watermark
+        if watermark == lease.task.end:
+            del self.leases[worker]
+            self._maybe_finish_epoch()
+        return fresh
+
+    def release(self, worker: str, now: float) -> tuple[int, int] | None:
+        """The worker is gone: put its remainder back at the front of the queue, at once."""
+        lease = self.leases.pop(worker, None)
+        if lease is None:
+            return None
+        lo, hi = lease.remainder
+        if lo < hi:
+            self.queue.appendleft((lease.task, lo))
+            self.account.requeued += hi - lo
+            self._lost_at[lease.task.task_id] = now
+            return lo, hi
+        self._maybe_finish_epoch()
+        return None
+
+    # ------------------------------------------------------------------ internals
+    def _commit(self, task: TaskDef, lo: int, hi: int) -> int:
+        if hi <= lo:
+            return 0
+        intervals = self.committed.setdefault(task.task_id, [])
+        overlap = sum(max(0, min(hi, e) - max(lo, s)) for s, e in intervals)
+        intervals.append([lo, hi])
+        intervals.sort()
+        merged: list[list[int]] = []
+        for s, e in intervals:
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        self.committed[task.task_id] = merged
+        acct = self.accounts[task.epoch]
+        acct.double_applied += overlap
+        acct.committed += (hi - lo) - overlap
+        return (hi - lo) - overlap
+
+    def _maybe_finish_epoch(self) -> None:
+        if not self.done and not self.queue and not self.leases \
+                and self.account.committed >= self.account.records:
+            self._advance_epoch()
+
+    def _advance_epoch(self) -> None:
+        self.epoch += 1
+        if self.done:
+            return
+        self.accounts.append(EpochAccount(epoch=self.epoch, records=self.records_per_epoch))
+        tasks = []
+        for shard in self.shards:
+            for start in range(0, shard.rows, self.records_per_task):
+                tasks.append((shard.uri, start, min(shard.rows, start + self.records_per_task)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(tasks)  # a new order per epoch
+        for uri, start, end in tasks:
+            task = TaskDef(self._next_id, self.epoch, uri, start, end)
+            self._next_id += 1
+            self.tasks[task.task_id] = task
+            self.queue.append((task, start))
+
+    def summary(self) -> dict:
+        return {"records_per_epoch": self.records_per_epoch,
+                "records_per_task": self.records_per_task,
+                "epochs": [a.as_dict() for a in self.accounts]}

@@ -1,0 +1,74 @@
+"""Membership: which instances exist and what state each is in, from backend events and RPCs.
+
+Counts what the summary reports (started, lost, relaunched, max alive) and keeps the timeline.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
+
+
+@dataclasses.dataclass
+class Member:
+    id: InstanceId
+    state: str = "pending"        # pending -> running -> registered -> gone
+    address: str = ""
+    last_seen: float = 0.0
+    launches: int = 1
+    progress_since_launch: bool = False
+
+
+class Membership:
+    def __init__(self) -> None:
+        self.members: dict[InstanceId, Member] = {}
+        self.started = 0
+        self.lost = 0
+        self.relaunched = 0
+        self.max_alive = 0
+        self.alive_samples: list[tuple[float, int]] = []
+
+    def launched(self, inst: InstanceId, relaunch: bool) -> None:
+        m = self.members.get(inst)
+        if m is None:
+            self.members[inst] = Member(inst)
+        else:
+            m.state, m.launches, m.progress_since_launch = "pending", m.launches + 1, False
+        if inst.role == "worker":
+            self.started += 1
+            self.relaunched += int(relaunch)
+
+    def on_event(self, ev: InstanceEvent) -> None:
+        m = self.members.setdefault(ev.instance, Member(ev.instance))
+        if ev.kind == EventKind.RUNNING and m.state == "pending":
+            m.state = "running"
+        elif ev.kind in (EventKind.EXITED, EventKind.LOST):
+            m.state = "gone"
+        self._sample(ev.time)
+
+    def registered(self, inst: InstanceId, address: str = "") -> None:
+        m = self.members.setdefault(inst, Member(inst))
+        m.state, m.address, m.last_seen = "registered", address, time.time()
+        self._sample(m.last_seen)
+
+    def seen(self, inst: InstanceId, progressed: bool = False) -> None:
+        m = self.members.get(inst)
+        if m is not None:
+            m.last_seen = time.time()
+            m.progress_since_launch |= progressed
+
+    def alive(self, role: str = "worker") -> list[InstanceId]:
+        return sorted(i for i, m in self.members.items() if i.role == role and m.state != "gone")
+
+    def training(self, role: str = "worker") -> list[InstanceId]:
+        return sorted(i for i, m in self.members.items() if i.role == role and m.state == "registered")
+
+    def _sample(self, t: float) -> None:
+        n = len(self.training())
+        self.max_alive = max(self.max_alive, n)
+        self.alive_samples.append((t, n))
+
+    def summary(self) -> dict:
+        return {"started": self.started, "lost": self.lost, "relaunched": self.relaunched,
+                "max_alive": self.max_alive}

@@ -1,0 +1,43 @@
+"""What the master does when an instance ends: relaunch it, or fail the job, and why.
+
+A worker that was killed, preempted or scaled in is relaunched (the job keeps asking for
+max_workers; a pending one starts when there is room). A worker that failed through the
+user's model or data is not: relaunching it would fail the same way forever.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from elastic_step.backends.api import EventKind, InstanceEvent
+from elastic_step.instance import EXIT_USER_ERROR
+
+log = logging.getLogger("elastic_step.master")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: str          # "relaunch" | "fail" | "none"
+    reason: str
+
+
+class Scaler:
+    def __init__(self, max_relaunches: int):
+        self.max_relaunches = max_relaunches
+        self.relaunches = 0
+
+    def on_end(self, ev: InstanceEvent, job_over: bool, reported_failure: bool) -> Decision:
+        inst = ev.instance
+        if job_over:
+            return Decision("none", f"{inst} ended after training finished")
+        if ev.exit_code == EXIT_USER_ERROR or reported_failure:
+            return Decision("fail", f"{inst} failed on the user's model or data (exit {ev.exit_code})")
+        if inst.role == "ps":
+            return Decision("fail", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}); "
+                                    "PS shards are not relaunched in this version")
+        if self.relaunches >= self.max_relaunches:
+            return Decision("fail", f"{inst} ended ({ev.detail or f'exit {ev.exit_code}'}) and the job "
+                                    f"already relaunched {self.relaunches} workers (limit {self.max_relaunches})")
+        self.relaunches += 1
+        why = {EventKind.LOST: ev.detail or "lost"}.get(ev.kind, f"exited with code {ev.exit_code}")
+        return Decision("relaunch", f"{inst} {why} before training finished")

@@ -1,0 +1,86 @@
+"""The master's gRPC service: a thin translation of RPCs into Coordinator calls.
+
+Every call checks the per-job token, so another pod in the namespace cannot join the job.
+"""
+from __future__ import annotations
+
+import grpc
+
+from elastic_step.backends.api import InstanceId
+from elastic_step.master.coordinator import Coordinator
+from elastic_step.proto import elastic_pb2 as pb
+from elastic_step.proto import elastic_pb2_grpc as pb_grpc
+from elastic_step.proto import rpc
+from elastic_step.proto.rpc import check_token
+
+WAIT_S = 0.05
+
+
+def _instance(context, msg: pb.Instance) -> InstanceId:
+    try:
+        return InstanceId(msg.role, msg.index)
+    except Exception as e:  # noqa: BLE001 - any malformed identity is the caller's error
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+class MasterService(pb_grpc.MasterServicer):
+    def __init__(self, coordinator: Coordinator, token: str, job_id: str, minibatch_size: int,
+                 model_def: str):
+        self.c = coordinator
+        self.token = token
+        self.job_id = job_id
+        self.minibatch_size = minibatch_size
+        self.model_def = model_def
+
+    def Register(self, request, context):
+        check_token(context, self.token, request.token)
+        addrs = self.c.register(_instance(context, request.instance), request.address)
+        return pb.RegisterResponse(job_id=self.job_id, ps_addresses=addrs,
+                                   minibatch_size=self.minibatch_size, model_def=self.model_def)
+
+    def Heartbeat(self, request, context):
+        check_token(context, self.token, request.token)
+        inst = _instance(context, request.instance)
+        with self.c.lock:
+            self.c.membership.seen(inst)
+        return pb.HeartbeatResponse(stop=self.c.stop_all.is_set())
+
+    def GetTask(self, request, context):
+        check_token(context, self.token, request.token)
+        lease = self.c.get_task(_instance(context, request.instance))
+        if lease == "done":
+            return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
+        if lease is None:
+            return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=WAIT_S)
+        t = lease.task
+        return pb.GetTaskResponse(kind=pb.GetTaskResponse.TASK, task=pb.Task(
+            task_id=t.task_id, epoch=t.epoch, shard=t.shard, start=lease.watermark, end=t.end,
+            task_start=t.start))
+
+    def ReportProgress(self, request, context):
+        check_token(context, self.token, request.token)
+        ok = self.c.report_progress(_instance(context, request.instance), request.task_id,
+                                    request.watermark, request.loss, request.duplicate)
+        return pb.ProgressResponse(stop=not ok)
+
+    def ReportFailure(self, request, context):
+        check_token(context, self.token, request.token)
+        self.c.report_failure(str(_instance(context, request.instance)), request.kind, request.message,
+                              request.traceback)
+        return pb.Ack()
+
+    def GetJobState(self, request, context):
+        check_token(context, self.token, request.token)
+        with self.c.lock:
+            status = "failed" if self.c.failure else ("succeeded" if self.c.ledger.done else "running")
+            return pb.JobState(status=status, epoch=self.c.ledger.epoch,
+                               records_committed=self.c.ledger.records_committed_total(),
+                               workers_alive=len(self.c.membership.training()))
+
+
+def serve(service: MasterService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
+    server = rpc.server(max_workers=32)
+    pb_grpc.add_MasterServicer_to_server(service, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound

@@ -1,0 +1,42 @@
+"""gRPC plumbing shared by every role: channel options, token check, retrying client calls."""
+from __future__ import annotations
+
+import hmac
+import time
+from concurrent import futures
+
+import grpc
+
+# Parameters travel in one message per shard: raise the 4 MB default.
+GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
+                ("grpc.max_receive_message_length", 512 << 20)]
+
+TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def check_token(context: grpc.ServicerContext, expected: str, got: str) -> None:
+    """Abort the call unless it carries this job's token (constant-time comparison)."""
+    if not hmac.compare_digest(expected.encode(), got.encode()):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong job token")
+
+
+def server(max_workers: int = 16) -> grpc.Server:
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
+
+
+def channel(address: str) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+def call(method, request, *, timeout: float = 30.0, retry_for: float = 60.0):
+    """Call a unary RPC, retrying transient failures (a peer still starting) for `retry_for` s."""
+    deadline = time.monotonic() + retry_for
+    delay = 0.05
+    while True:
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() not in TRANSIENT or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)

@@ -1,0 +1,54 @@
+"""Parameter-server contract: where each parameter lives.
+
+Dense variables go to a shard by a stable hash of their name; embedding rows by id
+(`id mod num_ps`), so one table's rows spread over every shard. Workers, PS and master all
+derive the same placement from the model itself, so nothing about it travels on the wire.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+
+def variable_names(model) -> list[str]:
+    """Stable, unique names of a model's trainable variables (creation order + Keras path)."""
+    return [f"{i:04d}:{v.path}" for i, v in enumerate(model.trainable_variables)]
+
+
+def embedding_variable_paths(model) -> set[str]:
+    """Paths of the tables of plain `keras.layers.Embedding` layers: their rows are sharded by id."""
+    import keras
+    return {layer.embeddings.path for layer in model._flatten_layers(include_self=False)
+            if isinstance(layer, keras.layers.Embedding)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    num_ps: int
+    dense: dict[str, int]            # name -> shard
+    embeddings: dict[str, tuple[int, int]]  # name -> (vocabulary rows, dim)
+
+    @classmethod
+    def of(cls, model, num_ps: int) -> "Placement":
+        emb_paths = embedding_variable_paths(model)
+        dense, emb = {}, {}
+        for name, v in zip(variable_names(model), model.trainable_variables):
+            if v.path in emb_paths:
+                emb[name] = (int(v.shape[0]), int(v.shape[1]))
+            else:
+                dense[name] = zlib.crc32(name.encode()) % num_ps
+        return cls(num_ps=num_ps, dense=dense, embeddings=emb)
+
+    def dense_on(self, shard: int) -> list[str]:
+        return [n for n, s in self.dense.items() if s == shard]
+
+    def rows_on(self, shard: int, vocabulary: int) -> np.ndarray:
+        """Global ids of the embedding rows a shard owns."""
+        return np.arange(shard, vocabulary, self.num_ps, dtype=np.int64)
+
+    def split_ids(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Positions of `ids` owned by each shard (shard -> index array into ids)."""
+        owner = ids % self.num_ps
+        return [np.nonzero(owner == s)[0] for s in range(self.num_ps)]

@@ -1,0 +1,83 @@
+"""Client side of the parameter servers: fan a pull or a push out to every shard at once."""
+from __future__ import annotations
+
+import numpy as np
+
+from elastic_step.proto import elastic_pb2 as pb
+from elastic_step.proto import elastic_pb2_grpc as pb_grpc
+from elastic_step.proto import rpc, tensors
+from elastic_step.ps.api import Placement
+
+
+class PSClient:
+    def __init__(self, addresses: list[str], token: str, placement: Placement, timeout: float = 60.0):
+        if len(addresses) != placement.num_ps:
+            raise ValueError(f"{len(addresses)} PS addresses for {placement.num_ps} shards")
+        self.token = token
+        self.placement = placement
+        self.timeout = timeout
+        self._channels = [rpc.channel(a) for a in addresses]
+        self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+
+    def pull_dense(self) -> dict[str, np.ndarray]:
+        futures = [s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout)
+                   for s in self.stubs]
+        out: dict[str, np.ndarray] = {}
+        for f in futures:
+            out.update({nt.name: tensors.decode(nt.tensor) for nt in f.result().dense})
+        return out
+
+    def pull_rows(self, lookups: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """name -> rows for `ids` (any order, duplicates allowed), gathered from their owners."""
+        requests = [pb.PullEmbeddingRequest(token=self.token) for _ in self.stubs]
+        parts = {}
+        for name, ids in lookups.items():
+            parts[name] = self.placement.split_ids(ids)
+            for shard, pos in enumerate(parts[name]):
+                if len(pos):
+                    tensors.encode(ids[pos], requests[shard].lookups.add(name=name).ids)
+        futures = [s.PullEmbedding.future(r, timeout=self.timeout) if r.lookups else None
+                   for s, r in zip(self.stubs, requests)]
+        out = {name: np.empty((len(ids), self.placement.embeddings[name][1]), np.float32)
+               for name, ids in lookups.items()}
+        for shard, f in enumerate(futures):
+            if f is None:
+                continue
+            for rows in f.result().rows:
+                out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
+        return out
+
+    def push(self, task_id: int, seq: int, dense_grads: dict[str, np.ndarray],
+             emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
+             ) -> tuple[bool, dict[str, np.ndarray]]:
+        """Push one minibatch's gradients. Returns (applied by any shard, fresh dense values)."""
+        requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
+                    for _ in self.stubs]
+        for name, g in dense_grads.items():
+            tensors.encode(g, requests[self.placement.dense[name]].dense_grads.add(name=name).tensor)
+        for name, (ids, values) in emb_grads.items():
+            for shard, pos in enumerate(self.placement.split_ids(ids)):
+                if len(pos):
+                    e = requests[shard].embedding_grads.add(name=name)
+                    tensors.encode(ids[pos], e.ids)
+                    tensors.encode(values[pos], e.values)
+        # Every shard gets the key, even with nothing to apply, so all shards agree on it.
+        futures = [s.PushGradients.future(r, timeout=self.timeout) for s, r in zip(self.stubs, requests)]
+        applied, dense = False, {}
+        for f in futures:
+            reply = f.result()
+            applied |= reply.applied
+            dense.update({nt.name: tensors.decode(nt.tensor) for nt in reply.dense})
+        return applied, dense
+
+    def all_rows(self) -> dict[str, np.ndarray]:
+        """Every embedding table, whole (for export at the end of training)."""
+        return {name: self.pull_rows({name: np.arange(rows, dtype=np.int64)})[name]
+                for name, (rows, _dim) in self.placement.embeddings.items()}
+
+    def stats(self) -> list[pb.PsStats]:
+        return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
+
+    def close(self) -> None:
+        for c in self._channels:
+            c.close()

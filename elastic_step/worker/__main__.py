@@ -1,0 +1,88 @@
+"""A worker process: `python -m elastic_step.worker --master ADDR --index I ...`.
+
+Leases a task, reads exactly its record range, trains minibatch by minibatch and reports a
+watermark after each pushed minibatch. On SIGTERM it finishes and reports the minibatch in
+hand, then exits 0: graceful scale-in, nothing replayed.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+from elastic_step.errors import DataError, ElasticStepError
+from elastic_step.instance import EXIT_USER_ERROR, MasterClient, parse_args, quiet_tensorflow
+from elastic_step.proto import elastic_pb2 as pb
+
+log = logging.getLogger("elastic_step.worker")
+
+
+def run(args, master: MasterClient, stop: threading.Event) -> int:
+    import keras
+
+    from elastic_step.data.reader import ReaderPool
+    from elastic_step.model_def import load_model_def
+    from elastic_step.ps.api import Placement
+    from elastic_step.ps.client import PSClient
+    from elastic_step.worker.trainer import PSTrainer
+
+    model_def = load_model_def(args.model_def)
+    keras.utils.set_random_seed(args.seed)
+    model = model_def.model()
+    placement = Placement.of(model, args.num_ps)
+    info = master.register()
+    ps = PSClient(list(info.ps_addresses), args.token, placement)
+    trainer = PSTrainer(model_def, model, ps, placement)
+    trainer.set_dense(ps.pull_dense())
+    readers = ReaderPool()
+    mb = info.minibatch_size
+    try:
+        while not stop.is_set():
+            reply = master.get_task()
+            if reply.kind == pb.GetTaskResponse.DONE:
+                log.info("no more tasks: exiting")
+                return 0
+            if reply.kind == pb.GetTaskResponse.WAIT:
+                time.sleep(reply.retry_after_s or 0.05)
+                continue
+            t = reply.task
+            # Minibatch boundaries are fixed by the task's own start, so a remainder leased after a
+            # loss pushes the same (task, seq) keys the lost worker did.
+            seq = t.start
+            while seq < t.end:
+                hi = min(t.end, t.task_start + ((seq - t.task_start) // mb + 1) * mb)
+                batch = readers.read(t.shard, seq, hi)
+                loss, duplicate = trainer.train_minibatch(batch, t.task_id, seq)
+                if not master.report(t.task_id, hi, hi - seq, loss, duplicate):
+                    log.warning("master refused progress on task %d: dropping the lease", t.task_id)
+                    break
+                seq = hi
+                if stop.is_set():
+                    log.info("SIGTERM: reported minibatch up to record %d of task %d, exiting", hi, t.task_id)
+                    return 0
+        return 0
+    finally:
+        readers.close()
+        ps.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args("worker", argv)
+    quiet_tensorflow()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    master = MasterClient(args.master, args.token, "worker", args.index)
+    try:
+        return run(args, master, stop)
+    except ElasticStepError as e:
+        log.error("%s", e)
+        master.fail("data_error" if isinstance(e, DataError) else "model_error", e)
+        return EXIT_USER_ERROR
+    finally:
+        master.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

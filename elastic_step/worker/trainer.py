@@ -1,0 +1,122 @@
+"""Asynchronous SGD against parameter servers: pull, compute gradients with a GradientTape
+in a compiled function, push keyed by (task, minibatch), take the fresh dense values back.
+
+Embedding tables stay whole in the worker's model but only the rows a minibatch looks up are
+pulled before the step, and only those rows' gradients are pushed, to their owning shards.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from elastic_step.errors import ModelDefError
+from elastic_step.ps.api import Placement, embedding_variable_paths, variable_names
+from elastic_step.ps.client import PSClient
+
+log = logging.getLogger("elastic_step.worker")
+
+
+class PSTrainer:
+    def __init__(self, model_def, model, ps: PSClient, placement: Placement):
+        import keras
+        import tensorflow as tf
+
+        self.tf = tf
+        self.model_def = model_def
+        self.model = model
+        self.ps = ps
+        self.placement = placement
+        self.names = variable_names(model)
+        self.variables = dict(zip(self.names, model.trainable_variables))
+        self.dense_names = [n for n in self.names if n in placement.dense]
+        self.table_names = [n for n in self.names if n in placement.embeddings]
+        self._ids_of = self._id_extractor(keras, model)
+        loss_fn = model_def.loss_fn
+        trainable = model.trainable_variables
+        dense_pos = [self.names.index(n) for n in self.dense_names]
+        table_pos = [self.names.index(n) for n in self.table_names]
+
+        @tf.function(reduce_retracing=True)
+        def step(features, labels):
+            with tf.GradientTape() as tape:
+                predictions = model(features, training=True)
+                loss = loss_fn(labels, predictions)
+                if model.losses:
+                    loss = loss + tf.add_n(model.losses)
+            grads = tape.gradient(loss, trainable)
+            dense = [tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
+                     for i in dense_pos]
+            sparse = []
+            for i in table_pos:
+                g = grads[i]
+                if g is None:
+                    g = tf.IndexedSlices(tf.zeros([0, trainable[i].shape[1]], trainable[i].dtype),
+                                         tf.zeros([0], tf.int64))
+                elif not isinstance(g, tf.IndexedSlices):  # a dense gradient of a table: keep touched rows
+                    rows = tf.where(tf.reduce_any(tf.not_equal(g, 0), axis=1))[:, 0]
+                    g = tf.IndexedSlices(tf.gather(g, rows), rows)
+                ids, pos = tf.unique(tf.cast(g.indices, tf.int64))
+                sparse.append((ids, tf.math.unsorted_segment_sum(g.values, pos, tf.size(ids))))
+            return loss, dense, sparse
+
+        self._step = step
+
+    @staticmethod
+    def _id_extractor(keras, model):
+        """A sub-model giving each embedding layer's input ids, so rows are pulled before the step.
+
+        Works for functional models; for subclassed ones rows are refreshed after each push
+        instead (one step staler), which async SGD tolerates.
+        """
+        paths = embedding_variable_paths(model)
+        layers = [l for l in model._flatten_layers(include_self=False)
+                  if isinstance(l, keras.layers.Embedding) and l.embeddings.path in paths]
+        if not layers:
+            return None
+        try:
+            return keras.Model(model.inputs, [l.input for l in layers]), [l.embeddings.path for l in layers]
+        except Exception:  # noqa: BLE001 - not a functional graph
+            log.info("model is not functional: embedding rows are refreshed after each push")
+            return None
+
+    def set_dense(self, values: dict[str, np.ndarray]) -> None:
+        for name, value in values.items():
+            self.variables[name].assign(value)
+
+    def _set_rows(self, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        tf = self.tf
+        for name, (ids, values) in rows.items():
+            self.variables[name].scatter_update(tf.IndexedSlices(values, ids))
+
+    def _pull_rows_for(self, features) -> None:
+        extractor, paths = self._ids_of
+        outs = extractor(features, training=False)
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        by_path = dict(zip(self.names, self.model.trainable_variables))
+        path_to_name = {v.path: n for n, v in by_path.items()}
+        wanted: dict[str, list[np.ndarray]] = {}
+        for path, ids in zip(paths, outs):
+            wanted.setdefault(path_to_name[path], []).append(np.asarray(ids).astype(np.int64).ravel())
+        lookups = {n: np.unique(np.concatenate(v)) for n, v in wanted.items()}
+        pulled = self.ps.pull_rows(lookups)
+        self._set_rows({n: (lookups[n], pulled[n]) for n in lookups})
+
+    def train_minibatch(self, batch: dict[str, np.ndarray], task_id: int, seq: int) -> tuple[float, bool]:
+        """One minibatch: returns (loss, duplicate) where duplicate means no shard applied it."""
+        features, labels = self.model_def.feed(batch)
+        if self.table_names and self._ids_of is not None:
+            self._pull_rows_for(features)
+        try:
+            loss, dense, sparse = self._step(features, labels)
+        except Exception as e:  # the user's model/loss failed on real data
+            raise ModelDefError(f"Training step of the model definition {self.model_def.spec!r} raised "
+                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+                                "Check that feed() returns what model() and loss() expect.") from e
+        emb = {n: (ids.numpy(), values.numpy()) for n, (ids, values) in zip(self.table_names, sparse)}
+        applied, fresh = self.ps.push(task_id, seq, {n: g.numpy() for n, g in zip(self.dense_names, dense)},
+                                      emb, want_dense=True)
+        self.set_dense(fresh)
+        if self.table_names and self._ids_of is None:
+            self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in emb.items()})
+        return float(loss), not applied
