@@ -17,11 +17,13 @@ log = logging.getLogger("elastic_step.master")
 
 
 class Coordinator:
-    def __init__(self, ledger: Ledger, num_ps: int):
+    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1):
         self.lock = threading.Lock()
         self.ledger = ledger
         self.membership = Membership()
         self.num_ps = num_ps
+        self.min_workers = min_workers
+        self.training_started = False           # elastic, not gang: gated once, on min_workers
         self.ps_addresses: list[str] = [""] * num_ps
         self.ps_ready = threading.Event()
         self.events: list[dict] = []
@@ -34,6 +36,8 @@ class Coordinator:
         self.t0 = time.time()
         self._lost_at: dict[str, float] = {}    # worker -> time of the loss event, for recovery figures
         self.recovery_first_commit_s: list[float] = []
+        self.first_commit_at: float | None = None  # throughput is measured between first and last commit
+        self.last_commit_at: float | None = None
 
     # ------------------------------------------------------------ timeline
     def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None) -> None:
@@ -58,6 +62,14 @@ class Coordinator:
             if self.finished.is_set() or self.ledger.done:
                 return "done"
             self.membership.seen(inst)
+            if not self.training_started:
+                if len(self.membership.training()) < self.min_workers:
+                    return None
+                self.training_started = True
+                self.record("training_started", "", f"{len(self.membership.training())} workers registered "
+                            f"(min {self.min_workers})")
+                log.info("training starts: %d worker(s) registered, min_workers=%d",
+                         len(self.membership.training()), self.min_workers)
             worker = str(inst)
             had = worker in self.ledger.leases
             lease = self.ledger.lease(worker, time.time())
@@ -80,6 +92,8 @@ class Coordinator:
                 self.record("refused", worker, str(e))
                 return False
             self.membership.seen(inst, progressed=True)
+            self.first_commit_at = self.first_commit_at or now
+            self.last_commit_at = now
             lost_at = self._lost_at.pop(worker + "*replacement", None)
             if lost_at is not None:
                 self.recovery_first_commit_s.append(now - lost_at)

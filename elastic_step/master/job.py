@@ -40,8 +40,9 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
 
 
 class Chaos:
-    """Test/benchmark hook: `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed;
-    `term:` sends SIGTERM instead (graceful scale-in)."""
+    """Test/benchmark hook: `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed
+    and every worker is training (so each loss hits a job at full strength); `term:` sends
+    SIGTERM instead (graceful scale-in)."""
 
     def __init__(self, specs: list[str]):
         self.pending = []
@@ -55,7 +56,9 @@ class Chaos:
             except (ValueError, AssertionError):
                 raise ElasticStepError(f"Bad --chaos spec {s!r}: use kill:worker-0@400 or term:worker-1@900.")
 
-    def tick(self, committed: int, backend: Backend, coord: Coordinator) -> None:
+    def tick(self, committed: int, backend: Backend, coord: Coordinator, max_workers: int) -> None:
+        if not self.pending or len(coord.membership.training()) < max_workers:
+            return
         for item in list(self.pending):
             action, inst, at = item
             if committed >= at and inst in backend.alive():
@@ -78,7 +81,7 @@ class TrainingJob:
         self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
         self.ledger = Ledger([ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
                              cfg.records_per_task, cfg.epochs, cfg.minibatch_size, cfg.seed)
-        self.coord = Coordinator(self.ledger, cfg.num_ps)
+        self.coord = Coordinator(self.ledger, cfg.num_ps, cfg.min_workers)
         self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
         self.chaos = Chaos(cfg.chaos)
@@ -145,7 +148,7 @@ class TrainingJob:
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
-            self.chaos.tick(committed, self.backend, self.coord)
+            self.chaos.tick(committed, self.backend, self.coord, self.cfg.max_workers)
             if now - last_tick >= 0.5:
                 last_tick = now
                 self.progress.show(self.coord.sample(self.progress.rate(committed, now)))
@@ -250,7 +253,11 @@ class TrainingJob:
                 "recovery": {"requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
                              "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s]},
                 "training_seconds": round(self.train_seconds, 3),
-                "throughput_records_per_s": round(committed / self.train_seconds, 1) if self.train_seconds else 0.0,
+                "startup_seconds": round((coord.first_commit_at or time.time()) - coord.t0, 3),
+                # steady-state figure: records over the span from the first to the last commit
+                "throughput_records_per_s": round(committed / (coord.last_commit_at - coord.first_commit_at), 1)
+                if coord.first_commit_at and coord.last_commit_at and coord.last_commit_at > coord.first_commit_at
+                else 0.0,
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "timeseries": list(coord.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],

@@ -13,8 +13,12 @@ import numpy as np
 
 
 def variable_names(model) -> list[str]:
-    """Stable, unique names of a model's trainable variables (creation order + Keras path)."""
-    return [f"{i:04d}:{v.path}" for i, v in enumerate(model.trainable_variables)]
+    """Stable, unique names of a model's trainable variables: creation order + short name.
+
+    Not the Keras path: its layer prefixes ("dense_3/") depend on how many layers the process
+    built before, while every process builds the same model in the same order.
+    """
+    return [f"{i:04d}:{v.name}" for i, v in enumerate(model.trainable_variables)]
 
 
 def embedding_variable_paths(model) -> set[str]:

@@ -46,29 +46,38 @@ class ParameterShard:
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
+        dense_vars, tables = list(self.dense.values()), list(self.tables.values())
 
+        # One fixed structure (every dense gradient, every table's rows, possibly none), so the
+        # update is traced once and each push is a single compiled call.
         @tf.function(reduce_retracing=True)
-        def _apply(pairs):
+        def _apply(dense_grads, table_ids, table_values):
+            pairs = list(zip(dense_grads, dense_vars))
+            for ids, values, table in zip(table_ids, table_values, tables):
+                pairs.append((tf.IndexedSlices(values, ids // self.num_ps,
+                                               tf.shape(table, out_type=tf.int64)), table))
             self.optimizer.apply_gradients(pairs)
 
         self._apply = _apply
 
     def push(self, key: tuple[int, int], dense_grads: dict[str, np.ndarray],
              emb_grads: list[tuple[str, np.ndarray, np.ndarray]]) -> bool:
-        tf = self.tf
         with self.lock:
             if key in self.applied:
                 self.skipped += 1
                 return False
-            pairs = [(tf.convert_to_tensor(g), self.dense[n]) for n, g in dense_grads.items()]
-            for name, ids, values in emb_grads:
-                table = self.tables[name]
-                local = tf.convert_to_tensor(ids // self.num_ps)
-                pairs.append((tf.IndexedSlices(tf.convert_to_tensor(values), local,
-                                               tf.shape(table, out_type=tf.int64)), table))
+            rows = {name: (ids, values) for name, ids, values in emb_grads}
+            dense = [dense_grads[n] if n in dense_grads else np.zeros(v.shape, v.dtype.as_numpy_dtype)
+                     for n, v in self.dense.items()]
+            ids_list, values_list = [], []
+            for name, table in self.tables.items():
+                ids, values = rows.get(name, (np.zeros([0], np.int64),
+                                              np.zeros([0, table.shape[1]], table.dtype.as_numpy_dtype)))
+                ids_list.append(ids)
+                values_list.append(values)
                 self.touched[name].update(ids.tolist())
-            if pairs:
-                self._apply(pairs)
+            if dense or ids_list:
+                self._apply(dense, ids_list, values_list)
             self.applied.add(key)
             self.version += 1
             return True

@@ -10,11 +10,9 @@ import logging
 import signal
 import sys
 import threading
-import time
 
 from elastic_step.errors import DataError, ElasticStepError
 from elastic_step.instance import EXIT_USER_ERROR, MasterClient, parse_args, quiet_tensorflow
-from elastic_step.proto import elastic_pb2 as pb
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -26,6 +24,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     from elastic_step.model_def import load_model_def
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient
+    from elastic_step.worker.loop import train_tasks
     from elastic_step.worker.trainer import PSTrainer
 
     model_def = load_model_def(args.model_def)
@@ -37,31 +36,9 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     trainer = PSTrainer(model_def, model, ps, placement)
     trainer.set_dense(ps.pull_dense())
     readers = ReaderPool()
-    mb = info.minibatch_size
     try:
-        while not stop.is_set():
-            reply = master.get_task()
-            if reply.kind == pb.GetTaskResponse.DONE:
-                log.info("no more tasks: exiting")
-                return 0
-            if reply.kind == pb.GetTaskResponse.WAIT:
-                time.sleep(reply.retry_after_s or 0.05)
-                continue
-            t = reply.task
-            # Minibatch boundaries are fixed by the task's own start, so a remainder leased after a
-            # loss pushes the same (task, seq) keys the lost worker did.
-            seq = t.start
-            while seq < t.end:
-                hi = min(t.end, t.task_start + ((seq - t.task_start) // mb + 1) * mb)
-                batch = readers.read(t.shard, seq, hi)
-                loss, duplicate = trainer.train_minibatch(batch, t.task_id, seq)
-                if not master.report(t.task_id, hi, hi - seq, loss, duplicate):
-                    log.warning("master refused progress on task %d: dropping the lease", t.task_id)
-                    break
-                seq = hi
-                if stop.is_set():
-                    log.info("SIGTERM: reported minibatch up to record %d of task %d, exiting", hi, t.task_id)
-                    return 0
+        why = train_tasks(master, trainer, readers, info.minibatch_size, stop)
+        log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:
         readers.close()

@@ -6,6 +6,7 @@ pulled before the step, and only those rows' gradients are pushed, to their owni
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -61,6 +62,14 @@ class PSTrainer:
             return loss, dense, sparse
 
         self._step = step
+        dense_vars = [self.variables[n] for n in self.dense_names]
+
+        @tf.function(reduce_retracing=True)
+        def assign_dense(values):  # one compiled call instead of one assign per variable
+            for var, value in zip(dense_vars, values):
+                var.assign(value)
+
+        self._assign_dense = assign_dense
 
     @staticmethod
     def _id_extractor(keras, model):
@@ -81,8 +90,12 @@ class PSTrainer:
             return None
 
     def set_dense(self, values: dict[str, np.ndarray]) -> None:
-        for name, value in values.items():
-            self.variables[name].assign(value)
+        if values:
+            if set(values) == set(self.dense_names):
+                self._assign_dense([values[n] for n in self.dense_names])
+            else:
+                for name, value in values.items():
+                    self.variables[name].assign(value)
 
     def _set_rows(self, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         tf = self.tf
@@ -93,8 +106,7 @@ class PSTrainer:
         extractor, paths = self._ids_of
         outs = extractor(features, training=False)
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        by_path = dict(zip(self.names, self.model.trainable_variables))
-        path_to_name = {v.path: n for n, v in by_path.items()}
+        path_to_name = {v.path: n for n, v in self.variables.items()}
         wanted: dict[str, list[np.ndarray]] = {}
         for path, ids in zip(paths, outs):
             wanted.setdefault(path_to_name[path], []).append(np.asarray(ids).astype(np.int64).ravel())
@@ -102,21 +114,32 @@ class PSTrainer:
         pulled = self.ps.pull_rows(lookups)
         self._set_rows({n: (lookups[n], pulled[n]) for n in lookups})
 
-    def train_minibatch(self, batch: dict[str, np.ndarray], task_id: int, seq: int) -> tuple[float, bool]:
-        """One minibatch: returns (loss, duplicate) where duplicate means no shard applied it."""
+    def compute(self, batch: dict[str, np.ndarray]) -> Gradients:
+        """Gradients of one minibatch at the worker's current parameters."""
         features, labels = self.model_def.feed(batch)
         if self.table_names and self._ids_of is not None:
             self._pull_rows_for(features)
         try:
             loss, dense, sparse = self._step(features, labels)
         except Exception as e:  # the user's model/loss failed on real data
-            raise ModelDefError(f"Training step of the model definition {self.model_def.spec!r} raised "
-                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
-                                "Check that feed() returns what model() and loss() expect.") from e
-        emb = {n: (ids.numpy(), values.numpy()) for n, (ids, values) in zip(self.table_names, sparse)}
-        applied, fresh = self.ps.push(task_id, seq, {n: g.numpy() for n, g in zip(self.dense_names, dense)},
-                                      emb, want_dense=True)
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
+                                f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
+                                "loss() expect.") from e
+        return Gradients(loss=float(loss), dense={n: g.numpy() for n, g in zip(self.dense_names, dense)},
+                         rows={n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, sparse)})
+
+    def push(self, grads: Gradients, task_id: int, seq: int) -> bool:
+        """Push keyed by (task, seq) and take the fresh parameters back. True if any shard applied it."""
+        applied, fresh = self.ps.push(task_id, seq, grads.dense, grads.rows, want_dense=True)
         self.set_dense(fresh)
         if self.table_names and self._ids_of is None:
-            self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in emb.items()})
-        return float(loss), not applied
+            self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in grads.rows.items()})
+        return applied
+
+
+@dataclasses.dataclass
+class Gradients:
+    loss: float
+    dense: dict[str, np.ndarray]
+    rows: dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (unique ids, summed row gradients)
