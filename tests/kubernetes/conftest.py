@@ -1,0 +1,73 @@
+"""Fixtures for tests against a real control plane (kube.harness).
+
+* ``control_plane`` (session): builds the binaries when missing (scripts/build-control-plane,
+  minutes the first time, then instant) and starts etcd, kube-apiserver, kube-scheduler and
+  kube-controller-manager on loopback. ``control_plane.kubeconfig_path`` is an admin
+  kubeconfig, ``control_plane.api_client()`` an admin ApiClient,
+  ``control_plane.add_token(user, groups)`` adds a user, ``control_plane.add_node(...)`` a
+  process-kubelet node.
+* ``node`` (session): a general-purpose node, ``node-1`` (8 cpu, 16Gi, 50 pods).
+* ``namespace``: a fresh namespace per test (deleted afterwards), ready for pods.
+* ``core``: an admin CoreV1Api.
+
+Every test under tests/kubernetes gets the ``kubernetes`` marker.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+kubernetes = pytest.importorskip("kubernetes")
+from kube.harness import ControlPlane, wait_for  # noqa: E402,F401
+
+HERE = Path(__file__).resolve().parent
+log = logging.getLogger("tests.kubernetes")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.kubernetes)
+
+
+@pytest.fixture(scope="session")
+def control_plane():
+    t0 = time.monotonic()
+    with ControlPlane() as cp:
+        log.warning("control plane: build %.1fs, start %.1fs (%s); work dir %s",
+                    cp.timings.get("build", 0.0), cp.timings["start"],
+                    ", ".join(f"{k} {v:.1f}s" for k, v in cp.timings.items() if k not in ("build", "start")),
+                    cp.workdir)
+        yield cp
+    log.warning("control plane session %.1fs", time.monotonic() - t0)
+
+
+@pytest.fixture(scope="session")
+def node(control_plane):
+    return control_plane.add_node("node-1", cpu="8", memory="16Gi", pods=50)
+
+
+@pytest.fixture
+def core(control_plane):
+    return kubernetes.client.CoreV1Api(control_plane.api_client())
+
+
+_ns_counter = itertools.count(1)
+
+
+@pytest.fixture
+def namespace(control_plane, core, request):
+    name = f"t{os.getpid() % 10000}-{next(_ns_counter)}-{request.node.name[:30]}".lower().replace("_", "-")
+    name = "".join(c for c in name if c.isalnum() or c == "-").strip("-")[:63]
+    control_plane.create_namespace(name)
+    yield name
+    try:
+        core.delete_namespace(name, propagation_policy="Background")
+    except kubernetes.client.ApiException:
+        pass
+
