@@ -1,0 +1,401 @@
+"""Data prep: formats in, manifests and shards out, bad rows, schemas, errors and atomic output."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from elastic_step.data import prep as prep_module
+from elastic_step.data.api import load_manifest
+from elastic_step.data.prep import MAX_BAD_ROWS, prepare
+from elastic_step.errors import ConfigError, DataError
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+DIGITS = ROOT / "samples" / "digits" / "digits.csv"
+
+
+def write(path: pathlib.Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def rows_of(manifest) -> list[dict]:
+    """Every record of a manifest's shards, in shard order."""
+    out = []
+    for shard in manifest.shards:
+        with fsspec.open(manifest.shard_uri(shard), "rb") as f:
+            out += pq.read_table(f).to_pylist()
+    return out
+
+
+def key(row: dict) -> tuple:
+    return tuple(sorted(row.items()))
+
+
+CSV = "id,x,name,label\n" + "".join(f"{i},{i * 0.5},n{i},{i % 2}\n" for i in range(40))
+
+
+# ---------------------------------------------------------------- formats in, manifests out
+
+def test_csv_rows_schema_and_manifest(tmp_path):
+    src = write(tmp_path / "data.csv", CSV)
+    r = prepare(src, str(tmp_path / "out"), label="label", eval_fraction=0.25, shard_rows=7,
+                row_group_rows=3)
+    assert (r.train.total_rows, r.eval.total_rows) == (30, 10)
+    assert [(f.name, f.type) for f in r.train.schema] == [
+        ("id", "int64"), ("x", "float64"), ("name", "string"), ("label", "int64")]
+    assert [s.path for s in r.train.shards] == [f"part-{i:05d}.parquet" for i in range(5)]
+    assert [s.rows for s in r.train.shards] == [7, 7, 7, 7, 2]
+    # Row counts in the manifest are the rows in the shards; together they are the source, once each.
+    for m in (r.train, r.eval):
+        for shard in m.shards:
+            md = pq.ParquetFile(m.shard_uri(shard)).metadata
+            assert md.num_rows == shard.rows
+            assert max(md.row_group(i).num_rows for i in range(md.num_row_groups)) <= 3
+    got = sorted(key(row) for row in rows_of(r.train) + rows_of(r.eval))
+    assert got == sorted(key({"id": i, "x": i * 0.5, "name": f"n{i}", "label": i % 2}) for i in range(40))
+    # What was written is what load_manifest reads back, and the result points at it.
+    assert r.train_uri == str(tmp_path / "out" / "train" / "manifest.json")
+    loaded = load_manifest(str(tmp_path / "out" / "eval"))
+    assert (loaded.split, loaded.label, loaded.total_rows, loaded.source) == ("eval", "label", 10, src)
+    assert loaded.shards == r.eval.shards and loaded.schema == r.eval.schema
+    assert sorted(os.listdir(tmp_path / "out")) == ["eval", "train"]  # no temporary folders left
+
+
+def test_digits_sample(tmp_path):
+    r = prepare(str(DIGITS), str(tmp_path / "digits"), label="label")
+    assert (r.train.total_rows, r.eval.total_rows) == (1438, 359)
+    assert len(r.train.schema) == 65 and {f.type for f in r.train.schema} == {"int64"}
+
+
+def test_jsonl_in(tmp_path):
+    lines = [json.dumps({"a": i, "b": f"s{i}", "ok": i % 3 == 0, "when": "2024-01-0%d" % (i % 9 + 1)})
+             for i in range(20)]
+    src = write(tmp_path / "d.jsonl", "\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
+    r = prepare(src, str(tmp_path / "out"), label="ok")
+    types = {f.name: f.type for f in r.train.schema}
+    assert types == {"a": "int64", "b": "string", "ok": "bool", "when": "string"}  # dates kept as text
+    got = sorted(key(row) for row in rows_of(r.train) + rows_of(r.eval))
+    assert got == sorted(key(json.loads(line)) for line in lines)
+
+
+def test_parquet_in_with_narrow_types(tmp_path):
+    table = pa.table({"a": pa.array(range(30), pa.int32()), "f": pa.array([0.5] * 30, pa.float32()),
+                      "c": pa.array(["x", "y", "z"] * 10).dictionary_encode(),
+                      "label": pa.array([1, 0] * 15, pa.int8())})
+    pq.write_table(table, tmp_path / "d.parquet")
+    r = prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), label="label")
+    assert [(f.name, f.type) for f in r.train.schema] == [
+        ("a", "int64"), ("f", "float32"), ("c", "string"), ("label", "int64")]
+    assert r.train.total_rows + r.eval.total_rows == 30
+
+
+def test_folder_and_glob_of_mixed_files(tmp_path):
+    (tmp_path / "in").mkdir()
+    write(tmp_path / "in" / "a.csv", "k,v\n1,2\n3,4\n5,6\n")
+    write(tmp_path / "in" / "b.jsonl", '{"v": 0.5, "k": 7}\n{"k": 8, "v": 1}\n')
+    pq.write_table(pa.table({"k": [9, 10], "v": [11, 12]}), tmp_path / "in" / "c.pq")
+    write(tmp_path / "in" / "_SUCCESS", "")
+    write(tmp_path / "in" / "notes.txt", "not data")
+    r = prepare(str(tmp_path / "in"), str(tmp_path / "out"), label="k")
+    assert {f.name: f.type for f in r.train.schema} == {"k": "int64", "v": "float64"}  # int and float -> float
+    assert sorted(row["k"] for row in rows_of(r.train) + rows_of(r.eval)) == [1, 3, 5, 7, 8, 9, 10]
+    r = prepare(str(tmp_path / "in" / "*.csv"), str(tmp_path / "out2"))
+    assert r.train.total_rows + r.eval.total_rows == 3 and r.train.label is None
+
+
+def test_fsspec_uris_in_and_out():
+    # memory:// stands in for gs:// and s3://: a filesystem without rename.
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/prep-test/in/d.csv", CSV.encode())
+    try:
+        r = prepare("memory://prep-test/in/d.csv", "memory://prep-test/out", label="label", shard_rows=10)
+        assert r.train_uri == "memory://prep-test/out/train/manifest.json"
+        assert load_manifest(r.train_uri).total_rows == 32 == len(rows_of(r.train))
+        # A second, smaller run leaves no stale shard next to the new manifest.
+        r = prepare("memory://prep-test/in/d.csv", "memory://prep-test/out", label="label", shard_rows=100)
+        assert sorted(os.path.basename(p) for p in fs.ls("/prep-test/out/train", detail=False)) == [
+            "manifest.json", "part-00000.parquet"]
+    finally:
+        fs.rm("/prep-test", recursive=True)
+
+
+def test_split_is_deterministic_by_seed(tmp_path):
+    src = write(tmp_path / "d.csv", CSV)
+    a = prepare(src, str(tmp_path / "a"), seed=7, shard_rows=9)
+    b = prepare(src, str(tmp_path / "b"), seed=7, shard_rows=9)
+    c = prepare(src, str(tmp_path / "c"), seed=8, shard_rows=9)
+    for split in ("train", "eval"):
+        for shard in getattr(a, split).shards:
+            ta = pq.read_table(tmp_path / "a" / split / shard.path)
+            assert ta.equals(pq.read_table(tmp_path / "b" / split / shard.path))
+    assert [r["id"] for r in rows_of(a.eval)] == [r["id"] for r in rows_of(b.eval)]
+    assert [r["id"] for r in rows_of(a.eval)] != [r["id"] for r in rows_of(c.eval)]
+
+
+# ---------------------------------------------------------------- bad rows
+
+BAD_CSV = ("a,b,label\n"      # line 1
+           "1,2.5,0\n"        # 2
+           "\n"               # 3: blank, not a row
+           '2,"multi\n'       # 4: a quoted value over two lines
+           'line",1\n'        # 5
+           "3,4.5\n"          # 6: a field short
+           "4,oops,1\n"       # 7: not a float
+           "5,6.5,\n"         # 8: no label
+           "6,7.5,1,9\n"      # 9: a field too many
+           "7,8.5,0\n")       # 10
+
+SCHEMA = {"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
+                     {"name": "label", "type": "int64"}]}
+
+
+@pytest.fixture
+def schema_file(tmp_path):
+    return write(tmp_path / "schema.json", json.dumps(SCHEMA))
+
+
+def test_bad_row_error_names_file_line_and_column(tmp_path, schema_file):
+    src = write(tmp_path / "bad.csv", BAD_CSV)
+    with pytest.raises(DataError) as e:
+        prepare(src, str(tmp_path / "out"), label="label", schema=schema_file)
+    msg = str(e.value)
+    assert src in msg and "line 4" in msg and "'b'" in msg and "float64" in msg and "skip" in msg
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text, line, column, reason", [
+    ("a,b,label\n1,2,0\n3,4\n", 3, "label", "2 fields but the header has 3"),
+    ("a,b,label\n1,2,0\n\n3,4,1,5\n", 4, None, "4 fields but the header has 3"),
+    ("a,b,label\n1,2,0\n3,4,\n", 3, "label", "the label is missing"),
+    ("a,b,label\n1,2,0\n3,x,1\n", 3, "b", "cannot read 'x' as float64"),
+])
+def test_each_kind_of_bad_row(tmp_path, schema_file, text, line, column, reason):
+    src = write(tmp_path / "bad.csv", text)
+    with pytest.raises(DataError) as e:
+        prepare(src, str(tmp_path / "out"), label="label", schema=schema_file)
+    msg = str(e.value)
+    assert f"{src} line {line}" in msg and reason in msg
+    assert (f"column {column!r}" in msg) if column else ("column" not in msg.split(":")[0])
+
+
+def test_missing_label_is_found_without_a_schema(tmp_path):
+    src = write(tmp_path / "bad.csv", "a,label\n1,0\n2,1\n3,\n4,1\n")
+    with pytest.raises(DataError, match=r"bad\.csv line 4, column 'label': the label is missing"):
+        prepare(src, str(tmp_path / "out"), label="label")
+
+
+def test_skip_counts_bad_rows(tmp_path, schema_file):
+    src = write(tmp_path / "bad.csv", BAD_CSV)
+    r = prepare(src, str(tmp_path / "out"), label="label", schema=schema_file, on_bad_rows="skip")
+    assert r.train.skipped_rows == r.eval.skipped_rows == 5
+    assert [(b["line"], b["column"]) for b in r.train.bad_rows] == [
+        (4, "b"), (6, "label"), (7, "b"), (8, "label"), (9, None)]
+    assert all(b["file"] == src and b["reason"] for b in r.train.bad_rows)
+    assert sorted(row["a"] for row in rows_of(r.train) + rows_of(r.eval)) == [1, 7]
+    assert load_manifest(r.train_uri).bad_rows == r.train.bad_rows
+
+
+def test_skip_keeps_only_the_first_bad_rows(tmp_path):
+    text = "a,label\n" + "".join(f"{i},{'' if i % 2 else 1}\n" for i in range(100))
+    r = prepare(write(tmp_path / "d.csv", text), str(tmp_path / "out"), label="label", on_bad_rows="skip")
+    assert r.train.skipped_rows == 50 and len(r.train.bad_rows) == MAX_BAD_ROWS
+    assert r.train.bad_rows[0]["line"] == 3 and r.train.total_rows + r.eval.total_rows == 50
+
+
+def test_jsonl_bad_rows(tmp_path):
+    src = write(tmp_path / "d.jsonl", '{"a": 1, "label": 0}\n{"a": 2, "label": 1}\n{"a": 3,\n'
+                                      '{"a": "x", "label": 1}\n{"a": 5}\n{"a": 6, "label": 1}\n')
+    with pytest.raises(DataError, match=r"d\.jsonl line 3: it is not valid JSON"):
+        prepare(src, str(tmp_path / "out"), label="label")
+    r = prepare(src, str(tmp_path / "out"), label="label", on_bad_rows="skip")
+    assert [(b["line"], b["column"]) for b in r.train.bad_rows] == [(3, None), (4, "a"), (5, "label")]
+    assert sorted(row["a"] for row in rows_of(r.train) + rows_of(r.eval)) == [1, 2, 6]
+
+
+def test_parquet_missing_label_names_the_row(tmp_path):
+    pq.write_table(pa.table({"a": [1, 2, 3], "label": [0, None, 1]}), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d\.parquet row 2, column 'label': the label is missing"):
+        prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), label="label")
+
+
+def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path, schema_file):
+    src = write(tmp_path / "d.csv", "a,b,label\n1,x,0\n2,y,1\n")
+    with pytest.raises(DataError, match=r"Every row of .*d\.csv is bad"):
+        prepare(src, str(tmp_path / "out"), label="label", schema=schema_file, on_bad_rows="skip")
+
+
+# ---------------------------------------------------------------- schema
+
+@pytest.mark.parametrize("text, column", [
+    ("a,label\n1,0\n2,1\n", "'b'"),                    # missing column
+    ("a,b,label,extra\n1,2,0,9\n2,3,1,9\n", "'extra'"),  # extra column
+])
+def test_csv_schema_mismatch_names_column_and_file(tmp_path, schema_file, text, column):
+    src = write(tmp_path / "d.csv", text)
+    with pytest.raises(DataError) as e:
+        prepare(src, str(tmp_path / "out"), label="label", schema=schema_file, on_bad_rows="skip")
+    assert column in str(e.value) and src in str(e.value) and "schema" in str(e.value)
+
+
+def test_parquet_wrong_type_is_a_schema_mismatch(tmp_path, schema_file):
+    pq.write_table(pa.table({"a": [1.5, 2.5], "b": [1.0, 2.0], "label": [0, 1]}), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"Column 'a' of .*d\.parquet holds float64 values but the schema "
+                                        r"declares int64"):
+        prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), label="label", schema=schema_file)
+
+
+def test_jsonl_schema_mismatch(tmp_path, schema_file):
+    src = write(tmp_path / "d.jsonl", '{"a": 1, "b": 2.0, "label": 0, "zz": 1}\n')
+    with pytest.raises(DataError, match=r"'zz'.*schema does not declare"):
+        prepare(src, str(tmp_path / "out"), label="label", schema=schema_file)
+    src = write(tmp_path / "d.jsonl", '{"a": 1, "label": 0}\n{"a": 2, "label": 1}\n')
+    with pytest.raises(DataError, match=r"Column 'b' of the schema has no value in .*d\.jsonl"):
+        prepare(src, str(tmp_path / "out"), label="label", schema=schema_file)
+
+
+def test_schema_types_are_applied(tmp_path):
+    schema = write(tmp_path / "s.json", json.dumps({"fields": [
+        {"name": "a", "type": "float32"}, {"name": "s", "type": "string"}, {"name": "t", "type": "bool"}]}))
+    src = write(tmp_path / "d.csv", "a,s,t\n1,007,true\n2,008,false\n3,009,true\n")
+    r = prepare(src, str(tmp_path / "out"), schema=schema)
+    assert [f.type for f in r.train.schema] == ["float32", "string", "bool"]
+    assert sorted(row["s"] for row in rows_of(r.train) + rows_of(r.eval)) == ["007", "008", "009"]
+
+
+def test_label_must_be_in_the_schema(tmp_path, schema_file):
+    src = write(tmp_path / "d.csv", CSV)
+    with pytest.raises(DataError, match="label column 'nope'"):
+        prepare(src, str(tmp_path / "out"), label="nope")
+    with pytest.raises(DataError, match="label column 'nope'"):
+        prepare(src, str(tmp_path / "out"), label="nope", schema=schema_file)
+
+
+@pytest.mark.parametrize("content, match", [
+    ("not json", "Cannot read the schema file"),
+    ('{"fields": []}', "non-empty"),
+    ('{"fields": [{"name": "a", "type": "int32"}]}', "type 'int32'"),
+    ('{"fields": [{"name": "a", "type": "int64"}, {"name": "a", "type": "bool"}]}', "twice"),
+])
+def test_bad_schema_file(tmp_path, content, match):
+    schema = write(tmp_path / "s.json", content)
+    with pytest.raises(ConfigError, match=match):
+        prepare(write(tmp_path / "d.csv", CSV), str(tmp_path / "out"), schema=schema)
+
+
+# ---------------------------------------------------------------- errors and parameters
+
+@pytest.mark.parametrize("source", ["{tmp}/does-not-exist.csv", "nosuchprotocol://bucket/d.csv",
+                                    "{tmp}/empty-folder"])
+def test_unreadable_source_names_the_uri(tmp_path, source):
+    (tmp_path / "empty-folder").mkdir()
+    source = source.format(tmp=tmp_path)
+    with pytest.raises(DataError) as e:
+        prepare(source, str(tmp_path / "out"))
+    assert source in str(e.value) and ("Check" in str(e.value) or "must end in" in str(e.value))
+
+
+def test_unknown_extension(tmp_path):
+    src = write(tmp_path / "d.txt", CSV)
+    with pytest.raises(DataError, match=r"d\.txt.*must end in \.csv"):
+        prepare(src, str(tmp_path / "out"))
+
+
+def test_not_a_parquet_file(tmp_path):
+    src = write(tmp_path / "d.parquet", CSV)
+    with pytest.raises(DataError, match=r"d\.parquet is not a readable Parquet file"):
+        prepare(src, str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"eval_fraction": 0}, "eval_fraction"), ({"eval_fraction": 1.0}, "eval_fraction"),
+    ({"eval_fraction": -0.1}, "eval_fraction"), ({"shard_rows": 0}, "shard_rows"),
+    ({"row_group_rows": -1}, "row_group_rows"), ({"on_bad_rows": "ignore"}, "on_bad_rows"),
+    ({"seed": 1.5}, "seed"), ({"label": ""}, "label"),
+])
+def test_parameters_are_checked(tmp_path, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        prepare(write(tmp_path / "d.csv", CSV), str(tmp_path / "out"), **kwargs)
+
+
+def test_output_inside_the_source_folder_is_refused(tmp_path):
+    (tmp_path / "in").mkdir()
+    write(tmp_path / "in" / "d.csv", CSV)
+    with pytest.raises(ConfigError, match="inside the source"):
+        prepare(str(tmp_path / "in"), str(tmp_path / "in" / "prepared"))
+
+
+def test_a_folder_holding_other_files_is_not_replaced(tmp_path):
+    (tmp_path / "home").mkdir()
+    write(tmp_path / "home" / "precious.txt", "keep me")
+    with pytest.raises(ConfigError, match="new or empty folder"):
+        prepare(write(tmp_path / "d.csv", CSV), str(tmp_path / "home"))
+    assert (tmp_path / "home" / "precious.txt").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------- nothing half-written looks valid
+
+def snapshot(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_failed_run_leaves_the_previous_output_intact(tmp_path, schema_file):
+    out = tmp_path / "out"
+    prepare(write(tmp_path / "good.csv", CSV), str(out), label="label")
+    before = snapshot(out)
+    with pytest.raises(DataError):
+        prepare(write(tmp_path / "bad.csv", BAD_CSV), str(out), label="label", schema=schema_file)
+    assert snapshot(out) == before
+    assert os.listdir(tmp_path) and not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+
+def test_crash_while_writing_shards_leaves_nothing_that_looks_valid(tmp_path, monkeypatch):
+    real = pq.write_table
+    calls = []
+
+    def failing_write(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prep_module.pq, "write_table", failing_write)
+    src = write(tmp_path / "d.csv", CSV)
+    with pytest.raises(OSError, match="disk full"):
+        prepare(src, str(tmp_path / "fresh"), shard_rows=5)
+    assert not (tmp_path / "fresh").exists()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
+
+    monkeypatch.setattr(prep_module.pq, "write_table", real)
+    prepare(src, str(tmp_path / "kept"), shard_rows=50)
+    before = snapshot(tmp_path / "kept")
+    calls.clear()
+    monkeypatch.setattr(prep_module.pq, "write_table", failing_write)
+    with pytest.raises(OSError):
+        prepare(src, str(tmp_path / "kept"), shard_rows=5)
+    assert snapshot(tmp_path / "kept") == before
+
+
+def test_remote_crash_leaves_no_manifest(monkeypatch):
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/prep-crash/d.csv", CSV.encode())
+    try:
+        prepare("memory://prep-crash/d.csv", "memory://prep-crash/out")
+        assert fs.exists("/prep-crash/out/train/manifest.json")
+
+        def failing_write(*args, **kwargs):
+            raise OSError("connection reset")
+
+        monkeypatch.setattr(prep_module.pq, "write_table", failing_write)
+        with pytest.raises(OSError):
+            prepare("memory://prep-crash/d.csv", "memory://prep-crash/out")
+        # The old manifests went first, so none points at a half-written shard.
+        assert not fs.exists("/prep-crash/out/train/manifest.json")
+        assert not fs.exists("/prep-crash/out/eval/manifest.json")
+    finally:
+        fs.rm("/prep-crash", recursive=True)

@@ -1,0 +1,101 @@
+"""The sample model modules train with plain Keras, through their own feed(), unchanged."""
+from __future__ import annotations
+
+import csv
+import math
+import pathlib
+
+import numpy as np
+import pyarrow.csv as pa_csv
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from elastic_step.model_def import load_model_def  # noqa: E402
+from samples.ctr import generate as ctr_generate  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def read_columns(path) -> dict[str, np.ndarray]:
+    table = pa_csv.read_csv(str(path))
+    return {c: table.column(c).to_numpy() for c in table.column_names}
+
+
+def take(batch, rows):
+    return {k: v[rows] for k, v in batch.items()}
+
+
+def compiled(model_def):
+    net = model_def.model()
+    net.compile(optimizer=model_def.optimizer(), loss=model_def.loss_fn,
+                metrics=list(model_def.eval_metrics().values()))
+    return net
+
+
+def test_digits_csv_matches_make_csv(tmp_path):
+    from samples.digits.make_csv import make_csv
+
+    assert make_csv(str(tmp_path / "digits.csv")) == 1797
+    assert (tmp_path / "digits.csv").read_bytes() == (ROOT / "samples/digits/digits.csv").read_bytes()
+
+
+def test_digits_trains_with_plain_keras():
+    keras.utils.set_random_seed(0)
+    md = load_model_def("samples.digits.model")
+    batch = read_columns(ROOT / "samples/digits/digits.csv")
+    assert len(batch) == 65 and len(batch["label"]) == 1797
+    order = np.random.default_rng(0).permutation(1797)
+    train, held_out = order[:1437], order[1437:]
+
+    x, y = md.feed(take(batch, train))
+    assert x.dtype == np.float32 and x.shape == (1437, 64) and 0 <= x.min() and x.max() <= 1
+    assert y.dtype in (np.int32, np.int64) and y.shape == (1437,)
+    net = compiled(md)
+    net.fit(x, y, epochs=8, batch_size=64, verbose=0)
+
+    x, y = md.feed(take(batch, held_out))
+    metrics = {name: m for name, m in md.eval_metrics().items()}
+    metrics["accuracy"].update_state(y, net.predict(x, verbose=0))
+    assert float(metrics["accuracy"].result()) >= 0.9
+
+
+def test_ctr_generate_is_seeded_and_learnable(tmp_path):
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    ctr_generate.generate(str(a), rows=500, seed=3)
+    ctr_generate.main([str(b), "--rows", "500", "--seed", "3"])
+    assert a.read_bytes() == b.read_bytes()
+    with open(a) as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ctr_generate.COLUMNS and len(rows) == 500
+    for column, vocab in ctr_generate.ID_COLUMNS.items():
+        assert all(0 <= int(r[column]) < vocab for r in rows)
+    assert {r["clicked"] for r in rows} == {"0", "1"}
+
+
+def test_ctr_loss_falls_with_plain_keras(tmp_path):
+    keras.utils.set_random_seed(0)
+    path = tmp_path / "ctr.csv"
+    ctr_generate.generate(str(path), rows=20_000, seed=0)
+    md = load_model_def("samples.ctr.model")
+    batch = read_columns(path)
+    features, labels = md.feed(take(batch, slice(0, 16_000)))
+    assert set(features) == {i.name for i in md.model().inputs}
+    assert labels.dtype == np.float32
+
+    # Only plain keras.layers.Embedding holds per-id rows: parameter servers shard exactly those.
+    net = compiled(md)
+    embeddings = [layer for layer in net.layers if isinstance(layer, keras.layers.Embedding)]
+    assert {type(layer) for layer in embeddings} == {keras.layers.Embedding} and len(embeddings) == 6
+    assert sorted(layer.input_dim for layer in embeddings) == sorted(
+        list(ctr_generate.ID_COLUMNS.values()) * 2)
+
+    history = net.fit(features, labels, epochs=2, batch_size=128, verbose=0).history["loss"]
+    rate = float(labels.mean())
+    base_rate_loss = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    assert history[1] < history[0] - 0.01 and history[1] < base_rate_loss - 0.03, (history, base_rate_loss)
+
+    x, y = md.feed(take(batch, slice(16_000, None)))
+    auc = md.eval_metrics()["auc"]
+    auc.update_state(y, net.predict(x, verbose=0, batch_size=1024))
+    assert float(auc.result()) > 0.62
