@@ -158,7 +158,8 @@ class TrainingJob:
         if ev.kind not in (EventKind.EXITED, EventKind.LOST):
             return
         over = self.coord.finished.is_set()
-        decision = self.scaler.on_end(ev, over, self.coord.failure is not None)
+        member = self.coord.membership.members[ev.instance]
+        decision = self.scaler.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress)
         if decision.action == "none":
             return
         if ev.instance.role == "worker" and not (ev.kind == EventKind.EXITED and ev.exit_code == 0 and over):

@@ -18,6 +18,7 @@ class Member:
     last_seen: float = 0.0
     launches: int = 1
     progress_since_launch: bool = False
+    crashes_without_progress: int = 0   # consecutive launches that crashed before committing
 
 
 class Membership:
@@ -45,6 +46,9 @@ class Membership:
             m.state = "running"
         elif ev.kind in (EventKind.EXITED, EventKind.LOST):
             m.state = "gone"
+            crashed = ev.kind == EventKind.EXITED and ev.exit_code not in (0, None)
+            m.crashes_without_progress = (m.crashes_without_progress + 1
+                                          if crashed and not m.progress_since_launch else 0)
         self._sample(ev.time)
 
     def registered(self, inst: InstanceId, address: str = "") -> None:

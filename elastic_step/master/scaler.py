@@ -26,7 +26,10 @@ class Scaler:
         self.max_relaunches = max_relaunches
         self.relaunches = 0
 
-    def on_end(self, ev: InstanceEvent, job_over: bool, reported_failure: bool) -> Decision:
+    CRASH_LOOP = 3   # consecutive launches of one worker that crash before committing anything
+
+    def on_end(self, ev: InstanceEvent, job_over: bool, reported_failure: bool,
+               crashes_without_progress: int = 0) -> Decision:
         inst = ev.instance
         if job_over:
             return Decision("none", f"{inst} ended after training finished")
@@ -35,6 +38,10 @@ class Scaler:
         if inst.role == "ps":
             return Decision("fail", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}); "
                                     "PS shards are not relaunched in this version")
+        if ev.kind == EventKind.EXITED and ev.exit_code not in (0, None) \
+                and crashes_without_progress >= self.CRASH_LOOP:
+            return Decision("fail", f"{inst} crashed (exit {ev.exit_code}) {crashes_without_progress} times "
+                                    "in a row before committing any record: not relaunching a crash loop")
         if self.relaunches >= self.max_relaunches:
             return Decision("fail", f"{inst} ended ({ev.detail or f'exit {ev.exit_code}'}) and the job "
                                     f"already relaunched {self.relaunches} workers (limit {self.max_relaunches})")

@@ -100,7 +100,8 @@ class PSTrainer:
     def _set_rows(self, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         tf = self.tf
         for name, (ids, values) in rows.items():
-            self.variables[name].scatter_update(tf.IndexedSlices(values, ids))
+            # .value is the backing tf.Variable: update just these rows, not the whole table
+            self.variables[name].value.scatter_update(tf.IndexedSlices(values, ids))
 
     def _pull_rows_for(self, features) -> None:
         extractor, paths = self._ids_of

@@ -1,0 +1,1 @@
+"""backends role of elastic-step."""

@@ -1,0 +1,1 @@
+"""data role of elastic-step."""

@@ -1,0 +1,1 @@
+"""master role of elastic-step."""

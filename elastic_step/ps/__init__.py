@@ -1,0 +1,1 @@
+"""ps role of elastic-step."""

@@ -1,0 +1,1 @@
+"""worker role of elastic-step."""

@@ -1,0 +1,25 @@
+"""Run the real `elastic-step` CLI the way a user or a pipeline step does."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DIGITS_MODEL = os.path.join(ROOT, "samples", "digits", "model.py")
+CTR_MODEL = os.path.join(ROOT, "samples", "ctr", "model.py")
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real `elastic-step` CLI in a subprocess, as a user or a pipeline step does."""
+    return subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def train(data: dict, output, *extra: str, model: str = DIGITS_MODEL) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = run_cli("train", "--model-def", model, "--train-data", data["train"], "--eval-data", data["eval"],
+                   "--output", str(output), "--progress", "lines", *extra)
+    summary_path = os.path.join(str(output), "summary.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    return proc, summary

@@ -1,0 +1,93 @@
+"""Elastic training on the local backend: real worker/PS subprocesses, real gRPC, real TensorFlow.
+
+One undisturbed run and one where a worker is SIGKILLed mid-epoch and another SIGTERMed: the
+second must finish with an exact ledger and the same accuracy.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.integration.harness import CTR_MODEL, train
+
+pytestmark = pytest.mark.slow
+
+# Long enough (~40k records) that a killed worker's replacement starts TensorFlow, joins and trains.
+EPOCHS = 30
+SETTINGS = ("--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "1", "--minibatch-size", "32",
+            "--records-per-task", "128")
+
+
+def assert_exact_ledger(summary: dict) -> None:
+    assert summary["status"] == "succeeded"
+    epochs = summary["ledger"]["epochs"]
+    assert len(epochs) == summary["epochs"]
+    for e in epochs:
+        assert e["committed"] == summary["records_per_epoch"], e
+        assert e["lost"] == 0, e
+        assert e["double_applied"] == 0, e
+
+
+@pytest.fixture(scope="module")
+def undisturbed(digits_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("undisturbed")
+    proc, summary = train(digits_data, out, *SETTINGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, summary
+
+
+def test_digits_trains_to_090(undisturbed):
+    out, summary = undisturbed
+    assert_exact_ledger(summary)
+    assert summary["eval"]["accuracy"] >= 0.90
+    assert summary["workers"]["max_alive"] == 2
+    assert (out / "model.keras").is_file()
+    assert (out / "saved_model" / "saved_model.pb").is_file()
+    assert summary["throughput_records_per_s"] > 0
+
+
+def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
+    _, base = undisturbed
+    total = digits_data["rows"] * EPOCHS
+    # Chaos fires only while both workers train, so the SIGTERM waits for worker-0's replacement.
+    proc, summary = train(digits_data, tmp_path, *SETTINGS,
+                          "--chaos", f"kill:worker-0@{int(total * 0.1)}",
+                          "--chaos", f"term:worker-1@{int(total * 0.5)}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact_ledger(summary)
+    events = summary["events"]
+    kinds = [(e["kind"], e["instance"], e["detail"]) for e in events]
+    # The kill and the SIGTERM really happened, to live processes.
+    assert ("lost", "worker-0", "killed by SIGKILL") in kinds
+    assert ("exited", "worker-1", "exit code 0") in kinds
+    # Both were replaced and the replacements joined (registered a second time) and trained.
+    assert summary["workers"]["lost"] == 2
+    assert summary["workers"]["relaunched"] == 2
+    registered = [i for k, i, _ in kinds if k == "registered"]
+    assert registered.count("worker-0") == 2
+    # Remainders were requeued from the backend event and leased again within a second.
+    latencies = summary["recovery"]["requeue_latency_s"]
+    assert latencies and all(x < 1.0 for x in latencies), latencies
+    assert sum(e["requeued"] for e in summary["ledger"]["epochs"]) > 0
+    # Same model quality as the undisturbed run.
+    assert abs(summary["eval"]["accuracy"] - base["eval"]["accuracy"]) <= 0.02
+
+
+def test_ctr_embeddings_split_across_two_ps(ctr_data, tmp_path):
+    proc, summary = train(ctr_data, tmp_path, "--epochs", "2", "--num-ps", "2", "--max-workers", "2",
+                          "--minibatch-size", "128", "--records-per-task", "1024", model=CTR_MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact_ledger(summary)
+    losses = [s["loss"] for s in summary["timeseries"] if s["loss"] is not None]
+    assert losses[-1] < losses[0] * 0.95, losses
+    shards = {p["shard"]: p for p in summary["ps"]}
+    assert set(shards) == {0, 1}
+    tables = shards[0]["embedding_rows_touched"].keys()
+    assert tables
+    for shard, stats in shards.items():
+        assert stats["pushes_applied"] > 0
+        for table in tables:
+            assert stats["embedding_rows_touched"][table] > 0, (shard, table)
+            assert all(i % 2 == shard for i in stats["embedding_ids_sample"][table]), (shard, table)
+    assert os.path.isfile(tmp_path / "model.keras")
