@@ -316,8 +316,9 @@ class ControlPlane:
         for b in ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"):
             if not os.access(self.bin_dir / b, os.X_OK):
                 raise ControlPlaneError(f"{self.bin_dir / b} missing; run {BUILD_SCRIPT}")
+        _sweep_stale()
         if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="elastic-step-kube-"))
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"elastic-step-kube-{os.getpid()}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.logs = self.workdir / "logs"
         self.logs.mkdir(exist_ok=True)
@@ -354,7 +355,7 @@ class ControlPlane:
         # etcd: data in /dev/shm when there is one (fsync is what makes etcd slow on disks)
         t = time.monotonic()
         shm = Path("/dev/shm")
-        self._etcd_dir = Path(tempfile.mkdtemp(prefix="elastic-step-etcd-",
+        self._etcd_dir = Path(tempfile.mkdtemp(prefix=f"elastic-step-etcd-{os.getpid()}-",
                                                dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else str(w)))
         ec, ep = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{ec}"
@@ -472,6 +473,26 @@ class ControlPlane:
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_kubeconfig(path, self.server, self.ca_path, token, user=user)
         return path
+
+    def service_account_token(self, namespace: str, name: str, *, create: bool = True,
+                              seconds: int = 3600, audiences: list[str] | None = None) -> str:
+        """A TokenRequest token for service account ``namespace/name`` (created if missing),
+        e.g. to run a process outside any pod with exactly the rights bound to that account."""
+        import kubernetes.client
+
+        core = kubernetes.client.CoreV1Api(self.api_client())
+        if create:
+            try:
+                core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+            except kubernetes.client.ApiException as e:
+                if e.status != 409:
+                    raise
+        spec: dict = {"expirationSeconds": seconds}
+        if audiences:
+            spec["audiences"] = audiences
+        resp = core.create_namespaced_service_account_token(name, namespace, {"spec": spec},
+                                                           _preload_content=False)
+        return json.loads(resp.data)["status"]["token"]
 
     def api_client(self, token: str | None = None):
         """A kubernetes.client.ApiClient for the admin (or for ``token``)."""
@@ -606,6 +627,26 @@ class ControlPlane:
             if e.status == 404:
                 return False
             raise
+
+
+def _sweep_stale() -> None:
+    """Remove work/etcd dirs left by control planes whose process was killed (SIGKILL leaves
+    no chance to clean up; the etcd data lives in /dev/shm, i.e. memory)."""
+    import re as _re
+
+    for base in {Path(tempfile.gettempdir()), Path("/dev/shm")}:
+        if not base.is_dir():
+            continue
+        for d in base.glob("elastic-step-*-*-*"):
+            m = _re.fullmatch(r"elastic-step-(?:kube|etcd)-(\d+)-\w+", d.name)
+            if not m or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(d, ignore_errors=True)
+            except PermissionError:
+                pass
 
 
 def _token_line(token: str, u: dict) -> str:

@@ -270,3 +270,24 @@ def test_pod_uses_its_service_account_token(control_plane, core, node, namespace
     out = node.log_path(namespace, "sa").read_text()
     assert pod.status.phase == "Succeeded", out
     assert "GET 200 default" in out and "system:serviceaccount:" + namespace + ":default" in out
+
+
+def test_service_account_token_from_outside_a_pod(control_plane, namespace):
+    token = control_plane.service_account_token(namespace, "runner")
+    sa = client.CoreV1Api(control_plane.api_client(token))
+    with pytest.raises(client.ApiException) as e:
+        sa.list_namespaced_pod(namespace)
+    assert e.value.status == 403
+    assert f"system:serviceaccount:{namespace}:runner" in json.loads(e.value.body)["message"]
+    rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
+    rbac.create_namespaced_role(namespace, {"metadata": {"name": "list-pods"}, "rules": [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})
+    rbac.create_namespaced_role_binding(namespace, {
+        "metadata": {"name": "list-pods"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "list-pods"},
+        "subjects": [{"kind": "ServiceAccount", "name": "runner", "namespace": namespace}]})
+    wait_for(lambda: _ok(lambda: sa.list_namespaced_pod(namespace)), 10, what="the RoleBinding")
+    kubeconfig = control_plane.kubeconfig_for(token, user="runner")
+    from kubernetes import config
+    other = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
+    assert other.list_namespaced_pod(namespace).items == []
