@@ -502,6 +502,7 @@ class ControlPlane:
         cfg.host = self.server
         cfg.ssl_ca_cert = str(self.ca_path)
         cfg.verify_ssl = True
+        cfg.connection_pool_maxsize = 32  # kubelets patch from one thread per pod
         cfg.api_key = {"authorization": token or self.admin_token}
         cfg.api_key_prefix = {"authorization": "Bearer"}
         client = kubernetes.client.ApiClient(cfg)

@@ -105,6 +105,34 @@ def test_running_pod_reports_running(core, node, namespace, tmp_path):
     wait_gone(core, namespace, "run")
 
 
+def test_on_failure_pod_is_restarted(core, node, namespace, tmp_path):
+    counter = tmp_path / "runs"
+    core.create_namespaced_pod(namespace, pod_body("flaky", py(f"""
+        import pathlib, sys
+        p = pathlib.Path({str(counter)!r})
+        n = int(p.read_text()) + 1 if p.exists() else 1
+        p.write_text(str(n))
+        sys.exit(0 if n >= 2 else 1)
+    """), restart="OnFailure"))
+    pod = wait_phase(core, namespace, "flaky", ("Succeeded", "Failed"))
+    cs = pod.status.container_statuses[0]
+    assert pod.status.phase == "Succeeded" and cs.restart_count == 1
+    assert cs.state.terminated.exit_code == 0 and counter.read_text() == "2"
+
+
+def test_node_is_ready_and_renews_its_lease(control_plane, node):
+    core = client.CoreV1Api(control_plane.api_client())
+    n = core.read_node("node-1")
+    assert n.status.capacity == {"cpu": "8", "memory": "16Gi", "pods": "50", "ephemeral-storage": "100Gi"}
+    assert {c.type: c.status for c in n.status.conditions}["Ready"] == "True"
+    assert not [t for t in n.spec.taints or [] if t.key.startswith("node.kubernetes.io/")]
+    coord = client.CoordinationV1Api(control_plane.api_client())
+    first = coord.read_namespaced_lease("node-1", "kube-node-lease").spec
+    assert first.holder_identity == "node-1" and first.lease_duration_seconds == 40
+    wait_for(lambda: coord.read_namespaced_lease("node-1", "kube-node-lease").spec.renew_time > first.renew_time,
+             30, what="a lease renewal")
+
+
 # ---------------------------------------------------------------------------- deletion
 
 def test_deleted_pod_gets_sigterm_and_disappears(core, node, namespace, tmp_path):
