@@ -206,7 +206,7 @@ class TrainingJob:
         placement = Placement.of(model, self.cfg.num_ps)
         ps = PSClient(self.coord.ps_addresses, self.cfg.token, placement)
         try:
-            values = ps.pull_dense()
+            values = ps.pull_dense_named()
             values.update(ps.all_rows())
             stats = ps.stats()
         finally:
@@ -216,7 +216,7 @@ class TrainingJob:
             var.assign(values[name])
         from elastic_step.proto import tensors
         ps_stats = [{"shard": s.shard, "pushes_applied": s.pushes_applied, "pushes_skipped": s.pushes_skipped,
-                     "dense_variables": len(s.dense_names),
+                     "dense_parameters": s.dense_parameters,
                      "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in s.touched},
                      "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in s.touched}}
                     for s in stats]

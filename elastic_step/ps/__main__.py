@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     master.register(f"{args.host}:{port}")
     log.info("serving %d dense variables and %d embedding tables on %s:%d",
-             len(shard.dense), len(shard.tables), args.host, port)
+             len(shard.dense_names), len(shard.tables), args.host, port)
     # Serve until the master says the job is over, or SIGTERM.
     while not stop.wait(1.0):
         try:

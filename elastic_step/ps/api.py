@@ -1,12 +1,14 @@
-"""Parameter-server contract: where each parameter lives.
+"""Parameter-server contract: where each parameter lives, and how a shard's dense part is laid out.
 
 Dense variables go to a shard by a stable hash of their name; embedding rows by id
-(`id mod num_ps`), so one table's rows spread over every shard. Workers, PS and master all
-derive the same placement from the model itself, so nothing about it travels on the wire.
+(`id mod num_ps`), so one table's rows spread over every shard. A shard's dense variables travel
+as one flat buffer, in `variable_names` order. Workers, PS and master all derive the same
+placement from the model itself, so nothing about it travels on the wire.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 
 import numpy as np
@@ -31,26 +33,36 @@ def embedding_variable_paths(model) -> set[str]:
 @dataclasses.dataclass(frozen=True)
 class Placement:
     num_ps: int
-    dense: dict[str, int]            # name -> shard
-    embeddings: dict[str, tuple[int, int]]  # name -> (vocabulary rows, dim)
+    dense: dict[str, int]                       # name -> shard
+    shapes: dict[str, tuple[int, ...]]          # name -> shape (dense variables)
+    embeddings: dict[str, tuple[int, int]]      # name -> (vocabulary rows, dim)
 
     @classmethod
     def of(cls, model, num_ps: int) -> "Placement":
         emb_paths = embedding_variable_paths(model)
-        dense, emb = {}, {}
+        dense, shapes, emb = {}, {}, {}
         for name, v in zip(variable_names(model), model.trainable_variables):
             if v.path in emb_paths:
                 emb[name] = (int(v.shape[0]), int(v.shape[1]))
             else:
                 dense[name] = zlib.crc32(name.encode()) % num_ps
-        return cls(num_ps=num_ps, dense=dense, embeddings=emb)
+                shapes[name] = tuple(int(d) for d in v.shape)
+        return cls(num_ps=num_ps, dense=dense, shapes=shapes, embeddings=emb)
 
     def dense_on(self, shard: int) -> list[str]:
+        """The shard's dense variables, in the order of its flat buffer."""
         return [n for n, s in self.dense.items() if s == shard]
 
-    def rows_on(self, shard: int, vocabulary: int) -> np.ndarray:
-        """Global ids of the embedding rows a shard owns."""
-        return np.arange(shard, vocabulary, self.num_ps, dtype=np.int64)
+    def unflatten(self, shard: int, flat: np.ndarray) -> dict[str, np.ndarray]:
+        out, offset = {}, 0
+        for name in self.dense_on(shard):
+            shape = self.shapes[name]
+            size = math.prod(shape)
+            out[name] = flat[offset:offset + size].reshape(shape)
+            offset += size
+        if offset != flat.size:
+            raise ValueError(f"shard {shard} sent {flat.size} dense values, the model has {offset}")
+        return out
 
     def split_ids(self, ids: np.ndarray) -> list[np.ndarray]:
         """Positions of `ids` owned by each shard (shard -> index array into ids)."""

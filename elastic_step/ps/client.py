@@ -19,12 +19,16 @@ class PSClient:
         self._channels = [rpc.channel(a) for a in addresses]
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
 
-    def pull_dense(self) -> dict[str, np.ndarray]:
+    def pull_dense(self) -> list[np.ndarray]:
+        """Each shard's flat dense buffer, in shard order."""
         futures = [s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout)
                    for s in self.stubs]
+        return [tensors.decode(f.result().dense_flat) for f in futures]
+
+    def pull_dense_named(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        for f in futures:
-            out.update({nt.name: tensors.decode(nt.tensor) for nt in f.result().dense})
+        for shard, flat in enumerate(self.pull_dense()):
+            out.update(self.placement.unflatten(shard, flat))
         return out
 
     def pull_rows(self, lookups: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -47,14 +51,16 @@ class PSClient:
                 out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
         return out
 
-    def push(self, task_id: int, seq: int, dense_grads: dict[str, np.ndarray],
+    def push(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
              emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
-             ) -> tuple[bool, dict[str, np.ndarray]]:
-        """Push one minibatch's gradients. Returns (applied by any shard, fresh dense values)."""
+             ) -> tuple[bool, list[np.ndarray]]:
+        """Push one minibatch: per shard a flat dense gradient, plus embedding rows to their owners.
+
+        Returns (applied by any shard, each shard's fresh flat dense values)."""
         requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
                     for _ in self.stubs]
-        for name, g in dense_grads.items():
-            tensors.encode(g, requests[self.placement.dense[name]].dense_grads.add(name=name).tensor)
+        for shard, flat in enumerate(flat_grads):
+            tensors.encode(flat, requests[shard].dense_grads_flat)
         for name, (ids, values) in emb_grads.items():
             for shard, pos in enumerate(self.placement.split_ids(ids)):
                 if len(pos):
@@ -63,12 +69,8 @@ class PSClient:
                     tensors.encode(values[pos], e.values)
         # Every shard gets the key, even with nothing to apply, so all shards agree on it.
         futures = [s.PushGradients.future(r, timeout=self.timeout) for s, r in zip(self.stubs, requests)]
-        applied, dense = False, {}
-        for f in futures:
-            reply = f.result()
-            applied |= reply.applied
-            dense.update({nt.name: tensors.decode(nt.tensor) for nt in reply.dense})
-        return applied, dense
+        replies = [f.result() for f in futures]
+        return any(r.applied for r in replies), [tensors.decode(r.dense_flat) for r in replies]
 
     def all_rows(self) -> dict[str, np.ndarray]:
         """Every embedding table, whole (for export at the end of training)."""

@@ -10,6 +10,7 @@ import io
 import logging
 import threading
 
+import grpc
 import numpy as np
 
 from elastic_step.proto import elastic_pb2 as pb
@@ -31,59 +32,70 @@ class ParameterShard:
         self.tf = tf
         self.shard = shard
         self.num_ps = placement.num_ps
-        self.dense: dict[str, tf.Variable] = {}
-        self.tables: dict[str, tf.Variable] = {}
         values = dict(zip(variable_names(model), model.trainable_variables))
-        for name in placement.dense_on(shard):
-            self.dense[name] = tf.Variable(values[name].numpy(), name=f"d{len(self.dense)}")
-        for name, (rows, _dim) in placement.embeddings.items():
-            full = values[name].numpy()
-            self.tables[name] = tf.Variable(full[shard::self.num_ps], name=f"e{len(self.tables)}")
+        self.dense_names = placement.dense_on(shard)
+        dense_vars = [tf.Variable(values[n].numpy(), name=f"d{i}") for i, n in enumerate(self.dense_names)]
+        self.tables: dict[str, tf.Variable] = {
+            name: tf.Variable(values[name].numpy()[shard::self.num_ps], name=f"e{i}")
+            for i, name in enumerate(placement.embeddings)}
+        tables = list(self.tables.values())
         self.optimizer = optimizer
-        self.optimizer.build(list(self.dense.values()) + list(self.tables.values()))
+        self.optimizer.build(dense_vars + tables)
+        self.dense_size = sum(int(v.shape.num_elements()) for v in dense_vars)
         self.version = 0
         self.applied: set[tuple[int, int]] = set()
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
-        dense_vars, tables = list(self.dense.values()), list(self.tables.values())
+        sizes = [int(v.shape.num_elements()) for v in dense_vars]
 
-        # One fixed structure (every dense gradient, every table's rows, possibly none), so the
-        # update is traced once and each push is a single compiled call.
+        def flat_values():
+            if not dense_vars:
+                return tf.zeros([0], tf.float32)
+            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars], 0)
+
+        # One compiled call per push: split the flat gradient, apply the user's optimizer to the
+        # dense variables and the pushed embedding rows, and return the new flat values.
         @tf.function(reduce_retracing=True)
-        def _apply(dense_grads, table_ids, table_values):
-            pairs = list(zip(dense_grads, dense_vars))
-            for ids, values, table in zip(table_ids, table_values, tables):
-                pairs.append((tf.IndexedSlices(values, ids // self.num_ps,
-                                               tf.shape(table, out_type=tf.int64)), table))
-            self.optimizer.apply_gradients(pairs)
+        def apply(flat_grad, table_ids, table_values):
+            pairs = [(tf.cast(tf.reshape(g, v.shape), v.dtype), v)
+                     for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)]
+            for ids, rows, table in zip(table_ids, table_values, tables):
+                pairs.append((tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)),
+                              table))
+            if pairs:
+                self.optimizer.apply_gradients(pairs)
+            return flat_values()
 
-        self._apply = _apply
+        self._apply = apply
+        self._read = tf.function(flat_values)
 
-    def push(self, key: tuple[int, int], dense_grads: dict[str, np.ndarray],
-             emb_grads: list[tuple[str, np.ndarray, np.ndarray]]) -> bool:
+    def push(self, key: tuple[int, int], flat_grad: np.ndarray,
+             emb_grads: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[bool, np.ndarray]:
+        """Apply a keyed push at most once. Returns (applied, the shard's flat dense values)."""
         with self.lock:
             if key in self.applied:
                 self.skipped += 1
-                return False
+                return False, self._read().numpy()
+            if flat_grad.size != self.dense_size:
+                raise ValueError(f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
+                                 f"holds {self.dense_size} parameters")
             rows = {name: (ids, values) for name, ids, values in emb_grads}
-            dense = [dense_grads[n] if n in dense_grads else np.zeros(v.shape, v.dtype.as_numpy_dtype)
-                     for n, v in self.dense.items()]
             ids_list, values_list = [], []
             for name, table in self.tables.items():
                 ids, values = rows.get(name, (np.zeros([0], np.int64),
                                               np.zeros([0, table.shape[1]], table.dtype.as_numpy_dtype)))
                 ids_list.append(ids)
                 values_list.append(values)
-                self.touched[name].update(ids.tolist())
-            if dense or ids_list:
-                self._apply(dense, ids_list, values_list)
+                if len(ids):
+                    self.touched[name].update(ids.tolist())
+            values = self._apply(flat_grad, ids_list, values_list).numpy()
             self.applied.add(key)
             self.version += 1
-            return True
+            return True, values
 
-    def dense_values(self) -> dict[str, np.ndarray]:
-        return {n: v.numpy() for n, v in self.dense.items()}
+    def dense_flat(self) -> np.ndarray:
+        return self._read().numpy()
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.tf.gather(self.tables[name], ids // self.num_ps).numpy()
@@ -91,7 +103,7 @@ class ParameterShard:
     def save(self, uri: str) -> None:
         buf = io.BytesIO()
         with self.lock:
-            arrays = {f"dense/{n}": v.numpy() for n, v in self.dense.items()}
+            arrays = {"dense_flat": self.dense_flat()}
             arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
             np.savez(buf, **arrays)
         atomic_write_bytes(uri, buf.getvalue())
@@ -102,16 +114,11 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         self.shard = shard
         self.token = token
 
-    def _dense_reply(self, msg) -> None:
-        for n, v in self.shard.dense_values().items():
-            nt = msg.dense.add(name=n)
-            tensors.encode(v, nt.tensor)
-
     def PullDense(self, request, context):
         check_token(context, self.token, request.token)
         reply = pb.PullDenseResponse(version=self.shard.version)
         if self.shard.version > request.min_version or request.min_version <= 0:
-            self._dense_reply(reply)
+            tensors.encode(self.shard.dense_flat(), reply.dense_flat)
         return reply
 
     def PullEmbedding(self, request, context):
@@ -126,12 +133,15 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def PushGradients(self, request, context):
         check_token(context, self.token, request.token)
-        dense = {nt.name: tensors.decode(nt.tensor) for nt in request.dense_grads}
         emb = [(e.name, tensors.decode(e.ids), tensors.decode(e.values)) for e in request.embedding_grads]
-        applied = self.shard.push((request.task_id, request.seq), dense, emb)
+        try:
+            applied, values = self.shard.push((request.task_id, request.seq),
+                                              tensors.decode(request.dense_grads_flat), emb)
+        except ValueError as e:  # a worker built a different model: refuse, do not corrupt
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reply = pb.PushResponse(applied=applied, version=self.shard.version)
         if request.want_dense:
-            self._dense_reply(reply)
+            tensors.encode(values, reply.dense_flat)
         return reply
 
     def Save(self, request, context):
@@ -143,7 +153,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         check_token(context, self.token, request.token)
         s = self.shard
         reply = pb.PsStats(shard=s.shard, pushes_applied=len(s.applied), pushes_skipped=s.skipped,
-                           dense_names=sorted(s.dense))
+                           dense_parameters=s.dense_size)
         for name, ids in s.touched.items():
             t = reply.touched.add(name=name)
             tensors.encode(np.array(sorted(ids), dtype=np.int64), t.ids)

@@ -30,13 +30,17 @@ class PSTrainer:
         self.placement = placement
         self.names = variable_names(model)
         self.variables = dict(zip(self.names, model.trainable_variables))
-        self.dense_names = [n for n in self.names if n in placement.dense]
         self.table_names = [n for n in self.names if n in placement.embeddings]
         self._ids_of = self._id_extractor(keras, model)
         loss_fn = model_def.loss_fn
         trainable = model.trainable_variables
-        dense_pos = [self.names.index(n) for n in self.dense_names]
+        shard_pos = [[self.names.index(n) for n in placement.dense_on(s)] for s in range(placement.num_ps)]
         table_pos = [self.names.index(n) for n in self.table_names]
+
+        def flat(tensors_):
+            if not tensors_:
+                return tf.zeros([0], tf.float32)
+            return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors_], 0)
 
         @tf.function(reduce_retracing=True)
         def step(features, labels):
@@ -46,8 +50,9 @@ class PSTrainer:
                 if model.losses:
                     loss = loss + tf.add_n(model.losses)
             grads = tape.gradient(loss, trainable)
-            dense = [tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
-                     for i in dense_pos]
+            # One flat buffer per PS shard: one tensor on the wire instead of one per variable.
+            dense = [flat([tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
+                           for i in pos]) for pos in shard_pos]
             sparse = []
             for i in table_pos:
                 g = grads[i]
@@ -62,12 +67,15 @@ class PSTrainer:
             return loss, dense, sparse
 
         self._step = step
-        dense_vars = [self.variables[n] for n in self.dense_names]
+        shard_vars = [[trainable[i] for i in pos] for pos in shard_pos]
 
         @tf.function(reduce_retracing=True)
-        def assign_dense(values):  # one compiled call instead of one assign per variable
-            for var, value in zip(dense_vars, values):
-                var.assign(value)
+        def assign_dense(flats):  # one compiled call: split each shard's buffer into its variables
+            for variables, buf in zip(shard_vars, flats):
+                if variables:
+                    parts = tf.split(buf, [int(v.shape.num_elements()) for v in variables])
+                    for var, part in zip(variables, parts):
+                        var.assign(tf.cast(tf.reshape(part, var.shape), var.dtype))
 
         self._assign_dense = assign_dense
 
@@ -89,13 +97,9 @@ class PSTrainer:
             log.info("model is not functional: embedding rows are refreshed after each push")
             return None
 
-    def set_dense(self, values: dict[str, np.ndarray]) -> None:
-        if values:
-            if set(values) == set(self.dense_names):
-                self._assign_dense([values[n] for n in self.dense_names])
-            else:
-                for name, value in values.items():
-                    self.variables[name].assign(value)
+    def set_dense(self, flats: list[np.ndarray]) -> None:
+        """Load each shard's flat dense buffer into the model."""
+        self._assign_dense(flats)
 
     def _set_rows(self, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         tf = self.tf
@@ -127,7 +131,7 @@ class PSTrainer:
             raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
                                 f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
                                 "loss() expect.") from e
-        return Gradients(loss=float(loss), dense={n: g.numpy() for n, g in zip(self.dense_names, dense)},
+        return Gradients(loss=float(loss), dense=[g.numpy() for g in dense],
                          rows={n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, sparse)})
 
     def push(self, grads: Gradients, task_id: int, seq: int) -> bool:
@@ -142,5 +146,5 @@ class PSTrainer:
 @dataclasses.dataclass
 class Gradients:
     loss: float
-    dense: dict[str, np.ndarray]
+    dense: list[np.ndarray]                            # per PS shard: flat gradient buffer
     rows: dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (unique ids, summed row gradients)

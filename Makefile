@@ -1,0 +1,11 @@
+# The two commands of the README. Each does all set-up on a fresh machine first.
+.PHONY: demo test bench
+
+demo:
+	./scripts/demo
+
+test:
+	./scripts/test
+
+bench:
+	./scripts/bootstrap && .venv/bin/python bench/throughput.py && .venv/bin/python bench/recovery.py && .venv/bin/python bench/master_capacity.py

@@ -1,0 +1,99 @@
+"""Training throughput of elastic-step (1 worker + 1 PS, local backend) against plain Keras
+`model.fit` on the same model, data and batch size, measured in the same run.
+
+    .venv/bin/python bench/throughput.py [--rows 60000] [--batch 64 256] [--model samples/digits/model.py]
+
+elastic-step's figure is its steady state: committed records over the span from the first to the
+last commit (process start-up, ~5 s of TensorFlow import, is reported separately). Keras's is one
+epoch of `fit` after a warm-up epoch, so tracing is excluded from both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def make_data(rows: int, out: pathlib.Path) -> str:
+    """The digits CSV, repeated to `rows`, as one Parquet shard and its manifest."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from elastic_step.data.api import Field, Manifest, Shard
+
+    table = pacsv.read_csv(ROOT / "samples" / "digits" / "digits.csv")
+    reps = -(-rows // table.num_rows)
+    table = pa.concat_tables([table] * reps).slice(0, rows)
+    table = table.take(np.random.default_rng(0).permutation(rows))
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, out / "part-00000.parquet", row_group_size=1024)
+    m = Manifest(split="train", label="label", shards=[Shard("part-00000.parquet", rows)],
+                 schema=[Field(f.name, str(f.type)) for f in table.schema])
+    m.save(str(out / "manifest.json"))
+    return str(out / "manifest.json")
+
+
+def keras_fit(model_path: str, manifest: str, batch: int) -> float:
+    import keras
+    import numpy as np
+
+    from elastic_step.data.api import load_manifest
+    from elastic_step.data.reader import ShardReader
+    from elastic_step.model_def import load_model_def
+
+    md = load_model_def(model_path)
+    m = load_manifest(manifest)
+    reader = ShardReader(m.shard_uri(m.shards[0]))
+    x, y = md.feed(reader.read(0, reader.num_rows))
+    model = md.model()
+    model.compile(optimizer=md.optimizer(), loss=md.loss_fn)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # warm-up: tracing
+    t0 = time.perf_counter()
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+    return len(y) / (time.perf_counter() - t0)
+
+
+def elastic(model_path: str, manifest: str, batch: int, workdir: pathlib.Path) -> dict:
+    out = workdir / f"elastic-{batch}"
+    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model_path, "--train-data", manifest,
+           "--output", str(out), "--epochs", "1", "--minibatch-size", str(batch), "--records-per-task",
+           str(batch * 32), "--min-workers", "1", "--max-workers", "1", "--num-ps", "1", "--progress", "off"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=60_000)
+    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--model", default=str(ROOT / "samples" / "digits" / "model.py"))
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+        work = pathlib.Path(tmp)
+        manifest = make_data(args.rows, work / "data")
+        print(f"model {os.path.relpath(args.model, ROOT)}, {args.rows} records, 1 epoch; "
+              f"elastic-step: 1 worker + 1 PS (local backend)")
+        print(f"{'batch':>6} {'keras fit rec/s':>16} {'elastic rec/s':>14} {'ratio':>6} {'startup s':>10}")
+        for batch in args.batch:
+            base = keras_fit(args.model, manifest, batch)
+            s = elastic(args.model, manifest, batch, work)
+            rate = s["throughput_records_per_s"]
+            print(f"{batch:>6} {base:>16.0f} {rate:>14.0f} {rate / base:>6.2f} {s['startup_seconds']:>10.1f}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
