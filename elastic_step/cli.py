@@ -50,7 +50,7 @@ def _train(args) -> dict:
         strategy=args.strategy, backend=args.backend, seed=args.seed, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
-        chaos=args.chaos)
+        **({"chaos": args.chaos} if args.chaos else {}))  # else TrainConfig reads ELASTIC_STEP_CHAOS
     if args.job_id:
         cfg.job_id = args.job_id
     s = train(cfg)

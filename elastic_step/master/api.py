@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import uuid
 
@@ -35,8 +36,10 @@ class TrainConfig:
     image: str | None = None
     max_relaunches: int = 20           # per job: a crash loop fails the job instead of spinning
     progress: str = "auto"             # auto | bar | lines | off
-    # Chaos hooks for tests and benchmarks: kill a worker after N committed records.
-    chaos: list[str] = dataclasses.field(default_factory=list)
+    # Chaos hooks for tests and benchmarks: kill a worker after N committed records. Also read
+    # from ELASTIC_STEP_CHAOS (comma-separated), so a pipeline step can be disturbed from outside.
+    chaos: list[str] = dataclasses.field(
+        default_factory=lambda: [c for c in os.environ.get("ELASTIC_STEP_CHAOS", "").split(",") if c])
 
     def validate(self) -> "TrainConfig":
         def positive(name: str) -> None:

@@ -14,6 +14,15 @@ import uuid
 import fsspec
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def _local_path(uri: str) -> str | None:
     if uri.startswith("file://"):
         return uri[len("file://"):]
@@ -30,6 +39,7 @@ def atomic_write_bytes(uri: str, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; readers may be another user
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
