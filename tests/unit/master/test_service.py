@@ -1,0 +1,206 @@
+"""The master's gRPC service, for real: a server on 127.0.0.1 and the workers' MasterClient."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
+from elastic_step.instance import MasterClient
+from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.service import MasterService, serve
+from elastic_step.proto import elastic_pb2 as pb
+
+TOKEN = "right-token"
+MINIBATCH = 8
+TASK = pb.GetTaskResponse
+
+
+class Master:
+    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2):
+        self.ledger = Ledger([ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task,
+                             epochs, minibatch_size=MINIBATCH)
+        self.coord = Coordinator(self.ledger, num_ps=0)
+        self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py"))
+        self.address = f"127.0.0.1:{self.port}"
+        self.clients: list[MasterClient] = []
+
+    def client(self, index: int, token: str = TOKEN, role: str = "worker") -> MasterClient:
+        c = MasterClient(self.address, token, role, index)
+        self.clients.append(c)
+        return c
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.server.stop(None)
+
+
+@pytest.fixture
+def master():
+    m = Master()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def even_master():
+    """Every task is exactly two minibatches, whichever the shuffle hands out first."""
+    m = Master(rows=(48,), records_per_task=2 * MINIBATCH, epochs=1)
+    yield m
+    m.close()
+
+
+def _train(client: MasterClient, reply: pb.GetTaskResponse, upto: int | None = None) -> None:
+    """Report the leased task minibatch by minibatch (boundaries from task_start), up to `upto`."""
+    t = reply.task
+    seq = t.start
+    while seq < (t.end if upto is None else upto):
+        hi = min(t.end, t.task_start + ((seq - t.task_start) // MINIBATCH + 1) * MINIBATCH)
+        assert client.report(t.task_id, hi, hi - seq, 0.5, False)
+        seq = hi
+
+
+# ---------------------------------------------------------------------------- authentication
+
+def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
+    good = master.client(0)
+    good.register()
+    lease = good.get_task()
+    assert lease.kind == TASK.TASK
+    for token in ("wrong-token", "", TOKEN + "x", TOKEN[:-1]):
+        bad = master.client(1, token=token)
+        me = bad.me
+        calls = {
+            "Register": lambda: bad.register(),
+            "Heartbeat": lambda: bad.heartbeat(),
+            "GetTask": lambda: bad.get_task(),
+            "ReportProgress": lambda: bad.report(lease.task.task_id, lease.task.start + MINIBATCH,
+                                                 MINIBATCH, 0.0, False),
+            # MasterClient.fail swallows errors by design: call the stub itself.
+            "ReportFailure": lambda: bad.stub.ReportFailure(pb.FailureReport(
+                token=token, instance=me, kind="internal", message="boom"), timeout=10),
+            "GetJobState": lambda: bad.stub.GetJobState(pb.JobStateRequest(token=token), timeout=10),
+        }
+        assert set(calls) == set(pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+    # Nothing the impostors sent reached the coordinator.
+    assert InstanceId("worker", 1) not in master.coord.membership.members
+    assert master.coord.failure is None and not master.coord.finished.is_set()
+    assert master.ledger.records_committed_total() == 0
+    assert list(master.ledger.leases) == ["worker-0"]
+
+
+def test_a_malformed_instance_is_invalid_argument(master):
+    bad = master.client(0, role="scheduler")
+    with pytest.raises(grpc.RpcError) as err:
+        bad.register()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---------------------------------------------------------------------------- the task flow
+
+def test_register_get_task_report_commits_every_record_and_then_done(master):
+    client = master.client(0)
+    reg = client.register()
+    assert (reg.job_id, reg.minibatch_size, reg.model_def, list(reg.ps_addresses)) == \
+        ("job-1", MINIBATCH, "model.py", [])
+    seen: dict[int, list[tuple[str, int, int]]] = {0: [], 1: []}
+    for _ in range(100):
+        reply = client.get_task()
+        if reply.kind == TASK.DONE:
+            break
+        assert reply.kind == TASK.TASK
+        t = reply.task
+        assert t.start == t.task_start and t.end - t.start <= 16 and t.task_start % MINIBATCH == 0
+        assert t.epoch == master.ledger.epoch
+        seen[t.epoch].append((t.shard, t.start, t.end))
+        _train(client, reply)
+    else:
+        pytest.fail("the master never said DONE")
+    for epoch in (0, 1):
+        assert sorted(seen[epoch]) == [("s0", 0, 16), ("s0", 16, 32), ("s0", 32, 40),
+                                       ("s1", 0, 16), ("s1", 16, 24)]
+    assert [a.as_dict() for a in master.ledger.accounts] == [
+        {"epoch": e, "records": 64, "committed": 64, "lost": 0, "double_applied": 0, "requeued": 0}
+        for e in (0, 1)]
+    assert master.coord.finished.is_set()
+    # DONE is final, for this worker and any other.
+    assert client.get_task().kind == TASK.DONE
+    late = master.client(1)
+    late.register()
+    assert late.get_task().kind == TASK.DONE
+    state = client.stub.GetJobState(pb.JobStateRequest(token=TOKEN), timeout=10)
+    assert (state.status, state.records_committed) == ("succeeded", 128)
+
+
+def test_the_current_lease_is_handed_out_again_until_it_is_finished(even_master):
+    master = even_master
+    client = master.client(0)
+    client.register()
+    first = client.get_task()
+    _train(client, first, upto=first.task.start + MINIBATCH)
+    again = client.get_task()
+    assert again.task.task_id == first.task.task_id
+    assert (again.task.start, again.task.task_start) == (first.task.start + MINIBATCH, first.task.start)
+
+
+def test_wait_while_the_epoch_is_leased_out_but_not_committed():
+    m = Master(rows=(16,), records_per_task=16, epochs=2)
+    try:
+        a, b = m.client(0), m.client(1)
+        a.register()
+        b.register()
+        lease = a.get_task()
+        wait = b.get_task()
+        assert wait.kind == TASK.WAIT and wait.retry_after_s > 0
+        _train(a, lease)
+        nxt = b.get_task()
+        assert nxt.kind == TASK.TASK and nxt.task.epoch == 1
+    finally:
+        m.close()
+
+
+# ---------------------------------------------------------------------------- refusals
+
+def test_a_report_for_a_task_the_worker_does_not_hold_is_refused(master):
+    a, b = master.client(0), master.client(1)
+    a.register()
+    b.register()
+    ta = a.get_task().task
+    tb = b.get_task().task
+    assert not b.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)      # a's task
+    assert not a.report(10_000, MINIBATCH, MINIBATCH, 0.1, False)                     # no such task
+    assert not a.report(ta.task_id, ta.end + MINIBATCH, MINIBATCH, 0.1, False)        # past its end
+    never = master.client(2)
+    never.register()
+    assert not never.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)  # holds nothing
+    assert master.ledger.records_committed_total() == 0
+    assert [e["instance"] for e in master.coord.events if e["kind"] == "refused"] == \
+        ["worker-1", "worker-0", "worker-0", "worker-2"]
+    # The holders still hold their leases and may go on.
+    assert a.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)
+    assert b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False)
+    assert master.ledger.records_committed_total() == 2 * MINIBATCH
+
+
+def test_a_lost_workers_late_report_is_refused_and_its_remainder_goes_to_the_next(even_master):
+    master = even_master
+    a, b = master.client(0), master.client(1)
+    a.register()
+    b.register()
+    first = a.get_task()
+    _train(a, first, upto=first.task.start + MINIBATCH)
+    remainder = master.coord.on_instance_event(InstanceEvent(EventKind.LOST, InstanceId("worker", 0)))
+    assert remainder == (first.task.start + MINIBATCH, first.task.end)
+    assert not a.report(first.task.task_id, first.task.start + 2 * MINIBATCH, MINIBATCH, 0.1, False)
+    nxt = b.get_task()
+    assert nxt.task.task_id == first.task.task_id
+    assert (nxt.task.start, nxt.task.end, nxt.task.task_start) == (*remainder, first.task.start)
+    _train(b, nxt)
+    assert master.ledger.account.committed == first.task.end - first.task.start
+    assert master.ledger.account.requeued == remainder[1] - remainder[0]
+    assert master.ledger.account.double_applied == 0
