@@ -42,7 +42,8 @@ class ShardReader:
         with self._lock:
             c = self._cache
             if c is None or not (c[0] <= start and end <= c[1]):
-                first = bisect.bisect_right(self._starts, start) - 1
+                # clamp: an empty range at the very end still needs one row group for the columns
+                first = min(bisect.bisect_right(self._starts, start) - 1, len(self._starts) - 2)
                 last = bisect.bisect_left(self._starts, end)  # row groups [first, last)
                 table = self._pq.read_row_groups(list(range(first, max(last, first + 1))),
                                                  columns=self.columns)

@@ -59,7 +59,10 @@ class Coordinator:
     def get_task(self, inst: InstanceId) -> Lease | None | str:
         """A lease, None (wait), or "done"."""
         with self.lock:
-            if self.finished.is_set() or self.ledger.done:
+            member = self.membership.members.get(inst)
+            if self.finished.is_set() or self.ledger.done or (member is not None and member.state == "gone"):
+                # A worker the backend declared gone (e.g. a pod in its grace period) gets no new
+                # lease: one it held was already requeued, and nobody would release another.
                 return "done"
             self.membership.seen(inst)
             if not self.training_started:

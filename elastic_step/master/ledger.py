@@ -80,6 +80,7 @@ class Ledger:
         # same whoever processes a task and wherever it was interrupted.
         self.records_per_task = max(minibatch_size, records_per_task // minibatch_size * minibatch_size)
         self.epochs = epochs
+        self.minibatch_size = minibatch_size
         self.seed = seed
         self.records_per_epoch = sum(s.rows for s in self.shards)
         self.epoch = -1
@@ -128,6 +129,10 @@ class Ledger:
         if not lease.watermark <= watermark <= lease.task.end:
             raise LedgerError(f"{worker} reported watermark {watermark} outside "
                               f"[{lease.watermark}, {lease.task.end}] of task {task_id}")
+        if watermark != lease.task.end and (watermark - lease.task.start) % self.minibatch_size:
+            # Watermarks sit on minibatch boundaries: they are the PS idempotency keys' seqs.
+            raise LedgerError(f"{worker} reported watermark {watermark} off the minibatch boundaries "
+                              f"of task {task_id}")
         fresh = self._commit(lease.task, lease.watermark, watermark)
         lease.watermark = watermark
         if watermark == lease.task.end:

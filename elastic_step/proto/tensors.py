@@ -10,7 +10,7 @@ _ALLOWED = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", 
 
 
 def encode(array, out: pb.Tensor | None = None) -> pb.Tensor:
-    a = np.ascontiguousarray(array)
+    a = np.asarray(array, order="C")  # not ascontiguousarray: it turns a 0-d scalar into shape (1,)
     if a.dtype.name not in _ALLOWED:
         raise TypeError(f"cannot send a tensor of dtype {a.dtype.name} (allowed: {sorted(_ALLOWED)})")
     t = out if out is not None else pb.Tensor()
