@@ -23,7 +23,6 @@ EXIT_USER_ERROR = 3
 
 def quiet_tensorflow() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def instance_argv(role: str, master: str, index: int, model_def: str, num_ps: int, seed: int,

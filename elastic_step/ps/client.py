@@ -53,10 +53,10 @@ class PSClient:
 
     def push(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
              emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
-             ) -> tuple[bool, list[np.ndarray]]:
+             ) -> tuple[bool, list[tuple[int, np.ndarray]]]:
         """Push one minibatch: per shard a flat dense gradient, plus embedding rows to their owners.
 
-        Returns (applied by any shard, each shard's fresh flat dense values)."""
+        Returns (applied by any shard, each shard's (version, fresh flat dense values))."""
         requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
                     for _ in self.stubs]
         for shard, flat in enumerate(flat_grads):
@@ -70,7 +70,7 @@ class PSClient:
         # Every shard gets the key, even with nothing to apply, so all shards agree on it.
         futures = [s.PushGradients.future(r, timeout=self.timeout) for s, r in zip(self.stubs, requests)]
         replies = [f.result() for f in futures]
-        return any(r.applied for r in replies), [tensors.decode(r.dense_flat) for r in replies]
+        return any(r.applied for r in replies), [(r.version, tensors.decode(r.dense_flat)) for r in replies]
 
     def all_rows(self) -> dict[str, np.ndarray]:
         """Every embedding table, whole (for export at the end of training)."""

@@ -7,6 +7,7 @@ under the same (task, seq) key by whoever takes the remainder, and the PS skips 
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -56,20 +57,24 @@ class Reporter:
         self._thread.join(timeout=30)
 
 
+# Pushes in flight per worker. Two lets the worker's compute and the PS's update overlap fully
+# (throughput bound by the slower of the two, not by their sum plus a round trip), at the cost
+# of at most two steps of staleness, which async SGD tolerates.
+PUSH_DEPTH = 2
+
+
 def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
     reporter = Reporter(master)
-    pusher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
-    in_flight = None   # (future, task_id, hi, records, loss)
+    pusher = concurrent.futures.ThreadPoolExecutor(max_workers=PUSH_DEPTH, thread_name_prefix="push")
+    in_flight: collections.deque = collections.deque()   # (future, task_id, hi, records, loss), in order
 
-    def settle() -> None:
-        nonlocal in_flight
-        if in_flight is None:
-            return
-        future, task_id, hi, records, loss = in_flight
-        in_flight = None
-        applied = future.result()
-        reporter.report(task_id, hi, records, loss, duplicate=not applied)
+    def settle(keep: int = 0) -> None:
+        """Wait for the oldest pushes until at most `keep` are in flight; report them in order."""
+        while len(in_flight) > keep:
+            future, task_id, hi, records, loss = in_flight.popleft()
+            applied = future.result()
+            reporter.report(task_id, hi, records, loss, duplicate=not applied)
 
     try:
         while not stop.is_set():
@@ -90,9 +95,9 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             while seq < t.end and not reporter.refused.is_set():
                 hi = min(t.end, t.task_start + ((seq - t.task_start) // minibatch_size + 1) * minibatch_size)
                 grads = trainer.compute(readers.read(t.shard, seq, hi))
-                settle()
-                in_flight = (pusher.submit(trainer.push, grads, t.task_id, seq), t.task_id, hi, hi - seq,
-                             grads.loss)
+                settle(keep=PUSH_DEPTH - 1)
+                in_flight.append((pusher.submit(trainer.push, grads, t.task_id, seq), t.task_id, hi, hi - seq,
+                                  grads.loss))
                 seq = hi
                 if stop.is_set():
                     break

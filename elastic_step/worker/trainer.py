@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 
 import numpy as np
 
@@ -78,6 +79,8 @@ class PSTrainer:
                         var.assign(tf.cast(tf.reshape(part, var.shape), var.dtype))
 
         self._assign_dense = assign_dense
+        self._versions = [-1] * placement.num_ps
+        self._versions_lock = threading.Lock()
 
     @staticmethod
     def _id_extractor(keras, model):
@@ -135,9 +138,15 @@ class PSTrainer:
                          rows={n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, sparse)})
 
     def push(self, grads: Gradients, task_id: int, seq: int) -> bool:
-        """Push keyed by (task, seq) and take the fresh parameters back. True if any shard applied it."""
-        applied, fresh = self.ps.push(task_id, seq, grads.dense, grads.rows, want_dense=True)
-        self.set_dense(fresh)
+        """Push keyed by (task, seq) and take the fresh parameters back. True if any shard applied it.
+
+        Several pushes may be in flight; replies can arrive out of order, so a shard's values are
+        loaded only when newer (by the shard's version) than what the model already has."""
+        applied, replies = self.ps.push(task_id, seq, grads.dense, grads.rows, want_dense=True)
+        with self._versions_lock:
+            if any(v > self._versions[s] for s, (v, _) in enumerate(replies)):
+                self._versions = [max(v, old) for (v, _), old in zip(replies, self._versions)]
+                self.set_dense([flat for _, flat in replies])
         if self.table_names and self._ids_of is None:
             self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in grads.rows.items()})
         return applied
