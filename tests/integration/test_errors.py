@@ -1,0 +1,103 @@
+"""Bad input gets a one-paragraph error naming the thing and the fix, a non-zero exit, no
+traceback, and nothing half-written left looking valid."""
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+import pytest
+
+from tests.integration.harness import DIGITS_MODEL, run_cli, train
+
+
+def assert_clean_error(proc, *needles: str) -> str:
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "Traceback" not in err, err[-3000:]
+    line = [l for l in err.splitlines() if l.startswith("elastic-step: error:")]
+    assert line, err[-3000:]
+    for needle in needles:
+        assert needle in line[-1], (needle, line[-1])
+    return line[-1]
+
+
+def write_model(tmp_path, body: str) -> str:
+    """A copy of the digits model with one function replaced or removed."""
+    src = open(DIGITS_MODEL).read()
+    path = tmp_path / "user_model.py"
+    path.write_text(src + "\n" + textwrap.dedent(body))
+    return str(path)
+
+
+def test_unreadable_train_data(tmp_path):
+    proc = run_cli("train", "--model-def", DIGITS_MODEL, "--train-data", str(tmp_path / "nowhere"),
+                   "--output", str(tmp_path / "out"))
+    assert_clean_error(proc, str(tmp_path / "nowhere"), "data prep")
+    assert not (tmp_path / "out" / "model.keras").exists()
+
+
+def test_unreadable_source_in_prep(tmp_path):
+    proc = run_cli("data", "prep", "--source", "file:///no/such/file.csv", "--output", str(tmp_path / "out"))
+    assert_clean_error(proc, "/no/such/file.csv")
+    assert not (tmp_path / "out" / "train" / "manifest.json").exists()
+
+
+def test_bad_row_names_file_line_and_column(tmp_path):
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b,label\n1,2.0,0\n3,oops,1\n5,6.0,0\n")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
+                                             {"name": "label", "type": "int64"}]}))
+    proc = run_cli("data", "prep", "--source", str(csv), "--output", str(tmp_path / "out"), "--label", "label",
+                   "--schema", str(schema))
+    assert_clean_error(proc, "data.csv", "line 3", "'b'")
+    assert not (tmp_path / "out" / "train" / "manifest.json").exists()
+
+
+def test_schema_mismatch(tmp_path):
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,label\n1,0\n2,1\n")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
+                                             {"name": "label", "type": "int64"}]}))
+    proc = run_cli("data", "prep", "--source", str(csv), "--output", str(tmp_path / "out"), "--label", "label",
+                   "--schema", str(schema))
+    assert_clean_error(proc, "'b'")
+
+
+def test_missing_model_function(tmp_path, digits_data):
+    model = write_model(tmp_path, "del feed\n")
+    proc, _ = train(digits_data, tmp_path / "out", model=model)
+    assert_clean_error(proc, "feed()", "user_model.py")
+    assert not (tmp_path / "out" / "model.keras").exists()
+
+
+@pytest.mark.slow
+def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
+    model = write_model(tmp_path, """
+        def feed(batch):
+            raise ValueError("pixel column has the wrong scale")
+    """)
+    out = tmp_path / "out"
+    proc, summary = train(digits_data, out, "--max-workers", "2", model=model)
+    msg = assert_clean_error(proc, "pixel column has the wrong scale", "feed()", "user_model.py")
+    assert "worker-" in msg
+    assert proc.returncode == 1
+    # Not relaunched forever: the job failed on the first report of the user's error.
+    assert summary["status"] == "failed"
+    assert summary["workers"]["relaunched"] == 0
+    assert not (out / "model.keras").exists()
+    assert not (out / "saved_model").exists()
+
+
+@pytest.mark.slow
+def test_model_build_that_raises(tmp_path, digits_data):
+    model = write_model(tmp_path, """
+        def model():
+            raise RuntimeError("layer sizes do not match")
+    """)
+    proc, summary = train(digits_data, tmp_path / "out", model=model)
+    assert_clean_error(proc, "layer sizes do not match", "model()")
+    assert summary["status"] == "failed"
+    assert not os.path.exists(tmp_path / "out" / "model.keras")
