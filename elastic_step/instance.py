@@ -23,9 +23,6 @@ EXIT_USER_ERROR = 3
 
 def quiet_tensorflow() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    # oneDNN stays on (it is TF's default and much faster); saying so explicitly silences the
-    # banner TF prints in every process when the variable is unset.
-    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
 
 
 def instance_argv(role: str, master: str, index: int, model_def: str, num_ps: int, seed: int,
