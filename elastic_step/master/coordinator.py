@@ -76,9 +76,10 @@ class Coordinator:
             worker = str(inst)
             had = worker in self.ledger.leases
             lease = self.ledger.lease(worker, time.time())
-            if lease is not None and not had:
-                self.record("leased", worker, f"task {lease.task.task_id} [{lease.start},{lease.task.end})"
-                            f" epoch {lease.task.epoch}")
+            if lease is not None and not had and lease.start != lease.task.start:
+                # Only re-leases make the timeline: a lost worker's remainder finding a new home.
+                self.record("re-leased", worker, f"task {lease.task.task_id} records [{lease.start},"
+                            f"{lease.task.end}) epoch {lease.task.epoch}")
             return lease
 
     def report_progress(self, inst: InstanceId, task_id: int, watermark: int, loss: float,

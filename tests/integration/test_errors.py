@@ -43,26 +43,25 @@ def test_unreadable_source_in_prep(tmp_path):
     assert not (tmp_path / "out" / "train" / "manifest.json").exists()
 
 
-def test_bad_row_names_file_line_and_column(tmp_path):
+def prep_against_schema(tmp_path, csv_text: str):
+    """Run `data prep` on a CSV against the schema a, b (float), label."""
     csv = tmp_path / "data.csv"
-    csv.write_text("a,b,label\n1,2.0,0\n3,oops,1\n5,6.0,0\n")
+    csv.write_text(csv_text)
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
                                              {"name": "label", "type": "int64"}]}))
-    proc = run_cli("data", "prep", "--source", str(csv), "--output", str(tmp_path / "out"), "--label", "label",
+    return run_cli("data", "prep", "--source", str(csv), "--output", str(tmp_path / "out"), "--label", "label",
                    "--schema", str(schema))
+
+
+def test_bad_row_names_file_line_and_column(tmp_path):
+    proc = prep_against_schema(tmp_path, "a,b,label\n1,2.0,0\n3,oops,1\n5,6.0,0\n")
     assert_clean_error(proc, "data.csv", "line 3", "'b'")
     assert not (tmp_path / "out" / "train" / "manifest.json").exists()
 
 
 def test_schema_mismatch(tmp_path):
-    csv = tmp_path / "data.csv"
-    csv.write_text("a,label\n1,0\n2,1\n")
-    schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
-                                             {"name": "label", "type": "int64"}]}))
-    proc = run_cli("data", "prep", "--source", str(csv), "--output", str(tmp_path / "out"), "--label", "label",
-                   "--schema", str(schema))
+    proc = prep_against_schema(tmp_path, "a,label\n1,0\n2,1\n")
     assert_clean_error(proc, "'b'")
 
 
