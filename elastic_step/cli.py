@@ -55,8 +55,10 @@ def _train(args) -> dict:
         cfg.job_id = args.job_id
     s = train(cfg)
     return {"status": s["status"], "job_id": s["job_id"], "eval": s["eval"], "outputs": s.get("outputs", {}),
-            "summary": f"{args.output.rstrip('/')}/summary.json", "ledger": s["ledger"]["epochs"],
-            "throughput_records_per_s": s["throughput_records_per_s"]}
+            "summary": f"{args.output.rstrip('/')}/summary.json",
+            "ledger": {"epochs": len(s["ledger"]["epochs"]), "records_committed": s["ledger"]["records_committed"],
+                       "exact": all(e["lost"] == 0 and e["double_applied"] == 0 for e in s["ledger"]["epochs"])},
+            "workers": s["workers"], "throughput_records_per_s": s["throughput_records_per_s"]}
 
 
 def _prep(args) -> dict:
