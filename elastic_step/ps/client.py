@@ -1,6 +1,8 @@
 """Client side of the parameter servers: fan a pull or a push out to every shard at once."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import numpy as np
 
 from elastic_step.proto import elastic_pb2 as pb
@@ -17,6 +19,10 @@ class PSClient:
         self.placement = placement
         self.timeout = timeout
         self._channels = [rpc.channel(a) for a in addresses]
+        # Blocking calls on long-lived threads: gRPC's own futures start a thread per call when
+        # calls do not overlap, which costs more than a small model's whole training step.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(addresses),
+                                                           thread_name_prefix="ps-call")
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
 
     def pull_dense(self) -> list[np.ndarray]:
@@ -51,12 +57,10 @@ class PSClient:
                 out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
         return out
 
-    def push(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
-             emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
-             ) -> tuple[bool, list[tuple[int, np.ndarray]]]:
-        """Push one minibatch: per shard a flat dense gradient, plus embedding rows to their owners.
-
-        Returns (applied by any shard, each shard's (version, fresh flat dense values))."""
+    def push_start(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
+                   emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True) -> list:
+        """Send one minibatch's push to every shard without waiting: per shard a flat dense
+        gradient, plus embedding rows to their owners. `push_finish` collects the replies."""
         requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
                     for _ in self.stubs]
         for shard, flat in enumerate(flat_grads):
@@ -68,7 +72,11 @@ class PSClient:
                     tensors.encode(ids[pos], e.ids)
                     tensors.encode(values[pos], e.values)
         # Every shard gets the key, even with nothing to apply, so all shards agree on it.
-        futures = [s.PushGradients.future(r, timeout=self.timeout) for s, r in zip(self.stubs, requests)]
+        return [self._pool.submit(s.PushGradients, r, timeout=self.timeout) for s, r in zip(self.stubs, requests)]
+
+    @staticmethod
+    def push_finish(futures: list) -> tuple[bool, list[tuple[int, np.ndarray]]]:
+        """(applied by any shard, each shard's (version, fresh flat dense values))."""
         replies = [f.result() for f in futures]
         return any(r.applied for r in replies), [(r.version, tensors.decode(r.dense_flat)) for r in replies]
 
@@ -81,5 +89,6 @@ class PSClient:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         for c in self._channels:
             c.close()

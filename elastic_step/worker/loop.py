@@ -1,16 +1,17 @@
-"""The worker's task loop: lease, read, compute, push, report — pipelined.
+"""The worker's task loop: lease, read, compute, push, report — pipelined on one thread.
 
 The push of minibatch t travels while minibatch t+1 is read and its gradients computed (async
-SGD tolerates that one step of staleness), and watermarks go to the master from a background
-thread in order. Neither weakens exactly-once: a pushed-but-unreported minibatch is re-pushed
-under the same (task, seq) key by whoever takes the remainder, and the PS skips it.
+SGD tolerates that staleness), and watermarks go to the master without waiting for the answer.
+Both travel as blocking calls on long-lived threads (gRPC's own futures would start a thread
+per call).
+Neither weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
+(task, seq) key by whoever takes the remainder, and the PS skips it.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 
@@ -19,62 +20,73 @@ from elastic_step.proto import elastic_pb2 as pb
 
 log = logging.getLogger("elastic_step.worker")
 
-
-class Reporter:
-    """Sends progress reports in order from a thread; `flush()` waits until all are delivered."""
-
-    def __init__(self, master: MasterClient):
-        self.master = master
-        self._queue: queue.Queue = queue.Queue()
-        self.refused = threading.Event()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="reporter", daemon=True)
-        self._thread.start()
-
-    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> None:
-        self._queue.put((task_id, watermark, records, loss, duplicate))
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                if not self.refused.is_set() and not self.master.report(*item):
-                    self.refused.set()
-            except BaseException as e:  # noqa: BLE001 - surfaced by flush()
-                self.error = e
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> None:
-        self._queue.join()
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-
-
-# Pushes in flight per worker. Two lets the worker's compute and the PS's update overlap fully
+# Pushes in flight per worker. Two lets the worker's compute and the PS's update overlap
 # (throughput bound by the slower of the two, not by their sum plus a round trip), at the cost
 # of at most two steps of staleness, which async SGD tolerates.
 PUSH_DEPTH = 2
 
 
+class Reporter:
+    """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
+    coalesced, since a task's last watermark commits every record below it."""
+
+    def __init__(self, master: MasterClient):
+        self.master = master
+        self.pending: list[tuple] = []
+        self.in_flight: concurrent.futures.Future | None = None
+        self.refused = False
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
+
+    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> None:
+        self.pending.append((task_id, watermark, records, loss, duplicate))
+        self.pump()
+
+    def pump(self, block: bool = False) -> None:
+        if self.in_flight is not None:
+            if not block and not self.in_flight.done():
+                return
+            if not self.in_flight.result():
+                self.refused = True
+            self.in_flight = None
+        if self.pending and not self.refused:
+            first, *rest = coalesce(self.pending)
+            self.pending = rest
+            self.in_flight = self._thread.submit(self.master.report, *first)
+        elif self.refused:
+            self.pending.clear()
+
+    def flush(self) -> None:
+        while self.in_flight is not None or self.pending:
+            self.pump(block=True)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def coalesce(items: list[tuple]) -> list[tuple]:
+    """Consecutive reports of one task become one. Duplicate minibatches stay separate, since
+    the master counts them one by one."""
+    out: list[tuple] = []
+    for task_id, watermark, records, loss, duplicate in items:
+        if out and out[-1][0] == task_id and not duplicate and not out[-1][4]:
+            _, _, r0, l0, _ = out[-1]
+            out[-1] = (task_id, watermark, r0 + records, (l0 * r0 + loss * records) / (r0 + records), False)
+        else:
+            out.append((task_id, watermark, records, loss, duplicate))
+    return out
+
+
 def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
     reporter = Reporter(master)
-    pusher = concurrent.futures.ThreadPoolExecutor(max_workers=PUSH_DEPTH, thread_name_prefix="push")
-    in_flight: collections.deque = collections.deque()   # (future, task_id, hi, records, loss), in order
+    in_flight: collections.deque = collections.deque()   # (handle, grads, task_id, hi, records), oldest first
 
     def settle(keep: int = 0) -> None:
-        """Wait for the oldest pushes until at most `keep` are in flight; report them in order."""
+        """Collect the oldest pushes until at most `keep` are in flight; report them in order."""
         while len(in_flight) > keep:
-            future, task_id, hi, records, loss = in_flight.popleft()
-            applied = future.result()
-            reporter.report(task_id, hi, records, loss, duplicate=not applied)
+            handle, grads, task_id, hi, records = in_flight.popleft()
+            applied = trainer.push_finish(handle, grads)
+            reporter.report(task_id, hi, records, grads.loss, duplicate=not applied)
 
     try:
         while not stop.is_set():
@@ -82,6 +94,10 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             # arrives, so deliver every report before asking for more work.
             settle()
             reporter.flush()
+            if reporter.refused:
+                # The master no longer counts the lease ours (it thought us lost): start afresh.
+                log.warning("master refused a progress report: dropping the lease")
+                reporter.refused = False
             reply = master.get_task()
             if reply.kind == pb.GetTaskResponse.DONE:
                 return "done"
@@ -92,27 +108,18 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             # Minibatch boundaries are fixed by the task's own start, so a remainder leased after a
             # loss pushes the same (task, seq) keys the lost worker did.
             seq = t.start
-            while seq < t.end and not reporter.refused.is_set():
+            while seq < t.end and not reporter.refused and not stop.is_set():
                 hi = min(t.end, t.task_start + ((seq - t.task_start) // minibatch_size + 1) * minibatch_size)
                 grads = trainer.compute(readers.read(t.shard, seq, hi))
                 settle(keep=PUSH_DEPTH - 1)
-                in_flight.append((pusher.submit(trainer.push, grads, t.task_id, seq), t.task_id, hi, hi - seq,
-                                  grads.loss))
+                in_flight.append((trainer.push_start(grads, t.task_id, seq), grads, t.task_id, hi, hi - seq))
+                reporter.pump()
                 seq = hi
-                if stop.is_set():
-                    break
-            if reporter.refused.is_set():
-                # The master no longer counts this lease ours (it thought us lost): start afresh.
-                settle()
-                reporter.flush()
-                log.warning("master refused progress on task %d: dropping the lease", t.task_id)
-                reporter.refused.clear()
         return "stopped"
     finally:
-        # SIGTERM or DONE: finish the minibatch in hand, deliver every report, then exit.
+        # SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit.
         try:
             settle()
             reporter.flush()
         finally:
             reporter.close()
-            pusher.shutdown(wait=True)

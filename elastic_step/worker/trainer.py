@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 
 import numpy as np
 
@@ -70,7 +69,10 @@ class PSTrainer:
         self._step = step
         shard_vars = [[trainable[i] for i in pos] for pos in shard_pos]
 
-        @tf.function(reduce_retracing=True)
+        sizes = [sum(int(v.shape.num_elements()) for v in vs) for vs in shard_vars]
+
+        # A fixed signature: the call skips the per-call trace-type matching of generic arguments.
+        @tf.function(input_signature=[[tf.TensorSpec([n], tf.float32) for n in sizes]])
         def assign_dense(flats):  # one compiled call: split each shard's buffer into its variables
             for variables, buf in zip(shard_vars, flats):
                 if variables:
@@ -80,7 +82,6 @@ class PSTrainer:
 
         self._assign_dense = assign_dense
         self._versions = [-1] * placement.num_ps
-        self._versions_lock = threading.Lock()
 
     @staticmethod
     def _id_extractor(keras, model):
@@ -137,16 +138,19 @@ class PSTrainer:
         return Gradients(loss=float(loss), dense=[g.numpy() for g in dense],
                          rows={n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, sparse)})
 
-    def push(self, grads: Gradients, task_id: int, seq: int) -> bool:
-        """Push keyed by (task, seq) and take the fresh parameters back. True if any shard applied it.
+    def push_start(self, grads: Gradients, task_id: int, seq: int) -> list:
+        """Send the push keyed by (task, seq); returns a handle for `push_finish`."""
+        return self.ps.push_start(task_id, seq, grads.dense, grads.rows, want_dense=True)
 
-        Several pushes may be in flight; replies can arrive out of order, so a shard's values are
-        loaded only when newer (by the shard's version) than what the model already has."""
-        applied, replies = self.ps.push(task_id, seq, grads.dense, grads.rows, want_dense=True)
-        with self._versions_lock:
-            if any(v > self._versions[s] for s, (v, _) in enumerate(replies)):
-                self._versions = [max(v, old) for (v, _), old in zip(replies, self._versions)]
-                self.set_dense([flat for _, flat in replies])
+    def push_finish(self, handle: list, grads: Gradients) -> bool:
+        """Take the fresh parameters back. True if any shard applied the push.
+
+        Several pushes may be in flight and replies can come back in any order, so a shard's
+        values are loaded only when newer (by the shard's version) than what the model has."""
+        applied, replies = self.ps.push_finish(handle)
+        if any(v > self._versions[s] for s, (v, _) in enumerate(replies)):
+            self._versions = [max(v, old) for (v, _), old in zip(replies, self._versions)]
+            self.set_dense([flat for _, flat in replies])
         if self.table_names and self._ids_of is None:
             self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in grads.rows.items()})
         return applied
