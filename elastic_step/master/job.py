@@ -24,11 +24,13 @@ from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
 from elastic_step.master.scaler import Scaler
 from elastic_step.master.service import MasterService, serve
+from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
 SUMMARY_FILE = "summary.json"
+REPORT_FILE = "report.html"
 
 
 def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
@@ -228,6 +230,7 @@ class TrainingJob:
 
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
         outputs = save_model(model, str(self.output))
+        outputs["report"] = str(self.output / REPORT_FILE)
         summary = self._write_summary(status="succeeded", eval=metrics, ps=ps_stats, outputs=outputs)
         log.info("job %s succeeded: %s", self.cfg.job_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
@@ -266,6 +269,7 @@ class TrainingJob:
             }
         summary.update(extra)
         atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))
+        write_report(summary, str(self.output / REPORT_FILE))
         return summary
 
 
