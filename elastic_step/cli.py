@@ -6,6 +6,7 @@ so `elastic-step train ... | jq .eval` works in scripts and pipeline steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -70,6 +71,33 @@ def _prep(args) -> dict:
             "eval_rows": r.eval.total_rows, "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows}
 
 
+def _pipeline_run(args) -> dict:
+    from elastic_step.pipelines.local_run import print_run, run_local
+
+    with contextlib.redirect_stdout(sys.stderr):  # kfp.local logs on stdout; ours carries the JSON result
+        result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
+                           minibatch_size=args.minibatch_size, min_workers=args.min_workers,
+                           max_workers=args.max_workers, num_ps=args.num_ps, threshold=args.threshold,
+                           metric=args.metric, publish_uri=args.publish_uri)
+    print_run(result)
+    return result
+
+
+def _evaluate(args) -> dict:
+    from elastic_step.steps import evaluate_step, write_json
+
+    r = evaluate_step(args.model, args.eval_data, args.model_def, metric=args.metric, threshold=args.threshold)
+    if args.metrics_out:
+        write_json(args.metrics_out, r)
+    return r
+
+
+def _compile(args) -> dict:
+    from elastic_step.pipelines.compile import compile_all
+
+    return {"written": compile_all(args.root)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-step", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -90,6 +118,36 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="elastic training: master + workers + parameter servers")
     _add_train_args(train)
     train.set_defaults(func=_train)
+
+    ev = sub.add_parser("evaluate", help="evaluate a trained model and decide the gate")
+    ev.add_argument("--model", required=True, help="model.keras or the folder holding it (any fsspec URI)")
+    ev.add_argument("--eval-data", required=True)
+    ev.add_argument("--model-def", required=True)
+    ev.add_argument("--metric", default="accuracy")
+    ev.add_argument("--threshold", type=float, default=0.9)
+    ev.add_argument("--metrics-out", help="also write the result as JSON here")
+    ev.set_defaults(func=_evaluate)
+
+    pipeline = sub.add_parser("pipeline", help="the train→evaluate pipeline").add_subparsers(
+        dest="pipeline_command", required=True)
+    run = pipeline.add_parser("run", help="run it on this machine through kfp.local")
+    run.add_argument("--source", required=True)
+    run.add_argument("--model-def", required=True)
+    run.add_argument("--output", required=True)
+    run.add_argument("--label", default="label")
+    run.add_argument("--epochs", type=int, default=10)
+    run.add_argument("--minibatch-size", type=int, default=64)
+    run.add_argument("--min-workers", type=int, default=1)
+    run.add_argument("--max-workers", type=int, default=2)
+    run.add_argument("--num-ps", type=int, default=1)
+    run.add_argument("--threshold", type=float, default=0.9)
+    run.add_argument("--metric", default="accuracy")
+    run.add_argument("--publish-uri", default="", help="where a model that passes the gate is copied")
+    run.set_defaults(func=_pipeline_run)
+
+    comp = sub.add_parser("compile", help="regenerate the compiled component and pipeline YAMLs")
+    comp.add_argument("--root", default=".", help="repository root (components/ and pipelines/ go there)")
+    comp.set_defaults(func=_compile)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Pipelines built from elastic_step.components."""

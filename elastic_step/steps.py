@@ -1,0 +1,118 @@
+"""What each pipeline step does, as plain functions of paths and values.
+
+The KFP components (components/ops.py), the Elyra/v1 components and the Argo templates (through the CLI)
+all call these, so a step behaves the same whichever orchestrator runs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+
+import numpy as np
+
+from elastic_step.errors import ConfigError
+
+
+def prep_step(source_uri: str, train_dir: str, eval_dir: str, label: str = "", eval_fraction: float = 0.2,
+              seed: int = 0, shard_rows: int = 50_000) -> dict:
+    """Prepare the source into two folders, each a manifest + its Parquet shards."""
+    from elastic_step.data.prep import prepare
+
+    with tempfile.TemporaryDirectory(prefix="elastic-step-prep-") as tmp:
+        r = prepare(source_uri, os.path.join(tmp, "out"), label=label or None, eval_fraction=eval_fraction,
+                    seed=seed, shard_rows=shard_rows)
+        for split, dest in (("train", train_dir), ("eval", eval_dir)):
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(os.path.join(tmp, "out", split), dest)
+    return {"train_rows": r.train.total_rows, "eval_rows": r.eval.total_rows,
+            "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows, "columns": len(r.train.schema)}
+
+
+def train_step(train_data: str, eval_data: str, model_def: str, model_dir: str, report_path: str,
+               summary_path: str, **settings) -> dict:
+    """Run the elastic training job; the model folder gets model.keras + saved_model/."""
+    from elastic_step.master.api import TrainConfig
+    from elastic_step.master.job import REPORT_FILE, SUMMARY_FILE, train
+    from elastic_step.model_io import KERAS_FILE, SAVED_MODEL_DIR
+
+    # Empty strings are how pipeline UIs say "not set".
+    settings = {k: v for k, v in settings.items() if v not in ("", None)}
+    with tempfile.TemporaryDirectory(prefix="elastic-step-train-") as out:
+        summary = train(TrainConfig(model_def=model_def, train_data=train_data, eval_data=eval_data, output=out,
+                                    **settings))
+        os.makedirs(model_dir, exist_ok=True)
+        shutil.copy(os.path.join(out, KERAS_FILE), os.path.join(model_dir, KERAS_FILE))
+        shutil.copytree(os.path.join(out, SAVED_MODEL_DIR), os.path.join(model_dir, SAVED_MODEL_DIR),
+                        dirs_exist_ok=True)
+        shutil.copy(os.path.join(out, REPORT_FILE), report_path)
+        shutil.copy(os.path.join(out, SUMMARY_FILE), summary_path)
+    return summary
+
+
+def train_metrics(summary: dict) -> dict[str, float]:
+    """The figures a KFP Metrics artifact shows for a training run."""
+    m = {f"eval_{k}": float(v) for k, v in summary.get("eval", {}).items() if isinstance(v, (int, float))}
+    w = summary.get("workers", {})
+    m.update(throughput_records_per_s=float(summary.get("throughput_records_per_s", 0.0)),
+             workers_lost=float(w.get("lost", 0)), workers_relaunched=float(w.get("relaunched", 0)),
+             records_committed=float(summary.get("ledger", {}).get("records_committed", 0)))
+    return m
+
+
+def evaluate_step(model_uri: str, eval_data: str, model_def: str, metric: str = "accuracy",
+                  threshold: float = 0.9) -> dict:
+    """Evaluate a trained model and decide the gate: {"score", "passed", "metrics", "confusion"}."""
+    from elastic_step.data.api import load_manifest
+    from elastic_step.evaluation import evaluate
+    from elastic_step.model_def import load_model_def
+    from elastic_step.model_io import load_model
+
+    md = load_model_def(model_def)
+    r = evaluate(load_model(model_uri), md, load_manifest(eval_data), keep_predictions=True)
+    if metric not in r:
+        raise ConfigError(f"The gate metric {metric!r} is not computed: eval_metrics() of {model_def!r} gives "
+                          f"{sorted(k for k in r if k not in ('labels', 'predictions', 'records'))}.")
+    labels, preds = r.pop("labels"), r.pop("predictions")
+    score = float(r[metric])
+    return {"score": score, "passed": bool(score >= threshold), "metrics": r,
+            "confusion": confusion_matrix(labels, preds)}
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray) -> dict | None:
+    """Categories and matrix for a classifier's outputs (softmax rows or one sigmoid column)."""
+    if predictions.ndim == 2 and predictions.shape[1] > 1:
+        predicted = predictions.argmax(axis=1)
+        n = predictions.shape[1]
+    elif predictions.size and predictions.reshape(len(predictions), -1).shape[1] == 1:
+        predicted = (predictions.reshape(-1) >= 0.5).astype(int)
+        n = 2
+    else:
+        return None
+    truth = np.asarray(labels).reshape(-1).astype(int)
+    matrix = np.zeros((n, n), dtype=int)
+    np.add.at(matrix, (truth, predicted), 1)
+    return {"categories": [str(i) for i in range(n)], "matrix": matrix.tolist()}
+
+
+def publish_step(model_dir: str, publish_uri: str, passed: bool) -> str:
+    """Copy the model folder to `publish_uri` (any fsspec URI) when the gate passed."""
+    import fsspec
+
+    if not passed:
+        return ""
+    if not publish_uri:
+        return ""
+    fs, root = fsspec.core.url_to_fs(publish_uri)
+    for path in pathlib.Path(model_dir).rglob("*"):
+        if path.is_file():
+            dest = f"{root.rstrip('/')}/{path.relative_to(model_dir).as_posix()}"
+            fs.makedirs(os.path.dirname(dest), exist_ok=True)
+            fs.put_file(str(path), dest)
+    return publish_uri
+
+
+def write_json(path: str, data) -> None:
+    pathlib.Path(path).write_text(json.dumps(data, indent=2, default=str))
