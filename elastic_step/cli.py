@@ -89,7 +89,16 @@ def _evaluate(args) -> dict:
     r = evaluate_step(args.model, args.eval_data, args.model_def, metric=args.metric, threshold=args.threshold)
     if args.metrics_out:
         write_json(args.metrics_out, r)
+    if args.passed_out:  # for Argo: a parameter read from a file gates the publish step
+        with open(args.passed_out, "w") as f:
+            f.write("true" if r["passed"] else "false")
     return r
+
+
+def _publish(args) -> dict:
+    from elastic_step.steps import publish_step
+
+    return {"published_to": publish_step(args.model, args.to, passed=True)}
 
 
 def _compile(args) -> dict:
@@ -126,7 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--metric", default="accuracy")
     ev.add_argument("--threshold", type=float, default=0.9)
     ev.add_argument("--metrics-out", help="also write the result as JSON here")
+    ev.add_argument("--passed-out", help="also write true/false (the gate) to this file")
     ev.set_defaults(func=_evaluate)
+
+    pub = sub.add_parser("publish", help="copy a trained model folder to a URI")
+    pub.add_argument("--model", required=True, help="folder with model.keras and saved_model/")
+    pub.add_argument("--to", required=True, help="destination folder URI (gs://, s3://, local)")
+    pub.set_defaults(func=_publish)
 
     pipeline = sub.add_parser("pipeline", help="the train→evaluate pipeline").add_subparsers(
         dest="pipeline_command", required=True)
