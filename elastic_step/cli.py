@@ -74,11 +74,10 @@ def _prep(args) -> dict:
 def _pipeline_run(args) -> dict:
     from elastic_step.pipelines.local_run import print_run, run_local
 
-    with contextlib.redirect_stdout(sys.stderr):  # kfp.local logs on stdout; ours carries the JSON result
-        result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
-                           minibatch_size=args.minibatch_size, min_workers=args.min_workers,
-                           max_workers=args.max_workers, num_ps=args.num_ps, threshold=args.threshold,
-                           metric=args.metric, publish_uri=args.publish_uri)
+    result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
+                       minibatch_size=args.minibatch_size, min_workers=args.min_workers,
+                       max_workers=args.max_workers, num_ps=args.num_ps, threshold=args.threshold,
+                       metric=args.metric, publish_uri=args.publish_uri)
     print_run(result)
     return result
 
@@ -99,6 +98,16 @@ def _publish(args) -> dict:
     from elastic_step.steps import publish_step
 
     return {"published_to": publish_step(args.model, args.to, passed=True)}
+
+
+def _schedule(args) -> dict:
+    from elastic_step.pipelines.schedule import create_schedule
+
+    params = {"source_uri": args.source, "model_def": args.model_def, "label": args.label, "epochs": args.epochs,
+              "min_workers": args.min_workers, "max_workers": args.max_workers, "num_ps": args.num_ps,
+              "backend": args.backend, "threshold": args.threshold, "publish_uri": args.publish_uri}
+    return create_schedule(args.host, args.cron, params, experiment=args.experiment, name=args.name,
+                           namespace=args.namespace)
 
 
 def _compile(args) -> dict:
@@ -160,6 +169,26 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--publish-uri", default="", help="where a model that passes the gate is copied")
     run.set_defaults(func=_pipeline_run)
 
+    schedule = sub.add_parser("schedule", help="recurring retraining on a KFP cluster").add_subparsers(
+        dest="schedule_command", required=True)
+    sc = schedule.add_parser("create", help="compile the pipeline and create a KFP recurring run")
+    sc.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
+    sc.add_argument("--cron", required=True, help='6 fields, seconds first: "0 0 2 * * *" is 02:00 daily')
+    sc.add_argument("--source", required=True)
+    sc.add_argument("--model-def", required=True)
+    sc.add_argument("--label", default="label")
+    sc.add_argument("--epochs", type=int, default=10)
+    sc.add_argument("--min-workers", type=int, default=1)
+    sc.add_argument("--max-workers", type=int, default=4)
+    sc.add_argument("--num-ps", type=int, default=1)
+    sc.add_argument("--backend", default="kubernetes")
+    sc.add_argument("--threshold", type=float, default=0.9)
+    sc.add_argument("--publish-uri", default="")
+    sc.add_argument("--experiment", default="elastic-step")
+    sc.add_argument("--name", default="elastic-step-train-eval-nightly")
+    sc.add_argument("--namespace")
+    sc.set_defaults(func=_schedule)
+
     comp = sub.add_parser("compile", help="regenerate the compiled component and pipeline YAMLs")
     comp.add_argument("--root", default=".", help="repository root (components/ and pipelines/ go there)")
     comp.set_defaults(func=_compile)
@@ -173,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        result = args.func(args)
+        # Libraries print on stdout (kfp.local's logs, kfp.Client's links): send them to stderr,
+        # so stdout carries only our JSON result.
+        with contextlib.redirect_stdout(sys.stderr):
+            result = args.func(args)
     except ElasticStepError as e:
         print(f"elastic-step: error: {e}", file=sys.stderr)
         return e.exit_code
