@@ -85,7 +85,7 @@ def _markers(summary: dict) -> list[tuple[float, str, str]]:
     for e in summary.get("events", []):
         kind, inst = e.get("kind"), e.get("instance", "")
         if kind == "decision" and e.get("detail", "").startswith("relaunch"):
-            out.append((float(e["t"]), LOST, f"{inst} lost"))
+            out.append((float(e["t"]), LOST, f"{inst} lost, relaunched"))
             relaunched.add(inst)
         elif kind == "registered" and inst.startswith("worker"):
             if inst in seen and inst in relaunched:

@@ -52,6 +52,37 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
 
 
 @dsl.component(base_image=BASE_IMAGE)
+def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: Output[Model],
+                         metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact], epochs: int = 5,
+                         minibatch_size: int = 64, min_workers: int = 1, max_workers: int = 2, num_ps: int = 1,
+                         backend: str = "local"):
+    """elastic_train_op for the KFP UI, which cannot pass input artifacts: the data are manifest URIs
+    (the manifest.json, or its folder, written by `elastic-step data prep`), any fsspec URI."""
+    from elastic_step.steps import train_metrics, train_step
+
+    s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path, epochs=epochs,
+                   minibatch_size=minibatch_size, min_workers=min_workers, max_workers=max_workers,
+                   num_ps=num_ps, backend=backend)
+    for name, value in train_metrics(s).items():
+        metrics.log_metric(name, value)
+
+
+@dsl.component(base_image=BASE_IMAGE)
+def evaluate_uri_op(model_uri: str, eval_uri: str, model_def: str, metrics: Output[Metrics],
+                    threshold: float = 0.9, metric: str = "accuracy"
+                    ) -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
+    """evaluate_op for the KFP UI: the model folder and the eval manifest as URIs."""
+    from collections import namedtuple
+
+    from elastic_step.steps import evaluate_step
+
+    r = evaluate_step(model_uri, eval_uri, model_def, metric=metric, threshold=threshold)
+    for name, value in r["metrics"].items():
+        metrics.log_metric(name, float(value))
+    return namedtuple("EvaluateOutputs", ["score", "passed"])(r["score"], r["passed"])
+
+
+@dsl.component(base_image=BASE_IMAGE)
 def evaluate_op(model: Input[Model], eval_data: Input[Dataset], model_def: str, metrics: Output[Metrics],
                 classification_metrics: Output[ClassificationMetrics], threshold: float = 0.9,
                 metric: str = "accuracy") -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):

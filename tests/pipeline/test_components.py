@@ -110,3 +110,14 @@ def test_pipeline_survives_a_killed_worker(tmp_path):
     report = pathlib.Path(result["artifacts"]["elastic-train-op.report"]).read_text()
     assert "worker-0 lost" in report
     assert result["evaluation"]["passed"] is True
+
+
+def test_ui_uploadable_components_take_only_strings_and_numbers():
+    """The KFP UI starts an uploaded component as a one-step pipeline: every input must be a parameter."""
+    for rel in ("components/data_prep/data_prep.yaml", "components/elastic_train/elastic_train_uri.yaml",
+                "components/evaluate/evaluate_uri.yaml", "pipelines/train_eval/train_eval.yaml"):
+        spec = yaml.safe_load((ROOT / rel).read_text())
+        inputs = spec["root"].get("inputDefinitions", {})
+        assert "artifacts" not in inputs, rel
+        assert {p["parameterType"] for p in inputs["parameters"].values()} <= {"STRING", "NUMBER_INTEGER",
+                                                                               "NUMBER_DOUBLE", "BOOLEAN"}, rel
