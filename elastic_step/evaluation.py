@@ -9,15 +9,20 @@ from elastic_step.errors import ModelDefError
 
 
 def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
-             keep_predictions: bool = False) -> dict:
-    """Returns {"loss", <each eval metric>, "records"} and, if asked, labels and predictions."""
+             keep_predictions: bool = False, limit: int | None = None) -> dict:
+    """Returns {"loss", <each eval metric>, "records"} and, if asked, labels and predictions.
+    `limit` stops after that many records (a quick point on a curve)."""
     metrics = model_def.eval_metrics()
     total_loss, count = 0.0, 0
     labels_all, preds_all = [], []
     for shard in manifest.shards:
+        if limit is not None and count >= limit:
+            break
         reader = ShardReader(manifest.shard_uri(shard))
         try:
             for lo in range(0, reader.num_rows, batch_size):
+                if limit is not None and count >= limit:
+                    break
                 batch = reader.read(lo, min(reader.num_rows, lo + batch_size))
                 features, labels = model_def.feed(batch)
                 try:

@@ -94,6 +94,18 @@ def _markers(summary: dict) -> list[tuple[float, str, str]]:
     return out
 
 
+def eval_series(summary: dict) -> list[tuple[str, str, list[tuple[float, float]]]]:
+    """One series per eval metric over time: the per-epoch points, then the final evaluation."""
+    points = list(summary.get("eval_history", []))
+    final = summary.get("eval") or {}
+    if final and summary.get("timeseries"):
+        points.append({"t": summary["timeseries"][-1]["t"], **final})
+    names = [k for k in final if k not in ("loss", "records") and isinstance(final[k], (int, float))] or ["loss"]
+    colours = ["#9467bd", "#8c564b", "#e377c2", "#17becf"]
+    return [(n, colours[i % len(colours)], [(p["t"], p[n]) for p in points if isinstance(p.get(n), (int, float))])
+            for i, n in enumerate(names)]
+
+
 def _ledger_table(summary: dict) -> str:
     rows = summary.get("ledger", {}).get("epochs", [])
     if not rows:
@@ -163,6 +175,8 @@ table {{ border-collapse: collapse; width: 100%; }} th, td {{ padding: 3px 8px; 
 <h2>Training</h2>
 {line_chart("chart-loss", "Training loss (moving average of reported minibatches)", [("loss", "#1f77b4", loss)],
             markers, "loss")}
+{line_chart("chart-eval", "Evaluation after each epoch (the last point is the final evaluation)",
+            eval_series(summary), markers)}
 {line_chart("chart-throughput", "Throughput (records/s)", [("records/s", "#ff7f0e", rate)], markers, "records/s")}
 {line_chart("chart-workers", "Workers training (losses in red, relaunches in green)",
             [("workers", "#2ca02c", alive)], markers, "workers", step=True)}

@@ -6,6 +6,7 @@ end evaluates, exports the model and writes `summary.json`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
+EPOCH_EVAL_RECORDS = 4096    # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 
@@ -89,6 +91,9 @@ class TrainingJob:
         self.chaos = Chaos(cfg.chaos)
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.train_seconds = 0.0
+        self.eval_history: list[dict] = []
+        self._eval_model = None
+        self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -133,8 +138,10 @@ class TrainingJob:
                 raise self._failure()
             self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())),
                                final=True)
+            self._evaluator.shutdown(wait=True)  # no model is built in two threads at once
             model, ps_stats = self._final_model()
         finally:
+            self._evaluator.shutdown(wait=False, cancel_futures=True)
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)
@@ -145,12 +152,19 @@ class TrainingJob:
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""
         last_tick = 0.0
+        evaluated, pending = self.ledger.epoch, None
         while not until() and self.coord.failure is None:
             for ev in self.backend.events(timeout=0.1):
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
             self.chaos.tick(committed, self.backend, self.coord, self.cfg.max_workers)
+            # One curve point per finished epoch, skipping epochs that end while one is computed,
+            # so a point's weights are those of the epoch it is labelled with.
+            if (self.eval is not None and self.ledger.epoch > evaluated and not self.ledger.done
+                    and (pending is None or pending.done())):
+                evaluated = self.ledger.epoch
+                pending = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
             if now - last_tick >= 0.5:
                 last_tick = now
                 self.progress.show(self.coord.sample(self.progress.rate(committed, now)))
@@ -197,32 +211,50 @@ class TrainingJob:
         return JobFailed(f"Training failed{where}: {detail}")
 
     # ------------------------------------------------------------------ the end
-    def _final_model(self):
-        import keras
-
-        from elastic_step.ps.api import Placement
+    def _load_from_ps(self, model, with_stats: bool = False) -> list:
+        """Load the parameter servers' current weights into a model built from the model definition."""
+        from elastic_step.proto import tensors
+        from elastic_step.ps.api import Placement, variable_names
         from elastic_step.ps.client import PSClient
 
-        keras.utils.set_random_seed(self.cfg.seed)
-        model = self.model_def.model()
-        placement = Placement.of(model, self.cfg.num_ps)
-        ps = PSClient(self.coord.ps_addresses, self.cfg.token, placement)
+        ps = PSClient(self.coord.ps_addresses, self.cfg.token, Placement.of(model, self.cfg.num_ps))
         try:
             values = ps.pull_dense_named()
             values.update(ps.all_rows())
-            stats = ps.stats()
+            stats = ps.stats() if with_stats else []
         finally:
             ps.close()
-        from elastic_step.ps.api import variable_names
         for name, var in zip(variable_names(model), model.trainable_variables):
             var.assign(values[name])
-        from elastic_step.proto import tensors
-        ps_stats = [{"shard": s.shard, "pushes_applied": s.pushes_applied, "pushes_skipped": s.pushes_skipped,
-                     "dense_parameters": s.dense_parameters,
-                     "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in s.touched},
-                     "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in s.touched}}
-                    for s in stats]
-        return model, ps_stats
+        return [{"shard": s.shard, "pushes_applied": s.pushes_applied, "pushes_skipped": s.pushes_skipped,
+                 "dense_parameters": s.dense_parameters,
+                 "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in s.touched},
+                 "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in s.touched}}
+                for s in stats]
+
+    def _final_model(self):
+        import keras
+
+        keras.utils.set_random_seed(self.cfg.seed)
+        model = self.model_def.model()
+        return model, self._load_from_ps(model, with_stats=True)
+
+    def _evaluate_epoch(self, epoch: int) -> None:
+        """The eval curve: after each epoch, the PS weights on (a sample of) the eval data. Runs on the
+        evaluator thread, so the master keeps handling events meanwhile."""
+        from elastic_step.evaluation import evaluate
+
+        try:
+            if self._eval_model is None:
+                self._eval_model = self.model_def.model()
+            self._load_from_ps(self._eval_model)
+            r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
+        except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
+            log.warning("evaluation after epoch %d failed: %s", epoch, e)
+            return
+        with self.coord.lock:
+            self.eval_history.append({"t": round(time.time() - self.coord.t0, 3), "epoch": epoch,
+                                      **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)}})
 
     def _finish(self, model, ps_stats) -> dict:
         from elastic_step.evaluation import evaluate
@@ -263,6 +295,7 @@ class TrainingJob:
                 if coord.first_commit_at and coord.last_commit_at and coord.last_commit_at > coord.first_commit_at
                 else 0.0,
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
+                "eval_history": list(self.eval_history),
                 "timeseries": list(coord.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),

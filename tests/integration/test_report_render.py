@@ -36,9 +36,10 @@ def test_report_renders_in_chromium(digits_data, tmp_path):
 
     dom = chromium("--dump-dom", url, profile=tmp_path / "p1")
     assert dom.returncode == 0, dom.stderr[-2000:]
-    for chart in ("chart-loss", "chart-throughput", "chart-workers"):
+    for chart in ("chart-loss", "chart-eval", "chart-throughput", "chart-workers"):
         assert f'id="{chart}"' in dom.stdout
-    assert dom.stdout.count("<polyline") >= 3
+    assert dom.stdout.count("<polyline") >= 4
+    assert len(summary["eval_history"]) >= 2  # the eval curve has points from during training
     assert "worker-0 lost" in dom.stdout and "worker-0 rejoined" in dom.stdout  # the kill and the relaunch
     assert 'id="ledger"' in dom.stdout
     console = [l for l in dom.stderr.splitlines() if "CONSOLE" in l or "Failed to load" in l]

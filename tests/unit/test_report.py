@@ -15,6 +15,7 @@ SUMMARY = {
                           {"epoch": 1, "records": 100, "committed": 100, "lost": 0, "double_applied": 0,
                            "requeued": 0}], "duplicate_pushes_suppressed": 1},
     "workers": {"started": 3, "lost": 1, "relaunched": 1, "max_alive": 2},
+    "eval_history": [{"t": 1.2, "epoch": 0, "loss": 0.5, "accuracy": 0.8}],
     "recovery": {"requeue_latency_s": [0.012]},
     "timeseries": [{"t": 1.0, "epoch": 0, "records": 10, "records_per_s": 100.0, "loss": 2.0, "workers_alive": 2},
                    {"t": 2.0, "epoch": 1, "records": 150, "records_per_s": 140.0, "loss": 0.5,
@@ -29,7 +30,7 @@ SUMMARY = {
 
 def test_all_charts_and_the_ledger_are_there():
     page = render_report(SUMMARY)
-    for chart in ("chart-loss", "chart-throughput", "chart-workers"):
+    for chart in ("chart-loss", "chart-eval", "chart-throughput", "chart-workers"):
         assert re.search(rf'<svg id="{chart}"[^>]*>.*?<polyline', page, re.S), chart
     assert page.count("<tr class=\"ok\">") == 2
     assert "worker-0 lost" in page and "worker-0 rejoined" in page
@@ -53,7 +54,7 @@ def test_user_text_is_escaped():
 def test_a_failed_job_without_progress_still_renders():
     page = render_report({"status": "failed", "error": {"message": "feed() raised <ValueError>"}})
     assert "feed() raised &lt;ValueError&gt;" in page
-    assert page.count("no data") == 3
+    assert page.count("no data") == 4
     assert "No epoch was committed" in page
 
 
