@@ -46,7 +46,7 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
 class Chaos:
     """Test/benchmark hook: `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed
     and every worker is training (so each loss hits a job at full strength); `term:` sends
-    SIGTERM instead (graceful scale-in)."""
+    SIGTERM instead (graceful scale-in). `@0` fires as soon as the job is at full strength."""
 
     def __init__(self, specs: list[str]):
         self.pending = []
@@ -65,7 +65,8 @@ class Chaos:
             return
         for item in list(self.pending):
             action, inst, at = item
-            if committed >= at and inst in backend.alive():
+            # ...and while it holds a lease, so the kill cuts a task short and leaves a remainder.
+            if committed >= at and inst in backend.alive() and str(inst) in coord.ledger.leases:
                 self.pending.remove(item)
                 coord.record("chaos", str(inst), f"{action} at {committed} records")
                 log.info("chaos: %s %s at %d committed records", action, inst, committed)
@@ -73,6 +74,7 @@ class Chaos:
                     backend.kill(inst)
                 else:
                     threading.Thread(target=backend.stop, args=(inst, 30.0), daemon=True).start()
+                return  # one action per tick: the next waits for full strength again
 
 
 class TrainingJob:

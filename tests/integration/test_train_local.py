@@ -13,8 +13,8 @@ from tests.integration.harness import CTR_MODEL, train
 
 pytestmark = pytest.mark.slow
 
-# Long enough (~40k records) that a killed worker's replacement starts TensorFlow, joins and trains.
-EPOCHS = 30
+# Long enough (~57k records) that a killed worker's replacement starts TensorFlow, joins and trains.
+EPOCHS = 40
 SETTINGS = ("--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "1", "--minibatch-size", "32",
             "--records-per-task", "128")
 
@@ -50,10 +50,11 @@ def test_digits_trains_to_090(undisturbed):
 def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
     _, base = undisturbed
     total = digits_data["rows"] * EPOCHS
-    # Chaos fires only while both workers train, so the SIGTERM waits for worker-0's replacement.
+    # Chaos fires only while both workers train and the target holds a lease: the SIGTERM comes as
+    # soon as worker-0's replacement has joined, whatever this machine's speed.
     proc, summary = train(digits_data, tmp_path, *SETTINGS,
                           "--chaos", f"kill:worker-0@{int(total * 0.1)}",
-                          "--chaos", f"term:worker-1@{int(total * 0.5)}")
+                          "--chaos", f"term:worker-1@{int(total * 0.1) + 1}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exact_ledger(summary)
     events = summary["events"]
