@@ -34,7 +34,7 @@ class Coordinator:
         self.loss_ema: float | None = None
         self.duplicates_suppressed = 0
         self.t0 = time.time()
-        self._lost_at: dict[str, float] = {}    # worker -> time of the loss event, for recovery figures
+        self._replacement_lost_at: dict[str, float] = {}  # worker -> its predecessor's loss time
         self.recovery_first_commit_s: list[float] = []
         self.first_commit_at: float | None = None  # throughput is measured between first and last commit
         self.last_commit_at: float | None = None
@@ -98,7 +98,7 @@ class Coordinator:
             self.membership.seen(inst, progressed=True)
             self.first_commit_at = self.first_commit_at or now
             self.last_commit_at = now
-            lost_at = self._lost_at.pop(worker + "*replacement", None)
+            lost_at = self._replacement_lost_at.pop(worker, None)
             if lost_at is not None:
                 self.recovery_first_commit_s.append(now - lost_at)
             if duplicate:
@@ -133,15 +133,19 @@ class Coordinator:
             worker = str(ev.instance)
             remainder = self.ledger.release(worker, ev.time)
             if remainder is not None:
-                self._lost_at[worker] = ev.time
                 self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})")
                 log.info("%s gone (%s): requeued its remainder [%d, %d) at once", worker,
                          detail or ev.kind.value, *remainder)
             return remainder
 
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
+        """A replacement of `inst` was launched; its first commit closes the recovery figure."""
         with self.lock:
-            self._lost_at[str(inst) + "*replacement"] = lost_at
+            self._replacement_lost_at[str(inst)] = lost_at
+
+    def count_worker_loss(self) -> None:
+        with self.lock:
+            self.membership.lost += 1
 
     def sample(self, records_per_s: float) -> dict:
         with self.lock:

@@ -17,7 +17,7 @@ import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
-from elastic_step.errors import ElasticStepError, JobFailed
+from elastic_step.errors import ConfigError, ElasticStepError, JobFailed
 from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.coordinator import Coordinator
@@ -39,8 +39,8 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
     if cfg.backend == "local":
         from elastic_step.backends.local import LocalBackend
         return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token})
-    from elastic_step.backends import kubernetes  # noqa: F401 - raises a clear error until it lands
-    raise ElasticStepError("The kubernetes backend is not available in this build.")
+    raise ConfigError("--backend kubernetes is not available in this version yet (worker and PS pods are "
+                      "planned); use --backend local.")
 
 
 class Chaos:
@@ -180,9 +180,8 @@ class TrainingJob:
         decision = self.scaler.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress)
         if decision.action == "none":
             return
-        if ev.instance.role == "worker" and not (ev.kind == EventKind.EXITED and ev.exit_code == 0 and over):
-            with self.coord.lock:
-                self.coord.membership.lost += 1
+        if ev.instance.role == "worker":
+            self.coord.count_worker_loss()
         log.info("decision: %s — %s%s", decision.action, decision.reason,
                  f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "")
         self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")

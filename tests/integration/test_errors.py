@@ -100,3 +100,10 @@ def test_model_build_that_raises(tmp_path, digits_data):
     assert_clean_error(proc, "layer sizes do not match", "model()")
     assert summary["status"] == "failed"
     assert not os.path.exists(tmp_path / "out" / "model.keras")
+
+
+def test_unavailable_backend_is_a_clear_error(tmp_path, digits_data):
+    proc, _ = train(digits_data, tmp_path / "out", "--backend", "kubernetes")
+    assert_clean_error(proc, "--backend kubernetes", "--backend local")
+    proc, _ = train(digits_data, tmp_path / "out", "--backend", "yarn")
+    assert_clean_error(proc, "--backend 'yarn'")
