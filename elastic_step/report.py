@@ -1,7 +1,12 @@
 """The training report: one self-contained HTML page drawn from summary.json.
 
 Charts are inline SVG drawn here (no script, no fonts, no network fetches), so the page renders
-the same in the KFP UI's sandboxed iframe, in a browser from a bucket, or offline.
+the same in the KFP UI's sandboxed iframe, in the Argo UI, from a bucket, or offline. Every time
+chart shares one time axis (seconds since the step started), so a worker loss marked in one chart
+lines up with the loss, throughput and worker count around it in the others.
+
+The page must render for whatever summary a job leaves behind, a failed one included: every
+field is optional and anything that is not a finite number is skipped.
 """
 from __future__ import annotations
 
@@ -10,183 +15,567 @@ import math
 
 from elastic_step.util.atomic import atomic_write_text
 
-W, H, PAD_L, PAD_R, PAD_T, PAD_B = 640, 200, 56, 16, 14, 30
-LOST, JOINED = "#d62728", "#2ca02c"
+W, PAD_L, PAD_R, PAD_B, PLOT_H = 720, 58, 18, 34, 150
+LABEL_ROW, LABEL_ROWS, CHAR_W = 12, 3, 5.6
+LOST, JOINED, FAILED = "#d62728", "#2ca02c", "#8b0000"
+LOSS, EVAL, RATE, ALIVE = "#1f77b4", "#9467bd", "#ff7f0e", "#3b6ea5"
+EVAL_COLOURS = [EVAL, "#8c564b", "#e377c2", "#17becf"]
+CHART_IDS = ("chart-loss", "chart-eval", "chart-throughput", "chart-workers", "chart-ledger")
 
 
-def _scale(lo: float, hi: float, a: float, b: float):
-    span = (hi - lo) or 1.0
-    return lambda v: a + (v - lo) / span * (b - a)
+# ---------------------------------------------------------------- tolerant access
+def esc(v) -> str:
+    return html.escape(str(v), quote=True)
 
 
-def _ticks(lo: float, hi: float, n: int = 4) -> list[float]:
-    if hi <= lo:
+def num(v) -> float | None:
+    """A finite number, or None (bools, strings, NaN, inf and missing values are not plotted)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def _dict(d, key: str) -> dict:
+    v = d.get(key) if isinstance(d, dict) else None
+    return v if isinstance(v, dict) else {}
+
+
+def _rows(d, key: str) -> list[dict]:
+    v = d.get(key) if isinstance(d, dict) else None
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+def _int(v) -> int:
+    n = num(v)
+    return int(n) if n is not None else 0
+
+
+# ---------------------------------------------------------------- axes
+def nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
+    """Round tick values covering [lo, hi] with about n intervals."""
+    if not hi > lo:
         return [lo]
     step = 10 ** math.floor(math.log10((hi - lo) / n))
-    for m in (1, 2, 5, 10):
+    for m in (1, 2, 2.5, 5, 10):
         if (hi - lo) / (step * m) <= n:
             step *= m
             break
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step) + 1)]
+    k0 = math.ceil(lo / step - 1e-9)
+    count = int(hi / step + 1e-9) - k0 + 1
+    return [float(f"{(k0 + i) * step:.12g}") for i in range(max(count, 1))]
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.0f}" if abs(v) >= 100 or v == int(v) else f"{v:.3g}"
+def _nice_max(v: float) -> float:
+    if v <= 0:
+        return 1.0
+    ticks = nice_ticks(0.0, v)
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else v
+    return math.ceil(v / step - 1e-9) * step
 
 
-def line_chart(chart_id: str, title: str, series: list[tuple[str, str, list[tuple[float, float]]]],
-               markers: list[tuple[float, str, str]] = (), y_label: str = "", step: bool = False) -> str:
-    """An SVG line chart: series of (name, colour, [(t, y)]) and vertical markers (t, colour, label)."""
-    points = [p for _, _, pts in series for p in pts]
-    out = [f'<figure><figcaption>{html.escape(title)}</figcaption>',
-           f'<svg id="{chart_id}" class="chart" viewBox="0 0 {W} {H}" role="img" '
-           f'aria-label="{html.escape(title)}" xmlns="http://www.w3.org/2000/svg">']
-    if not points:
-        out.append(f'<text x="{W / 2}" y="{H / 2}" text-anchor="middle" class="muted">no data</text></svg></figure>')
-        return "".join(out)
-    t_hi = max([p[0] for p in points] + [m[0] for m in markers]) or 1.0
-    y_lo, y_hi = min(0.0, min(p[1] for p in points)), max(p[1] for p in points) * 1.08 or 1.0
-    x = _scale(0.0, t_hi, PAD_L, W - PAD_R)
-    y = _scale(y_lo, y_hi, H - PAD_B, PAD_T)
-    for tv in _ticks(y_lo, y_hi):
+def fmt(v: float) -> str:
+    a = abs(v)
+    if a >= 10_000:
+        return f"{v / 1000:.0f}k"
+    if a >= 1000:
+        return f"{v / 1000:.3g}k"
+    if a >= 100 or v == int(v):
+        return f"{v:.0f}"
+    return f"{v:.3g}"
+
+
+def _time_unit(t_end: float) -> tuple[str, float]:
+    if t_end > 3 * 3600:
+        return "hours", 3600.0
+    if t_end > 600:
+        return "minutes", 60.0
+    return "seconds", 1.0
+
+
+class TimeAxis:
+    """The x axis every time chart shares, and the rows of marker labels above each plot."""
+
+    def __init__(self, t_end: float, markers: list[tuple[float, str, str]]):
+        self.t_end = t_end if t_end > 0 else 1.0
+        self.unit, self.div = _time_unit(self.t_end)
+        self.labels = self._layout(markers)
+        rows = 1 + max((row for *_, row in self.labels), default=-1)
+        self.top = 10 + rows * LABEL_ROW
+
+    def x(self, t: float) -> float:
+        return PAD_L + min(max(t, 0.0), self.t_end) / self.t_end * (W - PAD_L - PAD_R)
+
+    def _layout(self, markers):
+        """Each label beside its line (flipped left near the right edge), on the first row where it
+        overlaps no other label; past LABEL_ROWS rows, on the row that frees up first."""
+        ends: list[float] = []
+        out = []
+        for t, colour, label in sorted(markers, key=lambda m: m[0]):
+            px, width = self.x(t), len(label) * CHAR_W + 4
+            if px + 3 + width > W - PAD_R:
+                left, right, anchor, tx = px - 3 - width, px - 3, "end", px - 3
+            else:
+                left, right, anchor, tx = px + 3, px + 3 + width, "start", px + 3
+            row = next((i for i, end in enumerate(ends) if end < left), None)
+            if row is None and len(ends) < LABEL_ROWS:
+                ends.append(right)
+                row = len(ends) - 1
+            elif row is None:
+                row = min(range(len(ends)), key=ends.__getitem__)
+            ends[row] = max(ends[row], right)
+            out.append((t, colour, label, tx, anchor, row))
+        return out
+
+
+# ---------------------------------------------------------------- time charts
+def time_chart(chart_id: str, title: str, axis: TimeAxis, series: list[tuple[str, str, list[tuple[float, float]]]],
+               y_label: str, *, step: bool = False, hlines: list[tuple[float, str, str]] = (),
+               dots: list[tuple[float, float, str, str]] = (), startup: float | None = None,
+               y_max: float | None = None, legend: bool = False, points: bool = False) -> str:
+    """An SVG chart over the shared time axis: series (name, colour, [(t, y)]), horizontal reference
+    lines (y, colour, label), labelled dots (t, y, colour, label), the start-up band and the markers;
+    `points` draws each sample as a dot too (sparse series such as one evaluation per epoch)."""
+    top = axis.top
+    height = top + PLOT_H + PAD_B
+    bottom = top + PLOT_H
+    values = [v for _, _, pts in series for _, v in pts] + [h[0] for h in hlines] + [d[1] for d in dots]
+    caption = f"<figcaption>{esc(title)}{_legend(series) if legend else ''}</figcaption>"
+    out = [f'<figure>{caption}<svg id="{chart_id}" class="chart" viewBox="0 0 {W} {height}" role="img" '
+           f'aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">']
+    y_lo = min([0.0] + values)
+    y_hi = y_max if y_max is not None and values and max(values) <= y_max else _nice_max(max(values, default=0.0))
+    if y_lo < 0:
+        y_lo = -_nice_max(-y_lo)
+
+    def y(v: float) -> float:
+        return bottom - (v - y_lo) / ((y_hi - y_lo) or 1.0) * PLOT_H
+
+    x = axis.x
+    if startup and startup > 0:
+        out.append(f'<rect x="{PAD_L}" y="{top}" width="{x(startup) - PAD_L:.1f}" height="{PLOT_H}" '
+                   f'class="startup"><title>start-up: parameter servers and workers starting</title></rect>'
+                   f'<text x="{(PAD_L + x(startup)) / 2:.1f}" y="{bottom - 6}" text-anchor="middle" '
+                   f'class="tick">start-up</text>')
+    for tv in nice_ticks(y_lo, y_hi):
         out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(tv):.1f}" y2="{y(tv):.1f}" class="grid"/>'
-                   f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{_fmt(tv)}</text>')
-    for tv in _ticks(0.0, t_hi, 6):
-        out.append(f'<text x="{x(tv):.1f}" y="{H - PAD_B + 16}" text-anchor="middle" class="tick">{_fmt(tv)}</text>')
-    out.append(f'<text x="{W - PAD_R}" y="{H - 2}" text-anchor="end" class="tick">seconds</text>')
-    if y_label:
-        out.append(f'<text x="4" y="{PAD_T - 2}" class="tick">{html.escape(y_label)}</text>')
-    for i, (t, colour, label) in enumerate(markers):
-        # Labels on three staggered rows, flipped left near the right edge, so neighbours stay legible.
-        near_right = x(t) > W - PAD_R - 90
-        lx, anchor = (x(t) - 3, "end") if near_right else (x(t) + 3, "start")
-        out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{PAD_T}" y2="{H - PAD_B}" stroke="{colour}" '
-                   f'stroke-dasharray="4 3" class="marker"><title>{html.escape(label)}</title></line>'
-                   f'<text x="{lx:.1f}" y="{PAD_T + 10 + (i % 3) * 11}" text-anchor="{anchor}" class="mlabel" '
-                   f'fill="{colour}">{html.escape(label)}</text>')
+                   f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{fmt(tv)}</text>')
+    out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{bottom}" y2="{bottom}" class="axis"/>')
+    for tv in nice_ticks(0.0, axis.t_end / axis.div, 8):
+        px = x(tv * axis.div)
+        out.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{bottom}" y2="{bottom + 4}" class="axis"/>'
+                   f'<text x="{px:.1f}" y="{bottom + 16}" text-anchor="middle" class="tick">{fmt(tv)}</text>')
+    out.append(f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">'
+               f'{axis.unit} since the step started</text>'
+               f'<text x="6" y="{top - 6}" class="tick">{esc(y_label)}</text>')
+    for v, colour, label in hlines:
+        out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="{colour}" '
+                   f'stroke-dasharray="6 4" class="ref"/><text x="{PAD_L + 4}" y="{y(v) - 4:.1f}" '
+                   f'class="reflabel" fill="{colour}">{esc(label)}</text>')
+    for t, colour, label, tx, anchor, row in axis.labels:
+        ly = 10 + row * LABEL_ROW
+        out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{ly - 8}" y2="{bottom}" stroke="{colour}" '
+                   f'stroke-dasharray="4 3" class="marker"><title>{esc(label)}</title></line>'
+                   f'<text x="{tx:.1f}" y="{ly}" text-anchor="{anchor}" class="mlabel" fill="{colour}">'
+                   f'{esc(label)}</text>')
     for name, colour, pts in series:
-        if not pts:
-            continue
         coords = []
         for i, (t, v) in enumerate(pts):
             if step and i:
                 coords.append(f"{x(t):.1f},{y(pts[i - 1][1]):.1f}")
             coords.append(f"{x(t):.1f},{y(v):.1f}")
-        out.append(f'<polyline points="{" ".join(coords)}" fill="none" stroke="{colour}" stroke-width="2" '
-                   f'class="series" data-name="{html.escape(name)}"/>')
+        if len(pts) > 1:
+            out.append(f'<polyline points="{" ".join(coords)}" fill="none" stroke="{colour}" stroke-width="2" '
+                       f'stroke-linejoin="round" class="series" data-name="{esc(name)}"/>')
+        if (points and len(pts) <= 200) or len(pts) == 1:  # a single point has no line at all
+            out.extend(f'<circle cx="{x(t):.1f}" cy="{y(v):.1f}" r="2.5" fill="{colour}" class="point">'
+                       f'<title>{esc(name)} {v:.4g} at {t:.1f} s</title></circle>' for t, v in pts)
+    for t, v, colour, label in dots:
+        anchor, dx = ("end", -8) if x(t) > W - PAD_R - 150 else ("start", 8)
+        out.append(f'<circle cx="{x(t):.1f}" cy="{y(v):.1f}" r="5" fill="#fff" stroke="{colour}" stroke-width="2.5" '
+                   f'class="final"><title>{esc(label)}</title></circle>'
+                   f'<text x="{x(t) + dx:.1f}" y="{y(v) + 19:.1f}" text-anchor="{anchor}" class="dotlabel" '
+                   f'fill="{colour}">{esc(label)}</text>')
+    if not values:
+        out.append(f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{top + PLOT_H / 2}" text-anchor="middle" '
+                   f'class="nodata">no data</text>')
     out.append("</svg></figure>")
     return "".join(out)
 
 
-def _markers(summary: dict) -> list[tuple[float, str, str]]:
-    """A red line where a worker was lost (and relaunched), a green one where its replacement joined."""
-    out, relaunched, seen = [], set(), set()
-    for e in summary.get("events", []):
-        kind, inst = e.get("kind"), e.get("instance", "")
-        if kind == "decision" and e.get("detail", "").startswith("relaunch"):
-            out.append((float(e["t"]), LOST, f"{inst} lost, relaunched"))
-            relaunched.add(inst)
-        elif kind == "registered" and inst.startswith("worker"):
-            if inst in seen and inst in relaunched:
-                out.append((float(e["t"]), JOINED, f"{inst} rejoined"))
-            seen.add(inst)
+def _legend(series) -> str:
+    return "".join(f' <span class="key"><i style="background:{c}"></i>{esc(n)}</span>' for n, c, _ in series)
+
+
+# ---------------------------------------------------------------- what happened when
+def markers(summary: dict) -> list[tuple[float, str, str]]:
+    """A red line where an instance was lost or ended early (labelled with the master's decision),
+    a green one where a relaunched instance registered again, a dark red one where the job failed."""
+    events = sorted((e for e in _rows(summary, "events") if num(e.get("t")) is not None), key=lambda e: num(e["t"]))
+    out: list[tuple[float, str, str]] = []
+    relaunched: set[str] = set()
+    ended: dict[str, tuple[float, str]] = {}   # instance -> (t, what) of its last loss or exit
+    chaos: dict[str, float] = {}
+    for e in events:
+        kind, inst, detail, t = e.get("kind"), str(e.get("instance") or ""), str(e.get("detail") or ""), num(e["t"])
+        if kind == "chaos":
+            chaos[inst] = t
+        elif kind in ("lost", "exited"):
+            killed = inst in chaos and t - chaos.pop(inst) < 5.0
+            what = "lost" if kind == "lost" else f"exited ({detail})" if detail else "exited"
+            ended[inst] = (t, what + (" (chaos kill)" if killed else ""))
+        elif kind == "decision":
+            action = detail.split(":", 1)[0]
+            at, what = ended.pop(inst, (t, "ended"))
+            if action == "relaunch":
+                out.append((at, LOST, f"{inst} {what}, relaunched"))
+                relaunched.add(inst)
+            elif action == "fail":
+                out.append((at, FAILED, f"{inst} {what}: job failed"))
+        elif kind == "registered" and inst in relaunched:
+            relaunched.discard(inst)
+            out.append((t, JOINED, f"{inst} rejoined"))
+        elif kind == "failure" and not any(m[1] == FAILED for m in out):
+            out.append((t, FAILED, f"job failed ({detail.split(':', 1)[0]})" if detail else "job failed"))
     return out
 
 
-def eval_series(summary: dict) -> list[tuple[str, str, list[tuple[float, float]]]]:
-    """One series per eval metric over time: the per-epoch points, then the final evaluation."""
-    points = list(summary.get("eval_history", []))
-    final = summary.get("eval") or {}
-    if final and summary.get("timeseries"):
-        points.append({"t": summary["timeseries"][-1]["t"], **final})
-    names = [k for k in final if k not in ("loss", "records") and isinstance(final[k], (int, float))] or ["loss"]
-    colours = ["#9467bd", "#8c564b", "#e377c2", "#17becf"]
-    return [(n, colours[i % len(colours)], [(p["t"], p[n]) for p in points if isinstance(p.get(n), (int, float))])
-            for i, n in enumerate(names)]
-
-
-def _ledger_table(summary: dict) -> str:
-    rows = summary.get("ledger", {}).get("epochs", [])
-    if not rows:
-        return '<p class="muted">No epoch was committed.</p>'
-    body = []
+def _series(rows: list[dict], key: str) -> list[tuple[float, float]]:
+    pts = []
     for r in rows:
-        exact = r["committed"] == r["records"] and r["lost"] == 0 and r["double_applied"] == 0
-        width = 100.0 * r["committed"] / r["records"] if r["records"] else 0.0
+        t, v = num(r.get("t")), num(r.get(key))
+        if t is not None and v is not None:
+            pts.append((t, v))
+    return pts
+
+
+def throughput_series(samples: list[dict]) -> list[tuple[float, float]]:
+    """Records committed per second between consecutive samples (the `records_per_s` of a sample is the
+    terminal's smoothed rate, which lags behind changes; it is used only when records are missing)."""
+    pts, prev = [], None
+    for s in samples:
+        t, r = num(s.get("t")), num(s.get("records"))
+        if t is None:
+            continue
+        if r is None:
+            v = num(s.get("records_per_s"))
+            if v is not None:
+                pts.append((t, v))
+            continue
+        if prev is not None and t > prev[0]:
+            pts.append((t, max(0.0, (r - prev[1]) / (t - prev[0]))))
+        prev = (t, r)
+    return pts
+
+
+def eval_names(summary: dict) -> list[str]:
+    final = _dict(summary, "eval")
+    skip = {"loss", "records", "t", "epoch"}
+    names = [k for k, v in final.items() if k not in skip and num(v) is not None]
+    if not names:
+        names = sorted({k for r in _rows(summary, "eval_history") for k, v in r.items()
+                        if k not in skip and num(v) is not None})
+    return names or ["loss"]
+
+
+def _startup(summary: dict) -> float | None:
+    for e in _rows(summary, "events"):
+        if e.get("kind") == "training_started":
+            return num(e.get("t"))
+    return None
+
+
+def _t_end(summary: dict) -> float:
+    ts = [num(r.get("t")) for key in ("timeseries", "workers_alive", "eval_history", "events")
+          for r in _rows(summary, key)]
+    return max([t for t in ts if t is not None], default=0.0)
+
+
+# ---------------------------------------------------------------- sections
+def _cards(summary: dict) -> str:
+    """The headline figures: (label, value, small print)."""
+    ev, w = _dict(summary, "eval"), _dict(summary, "workers")
+    epochs = _rows(_dict(summary, "ledger"), "epochs")
+    n_eval = _int(ev.get("records"))
+    cards = [(f"eval {k}", f"{num(v):.4f}", f"on {n_eval:,} held-out records" if n_eval else "")
+             for k, v in ev.items() if k != "records" and num(v) is not None]
+    rate = num(summary.get("throughput_records_per_s"))
+    cards.append(("throughput", f"{rate:,.0f} rec/s" if rate else "–", "first to last commit"))
+    train_s, start_s = num(summary.get("training_seconds")), num(summary.get("startup_seconds"))
+    if train_s is not None:
+        started = rate and start_s  # start-up ends at the first commit
+        cards.append(("training time", f"{train_s:.1f} s", f"after {start_s:.1f} s start-up" if started else ""))
+    cards.append(("workers", f"{_int(w.get('lost'))} lost · {_int(w.get('relaunched'))} relaunched",
+                  f"{_int(w.get('started'))} started, at most {_int(w.get('max_alive'))} at once"))
+    if epochs:
+        states = [epoch_state(r, _finished(summary)) for r in epochs]
+        exact = states.count("exact")
+        value = "NOT exact" if "NOT exact" in states else "incomplete" if "incomplete" in states else "exact"
+        cards.append(("data ledger", value,
+                      f"{exact} of {len(epochs)} epochs complete, no record applied twice"
+                      if "incomplete" in states and "NOT exact" not in states
+                      else f"{exact} of {len(epochs)} epochs committed exactly once"))
+    return '<div class="cards" id="cards">' + "".join(
+        f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div>'
+        + (f'<div class="s">{esc(small)}</div>' if small else "") + "</div>" for k, v, small in cards) + "</div>"
+
+
+def _subtitle(summary: dict) -> str:
+    cfg = _dict(summary, "config")
+    bits = [("job", summary.get("job_id")), ("strategy", summary.get("strategy")), ("backend", summary.get("backend")),
+            ("model", cfg.get("model_def")), ("epochs", summary.get("epochs")),
+            ("records per epoch", summary.get("records_per_epoch")), ("minibatch", cfg.get("minibatch_size")),
+            ("workers", f"{cfg['min_workers']}–{cfg['max_workers']}" if "min_workers" in cfg and "max_workers" in cfg
+             else None), ("parameter servers", cfg.get("num_ps"))]
+    return '<p class="sub">' + " · ".join(f"{esc(k)} <b>{esc(v)}</b>" for k, v in bits if v not in (None, "")) + "</p>"
+
+
+def _error(summary: dict) -> str:
+    err = summary.get("error")
+    if not err:
+        return ""
+    if isinstance(err, dict):
+        where = f" ({err['instance']})" if err.get("instance") else ""
+        head = f"{err.get('kind', 'error')}{where}: {err.get('message', '')}"
+        tail = err.get("traceback") or ""
+    else:
+        head, tail = str(err), ""
+    return (f'<div class="error" id="error"><b>The job failed.</b> {esc(head)}'
+            + (f"<details><summary>Traceback / last lines of its log</summary><pre>{esc(tail)}</pre></details>"
+               if tail else "") + "</div>")
+
+
+def epoch_state(r: dict, finished: bool) -> str:
+    """"exact": every record committed once; "incomplete": the epoch a failed job stopped in (what was
+    committed, was committed once); "NOT exact": records lost or applied twice."""
+    committed, records = _int(r.get("committed")), _int(r.get("records"))
+    if _int(r.get("double_applied")) or committed > records:
+        return "NOT exact"
+    if committed == records:
+        return "exact"
+    return "NOT exact" if finished else "incomplete"   # the ledger's `lost` is records - committed
+
+
+def _finished(summary: dict) -> bool:
+    return summary.get("status") == "succeeded"
+
+
+def ledger_chart(rows: list[dict], finished: bool = True) -> str:
+    """One bar per epoch: records committed (green) against the epoch's records (dashed line), records
+    not committed (red; grey in the epoch a failed job stopped in) and applied twice (dark red) stacked
+    on top, records requeued after a loss (orange) inside."""
+    height, top, plot_h = 150, 12, 104
+    bottom = top + plot_h
+    title = "Records committed per epoch"
+    missing_colour = LOST if finished else "#c8c8c8"
+    keys = [(JOINED, "committed")]
+    if any(_int(r.get("requeued")) for r in rows):
+        keys.append((RATE, "of which requeued after a loss"))
+    if any(_int(r.get("committed")) < _int(r.get("records")) for r in rows):
+        keys.append((missing_colour, "not committed" if finished else "not committed (the job stopped)"))
+    if any(_int(r.get("double_applied")) for r in rows):
+        keys.append((FAILED, "applied twice"))
+    out = [f'<figure><figcaption>{title}{_legend([(n, c, None) for c, n in keys])}</figcaption>'
+           f'<svg id="chart-ledger" class="chart" viewBox="0 0 {W} {height}" role="img" aria-label="{title}" '
+           f'xmlns="http://www.w3.org/2000/svg">']
+    if not rows:
+        out.append(f'<text x="{W / 2}" y="{top + plot_h / 2}" text-anchor="middle" class="nodata">no epoch was '
+                   f'committed</text></svg></figure>')
+        return "".join(out)
+    y_hi = _nice_max(max(max(_int(r.get("records")), _int(r.get("committed")) + _int(r.get("double_applied")))
+                         for r in rows) or 1)
+
+    def y(v: float) -> float:
+        return bottom - v / y_hi * plot_h
+
+    slot = (W - PAD_L - PAD_R) / len(rows)
+    bar = max(1.0, min(slot * 0.72, 40.0))
+    for tv in nice_ticks(0.0, y_hi, 2):
+        out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(tv):.1f}" y2="{y(tv):.1f}" class="grid"/>'
+                   f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{fmt(tv)}</text>')
+    every = max(1, math.ceil(len(rows) / 20))
+    for i, r in enumerate(rows):
+        records, committed = _int(r.get("records")), _int(r.get("committed"))
+        lost, double, requeued = max(0, records - committed), _int(r.get("double_applied")), _int(r.get("requeued"))
+        cx = PAD_L + slot * (i + 0.5)
+        x0 = cx - bar / 2
+        tip = (f"epoch {r.get('epoch', i)}: {committed} of {records} records committed, "
+               f"{double} applied twice, {requeued} requeued after a loss")
+        out.append(f'<g class="epoch"><title>{esc(tip)}</title>'
+                   f'<rect x="{x0:.1f}" y="{y(committed):.1f}" width="{bar:.1f}" height="{y(0) - y(committed):.1f}" '
+                   f'fill="{JOINED}" opacity="0.75"/>')
+        if requeued:
+            out.append(f'<rect x="{x0:.1f}" y="{y(requeued):.1f}" width="{bar:.1f}" '
+                       f'height="{y(0) - y(requeued):.1f}" fill="{RATE}"/>'
+                       f'<text x="{cx:.1f}" y="{y(max(records, committed)) - 3:.1f}" text-anchor="middle" '
+                       f'class="tick" fill="{RATE}">{requeued}</text>')
+        if lost:
+            out.append(f'<rect x="{x0:.1f}" y="{y(committed + lost):.1f}" width="{bar:.1f}" '
+                       f'height="{y(committed) - y(committed + lost):.1f}" fill="{missing_colour}"/>')
+        if double:
+            base = max(committed, records)
+            out.append(f'<rect x="{x0:.1f}" y="{y(base + double):.1f}" width="{bar:.1f}" '
+                       f'height="{y(base) - y(base + double):.1f}" fill="{FAILED}"/>')
+        out.append(f'<line x1="{x0 - 1:.1f}" x2="{x0 + bar + 1:.1f}" y1="{y(records):.1f}" y2="{y(records):.1f}" '
+                   f'stroke="#333" stroke-dasharray="2 2"/></g>')
+        if i % every == 0:
+            out.append(f'<text x="{cx:.1f}" y="{bottom + 14}" text-anchor="middle" class="tick">'
+                       f'{esc(r.get("epoch", i))}</text>')
+    out.append(f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">epoch (dashed: the '
+               f'epoch\'s records)</text><text x="{PAD_L - 6}" y="{top - 2}" text-anchor="end" class="tick">'
+               f'records</text></svg></figure>')
+    return "".join(out)
+
+
+def _ledger(summary: dict) -> str:
+    ledger = _dict(summary, "ledger")
+    rows = _rows(ledger, "epochs")
+    states = [epoch_state(r, _finished(summary)) for r in rows]
+    exact, bad = states.count("exact"), states.count("NOT exact")
+    requeued = sum(_int(r.get("requeued")) for r in rows)
+    lost_workers = _int(_dict(summary, "workers").get("lost"))
+    if rows:
+        if bad:
+            verdict = f'<b class="bad">{bad} of {len(rows)} epochs NOT exact</b>: records missing or applied twice'
+        elif exact == len(rows):
+            verdict = f"<b>All {len(rows)} epochs exact</b>: every record committed exactly once"
+        else:
+            verdict = (f"<b>No record applied twice</b>: {exact} complete epoch{'s' if exact != 1 else ''} exact; "
+                       f"the job stopped in epoch {esc(rows[-1].get('epoch', len(rows) - 1))}, which is incomplete")
+        verdict += (f"; {requeued} records requeued after {lost_workers} worker loss{'es' if lost_workers != 1 else ''}"
+                    if requeued else "") + "."
+    else:
+        verdict = "No epoch was committed."
+    body = []
+    for i, (r, state) in enumerate(zip(rows, states)):
+        records, committed = _int(r.get("records")), _int(r.get("committed"))
+        width = min(100.0, 100.0 * committed / records) if records else 0.0
         body.append(
-            f'<tr class="{"ok" if exact else "bad"}"><td>{r["epoch"]}</td><td>{r["records"]}</td>'
-            f'<td><span class="bar"><span style="width:{width:.1f}%"></span></span> {r["committed"]}</td>'
-            f'<td>{r["lost"]}</td><td>{r["double_applied"]}</td><td>{r.get("requeued", 0)}</td>'
-            f'<td>{"exact" if exact else "NOT exact"}</td></tr>')
-    return ('<table id="ledger"><thead><tr><th>epoch</th><th>records</th><th>committed</th><th>lost</th>'
-            '<th>double-applied</th><th>requeued after losses</th><th></th></tr></thead><tbody>'
-            + "".join(body) + "</tbody></table>")
+            f'<tr class="{"bad" if state == "NOT exact" else "ok"}"><td>{esc(r.get("epoch", i))}</td><td>{records}</td>'
+            f'<td><span class="bar"><span style="width:{width:.1f}%"></span></span> {committed}</td>'
+            f'<td>{max(0, records - committed)}</td><td>{_int(r.get("double_applied"))}</td>'
+            f'<td>{_int(r.get("requeued"))}</td><td>{state}</td></tr>')
+    table = ('<table id="ledger"><thead><tr><th>epoch</th><th>records</th><th>committed</th><th>not committed</th>'
+             '<th>applied twice</th><th>requeued after a loss</th><th></th></tr></thead><tbody>'
+             + "".join(body) + "</tbody></table>")
+    is_open = " open" if len(rows) <= 12 or bad else ""
+    return (f'<p id="ledger-verdict">{verdict}</p>{ledger_chart(rows, _finished(summary))}'
+            f'<details{is_open}><summary>Per-epoch table ({len(rows)} epochs)</summary>{table}</details>')
 
 
-def _facts(summary: dict) -> str:
-    ev = summary.get("eval", {})
-    w = summary.get("workers", {})
-    rec = summary.get("recovery", {})
-    facts = [("status", summary.get("status", "?")), ("job", summary.get("job_id", "?")),
-             ("strategy", summary.get("strategy", "?")), ("backend", summary.get("backend", "?"))]
-    facts += [(f"eval {k}", f"{v:.4f}") for k, v in ev.items() if isinstance(v, float)]
-    facts += [("throughput", f"{summary.get('throughput_records_per_s', 0):.0f} records/s"),
-              ("workers started / lost / relaunched / max alive",
-               f"{w.get('started', 0)} / {w.get('lost', 0)} / {w.get('relaunched', 0)} / {w.get('max_alive', 0)}"),
-              ("requeue latency after a loss", ", ".join(f"{x:.3f} s" for x in rec.get("requeue_latency_s", []))
-               or "none (no lease was cut short)"),
-              ("duplicate pushes suppressed", str(summary.get("ledger", {}).get("duplicate_pushes_suppressed", 0)))]
-    return "<dl>" + "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in facts) + "</dl>"
+def _recovery(summary: dict) -> str:
+    rec, w, ledger = _dict(summary, "recovery"), _dict(summary, "workers"), _dict(summary, "ledger")
+    lat = [v for v in (num(x) for x in rec.get("requeue_latency_s", []) or []) if v is not None]
+    first = [v for v in (num(x) for x in rec.get("first_commit_after_loss_s", []) or []) if v is not None]
+    facts = [("workers lost / relaunched", f"{_int(w.get('lost'))} / {_int(w.get('relaunched'))}"),
+             ("most workers training at once", str(_int(w.get("max_alive")))),
+             ("loss → its remainder requeued", ", ".join(f"{v * 1000:.1f} ms" for v in lat)
+              or "– (no lease was cut short)"),
+             ("loss → the replacement's first commit", ", ".join(f"{v:.2f} s" for v in first) or "–"),
+             ("records applied twice", str(sum(_int(r.get("double_applied")) for r in _rows(ledger, "epochs")))),
+             ("duplicate pushes suppressed by the parameter servers",
+              str(_int(ledger.get("duplicate_pushes_suppressed"))))]
+    out = "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in facts) + "</dl>"
+    ps = _rows(summary, "ps")
+    if ps:
+        out += ('<table id="ps"><thead><tr><th>PS shard</th><th>pushes applied</th><th>duplicates skipped</th>'
+                '<th>dense parameters</th></tr></thead><tbody>' + "".join(
+                    f'<tr><td>{esc(p.get("shard", i))}</td><td>{_int(p.get("pushes_applied"))}</td>'
+                    f'<td>{_int(p.get("pushes_skipped"))}</td><td>{_int(p.get("dense_parameters")):,}</td></tr>'
+                    for i, p in enumerate(ps)) + "</tbody></table>")
+    return out
+
+
+CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 20px auto; max-width: 760px;
+  padding: 0 12px; color: #222; }
+h1 { font-size: 21px; margin: 0 0 2px; } h2 { font-size: 16px; margin: 26px 0 4px; border-bottom: 1px solid #ddd; }
+.status { font-size: 13px; padding: 2px 9px; border-radius: 10px; vertical-align: middle; margin-left: 6px;
+  color: #fff; background: #777; } .status.succeeded { background: #2a8a2a; } .status.failed { background: #c0392b; }
+.sub { color: #555; margin: 2px 0 12px; font-size: 13px; } .sub b { color: #222; font-weight: 600; }
+.cards { display: grid; grid-template-columns: repeat(3, 1fr); gap: 8px; }
+.card { border: 1px solid #e2e2e2; border-radius: 6px; padding: 6px 10px; background: #fcfcfc; }
+.card .k { font-size: 12px; color: #666; } .card .v { font-size: 17px; font-weight: 600; white-space: nowrap; }
+.card .s { font-size: 11px; color: #777; }
+figure { margin: 10px 0 14px; } figcaption { font-weight: 600; margin-bottom: 3px; }
+.key { font-weight: 400; font-size: 12px; color: #444; margin-left: 8px; white-space: nowrap; }
+.key i { display: inline-block; width: 10px; height: 10px; margin-right: 4px; vertical-align: -1px; }
+svg.chart { width: 100%; height: auto; background: #fff; border: 1px solid #e4e4e4; display: block; }
+.grid { stroke: #eee; } .axis { stroke: #999; } .tick { font-size: 10px; fill: #666; }
+.mlabel, .reflabel { font-size: 10px; } .dotlabel { font-size: 11px; font-weight: 600; }
+.startup { fill: #f1f1f1; } .nodata { font-size: 13px; fill: #999; }
+.error { color: #8b0000; background: #fdecea; border: 1px solid #f5c6c1; padding: 8px 10px; border-radius: 6px;
+  margin: 10px 0; } .error pre { white-space: pre-wrap; font-size: 12px; margin: 6px 0 0; color: #333; }
+dl { display: grid; grid-template-columns: max-content auto; gap: 2px 16px; margin: 6px 0; } dt { color: #666; }
+dd { margin: 0; }
+table { border-collapse: collapse; min-width: 60%; margin: 6px 0; font-size: 13px; }
+th, td { padding: 2px 8px; border-bottom: 1px solid #eee; text-align: right; } th { color: #555; font-weight: 600; }
+tr.bad td, .bad { color: #b00; } details summary { cursor: pointer; color: #444; margin: 4px 0; }
+.bar { display: inline-block; width: 70px; height: 8px; background: #eee; vertical-align: middle; }
+.bar span { display: block; height: 8px; background: #2ca02c; }
+.note { color: #555; font-size: 13px; margin: 2px 0 6px; }
+"""
 
 
 def render_report(summary: dict) -> str:
-    samples = summary.get("timeseries", [])
-    markers = _markers(summary)
-    loss = [(s["t"], s["loss"]) for s in samples if s.get("loss") is not None]
-    rate = [(s["t"], s["records_per_s"]) for s in samples]
-    alive = [(a["t"], a["alive"]) for a in summary.get("workers_alive", [])]
-    eval_lines = ""
-    if summary.get("eval"):
-        eval_lines = "<p>Final evaluation: " + ", ".join(
-            f"{html.escape(k)} <b>{v:.4f}</b>" for k, v in summary["eval"].items() if isinstance(v, float)) + "</p>"
-    error = ""
-    if summary.get("error"):
-        error = f'<p class="error">{html.escape(str(summary["error"].get("message", summary["error"])))}</p>'
+    """The report as one HTML string; any summary, however incomplete, renders."""
+    summary = summary if isinstance(summary, dict) else {}
+    samples = _rows(summary, "timeseries")
+    marks = markers(summary)
+    axis = TimeAxis(_t_end(summary), marks)
+    startup = _startup(summary)
+    status = str(summary.get("status") or "unknown")
+
+    names = eval_names(summary)
+    history = _rows(summary, "eval_history")
+    final = _dict(summary, "eval")
+    eval_series = [(n, EVAL_COLOURS[i % len(EVAL_COLOURS)], _series(history, n)) for i, n in enumerate(names)]
+    dots = [(axis.t_end, num(final[n]), EVAL_COLOURS[i % len(EVAL_COLOURS)], f"final {n} {num(final[n]):.4f}")
+            for i, n in enumerate(names) if num(final.get(n)) is not None]
+    bounded = all(0.0 <= v <= 1.0 for _, _, pts in eval_series for _, v in pts) and all(0 <= d[1] <= 1 for d in dots)
+
+    rate = throughput_series(samples)
+    overall = num(summary.get("throughput_records_per_s"))
+    alive = _series(_rows(summary, "workers_alive"), "alive")
+    if alive and alive[-1][0] < axis.t_end:
+        alive.append((axis.t_end, alive[-1][1]))  # the count holds until the end
+    max_workers = num(_dict(summary, "config").get("max_workers"))
+
+    charts = [
+        time_chart("chart-loss", "Training loss (moving average over reported minibatches)", axis,
+                   [("loss", LOSS, _series(samples, "loss"))], "loss", startup=startup),
+        time_chart("chart-eval", "Evaluation on held-out data after each epoch, and the final evaluation", axis,
+                   eval_series, " / ".join(names), dots=dots, startup=startup, y_max=1.0 if bounded else None,
+                   legend=len(names) > 1, points=True),
+        time_chart("chart-throughput", "Throughput: records committed per second", axis,
+                   [("records/s", RATE, rate)], "records/s", startup=startup,
+                   hlines=[(overall, "#a0522d", f"whole job: {overall:,.0f} records/s")] if overall else []),
+        time_chart("chart-workers", "Workers training (red: lost or ended early; green: relaunched worker rejoined)",
+                   axis, [("workers", ALIVE, alive)], "workers", step=True, startup=startup,
+                   hlines=[(max_workers, "#888", f"max_workers {max_workers:.0f}")] if max_workers else []),
+    ]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
-<title>elastic-step training report — {html.escape(str(summary.get("job_id", "")))}</title>
-<style>
-body {{ font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 720px; color: #222; }}
-h1 {{ font-size: 20px; margin-bottom: 4px; }} h2 {{ font-size: 16px; margin: 22px 0 6px; }}
-dl {{ display: grid; grid-template-columns: max-content auto; gap: 2px 14px; }} dt {{ color: #666; }}
-figure {{ margin: 8px 0 16px; }} figcaption {{ font-weight: 600; margin-bottom: 2px; }}
-svg.chart {{ width: 100%; height: auto; background: #fafafa; border: 1px solid #e4e4e4; }}
-.grid {{ stroke: #e6e6e6; }} .tick {{ font-size: 10px; fill: #777; }} .mlabel {{ font-size: 10px; }}
-.muted {{ color: #888; }} .error {{ color: #b00; font-weight: 600; }}
-table {{ border-collapse: collapse; width: 100%; }} th, td {{ padding: 3px 8px; border-bottom: 1px solid #eee;
-  text-align: right; }} tr.bad td {{ color: #b00; }}
-.bar {{ display: inline-block; width: 80px; height: 8px; background: #eee; vertical-align: middle; }}
-.bar span {{ display: block; height: 8px; background: #2ca02c; }}
-</style></head><body>
-<h1>Training report</h1>
-{_facts(summary)}
-{error}{eval_lines}
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>elastic-step training report — {esc(summary.get("job_id", ""))}</title>
+<style>{CSS}</style></head><body>
+<h1>Training report <span class="status {esc(status)}" id="status">{esc(status)}</span></h1>
+{_subtitle(summary)}
+{_error(summary)}
+{_cards(summary)}
 <h2>Training</h2>
-{line_chart("chart-loss", "Training loss (moving average of reported minibatches)", [("loss", "#1f77b4", loss)],
-            markers, "loss")}
-{line_chart("chart-eval", "Evaluation after each epoch (the last point is the final evaluation)",
-            eval_series(summary), markers)}
-{line_chart("chart-throughput", "Throughput (records/s)", [("records/s", "#ff7f0e", rate)], markers, "records/s")}
-{line_chart("chart-workers", "Workers training (losses in red, relaunches in green)",
-            [("workers", "#2ca02c", alive)], markers, "workers", step=True)}
+<p class="note">All charts share one time axis. Grey: start-up (parameter servers and workers starting).
+Dashed vertical lines: workers lost (red) and relaunched workers rejoining (green).</p>
+{"".join(charts)}
 <h2>Data ledger</h2>
-<p>Every record of every epoch is committed exactly once: a lost worker's remainder is requeued from its
-last watermark, and a push already applied by a parameter server is not applied again.</p>
-{_ledger_table(summary)}
+<p class="note">A lost worker's task is requeued from its last reported watermark, not replayed whole, and a
+parameter server applies each (task, minibatch) push at most once.</p>
+{_ledger(summary)}
+<h2>Recovery</h2>
+{_recovery(summary)}
 </body></html>
 """
 
 
 def write_report(summary: dict, path: str) -> None:
+    """Write the report atomically (local path or fsspec URI): a reader never sees half a page."""
     atomic_write_text(path, render_report(summary))

@@ -1,22 +1,27 @@
-"""The Argo Workflows files: current, valid against Argo's own JSON schema, and every key known to
-the schema where it stands (the schema allows unknown keys, so a typo would pass validation)."""
+"""The Argo Workflows files: current, valid against Argo's own JSON schema (../shared/argo/schema.json,
+Argo v4.1), every key known to the schema where it stands (the schema allows unknown keys, so a typo
+would pass validation alone), and wired the way Argo resolves them (no Argo here): every parameter
+and artifact a template uses is declared and passed, every argument parses with the real CLI."""
 from __future__ import annotations
 
 import copy
 import json
 import pathlib
+import re
+import shlex
 
 import jsonschema
 import pytest
 import yaml
 
-from elastic_step.argo import render
+from elastic_step.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
+from elastic_step.cli import build_parser
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = json.loads((ROOT.parent / "shared" / "argo" / "schema.json").read_text())
 DEFS = SCHEMA["definitions"]
-KINDS = {"WorkflowTemplate": "io.argoproj.workflow.v1alpha1.WorkflowTemplate",
-         "CronWorkflow": "io.argoproj.workflow.v1alpha1.CronWorkflow"}
+KINDS = {kind: f"io.argoproj.workflow.v1alpha1.{kind}"
+         for kind in ("Workflow", "WorkflowTemplate", "ClusterWorkflowTemplate", "CronWorkflow")}
 FILES = ["train-eval-template.yaml", "train-eval-cron.yaml"]
 
 
@@ -26,7 +31,9 @@ def load(name: str) -> dict:
 
 def resolve(node: dict) -> dict:
     while "$ref" in node:
-        node = DEFS[node["$ref"].rsplit("/", 1)[-1]]
+        ref = node["$ref"]
+        assert ref.startswith("#/definitions/"), ref
+        node = DEFS[ref[len("#/definitions/"):]]
     return node
 
 
@@ -35,16 +42,14 @@ def unknown_keys(doc, node: dict, path: str = "") -> list[str]:
     node = resolve(node)
     out = []
     if isinstance(doc, dict):
-        props = node.get("properties")
-        if props is not None:
-            for key, value in doc.items():
-                if key not in props:
-                    out.append(f"{path}.{key}")
-                else:
-                    out += unknown_keys(value, props[key], f"{path}.{key}")
-        elif isinstance(node.get("additionalProperties"), dict):
-            for key, value in doc.items():
-                out += unknown_keys(value, node["additionalProperties"], f"{path}.{key}")
+        props, extra = node.get("properties"), node.get("additionalProperties")
+        for key, value in doc.items():
+            if props is not None and key in props:
+                out += unknown_keys(value, props[key], f"{path}.{key}")
+            elif isinstance(extra, dict):   # a map (labels, annotations, resource quantities)
+                out += unknown_keys(value, extra, f"{path}.{key}")
+            elif props is not None or extra is False:
+                out.append(f"{path}.{key}")
     elif isinstance(doc, list) and isinstance(node.get("items"), dict):
         for i, value in enumerate(doc):
             out += unknown_keys(value, node["items"], f"{path}[{i}]")
@@ -52,12 +57,17 @@ def unknown_keys(doc, node: dict, path: str = "") -> list[str]:
 
 
 def check(doc: dict) -> list[str]:
+    """Schema errors plus unknown keys, for a Workflow, WorkflowTemplate or CronWorkflow."""
     kind = KINDS[doc["kind"]]
-    validator = jsonschema.Draft7Validator({"$ref": f"#/definitions/{kind}", "definitions": DEFS})
-    errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(doc)]
+    schema = {"$schema": SCHEMA["$schema"], "$ref": f"#/definitions/{kind}", "definitions": DEFS}
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+    if doc.get("apiVersion") != "argoproj.io/v1alpha1":
+        errors.append(f"apiVersion {doc.get('apiVersion')!r}")
     return errors + [f"unknown key {k}" for k in unknown_keys(doc, DEFS[kind])]
 
 
+# ---------------------------------------------------------------- current and valid
 def test_rendered_files_are_current(tmp_path):
     for path in render(str(tmp_path)):
         name = pathlib.Path(path).name
@@ -70,26 +80,29 @@ def test_valid_against_argo_schema_with_strict_keys(name):
     assert check(load(name)) == []
 
 
-def test_the_dag_and_the_gate():
-    doc = load("train-eval-template.yaml")
-    dag = next(t for t in doc["spec"]["templates"] if "dag" in t)["dag"]["tasks"]
-    by_name = {t["name"]: t for t in dag}
-    assert set(by_name) == {"data-prep", "elastic-train", "evaluate", "publish"}
-    assert by_name["publish"]["when"] == "{{tasks.evaluate.outputs.parameters.passed}} == true"
-    for t in doc["spec"]["templates"]:
-        if "container" in t:
-            assert t["container"]["command"] == ["elastic-step"]
-    cron = load("train-eval-cron.yaml")["spec"]
-    assert cron["schedules"] and "schedule" not in cron and cron["concurrencyPolicy"] == "Forbid"
-    assert cron["workflowSpec"]["workflowTemplateRef"]["name"] == doc["metadata"]["name"]
+def test_a_workflow_submitted_from_the_template_is_valid():
+    """What `argo submit --from workflowtemplate/...` creates: a Workflow referencing the template."""
+    doc = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
+           "metadata": {"generateName": "elastic-step-train-eval-"},
+           "spec": {"workflowTemplateRef": {"name": load(FILES[0])["metadata"]["name"]},
+                    "arguments": {"parameters": [{"name": "source-uri", "value": "gs://b/d.csv"},
+                                                 {"name": "model-def", "value": "gs://b/model.py"}]}}}
+    assert check(doc) == []
+    # and the template's own spec is a valid Workflow spec (a Workflow can inline it)
+    inline = {**load(FILES[0]), "kind": "Workflow"}
+    assert check(inline) == []
 
 
+# ---------------------------------------------------------------- the strict check catches typos
 @pytest.mark.parametrize("mutate, expected", [
     (lambda d: d["spec"].__setitem__("concurrencyPolicyy", d["spec"].pop("concurrencyPolicy")),
      "unknown key .spec.concurrencyPolicyy"),
     (lambda d: d["spec"].__setitem__("schedule", d["spec"].pop("schedules")[0]), "unknown key .spec.schedule"),
+    (lambda d: d["spec"].__setitem__("startingDeadline", d["spec"].pop("startingDeadlineSeconds")),
+     "unknown key .spec.startingDeadline"),
     (lambda d: d["spec"]["workflowSpec"]["workflowTemplateRef"].__setitem__("nmae", "x"),
      "unknown key .spec.workflowSpec.workflowTemplateRef.nmae"),
+    (lambda d: d["metadata"].__setitem__("lables", {}), "unknown key .metadata.lables"),
 ])
 def test_a_typo_in_a_key_is_caught(mutate, expected):
     doc = copy.deepcopy(load("train-eval-cron.yaml"))
@@ -99,6 +112,161 @@ def test_a_typo_in_a_key_is_caught(mutate, expected):
 
 def test_a_typo_deep_in_a_template_is_caught():
     doc = copy.deepcopy(load("train-eval-template.yaml"))
-    container = next(t for t in doc["spec"]["templates"] if "container" in t)["container"]
-    container["comand"] = container.pop("command")
-    assert any(e.endswith(".container.comand") for e in check(doc))
+    train = next(t for t in doc["spec"]["templates"] if t["name"] == "elastic-train")
+    train["container"]["comand"] = train["container"].pop("command")
+    train["container"]["env"][0]["valueFrom"]["fieldRefs"] = train["container"]["env"][0]["valueFrom"].pop("fieldRef")
+    train["retryStrategy"]["retryPolicyy"] = "OnError"
+    dag = next(t for t in doc["spec"]["templates"] if "dag" in t)
+    dag["dag"]["tasks"][3]["wehn"] = dag["dag"]["tasks"][3].pop("when")
+    assert sorted(check(doc)) == ["unknown key .spec.templates[1].container.comand",
+                                  "unknown key .spec.templates[1].container.env[0].valueFrom.fieldRefs",
+                                  "unknown key .spec.templates[1].retryStrategy.retryPolicyy",
+                                  "unknown key .spec.templates[4].dag.tasks[3].wehn"]
+
+
+def test_wrong_value_types_are_caught_by_the_schema():
+    doc = copy.deepcopy(load("train-eval-cron.yaml"))
+    doc["spec"]["schedules"] = "0 2 * * *"            # a string, not a list
+    doc["spec"]["startingDeadlineSeconds"] = "soon"
+    errors = check(doc)
+    assert any(e.startswith("spec/schedules") for e in errors), errors
+    assert any(e.startswith("spec/startingDeadlineSeconds") for e in errors), errors
+
+
+# ---------------------------------------------------------------- the DAG, as Argo would resolve it
+def templates() -> dict[str, dict]:
+    return {t["name"]: t for t in load("train-eval-template.yaml")["spec"]["templates"]}
+
+
+def dag_tasks() -> dict[str, dict]:
+    return {t["name"]: t for t in templates()["train-eval"]["dag"]["tasks"]}
+
+
+def test_the_dag_is_the_kfp_pipeline_and_publish_is_gated():
+    doc = load("train-eval-template.yaml")
+    assert doc["metadata"]["name"] == "elastic-step-train-eval" and doc["spec"]["entrypoint"] == "train-eval"
+    tasks = dag_tasks()
+    assert list(tasks) == ["data-prep", "elastic-train", "evaluate", "publish"]
+    assert [tasks[t].get("depends") for t in tasks] == [None, "data-prep", "elastic-train", "evaluate"]
+    assert tasks["publish"]["when"] == "{{tasks.evaluate.outputs.parameters.passed}} == true"
+    evaluate = templates()["evaluate"]
+    assert evaluate["outputs"]["parameters"] == [{"name": "passed", "valueFrom": {"path": "/work/passed"}}]
+    assert "--passed-out" in evaluate["container"]["args"]  # the CLI writes exactly true/false there
+
+
+def test_every_parameter_and_artifact_is_declared_and_passed():
+    doc = load("train-eval-template.yaml")
+    declared = {p["name"] for p in doc["spec"]["arguments"]["parameters"]}
+    tasks, tmpl = dag_tasks(), templates()
+    for task in tasks.values():
+        t = tmpl[task["template"]]
+        inputs = t.get("inputs", {})
+        args = task.get("arguments", {})
+        # every input the template declares is passed by its task, and nothing else
+        assert {p["name"] for p in inputs.get("parameters", [])} == {p["name"] for p in args.get("parameters", [])}
+        assert {a["name"] for a in inputs.get("artifacts", [])} == {a["name"] for a in args.get("artifacts", [])}
+        # the template uses only what it declares
+        text = json.dumps(t)
+        assert set(re.findall(r"inputs\.parameters\.([\w-]+)", text)) <= {p["name"] for p in inputs["parameters"]}
+        # workflow parameters exist; artifacts come from an earlier task's declared outputs
+        for p in args.get("parameters", []):
+            for name in re.findall(r"workflow\.parameters\.([\w-]+)", p["value"]):
+                assert name in declared, name
+        for a in args.get("artifacts", []):
+            src, art = re.fullmatch(r"\{\{tasks\.([\w-]+)\.outputs\.artifacts\.([\w-]+)\}\}", a["from"]).groups()
+            assert art in {o["name"] for o in tmpl[tasks[src]["template"]]["outputs"]["artifacts"]}
+            assert list(tasks).index(src) < list(tasks).index(task["name"])
+    # artifact paths: each step reads its inputs where the previous one wrote them
+    assert tmpl["elastic-train"]["inputs"]["artifacts"][0]["path"] == tmpl["data-prep"]["outputs"]["artifacts"][0][
+        "path"]
+
+
+def test_the_workflow_takes_every_kfp_pipeline_parameter():
+    """Same knobs on both orchestrators: the KFP pipeline's parameters, with dashes."""
+    spec = yaml.safe_load((ROOT / "pipelines" / "train_eval" / "train_eval.yaml").read_text())
+    kfp = {n.replace("_", "-") for n in spec["root"]["inputDefinitions"]["parameters"]}
+    argo = {p["name"] for p in load("train-eval-template.yaml")["spec"]["arguments"]["parameters"]}
+    assert kfp <= argo, kfp - argo
+    required = {n for n, (v, _) in PARAMETERS.items() if v is None}
+    assert required == {"source-uri", "model-def"}
+
+
+def _substitute(arg: str, values: dict[str, str]) -> str:
+    arg = re.sub(r"\{\{inputs\.parameters\.([\w-]+)\}\}", lambda m: values[m.group(1)], arg)
+    return arg.replace("{{workflow.name}}", "elastic-step-train-eval-abc12")
+
+
+@pytest.mark.parametrize("template", ["data-prep", "elastic-train", "evaluate", "publish"])
+def test_every_container_runs_a_real_cli_command(template):
+    """The args parse with the real `elastic-step` parser, the workflow's defaults landing where meant."""
+    t = templates()[template]
+    c = t["container"]
+    assert c["image"] == IMAGE and c["command"] == ["elastic-step"]
+    values = {n: (v if v is not None else f"<{n}>") for n, (v, _) in PARAMETERS.items()}
+    argv = [_substitute(a, values) for a in c["args"]]
+    args = build_parser().parse_args(argv)
+    if template == "elastic-train":
+        assert (args.epochs, args.minibatch_size, args.records_per_task) == (10, 64, 512)
+        assert (args.min_workers, args.max_workers, args.num_ps, args.backend) == (1, 4, 1, "kubernetes")
+        assert args.image == IMAGE and args.job_id == "elastic-step-train-eval-abc12"
+        assert args.output == "/work/model" and args.train_data == "/work/prepared/train"
+        assert not args.chaos
+    elif template == "data-prep":
+        assert (args.source, args.label, args.eval_fraction) == ("<source-uri>", "label", 0.2)
+    elif template == "evaluate":
+        assert (args.threshold, args.metric, args.passed_out) == (0.9, "accuracy", "/work/passed")
+    else:
+        assert args.to == "" and args.model == "/work/model"
+    assert shlex.join(argv)  # printable as a shell command
+
+
+def test_the_training_step_can_own_and_reach_its_pods():
+    train = templates()["elastic-train"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in train["container"]["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
+                   "ELASTIC_STEP_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
+    assert train["retryStrategy"] == {"limit": "2", "retryPolicy": "OnError"}  # IntOrString: the schema wants a string
+    assert {a["name"] for a in train["outputs"]["artifacts"]} == {"model", "report", "summary"}
+
+
+def test_pods_run_as_the_image_user_in_a_writable_work_dir():
+    spec = load("train-eval-template.yaml")["spec"]
+    assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}
+    for name, t in templates().items():
+        if "container" in t:
+            assert t["volumes"] == [{"name": "work", "emptyDir": {}}], name
+            assert t["container"]["volumeMounts"] == [{"name": "work", "mountPath": "/work"}], name
+
+
+# ---------------------------------------------------------------- the cron, and the account it runs as
+def test_the_cron_workflow():
+    cron = load("train-eval-cron.yaml")["spec"]
+    assert cron["schedules"] == ["0 2 * * *"] and "schedule" not in cron
+    assert cron["concurrencyPolicy"] == "Forbid" and cron["startingDeadlineSeconds"] == 3600
+    assert cron["workflowSpec"]["workflowTemplateRef"]["name"] == load(FILES[0])["metadata"]["name"]
+    declared = {p["name"] for p in load(FILES[0])["spec"]["arguments"]["parameters"]}
+    passed = {p["name"] for p in cron["workflowSpec"]["arguments"]["parameters"]}
+    assert passed <= declared and {"source-uri", "model-def"} <= passed  # the required ones
+
+
+def rbac(path: str) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all((ROOT / path).read_text())}
+
+
+def test_the_service_account_exists_and_may_do_what_the_steps_do():
+    assert load(FILES[0])["spec"]["serviceAccountName"] == SERVICE_ACCOUNT
+    docs = {**rbac("components/elastic_train/rbac.yaml"), **rbac("pipelines/argo/rbac.yaml")}
+    assert ("ServiceAccount", SERVICE_ACCOUNT) in docs
+    granted = set()
+    for (kind, _), binding in docs.items():
+        if kind == "RoleBinding" and {"kind": "ServiceAccount", "name": SERVICE_ACCOUNT} in binding["subjects"]:
+            role = docs[("Role", binding["roleRef"]["name"])]
+            granted |= {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                        for v in rule["verbs"]}
+    # Argo's executor reports outputs (v3.4+); the master runs worker and PS pods
+    assert {("argoproj.io", "workflowtaskresults", v) for v in ("create", "patch")} <= granted
+    assert {("", "pods", v) for v in ("create", "get", "list", "watch", "delete", "patch")} <= granted
+    for doc in docs.values():
+        assert doc["kind"] in ("ServiceAccount", "Role", "RoleBinding")  # nothing cluster-wide
+        for rule in doc.get("rules", []):
+            assert "*" not in rule["apiGroups"] + rule["resources"] + rule["verbs"]

@@ -1,66 +1,196 @@
-"""The runtime image, the compiled components, the Argo templates and pyproject agree on one version
-and one image name, and the Dockerfile builds what a platform team expects (no Docker engine here)."""
+"""The runtime image, without a Docker engine: the Dockerfile builds what a platform team expects
+(slim, pinned by constraints.txt, non-root, the CLI as entrypoint, no build tools left), and the
+Dockerfile, pyproject, constraints.txt, the compiled components, the Argo templates and the code
+all name one image at one version. Also the step's RBAC: namespaced, no wildcards, and the same as
+the Kubernetes backend's own Role."""
 from __future__ import annotations
 
+import importlib.metadata
 import pathlib
 import re
 import tomllib
 
+import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 IMAGE = "ghcr.io/elastic-step/elastic-step"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
 
 
-def version() -> str:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+def dockerfile(text: str | None = None) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = (ROOT / "images" / "Dockerfile").read_text() if text is None else text
+    text = re.sub(r"\s*\\\n(\s*#.*\n)*\s*", " ", text)
+    return [(i.upper(), a.strip()) for i, _, a in (l.strip().partition(" ") for l in text.splitlines())
+            if i and not i.startswith("#")]
 
 
-def dockerfile() -> list[tuple[str, str]]:
-    """(instruction, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n\s*", " ", (ROOT / "images" / "Dockerfile").read_text())
-    return [tuple(l.split(None, 1)) for l in text.splitlines() if l.strip() and not l.lstrip().startswith("#")]
+def stages(steps: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    out: list[list[tuple[str, str]]] = []
+    for step in steps:
+        if step[0] == "FROM":
+            out.append([])
+        out[-1].append(step)
+    return out
 
 
-def test_dockerfile_is_slim_pinned_non_root_with_the_cli_as_entrypoint():
-    steps = dockerfile()
-    froms = [a for i, a in steps if i == "FROM"]
-    assert froms and all(a.startswith("python:3.11-slim") for a in froms)
-    runs = " ".join(a for i, a in steps if i == "RUN")
-    assert "-c constraints.txt" in runs and "--no-cache-dir" in runs
-    assert f"elastic-step=={version()}" in runs
-    assert any(i == "USER" and a.strip() not in ("root", "0") for i, a in steps)
-    assert ("ENTRYPOINT", '["elastic-step"]') in steps
-    label = " ".join(a for i, a in steps if i == "LABEL")
-    assert f'image.version="{version()}"' in label
-    assert not re.search(r"apt-get install|build-essential|gcc", runs)
+def pins() -> dict[str, str]:
+    out = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt must pin exact versions: {line!r}"
+            out[canonicalize_name(name)] = version
+    return out
 
 
-def test_components_and_argo_use_this_version_of_the_image():
-    expected = f"{IMAGE}:{version()}"
-    files = list((ROOT / "components").rglob("*.yaml")) + list((ROOT / "pipelines").rglob("*.yaml"))
-    images = set()
+# ---------------------------------------------------------------- the Dockerfile
+def test_dockerfile_is_slim_and_python_matches_pyproject():
+    froms = [a.split()[0] for i, a in dockerfile() if i == "FROM"]
+    assert froms and all(f.startswith("python:3.11-slim") for f in froms), froms
+    assert SpecifierSet(PYPROJECT["project"]["requires-python"]).contains("3.11")
+
+
+def test_the_runtime_stage_installs_the_pinned_project_and_leaves_nothing_behind():
+    *_, final = stages(dockerfile())
+    runs = " ".join(a for i, a in final if i == "RUN")
+    assert re.search(r"(^|\s)-c \S*constraints\.txt\b", runs), "install with -c constraints.txt"
+    assert f"elastic-step=={VERSION}" in runs
+    assert "--no-cache-dir" in runs and "--no-index" in runs
+    assert "--mount=type=bind,from=build,source=/wheels" in runs   # wheels never land in a layer
+    assert not re.search(r"apt-get|apk add|build-essential|gcc|g\+\+|\bmake\b", runs)
+    assert not any(i in ("COPY", "ADD") for i, _ in final), "the runtime stage copies nothing in"
+    build, *_ = stages(dockerfile())
+    assert re.search(r"pip wheel .*--no-cache-dir.*-c constraints\.txt", " ".join(a for i, a in build if i == "RUN"))
+
+
+def test_runs_as_a_numeric_non_root_user_with_the_cli_as_entrypoint():
+    *_, final = stages(dockerfile())
+    users = [a for i, a in final if i == "USER"]
+    assert users, "no USER: the image would run as root"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and uid != "0", "a numeric non-root uid lets Kubernetes verify runAsNonRoot"
+    argo = yaml.safe_load((ROOT / "pipelines" / "argo" / "train-eval-template.yaml").read_text())
+    assert argo["spec"]["securityContext"]["runAsUser"] == int(uid)  # the Argo pods run as that user
+    entry = [a for i, a in final if i == "ENTRYPOINT"]
+    assert entry == ['["elastic-step"]']
+    assert PYPROJECT["project"]["scripts"]["elastic-step"] == "elastic_step.cli:main"
+
+
+def test_labels_carry_the_version():
+    *_, final = stages(dockerfile())
+    labels = dict(re.findall(r'([\w.]+)="([^"]*)"', " ".join(a for i, a in final if i == "LABEL")))
+    assert labels["org.opencontainers.image.version"] == VERSION
+    assert labels["org.opencontainers.image.title"] == "elastic-step"
+    assert labels["org.opencontainers.image.licenses"] == PYPROJECT["project"]["license"]
+
+
+def test_the_parser_sees_through_continuations_and_comments():
+    steps = dockerfile('FROM a AS b\n# c\nRUN x \\\n    # inside\n    && y\nUSER 1000\n')
+    assert steps == [("FROM", "a AS b"), ("RUN", "x && y"), ("USER", "1000")]
+
+
+# ---------------------------------------------------------------- one version everywhere
+def test_every_reference_to_the_image_is_this_version():
+    expected = f"{IMAGE}:{VERSION}"
+    files = [p for d in ("components", "pipelines", "elastic_step", "images") for p in (ROOT / d).rglob("*")
+             if p.suffix in (".yaml", ".yml", ".py", ".md") and p.is_file()] + [ROOT / "README.md"]
+    found: dict[str, set[str]] = {}
     for f in files:
-        images.update(re.findall(r"(?m)^\s*-?\s*image: (\S+)", f.read_text()))
-    assert images, "no image reference found"
-    assert images == {expected}, images
+        for ref in re.findall(re.escape(IMAGE) + r"(?::[\w.{}-]+)?", f.read_text()):
+            found.setdefault(ref.replace("{__version__}", VERSION), set()).add(str(f.relative_to(ROOT)))
+    assert found, "no image reference found"
+    stray = {ref: sorted(where) for ref, where in found.items() if ref not in (expected, IMAGE)}
+    assert not stray, f"expected {expected}: {stray}"
 
 
-def test_constraints_pin_what_pyproject_requires():
-    pins = dict(l.split("==") for l in (ROOT / "constraints.txt").read_text().splitlines() if "==" in l)
-    pins = {k.lower().replace("_", "-"): v for k, v in pins.items()}
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    for dep in deps:
-        name = re.split(r"[<>=!~\s\[]", dep, 1)[0].lower()
-        assert name in pins, f"{name} is required but not pinned in constraints.txt"
+def test_compiled_components_and_argo_templates_run_in_this_image():
+    expected = f"{IMAGE}:{VERSION}"
+    compiled = list((ROOT / "components").rglob("*.yaml")) + list((ROOT / "pipelines").rglob("*.yaml"))
+    images = {}
+    for f in compiled:
+        for image in re.findall(r"(?m)^\s*-?\s*image: ['\"]?([^'\"\s]+)", f.read_text()):
+            images.setdefault(image, []).append(str(f.relative_to(ROOT)))
+    assert expected in images
+    assert set(images) == {expected}, images
+    from elastic_step.argo import IMAGE as ARGO_IMAGE
+    from elastic_step.components.ops import BASE_IMAGE
+    assert ARGO_IMAGE == expected
+    if "ELASTIC_STEP_IMAGE" not in __import__("os").environ:
+        assert BASE_IMAGE == expected
 
 
-def test_rbac_is_namespaced_and_without_wildcards():
-    docs = list(yaml.safe_load_all((ROOT / "components" / "elastic_train" / "rbac.yaml").read_text()))
-    kinds = {d["kind"] for d in docs}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding"}
-    role = next(d for d in docs if d["kind"] == "Role")
+def test_the_package_version_is_pyprojects():
+    import elastic_step
+
+    assert elastic_step.__version__ == VERSION
+
+
+# ---------------------------------------------------------------- pins
+def test_constraints_pin_what_pyproject_requires_within_its_ranges():
+    pinned = pins()
+    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"]
+    for dep in map(Requirement, deps):
+        name = canonicalize_name(dep.name)
+        assert name in pinned, f"{dep.name} is required but not pinned in constraints.txt"
+        assert dep.specifier.contains(pinned[name], prereleases=True), \
+            f"constraints.txt pins {dep.name}=={pinned[name]}, outside pyproject's {dep.specifier}"
+
+
+def test_the_tests_run_with_the_pins_the_image_installs():
+    """The environment these tests run in is the image's: same versions of every runtime dependency."""
+    pinned = pins()
+    wrong = {}
+    for dep in map(Requirement, PYPROJECT["project"]["dependencies"]):
+        name = canonicalize_name(dep.name)
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed != pinned[name]:
+            wrong[dep.name] = (installed, pinned[name])
+    assert not wrong, f"(installed, pinned): {wrong}; run scripts/bootstrap"
+
+
+# ---------------------------------------------------------------- RBAC
+def rbac(path: pathlib.Path) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(path.read_text()) if d}
+
+
+def rules(role: dict) -> set[tuple[str, str, str]]:
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def test_rbac_is_namespaced_exact_and_without_wildcards():
+    docs = rbac(ROOT / "components" / "elastic_train" / "rbac.yaml")
+    assert {k for k, _ in docs} == {"ServiceAccount", "Role", "RoleBinding"}  # nothing cluster-wide
+    role = docs[("Role", "elastic-step")]
     for rule in role["rules"]:
-        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-    pods = next(r for r in role["rules"] if r["resources"] == ["pods"])
-    assert set(pods["verbs"]) == {"create", "get", "list", "watch", "delete", "patch"}
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+        assert "resourceNames" not in rule or rule["resourceNames"]
+    assert rules(role) == {("", "pods", v) for v in ("create", "get", "list", "watch", "delete", "patch")} \
+        | {("", "secrets", v) for v in ("create", "get", "delete")}
+    binding = docs[("RoleBinding", "elastic-step")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elastic-step"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "elastic-step"}]
+    assert all("namespace" not in d["metadata"] for d in docs.values()), "applied with -n <namespace>"
+
+
+def test_rbac_agrees_with_the_kubernetes_backends_role():
+    backend = ROOT / "elastic_step" / "backends" / "manifests" / "role.yaml"
+    if not backend.exists():
+        pytest.skip("the kubernetes backend's manifests/role.yaml is not there yet")
+    ours, theirs = rbac(ROOT / "components" / "elastic_train" / "rbac.yaml"), rbac(backend)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        if key[0] == "Role":
+            assert rules(ours[key]) == rules(theirs[key]), key
+        elif key[0] == "RoleBinding":
+            assert ours[key]["roleRef"] == theirs[key]["roleRef"] and ours[key]["subjects"] == theirs[key]["subjects"]
