@@ -75,9 +75,10 @@ def _pipeline_run(args) -> dict:
     from elastic_step.pipelines.local_run import print_run, run_local
 
     result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
-                       minibatch_size=args.minibatch_size, min_workers=args.min_workers,
-                       max_workers=args.max_workers, num_ps=args.num_ps, threshold=args.threshold,
-                       metric=args.metric, publish_uri=args.publish_uri)
+                       minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
+                       min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
+                       threshold=args.threshold, metric=args.metric, publish_uri=args.publish_uri,
+                       eval_fraction=args.eval_fraction, seed=args.seed)
     print_run(result)
     return result
 
@@ -104,10 +105,15 @@ def _schedule(args) -> dict:
     from elastic_step.pipelines.schedule import create_schedule
 
     params = {"source_uri": args.source, "model_def": args.model_def, "label": args.label, "epochs": args.epochs,
-              "min_workers": args.min_workers, "max_workers": args.max_workers, "num_ps": args.num_ps,
-              "backend": args.backend, "threshold": args.threshold, "publish_uri": args.publish_uri}
+              "minibatch_size": args.minibatch_size, "min_workers": args.min_workers,
+              "max_workers": args.max_workers, "num_ps": args.num_ps, "backend": args.backend,
+              "worker_image": args.worker_image, "worker_cpu": args.worker_cpu,
+              "worker_memory": args.worker_memory, "worker_priority_class": args.worker_priority_class,
+              "ps_priority_class": args.ps_priority_class, "threshold": args.threshold,
+              "metric": args.metric, "publish_uri": args.publish_uri}
     return create_schedule(args.host, args.cron, params, experiment=args.experiment, name=args.name,
-                           namespace=args.namespace)
+                           namespace=args.namespace, service_account=args.service_account,
+                           pipeline_root=args.pipeline_root)
 
 
 def _compile(args) -> dict:
@@ -161,11 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--label", default="label")
     run.add_argument("--epochs", type=int, default=10)
     run.add_argument("--minibatch-size", type=int, default=64)
+    run.add_argument("--records-per-task", type=int, default=512)
     run.add_argument("--min-workers", type=int, default=1)
     run.add_argument("--max-workers", type=int, default=2)
     run.add_argument("--num-ps", type=int, default=1)
     run.add_argument("--threshold", type=float, default=0.9)
     run.add_argument("--metric", default="accuracy")
+    run.add_argument("--eval-fraction", type=float, default=0.2)
+    run.add_argument("--seed", type=int, default=0)
     run.add_argument("--publish-uri", default="", help="where a model that passes the gate is copied")
     run.set_defaults(func=_pipeline_run)
 
@@ -178,15 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--model-def", required=True)
     sc.add_argument("--label", default="label")
     sc.add_argument("--epochs", type=int, default=10)
+    sc.add_argument("--minibatch-size", type=int, default=64)
     sc.add_argument("--min-workers", type=int, default=1)
     sc.add_argument("--max-workers", type=int, default=4)
     sc.add_argument("--num-ps", type=int, default=1)
     sc.add_argument("--backend", default="kubernetes")
+    sc.add_argument("--worker-image", help="image of the worker/PS pods (default: the runtime image)")
+    sc.add_argument("--worker-cpu")
+    sc.add_argument("--worker-memory")
+    sc.add_argument("--worker-priority-class")
+    sc.add_argument("--ps-priority-class")
     sc.add_argument("--threshold", type=float, default=0.9)
+    sc.add_argument("--metric", default="accuracy")
     sc.add_argument("--publish-uri", default="")
     sc.add_argument("--experiment", default="elastic-step")
     sc.add_argument("--name", default="elastic-step-train-eval-nightly")
     sc.add_argument("--namespace")
+    sc.add_argument("--service-account", help="the runs' service account (it needs the Role in "
+                    "components/elastic_train/rbac.yaml for backend kubernetes)")
+    sc.add_argument("--pipeline-root", help="where the runs' artifacts go (default: the cluster's)")
     sc.set_defaults(func=_schedule)
 
     comp = sub.add_parser("compile", help="regenerate the compiled component and pipeline YAMLs")

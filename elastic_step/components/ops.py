@@ -1,10 +1,21 @@
 """The KFP v2 components: lightweight Python components on the runtime image whose bodies call
-into `elastic_step` (components/steps.py), so kfp.local's SubprocessRunner runs them here and a
-cluster runs them in the image. (No `from __future__ import annotations`: KFP reads the real types.)
+into `elastic_step` (elastic_step.steps does the work, elastic_step.components.outputs fills the
+KFP artifacts), so kfp.local's SubprocessRunner runs them here and a cluster runs them in the image.
+(No `from __future__ import annotations`: KFP reads the real types; and the return annotations
+are spelled inline, since a component's source runs in the step on its own, with only `typing`.)
 
-Set ELASTIC_STEP_IMAGE before importing to build them on another image.
+Two shapes of the train and evaluate steps:
+- `elastic_train_op`, `evaluate_op` take `Dataset`/`Model` input artifacts: for pipelines (DSL).
+- `elastic_train_uri_op`, `evaluate_uri_op` take the same data as URIs (strings), with the same
+  parameters and outputs: for the KFP UI, which starts an uploaded component as a one-step
+  pipeline and cannot pass input artifacts. `data_prep_op` already takes only strings.
+
+The image: `ghcr.io/elastic-step/elastic-step:<version>`; set ELASTIC_STEP_IMAGE before importing
+(or before `elastic-step compile`) to build the components on another image. The image ships kfp,
+so the components do not pip-install it at run time (`install_kfp_package=False`).
 """
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -13,22 +24,24 @@ from kfp.dsl import HTML, Artifact, ClassificationMetrics, Dataset, Input, Metri
 
 from elastic_step import __version__
 
-BASE_IMAGE = os.environ.get("ELASTIC_STEP_IMAGE", f"ghcr.io/elastic-step/elastic-step:{__version__}")
+DEFAULT_IMAGE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
+BASE_IMAGE = os.environ.get("ELASTIC_STEP_IMAGE") or DEFAULT_IMAGE
 
+component = functools.partial(dsl.component, base_image=BASE_IMAGE, install_kfp_package=False)
 
-@dsl.component(base_image=BASE_IMAGE)
+@component
 def data_prep_op(source_uri: str, train_data: Output[Dataset], eval_data: Output[Dataset], label: str = "",
                  eval_fraction: float = 0.2, seed: int = 0, shard_rows: int = 50000):
     """CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards + a manifest per split."""
+    from elastic_step.components.outputs import record_prep
     from elastic_step.steps import prep_step
 
     info = prep_step(source_uri, train_data.path, eval_data.path, label=label, eval_fraction=eval_fraction,
                      seed=seed, shard_rows=shard_rows)
-    train_data.metadata.update(rows=info["train_rows"], columns=info["columns"], format="elastic-step/manifest/v1")
-    eval_data.metadata.update(rows=info["eval_rows"], columns=info["columns"], format="elastic-step/manifest/v1")
+    record_prep(info, train_data, eval_data)
 
 
-@dsl.component(base_image=BASE_IMAGE)
+@component
 def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], model_def: str,
                      model: Output[Model], metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
                      epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
@@ -36,73 +49,68 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                      backend: str = "local", worker_image: str = "", worker_cpu: str = "", worker_memory: str = "",
                      worker_priority_class: str = "", ps_priority_class: str = "", seed: int = 0):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods."""
-    import json
-
-    from elastic_step.steps import train_metrics, train_step
+    from elastic_step.components.outputs import record_training
+    from elastic_step.steps import train_step
 
     s = train_step(train_data.path, eval_data.path, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
                    backend=backend, image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
                    worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed)
-    for name, value in train_metrics(s).items():
-        metrics.log_metric(name, value)
-    model.metadata.update(framework="keras", job_id=s["job_id"], eval=json.dumps(s["eval"]))
-    summary.metadata.update(status=s["status"], job_id=s["job_id"])
+    record_training(s, model, metrics, summary)
 
 
-@dsl.component(base_image=BASE_IMAGE)
+@component
 def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: Output[Model],
-                         metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact], epochs: int = 5,
-                         minibatch_size: int = 64, min_workers: int = 1, max_workers: int = 2, num_ps: int = 1,
-                         backend: str = "local"):
-    """elastic_train_op for the KFP UI, which cannot pass input artifacts: the data are manifest URIs
-    (the manifest.json, or its folder, written by `elastic-step data prep`), any fsspec URI."""
-    from elastic_step.steps import train_metrics, train_step
+                         metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
+                         epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
+                         min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
+                         backend: str = "local", worker_image: str = "", worker_cpu: str = "",
+                         worker_memory: str = "", worker_priority_class: str = "", ps_priority_class: str = "",
+                         seed: int = 0):
+    """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
+    manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI)."""
+    from elastic_step.components.outputs import record_training
+    from elastic_step.steps import train_step
 
-    s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path, epochs=epochs,
-                   minibatch_size=minibatch_size, min_workers=min_workers, max_workers=max_workers,
-                   num_ps=num_ps, backend=backend)
-    for name, value in train_metrics(s).items():
-        metrics.log_metric(name, value)
-
-
-@dsl.component(base_image=BASE_IMAGE)
-def evaluate_uri_op(model_uri: str, eval_uri: str, model_def: str, metrics: Output[Metrics],
-                    threshold: float = 0.9, metric: str = "accuracy"
-                    ) -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
-    """evaluate_op for the KFP UI: the model folder and the eval manifest as URIs."""
-    from collections import namedtuple
-
-    from elastic_step.steps import evaluate_step
-
-    r = evaluate_step(model_uri, eval_uri, model_def, metric=metric, threshold=threshold)
-    for name, value in r["metrics"].items():
-        metrics.log_metric(name, float(value))
-    return namedtuple("EvaluateOutputs", ["score", "passed"])(r["score"], r["passed"])
+    s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path,
+                   epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
+                   min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
+                   backend=backend, image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
+                   worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed)
+    record_training(s, model, metrics, summary)
 
 
-@dsl.component(base_image=BASE_IMAGE)
+@component
 def evaluate_op(model: Input[Model], eval_data: Input[Dataset], model_def: str, metrics: Output[Metrics],
                 classification_metrics: Output[ClassificationMetrics], threshold: float = 0.9,
                 metric: str = "accuracy") -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
-    """Evaluate the model on the eval data; `passed` gates publishing (score >= threshold)."""
-    from collections import namedtuple
-
+    """Evaluate the model on the eval data; `passed` (score >= threshold) gates publishing."""
+    from elastic_step.components.outputs import record_evaluation
     from elastic_step.steps import evaluate_step
 
     r = evaluate_step(model.path, eval_data.path, model_def, metric=metric, threshold=threshold)
-    for name, value in r["metrics"].items():
-        metrics.log_metric(name, float(value))
-    metrics.log_metric("threshold", threshold)
-    if r["confusion"]:
-        classification_metrics.log_confusion_matrix(r["confusion"]["categories"], r["confusion"]["matrix"])
-    return namedtuple("EvaluateOutputs", ["score", "passed"])(r["score"], r["passed"])
+    return record_evaluation(r, threshold, metrics, classification_metrics)
 
 
-@dsl.component(base_image=BASE_IMAGE)
-def publish_model_op(model: Input[Model], publish_uri: str, passed: bool = True) -> str:
-    """Copy the model (model.keras + saved_model/) to publish_uri when `passed`; returns where it went."""
+@component
+def evaluate_uri_op(model_uri: str, eval_uri: str, model_def: str, metrics: Output[Metrics],
+                    classification_metrics: Output[ClassificationMetrics], threshold: float = 0.9,
+                    metric: str = "accuracy"
+                    ) -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
+    """evaluate_op for the KFP UI: the model folder (model.keras + saved_model/) and the eval
+    manifest as URIs."""
+    from elastic_step.components.outputs import record_evaluation
+    from elastic_step.steps import evaluate_step
+
+    r = evaluate_step(model_uri, eval_uri, model_def, metric=metric, threshold=threshold)
+    return record_evaluation(r, threshold, metrics, classification_metrics)
+
+
+@component
+def publish_model_op(model: Input[Model], publish_uri: str) -> str:
+    """Copy the model folder (model.keras + saved_model/) to publish_uri (any fsspec URI); returns
+    where it went ("" when publish_uri is empty). Gate it with dsl.If on evaluate_op's `passed`."""
     from elastic_step.steps import publish_step
 
-    return publish_step(model.path, publish_uri, passed)
+    return publish_step(model.path, publish_uri, passed=True)

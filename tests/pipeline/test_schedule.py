@@ -1,20 +1,29 @@
-"""`elastic-step schedule create` against a local HTTP server speaking the KFP v2beta1 REST API for
-the calls kfp.Client makes. This fake is the one mock in the suite, allowed because a KFP API server
-cannot run on this machine; everything else (the kfp client, the compiler, our CLI) is real."""
+"""`elastic-step schedule create` against a local HTTP server speaking the KFP v2beta1 REST API.
+
+The fake KFP server below is the one mock allowed in this suite, because a KFP API server cannot run
+on this machine. It answers exactly the calls kfp.Client makes for `schedule create` (healthz,
+experiments list/create, recurringruns create; pipelines upload is answered too, though creating a
+recurring run from a package sends the spec inline) and records each request body. Everything else
+is real: the kfp client, the KFP compiler, our CLI.
+"""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlparse
 
 import pytest
-import yaml
 
 from elastic_step.errors import ConfigError
 from elastic_step.pipelines.schedule import validate_cron
-from tests.integration.harness import ROOT
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+API = "/apis/v2beta1"
 
 
 class FakeKfp(BaseHTTPRequestHandler):
@@ -30,24 +39,32 @@ class FakeKfp(BaseHTTPRequestHandler):
 
     def _body(self) -> dict:
         n = int(self.headers.get("Content-Length") or 0)
-        return json.loads(self.rfile.read(n) or b"{}")
+        raw = self.rfile.read(n) if n else b""
+        if self.headers.get("Content-Type", "").startswith("application/json"):
+            return json.loads(raw or b"{}")
+        return {"raw_bytes": len(raw)}
 
     def do_GET(self):
-        self.calls.append(("GET", self.path, {}))
-        if self.path.startswith("/apis/v2beta1/healthz"):
-            return self._reply({"multi_user": False})
-        if self.path.startswith("/apis/v2beta1/experiments"):
+        url = urlparse(self.path)
+        self.calls.append(("GET", url.path, parse_qs(url.query)))
+        if url.path == f"{API}/healthz":
+            return self._reply({"multi_user": False, "pipeline_store": "database"})
+        if url.path == f"{API}/experiments":  # get_experiment(experiment_name=...) lists with a filter
             return self._reply({"experiments": [], "total_size": 0})
-        return self._reply({"error": f"not faked: GET {self.path}"}, 404)
+        return self._reply({"error": f"not faked: GET {url.path}", "code": 5}, 404)
 
     def do_POST(self):
+        url = urlparse(self.path)
         body = self._body()
-        self.calls.append(("POST", self.path, body))
-        if self.path.startswith("/apis/v2beta1/experiments"):
-            return self._reply({**body, "experiment_id": "exp-1"})
-        if self.path.startswith("/apis/v2beta1/recurringruns"):
-            return self._reply({**body, "recurring_run_id": "rr-1", "status": "ENABLED"})
-        return self._reply({"error": f"not faked: POST {self.path}"}, 404)
+        self.calls.append(("POST", url.path, body))
+        if url.path == f"{API}/experiments":
+            return self._reply({**body, "experiment_id": "exp-1", "created_at": "2026-01-01T00:00:00Z"})
+        if url.path == f"{API}/pipelines/upload":
+            return self._reply({"pipeline_id": "pl-1", "display_name": "uploaded"})
+        if url.path == f"{API}/recurringruns":
+            return self._reply({**body, "recurring_run_id": "rr-1", "status": "ENABLED",
+                                "created_at": "2026-01-01T00:00:00Z"})
+        return self._reply({"error": f"not faked: POST {url.path}", "code": 5}, 404)
 
     def log_message(self, *args):
         pass
@@ -57,39 +74,89 @@ class FakeKfp(BaseHTTPRequestHandler):
 def kfp_server():
     FakeKfp.calls = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeKfp)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", FakeKfp.calls
     server.shutdown()
+    server.server_close()
+
+
+def schedule(host: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "KFP_DISABLE_EXECUTION_CACHING_BY_DEFAULT"}
+    return subprocess.run([sys.executable, "-m", "elastic_step.cli", "schedule", "create", "--host", host, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def all_tasks(spec: dict):
+    """Every task of the pipeline spec: the root DAG's and those of nested DAGs (the gate's branch)."""
+    yield from spec["root"]["dag"]["tasks"].items()
+    for component in spec["components"].values():
+        yield from component.get("dag", {}).get("tasks", {}).items()
 
 
 def test_schedule_create_sends_a_six_field_cron_without_caching_or_catch_up(kfp_server):
     host, calls = kfp_server
-    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "schedule", "create", "--host", host,
-                           "--cron", "0 0 2 * * *", "--source", "gs://bucket/data/", "--model-def",
-                           "gs://bucket/model.py", "--publish-uri", "gs://bucket/published/"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = schedule(host, "--cron", "0 0 2 * * *", "--experiment", "nightly-digits", "--name", "digits-nightly",
+                    "--source", "gs://bucket/data/", "--model-def", "gs://bucket/model.py",
+                    "--publish-uri", "gs://bucket/published/", "--epochs", "12", "--max-workers", "6",
+                    "--service-account", "elastic-step")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout)["recurring_run_id"] == "rr-1"
-    experiment = next(b for m, p, b in calls if m == "POST" and "/experiments" in p)
-    assert experiment["display_name"] == "elastic-step"
-    rr = next(b for m, p, b in calls if m == "POST" and "/recurringruns" in p)
-    assert rr["trigger"]["cron_schedule"]["cron"] == "0 0 2 * * *"
+    result = json.loads(proc.stdout)  # stdout is only our JSON, whatever kfp.Client prints
+    assert result["recurring_run_id"] == "rr-1" and result["cron"] == "0 0 2 * * *"
+
+    assert ("GET", f"{API}/healthz") in [(m, p) for m, p, _ in calls]
+    lookup = next(q for m, p, q in calls if m == "GET" and p == f"{API}/experiments")
+    assert "nightly-digits" in lookup["filter"][0]  # looked the experiment up by name first
+    experiment = next(b for m, p, b in calls if m == "POST" and p == f"{API}/experiments")
+    assert experiment["display_name"] == "nightly-digits"
+
+    rr = next(b for m, p, b in calls if m == "POST" and p == f"{API}/recurringruns")
+    assert rr["display_name"] == "digits-nightly"
+    assert rr["trigger"] == {"cron_schedule": {"cron": "0 0 2 * * *"}}
     assert rr["no_catchup"] is True
     assert int(rr["max_concurrency"]) == 1
     assert rr["experiment_id"] == "exp-1"
-    assert rr["runtime_config"]["parameters"]["source_uri"] == "gs://bucket/data/"
+    assert rr["mode"] == "ENABLE"
+    assert rr["service_account"] == "elastic-step"
+    params = rr["runtime_config"]["parameters"]
+    assert params["source_uri"] == "gs://bucket/data/" and params["model_def"] == "gs://bucket/model.py"
+    assert params["publish_uri"] == "gs://bucket/published/"
+    assert params["epochs"] == 12 and params["max_workers"] == 6 and params["backend"] == "kubernetes"
+
     spec = rr["pipeline_spec"]
-    tasks = [t for c in spec["root"]["dag"]["tasks"].values() for t in [c]]
-    assert tasks and all(not t.get("cachingOptions", {}).get("enableCache", False) for t in tasks)
     assert spec["pipelineInfo"]["name"] == "elastic-step-train-eval"
+    tasks = dict(all_tasks(spec))
+    assert {"data-prep-op", "elastic-train-op", "evaluate-op", "publish-model-op"} <= set(tasks)
+    cached = [name for name, t in tasks.items() if t.get("cachingOptions", {}).get("enableCache")]
+    assert cached == [], f"caching is on for {cached}"  # including the publish step inside the gate
 
 
-@pytest.mark.parametrize("cron", ["0 2 * * *", "every night", "0 0 2 * * * *"])
-def test_a_cron_that_is_not_six_fields_is_a_clear_error(cron):
-    with pytest.raises(ConfigError, match="6-field"):
+@pytest.mark.parametrize("cron", ["0 0 2 * * *", "0 0 9 ? * 2-6", "0 */15 * * * MON-FRI", "30 0 2 1,15 JAN-JUN *",
+                                  "  0  0 2 * *   * "])
+def test_valid_six_field_crons_pass(cron):
+    assert validate_cron(cron) == " ".join(cron.split())
+
+
+@pytest.mark.parametrize("cron, complaint", [
+    ("every night", "6-field"), ("0 0 2 * * * *", "It has 7"), ("", "It has 0"),
+    ("60 0 2 * * *", "second field '60'"), ("0 0 24 * * *", "hour field '24'"),
+    ("0 0 2 0 * *", "day of month field '0'"), ("0 0 2 * 13 *", "month field '13'"),
+    ("0 0 2 * * 7", "day of week field '7'"), ("0 0 ? * * *", "hour field '\\?'"),
+    ("0 0 5-2 * * *", "hour field '5-2'"), ("0 */0 * * * *", "minute field"), ("@daily x y z w v", "second field"),
+])
+def test_a_bad_cron_is_a_clear_error(cron, complaint):
+    with pytest.raises(ConfigError, match=complaint):
         validate_cron(cron)
 
 
 def test_five_fields_get_a_hint():
     with pytest.raises(ConfigError, match='"0 0 2 \\* \\* \\*" runs at second 0'):
         validate_cron("0 2 * * *")
+
+
+def test_the_cli_rejects_a_five_field_cron_before_calling_the_server(kfp_server):
+    host, calls = kfp_server
+    proc = schedule(host, "--cron", "0 2 * * *", "--source", "gs://b/d/", "--model-def", "gs://b/m.py")
+    assert proc.returncode != 0
+    assert "6-field" in proc.stderr and proc.stdout == ""
+    assert calls == []
