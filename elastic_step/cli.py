@@ -25,7 +25,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-workers", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=2)
     p.add_argument("--num-ps", type=int, default=1)
-    p.add_argument("--strategy", default="ps", help="ps (async SGD with parameter servers)")
+    p.add_argument("--strategy", default="ps", help="ps (async SGD with parameter servers) or allreduce "
+                   "(sync SGD, elastic ring AllReduce between workers, no parameter servers)")
+    p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"],
+                   help="allreduce: scaled (world x minibatch, learning rate scaled by world/max-workers) or "
+                        "fixed (max-workers x minibatch kept by gradient accumulation)")
     p.add_argument("--backend", default="local", help="local (subprocesses) or kubernetes (pods)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job-id", help="stable id of the job (a retried step reuses it)")
@@ -48,7 +52,8 @@ def _train(args) -> dict:
         model_def=args.model_def, train_data=args.train_data, eval_data=args.eval_data, output=args.output,
         epochs=args.epochs, minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
         min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
-        strategy=args.strategy, backend=args.backend, seed=args.seed, worker_cpu=args.worker_cpu,
+        strategy=args.strategy, global_batch=getattr(args, "global_batch", "scaled"), backend=args.backend,
+        seed=args.seed, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
         **({"chaos": args.chaos} if args.chaos else {}))  # else TrainConfig reads ELASTIC_STEP_CHAOS

@@ -26,10 +26,13 @@ def quiet_tensorflow() -> None:
 
 
 def instance_argv(role: str, master: str, index: int, model_def: str, num_ps: int, seed: int,
-                  minibatch_size: int, host: str = "") -> list[str]:
+                  minibatch_size: int, host: str = "", strategy: str = "ps",
+                  global_batch: str = "scaled") -> list[str]:
     argv = [sys.executable, "-m", f"elastic_step.{role}", "--master", master, "--index", str(index),
             "--model-def", model_def, "--num-ps", str(num_ps), "--seed", str(seed),
             "--minibatch-size", str(minibatch_size)]
+    if strategy != "ps":
+        argv += ["--strategy", strategy, "--global-batch", global_batch]
     return argv + (["--host", host] if host else [])
 
 
@@ -41,6 +44,8 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-ps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minibatch-size", type=int, default=64)
+    p.add_argument("--strategy", default="ps", choices=["ps", "allreduce"])
+    p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
     p.add_argument("--host", default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),
                    help="address this instance serves on and advertises (PS)")
     args = p.parse_args(argv)

@@ -8,7 +8,8 @@ import uuid
 
 from elastic_step.errors import ConfigError
 
-STRATEGIES = ("ps",)
+STRATEGIES = ("ps", "allreduce")
+GLOBAL_BATCH = ("scaled", "fixed")
 BACKENDS = ("local", "kubernetes")
 
 
@@ -26,6 +27,7 @@ class TrainConfig:
     num_ps: int = 1
     backend: str = "local"
     strategy: str = "ps"
+    global_batch: str = "scaled"       # allreduce: "scaled" (lr follows world size) or "fixed" (accumulation)
     seed: int = 0
     job_id: str = dataclasses.field(default_factory=lambda: "es-" + uuid.uuid4().hex[:8])
     token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
@@ -54,6 +56,8 @@ class TrainConfig:
             raise ConfigError(f"Unknown --backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"Unknown --strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+        if self.global_batch not in GLOBAL_BATCH:
+            raise ConfigError(f"Unknown --global-batch {self.global_batch!r}; choose one of {', '.join(GLOBAL_BATCH)}.")
         if self.progress not in ("auto", "bar", "lines", "off"):
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")
         return self

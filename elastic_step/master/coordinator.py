@@ -38,6 +38,55 @@ class Coordinator:
         self.recovery_first_commit_s: list[float] = []
         self.first_commit_at: float | None = None  # throughput is measured between first and last commit
         self.last_commit_at: float | None = None
+        self.rendezvous = None                  # --strategy allreduce: see attach_rendezvous
+
+    def attach_rendezvous(self, max_workers: int):
+        """--strategy allreduce: versioned membership and atomic step commits, under this lock."""
+        from elastic_step.master.rendezvous import Rendezvous
+
+        self.rendezvous = Rendezvous(self.min_workers, max_workers, lock=self.lock,
+                                     commit_fn=self._commit_step, record=self.record)
+        return self.rendezvous
+
+    def _commit_step(self, ready: dict, now: float) -> bool:
+        """An allreduce step commits (lock held): every member's watermark at once. True when done."""
+        epoch_before = self.ledger.epoch
+        records = sum(r.records for r in ready.values())
+        for worker, r in ready.items():
+            role, index = worker.rsplit("-", 1)
+            self.membership.seen(InstanceId(role, int(index)), progressed=True)
+            lost_at = self._replacement_lost_at.pop(worker, None)
+            if lost_at is not None:
+                self.recovery_first_commit_s.append(now - lost_at)
+            if r.task_id < 0:
+                continue
+            try:
+                self.ledger.report(worker, r.task_id, r.watermark)
+            except LedgerError as e:
+                log.warning("refused a step commit: %s", e)
+                self.record("refused", worker, str(e))
+        if records:
+            self.first_commit_at = self.first_commit_at or now
+            self.last_commit_at = now
+            loss = sum(r.loss * r.records for r in ready.values()) / records
+            if loss == loss:
+                self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        if self.ledger.epoch != epoch_before:
+            self.record("epoch_end", "", f"epoch {epoch_before} committed "
+                        f"{self.ledger.accounts[epoch_before].committed} records")
+            log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
+        if self.ledger.done:
+            self.finished.set()
+        return self.ledger.done
+
+    def allreduce_peer_failed(self, reporter: str, version: int, peer: str, detail: str) -> None:
+        """A member could not reach a peer: the peer leaves the ring, its lease remainder is requeued."""
+        with self.lock:
+            if self.rendezvous is None or not self.rendezvous.peer_failed_locked(reporter, version, peer, detail):
+                return
+            remainder = self.ledger.release(peer, time.time())
+            if remainder is not None:
+                self.record("requeued", peer, f"records [{remainder[0]},{remainder[1]})")
 
     # ------------------------------------------------------------ timeline
     def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None) -> None:
@@ -53,6 +102,8 @@ class Coordinator:
                 if all(self.ps_addresses):
                     self.ps_ready.set()
             self.record("registered", str(inst), address)
+            if self.rendezvous is not None and inst.role == "worker":
+                self.rendezvous.join_locked(str(inst), address)
             log.info("%s registered%s", inst, f" at {address}" if address else "")
             return list(self.ps_addresses)
 
@@ -131,6 +182,8 @@ class Coordinator:
             if ev.kind not in (EventKind.EXITED, EventKind.LOST) or ev.instance.role != "worker":
                 return None
             worker = str(ev.instance)
+            if self.rendezvous is not None:
+                self.rendezvous.remove_locked(worker, detail or ev.kind.value, at=ev.time)
             remainder = self.ledger.release(worker, ev.time)
             if remainder is not None:
                 self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})")

@@ -87,7 +87,9 @@ class TrainingJob:
         self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
         self.ledger = Ledger([ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
                              cfg.records_per_task, cfg.epochs, cfg.minibatch_size, cfg.seed)
-        self.coord = Coordinator(self.ledger, cfg.num_ps, cfg.min_workers)
+        self.allreduce = cfg.strategy == "allreduce"
+        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
+        self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
         self.chaos = Chaos(cfg.chaos)
@@ -101,7 +103,7 @@ class TrainingJob:
     def _spec(self, inst: InstanceId) -> InstanceSpec:
         c = self.cfg
         argv = instance_argv(inst.role, self.master_address, inst.index, c.model_def, c.num_ps, c.seed,
-                             c.minibatch_size)
+                             c.minibatch_size, strategy=c.strategy, global_batch=c.global_batch)
         if inst.role == "worker":
             return InstanceSpec(inst, argv, cpu=c.worker_cpu, memory=c.worker_memory,
                                 priority_class=c.worker_priority_class)
@@ -129,9 +131,10 @@ class TrainingJob:
                  cfg.min_workers, cfg.max_workers, cfg.backend)
         t_start = time.time()
         try:
-            for i in range(cfg.num_ps):
+            for i in range(0 if self.allreduce else cfg.num_ps):   # allreduce: no parameter servers
                 self._launch(InstanceId("ps", i))
-            self._pump(until=self.coord.ps_ready.is_set)
+            if not self.allreduce:
+                self._pump(until=self.coord.ps_ready.is_set)
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
             self._pump(until=self.coord.finished.is_set)
@@ -238,7 +241,30 @@ class TrainingJob:
 
         keras.utils.set_random_seed(self.cfg.seed)
         model = self.model_def.model()
+        if self.allreduce:
+            self._load_from_rank0(model, final=True)
+            return model, None
         return model, self._load_from_ps(model, with_stats=True)
+
+    def _load_from_rank0(self, model, final: bool = False) -> None:
+        """allreduce: the members' weights (identical on every member), from the first that answers.
+        `final`: the state of the last committed step; else whatever step the member is at."""
+        from elastic_step.worker.collective import pull_state
+
+        rdv = self.rendezvous
+        with self.coord.lock:
+            members, step = list(rdv.members), rdv.committed_step
+        errors = []
+        for name, address in members:
+            try:
+                _, num_model, values = pull_state(address, self.cfg.token, step if final else -1, timeout=30)
+            except Exception as e:  # noqa: BLE001 - try the next member
+                errors.append(f"{name}: {e}")
+                continue
+            for var, value in zip(model.weights, values[:num_model]):
+                var.assign(value.reshape(tuple(var.shape)))
+            return
+        raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 
     def _evaluate_epoch(self, epoch: int) -> None:
         """The eval curve: after each epoch, the PS weights on (a sample of) the eval data. Runs on the
@@ -248,7 +274,10 @@ class TrainingJob:
         try:
             if self._eval_model is None:
                 self._eval_model = self.model_def.model()
-            self._load_from_ps(self._eval_model)
+            if self.allreduce:
+                self._load_from_rank0(self._eval_model)
+            else:
+                self._load_from_ps(self._eval_model)
             r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
         except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
             log.warning("evaluation after epoch %d failed: %s", epoch, e)
@@ -264,13 +293,15 @@ class TrainingJob:
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
-        summary = self._write_summary(status="succeeded", eval=metrics, ps=ps_stats, outputs=outputs)
+        extra = {"ps": ps_stats} if not self.allreduce else {}
+        summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         log.info("job %s succeeded: %s", self.cfg.job_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
         return summary
 
     def _write_summary(self, status: str, **extra) -> dict:
         c, coord = self.cfg, self.coord
+        rdv_summary = self.rendezvous.summary() if self.rendezvous else None
         with coord.lock:
             committed = self.ledger.records_committed_total()
             summary = {
@@ -288,7 +319,10 @@ class TrainingJob:
                            "duplicate_pushes_suppressed": coord.duplicates_suppressed},
                 "workers": coord.membership.summary(),
                 "recovery": {"requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
-                             "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s]},
+                             "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s],
+                             **({k: rdv_summary.pop(k) for k in ("loss_to_next_commit_s", "join_to_first_commit_s")}
+                                if rdv_summary else {})},
+                **({"allreduce": {**rdv_summary, "global_batch": c.global_batch}} if rdv_summary else {}),
                 "training_seconds": round(self.train_seconds, 3),
                 "startup_seconds": round((coord.first_commit_at or time.time()) - coord.t0, 3),
                 # steady-state figure: records over the span from the first to the last commit

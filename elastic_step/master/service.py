@@ -14,6 +14,7 @@ from elastic_step.proto import rpc
 from elastic_step.proto.rpc import check_token
 
 WAIT_S = 0.05
+STEP_WAIT_S = 0.5   # allreduce long-polls: the worker asks again after this
 
 
 def _instance(context, msg: pb.Instance) -> InstanceId:
@@ -76,6 +77,46 @@ class MasterService(pb_grpc.MasterServicer):
             return pb.JobState(status=status, epoch=min(self.c.ledger.epoch, self.c.ledger.epochs - 1),
                                records_committed=self.c.ledger.records_committed_total(),
                                workers_alive=len(self.c.membership.training()))
+
+
+    # ------------------------------------------------------------ --strategy allreduce
+    def _rendezvous(self, context):
+        if self.c.rendezvous is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job does not use --strategy allreduce")
+        return self.c.rendezvous
+
+    def _view(self, view) -> pb.MembershipReply:
+        return pb.MembershipReply(
+            state=getattr(pb.MembershipReply, view.state.upper()), version=view.version,
+            members=[pb.Peer(name=n, address=a) for n, a in view.members], rank=view.rank,
+            base_step=view.base_step, committed_step=view.committed_step,
+            max_workers=self.c.rendezvous.max_workers)
+
+    def GetMembership(self, request, context):
+        check_token(context, self.token, request.token)
+        rdv = self._rendezvous(context)
+        inst = _instance(context, request.instance)
+        view = rdv.membership(str(inst), request.known_version, min(STEP_WAIT_S, max(0.0, request.wait_s)))
+        return self._view(view)
+
+    def StepReady(self, request, context):
+        from elastic_step.master.rendezvous import ABORT, COMMIT, Ready
+
+        check_token(context, self.token, request.token)
+        rdv = self._rendezvous(context)
+        inst = _instance(context, request.instance)
+        kind, view = rdv.step_ready(str(inst), request.version, request.step,
+                                    Ready(request.task_id, request.watermark, request.records, request.loss,
+                                          request.checksum), wait_s=STEP_WAIT_S)
+        k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)
+        return pb.StepReadyReply(kind=k, membership=self._view(view), done=rdv.done)
+
+    def ReportPeerFailure(self, request, context):
+        check_token(context, self.token, request.token)
+        self._rendezvous(context)
+        inst = _instance(context, request.instance)
+        self.c.allreduce_peer_failed(str(inst), request.version, request.peer, request.detail)
+        return pb.Ack()
 
 
 def serve(service: MasterService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:

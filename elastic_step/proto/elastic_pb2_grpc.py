@@ -64,6 +64,21 @@ class MasterStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.JobState.FromString,
                 _registered_method=True)
+        self.GetMembership = channel.unary_unary(
+                '/elastic_step.Master/GetMembership',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.MembershipRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.MembershipReply.FromString,
+                _registered_method=True)
+        self.StepReady = channel.unary_unary(
+                '/elastic_step.Master/StepReady',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.StepReadyRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StepReadyReply.FromString,
+                _registered_method=True)
+        self.ReportPeerFailure = channel.unary_unary(
+                '/elastic_step.Master/ReportPeerFailure',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.PeerFailureReport.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -105,6 +120,25 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetMembership(self, request, context):
+        """--strategy allreduce: versioned membership (rendezvous) and atomic step commits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepReady(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportPeerFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +171,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.GetJobState,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.JobState.SerializeToString,
+            ),
+            'GetMembership': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMembership,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.MembershipRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.MembershipReply.SerializeToString,
+            ),
+            'StepReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepReady,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StepReadyRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.StepReadyReply.SerializeToString,
+            ),
+            'ReportPeerFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportPeerFailure,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.PeerFailureReport.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +350,202 @@ class Master:
             '/elastic_step.Master/GetJobState',
             elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.JobState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMembership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Master/GetMembership',
+            elastic__step_dot_proto_dot_elastic__pb2.MembershipRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.MembershipReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Master/StepReady',
+            elastic__step_dot_proto_dot_elastic__pb2.StepReadyRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.StepReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportPeerFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Master/ReportPeerFailure',
+            elastic__step_dot_proto_dot_elastic__pb2.PeerFailureReport.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class CollectiveStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SendChunk = channel.unary_unary(
+                '/elastic_step.Collective/SendChunk',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.ChunkRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                _registered_method=True)
+        self.PullState = channel.unary_unary(
+                '/elastic_step.Collective/PullState',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.StateRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StateReply.FromString,
+                _registered_method=True)
+
+
+class CollectiveServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def SendChunk(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CollectiveServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SendChunk': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendChunk,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.ChunkRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
+            ),
+            'PullState': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullState,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StateRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.StateReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'elastic_step.Collective', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('elastic_step.Collective', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Collective:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def SendChunk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Collective/SendChunk',
+            elastic__step_dot_proto_dot_elastic__pb2.ChunkRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Collective/PullState',
+            elastic__step_dot_proto_dot_elastic__pb2.StateRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.StateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,11 +10,53 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from elastic_step.errors import DataError, ElasticStepError
 from elastic_step.instance import EXIT_USER_ERROR, MasterClient, parse_args, quiet_tensorflow
 
 log = logging.getLogger("elastic_step.worker")
+
+
+def run_allreduce(args, master: MasterClient, stop: threading.Event) -> int:
+    """--strategy allreduce: see worker/allreduce_loop.py."""
+    import keras
+
+    from elastic_step.data.reader import ReaderPool
+    from elastic_step.model_def import load_model_def
+    from elastic_step.worker import collective
+    from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
+
+    model_def = load_model_def(args.model_def)
+    keras.utils.set_random_seed(args.seed)
+    trainer = AllReduceTrainer(model_def, model_def.model())
+    state = collective.StateProvider()
+    state.snapshot = trainer.state
+    mailbox = collective.Mailbox()
+    server, port = collective.serve(collective.CollectiveService(args.token, mailbox, state), args.host)
+    me = f"worker-{args.index}"
+    ring = collective.Ring(args.token, mailbox, me)
+    readers = ReaderPool()
+    try:
+        worker = AllReduceWorker(master, args.token, trainer, readers, ring, state, f"{args.host}:{port}",
+                                 args.minibatch_size, args.global_batch, stop)
+        why = worker.run()
+        log.info("training over (%s) at step %d: serving my state until the master stops me", why,
+                 worker.applied_step)
+        # The master pulls the final weights from rank 0: keep the Collective server up until told.
+        deadline = time.monotonic() + 300
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                if master.heartbeat():
+                    break
+            except Exception:  # noqa: BLE001 - the master is gone: nothing left to serve
+                break
+            stop.wait(0.2)
+        return 0
+    finally:
+        readers.close()
+        ring.close()
+        server.stop(grace=0.5)
 
 
 def run(args, master: MasterClient, stop: threading.Event) -> int:
@@ -52,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     master = MasterClient(args.master, args.token, "worker", args.index)
     try:
-        return run(args, master, stop)
+        return (run_allreduce if args.strategy == "allreduce" else run)(args, master, stop)
     except ElasticStepError as e:
         log.error("%s", e)
         master.fail("data_error" if isinstance(e, DataError) else "model_error", e)

@@ -81,6 +81,11 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
             "ReportFailure": lambda: bad.stub.ReportFailure(pb.FailureReport(
                 token=token, instance=me, kind="internal", message="boom"), timeout=10),
             "GetJobState": lambda: bad.stub.GetJobState(pb.JobStateRequest(token=token), timeout=10),
+            "GetMembership": lambda: bad.stub.GetMembership(pb.MembershipRequest(token=token, instance=me),
+                                                            timeout=10),
+            "StepReady": lambda: bad.stub.StepReady(pb.StepReadyRequest(token=token, instance=me), timeout=10),
+            "ReportPeerFailure": lambda: bad.stub.ReportPeerFailure(pb.PeerFailureReport(
+                token=token, instance=me, peer="worker-0"), timeout=10),
         }
         assert set(calls) == set(pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
         for name, call in calls.items():

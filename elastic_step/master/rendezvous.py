@@ -1,0 +1,244 @@
+"""Rendezvous of `--strategy allreduce`: a versioned membership and atomic step commits.
+
+Membership. Workers register with the address of their Collective server. Training starts when
+`min_workers` are in: version 1, ranks in registration order. A newcomer is *pending* until the
+next step commit, where the version bumps with it appended (rank order otherwise kept, so rank 0
+is the longest-standing member: the one newcomers pull weights and optimizer state from). A lost
+member (backend LOST/EXITED event, or a peer's `ReportPeerFailure`) bumps the version at once
+and aborts the step in progress.
+
+Step protocol. Each member of version v computes its minibatch(es), ring-allreduces the sum of
+gradients and record counts, then calls `step_ready(v, step, task, watermark, checksum)`. The
+step commits only once every member of v is ready for it: at that moment, under the
+coordinator's lock, every member's watermark is committed in the ledger (the data commit of a
+step is atomic) and every waiting member is told COMMIT. If v changed meanwhile the answer is
+ABORT with the new membership: the members discard the average and retry the same minibatch in
+the new ring. A member applies the average only after COMMIT, so no member applies a partial
+one; the weights checksums the members send for a step (taken before applying it) must agree,
+and `checksum_mismatches` counts any that do not.
+
+The object shares the coordinator's lock (a Condition on it): ledger, membership and steps
+change together. `now` is injectable for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable
+
+log = logging.getLogger("elastic_step.master")
+
+WAIT, COMMIT, ABORT = "wait", "commit", "abort"
+
+
+@dataclasses.dataclass
+class Ready:
+    task_id: int
+    watermark: int
+    records: int
+    loss: float
+    checksum: int
+
+
+@dataclasses.dataclass
+class View:
+    """What a worker is told about the membership."""
+    state: str                 # pending | member | evicted | done | waiting
+    version: int
+    members: list[tuple[str, str]]
+    rank: int
+    base_step: int
+    committed_step: int
+
+
+class Rendezvous:
+    def __init__(self, min_workers: int, max_workers: int, lock: threading.Lock | None = None,
+                 commit_fn: Callable[[dict[str, Ready], float], bool] | None = None,
+                 record: Callable[..., None] | None = None, now: Callable[[], float] = time.time):
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.cv = threading.Condition(lock or threading.Lock())
+        self.commit_fn = commit_fn or (lambda ready, now: False)   # True: training is complete
+        self.record = record or (lambda *a, **k: None)
+        self.now = now
+        self.version = 0
+        self.members: list[tuple[str, str]] = []          # (name, address), rank order
+        self.pending: list[tuple[str, str]] = []
+        self.base_step = 0
+        self.committed_step = 0
+        self.ready: dict[str, Ready] = {}
+        self.commits: dict[int, tuple[int, frozenset[str]]] = {}   # step -> (version, members)
+        self.done = False
+        # figures
+        self.steps_committed = 0
+        self.aborted_steps = 0
+        self.checksum_mismatches = 0
+        self.versions: list[dict] = []
+        self.loss_to_next_commit_s: list[float] = []
+        self.join_to_first_commit_s: list[float] = []
+        self._lost_at: list[float] = []                    # losses not yet followed by a commit
+        self._registered_at: dict[str, float] = {}         # newcomer -> registration time
+
+    # ------------------------------------------------------------------ helpers (lock held)
+    def _names(self) -> list[str]:
+        return [n for n, _ in self.members]
+
+    def _bump(self, why: str, aborts: bool = False) -> None:
+        # A loss aborts the step in progress: its members were in its collective or about to be.
+        aborts = aborts and self.version > 0 and not self.done
+        self.version += 1
+        self.base_step = self.committed_step
+        if aborts:
+            self.aborted_steps += 1
+            self.record("step_aborted", "", f"step {self.committed_step + 1} aborted: {why}")
+        self.ready.clear()
+        self.versions.append({"version": self.version, "world": len(self.members),
+                              "base_step": self.base_step, "why": why,
+                              "members": self._names()})
+        self.record("membership", "", f"version {self.version}: {', '.join(self._names()) or '(none)'} ({why})")
+        log.info("allreduce membership version %d: %s (%s)", self.version, self._names(), why)
+        self.cv.notify_all()
+
+    def view(self, worker: str) -> View:
+        names = self._names()
+        if self.done:
+            state = "done"
+        elif worker in names:
+            state = "member"
+        elif any(n == worker for n, _ in self.pending):
+            state = "pending" if self.version else "waiting"
+        else:
+            state = "evicted"
+        return View(state, self.version, list(self.members), names.index(worker) if worker in names else -1,
+                    self.base_step, self.committed_step)
+
+    # ------------------------------------------------------------------ membership (lock held by caller
+    # when called from the coordinator; the public methods below take it themselves)
+    def join_locked(self, worker: str, address: str) -> None:
+        self.pending = [(n, a) for n, a in self.pending if n != worker]
+        if worker in self._names():
+            # A member registering again restarted: the old incarnation is gone.
+            self.remove_locked(worker, "re-registered")
+        self.pending.append((worker, address))
+        self._registered_at[worker] = self.now()
+        if self.version == 0 and len(self.pending) >= self.min_workers:
+            self.members, self.pending = self.pending, []
+            for name in self._names():
+                self._registered_at.pop(name, None)   # the initial members are not newcomers
+            self._bump(f"training starts with {len(self.members)} workers")
+        elif self.version and not self.members:
+            # Every member is gone: nobody will commit, admit the newcomers now (from their own state).
+            self.members, self.pending = self.pending, []
+            self._bump("no member left: newcomers admitted")
+        self.cv.notify_all()
+
+    def remove_locked(self, worker: str, why: str, at: float | None = None) -> bool:
+        """A member is lost: bump the version at once (aborting the step in progress)."""
+        self.pending = [(n, a) for n, a in self.pending if n != worker]
+        self._registered_at.pop(worker, None)
+        if worker not in self._names():
+            return False
+        self.members = [(n, a) for n, a in self.members if n != worker]
+        self._lost_at.append(self.now() if at is None else at)
+        if not self.members and self.pending:
+            self.members, self.pending = self.pending, []
+        self._bump(f"{worker} lost: {why}", aborts=True)
+        return True
+
+    def join(self, worker: str, address: str) -> None:
+        with self.cv:
+            self.join_locked(worker, address)
+
+    def lost(self, worker: str, why: str = "lost") -> bool:
+        with self.cv:
+            return self.remove_locked(worker, why)
+
+    def peer_failed_locked(self, reporter: str, version: int, peer: str, detail: str) -> bool:
+        """A member could not reach `peer` in `version`: treat the peer as lost (if still current)."""
+        if version != self.version or peer not in self._names() or reporter not in self._names():
+            return False
+        self.record("peer_failure", peer, f"reported by {reporter}: {detail}")
+        return self.remove_locked(peer, f"unreachable from {reporter}")
+
+    def peer_failed(self, reporter: str, version: int, peer: str, detail: str) -> bool:
+        with self.cv:
+            return self.peer_failed_locked(reporter, version, peer, detail)
+
+    def finish(self) -> None:
+        with self.cv:
+            self.done = True
+            self.cv.notify_all()
+
+    # ------------------------------------------------------------------ queries
+    def membership(self, worker: str, known_version: int = -1, wait_s: float = 0.0) -> View:
+        deadline = time.monotonic() + wait_s
+        with self.cv:
+            while (not self.done and self.version == known_version
+                   and (remaining := deadline - time.monotonic()) > 0):
+                self.cv.wait(remaining)
+            return self.view(worker)
+
+    # ------------------------------------------------------------------ steps
+    def step_ready(self, worker: str, version: int, step: int, ready: Ready,
+                   wait_s: float = 0.0) -> tuple[str, View]:
+        deadline = time.monotonic() + wait_s
+        with self.cv:
+            while True:
+                kind = self._step_state(worker, version, step, ready)
+                remaining = deadline - time.monotonic()
+                if kind != WAIT or remaining <= 0:
+                    return kind, self.view(worker)
+                self.cv.wait(remaining)
+
+    def _step_state(self, worker: str, version: int, step: int, ready: Ready) -> str:
+        done = self.commits.get(step)
+        if done is not None:
+            return COMMIT if done[0] == version and worker in done[1] else ABORT
+        if version != self.version or worker not in self._names() or self.done:
+            return ABORT
+        if step != self.committed_step + 1:
+            return ABORT
+        self.ready[worker] = ready
+        if set(self.ready) == set(self._names()):
+            self._commit(step)
+            return COMMIT
+        return WAIT
+
+    def _commit(self, step: int) -> None:
+        now = self.now()
+        ready = dict(self.ready)
+        sums = {r.checksum for r in ready.values()}
+        if len(sums) > 1:
+            self.checksum_mismatches += 1
+            self.record("checksum_mismatch", "", f"step {step}: {len(sums)} different weight checksums")
+            log.error("step %d: members' weights differ before applying it", step)
+        if self.commit_fn(ready, now):
+            self.done = True
+        self.commits[step] = (self.version, frozenset(ready))
+        self.commits.pop(step - 64, None)
+        self.committed_step = step
+        self.steps_committed += 1
+        self.ready.clear()
+        if self._lost_at:
+            self.loss_to_next_commit_s.extend(now - t for t in self._lost_at)
+            self._lost_at.clear()
+        for name in ready:
+            t = self._registered_at.pop(name, None)
+            if t is not None:
+                self.join_to_first_commit_s.append(now - t)
+        if self.pending and not self.done:
+            names = [n for n, _ in self.pending]
+            self.members += self.pending
+            self.pending = []
+            self._bump(f"{', '.join(names)} admitted at step {step}")
+        self.cv.notify_all()
+
+    def summary(self) -> dict:
+        with self.cv:
+            return {"steps_committed": self.steps_committed, "aborted_steps": self.aborted_steps,
+                    "checksum_mismatches": self.checksum_mismatches, "versions": list(self.versions),
+                    "final_version": self.version, "final_world": len(self.members),
+                    "loss_to_next_commit_s": [round(x, 3) for x in self.loss_to_next_commit_s],
+                    "join_to_first_commit_s": [round(x, 3) for x in self.join_to_first_commit_s]}

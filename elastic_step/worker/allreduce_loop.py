@@ -1,0 +1,316 @@
+"""A worker of `--strategy allreduce`: synchronous SGD, an elastic ring AllReduce, atomic steps.
+
+Per step, each member of the master's membership version v:
+  1. takes its minibatch(es) from its own lease (the ledger's lease/watermark, as in PS mode);
+  2. computes gradients with a GradientTape in one compiled call (one flat float32 buffer);
+  3. ring-allreduces [sum of record-weighted gradients, records, loss*records] with its peers;
+  4. calls `StepReady(v, step, task, watermark, checksum of its weights)`: the master answers
+     COMMIT once every member of v is ready (then it has committed every member's watermark at
+     once), or ABORT with a new membership (a member was lost): the average is discarded and the
+     same minibatches are retried in the new ring (their gradients are kept: the weights did not
+     change);
+  5. applies the average with the user's optimizer, only after COMMIT.
+A newcomer is admitted at a step commit; it pulls every weight and optimizer variable from rank 0
+(once rank 0 has applied that step), then takes part from the next step on.
+
+Global batch (`--global-batch`):
+  * `scaled` (default): each member does one minibatch of `minibatch_size` per step, so the global
+    batch is world × minibatch_size and follows the membership; the learning rate is scaled
+    linearly with it: lr = base_lr × world / max_workers (base_lr is the model definition's
+    optimizer's, meant for the full-strength job), assigned before each apply.
+  * `fixed`: the global batch stays ≈ max_workers × minibatch_size whatever the membership: each
+    member accumulates ceil(max_workers / world) minibatches per step (fewer at the end of its
+    lease), weighted by record counts; the learning rate is left alone.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import zlib
+
+import grpc
+import numpy as np
+
+from elastic_step.errors import ModelDefError
+from elastic_step.instance import MasterClient
+from elastic_step.proto import elastic_pb2 as pb
+from elastic_step.proto import rpc
+from elastic_step.worker.collective import Aborted, PeerFailed, Ring, StateProvider, pull_state
+
+log = logging.getLogger("elastic_step.worker")
+
+MR = pb.MembershipReply
+
+
+class AllReduceTrainer:
+    """The model, the user's optimizer, and compiled calls over one flat gradient buffer."""
+
+    def __init__(self, model_def, model):
+        import tensorflow as tf
+
+        self.model_def = model_def
+        self.model = model
+        self.optimizer = model_def.optimizer()
+        trainable = model.trainable_variables
+        self.optimizer.build(trainable)
+        self.base_lr = float(np.asarray(self.optimizer.learning_rate))
+        self.size = sum(int(v.shape.num_elements()) for v in trainable)
+        sizes = [int(v.shape.num_elements()) for v in trainable]
+        loss_fn = model_def.loss_fn
+
+        @tf.function(reduce_retracing=True)
+        def grad_step(features, labels):
+            with tf.GradientTape() as tape:
+                predictions = model(features, training=True)
+                loss = loss_fn(labels, predictions)
+                if model.losses:
+                    loss = loss + tf.add_n(model.losses)
+            grads = tape.gradient(loss, trainable)
+            flat = tf.concat([tf.reshape(tf.cast(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g),
+                                                 tf.float32), [-1]) for g, v in zip(grads, trainable)], 0)
+            return loss, flat
+
+        @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
+        def apply(flat):
+            parts = tf.split(flat, sizes)
+            self.optimizer.apply_gradients(
+                [(tf.cast(tf.reshape(p, v.shape), v.dtype), v) for p, v in zip(parts, trainable)])
+
+        @tf.function
+        def flat_weights():
+            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.weights], 0)
+
+        self._grad_step, self._apply, self._flat_weights = grad_step, apply, flat_weights
+
+    def gradients(self, batch) -> tuple[float, np.ndarray, int]:
+        features, labels = self.model_def.feed(batch)
+        try:
+            loss, flat = self._grad_step(features, labels)
+        except Exception as e:  # the user's model/loss failed on real data
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
+                                f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
+                                "loss() expect.") from e
+        return float(loss), flat.numpy(), int(len(labels))
+
+    def apply(self, mean_grad: np.ndarray, lr: float) -> None:
+        self.optimizer.learning_rate.assign(lr)
+        self._apply(mean_grad)
+
+    def checksum(self) -> int:
+        return zlib.crc32(self._flat_weights().numpy().tobytes())
+
+    def state(self) -> tuple[int, list[np.ndarray]]:
+        values = [np.asarray(v.numpy()) for v in self.model.weights]
+        return len(values), values + [np.asarray(v.numpy()) for v in self.optimizer.variables]
+
+    def load_state(self, num_model: int, values: list[np.ndarray]) -> None:
+        targets = list(self.model.weights) + list(self.optimizer.variables)
+        if num_model != len(self.model.weights) or len(values) != len(targets):
+            raise RuntimeError(f"peer state has {len(values)} tensors ({num_model} model weights); "
+                               f"this model has {len(targets)} ({len(self.model.weights)})")
+        for var, value in zip(targets, values):
+            var.assign(value.reshape(tuple(var.shape)))
+
+
+class Lease:
+    def __init__(self, t: pb.Task):
+        self.task_id, self.shard, self.task_start, self.end = t.task_id, t.shard, t.task_start, t.end
+        self.watermark = t.start
+
+
+class AllReduceWorker:
+    def __init__(self, master: MasterClient, token: str, trainer: AllReduceTrainer, readers, ring: Ring,
+                 state: StateProvider, address: str, minibatch_size: int, global_batch: str,
+                 stop: threading.Event):
+        self.master, self.token, self.trainer, self.readers = master, token, trainer, readers
+        self.ring, self.state, self.address = ring, state, address
+        self.minibatch_size, self.global_batch, self.stop = minibatch_size, global_batch, stop
+        self.me = f"{master.me.role}-{master.me.index}"
+        self.view: pb.MembershipReply | None = None
+        self.lease: Lease | None = None
+        self.applied_step = -1       # the step whose state this worker's weights are (-1: none yet)
+        self._last_poll = 0.0
+
+    # ------------------------------------------------------------------ master calls
+    def membership(self, known: int = -1, wait_s: float = 0.0) -> pb.MembershipReply:
+        return rpc.call(self.master.stub.GetMembership, pb.MembershipRequest(
+            token=self.token, instance=self.master.me, known_version=known, wait_s=wait_s))
+
+    def abort_check(self) -> None:
+        """Called while waiting for a chunk: has the membership moved on?"""
+        now = time.monotonic()
+        if now - self._last_poll < 0.05:
+            return
+        self._last_poll = now
+        v = self.membership()
+        if v.version != self.view.version or v.state != MR.MEMBER:
+            self.view = v
+            raise Aborted(f"membership is now version {v.version}")
+
+    def report_peer(self, err: PeerFailed) -> None:
+        log.warning("peer %s failed in version %d: %s", err.peer, self.view.version, err.detail)
+        try:
+            rpc.call(self.master.stub.ReportPeerFailure, pb.PeerFailureReport(
+                token=self.token, instance=self.master.me, version=self.view.version, peer=err.peer,
+                detail=err.detail[:500]), timeout=10, retry_for=10)
+        except grpc.RpcError:
+            log.exception("could not report the peer failure")
+
+    # ------------------------------------------------------------------ joining
+    def join(self) -> bool:
+        """Register, wait to be admitted, take the state from rank 0. False when training is over."""
+        self.lease = None
+        self.master.register(self.address)
+        known = -1
+        while not self.stop.is_set():
+            v = self.membership(known, wait_s=0.5)
+            known = v.version
+            if v.state == MR.DONE:
+                return False
+            if v.state == MR.EVICTED:
+                self.master.register(self.address)
+                continue
+            if v.state != MR.MEMBER:
+                continue
+            self.view = v
+            if self.sync_state():
+                return True
+        return False
+
+    def sync_state(self) -> bool:
+        """Make this member's weights those of the version's base step (pull them if needed)."""
+        v = self.view
+        if v.rank == 0 or self.applied_step == v.base_step:
+            if self.applied_step < 0:
+                self.applied_step = v.base_step    # rank 0 of the very first version: its own init
+                self.state.set_applied(self.applied_step)
+            return True
+        peer, address = v.members[0].name, v.members[0].address
+        try:
+            step, num_model, values = pull_state(address, self.token, v.base_step)
+        except grpc.RpcError as e:
+            log.warning("could not pull the state of step %d from %s: %s", v.base_step, peer, e.code().name)
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.report_peer(PeerFailed(peer, f"PullState: {e.code().name}"))
+            time.sleep(0.05)
+            return False
+        with self.state.cv:
+            self.trainer.load_state(num_model, values)
+            self.applied_step = step
+            self.state.applied_step = step
+            self.state.cv.notify_all()
+        log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", step, peer, v.version,
+                 v.rank, len(v.members))
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def take_lease(self) -> str:
+        """'ok' with a lease, 'none' (no data this step), or 'done'."""
+        if self.lease is not None and self.lease.watermark < self.lease.end:
+            return "ok"
+        self.lease = None
+        reply = self.master.get_task()
+        if reply.kind == pb.GetTaskResponse.DONE:
+            return "done"
+        if reply.kind == pb.GetTaskResponse.TASK:
+            self.lease = Lease(reply.task)
+            return "ok"
+        return "none"
+
+    def compute(self, world: int):
+        """(flat buffer to allreduce, watermark after, records, loss) for this step's minibatches."""
+        k = 1 if self.global_batch == "scaled" else max(1, math.ceil(self.view.max_workers / world))
+        buf = np.zeros(self.trainer.size + 2, np.float32)
+        records, loss_sum = 0, 0.0
+        hi = self.lease.watermark if self.lease else 0
+        for _ in range(k):
+            if self.lease is None or hi >= self.lease.end:
+                break
+            lo = hi
+            ts, mb = self.lease.task_start, self.minibatch_size
+            hi = min(self.lease.end, ts + ((lo - ts) // mb + 1) * mb)
+            loss, flat, n = self.trainer.gradients(self.readers.read(self.lease.shard, lo, hi))
+            buf[:-2] += flat * n
+            records += n
+            loss_sum += loss * n
+        buf[-2], buf[-1] = records, loss_sum
+        return buf, hi, records, (loss_sum / records if records else float("nan"))
+
+    def run(self) -> str:
+        if not self.join():
+            return "done"
+        computed = None     # (step, buf, watermark, records, loss): kept across retries of the step
+        while not self.stop.is_set():
+            step = self.applied_step + 1
+            if computed is None or computed[0] != step:
+                status = self.take_lease()
+                if status == "done":
+                    return "done"
+                world = len(self.view.members)
+                computed = (step, *self.compute(world))
+            _, buf, watermark, records, loss = computed
+            v = self.view
+            try:
+                total = self.ring.allreduce(buf, [(m.name, m.address) for m in v.members], v.version, step,
+                                            self.abort_check)
+                checksum = self.trainer.checksum()
+                while True:
+                    reply = rpc.call(self.master.stub.StepReady, pb.StepReadyRequest(
+                        token=self.token, instance=self.master.me, version=v.version, step=step,
+                        task_id=self.lease.task_id if (self.lease and records) else -1, watermark=watermark,
+                        records=records, loss=loss if records else 0.0, checksum=checksum))
+                    if reply.kind != pb.StepReadyReply.WAIT:
+                        break
+            except PeerFailed as e:
+                self.report_peer(e)
+                if not self.rejoin_or_resync():
+                    return "done"
+                continue
+            except Aborted as e:
+                log.info("step %d aborted in version %d: %s", step, v.version, e)
+                if not self.rejoin_or_resync():
+                    return "done"
+                continue
+            if reply.kind == pb.StepReadyReply.ABORT:
+                log.info("step %d aborted by the master (version %d -> %d): retrying", step, v.version,
+                         reply.membership.version)
+                self.view = reply.membership
+                if not self.rejoin_or_resync():
+                    return "done"
+                continue
+            # COMMIT: apply the average (identical on every member), under the state lock.
+            n = float(total[-2])
+            world = len(v.members)
+            lr = self.trainer.base_lr * (world / max(1, v.max_workers) if self.global_batch == "scaled" else 1.0)
+            with self.state.cv:
+                if n > 0:
+                    self.trainer.apply(total[:-2] / n, lr)
+                self.applied_step = step
+                self.state.applied_step = step
+                self.state.cv.notify_all()
+            if self.lease is not None and records:
+                self.lease.watermark = watermark
+            self.view = reply.membership
+            if reply.done:
+                return "done"
+            if self.view.state != MR.MEMBER:
+                if not self.rejoin_or_resync():
+                    return "done"
+        return "stopped"
+
+    def rejoin_or_resync(self) -> bool:
+        """After an abort: refresh the membership; rejoin if evicted, pull state if needed."""
+        while not self.stop.is_set():
+            v = self.membership()
+            if v.state == MR.DONE:
+                return False
+            if v.state in (MR.EVICTED, MR.PENDING, MR.WAITING):
+                log.warning("no longer a member (state %s): rejoining", MR.State.Name(v.state))
+                return self.join()
+            self.view = v
+            if self.sync_state():
+                return True
+        return False

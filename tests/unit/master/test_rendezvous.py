@@ -1,0 +1,131 @@
+"""The allreduce rendezvous: versions, admission at a commit, abort on loss, commit only when all ready,
+and the ledger commit of a step being atomic (through the Coordinator)."""
+from __future__ import annotations
+
+import threading
+
+from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
+from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.rendezvous import ABORT, COMMIT, WAIT, Ready, Rendezvous
+
+
+def ready(task=-1, wm=0, records=0, checksum=7):
+    return Ready(task, wm, records, 0.0, checksum)
+
+
+def started(n=2, min_workers=2):
+    r = Rendezvous(min_workers=min_workers, max_workers=3)
+    for i in range(n):
+        r.join(f"worker-{i}", f"a{i}")
+    return r
+
+
+def test_training_starts_at_min_workers_in_registration_order():
+    r = Rendezvous(min_workers=2, max_workers=3)
+    r.join("worker-1", "a1")
+    assert r.version == 0 and r.membership("worker-1").state == "waiting"
+    r.join("worker-0", "a0")
+    assert r.version == 1
+    v = r.membership("worker-0")
+    assert v.state == "member" and v.members == [("worker-1", "a1"), ("worker-0", "a0")] and v.rank == 1
+    assert v.base_step == 0
+
+
+def test_commit_only_when_every_member_is_ready_and_idempotent():
+    r = started()
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    assert r.committed_step == 0
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == COMMIT
+    assert r.committed_step == 1 and r.steps_committed == 1
+    # The first member asks again (its long-poll timed out): COMMIT, not a second commit.
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == COMMIT
+    assert r.steps_committed == 1
+    # A step out of order is refused.
+    assert r.step_ready("worker-0", 1, 3, ready())[0] == ABORT
+
+
+def test_long_poll_wakes_up_on_commit():
+    r = started()
+    out = {}
+    t = threading.Thread(target=lambda: out.update(k=r.step_ready("worker-0", 1, 1, ready(), wait_s=5)[0]))
+    t.start()
+    r.step_ready("worker-1", 1, 1, ready())
+    t.join(2)
+    assert out["k"] == COMMIT
+
+
+def test_newcomer_pending_until_the_next_commit():
+    r = started()
+    r.join("worker-2", "a2")
+    assert r.version == 1 and r.membership("worker-2").state == "pending"
+    r.step_ready("worker-0", 1, 1, ready())
+    kind, view = r.step_ready("worker-1", 1, 1, ready())
+    assert kind == COMMIT
+    assert view.version == 2 and [n for n, _ in view.members] == ["worker-0", "worker-1", "worker-2"]
+    assert view.base_step == 1
+    v2 = r.membership("worker-2")
+    assert v2.state == "member" and v2.rank == 2 and v2.base_step == 1
+    # The commit of step 1 happened in version 1: a late re-ask with version 1 still gets COMMIT.
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == COMMIT
+    for w in ("worker-0", "worker-1"):
+        assert r.step_ready(w, 2, 2, ready())[0] == WAIT
+    assert r.step_ready("worker-2", 2, 2, ready())[0] == COMMIT
+    assert len(r.join_to_first_commit_s) == 1
+
+
+def test_loss_bumps_the_version_and_aborts_the_step():
+    r = started(3, min_workers=3)
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    out = {}
+    t = threading.Thread(target=lambda: out.update(k=r.step_ready("worker-1", 1, 1, ready(), wait_s=5)))
+    t.start()
+    r.lost("worker-2", "killed")
+    t.join(2)
+    kind, view = out["k"]
+    assert kind == ABORT and view.version == 2 and [n for n, _ in view.members] == ["worker-0", "worker-1"]
+    assert r.aborted_steps == 1 and r.committed_step == 0
+    # Retry of the same step in the new version commits with the survivors only.
+    assert r.step_ready("worker-0", 2, 1, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 2, 1, ready())[0] == COMMIT
+    assert len(r.loss_to_next_commit_s) == 1
+    # The lost member is evicted: its late reports abort.
+    assert r.membership("worker-2").state == "evicted"
+    assert r.step_ready("worker-2", 1, 1, ready())[0] == ABORT
+
+
+def test_peer_failure_of_a_stale_version_is_ignored():
+    r = started(3, min_workers=3)
+    assert not r.peer_failed("worker-0", 0, "worker-1", "x")
+    assert r.peer_failed("worker-0", 1, "worker-1", "UNAVAILABLE")
+    assert r.version == 2
+    assert not r.peer_failed("worker-2", 1, "worker-0", "late")
+
+
+def test_checksum_mismatch_is_counted():
+    r = started()
+    r.step_ready("worker-0", 1, 1, ready(checksum=1))
+    r.step_ready("worker-1", 1, 1, ready(checksum=2))
+    assert r.checksum_mismatches == 1
+
+
+def test_coordinator_commits_every_member_watermark_at_once_and_requeues_the_lost_remainder():
+    ledger = Ledger([ShardInfo("s0", 64)], records_per_task=32, epochs=1, minibatch_size=8)
+    coord = Coordinator(ledger, num_ps=0, min_workers=2)
+    rdv = coord.attach_rendezvous(max_workers=2)
+    w0, w1 = InstanceId("worker", 0), InstanceId("worker", 1)
+    coord.register(w0, "a0")
+    coord.register(w1, "a1")
+    l0, l1 = coord.get_task(w0), coord.get_task(w1)
+    r0 = Ready(l0.task.task_id, l0.start + 8, 8, 1.0, 5)
+    assert rdv.step_ready("worker-0", 1, 1, r0)[0] == WAIT
+    assert ledger.records_committed_total() == 0          # nothing commits before everyone is ready
+    rdv.step_ready("worker-1", 1, 1, Ready(l1.task.task_id, l1.start + 8, 8, 1.0, 5))
+    assert ledger.records_committed_total() == 16
+    # worker-1 dies in step 2: the step aborts, its remainder goes back to the queue at once.
+    rdv.step_ready("worker-0", 1, 2, Ready(l0.task.task_id, l0.start + 16, 8, 1.0, 5))
+    coord.on_instance_event(InstanceEvent(EventKind.LOST, w1, exit_code=-9, detail="killed by SIGKILL"))
+    assert rdv.version == 2 and ledger.records_committed_total() == 16
+    assert ledger.account.requeued == 24
+    assert rdv.step_ready("worker-0", 2, 2, Ready(l0.task.task_id, l0.start + 16, 8, 1.0, 5))[0] == COMMIT
+    assert ledger.records_committed_total() == 24
