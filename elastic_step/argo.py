@@ -45,7 +45,8 @@ PARAMETERS: dict[str, tuple[str | None, str]] = {
     "min-workers": ("1", "training starts once this many workers run"),
     "max-workers": ("4", "workers asked for; pending ones join when the scheduler finds room"),
     "num-ps": ("1", "parameter server shards"),
-    "strategy": ("ps", "ps: asynchronous SGD with parameter servers"),
+    "strategy": ("ps", "ps: asynchronous SGD with parameter servers; allreduce: synchronous, no PS"),
+    "global-batch": ("scaled", "allreduce: scaled (lr follows the world size) or fixed (gradient accumulation)"),
     "backend": ("kubernetes", "kubernetes: workers and parameter servers as pods; local: processes in the step"),
     "worker-image": (IMAGE, "image of the worker and parameter server pods"),
     "worker-cpu": ("1", "CPU of each worker pod (requests = limits; empty: none)"),
@@ -58,7 +59,7 @@ PARAMETERS: dict[str, tuple[str | None, str]] = {
 }
 PREP_PARAMS = ("source-uri", "label", "eval-fraction", "seed")
 TRAIN_PARAMS = ("model-def", "epochs", "minibatch-size", "records-per-task", "min-workers", "max-workers", "num-ps",
-                "strategy", "backend", "seed", "worker-image", "worker-cpu", "worker-memory",
+                "strategy", "global-batch", "backend", "seed", "worker-image", "worker-cpu", "worker-memory",
                 "worker-priority-class", "ps-priority-class")
 EVAL_PARAMS = ("model-def", "threshold", "metric")
 PUBLISH_PARAMS = ("publish-uri",)

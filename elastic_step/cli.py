@@ -52,7 +52,7 @@ def _train(args) -> dict:
         model_def=args.model_def, train_data=args.train_data, eval_data=args.eval_data, output=args.output,
         epochs=args.epochs, minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
         min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
-        strategy=args.strategy, global_batch=getattr(args, "global_batch", "scaled"), backend=args.backend,
+        strategy=args.strategy, global_batch=args.global_batch, backend=args.backend,
         seed=args.seed, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
@@ -82,7 +82,7 @@ def _pipeline_run(args) -> dict:
     result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
                        minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
                        min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
-                       threshold=args.threshold, metric=args.metric, publish_uri=args.publish_uri,
+                       strategy=args.strategy, global_batch=args.global_batch, threshold=args.threshold, metric=args.metric, publish_uri=args.publish_uri,
                        eval_fraction=args.eval_fraction, seed=args.seed)
     print_run(result)
     return result
@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--min-workers", type=int, default=1)
     run.add_argument("--max-workers", type=int, default=2)
     run.add_argument("--num-ps", type=int, default=1)
+    run.add_argument("--strategy", default="ps", help="ps or allreduce (see `elastic-step train --help`)")
+    run.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
     run.add_argument("--threshold", type=float, default=0.9)
     run.add_argument("--metric", default="accuracy")
     run.add_argument("--eval-fraction", type=float, default=0.2)

@@ -26,7 +26,8 @@ def build(caching: bool = True):
     @dsl.pipeline(name=PIPELINE_NAME, description="Elastic TensorFlow training, evaluation and a gated publish.")
     def train_eval(source_uri: str, model_def: str, label: str = "label", epochs: int = 10,
                    minibatch_size: int = 64, records_per_task: int = 512, min_workers: int = 1,
-                   max_workers: int = 2, num_ps: int = 1, strategy: str = "ps", backend: str = "local",
+                   max_workers: int = 2, num_ps: int = 1, strategy: str = "ps", global_batch: str = "scaled",
+                   backend: str = "local",
                    worker_image: str = "", worker_cpu: str = "", worker_memory: str = "",
                    worker_priority_class: str = "", ps_priority_class: str = "",
                    threshold: float = 0.9, metric: str = "accuracy", publish_uri: str = "",
@@ -36,7 +37,8 @@ def build(caching: bool = True):
         train = no_cache_unless(elastic_train_op(
             train_data=prep.outputs["train_data"], eval_data=prep.outputs["eval_data"], model_def=model_def,
             epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
-            min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy, backend=backend,
+            min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
+            global_batch=global_batch, backend=backend,
             worker_image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
             worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed), caching)
         evaluation = no_cache_unless(evaluate_op(model=train.outputs["model"], eval_data=prep.outputs["eval_data"],
