@@ -107,7 +107,11 @@ class TrainingJob:
         if inst.role == "worker":
             return InstanceSpec(inst, argv, cpu=c.worker_cpu, memory=c.worker_memory,
                                 priority_class=c.worker_priority_class)
-        return InstanceSpec(inst, argv, priority_class=c.ps_priority_class)
+        # On the local backend every instance shares the step's cores: a shard's update is a few
+        # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
+        # would take cores from the workers' steps.
+        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"} if c.backend == "local" else {}
+        return InstanceSpec(inst, argv, env=env, priority_class=c.ps_priority_class)
 
     def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
         self.coord.membership.launched(inst, relaunch)

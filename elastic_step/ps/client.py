@@ -57,10 +57,12 @@ class PSClient:
                 out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
         return out
 
-    def push_start(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
-                   emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True) -> list:
-        """Send one minibatch's push to every shard without waiting: per shard a flat dense
-        gradient, plus embedding rows to their owners. `push_finish` collects the replies."""
+    def push(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
+             emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
+             ) -> tuple[bool, list[tuple[int, np.ndarray]]]:
+        """One minibatch's push to every shard at once: per shard a flat dense gradient, plus
+        embedding rows to their owners. Returns (applied by any shard, each shard's (version,
+        fresh flat dense values))."""
         requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
                     for _ in self.stubs]
         for shard, flat in enumerate(flat_grads):
@@ -72,12 +74,12 @@ class PSClient:
                     tensors.encode(ids[pos], e.ids)
                     tensors.encode(values[pos], e.values)
         # Every shard gets the key, even with nothing to apply, so all shards agree on it.
-        return [self._pool.submit(s.PushGradients, r, timeout=self.timeout) for s, r in zip(self.stubs, requests)]
-
-    @staticmethod
-    def push_finish(futures: list) -> tuple[bool, list[tuple[int, np.ndarray]]]:
-        """(applied by any shard, each shard's (version, fresh flat dense values))."""
-        replies = [f.result() for f in futures]
+        if len(self.stubs) == 1:
+            replies = [self.stubs[0].PushGradients(requests[0], timeout=self.timeout)]
+        else:
+            futures = [self._pool.submit(s.PushGradients, r, timeout=self.timeout)
+                       for s, r in zip(self.stubs, requests)]
+            replies = [f.result() for f in futures]
         return any(r.applied for r in replies), [(r.version, tensors.decode(r.dense_flat)) for r in replies]
 
     def all_rows(self) -> dict[str, np.ndarray]:

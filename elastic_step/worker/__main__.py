@@ -66,7 +66,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     from elastic_step.model_def import load_model_def
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient
-    from elastic_step.worker.loop import train_tasks
+    from elastic_step.worker.loop import PUSH_DEPTH, train_tasks
     from elastic_step.worker.trainer import PSTrainer
 
     model_def = load_model_def(args.model_def)
@@ -75,7 +75,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     placement = Placement.of(model, args.num_ps)
     info = master.register()
     ps = PSClient(list(info.ps_addresses), args.token, placement)
-    trainer = PSTrainer(model_def, model, ps, placement)
+    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=PUSH_DEPTH)
     trainer.set_dense(ps.pull_dense())
     readers = ReaderPool()
     try:
@@ -83,6 +83,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:
+        trainer.close()
         readers.close()
         ps.close()
 

@@ -1,10 +1,12 @@
-"""The worker's task loop: lease, read, compute, push, report — pipelined on one thread.
+"""The worker's task loop: lease, read, compute, push, report — pipelined around one training thread.
 
-The push of minibatch t travels while minibatch t+1 is read and its gradients computed (async
-SGD tolerates that staleness), and watermarks go to the master without waiting for the answer.
-Both travel as blocking calls on long-lived threads (gRPC's own futures would start a thread
-per call).
-Neither weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
+Only the compiled step runs on the training thread, as in Keras's fit with a prefetching input
+pipeline: minibatch t+1 is read and fed (the user's feed()) on a loader thread while minibatch t
+computes, the push of minibatch t travels (and the fresh weights are loaded) on a push thread
+while t+1 computes (async SGD tolerates that staleness), and watermarks go to the master without
+waiting for the answer. All of them are long-lived threads (gRPC's own futures would start a
+thread per call).
+None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
 (task, seq) key by whoever takes the remainder, and the PS skips it.
 """
 from __future__ import annotations
@@ -76,17 +78,32 @@ def coalesce(items: list[tuple]) -> list[tuple]:
     return out
 
 
+def minibatches(task, minibatch_size: int) -> list[tuple[int, int]]:
+    """[seq, hi) of each minibatch of a lease. Boundaries are fixed by the task's own start, so a
+    remainder leased after a loss pushes the same (task, seq) keys the lost worker did."""
+    out, seq = [], task.start
+    while seq < task.end:
+        hi = min(task.end, task.task_start + ((seq - task.task_start) // minibatch_size + 1) * minibatch_size)
+        out.append((seq, hi))
+        seq = hi
+    return out
+
+
 def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
     reporter = Reporter(master)
-    in_flight: collections.deque = collections.deque()   # (handle, grads, task_id, hi, records), oldest first
+    loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
+    in_flight: collections.deque = collections.deque()   # (handle, task_id, hi, records), oldest first
 
     def settle(keep: int = 0) -> None:
         """Collect the oldest pushes until at most `keep` are in flight; report them in order."""
         while len(in_flight) > keep:
-            handle, grads, task_id, hi, records = in_flight.popleft()
-            applied = trainer.push_finish(handle, grads)
-            reporter.report(task_id, hi, records, grads.loss, duplicate=not applied)
+            handle, task_id, hi, records = in_flight.popleft()
+            applied, loss = trainer.push_finish(handle)
+            reporter.report(task_id, hi, records, loss, duplicate=not applied)
+
+    def load(shard: str, seq: int, hi: int):
+        return trainer.prepare(readers.read(shard, seq, hi))
 
     try:
         while not stop.is_set():
@@ -105,16 +122,18 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                 time.sleep(reply.retry_after_s or 0.05)
                 continue
             t = reply.task
-            # Minibatch boundaries are fixed by the task's own start, so a remainder leased after a
-            # loss pushes the same (task, seq) keys the lost worker did.
-            seq = t.start
-            while seq < t.end and not reporter.refused and not stop.is_set():
-                hi = min(t.end, t.task_start + ((seq - t.task_start) // minibatch_size + 1) * minibatch_size)
-                grads = trainer.compute(readers.read(t.shard, seq, hi))
+            bounds = minibatches(t, minibatch_size)
+            upcoming = loader.submit(load, t.shard, *bounds[0]) if bounds else None
+            for i, (seq, hi) in enumerate(bounds):
+                if reporter.refused or stop.is_set():
+                    break
+                batch = upcoming.result()
+                if i + 1 < len(bounds):   # read and feed the next minibatch while this one computes
+                    upcoming = loader.submit(load, t.shard, *bounds[i + 1])
+                result = trainer.compute(batch)
                 settle(keep=PUSH_DEPTH - 1)
-                in_flight.append((trainer.push_start(grads, t.task_id, seq), grads, t.task_id, hi, hi - seq))
+                in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq))
                 reporter.pump()
-                seq = hi
         return "stopped"
     finally:
         # SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit.
@@ -123,3 +142,4 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             reporter.flush()
         finally:
             reporter.close()
+            loader.shutdown(wait=True, cancel_futures=True)

@@ -3,11 +3,18 @@ in a compiled function, push keyed by (task, minibatch), take the fresh dense va
 
 Embedding tables stay whole in the worker's model but only the rows a minibatch looks up are
 pulled before the step, and only those rows' gradients are pushed, to their owning shards.
+
+Only the compiled step runs on the training thread. A push (gradients to numpy, encode, the RPC,
+decode, loading the fresh values into the model) runs on a push thread while the next step
+computes: a model variable assigned meanwhile is copied on write by TensorFlow, so a step reads
+each variable whole, old or new, which async SGD tolerates.
 """
 from __future__ import annotations
 
-import dataclasses
+import concurrent.futures
 import logging
+import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -19,7 +26,7 @@ log = logging.getLogger("elastic_step.worker")
 
 
 class PSTrainer:
-    def __init__(self, model_def, model, ps: PSClient, placement: Placement):
+    def __init__(self, model_def, model, ps: PSClient, placement: Placement, pushes_in_flight: int = 2):
         import keras
         import tensorflow as tf
 
@@ -82,6 +89,9 @@ class PSTrainer:
 
         self._assign_dense = assign_dense
         self._versions = [-1] * placement.num_ps
+        self._fresh_lock = threading.Lock()   # push replies may come back in any order
+        self._push_threads = concurrent.futures.ThreadPoolExecutor(max_workers=pushes_in_flight,
+                                                                   thread_name_prefix="push")
 
     @staticmethod
     def _id_extractor(keras, model):
@@ -123,9 +133,14 @@ class PSTrainer:
         pulled = self.ps.pull_rows(lookups)
         self._set_rows({n: (lookups[n], pulled[n]) for n in lookups})
 
-    def compute(self, batch: dict[str, np.ndarray]) -> Gradients:
-        """Gradients of one minibatch at the worker's current parameters."""
-        features, labels = self.model_def.feed(batch)
+    def prepare(self, batch: dict[str, np.ndarray]):
+        """The user's feed() and the conversion to tensors: done ahead of the step, on the loader thread."""
+        tf = self.tf
+        return tf.nest.map_structure(tf.convert_to_tensor, self.model_def.feed(batch))
+
+    def compute(self, prepared) -> StepResult:
+        """Gradients of one prepared minibatch at the worker's current parameters (still tensors)."""
+        features, labels = prepared
         if self.table_names and self._ids_of is not None:
             self._pull_rows_for(features)
         try:
@@ -135,29 +150,40 @@ class PSTrainer:
             raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
                                 f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
                                 "loss() expect.") from e
-        return Gradients(loss=float(loss), dense=[g.numpy() for g in dense],
-                         rows={n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, sparse)})
+        return StepResult(loss, dense, sparse)
 
-    def push_start(self, grads: Gradients, task_id: int, seq: int) -> list:
-        """Send the push keyed by (task, seq); returns a handle for `push_finish`."""
-        return self.ps.push_start(task_id, seq, grads.dense, grads.rows, want_dense=True)
+    def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:
+        """Push keyed by (task, seq) on a push thread; `push_finish` waits for it."""
+        return self._push_threads.submit(self._push, result, task_id, seq)
 
-    def push_finish(self, handle: list, grads: Gradients) -> bool:
-        """Take the fresh parameters back. True if any shard applied the push.
+    @staticmethod
+    def push_finish(handle: concurrent.futures.Future) -> tuple[bool, float]:
+        """(applied by any shard, the minibatch's loss), once the push is done."""
+        return handle.result()
 
-        Several pushes may be in flight and replies can come back in any order, so a shard's
-        values are loaded only when newer (by the shard's version) than what the model has."""
-        applied, replies = self.ps.push_finish(handle)
-        if any(v > self._versions[s] for s, (v, _) in enumerate(replies)):
-            self._versions = [max(v, old) for (v, _), old in zip(replies, self._versions)]
-            self.set_dense([flat for _, flat in replies])
+    def _push(self, result: StepResult, task_id: int, seq: int) -> tuple[bool, float]:
+        dense = [g.numpy() for g in result.dense]
+        rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
+        applied, replies = self.ps.push(task_id, seq, dense, rows, want_dense=True)
+        self._take_fresh(replies)
         if self.table_names and self._ids_of is None:
-            self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in grads.rows.items()})
-        return applied
+            self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in rows.items()})
+        return applied, float(result.loss)
+
+    def _take_fresh(self, replies: list[tuple[int, np.ndarray]]) -> None:
+        """Load each shard's values only when newer (by the shard's version) than what the model has:
+        with several pushes in flight, replies come back in any order."""
+        with self._fresh_lock:
+            if any(v > self._versions[s] for s, (v, _) in enumerate(replies)):
+                self._versions = [max(v, old) for (v, _), old in zip(replies, self._versions)]
+                self.set_dense([flat for _, flat in replies])
+
+    def close(self) -> None:
+        self._push_threads.shutdown(wait=True)
 
 
-@dataclasses.dataclass
-class Gradients:
-    loss: float
-    dense: list[np.ndarray]                            # per PS shard: flat gradient buffer
-    rows: dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (unique ids, summed row gradients)
+class StepResult(NamedTuple):
+    """One step's output, as tensors: converting them to numpy is the push thread's job."""
+    loss: object                         # scalar tensor
+    dense: list                          # per PS shard: flat gradient buffer
+    sparse: list                         # per embedding table: (unique ids, summed row gradients)

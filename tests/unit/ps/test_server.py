@@ -1,0 +1,60 @@
+"""ParameterShard: real TensorFlow, no RPC. The fused flat update must be the per-variable update."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from elastic_step.ps import server  # noqa: E402
+from elastic_step.ps.api import Placement  # noqa: E402
+from elastic_step.ps.server import ParameterShard, updates_elementwise  # noqa: E402
+
+
+def small_model():
+    keras.utils.set_random_seed(3)
+    x = keras.Input(shape=(6,))
+    h = keras.layers.Dense(5, activation="relu")(x)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def shard(optimizer, monkeypatch=None, fused=True):
+    if not fused:
+        monkeypatch.setattr(server, "updates_elementwise", lambda _opt: False)
+    m = small_model()
+    return ParameterShard(m, optimizer, Placement.of(m, 1), 0)
+
+
+def test_flat_update_matches_the_per_variable_update(monkeypatch):
+    fused = shard(keras.optimizers.Adam(0.01))
+    with monkeypatch.context() as mp:
+        reference = shard(keras.optimizers.Adam(0.01), mp, fused=False)
+    assert len(fused.optimizer.variables) < len(reference.optimizer.variables)   # one flat variable
+    rng = np.random.default_rng(0)
+    for seq in range(5):
+        g = rng.normal(size=fused.dense_size).astype(np.float32)
+        _, a = fused.push((0, seq), g, [])
+        _, b = reference.push((0, seq), g, [])
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(a, shard(keras.optimizers.Adam(0.01)).dense_flat())   # the pushes moved it
+
+
+def test_a_key_is_applied_at_most_once():
+    s = shard(keras.optimizers.SGD(0.1))
+    g = np.ones(s.dense_size, np.float32)
+    applied, once = s.push((7, 64), g, [])
+    again, twice = s.push((7, 64), g, [])
+    assert applied and not again
+    np.testing.assert_array_equal(once, twice)
+    assert s.skipped == 1 and s.version == 1
+
+
+def test_only_stock_elementwise_optimizers_are_fused():
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    assert updates_elementwise(keras.optimizers.Adam())
+    assert updates_elementwise(keras.optimizers.SGD(momentum=0.9))
+    assert not updates_elementwise(keras.optimizers.Adam(clipnorm=1.0))      # clips each variable alone
+    assert not updates_elementwise(keras.optimizers.AdamW(weight_decay=0.01))  # may exclude variables
+    assert not updates_elementwise(MyAdam())                                   # unknown update rule
