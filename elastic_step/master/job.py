@@ -46,7 +46,8 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
 class Chaos:
     """Test/benchmark hook: `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed
     and every worker is training (so each loss hits a job at full strength); `term:` sends
-    SIGTERM instead (graceful scale-in). `@0` fires as soon as the job is at full strength."""
+    SIGTERM instead (graceful scale-in). `@0` fires as soon as the job is at full strength. Actions
+    fire in threshold order."""
 
     def __init__(self, specs: list[str]):
         self.pending = []
@@ -59,22 +60,23 @@ class Chaos:
                 assert action in ("kill", "term")
             except (ValueError, AssertionError):
                 raise ElasticStepError(f"Bad --chaos spec {s!r}: use kill:worker-0@400 or term:worker-1@900.")
+        self.pending.sort(key=lambda item: item[2])
 
     def tick(self, committed: int, backend: Backend, coord: Coordinator, max_workers: int) -> None:
         if not self.pending or len(coord.membership.training()) < max_workers:
             return
-        for item in list(self.pending):
-            action, inst, at = item
-            # ...and while it holds a lease, so the kill cuts a task short and leaves a remainder.
-            if committed >= at and inst in backend.alive() and str(inst) in coord.ledger.leases:
-                self.pending.remove(item)
-                coord.record("chaos", str(inst), f"{action} at {committed} records")
-                log.info("chaos: %s %s at %d committed records", action, inst, committed)
-                if action == "kill":
-                    backend.kill(inst)
-                else:
-                    threading.Thread(target=backend.stop, args=(inst, 30.0), daemon=True).start()
-                return  # one action per tick: the next waits for full strength again
+        # In threshold order, one per tick: the next waits for full strength again, so each action
+        # hits a job at full strength whatever this machine's speed.
+        action, inst, at = self.pending[0]
+        # ...and while it holds a lease, so the kill cuts a task short and leaves a remainder.
+        if committed >= at and inst in backend.alive() and str(inst) in coord.ledger.leases:
+            self.pending.pop(0)
+            coord.record("chaos", str(inst), f"{action} at {committed} records")
+            log.info("chaos: %s %s at %d committed records", action, inst, committed)
+            if action == "kill":
+                backend.kill(inst)
+            else:
+                threading.Thread(target=backend.stop, args=(inst, 30.0), daemon=True).start()
 
 
 class TrainingJob:

@@ -1,8 +1,8 @@
 """The worker's task loop: lease, read, compute, push, report — pipelined around one training thread.
 
 Only the compiled step runs on the training thread, as in Keras's fit with a prefetching input
-pipeline: minibatch t+1 is read and fed (the user's feed()) on a loader thread while minibatch t
-computes, the push of minibatch t travels (and the fresh weights are loaded) on a push thread
+pipeline: a lease's records are read and fed (the user's feed()) once, and minibatch t+1 is sliced
+from them on a loader thread while minibatch t computes, the push of minibatch t travels (and the fresh weights are loaded) on a push thread
 while t+1 computes (async SGD tolerates that staleness), and watermarks go to the master without
 waiting for the answer. All of them are long-lived threads (gRPC's own futures would start a
 thread per call).
@@ -102,8 +102,11 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             applied, loss = trainer.push_finish(handle)
             reporter.report(task_id, hi, records, loss, duplicate=not applied)
 
-    def load(shard: str, seq: int, hi: int):
-        return trainer.prepare(readers.read(shard, seq, hi))
+    def feed_lease(shard: str, start: int, end: int):
+        return trainer.feed_lease(readers.read(shard, start, end))
+
+    def minibatch(lease: concurrent.futures.Future, lo: int, hi: int):
+        return trainer.minibatch(lease.result(), lo, hi)   # done already: the loader is one thread, FIFO
 
     try:
         while not stop.is_set():
@@ -123,13 +126,17 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                 continue
             t = reply.task
             bounds = minibatches(t, minibatch_size)
-            upcoming = loader.submit(load, t.shard, *bounds[0]) if bounds else None
+            if not bounds:
+                continue
+            lease = loader.submit(feed_lease, t.shard, t.start, t.end)
+            upcoming = loader.submit(minibatch, lease, bounds[0][0] - t.start, bounds[0][1] - t.start)
             for i, (seq, hi) in enumerate(bounds):
                 if reporter.refused or stop.is_set():
                     break
                 batch = upcoming.result()
-                if i + 1 < len(bounds):   # read and feed the next minibatch while this one computes
-                    upcoming = loader.submit(load, t.shard, *bounds[i + 1])
+                if i + 1 < len(bounds):   # slice the next minibatch while this one computes
+                    lo, up = bounds[i + 1]
+                    upcoming = loader.submit(minibatch, lease, lo - t.start, up - t.start)
                 result = trainer.compute(batch)
                 settle(keep=PUSH_DEPTH - 1)
                 in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq))

@@ -74,6 +74,7 @@ class PSTrainer:
             return loss, dense, sparse
 
         self._step = step
+        self._traced = None                   # (input specs, concrete step)
         shard_vars = [[trainable[i] for i in pos] for pos in shard_pos]
 
         sizes = [sum(int(v.shape.num_elements()) for v in vs) for vs in shard_vars]
@@ -133,24 +134,47 @@ class PSTrainer:
         pulled = self.ps.pull_rows(lookups)
         self._set_rows({n: (lookups[n], pulled[n]) for n in lookups})
 
-    def prepare(self, batch: dict[str, np.ndarray]):
-        """The user's feed() and the conversion to tensors: done ahead of the step, on the loader thread."""
-        tf = self.tf
-        return tf.nest.map_structure(tf.convert_to_tensor, self.model_def.feed(batch))
+    def feed_lease(self, rows: dict[str, np.ndarray]) -> LeaseRows:
+        """The user's feed() once on a whole lease's records, as Keras's fit feeds a whole array: each
+        minibatch is then a slice of its output. If that output is not row-aligned (a leaf whose first
+        dimension is not the number of records), each minibatch is fed on its own instead."""
+        fed = self.model_def.feed(rows)
+        n = len(next(iter(rows.values()))) if rows else 0
+        aligned = all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in self.tf.nest.flatten(fed))
+        return LeaseRows(rows, fed if aligned else None)
 
-    def compute(self, prepared) -> StepResult:
-        """Gradients of one prepared minibatch at the worker's current parameters (still tensors)."""
-        features, labels = prepared
+    def minibatch(self, lease: LeaseRows, lo: int, hi: int):
+        """Rows [lo, hi) of a lease (offsets into it), fed and converted to tensors: done on the loader
+        thread, ahead of the step."""
+        tf = self.tf
+        if lease.fed is not None:
+            fed = tf.nest.map_structure(lambda a: a[lo:hi], lease.fed)
+        else:
+            fed = self.model_def.feed({k: v[lo:hi] for k, v in lease.rows.items()})
+        features, labels = tf.nest.map_structure(tf.convert_to_tensor, fed)
+        specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), (features, labels))
+        return Minibatch(features, labels, specs)
+
+    def compute(self, batch: Minibatch) -> StepResult:
+        """Gradients of one minibatch at the worker's current parameters (still tensors)."""
+        features, labels = batch.features, batch.labels
         if self.table_names and self._ids_of is not None:
             self._pull_rows_for(features)
         try:
-            loss, dense, sparse = self._step(features, labels)
+            loss, dense, sparse = self._step_for(batch.specs)(features, labels)
         except Exception as e:  # the user's model/loss failed on real data
             first = str(e).splitlines()[0] if str(e) else ""
             raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
                                 f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
                                 "loss() expect.") from e
         return StepResult(loss, dense, sparse)
+
+    def _step_for(self, specs):
+        """The step traced once for any minibatch size: a concrete function skips the per-call
+        matching of arguments against traces, a noticeable share of a small model's step."""
+        if self._traced is None or self._traced[0] != specs:
+            self._traced = (specs, self._step.get_concrete_function(*specs))
+        return self._traced[1]
 
     def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:
         """Push keyed by (task, seq) on a push thread; `push_finish` waits for it."""
@@ -187,3 +211,14 @@ class StepResult(NamedTuple):
     loss: object                         # scalar tensor
     dense: list                          # per PS shard: flat gradient buffer
     sparse: list                         # per embedding table: (unique ids, summed row gradients)
+
+
+class LeaseRows(NamedTuple):
+    rows: dict                           # column -> the lease's values, as read
+    fed: object                          # feed(rows), or None when it is not row-aligned
+
+
+class Minibatch(NamedTuple):
+    features: object                     # feed()'s features, as tensors
+    labels: object
+    specs: object                        # their TensorSpecs, any number of rows: picks the traced step
