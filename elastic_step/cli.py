@@ -82,7 +82,8 @@ def _pipeline_run(args) -> dict:
     result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
                        minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
                        min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
-                       strategy=args.strategy, global_batch=args.global_batch, threshold=args.threshold, metric=args.metric, publish_uri=args.publish_uri,
+                       strategy=args.strategy, global_batch=args.global_batch, threshold=args.threshold,
+                       metric=args.metric, publish_uri=args.publish_uri,
                        eval_fraction=args.eval_fraction, seed=args.seed)
     print_run(result)
     return result

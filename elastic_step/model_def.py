@@ -67,6 +67,16 @@ class ModelDef:
     def loss_fn(self) -> Callable:
         return self.module.loss
 
+    def training_loss(self, model, features, labels):
+        """What a training step minimises: loss() plus the model's own regularization losses, as Keras's
+        fit adds them. Traced inside the workers' compiled steps (both strategies)."""
+        import tensorflow as tf
+
+        loss = self.loss_fn(labels, model(features, training=True))
+        if model.losses:
+            loss = loss + tf.add_n(model.losses)
+        return loss
+
     @property
     def feed_fn(self) -> Callable:
         return self.module.feed

@@ -46,8 +46,9 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                      model: Output[Model], metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
                      epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
                      min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
-                     global_batch: str = "scaled", backend: str = "local", worker_image: str = "", worker_cpu: str = "", worker_memory: str = "",
-                     worker_priority_class: str = "", ps_priority_class: str = "", seed: int = 0):
+                     global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
+                     worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
+                     ps_priority_class: str = "", seed: int = 0):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods."""
     from elastic_step.components.outputs import record_training
     from elastic_step.steps import train_step
@@ -55,8 +56,9 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
     s = train_step(train_data.path, eval_data.path, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-                   global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
-                   worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed)
+                   global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
+                   worker_memory=worker_memory, worker_priority_class=worker_priority_class,
+                   ps_priority_class=ps_priority_class, seed=seed)
     record_training(s, model, metrics, summary)
 
 
@@ -65,9 +67,9 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                          metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
                          epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
                          min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
-                         global_batch: str = "scaled", backend: str = "local", worker_image: str = "", worker_cpu: str = "",
-                         worker_memory: str = "", worker_priority_class: str = "", ps_priority_class: str = "",
-                         seed: int = 0):
+                         global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
+                         worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
+                         ps_priority_class: str = "", seed: int = 0):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
     manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI)."""
     from elastic_step.components.outputs import record_training
@@ -76,8 +78,9 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
     s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-                   global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
-                   worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed)
+                   global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
+                   worker_memory=worker_memory, worker_priority_class=worker_priority_class,
+                   ps_priority_class=ps_priority_class, seed=seed)
     record_training(s, model, metrics, summary)
 
 

@@ -55,9 +55,7 @@ class Coordinator:
         for worker, r in ready.items():
             role, index = worker.rsplit("-", 1)
             self.membership.seen(InstanceId(role, int(index)), progressed=True)
-            lost_at = self._replacement_lost_at.pop(worker, None)
-            if lost_at is not None:
-                self.recovery_first_commit_s.append(now - lost_at)
+            self._replacement_committed(worker, now)
             if r.task_id < 0:
                 continue
             try:
@@ -66,18 +64,27 @@ class Coordinator:
                 log.warning("refused a step commit: %s", e)
                 self.record("refused", worker, str(e))
         if records:
-            self.first_commit_at = self.first_commit_at or now
-            self.last_commit_at = now
-            loss = sum(r.loss * r.records for r in ready.values()) / records
-            if loss == loss:
-                self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+            self._committed(now, sum(r.loss * r.records for r in ready.values()) / records, epoch_before)
+        return self.ledger.done
+
+    def _replacement_committed(self, worker: str, now: float) -> None:
+        """A relaunched worker's first commit closes its recovery figure (lock held)."""
+        lost_at = self._replacement_lost_at.pop(worker, None)
+        if lost_at is not None:
+            self.recovery_first_commit_s.append(now - lost_at)
+
+    def _committed(self, now: float, loss: float, epoch_before: int) -> None:
+        """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
+        self.first_commit_at = self.first_commit_at or now
+        self.last_commit_at = now
+        if loss == loss:  # not NaN
+            self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         if self.ledger.epoch != epoch_before:
             self.record("epoch_end", "", f"epoch {epoch_before} committed "
                         f"{self.ledger.accounts[epoch_before].committed} records")
             log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
         if self.ledger.done:
             self.finished.set()
-        return self.ledger.done
 
     def allreduce_peer_failed(self, reporter: str, version: int, peer: str, detail: str) -> None:
         """A member could not reach a peer: the peer leaves the ring, its lease remainder is requeued."""
@@ -147,21 +154,10 @@ class Coordinator:
                 self.record("refused", worker, str(e))
                 return False
             self.membership.seen(inst, progressed=True)
-            self.first_commit_at = self.first_commit_at or now
-            self.last_commit_at = now
-            lost_at = self._replacement_lost_at.pop(worker, None)
-            if lost_at is not None:
-                self.recovery_first_commit_s.append(now - lost_at)
+            self._replacement_committed(worker, now)
             if duplicate:
                 self.duplicates_suppressed += 1
-            if loss == loss:  # not NaN
-                self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
-            if self.ledger.epoch != epoch_before:
-                self.record("epoch_end", "", f"epoch {epoch_before} committed "
-                            f"{self.ledger.accounts[epoch_before].committed} records")
-                log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
-                if self.ledger.done:
-                    self.finished.set()
+            self._committed(now, loss, epoch_before)
             return True
 
     def report_failure(self, instance: str, kind: str, message: str, tb: str) -> None:

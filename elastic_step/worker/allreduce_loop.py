@@ -58,15 +58,11 @@ class AllReduceTrainer:
         self.base_lr = float(np.asarray(self.optimizer.learning_rate))
         self.size = sum(int(v.shape.num_elements()) for v in trainable)
         sizes = [int(v.shape.num_elements()) for v in trainable]
-        loss_fn = model_def.loss_fn
 
         @tf.function(reduce_retracing=True)
         def grad_step(features, labels):
             with tf.GradientTape() as tape:
-                predictions = model(features, training=True)
-                loss = loss_fn(labels, predictions)
-                if model.losses:
-                    loss = loss + tf.add_n(model.losses)
+                loss = model_def.training_loss(model, features, labels)
             grads = tape.gradient(loss, trainable)
             flat = tf.concat([tf.reshape(tf.cast(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g),
                                                  tf.float32), [-1]) for g, v in zip(grads, trainable)], 0)

@@ -1,11 +1,13 @@
 """The worker's task loop: lease, read, compute, push, report — pipelined around one training thread.
 
 Only the compiled step runs on the training thread, as in Keras's fit with a prefetching input
-pipeline: a lease's records are read and fed (the user's feed()) once, and minibatch t+1 is sliced
-from them on a loader thread while minibatch t computes, the push of minibatch t travels (and the fresh weights are loaded) on a push thread
-while t+1 computes (async SGD tolerates that staleness), and watermarks go to the master without
-waiting for the answer. All of them are long-lived threads (gRPC's own futures would start a
-thread per call).
+pipeline:
+  * a lease's records are read and fed (the user's feed()) once, and minibatch t+1 is sliced from
+    them on a loader thread while minibatch t computes;
+  * the push of minibatch t travels, and the fresh weights are loaded, on a push thread while t+1
+    computes (async SGD tolerates that staleness);
+  * watermarks go to the master without waiting for the answer.
+All of them are long-lived threads (gRPC's own futures would start a thread per call).
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
 (task, seq) key by whoever takes the remainder, and the PS skips it.
 """

@@ -39,7 +39,6 @@ class PSTrainer:
         self.variables = dict(zip(self.names, model.trainable_variables))
         self.table_names = [n for n in self.names if n in placement.embeddings]
         self._ids_of = self._id_extractor(keras, model)
-        loss_fn = model_def.loss_fn
         trainable = model.trainable_variables
         shard_pos = [[self.names.index(n) for n in placement.dense_on(s)] for s in range(placement.num_ps)]
         table_pos = [self.names.index(n) for n in self.table_names]
@@ -52,10 +51,7 @@ class PSTrainer:
         @tf.function(reduce_retracing=True)
         def step(features, labels):
             with tf.GradientTape() as tape:
-                predictions = model(features, training=True)
-                loss = loss_fn(labels, predictions)
-                if model.losses:
-                    loss = loss + tf.add_n(model.losses)
+                loss = model_def.training_loss(model, features, labels)
             grads = tape.gradient(loss, trainable)
             # One flat buffer per PS shard: one tensor on the wire instead of one per variable.
             dense = [flat([tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
