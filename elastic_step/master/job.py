@@ -39,8 +39,12 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
     if cfg.backend == "local":
         from elastic_step.backends.local import LocalBackend
         return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token})
-    raise ConfigError("--backend kubernetes is not available in this version yet (worker and PS pods are "
-                      "planned); use --backend local.")
+    if cfg.backend == "kubernetes":
+        # Namespace, credentials, owner pod and pod-spec additions come from the environment (see the
+        # module). A restarted master finds the job's Secret and keeps its token: cfg.token is set to it.
+        from elastic_step.backends.kubernetes import KubernetesBackend
+        return KubernetesBackend.from_train_config(cfg)
+    raise ConfigError(f"Unknown backend {cfg.backend!r}; use local or kubernetes.")
 
 
 class Chaos:
