@@ -67,14 +67,26 @@ class ModelDef:
     def loss_fn(self) -> Callable:
         return self.module.loss
 
-    def training_loss(self, model, features, labels):
+    def training_loss(self, model, features, labels, trainable_values=None):
         """What a training step minimises: loss() plus the model's own regularization losses, as Keras's
-        fit adds them. Traced inside the workers' compiled steps (both strategies)."""
+        fit adds them. Traced inside the workers' compiled steps (both strategies).
+
+        With `trainable_values` (tensors, in the order of model.trainable_variables) the model runs on
+        them instead of its variables (Keras's stateless_call); its non-trainable state (e.g. batch
+        norm statistics) is still updated."""
         import tensorflow as tf
 
-        loss = self.loss_fn(labels, model(features, training=True))
-        if model.losses:
-            loss = loss + tf.add_n(model.losses)
+        if trainable_values is None:
+            predictions, losses = model(features, training=True), model.losses
+        else:
+            state = model.non_trainable_variables
+            predictions, new_state, losses = model.stateless_call(
+                trainable_values, [v.value for v in state], features, training=True, return_losses=True)
+            for var, value in zip(state, new_state):
+                var.assign(value)
+        loss = self.loss_fn(labels, predictions)
+        if losses:
+            loss = loss + tf.add_n(losses)
         return loss
 
     @property

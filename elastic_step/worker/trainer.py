@@ -5,9 +5,10 @@ Embedding tables stay whole in the worker's model but only the rows a minibatch 
 pulled before the step, and only those rows' gradients are pushed, to their owning shards.
 
 Only the compiled step runs on the training thread. A push (gradients to numpy, encode, the RPC,
-decode, loading the fresh values into the model) runs on a push thread while the next step
-computes: a model variable assigned meanwhile is copied on write by TensorFlow, so a step reads
-each variable whole, old or new, which async SGD tolerates.
+decode) runs on a push thread while the next step computes. The step takes each shard's flat dense
+values as inputs (Keras's stateless_call) instead of reading the model's variables, so taking fresh
+values is swapping a reference: no variable is assigned, and no assignment competes with the step
+for TensorFlow's threads.
 """
 from __future__ import annotations
 
@@ -48,11 +49,20 @@ class PSTrainer:
                 return tf.zeros([0], tf.float32)
             return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors_], 0)
 
+        part_sizes = [[int(trainable[i].shape.num_elements()) for i in pos] for pos in shard_pos]
+
         @tf.function(reduce_retracing=True)
-        def step(features, labels):
+        def step(features, labels, flats):
+            values = [None] * len(trainable)
+            for pos, sizes_, buf in zip(shard_pos, part_sizes, flats):
+                for i, part in zip(pos, tf.split(buf, sizes_) if pos else []):
+                    values[i] = tf.cast(tf.reshape(part, trainable[i].shape), trainable[i].dtype)
+            for i in table_pos:   # tables stay variables: the rows a minibatch needs are pulled into them
+                values[i] = tf.convert_to_tensor(trainable[i].value)
             with tf.GradientTape() as tape:
-                loss = model_def.training_loss(model, features, labels)
-            grads = tape.gradient(loss, trainable)
+                tape.watch(values)
+                loss = model_def.training_loss(model, features, labels, trainable_values=values)
+            grads = tape.gradient(loss, values)
             # One flat buffer per PS shard: one tensor on the wire instead of one per variable.
             dense = [flat([tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
                            for i in pos]) for pos in shard_pos]
@@ -71,20 +81,8 @@ class PSTrainer:
 
         self._step = step
         self._traced = None                   # (input specs, concrete step)
-        shard_vars = [[trainable[i] for i in pos] for pos in shard_pos]
-
-        sizes = [sum(int(v.shape.num_elements()) for v in vs) for vs in shard_vars]
-
-        # A fixed signature: the call skips the per-call trace-type matching of generic arguments.
-        @tf.function(input_signature=[[tf.TensorSpec([n], tf.float32) for n in sizes]])
-        def assign_dense(flats):  # one compiled call: split each shard's buffer into its variables
-            for variables, buf in zip(shard_vars, flats):
-                if variables:
-                    parts = tf.split(buf, [int(v.shape.num_elements()) for v in variables])
-                    for var, part in zip(variables, parts):
-                        var.assign(tf.cast(tf.reshape(part, var.shape), var.dtype))
-
-        self._assign_dense = assign_dense
+        self._flat_specs = [tf.TensorSpec([sum(sizes_)], tf.float32) for sizes_ in part_sizes]
+        self._flats = None                    # each shard's dense values, as the step's inputs
         self._versions = [-1] * placement.num_ps
         self._fresh_lock = threading.Lock()   # push replies may come back in any order
         self._push_threads = concurrent.futures.ThreadPoolExecutor(max_workers=pushes_in_flight,
@@ -109,8 +107,8 @@ class PSTrainer:
             return None
 
     def set_dense(self, flats: list[np.ndarray]) -> None:
-        """Load each shard's flat dense buffer into the model."""
-        self._assign_dense(flats)
+        """Each shard's flat dense values, for the next steps (tensors made here, off the training thread)."""
+        self._flats = [self.tf.constant(f, self.tf.float32) for f in flats]
 
     def _set_rows(self, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         tf = self.tf
@@ -157,7 +155,7 @@ class PSTrainer:
         if self.table_names and self._ids_of is not None:
             self._pull_rows_for(features)
         try:
-            loss, dense, sparse = self._step_for(batch.specs)(features, labels)
+            loss, dense, sparse = self._step_for(batch.specs)(features, labels, self._flats)
         except Exception as e:  # the user's model/loss failed on real data
             first = str(e).splitlines()[0] if str(e) else ""
             raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
@@ -169,7 +167,7 @@ class PSTrainer:
         """The step traced once for any minibatch size: a concrete function skips the per-call
         matching of arguments against traces, a noticeable share of a small model's step."""
         if self._traced is None or self._traced[0] != specs:
-            self._traced = (specs, self._step.get_concrete_function(*specs))
+            self._traced = (specs, self._step.get_concrete_function(*specs, self._flat_specs))
         return self._traced[1]
 
     def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:
