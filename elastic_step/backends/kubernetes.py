@@ -550,31 +550,33 @@ class KubernetesBackend(Backend):
     def stop(self, instance: InstanceId, grace_s: float = 10.0) -> None:
         """Graceful: the pod's process gets SIGTERM (a worker finishes and reports its minibatch)
         and EXITED comes with its exit code. Waits until it ended (grace + 15 s at most)."""
-        with self._lock:
-            launch = self._launches.get(instance)
-            if launch is None or launch.state == "ended":
-                return
-            if launch.state == "deferred":
-                self._end(launch)
-                self.emit(InstanceEvent(EventKind.EXITED, instance, exit_code=0,
-                                        detail="stopped before its pod existed"))
-                return
-            launch.stopping = True
+        launch = self._mark_ending(instance, "stopping", InstanceEvent(
+            EventKind.EXITED, instance, exit_code=0, detail="stopped before its pod existed"))
+        if launch is None:
+            return
         grace = max(1, math.ceil(grace_s))
         self._delete(launch.name, grace)
         launch.ended.wait(grace + 15)
 
     def kill(self, instance: InstanceId) -> None:
+        launch = self._mark_ending(instance, "killing", InstanceEvent(
+            EventKind.LOST, instance, detail="killed before its pod existed"))
+        if launch is not None:
+            self._delete(launch.name, 0)
+
+    def _mark_ending(self, instance: InstanceId, flag: str, if_deferred: InstanceEvent) -> _Launch | None:
+        """The launch whose pod `stop`/`kill` deletes, marked `flag` (how its end is reported); None
+        when there is no pod to delete: ended already, or deferred (then it ends here, `if_deferred`)."""
         with self._lock:
             launch = self._launches.get(instance)
             if launch is None or launch.state == "ended":
-                return
+                return None
             if launch.state == "deferred":
                 self._end(launch)
-                self.emit(InstanceEvent(EventKind.LOST, instance, detail="killed before its pod existed"))
-                return
-            launch.killing = True
-        self._delete(launch.name, 0)
+                self.emit(if_deferred)
+                return None
+            setattr(launch, flag, True)
+            return launch
 
     def alive(self) -> set[InstanceId]:
         with self._lock:
