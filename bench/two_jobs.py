@@ -39,7 +39,9 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-STEP_S = float(os.environ.get("TWO_JOBS_STEP_MS", "50")) / 1000
+STEP_MS_ENV = "TWO_JOBS_STEP_MS"   # read by the worker pods too: they inherit the kubelet's environment
+STEP_S = float(os.environ.get(STEP_MS_ENV, "50")) / 1000
+MINIBATCH = 32
 
 # ---------------------------------------------------------------- the model (this file is the model_def)
 _spec = importlib.util.spec_from_file_location("two_jobs_digits", ROOT / "samples" / "digits" / "model.py")
@@ -49,8 +51,10 @@ model, loss, optimizer, eval_metrics = _digits.model, _digits.loss, _digits.opti
 
 
 def feed(batch):
-    if os.environ.get("ELASTIC_STEP_POD_IP"):  # in a worker pod: the simulated device step
-        time.sleep(STEP_S)
+    # In a worker pod: the simulated device, STEP_S per minibatch of MINIBATCH records. A worker
+    # feeds a whole lease at once (ahead of its steps), hence a delay per record.
+    if os.environ.get("ELASTIC_STEP_POD_IP"):
+        time.sleep(STEP_S * len(next(iter(batch.values()))) / MINIBATCH)
     return _digits.feed(batch)
 
 
@@ -66,7 +70,7 @@ class Master:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", name,
              "--model-def", str(pathlib.Path(__file__).resolve()), "--train-data", str(data / "train"),
-             "--output", str(out), "--epochs", str(args.epochs), "--minibatch-size", "32",
+             "--output", str(out), "--epochs", str(args.epochs), "--minibatch-size", str(MINIBATCH),
              "--records-per-task", "256", "--min-workers", str(min_workers), "--max-workers", str(args.workers),
              "--worker-cpu", "1", "--worker-priority-class", "elastic-low", "--ps-priority-class", "elastic-high",
              "--progress", "off"],
@@ -168,13 +172,18 @@ def scenario(mode: str, args, cp, core, data: pathlib.Path, work: pathlib.Path, 
 
 
 def main() -> None:
+    global STEP_S
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slots", type=int, default=4, help="worker slots (cpus of the node; a worker requests 1)")
     p.add_argument("--workers", type=int, default=3, help="workers each job wants (default: a bit more than half)")
     p.add_argument("--epochs", type=int, default=25, help="epochs of digits (1437 records) per job")
     p.add_argument("--budget", type=float, default=600, help="seconds a job may take before the bench gives up")
+    p.add_argument("--step-ms", type=float, default=STEP_S * 1000,
+                   help="simulated device time per minibatch of 32 in a worker pod")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
+    STEP_S = args.step_ms / 1000
+    os.environ[STEP_MS_ENV] = str(args.step_ms)   # before the control plane starts its kubelet
     if not args.slots / 2 < args.workers <= args.slots:
         raise SystemExit("--workers must be more than half of --slots (and fit in them)")
     sys.path.insert(0, str(ROOT))
@@ -214,7 +223,7 @@ def main() -> None:
     gang, elastic = results
     ratio = gang["makespan_s"] / elastic["makespan_s"]
     print(f"\n{args.slots} slots, two jobs of {args.workers} workers x {args.epochs} epochs of digits, "
-          f"{STEP_S * 1000:.0f} ms simulated step per minibatch of 32")
+          f"{STEP_S * 1000:.0f} ms simulated step per minibatch of {MINIBATCH}")
     print(f"{'':10s}{'makespan':>10s}{'utilization':>13s}{'allocation':>12s}")
     for r in results:
         print(f"{r['mode']:10s}{r['makespan_s']:9.1f}s{r['utilization'] * 100:12.1f}%{r['allocation'] * 100:11.1f}%")

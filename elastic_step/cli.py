@@ -30,18 +30,46 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"],
                    help="allreduce: scaled (world x minibatch, learning rate scaled by world/max-workers) or "
                         "fixed (max-workers x minibatch kept by gradient accumulation)")
-    p.add_argument("--backend", default="local", help="local (subprocesses) or kubernetes (pods)")
+    p.add_argument("--backend", default="local", metavar="{local,kubernetes}",
+                   help="local: workers and PS are subprocesses (default); kubernetes: they are pods in the "
+                        "step's namespace (see below)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--job-id", help="stable id of the job (a retried step reuses it)")
-    p.add_argument("--worker-cpu")
-    p.add_argument("--worker-memory")
-    p.add_argument("--worker-priority-class")
-    p.add_argument("--ps-priority-class")
-    p.add_argument("--image", help="runtime image for worker/PS pods (kubernetes backend)")
+    p.add_argument("--job-id", help="stable id of the job; names its pods, and a retried step that reuses it "
+                   "takes over the job's pods instead of duplicating them")
+    p.add_argument("--worker-cpu", help="kubernetes: cpu request = limit of each worker pod, e.g. 1 or 500m")
+    p.add_argument("--worker-memory", help="kubernetes: memory request = limit of each worker pod, e.g. 2Gi")
+    p.add_argument("--worker-priority-class", help="kubernetes: PriorityClass of worker pods (default elastic-low "
+                   "when it exists)")
+    p.add_argument("--ps-priority-class", help="kubernetes: PriorityClass of PS pods (default elastic-high when "
+                   "it exists)")
+    p.add_argument("--image", help="kubernetes: runtime image of worker and PS pods")
     p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines", "off"])
     p.add_argument("--chaos", action="append", default=[], metavar="ACTION:INSTANCE@RECORDS",
                    help="testing: kill:worker-0@400 SIGKILLs worker-0 after 400 committed records; "
                         "term: sends SIGTERM")
+
+
+def _train_epilog() -> str:
+    from elastic_step.backends import kubernetes as k8s
+
+    return f"""\
+--backend kubernetes
+  The master (this process, normally in the pipeline step's pod) creates each worker and PS as a
+  pod <job-id>-<role>-<index> in its namespace, relaunches lost ones (a preempted worker's pod
+  stays Pending until the scheduler finds room), and deletes them all at the end or on SIGTERM.
+  Credentials: KUBECONFIG when set, else the pod's service account, else ~/.kube/config.
+  Environment:
+    {k8s.NAMESPACE_ENV}   namespace (default: the service account's, or the kubeconfig context's)
+    KUBECONFIG               credentials from outside the cluster
+    {k8s.POD_SPEC_ENV}    JSON merged into every pod's spec (nodeSelector, tolerations, ...)
+    KFP_POD_NAME/KFP_POD_UID or POD_NAME/POD_UID (downward API)
+                             the pod that owns the job's pods: deleting it deletes them
+    POD_IP (downward API)    the address the pods reach the master at
+  Permissions: the namespaced Role in {k8s.ROLE_FILE}
+  (also components/elastic_train/rbac.yaml); a missing verb stops the master at once, naming it.
+  Priority: workers {k8s.DEFAULT_PRIORITY['worker']}, PS {k8s.DEFAULT_PRIORITY['ps']} when they exist;
+  sample PriorityClasses in {k8s.PRIORITY_FILE}.
+"""
 
 
 def _train(args) -> dict:
@@ -145,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--seed", type=int, default=0)
     prep.set_defaults(func=_prep)
 
-    train = sub.add_parser("train", help="elastic training: master + workers + parameter servers")
+    train = sub.add_parser("train", help="elastic training: master + workers + parameter servers",
+                           epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_train_args(train)
     train.set_defaults(func=_train)
 

@@ -102,7 +102,12 @@ _JOB_ID = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 class KubernetesBackendError(BackendError, ElasticStepError):
-    """The cluster refused or failed a request; the message names it and the fix."""
+    """The cluster refused or failed a request; the message names it and the fix. `status`: the
+    API's HTTP status (None: the API server could not be reached)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 class KubernetesPermissionError(KubernetesBackendError):
@@ -118,7 +123,7 @@ def permission_error(missing: list[tuple[str, str]], namespace: str, who: str = 
     what = ", ".join(f"{v} {r}" for v, r in missing)
     fix = ", ".join(f"'{v}' on '{r}'" for v, r in missing)
     return KubernetesPermissionError(
-        f"{who} cannot {what} in namespace {namespace}: add {fix} to its Role (see {ROLE_FILE}).")
+        f"{who} cannot {what} in namespace {namespace}: add {fix} to its Role (see {ROLE_FILE}).", 403)
 
 
 def load_manifests(name: str, namespace: str | None = None) -> list[dict]:
@@ -299,9 +304,14 @@ class KubernetesBackend(Backend):
         self.owner = Owner.from_env() if owner == "env" else owner
         spec_env = os.environ.get(POD_SPEC_ENV)
         try:
-            self.pod_spec = dict(pod_spec if pod_spec is not None else json.loads(spec_env) if spec_env else {})
+            self.pod_spec = pod_spec if pod_spec is not None else json.loads(spec_env) if spec_env else {}
         except ValueError as e:
-            raise ConfigError(f"{POD_SPEC_ENV} is not a JSON object: {e}") from None
+            raise ConfigError(f"{POD_SPEC_ENV} is not valid JSON ({e}): give a JSON object of pod spec fields, "
+                              'e.g. {"nodeSelector": {"pool": "training"}}.') from None
+        if not isinstance(self.pod_spec, dict):
+            raise ConfigError(f"{POD_SPEC_ENV} must be a JSON object of pod spec fields, e.g. "
+                              '{"nodeSelector": {"pool": "training"}}, not ' + type(self.pod_spec).__name__ + ".")
+        self.pod_spec = dict(self.pod_spec)
         if "containers" in self.pod_spec:
             raise ConfigError(f"{POD_SPEC_ENV} may not set containers: the backend builds the container.")
         self.master_ip = master_ip or master_host(in_cluster)
@@ -342,13 +352,23 @@ class KubernetesBackend(Backend):
 
     # ---------------------------------------------------------------- API helpers
     def _call(self, verb: str, resource: str, fn, *args, ok: tuple[int, ...] = (), **kwargs):
-        """One API call; 403 -> KubernetesPermissionError naming the verb; statuses in `ok` -> None."""
+        """One API call; 403 -> KubernetesPermissionError naming the verb; statuses in `ok` -> None;
+        an unreachable API server -> KubernetesBackendError naming it."""
+        import urllib3
+
         try:
             return fn(*args, **kwargs)
         except self.ApiException as e:
             if e.status in ok:
                 return None
             raise self._translate(e, verb, resource) from None
+        except urllib3.exceptions.HTTPError as e:
+            reason = str(getattr(e, "reason", None) or e)
+            reason = (re.search(r"\[Errno -?\d+\][^\"')]*", reason) or [reason])[0]
+            raise KubernetesBackendError(
+                f"Cannot reach the Kubernetes API server at {self.api.configuration.host} ({verb} {resource}: "
+                f"{reason}). Check that KUBECONFIG, or the service account of the step's pod, points at a "
+                "running cluster that this process can reach, or use --backend local.") from None
 
     def _translate(self, e, verb: str, resource: str) -> Exception:
         try:
@@ -359,11 +379,16 @@ class KubernetesBackend(Backend):
             m = re.search(r'User "([^"]+)" cannot (\w+) resource "([^"]+)"', message)
             if m:
                 return permission_error([(m.group(2), m.group(3))], self.namespace, m.group(1))
-            return KubernetesBackendError(f"{verb} {resource} in namespace {self.namespace} was refused: {message}")
+            return KubernetesBackendError(f"{verb} {resource} in namespace {self.namespace} was refused: {message}",
+                                          403)
         if e.status == 401:
-            return KubernetesBackendError(f"The Kubernetes API rejected the step's credentials (401): {message}")
+            return KubernetesBackendError(f"The Kubernetes API rejected the step's credentials (401 {message}): give "
+                                          "it a valid token (the step's service account, or KUBECONFIG).", 401)
+        if e.status == 404 and re.search(r'namespaces? "[^"]+" not found', message):
+            return KubernetesBackendError(f"The namespace {self.namespace} does not exist: create it, or set "
+                                          f"{NAMESPACE_ENV} to the namespace the step runs in.", 404)
         return KubernetesBackendError(f"{verb} {resource} in namespace {self.namespace} failed "
-                                      f"({e.status} {e.reason}): {message}")
+                                      f"({e.status} {e.reason}): {message}", e.status)
 
     def _preflight(self) -> None:
         """Fail before anything is created when the Role lacks a verb (not after training, when
@@ -375,11 +400,14 @@ class KubernetesBackend(Backend):
                     "spec": {"resourceAttributes": {"namespace": self.namespace, "verb": verb,
                                                     "resource": resource, "group": ""}}}
             try:
-                r = auth.create_self_subject_access_review(body, _preload_content=False)
-            except self.ApiException as e:
-                if e.status in (401,):
-                    raise self._translate(e, "review", "access") from None
-                log.warning("cannot check permissions (%s %s); relying on the API's answers", e.status, e.reason)
+                r = self._call("create", "selfsubjectaccessreviews", auth.create_self_subject_access_review, body,
+                               _preload_content=False)
+            except KubernetesPermissionError:
+                raise
+            except KubernetesBackendError as e:
+                if e.status in (None, 401):  # unreachable, bad credentials: nothing else would work
+                    raise
+                log.warning("cannot check permissions (%s); relying on the API's answers", e)
                 return
             if not json.loads(r.data).get("status", {}).get("allowed"):
                 missing.append((verb, resource))
@@ -424,13 +452,9 @@ class KubernetesBackend(Backend):
                              "ownerReferences": self._owner_refs()},
                 "stringData": {TOKEN_KEY: token}}
         for _ in range(20):  # a deleted Secret may take a moment to go
-            try:
-                self.core.create_namespaced_secret(self.namespace, body)
+            if self._call("create", "secrets", self.core.create_namespaced_secret, self.namespace, body, ok=(409,)):
                 break
-            except self.ApiException as e:
-                if e.status != 409:
-                    raise self._translate(e, "create", "secrets") from None
-                time.sleep(0.1)
+            time.sleep(0.1)
         else:
             raise KubernetesBackendError(f"the Secret {self.secret_name} in namespace {self.namespace} is still "
                                          "being deleted; retry the step")
@@ -682,15 +706,13 @@ class KubernetesBackend(Backend):
                 launch.name = name
             body = self._pod_body(launch)
             try:
-                r = self.core.create_namespaced_pod(self.namespace, body, _preload_content=False)
-            except self.ApiException as e:
-                if e.status == 409:  # a pod of a previous master holds the name
-                    with self._lock:
-                        launch.number = self._numbers[inst] = max(self._numbers.get(inst, 0), launch.number) + 1
-                    continue
-                err = self._translate(e, "create", "pods")
+                r = self._call("create", "pods", self.core.create_namespaced_pod, self.namespace, body, ok=(409,),
+                               _preload_content=False)
+            except KubernetesPermissionError:
+                raise
+            except KubernetesBackendError as err:
                 default = self._default_priority.get(inst.role)
-                if (e.status == 403 and not launch.spec.priority_class and default
+                if (err.status == 403 and not launch.spec.priority_class and default
                         and f"no PriorityClass with name {default}" in str(err)):
                     log.warning("PriorityClass %s does not exist: %s pods get the namespace's default priority "
                                 "(apply %s to change that)", default, inst.role, PRIORITY_FILE)
@@ -698,14 +720,21 @@ class KubernetesBackend(Backend):
                     continue
                 if "PriorityClass" in str(err):
                     raise KubernetesBackendError(f"{err} (create it, e.g. from {PRIORITY_FILE}, or pass another "
-                                                 "--worker-priority-class / --ps-priority-class)") from None
-                raise err from None
+                                                 "--worker-priority-class / --ps-priority-class)",
+                                                 err.status) from None
+                raise
+            if r is None:  # 409: a pod of a previous master holds the name
+                with self._lock:
+                    launch.number = self._numbers[inst] = max(self._numbers.get(inst, 0), launch.number) + 1
+                continue
             created = json.loads(r.data)
             with self._lock:
                 self._track(created)
             log.info("created pod %s for %s", name, inst)
             return
-        raise KubernetesBackendError(f"could not find a free pod name for {inst} of job {self.job_id}")
+        raise KubernetesBackendError(f"Could not find a free pod name for {inst} of job {self.job_id} in namespace "
+                                     f"{self.namespace} after 10 tries: delete the job's leftover pods (label "
+                                     f"{self.selector}) or use another --job-id.")
 
     def _delete(self, name: str, grace: int) -> None:
         with self._lock:

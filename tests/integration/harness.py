@@ -11,10 +11,11 @@ DIGITS_MODEL = os.path.join(ROOT, "samples", "digits", "model.py")
 CTR_MODEL = os.path.join(ROOT, "samples", "ctr", "model.py")
 
 
-def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the real `elastic-step` CLI in a subprocess, as a user or a pipeline step does."""
+def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `elastic-step` CLI in a subprocess, as a user or a pipeline step does
+    (`env`: variables to add to this process's environment)."""
     return subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout)
+                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def train(data: dict, output, *extra: str, model: str = DIGITS_MODEL) -> tuple[subprocess.CompletedProcess, dict]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import textwrap
 
 import pytest
@@ -102,8 +103,26 @@ def test_model_build_that_raises(tmp_path, digits_data):
     assert not os.path.exists(tmp_path / "out" / "model.keras")
 
 
-def test_unavailable_backend_is_a_clear_error(tmp_path, digits_data):
-    proc, _ = train(digits_data, tmp_path / "out", "--backend", "kubernetes")
-    assert_clean_error(proc, "--backend kubernetes", "--backend local")
+def test_kubernetes_backend_without_a_cluster_is_a_clear_error(tmp_path, digits_data):
+    args = ("train", "--model-def", DIGITS_MODEL, "--train-data", digits_data["train"], "--output",
+            str(tmp_path / "out"), "--backend", "kubernetes")
+    missing = str(tmp_path / "no-kubeconfig")
+    assert_clean_error(run_cli(*args, env={"KUBECONFIG": missing}), missing, "KUBECONFIG", "--backend local")
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
+    assert_clean_error(run_cli(*args, env={"KUBECONFIG": str(kubeconfig)}),
+                       f"Cannot reach the Kubernetes API server at https://127.0.0.1:{port}", "Connection refused",
+                       "KUBECONFIG")
+    assert not (tmp_path / "out" / "model.keras").exists()
+
+
+def test_unknown_backend_is_a_clear_error(tmp_path, digits_data):
     proc, _ = train(digits_data, tmp_path / "out", "--backend", "yarn")
     assert_clean_error(proc, "--backend 'yarn'")

@@ -357,7 +357,7 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(control_plane, core
 
     job = "preempt"
     cfg = TrainConfig(model_def=SLOW_MODEL, train_data=digits["train"], eval_data=None, output=str(tmp_path / "out"),
-                      epochs=35, minibatch_size=32, records_per_task=128, min_workers=1, max_workers=2, num_ps=1,
+                      epochs=25, minibatch_size=32, records_per_task=128, min_workers=1, max_workers=2, num_ps=1,
                       backend="kubernetes", job_id=job, worker_cpu="1", worker_memory="256Mi",
                       worker_priority_class="elastic-low", ps_priority_class="elastic-high", progress="off")
     backend = KubernetesBackend.from_train_config(cfg, kubeconfig=str(sa_kubeconfig), namespace=namespace,
