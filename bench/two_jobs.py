@@ -1,6 +1,6 @@
 """ElasticDL's two-job experiment on the real kube-scheduler: gang-style vs elastic workers.
 
-    .venv/bin/python bench/two_jobs.py                    # 4 slots, two jobs of 3 workers; ~2.5 min
+    .venv/bin/python bench/two_jobs.py                    # 4 slots, two jobs of 3 workers; ~2.5 min here
     .venv/bin/python bench/two_jobs.py --slots 6 --workers 4 --epochs 20 --json /tmp/two_jobs.json
 
 A real control plane (kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
