@@ -22,8 +22,8 @@ from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
 from elastic_step.backends.api import BackendError, EventKind, InstanceId, InstanceSpec
-from elastic_step.backends.kubernetes import (NEEDED, KubernetesBackend, KubernetesPermissionError, Owner,
-                                              load_manifests)
+from elastic_step.backends.kubernetes import (NEEDED, KubernetesBackend, KubernetesBackendError,
+                                              KubernetesPermissionError, Owner, load_manifests)
 from elastic_step.errors import ElasticStepError
 from kube.harness import ControlPlane, wait_for
 
@@ -497,6 +497,18 @@ def test_forbidden_call_names_verb_and_resource(control_plane, core, namespace):
                                 f"create pods in namespace {namespace}: add 'create' on 'pods' to its Role "
                                 "(see elastic_step/backends/manifests/role.yaml).")
         assert b.alive() == set()
+    finally:
+        b.close()
+
+
+def test_unknown_priority_class_names_it_and_the_fix(control_plane, core, node, namespace, sa_kubeconfig):
+    b = KubernetesBackend("no-class", "t", kubeconfig=str(sa_kubeconfig), namespace=namespace, owner=None)
+    try:
+        with pytest.raises(KubernetesBackendError) as e:
+            b.start(InstanceSpec(InstanceId("worker", 0), SLEEPER, priority_class="elastic-nope"))
+        assert "no PriorityClass with name elastic-nope" in str(e.value), e.value
+        assert "priorityclasses.yaml" in str(e.value) and "--worker-priority-class" in str(e.value), e.value
+        assert b.alive() == set() and job_pods(core, namespace, "no-class") == []
     finally:
         b.close()
 
