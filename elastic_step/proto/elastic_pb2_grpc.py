@@ -581,6 +581,16 @@ class ParameterServerStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.PushRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.AttachShared = channel.unary_unary(
+                '/elastic_step.ParameterServer/AttachShared',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.AttachSharedRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.AttachSharedResponse.FromString,
+                _registered_method=True)
+        self.DetachShared = channel.unary_unary(
+                '/elastic_step.ParameterServer/DetachShared',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.DetachSharedRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                _registered_method=True)
         self.Save = channel.unary_unary(
                 '/elastic_step.ParameterServer/Save',
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
@@ -609,6 +619,18 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushGradients(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AttachShared(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DetachShared(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -643,6 +665,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.PushGradients,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.PushRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.PushResponse.SerializeToString,
+            ),
+            'AttachShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachShared,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.AttachSharedRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.AttachSharedResponse.SerializeToString,
+            ),
+            'DetachShared': grpc.unary_unary_rpc_method_handler(
+                    servicer.DetachShared,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.DetachSharedRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
             ),
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
@@ -736,6 +768,60 @@ class ParameterServer:
             '/elastic_step.ParameterServer/PushGradients',
             elastic__step_dot_proto_dot_elastic__pb2.PushRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.ParameterServer/AttachShared',
+            elastic__step_dot_proto_dot_elastic__pb2.AttachSharedRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.AttachSharedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DetachShared(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.ParameterServer/DetachShared',
+            elastic__step_dot_proto_dot_elastic__pb2.DetachSharedRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

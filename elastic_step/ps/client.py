@@ -2,28 +2,51 @@
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import queue
+import threading
 
+import grpc
 import numpy as np
 
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.ps.api import Placement
+from elastic_step.ps.shared_memory import PushSlots, SharedMemoryUnavailable
+
+log = logging.getLogger("elastic_step.ps")
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
 
 class PSClient:
-    def __init__(self, addresses: list[str], token: str, placement: Placement, timeout: float = 60.0):
+    """`pushes_in_flight` pushes may run at once (from as many threads). With `shared_memory`, a
+    push to a shard on this host carries its dense buffers through shared-memory slots instead of
+    the message."""
+
+    def __init__(self, addresses: list[str], token: str, placement: Placement, timeout: float = 60.0,
+                 pushes_in_flight: int = 2, shared_memory: bool = True):
         if len(addresses) != placement.num_ps:
             raise ValueError(f"{len(addresses)} PS addresses for {placement.num_ps} shards")
         self.token = token
         self.placement = placement
         self.timeout = timeout
+        self.addresses = list(addresses)
         self._channels = [rpc.channel(a) for a in addresses]
         # Blocking calls on long-lived threads: gRPC's own futures start a thread per call when
         # calls do not overlap, which costs more than a small model's whole training step.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(addresses),
                                                            thread_name_prefix="ps-call")
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
+        self._slots = pushes_in_flight
+        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(pushes_in_flight):
+            self._free_slots.put(i)
+        # Per shard: (PushSlots, segment id) once attached, None when bytes go in the message.
+        self._shared: dict[int, tuple[PushSlots, int] | None] = {} if shared_memory else dict.fromkeys(
+            range(len(addresses)))
+        self._attach_lock = threading.Lock()
 
     def pull_dense(self) -> list[np.ndarray]:
         """Each shard's flat dense buffer, in shard order."""
@@ -65,22 +88,82 @@ class PSClient:
         fresh flat dense values))."""
         requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
                     for _ in self.stubs]
-        for shard, flat in enumerate(flat_grads):
-            tensors.encode(flat, requests[shard].dense_grads_flat)
         for name, (ids, values) in emb_grads.items():
             for shard, pos in enumerate(self.placement.split_ids(ids)):
                 if len(pos):
                     e = requests[shard].embedding_grads.add(name=name)
                     tensors.encode(ids[pos], e.ids)
                     tensors.encode(values[pos], e.values)
-        # Every shard gets the key, even with nothing to apply, so all shards agree on it.
-        if len(self.stubs) == 1:
-            replies = [self.stubs[0].PushGradients(requests[0], timeout=self.timeout)]
-        else:
-            futures = [self._pool.submit(s.PushGradients, r, timeout=self.timeout)
-                       for s, r in zip(self.stubs, requests)]
-            replies = [f.result() for f in futures]
-        return any(r.applied for r in replies), [(r.version, tensors.decode(r.dense_flat)) for r in replies]
+        slot = self._free_slots.get()   # one per push in flight: never two pushes in one slot
+        try:
+            # Every shard gets the key, even with nothing to apply, so all shards agree on it.
+            if len(self.stubs) == 1:
+                replies = [self._push_shard(0, requests[0], flat_grads[0], slot)]
+            else:
+                futures = [self._pool.submit(self._push_shard, shard, r, flat, slot)
+                           for shard, (r, flat) in enumerate(zip(requests, flat_grads))]
+                replies = [f.result() for f in futures]
+        finally:
+            self._free_slots.put(slot)
+        return any(applied for applied, _ in replies), [fresh for _, fresh in replies]
+
+    def _push_shard(self, shard: int, request: pb.PushRequest, flat: np.ndarray, slot: int
+                    ) -> tuple[bool, tuple[int, np.ndarray | None]]:
+        shared = self._shared_slots(shard, flat.size)
+        if shared is not None:
+            slots, segment = shared
+            np.copyto(slots.gradient(slot), flat)
+            request.shared.segment, request.shared.slot = segment, slot
+            try:
+                r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+                # The shard dropped our segment (it keeps the most recently used ones): nothing
+                # was applied, so the same key goes again with its bytes in the message.
+                log.warning("PS shard %d dropped this worker's shared push slots: sending bytes", shard)
+                self._shared[shard] = None
+                request.ClearField("shared")
+                return self._push_shard(shard, request, flat, slot)
+            # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
+            values = np.array(slots.values(slot)) if request.want_dense else None
+            return r.applied, (r.version, values)
+        tensors.encode(flat, request.dense_grads_flat)
+        r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
+        return r.applied, (r.version, tensors.decode(r.dense_flat) if request.want_dense else None)
+
+    def _shared_slots(self, shard: int, floats: int) -> tuple[PushSlots, int] | None:
+        """This shard's attached slots, attaching on first use when the shard is on this host."""
+        if shard in self._shared:
+            return self._shared[shard]
+        with self._attach_lock:
+            if shard not in self._shared:
+                self._shared[shard] = self._attach(shard, floats)
+        return self._shared[shard]
+
+    def _attach(self, shard: int, floats: int) -> tuple[PushSlots, int] | None:
+        address = self.addresses[shard]
+        if not address.startswith(LOOPBACK_HOSTS) or floats == 0:
+            return None
+        try:
+            slots = PushSlots(floats, self._slots, tag=f"ps{shard}")
+        except SharedMemoryUnavailable as e:
+            log.info("PS shard %d: pushes carry their bytes (%s)", shard, e)
+            return None
+        try:
+            reply = self.stubs[shard].AttachShared(
+                pb.AttachSharedRequest(token=self.token, path=slots.path, nonce=slots.nonce, floats=floats,
+                                       slots=self._slots), timeout=self.timeout)
+        finally:
+            slots.unlink()   # both ends have it mapped (or never will): no name left to leak
+        if not reply.segment:
+            log.info("PS shard %d at %s refused shared push slots (%s): pushes carry their bytes",
+                     shard, address, reply.refused)
+            slots.close()
+            return None
+        log.info("PS shard %d at %s: pushes go through shared memory (%d slots of 2 x %d floats)",
+                 shard, address, self._slots, floats)
+        return slots, reply.segment
 
     def all_rows(self) -> dict[str, np.ndarray]:
         """Every embedding table, whole (for export at the end of training)."""
@@ -91,6 +174,16 @@ class PSClient:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
 
     def close(self) -> None:
+        for shard, shared in self._shared.items():
+            if shared is not None:
+                slots, segment = shared
+                try:
+                    self.stubs[shard].DetachShared(pb.DetachSharedRequest(token=self.token, segment=segment),
+                                                   timeout=5)
+                except grpc.RpcError:
+                    pass   # the shard is gone already, and its mapping with it
+                slots.close()
+        self._shared = dict.fromkeys(range(len(self.stubs)))   # closed: nothing left to detach
         self._pool.shutdown(wait=True)
         for c in self._channels:
             c.close()

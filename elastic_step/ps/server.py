@@ -18,6 +18,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
 from elastic_step.ps.api import Placement, variable_names
+from elastic_step.ps.shared_memory import SharedSegments
 from elastic_step.util.atomic import atomic_write_bytes
 
 log = logging.getLogger("elastic_step.ps")
@@ -50,8 +51,9 @@ class ParameterShard:
         self.num_ps = placement.num_ps
         values = dict(zip(variable_names(model), model.trainable_variables))
         self.dense_names = placement.dense_on(shard)
-        if (updates_elementwise(optimizer) and self.dense_names
-                and all(values[n].dtype == "float32" for n in self.dense_names)):
+        fused = (updates_elementwise(optimizer) and bool(self.dense_names)
+                 and all(values[n].dtype == "float32" for n in self.dense_names))
+        if fused:
             flat = np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in self.dense_names])
             dense_vars = [tf.Variable(flat, name="dense_flat")]
         else:
@@ -89,6 +91,11 @@ class ParameterShard:
             return flat_values()
 
         self._apply = apply
+        # A fused shard's update compiled by XLA is one loop over the flat buffer instead of an op
+        # (and a pass over memory) per term of the optimizer's formula: about a third less CPU
+        # per push for Adam. Whatever XLA cannot compile runs as traced.
+        self._apply_xla = (tf.function(apply.python_function, jit_compile=True)
+                           if fused and not self.tables else None)
         self._read = tf.function(flat_values)
 
     def push(self, key: tuple[int, int], flat_grad: np.ndarray,
@@ -110,10 +117,21 @@ class ParameterShard:
                 values_list.append(values)
                 if len(ids):
                     self.touched[name].update(ids.tolist())
-            values = self._apply(flat_grad, ids_list, values_list).numpy()
+            values = self._update(flat_grad, ids_list, values_list)
             self.applied.add(key)
             self.version += 1
             return True, values
+
+    def _update(self, flat_grad, ids_list, values_list) -> np.ndarray:
+        if self._apply_xla is not None:
+            try:
+                return self._apply_xla(flat_grad, ids_list, values_list).numpy()
+            except (self.tf.errors.InvalidArgumentError, self.tf.errors.UnimplementedError) as e:
+                # Raised while compiling, before anything is updated.
+                log.info("XLA cannot compile %s's update (%s): running it as traced",
+                         type(self.optimizer).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                self._apply_xla = None
+        return self._apply(flat_grad, ids_list, values_list).numpy()
 
     def dense_flat(self) -> np.ndarray:
         return self._read().numpy()
@@ -134,6 +152,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def __init__(self, shard: ParameterShard, token: str):
         self.shard = shard
         self.token = token
+        self.segments = SharedSegments()   # push slots of workers on this host
 
     def PullDense(self, request, context):
         check_token(context, self.token, request.token)
@@ -155,15 +174,41 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def PushGradients(self, request, context):
         check_token(context, self.token, request.token)
         emb = [(e.name, tensors.decode(e.ids), tensors.decode(e.values)) for e in request.embedding_grads]
+        shared = None
+        if request.HasField("shared"):
+            try:
+                grad, shared = self.segments.slot(request.shared.segment, request.shared.slot)
+            except KeyError as e:  # dropped (least recently used) or never attached: nothing applied
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown shared push slot {e}")
+        else:
+            grad = tensors.decode(request.dense_grads_flat)
         try:
-            applied, values = self.shard.push((request.task_id, request.seq),
-                                              tensors.decode(request.dense_grads_flat), emb)
+            applied, values = self.shard.push((request.task_id, request.seq), grad, emb)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reply = pb.PushResponse(applied=applied, version=self.shard.version)
         if request.want_dense:
-            tensors.encode(values, reply.dense_flat)
+            if shared is not None:
+                np.copyto(shared, values)
+            else:
+                tensors.encode(values, reply.dense_flat)
         return reply
+
+    def AttachShared(self, request, context):
+        check_token(context, self.token, request.token)
+        if request.floats != self.shard.dense_size:
+            return pb.AttachSharedResponse(refused=f"slots of {request.floats} floats, shard {self.shard.shard} "
+                                                   f"holds {self.shard.dense_size} parameters")
+        try:
+            return pb.AttachSharedResponse(segment=self.segments.attach(request.path, request.nonce,
+                                                                        request.floats, request.slots))
+        except ValueError as e:
+            return pb.AttachSharedResponse(refused=str(e))
+
+    def DetachShared(self, request, context):
+        check_token(context, self.token, request.token)
+        self.segments.detach(request.segment)
+        return pb.Ack()
 
     def Save(self, request, context):
         check_token(context, self.token, request.token)

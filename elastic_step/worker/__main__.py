@@ -74,7 +74,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     model = model_def.model()
     placement = Placement.of(model, args.num_ps)
     info = master.register()
-    ps = PSClient(list(info.ps_addresses), args.token, placement)
+    ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=PUSH_DEPTH)
     trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=PUSH_DEPTH)
     trainer.set_dense(ps.pull_dense())
     readers = ReaderPool()

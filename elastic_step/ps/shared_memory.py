@@ -1,0 +1,135 @@
+"""Push slots in shared memory, for a worker and a PS shard on one host (the local backend).
+
+A push's dense gradient and the fresh values it brings back are a shard's whole flat buffer each
+way. Through gRPC that is ~10 copies, page faults and socket work per push, all of it CPU taken
+from the training step. When both ends share a host, the worker writes the gradient into a slot of
+a segment the shard has mapped too, the shard writes its fresh values back into the same slot, and
+only the small keyed PushRequest crosses the socket. Exactly-once is unchanged: the key still
+travels in the request and the shard still applies it at most once.
+
+The segment is a file under /dev/shm that the worker creates and unlinks as soon as the shard has
+mapped it, so nothing is left behind when either process dies. A shard that cannot map it (another
+host, another pod's /dev/shm) refuses, and that worker's pushes carry their bytes in the message.
+"""
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import secrets
+import threading
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+HEADER = 64                     # bytes before the first slot: the nonce that proves it is our segment
+NONCE = 16
+MAX_SEGMENTS = 64               # per shard; the least recently used is dropped (a lost worker's)
+
+
+class SharedMemoryUnavailable(Exception):
+    """This host gives no shared memory for push slots (no /dev/shm, or it is full)."""
+
+
+def _layout(floats: int, slots: int) -> int:
+    return HEADER + slots * 2 * floats * 4
+
+
+class PushSlots:
+    """The worker's side: `slots` slots, each [gradient | fresh values] of `floats` float32."""
+
+    def __init__(self, floats: int, slots: int, tag: str):
+        self.floats, self.slots = floats, slots
+        self.size = _layout(floats, slots)
+        self.nonce = secrets.token_bytes(NONCE)
+        self.path = os.path.join(SHM_DIR, f"elastic-step-{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as e:
+            raise SharedMemoryUnavailable(f"cannot create {self.path}: {e.strerror}") from e
+        try:
+            # Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of a SIGBUS
+            # on the first write into the mapping.
+            os.posix_fallocate(fd, 0, self.size)
+            self._map = mmap.mmap(fd, self.size)
+        except OSError as e:
+            self.unlink()
+            raise SharedMemoryUnavailable(f"cannot reserve {self.size} bytes in {SHM_DIR}: {e.strerror}") from e
+        finally:
+            os.close(fd)
+        self._map[:NONCE] = self.nonce
+
+    def gradient(self, slot: int) -> np.ndarray:
+        return _view(self._map, self.floats, slot, 0)
+
+    def values(self, slot: int) -> np.ndarray:
+        return _view(self._map, self.floats, slot, 1)
+
+    def unlink(self) -> None:
+        """Drop the name (the mappings stay): called once the shard has mapped it, and on close."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.unlink()
+        try:
+            self._map.close()
+        except BufferError:   # a view is still alive somewhere: the mapping goes with it
+            pass
+
+
+class SharedSegments:
+    """The shard's side: the segments workers attached, by id, least recently used dropped first."""
+
+    def __init__(self, max_segments: int = MAX_SEGMENTS):
+        self.max_segments = max_segments
+        self._segments: collections.OrderedDict[int, tuple[mmap.mmap, int, int]] = collections.OrderedDict()
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def attach(self, path: str, nonce: bytes, floats: int, slots: int) -> int:
+        """Map a worker's segment; raises ValueError (the reason) when it is not one we can use."""
+        if os.path.dirname(os.path.abspath(path)) != SHM_DIR or not os.path.basename(path).startswith("elastic-step-"):
+            raise ValueError(f"{path!r} is not an elastic-step segment under {SHM_DIR}")
+        size = _layout(floats, slots)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as e:   # another host or pod: its /dev/shm is not ours
+            raise ValueError(f"cannot open {path}: {e.strerror}") from e
+        try:
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, {slots} slots of {floats} need {size}")
+            seg = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if seg[:NONCE] != nonce:
+            seg.close()
+            raise ValueError(f"{path} is not the segment the worker created (nonce differs)")
+        with self._lock:
+            seg_id, self._next_id = self._next_id, self._next_id + 1
+            self._segments[seg_id] = (seg, floats, slots)
+            while len(self._segments) > self.max_segments:
+                self._segments.popitem(last=False)   # unmapped once no push still holds a view of it
+        return seg_id
+
+    def detach(self, seg_id: int) -> None:
+        with self._lock:
+            self._segments.pop(seg_id, None)
+
+    def slot(self, seg_id: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(gradient, values) views of one slot; KeyError when the segment is unknown or dropped."""
+        with self._lock:
+            seg, floats, slots = self._segments[seg_id]
+            self._segments.move_to_end(seg_id)
+        if not 0 <= slot < slots:
+            raise KeyError(f"slot {slot} of segment {seg_id} (it has {slots})")
+        return _view(seg, floats, slot, 0), _view(seg, floats, slot, 1)
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+
+def _view(buf: mmap.mmap, floats: int, slot: int, part: int) -> np.ndarray:
+    return np.frombuffer(buf, np.float32, floats, HEADER + (2 * slot + part) * floats * 4)
