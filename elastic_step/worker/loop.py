@@ -29,6 +29,11 @@ log = logging.getLogger("elastic_step.worker")
 # of at most two steps of staleness, which async SGD tolerates.
 PUSH_DEPTH = 2
 
+# Watermarks go to the master at most this often, and at every lease's end. A report is an RPC on
+# both sides; a coarser watermark costs only a few more re-pushed minibatches after a loss, and the
+# PS skips those as duplicates.
+REPORT_INTERVAL_S = 0.05
+
 
 class Reporter:
     """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
@@ -39,6 +44,7 @@ class Reporter:
         self.pending: list[tuple] = []
         self.in_flight: concurrent.futures.Future | None = None
         self.refused = False
+        self._sent_at = 0.0
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
 
     def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> None:
@@ -53,6 +59,9 @@ class Reporter:
                 self.refused = True
             self.in_flight = None
         if self.pending and not self.refused:
+            if not block and time.monotonic() - self._sent_at < REPORT_INTERVAL_S:
+                return
+            self._sent_at = time.monotonic()
             first, *rest = coalesce(self.pending)
             self.pending = rest
             self.in_flight = self._thread.submit(self.master.report, *first)

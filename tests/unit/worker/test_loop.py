@@ -1,9 +1,11 @@
-"""The worker loop's pure parts: minibatch boundaries and report coalescing."""
+"""The worker loop's pure parts: minibatch boundaries, report coalescing and pacing."""
 from __future__ import annotations
 
+import threading
 import types
 
-from elastic_step.worker.loop import coalesce, minibatches
+from elastic_step.worker import loop
+from elastic_step.worker.loop import Reporter, coalesce, minibatches
 
 
 def task(start, end, task_start=0):
@@ -31,3 +33,31 @@ def test_coalesce_merges_a_task_but_keeps_duplicates_apart():
     assert out[0] == (1, 128, 128, 2.0, False)
     assert out[1] == (1, 192, 64, 2.0, True)
     assert out[2] == (2, 64, 64, 1.0, False)
+
+
+class RecordingMaster:
+    """Stands in for MasterClient.report only: what the reporter sends, in order."""
+
+    def __init__(self):
+        self.sent: list[tuple] = []
+        self.lock = threading.Lock()
+
+    def report(self, *item) -> bool:
+        with self.lock:
+            self.sent.append(item)
+        return True
+
+
+def test_reports_are_paced_and_a_flush_delivers_everything(monkeypatch):
+    monkeypatch.setattr(loop, "REPORT_INTERVAL_S", 60.0)
+    master = RecordingMaster()
+    reporter = Reporter(master)
+    try:
+        for i in range(20):   # one task's minibatches, far faster than the report interval
+            reporter.report(7, 64 * (i + 1), 64, 1.0, duplicate=False)
+        reporter.flush()
+    finally:
+        reporter.close()
+    assert len(master.sent) == 2                        # the first at once, the rest at the flush
+    assert master.sent[-1][:2] == (7, 64 * 20)          # the last watermark arrived
+    assert sum(item[2] for item in master.sent) == 64 * 20   # every record counted, once
