@@ -15,7 +15,7 @@ only (a service-account token); workers and PS are pods.
 * elastic: min_workers 1, max W. B trains at once on the free slot and grows to W when A's
   workers go (its pending pods are scheduled by kube-scheduler as slots free).
 
-The model is the digits MLP with a simulated accelerator (this file is the model definition: in
+The model is the digits MLP with a simulated accelerator (bench/models/slow_digits.py: in
 a worker pod each minibatch takes at least --step-ms more), so a slot behaves like a device and
 this small shared machine's CPUs are not what is measured.
 
@@ -39,23 +39,12 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-STEP_MS_ENV = "TWO_JOBS_STEP_MS"   # read by the worker pods too: they inherit the kubelet's environment
-STEP_S = float(os.environ.get(STEP_MS_ENV, "50")) / 1000
-MINIBATCH = 32
-
-# ---------------------------------------------------------------- the model (this file is the model_def)
-_spec = importlib.util.spec_from_file_location("two_jobs_digits", ROOT / "samples" / "digits" / "model.py")
-_digits = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_digits)
-model, loss, optimizer, eval_metrics = _digits.model, _digits.loss, _digits.optimizer, _digits.eval_metrics
-
-
-def feed(batch):
-    # In a worker pod: the simulated device, STEP_S per minibatch of MINIBATCH records. A worker
-    # feeds a whole lease at once (ahead of its steps), hence a delay per record.
-    if os.environ.get("ELASTIC_STEP_POD_IP"):
-        time.sleep(STEP_S * len(next(iter(batch.values()))) / MINIBATCH)
-    return _digits.feed(batch)
+# The model: digits with a simulated accelerator (a sleep per minibatch in worker pods).
+MODEL = ROOT / "bench" / "models" / "slow_digits.py"
+_spec = importlib.util.spec_from_file_location("slow_digits", MODEL)
+slow_digits = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(slow_digits)
+MINIBATCH = slow_digits.RECORDS_PER_STEP
 
 
 # ---------------------------------------------------------------- the experiment
@@ -69,7 +58,7 @@ class Master:
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", name,
-             "--model-def", str(pathlib.Path(__file__).resolve()), "--train-data", str(data / "train"),
+             "--model-def", str(MODEL), "--train-data", str(data / "train"),
              "--output", str(out), "--epochs", str(args.epochs), "--minibatch-size", str(MINIBATCH),
              "--records-per-task", "256", "--min-workers", str(min_workers), "--max-workers", str(args.workers),
              "--worker-cpu", "1", "--worker-priority-class", "elastic-low", "--ps-priority-class", "elastic-high",
@@ -172,18 +161,16 @@ def scenario(mode: str, args, cp, core, data: pathlib.Path, work: pathlib.Path, 
 
 
 def main() -> None:
-    global STEP_S
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slots", type=int, default=4, help="worker slots (cpus of the node; a worker requests 1)")
     p.add_argument("--workers", type=int, default=3, help="workers each job wants (default: a bit more than half)")
     p.add_argument("--epochs", type=int, default=25, help="epochs of digits (1437 records) per job")
     p.add_argument("--budget", type=float, default=600, help="seconds a job may take before the bench gives up")
-    p.add_argument("--step-ms", type=float, default=STEP_S * 1000,
+    p.add_argument("--step-ms", type=float, default=50,
                    help="simulated device time per minibatch of 32 in a worker pod")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
-    STEP_S = args.step_ms / 1000
-    os.environ[STEP_MS_ENV] = str(args.step_ms)   # before the control plane starts its kubelet
+    os.environ[slow_digits.STEP_MS_ENV] = str(args.step_ms)   # before the control plane starts its kubelet
     if not args.slots / 2 < args.workers <= args.slots:
         raise SystemExit("--workers must be more than half of --slots (and fit in them)")
     sys.path.insert(0, str(ROOT))
@@ -223,7 +210,7 @@ def main() -> None:
     gang, elastic = results
     ratio = gang["makespan_s"] / elastic["makespan_s"]
     print(f"\n{args.slots} slots, two jobs of {args.workers} workers x {args.epochs} epochs of digits, "
-          f"{STEP_S * 1000:.0f} ms simulated step per minibatch of {MINIBATCH}")
+          f"{args.step_ms:.0f} ms simulated step per minibatch of {MINIBATCH}")
     print(f"{'':10s}{'makespan':>10s}{'utilization':>13s}{'allocation':>12s}")
     for r in results:
         print(f"{r['mode']:10s}{r['makespan_s']:9.1f}s{r['utilization'] * 100:12.1f}%{r['allocation'] * 100:11.1f}%")

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.kubernetes
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS_MODEL = str(ROOT / "samples" / "digits" / "model.py")
-SLOW_MODEL = str(Path(__file__).resolve().parent / "slow_digits.py")
+SLOW_MODEL = str(Path(__file__).resolve().parents[2] / "bench" / "models" / "slow_digits.py")
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}

@@ -1,0 +1,38 @@
+"""The digits MLP (samples/digits/model.py) with a simulated accelerator, for the Kubernetes tests
+and bench/two_jobs.py: in a worker pod every minibatch of RECORDS_PER_STEP records takes at least
+SIMULATED_STEP_MS more (40 unless the environment says otherwise). A job then lasts long enough for
+the scheduler to preempt a worker and for its replacement to join, and a slot behaves like a
+device, whatever this machine's speed. The master (outside pods: no ELASTIC_STEP_POD_IP) evaluates
+at full speed.
+
+Pods inherit the kubelet's environment, so SIMULATED_STEP_MS must be set before the control plane
+starts. A worker feeds a whole lease at once (on its loader thread, ahead of its steps), hence a
+delay per record: a lease of 128 records costs 4 steps' time before its minibatches train.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import time
+
+STEP_MS_ENV = "SIMULATED_STEP_MS"
+DEFAULT_STEP_MS = 40.0
+RECORDS_PER_STEP = 32
+
+_spec = importlib.util.spec_from_file_location(
+    "elastic_step_slow_digits", pathlib.Path(__file__).resolve().parents[2] / "samples" / "digits" / "model.py")
+_digits = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_digits)
+
+model, loss, optimizer, eval_metrics = _digits.model, _digits.loss, _digits.optimizer, _digits.eval_metrics
+
+
+def step_seconds() -> float:
+    return float(os.environ.get(STEP_MS_ENV, DEFAULT_STEP_MS)) / 1000
+
+
+def feed(batch):
+    if os.environ.get("ELASTIC_STEP_POD_IP"):
+        time.sleep(step_seconds() * len(next(iter(batch.values()))) / RECORDS_PER_STEP)
+    return _digits.feed(batch)
