@@ -95,7 +95,7 @@ class SharedSegments:
             raise ValueError(f"{path!r} is not an elastic-step segment under {SHM_DIR}")
         size = _layout(floats, slots)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)   # the worker made a file, not a link
         except OSError as e:   # another host or pod: its /dev/shm is not ours
             raise ValueError(f"cannot open {path}: {e.strerror}") from e
         try:

@@ -159,3 +159,12 @@ def test_only_our_segments_under_dev_shm_are_mapped(tmp_path):
         segments.attach("/etc/passwd", b"x" * 16, 4, 1)
     with pytest.raises(ValueError, match="cannot open"):
         segments.attach(os.path.join(shared_memory.SHM_DIR, "elastic-step-gone"), b"x" * 16, 4, 1)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(bytes(shared_memory.HEADER + 32))
+    link = os.path.join(shared_memory.SHM_DIR, f"elastic-step-link-{os.getpid()}")
+    os.symlink(target, link)
+    try:
+        with pytest.raises(ValueError, match="cannot open"):   # a link is never followed
+            segments.attach(link, bytes(16), 4, 1)
+    finally:
+        os.unlink(link)
