@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import ipaddress
 import logging
 import queue
 import threading
@@ -17,7 +18,15 @@ from elastic_step.ps.shared_memory import PushSlots, SharedMemoryUnavailable
 
 log = logging.getLogger("elastic_step.ps")
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
+def on_this_host(address: str) -> bool:
+    """A loopback address (127.0.0.0/8, ::1, localhost): the shard shares this host."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class PSClient:
@@ -143,7 +152,7 @@ class PSClient:
 
     def _attach(self, shard: int, floats: int) -> tuple[PushSlots, int] | None:
         address = self.addresses[shard]
-        if not address.startswith(LOOPBACK_HOSTS) or floats == 0:
+        if not on_this_host(address) or floats == 0:
             return None
         try:
             slots = PushSlots(floats, self._slots, tag=f"ps{shard}")

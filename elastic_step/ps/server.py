@@ -78,7 +78,7 @@ class ParameterShard:
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars], 0)
 
         # One compiled call per push: split the flat gradient, apply the user's optimizer to the
-        # dense variables and the pushed embedding rows, and return the new flat values.
+        # dense variables and the pushed embedding rows.
         @tf.function(reduce_retracing=True)
         def apply(flat_grad, table_ids, table_values):
             pairs = [(tf.cast(tf.reshape(g, v.shape), v.dtype), v)
@@ -88,14 +88,8 @@ class ParameterShard:
                               table))
             if pairs:
                 self.optimizer.apply_gradients(pairs)
-            return flat_values()
 
         self._apply = apply
-        # A fused shard's update compiled by XLA is one loop over the flat buffer instead of an op
-        # (and a pass over memory) per term of the optimizer's formula: about a third less CPU
-        # per push for Adam. Whatever XLA cannot compile runs as traced.
-        self._apply_xla = (tf.function(apply.python_function, jit_compile=True)
-                           if fused and not self.tables else None)
         self._read = tf.function(flat_values)
 
     def push(self, key: tuple[int, int], flat_grad: np.ndarray,
@@ -104,7 +98,7 @@ class ParameterShard:
         with self.lock:
             if key in self.applied:
                 self.skipped += 1
-                return False, self._read().numpy()
+                return False, self._values()
             if flat_grad.size != self.dense_size:
                 raise ValueError(f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
                                  f"holds {self.dense_size} parameters")
@@ -117,24 +111,21 @@ class ParameterShard:
                 values_list.append(values)
                 if len(ids):
                     self.touched[name].update(ids.tolist())
-            values = self._update(flat_grad, ids_list, values_list)
+            self._apply(flat_grad, ids_list, values_list)
+            values = self._values()
             self.applied.add(key)
             self.version += 1
             return True, values
 
-    def _update(self, flat_grad, ids_list, values_list) -> np.ndarray:
-        if self._apply_xla is not None:
-            try:
-                return self._apply_xla(flat_grad, ids_list, values_list).numpy()
-            except (self.tf.errors.InvalidArgumentError, self.tf.errors.UnimplementedError) as e:
-                # Raised while compiling, before anything is updated.
-                log.info("XLA cannot compile %s's update (%s): running it as traced",
-                         type(self.optimizer).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__)
-                self._apply_xla = None
-        return self._apply(flat_grad, ids_list, values_list).numpy()
+    def _values(self) -> np.ndarray:
+        """A private copy of the flat values, taken under the lock: a read may alias the variable's
+        buffer, which the next update rewrites in place, and replies are encoded after the lock is
+        released."""
+        return self._read().numpy().copy()
 
     def dense_flat(self) -> np.ndarray:
-        return self._read().numpy()
+        with self.lock:
+            return self._values()
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.tf.gather(self.tables[name], ids // self.num_ps).numpy()
@@ -142,7 +133,7 @@ class ParameterShard:
     def save(self, uri: str) -> None:
         buf = io.BytesIO()
         with self.lock:
-            arrays = {"dense_flat": self.dense_flat()}
+            arrays = {"dense_flat": self._values()}
             arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
             np.savez(buf, **arrays)
         atomic_write_bytes(uri, buf.getvalue())

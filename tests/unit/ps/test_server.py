@@ -58,3 +58,31 @@ def test_only_stock_elementwise_optimizers_are_fused():
     assert not updates_elementwise(keras.optimizers.Adam(clipnorm=1.0))      # clips each variable alone
     assert not updates_elementwise(keras.optimizers.AdamW(weight_decay=0.01))  # may exclude variables
     assert not updates_elementwise(MyAdam())                                   # unknown update rule
+
+
+def test_concurrent_pushes_each_get_one_consistent_version():
+    # Replies are encoded after the shard's lock is released: each must be a private snapshot of
+    # one version (with SGD on all-ones gradients: start - lr * k, the same k in every element),
+    # never a view of the variable that the next update rewrites.
+    import threading
+
+    s = shard(keras.optimizers.SGD(0.125))
+    start = s.dense_flat()
+    g = np.ones(s.dense_size, np.float32)
+    replies, lock = [], threading.Lock()
+
+    def pusher(task):
+        for seq in range(150):
+            _, values = s.push((task, seq), g, [])
+            with lock:
+                replies.append(values)
+    threads = [threading.Thread(target=pusher, args=(t,)) for t in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    steps = sorted(round(float(np.mean((start - v) / 0.125))) for v in replies)
+    assert steps == list(range(1, 301))                     # each version handed out exactly once
+    for v in replies:
+        k = round(float(np.mean((start - v) / 0.125)))
+        np.testing.assert_allclose(v, start - 0.125 * k, rtol=0, atol=1e-4)
