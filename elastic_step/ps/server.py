@@ -51,9 +51,8 @@ class ParameterShard:
         self.num_ps = placement.num_ps
         values = dict(zip(variable_names(model), model.trainable_variables))
         self.dense_names = placement.dense_on(shard)
-        fused = (updates_elementwise(optimizer) and bool(self.dense_names)
-                 and all(values[n].dtype == "float32" for n in self.dense_names))
-        if fused:
+        if (updates_elementwise(optimizer) and self.dense_names
+                and all(values[n].dtype == "float32" for n in self.dense_names)):
             flat = np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in self.dense_names])
             dense_vars = [tf.Variable(flat, name="dense_flat")]
         else:
@@ -93,12 +92,14 @@ class ParameterShard:
         self._read = tf.function(flat_values)
 
     def push(self, key: tuple[int, int], flat_grad: np.ndarray,
-             emb_grads: list[tuple[str, np.ndarray, np.ndarray]]) -> tuple[bool, np.ndarray]:
-        """Apply a keyed push at most once. Returns (applied, the shard's flat dense values)."""
+             emb_grads: list[tuple[str, np.ndarray, np.ndarray]], out: np.ndarray | None = None
+             ) -> tuple[bool, np.ndarray]:
+        """Apply a keyed push at most once. Returns (applied, the shard's flat dense values), written
+        into `out` when given (a shared push slot) instead of a new array."""
         with self.lock:
             if key in self.applied:
                 self.skipped += 1
-                return False, self._values()
+                return False, self._values(out)
             if flat_grad.size != self.dense_size:
                 raise ValueError(f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
                                  f"holds {self.dense_size} parameters")
@@ -112,16 +113,20 @@ class ParameterShard:
                 if len(ids):
                     self.touched[name].update(ids.tolist())
             self._apply(flat_grad, ids_list, values_list)
-            values = self._values()
+            values = self._values(out)
             self.applied.add(key)
             self.version += 1
             return True, values
 
-    def _values(self) -> np.ndarray:
-        """A private copy of the flat values, taken under the lock: a read may alias the variable's
-        buffer, which the next update rewrites in place, and replies are encoded after the lock is
-        released."""
-        return self._read().numpy().copy()
+    def _values(self, out: np.ndarray | None = None) -> np.ndarray:
+        """A private copy of the flat values (into `out` when given), taken under the lock: a read
+        may alias the variable's buffer, which the next update rewrites in place, and replies are
+        encoded after the lock is released."""
+        current = self._read().numpy()
+        if out is None:
+            return current.copy()
+        np.copyto(out, current)
+        return out
 
     def dense_flat(self) -> np.ndarray:
         with self.lock:
@@ -165,24 +170,22 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def PushGradients(self, request, context):
         check_token(context, self.token, request.token)
         emb = [(e.name, tensors.decode(e.ids), tensors.decode(e.values)) for e in request.embedding_grads]
-        shared = None
+        out = None
         if request.HasField("shared"):
             try:
-                grad, shared = self.segments.slot(request.shared.segment, request.shared.slot)
+                # The fresh values go straight into the worker's slot, beside its gradient.
+                grad, out = self.segments.slot(request.shared.segment, request.shared.slot)
             except KeyError as e:  # dropped (least recently used) or never attached: nothing applied
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown shared push slot {e}")
         else:
             grad = tensors.decode(request.dense_grads_flat)
         try:
-            applied, values = self.shard.push((request.task_id, request.seq), grad, emb)
+            applied, values = self.shard.push((request.task_id, request.seq), grad, emb, out)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reply = pb.PushResponse(applied=applied, version=self.shard.version)
-        if request.want_dense:
-            if shared is not None:
-                np.copyto(shared, values)
-            else:
-                tensors.encode(values, reply.dense_flat)
+        if request.want_dense and out is None:
+            tensors.encode(values, reply.dense_flat)
         return reply
 
     def AttachShared(self, request, context):

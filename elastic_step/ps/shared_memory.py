@@ -39,7 +39,7 @@ class PushSlots:
     """The worker's side: `slots` slots, each [gradient | fresh values] of `floats` float32."""
 
     def __init__(self, floats: int, slots: int, tag: str):
-        self.floats, self.slots = floats, slots
+        self.floats = floats
         self.size = _layout(floats, slots)
         self.nonce = secrets.token_bytes(NONCE)
         self.path = os.path.join(SHM_DIR, f"elastic-step-{tag}-{os.getpid()}-{secrets.token_hex(4)}")
