@@ -53,9 +53,10 @@ def _int(v) -> int:
 # ---------------------------------------------------------------- axes
 def nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     """Round tick values covering [lo, hi] with about n intervals."""
-    if not hi > lo:
+    span = (hi - lo) / n
+    if not (hi > lo and math.isfinite(span) and span > 0):   # empty, overflowing or underflowing range
         return [lo]
-    step = 10 ** math.floor(math.log10((hi - lo) / n))
+    step = 10 ** math.floor(math.log10(span))
     for m in (1, 2, 2.5, 5, 10):
         if (hi - lo) / (step * m) <= n:
             step *= m

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         master.fail("model_error", e)
         return EXIT_USER_ERROR
     server = rpc.server(max_workers=8)
-    pb_grpc.add_ParameterServerServicer_to_server(ParameterServerService(shard, args.token), server)
+    service = ParameterServerService(shard, args.token)
+    pb_grpc.add_ParameterServerServicer_to_server(service, server)
     port = server.add_insecure_port(f"{args.host}:0" if args.host != "0.0.0.0" else "0.0.0.0:0")
     server.start()
     master.register(f"{args.host}:{port}")
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("master unreachable; stopping")
             break
     server.stop(grace=2).wait()
+    service.close()
     master.close()
     return 0
 

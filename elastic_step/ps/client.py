@@ -6,6 +6,7 @@ import ipaddress
 import logging
 import queue
 import threading
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -14,9 +15,18 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.ps.api import Placement
+from elastic_step.ps.doorbell import Bell, Dropped
 from elastic_step.ps.shared_memory import PushSlots, SharedMemoryUnavailable
 
 log = logging.getLogger("elastic_step.ps")
+
+
+class SharedPath(NamedTuple):
+    """How pushes reach a shard on this host: its segment of slots, and a bell per slot (None when
+    the shard has no doorbell: the key then goes in a gRPC call)."""
+    slots: PushSlots
+    segment: int
+    bells: list[Bell] | None
 
 
 
@@ -52,8 +62,8 @@ class PSClient:
         self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(pushes_in_flight):
             self._free_slots.put(i)
-        # Per shard: (PushSlots, segment id) once attached, None when bytes go in the message.
-        self._shared: dict[int, tuple[PushSlots, int] | None] = {} if shared_memory else dict.fromkeys(
+        # Per shard: its SharedPath once attached, None when bytes go in the message.
+        self._shared: dict[int, SharedPath | None] = {} if shared_memory else dict.fromkeys(
             range(len(addresses)))
         self._attach_lock = threading.Lock()
 
@@ -120,28 +130,32 @@ class PSClient:
                     ) -> tuple[bool, tuple[int, np.ndarray | None]]:
         shared = self._shared_slots(shard, flat.size)
         if shared is not None:
-            slots, segment = shared
-            np.copyto(slots.gradient(slot), flat)
-            request.shared.segment, request.shared.slot = segment, slot
+            np.copyto(shared.slots.gradient(slot), flat)
             try:
-                r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                if shared.bells is not None and not request.embedding_grads:
+                    applied, version = shared.bells[slot].ring(request.task_id, request.seq, request.want_dense)
+                else:
+                    request.shared.segment, request.shared.slot = shared.segment, slot
+                    r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
+                    applied, version = r.applied, r.version
+            except (Dropped, grpc.RpcError) as e:
+                if isinstance(e, grpc.RpcError) and e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
                 # The shard dropped our segment (it keeps the most recently used ones): nothing
                 # was applied, so the same key goes again with its bytes in the message.
                 log.warning("PS shard %d dropped this worker's shared push slots: sending bytes", shard)
                 self._shared[shard] = None
+                self._close_shared(shard, shared, detach=False)
                 request.ClearField("shared")
                 return self._push_shard(shard, request, flat, slot)
             # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
-            values = np.array(slots.values(slot)) if request.want_dense else None
-            return r.applied, (r.version, values)
+            values = np.array(shared.slots.values(slot)) if request.want_dense else None
+            return applied, (version, values)
         tensors.encode(flat, request.dense_grads_flat)
         r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
         return r.applied, (r.version, tensors.decode(r.dense_flat) if request.want_dense else None)
 
-    def _shared_slots(self, shard: int, floats: int) -> tuple[PushSlots, int] | None:
+    def _shared_slots(self, shard: int, floats: int) -> SharedPath | None:
         """This shard's attached slots, attaching on first use when the shard is on this host."""
         if shard in self._shared:
             return self._shared[shard]
@@ -150,7 +164,7 @@ class PSClient:
                 self._shared[shard] = self._attach(shard, floats)
         return self._shared[shard]
 
-    def _attach(self, shard: int, floats: int) -> tuple[PushSlots, int] | None:
+    def _attach(self, shard: int, floats: int) -> SharedPath | None:
         address = self.addresses[shard]
         if not on_this_host(address) or floats == 0:
             return None
@@ -170,9 +184,20 @@ class PSClient:
                      shard, address, reply.refused)
             slots.close()
             return None
-        log.info("PS shard %d at %s: pushes go through shared memory (%d slots of 2 x %d floats)",
-                 shard, address, self._slots, floats)
-        return slots, reply.segment
+        bells = None
+        if reply.doorbell:
+            bells = []
+            try:
+                for i in range(self._slots):
+                    bells.append(Bell(reply.doorbell, reply.segment, i, slots.nonce, self.timeout))
+            except OSError as e:   # pushes still use the slots; their keys go in gRPC calls
+                log.info("PS shard %d: cannot ring its doorbell (%s): push keys go in gRPC calls", shard, e)
+                for bell in bells:
+                    bell.close()
+                bells = None
+        log.info("PS shard %d at %s: pushes go through shared memory (%d slots of 2 x %d floats), %s",
+                 shard, address, self._slots, floats, "rung through its doorbell" if bells else "keys in gRPC calls")
+        return SharedPath(slots, reply.segment, bells)
 
     def all_rows(self) -> dict[str, np.ndarray]:
         """Every embedding table, whole (for export at the end of training)."""
@@ -182,16 +207,21 @@ class PSClient:
     def stats(self) -> list[pb.PsStats]:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
 
+    def _close_shared(self, shard: int, shared: SharedPath, detach: bool) -> None:
+        for bell in shared.bells or []:
+            bell.close()
+        if detach:
+            try:
+                self.stubs[shard].DetachShared(pb.DetachSharedRequest(token=self.token, segment=shared.segment),
+                                               timeout=5)
+            except grpc.RpcError:
+                pass   # the shard is gone already, and its mapping with it
+        shared.slots.close()
+
     def close(self) -> None:
         for shard, shared in self._shared.items():
             if shared is not None:
-                slots, segment = shared
-                try:
-                    self.stubs[shard].DetachShared(pb.DetachSharedRequest(token=self.token, segment=segment),
-                                                   timeout=5)
-                except grpc.RpcError:
-                    pass   # the shard is gone already, and its mapping with it
-                slots.close()
+                self._close_shared(shard, shared, detach=True)
         self._shared = dict.fromkeys(range(len(self.stubs)))   # closed: nothing left to detach
         self._pool.shutdown(wait=True)
         for c in self._channels:

@@ -18,6 +18,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
 from elastic_step.ps.api import Placement, variable_names
+from elastic_step.ps.doorbell import DoorbellServer, Dropped
 from elastic_step.ps.shared_memory import SharedSegments
 from elastic_step.util.atomic import atomic_write_bytes
 
@@ -76,9 +77,10 @@ class ParameterShard:
                 return tf.zeros([0], tf.float32)
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars], 0)
 
-        # One compiled call per push: split the flat gradient, apply the user's optimizer to the
-        # dense variables and the pushed embedding rows.
-        @tf.function(reduce_retracing=True)
+        # One call per push: split the flat gradient, apply the user's optimizer to the dense
+        # variables and the pushed embedding rows, and read the fresh flat values back. Traced once
+        # into a concrete function (any number of rows per table): for a small model, matching
+        # arguments against traces and a second call for the read cost as much as the update.
         def apply(flat_grad, table_ids, table_values):
             pairs = [(tf.cast(tf.reshape(g, v.shape), v.dtype), v)
                      for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)]
@@ -87,19 +89,23 @@ class ParameterShard:
                               table))
             if pairs:
                 self.optimizer.apply_gradients(pairs)
+            return flat_values()
 
-        self._apply = apply
-        self._read = tf.function(flat_values)
+        self._apply = tf.function(apply).get_concrete_function(
+            tf.TensorSpec([self.dense_size], tf.float32),
+            [tf.TensorSpec([None], tf.int64) for _ in tables],
+            [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables])
+        self._read = tf.function(flat_values).get_concrete_function()
 
     def push(self, key: tuple[int, int], flat_grad: np.ndarray,
              emb_grads: list[tuple[str, np.ndarray, np.ndarray]], out: np.ndarray | None = None
-             ) -> tuple[bool, np.ndarray]:
-        """Apply a keyed push at most once. Returns (applied, the shard's flat dense values), written
-        into `out` when given (a shared push slot) instead of a new array."""
+             ) -> tuple[bool, int, np.ndarray]:
+        """Apply a keyed push at most once. Returns (applied, version, the shard's flat dense values
+        at that version), the values written into `out` when given (a shared push slot)."""
         with self.lock:
             if key in self.applied:
                 self.skipped += 1
-                return False, self._values(out)
+                return False, self.version, self._values(out)
             if flat_grad.size != self.dense_size:
                 raise ValueError(f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
                                  f"holds {self.dense_size} parameters")
@@ -112,17 +118,23 @@ class ParameterShard:
                 values_list.append(values)
                 if len(ids):
                     self.touched[name].update(ids.tolist())
-            self._apply(flat_grad, ids_list, values_list)
-            values = self._values(out)
+            tf = self.tf
+            fresh = self._apply(tf.constant(flat_grad, tf.float32), [tf.constant(i, tf.int64) for i in ids_list],
+                                [tf.constant(v, t.dtype) for v, t in zip(values_list, self.tables.values())])
+            values = self._copy(fresh, out)
             self.applied.add(key)
             self.version += 1
-            return True, values
+            return True, self.version, values
 
     def _values(self, out: np.ndarray | None = None) -> np.ndarray:
-        """A private copy of the flat values (into `out` when given), taken under the lock: a read
-        may alias the variable's buffer, which the next update rewrites in place, and replies are
+        return self._copy(self._read(), out)
+
+    @staticmethod
+    def _copy(values, out: np.ndarray | None) -> np.ndarray:
+        """A private copy of flat values (into `out` when given), taken under the lock: a read may
+        alias the variable's buffer, which the next update rewrites in place, and replies are
         encoded after the lock is released."""
-        current = self._read().numpy()
+        current = values.numpy()
         if out is None:
             return current.copy()
         np.copyto(out, current)
@@ -149,6 +161,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         self.shard = shard
         self.token = token
         self.segments = SharedSegments()   # push slots of workers on this host
+        self.doorbell: DoorbellServer | None = None   # opened with the first segment attached
+        self._doorbell_lock = threading.Lock()
 
     def PullDense(self, request, context):
         check_token(context, self.token, request.token)
@@ -180,10 +194,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         else:
             grad = tensors.decode(request.dense_grads_flat)
         try:
-            applied, values = self.shard.push((request.task_id, request.seq), grad, emb, out)
+            applied, version, values = self.shard.push((request.task_id, request.seq), grad, emb, out)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        reply = pb.PushResponse(applied=applied, version=self.shard.version)
+        reply = pb.PushResponse(applied=applied, version=version)
         if request.want_dense and out is None:
             tensors.encode(values, reply.dense_flat)
         return reply
@@ -194,10 +208,29 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             return pb.AttachSharedResponse(refused=f"slots of {request.floats} floats, shard {self.shard.shard} "
                                                    f"holds {self.shard.dense_size} parameters")
         try:
-            return pb.AttachSharedResponse(segment=self.segments.attach(request.path, request.nonce,
-                                                                        request.floats, request.slots))
+            segment = self.segments.attach(request.path, request.nonce, request.floats, request.slots)
         except ValueError as e:
             return pb.AttachSharedResponse(refused=str(e))
+        with self._doorbell_lock:
+            if self.doorbell is None:
+                try:
+                    self.doorbell = DoorbellServer(self.segments.admits, self._ring)
+                except OSError as e:   # no Unix sockets here: pushes keep using gRPC calls
+                    log.info("no doorbell for shared pushes (%s): they use gRPC calls", e)
+        return pb.AttachSharedResponse(segment=segment, doorbell=self.doorbell.address if self.doorbell else "")
+
+    def _ring(self, segment: int, slot: int, task_id: int, seq: int, want_dense: bool) -> tuple[bool, int]:
+        """A push rung through the doorbell: its gradient is in the slot, its values go back there."""
+        try:
+            grad, out = self.segments.slot(segment, slot)
+        except KeyError as e:
+            raise Dropped(str(e)) from e
+        applied, version, _ = self.shard.push((task_id, seq), grad, [], out)
+        return applied, version
+
+    def close(self) -> None:
+        if self.doorbell is not None:
+            self.doorbell.close()
 
     def DetachShared(self, request, context):
         check_token(context, self.token, request.token)

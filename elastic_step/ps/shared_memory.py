@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import mmap
 import os
+import hmac
 import secrets
 import threading
 
@@ -85,7 +86,8 @@ class SharedSegments:
 
     def __init__(self, max_segments: int = MAX_SEGMENTS):
         self.max_segments = max_segments
-        self._segments: collections.OrderedDict[int, tuple[mmap.mmap, int, int]] = collections.OrderedDict()
+        # id -> (mapping, floats, slots, nonce)
+        self._segments: collections.OrderedDict[int, tuple[mmap.mmap, int, int, bytes]] = collections.OrderedDict()
         self._next_id = 1
         self._lock = threading.Lock()
 
@@ -109,7 +111,7 @@ class SharedSegments:
             raise ValueError(f"{path} is not the segment the worker created (nonce differs)")
         with self._lock:
             seg_id, self._next_id = self._next_id, self._next_id + 1
-            self._segments[seg_id] = (seg, floats, slots)
+            self._segments[seg_id] = (seg, floats, slots, nonce)
             while len(self._segments) > self.max_segments:
                 self._segments.popitem(last=False)   # unmapped once no push still holds a view of it
         return seg_id
@@ -118,10 +120,17 @@ class SharedSegments:
         with self._lock:
             self._segments.pop(seg_id, None)
 
+    def admits(self, seg_id: int, slot: int, nonce: bytes) -> bool:
+        """Whether `nonce` is that of a segment held here, and `slot` one of its slots: only the
+        worker that created the segment knows it."""
+        with self._lock:
+            held = self._segments.get(seg_id)
+        return held is not None and 0 <= slot < held[2] and hmac.compare_digest(held[3], nonce)
+
     def slot(self, seg_id: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """(gradient, values) views of one slot; KeyError when the segment is unknown or dropped."""
         with self._lock:
-            seg, floats, slots = self._segments[seg_id]
+            seg, floats, slots, _ = self._segments[seg_id]
             self._segments.move_to_end(seg_id)
         if not 0 <= slot < slots:
             raise KeyError(f"slot {slot} of segment {seg_id} (it has {slots})")

@@ -13,8 +13,9 @@ from tests.integration.harness import CTR_MODEL, train
 
 pytestmark = pytest.mark.slow
 
-# Long enough (~57k records) that a killed worker's replacement starts TensorFlow, joins and trains.
-EPOCHS = 40
+# Long enough (~170k records: about 12 s of training for two workers here, at ~14k records/s) that
+# a killed worker's replacement starts TensorFlow (~5 s), joins and trains.
+EPOCHS = 120
 SETTINGS = ("--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "1", "--minibatch-size", "32",
             "--records-per-task", "128")
 

@@ -208,6 +208,9 @@ def test_nice_ticks():
     assert nice_ticks(0, 1) == [0, 0.25, 0.5, 0.75, 1.0]
     assert nice_ticks(0, 8000) == [0, 2000, 4000, 6000, 8000]
     assert nice_ticks(0, 12.3, 8) == [0, 2, 4, 6, 8, 10, 12]
+    # Ranges whose width overflows or underflows a float get one tick, not a crash.
+    assert nice_ticks(-1.7e308, 1.7e308) == [-1.7e308]
+    assert nice_ticks(0.0, 5e-324) == [0.0]
     assert nice_ticks(3, 3) == [3]
 
 

@@ -33,8 +33,8 @@ def test_flat_update_matches_the_per_variable_update(monkeypatch):
     rng = np.random.default_rng(0)
     for seq in range(5):
         g = rng.normal(size=fused.dense_size).astype(np.float32)
-        _, a = fused.push((0, seq), g, [])
-        _, b = reference.push((0, seq), g, [])
+        _, _, a = fused.push((0, seq), g, [])
+        _, _, b = reference.push((0, seq), g, [])
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert not np.allclose(a, shard(keras.optimizers.Adam(0.01)).dense_flat())   # the pushes moved it
 
@@ -42,9 +42,9 @@ def test_flat_update_matches_the_per_variable_update(monkeypatch):
 def test_a_key_is_applied_at_most_once():
     s = shard(keras.optimizers.SGD(0.1))
     g = np.ones(s.dense_size, np.float32)
-    applied, once = s.push((7, 64), g, [])
-    again, twice = s.push((7, 64), g, [])
-    assert applied and not again
+    applied, version, once = s.push((7, 64), g, [])
+    again, still, twice = s.push((7, 64), g, [])
+    assert applied and not again and version == still == 1
     np.testing.assert_array_equal(once, twice)
     assert s.skipped == 1 and s.version == 1
 
@@ -63,7 +63,7 @@ def test_only_stock_elementwise_optimizers_are_fused():
 def test_concurrent_pushes_each_get_one_consistent_version():
     # Replies are encoded after the shard's lock is released: each must be a private snapshot of
     # one version (with SGD on all-ones gradients: start - lr * k, the same k in every element),
-    # never a view of the variable that the next update rewrites.
+    # never a view of the variable that the next update rewrites, and k is the version it comes with.
     import threading
 
     s = shard(keras.optimizers.SGD(0.125))
@@ -73,16 +73,14 @@ def test_concurrent_pushes_each_get_one_consistent_version():
 
     def pusher(task):
         for seq in range(150):
-            _, values = s.push((task, seq), g, [])
+            _, version, values = s.push((task, seq), g, [])
             with lock:
-                replies.append(values)
+                replies.append((version, values))
     threads = [threading.Thread(target=pusher, args=(t,)) for t in (1, 2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    steps = sorted(round(float(np.mean((start - v) / 0.125))) for v in replies)
-    assert steps == list(range(1, 301))                     # each version handed out exactly once
-    for v in replies:
-        k = round(float(np.mean((start - v) / 0.125)))
-        np.testing.assert_allclose(v, start - 0.125 * k, rtol=0, atol=1e-4)
+    assert sorted(version for version, _ in replies) == list(range(1, 301))   # each handed out once
+    for version, v in replies:
+        np.testing.assert_allclose(v, start - 0.125 * version, rtol=0, atol=1e-4)

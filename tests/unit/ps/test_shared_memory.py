@@ -27,20 +27,30 @@ def small_model():
     return keras.Model(x, keras.layers.Dense(3)(keras.layers.Dense(8, activation="relu")(x)))
 
 
+class CountingService(ParameterServerService):
+    """Counts the pushes that came as gRPC calls (the rest were rung through the doorbell)."""
+    grpc_pushes = 0
+
+    def PushGradients(self, request, context):
+        self.grpc_pushes += 1
+        return super().PushGradients(request, context)
+
+
 @pytest.fixture
 def serve():
     """serve(optimizer) -> (service, client factory); every server and client is closed after."""
-    servers, clients = [], []
+    servers, services, clients = [], [], []
 
     def start(optimizer):
         model = small_model()
         placement = Placement.of(model, 1)
-        service = ParameterServerService(ParameterShard(model, optimizer, placement, 0), TOKEN)
+        service = CountingService(ParameterShard(model, optimizer, placement, 0), TOKEN)
         server = rpc.server(max_workers=4)
         pb_grpc.add_ParameterServerServicer_to_server(service, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
+        services.append(service)
 
         def client(**kwargs):
             clients.append(PSClient([f"127.0.0.1:{port}"], TOKEN, placement, **kwargs))
@@ -52,6 +62,8 @@ def serve():
         c.close()
     for s in servers:
         s.stop(None)
+    for s in services:
+        s.close()
 
 
 def ours() -> set[str]:
@@ -70,6 +82,8 @@ def test_shared_pushes_apply_what_pushes_with_bytes_apply(serve):
         assert a_applied and b_applied and a_version == b_version == seq + 1
         np.testing.assert_array_equal(a, b)
     assert len(shared_service.segments) == 1 and len(bytes_service.segments) == 0
+    # Same host: rung through the doorbell, not one gRPC call; the other took one per push.
+    assert shared_service.grpc_pushes == 0 and bytes_service.grpc_pushes == 6
     assert not ours()                       # unlinked as soon as the shard mapped it: nothing to leak
     via_shm.close()
     assert len(shared_service.segments) == 0   # a clean close detaches

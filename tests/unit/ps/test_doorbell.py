@@ -1,0 +1,111 @@
+"""The doorbell protocol on real Unix sockets: admission by nonce, answers, drops, failures, shutdown."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from elastic_step.ps import doorbell, shared_memory
+
+NONCE = b"n" * 16
+
+
+@pytest.fixture
+def server():
+    """A doorbell whose shard holds segment 7 (2 slots) and records each push it is rung for."""
+    rung, made = [], []
+
+    def admit(segment, slot, nonce):
+        return segment == 7 and 0 <= slot < 2 and nonce == NONCE
+
+    def push(segment, slot, task_id, seq, want_dense):
+        if seq < 0:
+            raise doorbell.Dropped()
+        if seq == 999:
+            raise RuntimeError("the optimizer blew up")
+        rung.append((segment, slot, task_id, seq, want_dense))
+        return (task_id, seq) not in {(t, s) for _, _, t, s, _ in rung[:-1]}, len(rung)
+
+    def start():
+        made.append(doorbell.DoorbellServer(admit, push))
+        return made[-1], rung
+    yield start
+    for s in made:
+        s.close()
+
+
+def test_a_ring_carries_the_key_and_returns_the_shards_answer(server):
+    bell_server, rung = server()
+    bell = doorbell.Bell(bell_server.address, 7, 1, NONCE, timeout=5)
+    assert bell.ring(3, 128, True) == (True, 1)
+    assert bell.ring(3, 128, False) == (False, 2)      # the shard's answer, as it gave it
+    assert rung == [(7, 1, 3, 128, True), (7, 1, 3, 128, False)]
+    bell.close()
+
+
+@pytest.mark.parametrize("segment, slot, nonce", [(7, 0, b"x" * 16), (8, 0, NONCE), (7, 2, NONCE)])
+def test_a_connection_without_the_segments_nonce_is_refused(server, segment, slot, nonce):
+    bell_server, rung = server()
+    with pytest.raises(doorbell.PushFailed, match="not admitted"):
+        doorbell.Bell(bell_server.address, segment, slot, nonce, timeout=5)
+    assert rung == []
+
+
+def test_a_dropped_segment_and_a_failed_push_are_told_apart(server):
+    bell_server, _ = server()
+    bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
+    with pytest.raises(doorbell.PushFailed, match="RuntimeError: the optimizer blew up"):
+        bell.ring(1, 999, True)
+    assert bell.ring(1, 0, True) == (True, 1)          # a failure leaves the connection usable
+    with pytest.raises(doorbell.Dropped):
+        bell.ring(1, -1, True)
+    with pytest.raises(ConnectionError):               # after a drop the shard hangs up
+        bell.ring(1, 64, True)
+    bell.close()
+
+
+def test_closing_the_server_wakes_its_connections_and_clients_see_it(server):
+    bell_server, _ = server()
+    bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
+    bell_server.close()
+    with pytest.raises((ConnectionError, OSError)):
+        bell.ring(1, 0, True)
+    bell.close()
+    with pytest.raises(OSError):                       # nothing listens any more
+        doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
+
+
+def test_the_address_is_abstract_so_nothing_is_left_on_disk(server):
+    bell_server, _ = server()
+    assert bell_server.address.startswith("@")
+    name = bell_server.address[1:]
+    assert not os.path.exists(name) and not os.path.exists(os.path.join("/tmp", name))
+
+
+def test_a_segments_nonce_admits_only_its_own_slots():
+    segments = shared_memory.SharedSegments()
+    slots = shared_memory.PushSlots(4, 2, tag="ps0")
+    try:
+        seg = segments.attach(slots.path, slots.nonce, 4, 2)
+        assert segments.admits(seg, 0, slots.nonce) and segments.admits(seg, 1, slots.nonce)
+        assert not segments.admits(seg, 2, slots.nonce)
+        assert not segments.admits(seg, 0, bytes(16))
+        assert not segments.admits(seg + 1, 0, slots.nonce)
+        segments.detach(seg)
+        assert not segments.admits(seg, 0, slots.nonce)
+    finally:
+        slots.close()
+
+
+def test_garbage_on_the_socket_ends_only_that_connection(server):
+    bell_server, rung = server()
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.settimeout(5)
+    raw.connect("\0" + bell_server.address[1:])
+    raw.send(b"hello?")
+    assert raw.recv(4096)[:1] == bytes([doorbell.FAILED])
+    raw.close()
+    bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
+    assert bell.ring(2, 0, True) == (True, 1)
+    bell.close()
