@@ -68,8 +68,8 @@ class MasterClient:
         return rpc.call(self.stub.Register, pb.RegisterRequest(token=self.token, instance=self.me,
                                                                address=address))
 
-    def get_task(self) -> pb.GetTaskResponse:
-        return rpc.call(self.stub.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me))
+    def get_task(self, ahead_of: int | None = None) -> pb.GetTaskResponse:
+        return rpc.call(self.stub.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me, ahead_of=ahead_of))
 
     def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> bool:
         """Returns False when the master refused the report (the lease is no longer ours)."""

@@ -114,8 +114,9 @@ class Coordinator:
             log.info("%s registered%s", inst, f" at {address}" if address else "")
             return list(self.ps_addresses)
 
-    def get_task(self, inst: InstanceId) -> Lease | None | str:
-        """A lease, None (wait), or "done"."""
+    def get_task(self, inst: InstanceId, after: int | None = None) -> Lease | None | str:
+        """A lease (with `after`, the one to start after that task: see Ledger.lease), None
+        (wait), or "done"."""
         with self.lock:
             member = self.membership.members.get(inst)
             if self.finished.is_set() or self.ledger.done or (member is not None and member.state == "gone"):
@@ -132,9 +133,9 @@ class Coordinator:
                 log.info("training starts: %d worker(s) registered, min_workers=%d",
                          len(self.membership.training()), self.min_workers)
             worker = str(inst)
-            had = worker in self.ledger.leases
-            lease = self.ledger.lease(worker, time.time())
-            if lease is not None and not had and lease.start != lease.task.start:
+            had = self.ledger.held(worker)
+            lease = self.ledger.lease(worker, time.time(), after=after)
+            if lease is not None and lease not in had and lease.start != lease.task.start:
                 # Only re-leases make the timeline: a lost worker's remainder finding a new home.
                 self.record("re-leased", worker, f"task {lease.task.task_id} records [{lease.start},"
                             f"{lease.task.end}) epoch {lease.task.epoch}")
@@ -180,11 +181,14 @@ class Coordinator:
             worker = str(ev.instance)
             if self.rendezvous is not None:
                 self.rendezvous.remove_locked(worker, detail or ev.kind.value, at=ev.time)
+            ahead = self.ledger.ahead.get(worker)
             remainder = self.ledger.release(worker, ev.time)
             if remainder is not None:
                 self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})")
                 log.info("%s gone (%s): requeued its remainder [%d, %d) at once", worker,
                          detail or ev.kind.value, *remainder)
+            if ahead is not None:
+                self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})")
             return remainder
 
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:

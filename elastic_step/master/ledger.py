@@ -1,9 +1,11 @@
 """The task ledger: which records of which epoch are leased, committed, or waiting.
 
-A task is a record range `[start, end)` of one shard. A worker holds at most one *lease*
-(a task, or the remainder of one) and reports a *watermark* after each minibatch it pushed;
-the records below the watermark are committed. When a worker is lost, only the remainder
-`[watermark, end)` goes back to the front of the queue. Epochs never overlap: epoch e+1 is
+A task is a record range `[start, end)` of one shard. A worker holds a *lease* (a task, or the
+remainder of one) and reports a *watermark* after each minibatch it pushed; the records below the
+watermark are committed. It may also hold one lease *ahead*, taken while it trains the current one
+so that it reads it in advance and goes on without a pause; that becomes its current lease when the
+current one's last report arrives (reports come in order). When a worker is lost, only the
+remainders `[watermark, end)` go back to the front of the queue. Epochs never overlap: epoch e+1 is
 cut only when every record of epoch e is committed.
 
 The ledger is plain data and deterministic (no clock, no threads): callers pass `now`,
@@ -86,7 +88,8 @@ class Ledger:
         self.epoch = -1
         self.accounts: list[EpochAccount] = []
         self.queue: collections.deque[tuple[TaskDef, int]] = collections.deque()  # (task, start)
-        self.leases: dict[str, Lease] = {}
+        self.leases: dict[str, Lease] = {}              # worker -> its current lease
+        self.ahead: dict[str, Lease] = {}               # worker -> the lease it starts next
         self.committed: dict[int, list[list[int]]] = {}  # task_id -> merged committed intervals
         self.tasks: dict[int, TaskDef] = {}
         self._next_id = 0
@@ -107,15 +110,25 @@ class Ledger:
         return sum(a.committed for a in self.accounts)
 
     # ------------------------------------------------------------------ transitions
-    def lease(self, worker: str, now: float) -> Lease | None:
-        """The worker's current lease, or a new one from the queue; None when nothing is leasable."""
-        if worker in self.leases:
-            return self.leases[worker]
+    def lease(self, worker: str, now: float, after: int | None = None) -> Lease | None:
+        """The worker's current lease, or a new one from the queue; None when nothing is leasable.
+
+        With `after` (the task the worker is starting), the lease to start after that one: its lease
+        ahead (the same one again until it becomes current), or, holding no lease at all, a current
+        one. None while its current lease is an earlier one: its last reports are still on their
+        way, and a worker holds one lease ahead at most."""
+        held = self.leases
+        if after is not None and worker in self.leases:
+            if self.leases[worker].task.task_id != after:
+                return None
+            held = self.ahead
+        if worker in held:
+            return held[worker]
         if self.done or not self.queue:
             return None
         task, start = self.queue.popleft()
         lease = Lease(task=task, start=start, watermark=start, worker=worker, leased_at=now)
-        self.leases[worker] = lease
+        held[worker] = lease
         lost_at = self._lost_at.pop(task.task_id, None)
         if lost_at is not None:
             self.requeue_latencies.append(max(0.0, now - lost_at))
@@ -137,12 +150,23 @@ class Ledger:
         lease.watermark = watermark
         if watermark == lease.task.end:
             del self.leases[worker]
+            if worker in self.ahead:
+                self.leases[worker] = self.ahead.pop(worker)
             self._maybe_finish_epoch()
         return fresh
 
+    def held(self, worker: str) -> list[Lease]:
+        """The worker's leases: current first, then the one ahead."""
+        return [d[worker] for d in (self.leases, self.ahead) if worker in d]
+
     def release(self, worker: str, now: float) -> tuple[int, int] | None:
-        """The worker is gone: put its remainder back at the front of the queue, at once."""
-        lease = self.leases.pop(worker, None)
+        """The worker is gone: put its remainders back at the front of the queue, at once, the
+        current lease's first. Returns the current lease's remainder (the work it was doing; its
+        requeue latency is the one measured)."""
+        lease, ahead = self.leases.pop(worker, None), self.ahead.pop(worker, None)
+        if ahead is not None:
+            self.queue.appendleft((ahead.task, ahead.watermark))
+            self.account.requeued += ahead.task.end - ahead.watermark
         if lease is None:
             return None
         lo, hi = lease.remainder

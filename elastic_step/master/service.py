@@ -48,7 +48,8 @@ class MasterService(pb_grpc.MasterServicer):
 
     def GetTask(self, request, context):
         check_token(context, self.token, request.token)
-        lease = self.c.get_task(_instance(context, request.instance))
+        lease = self.c.get_task(_instance(context, request.instance),
+                                after=request.ahead_of if request.HasField("ahead_of") else None)
         if lease == "done":
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
         if lease is None:

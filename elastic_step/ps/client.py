@@ -144,8 +144,9 @@ class PSClient:
                 # The shard dropped our segment (it keeps the most recently used ones): nothing
                 # was applied, so the same key goes again with its bytes in the message.
                 log.warning("PS shard %d dropped this worker's shared push slots: sending bytes", shard)
+                # (Not closed here: another push may still be using them. They go with the last
+                # reference; the shard has hung up its end already.)
                 self._shared[shard] = None
-                self._close_shared(shard, shared, detach=False)
                 request.ClearField("shared")
                 return self._push_shard(shard, request, flat, slot)
             # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
@@ -207,21 +208,17 @@ class PSClient:
     def stats(self) -> list[pb.PsStats]:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
 
-    def _close_shared(self, shard: int, shared: SharedPath, detach: bool) -> None:
-        for bell in shared.bells or []:
-            bell.close()
-        if detach:
-            try:
-                self.stubs[shard].DetachShared(pb.DetachSharedRequest(token=self.token, segment=shared.segment),
-                                               timeout=5)
-            except grpc.RpcError:
-                pass   # the shard is gone already, and its mapping with it
-        shared.slots.close()
-
     def close(self) -> None:
         for shard, shared in self._shared.items():
             if shared is not None:
-                self._close_shared(shard, shared, detach=True)
+                for bell in shared.bells or []:
+                    bell.close()
+                try:
+                    self.stubs[shard].DetachShared(pb.DetachSharedRequest(token=self.token, segment=shared.segment),
+                                                   timeout=5)
+                except grpc.RpcError:
+                    pass   # the shard is gone already, and its mapping with it
+                shared.slots.close()
         self._shared = dict.fromkeys(range(len(self.stubs)))   # closed: nothing left to detach
         self._pool.shutdown(wait=True)
         for c in self._channels:

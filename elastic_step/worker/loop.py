@@ -6,7 +6,8 @@ pipeline:
     them on a loader thread while minibatch t computes;
   * the push of minibatch t travels, and the fresh weights are loaded, on a push thread while t+1
     computes (async SGD tolerates that staleness);
-  * watermarks go to the master without waiting for the answer.
+  * watermarks go to the master without waiting for the answer;
+  * the next lease is taken ahead and read while the current one trains.
 All of them are long-lived threads (gRPC's own futures would start a thread per call).
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
 (task, seq) key by whoever takes the remainder, and the PS skips it.
@@ -34,10 +35,16 @@ PUSH_DEPTH = 2
 # PS skips those as duplicates.
 REPORT_INTERVAL_S = 0.05
 
+# A lease taken ahead is asked for again after this (doubling up to AHEAD_RETRY_MAX_S) while the
+# master cannot give one yet: the current lease's last report is on its way, or the queue is empty.
+AHEAD_RETRY_S = 0.005
+AHEAD_RETRY_MAX_S = 0.5
+
 
 class Reporter:
     """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
-    coalesced, since a task's last watermark commits every record below it."""
+    coalesced, since a task's last watermark commits every record below it. A lease's last report
+    goes without waiting for the pace: the master moves the worker on to its lease ahead then."""
 
     def __init__(self, master: MasterClient):
         self.master = master
@@ -45,10 +52,13 @@ class Reporter:
         self.in_flight: concurrent.futures.Future | None = None
         self.refused = False
         self._sent_at = 0.0
+        self._urgent = False   # a lease's last report is pending
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
 
-    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> None:
+    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool,
+               last: bool = False) -> None:
         self.pending.append((task_id, watermark, records, loss, duplicate))
+        self._urgent = self._urgent or last
         self.pump()
 
     def pump(self, block: bool = False) -> None:
@@ -59,11 +69,12 @@ class Reporter:
                 self.refused = True
             self.in_flight = None
         if self.pending and not self.refused:
-            if not block and time.monotonic() - self._sent_at < REPORT_INTERVAL_S:
+            if not block and not self._urgent and time.monotonic() - self._sent_at < REPORT_INTERVAL_S:
                 return
             self._sent_at = time.monotonic()
             first, *rest = coalesce(self.pending)
             self.pending = rest
+            self._urgent = self._urgent and bool(rest)
             self.in_flight = self._thread.submit(self.master.report, *first)
         elif self.refused:
             self.pending.clear()
@@ -104,60 +115,91 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
     reporter = Reporter(master)
     loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
-    in_flight: collections.deque = collections.deque()   # (handle, task_id, hi, records), oldest first
+    # The next lease is asked for and read on its own thread while the current one trains: at the
+    # current one's end the worker goes straight on, instead of waiting for its last push and
+    # report, a GetTask and a read (several minibatches' worth of time for a small model).
+    prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ahead")
+    in_flight: collections.deque = collections.deque()   # (handle, task_id, hi, records, last), oldest first
 
     def settle(keep: int = 0) -> None:
         """Collect the oldest pushes until at most `keep` are in flight; report them in order."""
         while len(in_flight) > keep:
-            handle, task_id, hi, records = in_flight.popleft()
+            handle, task_id, hi, records, last = in_flight.popleft()
             applied, loss = trainer.push_finish(handle)
-            reporter.report(task_id, hi, records, loss, duplicate=not applied)
+            reporter.report(task_id, hi, records, loss, duplicate=not applied, last=last)
 
-    def feed_lease(shard: str, start: int, end: int):
-        return trainer.feed_lease(readers.read(shard, start, end))
+    def feed_lease(task):
+        return trainer.feed_lease(readers.read(task.shard, task.start, task.end))
 
-    def minibatch(lease: concurrent.futures.Future, lo: int, hi: int):
-        return trainer.minibatch(lease.result(), lo, hi)   # done already: the loader is one thread, FIFO
+    def lease_ahead(after: int, leaving: threading.Event):
+        """(task, its fed rows) to start after task `after`, or None once the worker leaves that
+        task with nothing leased ahead."""
+        retry = AHEAD_RETRY_S
+        while True:
+            reply = master.get_task(ahead_of=after)
+            if reply.kind == pb.GetTaskResponse.TASK and minibatches(reply.task, minibatch_size):
+                return reply.task, feed_lease(reply.task)
+            if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(retry):
+                return None
+            retry = min(2 * retry, AHEAD_RETRY_MAX_S)
 
+    def minibatch(rows, lo: int, hi: int):
+        return trainer.minibatch(rows(), lo, hi)   # ready already: the loader is one thread, FIFO
+
+    ahead = None                  # Future of lease_ahead()
+    leaving = threading.Event()   # set when the worker leaves the lease it asked ahead of
     try:
         while not stop.is_set():
-            # The master hands a worker its current lease again until the lease's last report
-            # arrives, so deliver every report before asking for more work.
-            settle()
-            reporter.flush()
-            if reporter.refused:
-                # The master no longer counts the lease ours (it thought us lost): start afresh.
-                log.warning("master refused a progress report: dropping the lease")
-                reporter.refused = False
-            reply = master.get_task()
-            if reply.kind == pb.GetTaskResponse.DONE:
-                return "done"
-            if reply.kind == pb.GetTaskResponse.WAIT:
-                time.sleep(reply.retry_after_s or 0.05)
-                continue
-            t = reply.task
+            # Reports arrive in order, so the master takes the next lease's once this one's last is in.
+            nxt = ahead.result() if ahead is not None else None
+            ahead = None
+            if nxt is not None and not reporter.refused:
+                t, fed = nxt
+                rows = (lambda fed=fed: fed)
+            else:
+                # The master hands a worker its current lease again until the lease's last report
+                # arrives, so deliver every report before asking for more work.
+                settle()
+                reporter.flush()
+                if reporter.refused:
+                    # The master no longer counts the lease ours (it thought us lost): start afresh.
+                    log.warning("master refused a progress report: dropping the lease")
+                    reporter.refused = False
+                reply = master.get_task()
+                if reply.kind == pb.GetTaskResponse.DONE:
+                    return "done"
+                if reply.kind == pb.GetTaskResponse.WAIT:
+                    time.sleep(reply.retry_after_s or 0.05)
+                    continue
+                t = reply.task
+                if not minibatches(t, minibatch_size):
+                    continue
+                rows = loader.submit(feed_lease, t).result
             bounds = minibatches(t, minibatch_size)
-            if not bounds:
-                continue
-            lease = loader.submit(feed_lease, t.shard, t.start, t.end)
-            upcoming = loader.submit(minibatch, lease, bounds[0][0] - t.start, bounds[0][1] - t.start)
+            leaving = threading.Event()
+            ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
+            upcoming = loader.submit(minibatch, rows, bounds[0][0] - t.start, bounds[0][1] - t.start)
             for i, (seq, hi) in enumerate(bounds):
                 if reporter.refused or stop.is_set():
                     break
                 batch = upcoming.result()
                 if i + 1 < len(bounds):   # slice the next minibatch while this one computes
                     lo, up = bounds[i + 1]
-                    upcoming = loader.submit(minibatch, lease, lo - t.start, up - t.start)
+                    upcoming = loader.submit(minibatch, rows, lo - t.start, up - t.start)
                 result = trainer.compute(batch)
                 settle(keep=PUSH_DEPTH - 1)
-                in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq))
+                in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq, hi == t.end))
                 reporter.pump()
+            leaving.set()
         return "stopped"
     finally:
-        # SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit.
+        # SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit. A lease
+        # taken ahead and never started goes back to the queue when the master sees us exit.
+        leaving.set()
         try:
             settle()
             reporter.flush()
         finally:
             reporter.close()
+            prefetch.shutdown(wait=True, cancel_futures=True)
             loader.shutdown(wait=True, cancel_futures=True)

@@ -45,6 +45,28 @@ def test_tasks_are_aligned_to_the_minibatch_and_cover_every_shard():
         assert start == task.start and task.start % 16 == 0 and task.epoch == 0
 
 
+def test_a_lease_taken_ahead_becomes_current_after_the_last_report_and_goes_back_with_a_loss():
+    ledger = Ledger([ShardInfo("s", 40)], records_per_task=10, epochs=1, minibatch_size=5)
+    current = ledger.lease("w", 0.0)
+    ahead = ledger.lease("w", 0.0, after=current.task.task_id)
+    assert ahead.task != current.task
+    assert ledger.lease("w", 0.0, after=current.task.task_id) is ahead and ledger.lease("w", 0.0) is current
+    # The worker starts `ahead` before the master has the current lease's last report: the lease
+    # after `ahead` comes once that report is in, and its reports are taken only then too.
+    assert ledger.lease("w", 0.0, after=ahead.task.task_id) is None
+    with pytest.raises(LedgerError):
+        ledger.report("w", ahead.task.task_id, ahead.task.start + 5)
+    ledger.report("w", current.task.task_id, current.task.end)
+    assert ledger.lease("w", 0.0) is ahead and "w" not in ledger.ahead
+    ledger.report("w", ahead.task.task_id, ahead.task.start + 5)
+    third = ledger.lease("w", 1.0, after=ahead.task.task_id)
+    assert ledger.release("w", 2.0) == (ahead.task.start + 5, ahead.task.end)
+    assert list(ledger.queue)[:2] == [(ahead.task, ahead.task.start + 5), (third.task, third.task.start)]
+    assert ledger.account.requeued == 5 + 10 and ledger.account.committed == 15
+    other = ledger.lease("v", 3.0)
+    assert other.task == ahead.task and ledger.requeue_latencies == [1.0]   # one figure per loss
+
+
 def test_a_task_holds_at_least_one_minibatch():
     ledger = Ledger([ShardInfo("a", 100)], records_per_task=10, epochs=1, minibatch_size=32)
     assert ledger.records_per_task == 32
@@ -251,6 +273,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.epoch_seen = 0
         self.steps = 0
         self.partial_losses = 0            # losses after some but not all of a lease was committed
+        self.ahead_losses = 0              # losses of a worker holding a lease ahead
 
     # ------------------------------------------------------------------ helpers
     def _holder(self, i: int) -> str | None:
@@ -259,6 +282,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _apply_report(self, worker: str, watermark: int) -> None:
         lease = self.ledger.leases[worker]
+        ahead = self.ledger.ahead.get(worker)
         task, old = lease.task, lease.watermark
         epoch_before = self.ledger.epoch
         fresh = self.ledger.report(worker, task.task_id, watermark)
@@ -267,8 +291,8 @@ class LedgerMachine(RuleBasedStateMachine):
             key = (task.epoch, task.shard, r)
             assert key not in self.shadow, f"record {key} committed twice"
             self.shadow[key] = task.task_id
-        if watermark == task.end:
-            assert worker not in self.ledger.leases
+        if watermark == task.end:   # the lease taken ahead, if any, is now the current one
+            assert self.ledger.leases.get(worker) is ahead and worker not in self.ledger.ahead
         else:
             assert self.ledger.leases[worker].watermark == watermark
         if self.ledger.epoch != epoch_before:
@@ -282,10 +306,13 @@ class LedgerMachine(RuleBasedStateMachine):
         assert (acct.committed, acct.lost, acct.double_applied) == (self.records, 0, 0)
         assert acct.requeued == self.requeued[epoch]
 
-    def _lease(self, worker: str):
-        held = self.ledger.leases.get(worker)
+    def _lease(self, worker: str, ahead: bool = False):
+        """A lease as the worker asks for it: its current one, or (`ahead`) the one after that."""
+        current = self.ledger.leases.get(worker)
+        held = self.ledger.ahead.get(worker) if ahead and current is not None else current
         queue_before = list(self.ledger.queue)
-        lease = self.ledger.lease(worker, self.now)
+        lease = self.ledger.lease(worker, self.now, after=current.task.task_id if ahead and current else
+                                  (-1 if ahead else None))
         if held is not None:
             assert lease is held
             return lease
@@ -296,6 +323,10 @@ class LedgerMachine(RuleBasedStateMachine):
         assert (lease.task, lease.start, lease.watermark, lease.worker) == (task, start, start, worker)
         assert lease.task.epoch == self.ledger.epoch
         assert all(a.committed == a.records for a in self.ledger.accounts[:task.epoch])
+        if ahead and current is not None:
+            assert self.ledger.ahead[worker] is lease and self.ledger.leases[worker] is current
+        else:
+            assert self.ledger.leases[worker] is lease
         if task.task_id in self.lost_at:
             self.latencies.append(max(0.0, self.now - self.lost_at.pop(task.task_id)))
         assert self.ledger.requeue_latencies == pytest.approx(self.latencies)
@@ -306,15 +337,22 @@ class LedgerMachine(RuleBasedStateMachine):
         self.alive.remove(worker)
         self.lost.append(worker)
         held = self.ledger.leases.get(worker)
+        ahead = self.ledger.ahead.get(worker)
         queue_before = list(self.ledger.queue)
         got = self.ledger.release(worker, self.now)
-        assert worker not in self.ledger.leases
+        assert worker not in self.ledger.leases and worker not in self.ledger.ahead
         if held is None:
-            assert got is None and list(self.ledger.queue) == queue_before
+            assert ahead is None and got is None and list(self.ledger.queue) == queue_before
             return
         assert got == (held.watermark, held.task.end)
-        assert list(self.ledger.queue) == [(held.task, held.watermark)] + queue_before
+        # Both go back to the front, the current lease's remainder first; only its latency is measured.
+        assert list(self.ledger.queue) == [(held.task, held.watermark)] + (
+            [(ahead.task, ahead.start)] if ahead else []) + queue_before
         self.requeued[held.task.epoch] += held.task.end - held.watermark
+        if ahead is not None:
+            self.ahead_losses += 1
+            assert ahead.watermark == ahead.start       # never reported: a lease ahead is not started
+            self.requeued[ahead.task.epoch] += ahead.task.end - ahead.start
         self.partial_losses += held.watermark > held.start
         self.lost_at[held.task.task_id] = self.now
         self.stale[worker] = (held.task.task_id, min(held.task.end, held.watermark + self.minibatch))
@@ -332,6 +370,24 @@ class LedgerMachine(RuleBasedStateMachine):
             self._lease(worker)
         else:
             self._apply_report(worker, min(lease.task.end, lease.watermark + minibatches * self.minibatch))
+
+    @rule(i=st.integers(0, 100))
+    def take_ahead(self, i):
+        """A live worker asks for the lease it will start after its current one (and asks again)."""
+        if not self.alive:
+            return
+        worker = self.alive[i % len(self.alive)]
+        had_current = worker in self.ledger.leases
+        first = self._lease(worker, ahead=True)      # without a current lease: the current one
+        again = self._lease(worker, ahead=True)
+        if had_current:
+            assert again is first
+        # Ahead of a lease that is not its current one yet (its last report still on the way): nothing.
+        current, held, queue = self.ledger.leases.get(worker), self.ledger.ahead.get(worker), list(self.ledger.queue)
+        if current is not None:
+            assert self.ledger.lease(worker, self.now, after=current.task.task_id + 10**6) is None
+            assert (self.ledger.leases.get(worker), self.ledger.ahead.get(worker)) == (current, held)
+            assert list(self.ledger.queue) == queue
 
     @rule(i=st.integers(0, 100), take_next=st.booleans())
     def complete(self, i, take_next):
@@ -416,7 +472,8 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def no_record_is_leased_twice_or_both_queued_and_leased(self):
         ranges: dict[str, list[tuple[int, int, str]]] = {}
-        for worker, lease in self.ledger.leases.items():
+        assert set(self.ledger.ahead) <= set(self.ledger.leases)   # ahead only of a current lease
+        for worker, lease in [*self.ledger.leases.items(), *self.ledger.ahead.items()]:
             assert lease.worker == worker
             assert lease.task.start <= lease.start <= lease.watermark < lease.task.end
             ranges.setdefault(lease.task.shard, []).append((lease.watermark, lease.task.end, worker))
@@ -431,17 +488,19 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def outstanding_records_are_conserved(self):
         if self.ledger.done:
-            assert not self.ledger.queue and not self.ledger.leases
+            assert not self.ledger.queue and not self.ledger.leases and not self.ledger.ahead
             return
         epoch = self.ledger.epoch
         queued = sum(task.end - start for task, start in self.ledger.queue)
-        leased = sum(lease.task.end - lease.watermark for lease in self.ledger.leases.values())
+        leased = sum(lease.task.end - lease.watermark
+                     for lease in [*self.ledger.leases.values(), *self.ledger.ahead.values()])
         assert self.ledger.account.committed + queued + leased == self.records
         assert all(t.epoch == epoch for t, _ in self.ledger.queue)
-        assert all(lease.task.epoch == epoch for lease in self.ledger.leases.values())
+        everything_leased = [*self.ledger.leases.values(), *self.ledger.ahead.values()]
+        assert all(lease.task.epoch == epoch for lease in everything_leased)
         # The shadow agrees with the ledger record by record: nothing uncommitted is outstanding twice.
         outstanding = {(task.shard, r) for task, start in self.ledger.queue for r in range(start, task.end)}
-        outstanding |= {(lease.task.shard, r) for lease in self.ledger.leases.values()
+        outstanding |= {(lease.task.shard, r) for lease in everything_leased
                         for r in range(lease.watermark, lease.task.end)}
         committed = {(shard, r) for (e, shard, r) in self.shadow if e == epoch}
         assert not outstanding & committed
@@ -449,7 +508,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def watermarks_sit_on_minibatch_boundaries(self):
-        for lease in self.ledger.leases.values():
+        for lease in [*self.ledger.leases.values(), *self.ledger.ahead.values()]:
             t = lease.task
             assert (lease.watermark - t.start) % self.minibatch == 0
             assert t.start % self.minibatch == 0 and (t.end - t.start) <= self.ledger.records_per_task
@@ -470,9 +529,10 @@ class LedgerMachine(RuleBasedStateMachine):
         event(f"steps: {'<20' if self.steps < 20 else '20-39' if self.steps < 40 else '40+'}")
         event(f"epochs finished by the rules: {min(self.ledger.epoch, self.epochs)} of {self.epochs}")
         event(f"losses mid-lease: {min(self.partial_losses, 3)}{'+' if self.partial_losses >= 3 else ''}")
+        event(f"losses holding a lease ahead: {min(self.ahead_losses, 2)}{'+' if self.ahead_losses >= 2 else ''}")
         # Whatever happened, the job can be finished: live holders complete, a fresh worker drains.
         for worker in list(self.alive):
-            if worker in self.ledger.leases:
+            while worker in self.ledger.leases:     # the current lease, then the one taken ahead
                 self._apply_report(worker, self.ledger.leases[worker].task.end)
         for _ in range(10 * len(self.ledger.tasks) + 10 * self.epochs + 10):
             if self.ledger.done:

@@ -61,3 +61,22 @@ def test_reports_are_paced_and_a_flush_delivers_everything(monkeypatch):
     assert len(master.sent) == 2                        # the first at once, the rest at the flush
     assert master.sent[-1][:2] == (7, 64 * 20)          # the last watermark arrived
     assert sum(item[2] for item in master.sent) == 64 * 20   # every record counted, once
+
+
+def test_a_leases_last_report_goes_without_waiting_for_the_pace(monkeypatch):
+    # The master moves a worker on to the lease it took ahead only once that report is in.
+    monkeypatch.setattr(loop, "REPORT_INTERVAL_S", 60.0)
+    master = RecordingMaster()
+    reporter = Reporter(master)
+    try:
+        reporter.report(7, 64, 64, 1.0, duplicate=False)     # the first goes at once
+        reporter.in_flight.result()
+        reporter.report(7, 128, 64, 1.0, duplicate=False)    # this one waits for the pace
+        assert [item[:2] for item in master.sent] == [(7, 64)]
+        reporter.report(7, 192, 64, 1.0, duplicate=False, last=True)
+        reporter.in_flight.result()
+        assert master.sent[-1][:3] == (7, 192, 128)          # coalesced with the one that waited
+        reporter.report(8, 64, 64, 1.0, duplicate=False)     # the next lease: paced again
+        assert len(master.sent) == 2 and reporter.pending
+    finally:
+        reporter.close()
