@@ -544,7 +544,7 @@ def render_report(summary: dict) -> str:
     charts = [
         time_chart("chart-loss", "Training loss (moving average over reported minibatches)", axis,
                    [("loss", LOSS, _series(samples, "loss"))], "loss", startup=startup),
-        time_chart("chart-eval", "Evaluation on held-out data after each epoch, and the final evaluation", axis,
+        time_chart("chart-eval", "Evaluation on held-out data before training, after each epoch, and the final evaluation", axis,
                    eval_series, " / ".join(names), dots=dots, startup=startup, y_max=1.0 if bounded else None,
                    legend=len(names) > 1, points=True),
         time_chart("chart-throughput", "Throughput: records committed per second", axis,

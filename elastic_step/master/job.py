@@ -145,6 +145,8 @@ class TrainingJob:
                 self._launch(InstanceId("ps", i))
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
+                if self.eval is not None:   # where the curve starts: the initial weights, while workers start
+                    self._evaluator.submit(self._evaluate_epoch, -1)
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
             self._pump(until=self.coord.finished.is_set)
@@ -277,8 +279,9 @@ class TrainingJob:
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 
     def _evaluate_epoch(self, epoch: int) -> None:
-        """The eval curve: after each epoch, the PS weights on (a sample of) the eval data. Runs on the
-        evaluator thread, so the master keeps handling events meanwhile."""
+        """The eval curve: after each epoch, the PS weights on (a sample of) the eval data; epoch -1 is
+        the initial weights, before any training. Runs on the evaluator thread, so the master keeps
+        handling events meanwhile."""
         from elastic_step.evaluation import evaluate
 
         try:

@@ -2,12 +2,12 @@
 
 Only the compiled step runs on the training thread, as in Keras's fit with a prefetching input
 pipeline:
-  * a lease's records are read and fed (the user's feed()) once, and minibatch t+1 is sliced from
-    them on a loader thread while minibatch t computes;
+  * the next lease is taken ahead, read and fed (the user's feed(), once for the whole lease) on
+    its own thread while the current one trains; each minibatch is a slice of it taken inside
+    the compiled step;
   * the push of minibatch t travels, and the fresh weights are loaded, on a push thread while t+1
     computes (async SGD tolerates that staleness);
-  * watermarks go to the master without waiting for the answer;
-  * the next lease is taken ahead and read while the current one trains.
+  * watermarks go to the master without waiting for the answer.
 All of them are long-lived threads (gRPC's own futures would start a thread per call).
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
 (task, seq) key by whoever takes the remainder, and the PS skips it.
@@ -114,7 +114,6 @@ def minibatches(task, minibatch_size: int) -> list[tuple[int, int]]:
 def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
     reporter = Reporter(master)
-    loader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loader")
     # The next lease is asked for and read on its own thread while the current one trains: at the
     # current one's end the worker goes straight on, instead of waiting for its last push and
     # report, a GetTask and a read (several minibatches' worth of time for a small model).
@@ -143,9 +142,6 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                 return None
             retry = min(2 * retry, AHEAD_RETRY_MAX_S)
 
-    def minibatch(rows, lo: int, hi: int):
-        return trainer.minibatch(rows(), lo, hi)   # ready already: the loader is one thread, FIFO
-
     ahead = None                  # Future of lease_ahead()
     leaving = threading.Event()   # set when the worker leaves the lease it asked ahead of
     try:
@@ -155,7 +151,6 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             ahead = None
             if nxt is not None and not reporter.refused:
                 t, fed = nxt
-                rows = (lambda fed=fed: fed)
             else:
                 # The master hands a worker its current lease again until the lease's last report
                 # arrives, so deliver every report before asking for more work.
@@ -174,19 +169,14 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                 t = reply.task
                 if not minibatches(t, minibatch_size):
                     continue
-                rows = loader.submit(feed_lease, t).result
+                fed = feed_lease(t)
             bounds = minibatches(t, minibatch_size)
             leaving = threading.Event()
             ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
-            upcoming = loader.submit(minibatch, rows, bounds[0][0] - t.start, bounds[0][1] - t.start)
-            for i, (seq, hi) in enumerate(bounds):
+            for seq, hi in bounds:
                 if reporter.refused or stop.is_set():
                     break
-                batch = upcoming.result()
-                if i + 1 < len(bounds):   # slice the next minibatch while this one computes
-                    lo, up = bounds[i + 1]
-                    upcoming = loader.submit(minibatch, rows, lo - t.start, up - t.start)
-                result = trainer.compute(batch)
+                result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
                 settle(keep=PUSH_DEPTH - 1)
                 in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq, hi == t.end))
                 reporter.pump()
@@ -202,4 +192,3 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
         finally:
             reporter.close()
             prefetch.shutdown(wait=True, cancel_futures=True)
-            loader.shutdown(wait=True, cancel_futures=True)

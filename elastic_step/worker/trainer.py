@@ -52,7 +52,10 @@ class PSTrainer:
         part_sizes = [[int(trainable[i].shape.num_elements()) for i in pos] for pos in shard_pos]
 
         @tf.function(reduce_retracing=True)
-        def step(features, labels, flats):
+        def step(features, labels, begin, end, flats):
+            # The minibatch is sliced from its lease's tensors here, in the graph: no Python per step.
+            # (One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.)
+            features, labels = tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), (features, labels))
             values = [None] * len(trainable)
             for pos, sizes_, buf in zip(shard_pos, part_sizes, flats):
                 for i, part in zip(pos, tf.split(buf, sizes_) if pos else []):
@@ -82,6 +85,7 @@ class PSTrainer:
         self._step = step
         self._traced = None                   # (input specs, concrete step)
         self._flat_specs = [tf.TensorSpec([sum(sizes_)], tf.float32) for sizes_ in part_sizes]
+        self._bound_spec = tf.TensorSpec([1], tf.int64)
         self._flats = None                    # each shard's dense values, as the step's inputs
         self._versions = [-1] * placement.num_ps
         self._fresh_lock = threading.Lock()   # push replies may come back in any order
@@ -116,46 +120,70 @@ class PSTrainer:
             # .value is the backing tf.Variable: update just these rows, not the whole table
             self.variables[name].value.scatter_update(tf.IndexedSlices(values, ids))
 
-    def _pull_rows_for(self, features) -> None:
+    def _lookups(self, features, n: int) -> dict[str, list[np.ndarray]] | None:
+        """Each embedding table's ids per record (arrays with one row per record), from the id
+        extractor; None when the model has no tables, or when they are not row-aligned."""
+        if not self.table_names or self._ids_of is None:
+            return None
         extractor, paths = self._ids_of
         outs = extractor(features, training=False)
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        path_to_name = {v.path: n for n, v in self.variables.items()}
-        wanted: dict[str, list[np.ndarray]] = {}
-        for path, ids in zip(paths, outs):
-            wanted.setdefault(path_to_name[path], []).append(np.asarray(ids).astype(np.int64).ravel())
-        lookups = {n: np.unique(np.concatenate(v)) for n, v in wanted.items()}
+        path_to_name = {v.path: n_ for n_, v in self.variables.items()}
+        ids: dict[str, list[np.ndarray]] = {}
+        for path, out in zip(paths, outs):
+            out = np.asarray(out).astype(np.int64)
+            if out.ndim == 0 or out.shape[0] != n:
+                return None
+            ids.setdefault(path_to_name[path], []).append(out.reshape(n, -1))
+        return ids
+
+    def _pull_rows(self, batch: Minibatch) -> None:
+        ids = batch.ids
+        lo, hi = batch.bounds
+        if ids is None:   # not row-aligned: ask the extractor for this minibatch's own ids
+            features = self.tf.nest.map_structure(lambda t: t[lo:hi], batch.features)
+            ids, lo, hi = self._lookups(features, hi - lo), 0, hi - lo
+            if ids is None:
+                raise ModelDefError(f"The model of {self.model_def.spec!r}: an embedding layer's input does not "
+                                    "have one row per record. Make the first dimension of its ids the batch.")
+        lookups = {n: np.unique(np.concatenate([a[lo:hi].ravel() for a in arrays])) for n, arrays in ids.items()}
         pulled = self.ps.pull_rows(lookups)
         self._set_rows({n: (lookups[n], pulled[n]) for n in lookups})
 
-    def feed_lease(self, rows: dict[str, np.ndarray]) -> LeaseRows:
-        """The user's feed() once on a whole lease's records, as Keras's fit feeds a whole array: each
-        minibatch is then a slice of its output. If that output is not row-aligned (a leaf whose first
-        dimension is not the number of records), each minibatch is fed on its own instead."""
+    def feed_lease(self, rows: dict[str, np.ndarray]) -> FedLease:
+        """The user's feed() once on a whole lease's records, as Keras's fit feeds a whole array, then
+        tensors: each minibatch is a slice of them, taken inside the step. If feed()'s output is not
+        row-aligned (a leaf whose first dimension is not the number of records), each minibatch is
+        fed on its own instead. Runs off the training thread, ahead of the lease's steps."""
+        tf = self.tf
         fed = self.model_def.feed(rows)
         n = len(next(iter(rows.values()))) if rows else 0
-        aligned = all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in self.tf.nest.flatten(fed))
-        return LeaseRows(rows, fed if aligned else None)
-
-    def minibatch(self, lease: LeaseRows, lo: int, hi: int):
-        """Rows [lo, hi) of a lease (offsets into it), fed and converted to tensors: done on the loader
-        thread, ahead of the step."""
-        tf = self.tf
-        if lease.fed is not None:
-            fed = tf.nest.map_structure(lambda a: a[lo:hi], lease.fed)
-        else:
-            fed = self.model_def.feed({k: v[lo:hi] for k, v in lease.rows.items()})
+        if not all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in tf.nest.flatten(fed)):
+            return FedLease(rows, None, None, None)
         features, labels = tf.nest.map_structure(tf.convert_to_tensor, fed)
-        specs = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), (features, labels))
-        return Minibatch(features, labels, specs)
+        return FedLease(rows, (features, labels), self._specs(features, labels), self._lookups(features, n))
+
+    def minibatch(self, lease: FedLease, lo: int, hi: int) -> Minibatch:
+        """Records [lo, hi) of a lease (offsets into it)."""
+        tf = self.tf
+        if lease.tensors is not None:
+            return Minibatch(*lease.tensors, (lo, hi), lease.specs, lease.ids)
+        fed = self.model_def.feed({k: v[lo:hi] for k, v in lease.rows.items()})
+        features, labels = tf.nest.map_structure(tf.convert_to_tensor, fed)
+        return Minibatch(features, labels, (0, hi - lo), self._specs(features, labels), None)
+
+    def _specs(self, features, labels):
+        """Input specs for any number of records: one traced step serves every lease and minibatch."""
+        tf = self.tf
+        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), (features, labels))
 
     def compute(self, batch: Minibatch) -> StepResult:
         """Gradients of one minibatch at the worker's current parameters (still tensors)."""
-        features, labels = batch.features, batch.labels
         if self.table_names and self._ids_of is not None:
-            self._pull_rows_for(features)
+            self._pull_rows(batch)
         try:
-            loss, dense, sparse = self._step_for(batch.specs)(features, labels, self._flats)
+            begin, end = (self.tf.constant([b], self.tf.int64) for b in batch.bounds)
+            loss, dense, sparse = self._step_for(batch.specs)(batch.features, batch.labels, begin, end, self._flats)
         except Exception as e:  # the user's model/loss failed on real data
             first = str(e).splitlines()[0] if str(e) else ""
             raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
@@ -167,7 +195,7 @@ class PSTrainer:
         """The step traced once for any minibatch size: a concrete function skips the per-call
         matching of arguments against traces, a noticeable share of a small model's step."""
         if self._traced is None or self._traced[0] != specs:
-            self._traced = (specs, self._step.get_concrete_function(*specs, self._flat_specs))
+            self._traced = (specs, self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec, self._flat_specs))
         return self._traced[1]
 
     def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:
@@ -207,12 +235,16 @@ class StepResult(NamedTuple):
     sparse: list                         # per embedding table: (unique ids, summed row gradients)
 
 
-class LeaseRows(NamedTuple):
+class FedLease(NamedTuple):
     rows: dict                           # column -> the lease's values, as read
-    fed: object                          # feed(rows), or None when it is not row-aligned
+    tensors: tuple | None                # feed(rows) as tensors (features, labels), or None when not row-aligned
+    specs: object                        # their TensorSpecs, any number of rows: picks the traced step
+    ids: dict | None                     # table -> its ids per record, when the model has tables
 
 
 class Minibatch(NamedTuple):
-    features: object                     # feed()'s features, as tensors
+    features: object                     # tensors holding the minibatch's records (its lease's, or its own)
     labels: object
-    specs: object                        # their TensorSpecs, any number of rows: picks the traced step
+    bounds: tuple[int, int]              # the minibatch's records in them, [lo, hi)
+    specs: object
+    ids: dict | None
