@@ -101,8 +101,8 @@ def main() -> None:
               f"{'pair ratios':>20} {'median':>6} {'startup s':>10}")
         for batch in args.batch:
             # Alternate the two, --repeat times each: this VM's speed drifts by tens of percent over a
-            # minute. Each Keras run is paired with the elastic run right after it; the median of the
-            # pairs' ratios is the robust figure, best/best the optimistic one.
+            # minute, and a slow moment only ever slows a run. best/best compares each side's fastest
+            # run; each Keras run is also paired with the elastic run right after it (median of those).
             bases, rates = [], []
             for _ in range(args.repeat):
                 bases.append(keras_fit(args.model, manifest, batch))
