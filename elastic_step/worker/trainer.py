@@ -120,35 +120,36 @@ class PSTrainer:
             # .value is the backing tf.Variable: update just these rows, not the whole table
             self.variables[name].value.scatter_update(tf.IndexedSlices(values, ids))
 
-    def _lookups(self, features, n: int) -> dict[str, list[np.ndarray]] | None:
-        """Each embedding table's ids per record (arrays with one row per record), from the id
-        extractor; None when the model has no tables, or when they are not row-aligned."""
-        if not self.table_names or self._ids_of is None:
-            return None
+    def _ids(self, features) -> dict[str, list[np.ndarray]]:
+        """Each embedding table's ids looked up by these features (one array per layer using it)."""
         extractor, paths = self._ids_of
         outs = extractor(features, training=False)
         outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        path_to_name = {v.path: n_ for n_, v in self.variables.items()}
+        path_to_name = {v.path: name for name, v in self.variables.items()}
         ids: dict[str, list[np.ndarray]] = {}
         for path, out in zip(paths, outs):
-            out = np.asarray(out).astype(np.int64)
-            if out.ndim == 0 or out.shape[0] != n:
-                return None
-            ids.setdefault(path_to_name[path], []).append(out.reshape(n, -1))
+            ids.setdefault(path_to_name[path], []).append(np.asarray(out).astype(np.int64))
+        return ids
+
+    def _lease_ids(self, features, n: int) -> dict[str, list[np.ndarray]] | None:
+        """The ids of a whole lease's n records, each array with one row per record, so a minibatch's
+        are a slice; None when the model has no tables, or when its ids are not one row per record."""
+        if not self.table_names or self._ids_of is None:
+            return None
+        ids = self._ids(features)
+        if any(a.ndim == 0 or a.shape[0] != n for arrays in ids.values() for a in arrays):
+            return None
         return ids
 
     def _pull_rows(self, batch: Minibatch) -> None:
-        ids = batch.ids
         lo, hi = batch.bounds
-        if ids is None:   # not row-aligned: ask the extractor for this minibatch's own ids
-            features = self.tf.nest.map_structure(lambda t: t[lo:hi], batch.features)
-            ids, lo, hi = self._lookups(features, hi - lo), 0, hi - lo
-            if ids is None:
-                raise ModelDefError(f"The model of {self.model_def.spec!r}: an embedding layer's input does not "
-                                    "have one row per record. Make the first dimension of its ids the batch.")
-        lookups = {n: np.unique(np.concatenate([a[lo:hi].ravel() for a in arrays])) for n, arrays in ids.items()}
+        if batch.ids is not None:
+            ids = {name: [a[lo:hi] for a in arrays] for name, arrays in batch.ids.items()}
+        else:   # ids not one row per record: the extractor on this minibatch's own records
+            ids = self._ids(self.tf.nest.map_structure(lambda t: t[lo:hi], batch.features))
+        lookups = {name: np.unique(np.concatenate([a.ravel() for a in arrays])) for name, arrays in ids.items()}
         pulled = self.ps.pull_rows(lookups)
-        self._set_rows({n: (lookups[n], pulled[n]) for n in lookups})
+        self._set_rows({name: (lookups[name], pulled[name]) for name in lookups})
 
     def feed_lease(self, rows: dict[str, np.ndarray]) -> FedLease:
         """The user's feed() once on a whole lease's records, as Keras's fit feeds a whole array, then
@@ -161,7 +162,7 @@ class PSTrainer:
         if not all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in tf.nest.flatten(fed)):
             return FedLease(rows, None, None, None)
         features, labels = tf.nest.map_structure(tf.convert_to_tensor, fed)
-        return FedLease(rows, (features, labels), self._specs(features, labels), self._lookups(features, n))
+        return FedLease(rows, (features, labels), self._specs(features, labels), self._lease_ids(features, n))
 
     def minibatch(self, lease: FedLease, lo: int, hi: int) -> Minibatch:
         """Records [lo, hi) of a lease (offsets into it)."""
@@ -195,7 +196,8 @@ class PSTrainer:
         """The step traced once for any minibatch size: a concrete function skips the per-call
         matching of arguments against traces, a noticeable share of a small model's step."""
         if self._traced is None or self._traced[0] != specs:
-            self._traced = (specs, self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec, self._flat_specs))
+            self._traced = (specs, self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec,
+                                                                    self._flat_specs))
         return self._traced[1]
 
     def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:

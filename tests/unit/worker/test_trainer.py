@@ -1,0 +1,112 @@
+"""The worker's PS trainer against a real PS shard on loopback gRPC: a minibatch is the records it
+names (sliced inside the compiled step), and it pulls exactly the embedding rows they look up."""
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
+
+from elastic_step.model_def import load_model_def  # noqa: E402
+from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
+from elastic_step.proto import rpc  # noqa: E402
+from elastic_step.ps.api import Placement  # noqa: E402
+from elastic_step.ps.client import PSClient  # noqa: E402
+from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
+from elastic_step.worker.trainer import PSTrainer  # noqa: E402
+
+TOKEN = "t0ken"
+ROWS = 50
+
+MODEL = textwrap.dedent(f"""
+    import keras
+    import numpy as np
+
+    def model():
+        ids = keras.Input(shape=(2,), dtype="int64", name="ids")
+        x = keras.Input(shape=(3,), name="x")
+        looked_up = keras.layers.Flatten()(keras.layers.Embedding({ROWS}, 4, name="table")(ids))
+        return keras.Model({{"ids": ids, "x": x}}, keras.layers.Dense(1)(keras.layers.Concatenate()([looked_up, x])))
+
+    def loss(labels, predictions):
+        return keras.ops.mean(keras.ops.square(labels - predictions[:, 0]))
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1)
+
+    def feed(batch):
+        x = np.stack([batch["a"], batch["b"], batch["c"]], axis=1).astype("float32")
+        ids = np.stack([batch["u"], batch["v"]], axis=1).astype("int64")
+        return {{"ids": ids, "x": x}}, batch["y"].astype("float32")
+""")
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    (tmp_path / "model_def.py").write_text(MODEL)
+    model_def = load_model_def(str(tmp_path / "model_def.py"))
+    keras.utils.set_random_seed(1)
+    ps_model = model_def.model()
+    placement = Placement.of(ps_model, 1)
+    service = ParameterServerService(ParameterShard(ps_model, model_def.optimizer(), placement, 0), TOKEN)
+    server = rpc.server(max_workers=4)
+    pb_grpc.add_ParameterServerServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    keras.utils.set_random_seed(2)   # the worker's own initial values differ from the PS's
+    model = model_def.model()
+    ps = PSClient([f"127.0.0.1:{port}"], TOKEN, placement)
+    t = PSTrainer(model_def, model, ps, placement)
+    t.set_dense(ps.pull_dense())
+    yield t, ps, ps_model
+    t.close()
+    ps.close()
+    server.stop(None)
+    service.close()
+
+
+def lease_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"a": rng.normal(size=n), "b": rng.normal(size=n), "c": rng.normal(size=n),
+            "u": rng.integers(0, ROWS, n), "v": rng.integers(0, ROWS, n), "y": rng.normal(size=n)}
+
+
+def test_a_minibatch_is_the_records_it_names_and_pulls_exactly_their_rows(trainer):
+    t, ps, ps_model = trainer
+    rows = lease_rows(40)
+    table = t.variables[t.table_names[0]]
+    before = table.numpy().copy()
+    lo, hi = 16, 24
+    result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
+
+    wanted = np.unique(np.concatenate([rows["u"][lo:hi], rows["v"][lo:hi]]))
+    on_ps = ps.pull_rows({t.table_names[0]: np.arange(ROWS)})[t.table_names[0]]
+    after = table.numpy()
+    np.testing.assert_array_equal(after[wanted], on_ps[wanted])
+    others = np.setdiff1d(np.arange(ROWS), wanted)
+    np.testing.assert_array_equal(after[others], before[others])   # nothing else was pulled
+
+    # The loss is that of records [lo, hi) alone, at the PS's values (Keras on the same weights).
+    ps_model.get_layer("table").embeddings.assign(on_ps)
+    features = {"ids": np.stack([rows["u"], rows["v"]], 1)[lo:hi],
+                "x": np.stack([rows["a"], rows["b"], rows["c"]], 1)[lo:hi]}
+    expected = np.mean((rows["y"][lo:hi] - ps_model(features, training=False).numpy()[:, 0]) ** 2)
+    assert float(result.loss) == pytest.approx(expected, rel=1e-5)
+    # Only the looked-up rows carry gradients to the PS.
+    ids, _values = result.sparse[0]
+    np.testing.assert_array_equal(np.sort(ids.numpy()), wanted)
+
+
+def test_minibatches_of_one_lease_share_its_tensors_and_one_traced_step(trainer):
+    t, _ps, _ = trainer
+    lease = t.feed_lease(lease_rows(40, seed=1))
+    first, second = t.minibatch(lease, 0, 8), t.minibatch(lease, 8, 13)
+    assert first.features is second.features and (first.bounds, second.bounds) == ((0, 8), (8, 13))
+    t.compute(first)
+    step = t._traced[1]
+    t.compute(second)
+    t.compute(t.minibatch(t.feed_lease(lease_rows(24, seed=2)), 0, 24))   # another lease, another size
+    assert t._traced[1] is step
