@@ -167,7 +167,6 @@ def run_grpc(args, workers: int, window_s: float) -> dict:
     finished = coord.finished.is_set()
     with coord.lock:                   # the figures at the end of the window
         committed = ledger.records_committed_total()
-        leases = sum(1 for e in coord.events if e["kind"] == "leased")
     stop.set()
     parts = [out.get(timeout=120) for _ in procs]
     for p in procs:
@@ -180,7 +179,7 @@ def run_grpc(args, workers: int, window_s: float) -> dict:
     rep_lat = np.concatenate([r for _, _, r in parts])
     return {"mode": "grpc", "workers": workers, "client_procs": nproc, "setup_s": round(setup_s, 2),
             "elapsed_s": elapsed, "finished": finished, "records_committed": committed,
-            "leases": leases, "reports": counts["reports"], "waits": counts["waits"],
+            "leases": counts["tasks"], "reports": counts["reports"], "waits": counts["waits"],
             "refused": counts["refused"], "errors": counts["errors"], "rpcs": rpcs,
             "master_cpu_s": master_cpu, "master_cpu_us_per_rpc": master_cpu / max(1, rpcs) * 1e6,
             "get_task_ms": _percentiles(get_lat), "report_ms": _percentiles(rep_lat),
