@@ -126,7 +126,8 @@ class TrainingJob:
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
         cfg = self.cfg
-        service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def)
+        service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def,
+                                cfg.max_workers)
         host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)

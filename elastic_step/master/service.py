@@ -24,20 +24,36 @@ def _instance(context, msg: pb.Instance) -> InstanceId:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
 
+# Progress reports the master budgets for, per second, over all workers: about 40 % of what one
+# master serves (bench/master_capacity.py: ~2 500 reports/s), leaving the rest for GetTask, heartbeats
+# and each lease's last report, which goes unpaced.
+REPORTS_PER_S_BUDGET = 1000.0
+MIN_REPORT_INTERVAL_S = 0.05
+
+
+def report_interval_s(max_workers: int) -> float:
+    """How often each worker may report: 50 ms up to 50 workers, then slower as the job grows, so
+    that the master's load from reports stays flat. Coarser reports only mean a lost worker's
+    pushed-but-unreported minibatches are re-pushed (and skipped by the PS)."""
+    return max(MIN_REPORT_INTERVAL_S, max_workers / REPORTS_PER_S_BUDGET)
+
+
 class MasterService(pb_grpc.MasterServicer):
     def __init__(self, coordinator: Coordinator, token: str, job_id: str, minibatch_size: int,
-                 model_def: str):
+                 model_def: str, max_workers: int = 1):
         self.c = coordinator
         self.token = token
         self.job_id = job_id
         self.minibatch_size = minibatch_size
         self.model_def = model_def
+        self.report_interval_s = report_interval_s(max_workers)
 
     def Register(self, request, context):
         check_token(context, self.token, request.token)
         addrs = self.c.register(_instance(context, request.instance), request.address)
         return pb.RegisterResponse(job_id=self.job_id, ps_addresses=addrs,
-                                   minibatch_size=self.minibatch_size, model_def=self.model_def)
+                                   minibatch_size=self.minibatch_size, model_def=self.model_def,
+                                   report_interval_s=self.report_interval_s)
 
     def Heartbeat(self, request, context):
         check_token(context, self.token, request.token)

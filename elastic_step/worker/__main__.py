@@ -66,7 +66,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     from elastic_step.model_def import load_model_def
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient
-    from elastic_step.worker.loop import PUSH_DEPTH, train_tasks
+    from elastic_step.worker.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
     from elastic_step.worker.trainer import PSTrainer
 
     model_def = load_model_def(args.model_def)
@@ -79,7 +79,8 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     trainer.set_dense(ps.pull_dense())
     readers = ReaderPool()
     try:
-        why = train_tasks(master, trainer, readers, info.minibatch_size, stop)
+        why = train_tasks(master, trainer, readers, info.minibatch_size, stop,
+                          report_interval_s=info.report_interval_s or REPORT_INTERVAL_S)
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:

@@ -32,7 +32,7 @@ PUSH_DEPTH = 2
 
 # Watermarks go to the master at most this often, and at every lease's end. A report is an RPC on
 # both sides; a coarser watermark costs only a few more re-pushed minibatches after a loss, and the
-# PS skips those as duplicates.
+# PS skips those as duplicates. The master may ask for a slower pace (RegisterResponse) in a large job.
 REPORT_INTERVAL_S = 0.05
 
 # A lease taken ahead is asked for again after this (doubling up to AHEAD_RETRY_MAX_S) while the
@@ -46,8 +46,9 @@ class Reporter:
     coalesced, since a task's last watermark commits every record below it. A lease's last report
     goes without waiting for the pace: the master moves the worker on to its lease ahead then."""
 
-    def __init__(self, master: MasterClient):
+    def __init__(self, master: MasterClient, interval_s: float = REPORT_INTERVAL_S):
         self.master = master
+        self.interval_s = interval_s
         self.pending: list[tuple] = []
         self.in_flight: concurrent.futures.Future | None = None
         self.refused = False
@@ -69,7 +70,7 @@ class Reporter:
                 self.refused = True
             self.in_flight = None
         if self.pending and not self.refused:
-            if not block and not self._urgent and time.monotonic() - self._sent_at < REPORT_INTERVAL_S:
+            if not block and not self._urgent and time.monotonic() - self._sent_at < self.interval_s:
                 return
             self._sent_at = time.monotonic()
             first, *rest = coalesce(self.pending)
@@ -111,9 +112,10 @@ def minibatches(task, minibatch_size: int) -> list[tuple[int, int]]:
     return out
 
 
-def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event) -> str:
+def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event,
+                report_interval_s: float = REPORT_INTERVAL_S) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
-    reporter = Reporter(master)
+    reporter = Reporter(master, report_interval_s)
     # The next lease is asked for and read on its own thread while the current one trains: at the
     # current one's end the worker goes straight on, instead of waiting for its last push and
     # report, a GetTask and a read (several minibatches' worth of time for a small model).

@@ -17,11 +17,11 @@ TASK = pb.GetTaskResponse
 
 
 class Master:
-    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2):
+    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1):
         self.ledger = Ledger([ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task,
                              epochs, minibatch_size=MINIBATCH)
         self.coord = Coordinator(self.ledger, num_ps=0)
-        self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py"))
+        self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers))
         self.address = f"127.0.0.1:{self.port}"
         self.clients: list[MasterClient] = []
 
@@ -209,3 +209,13 @@ def test_a_lost_workers_late_report_is_refused_and_its_remainder_goes_to_the_nex
     assert master.ledger.account.committed == first.task.end - first.task.start
     assert master.ledger.account.requeued == remainder[1] - remainder[0]
     assert master.ledger.account.double_applied == 0
+
+
+@pytest.mark.parametrize("max_workers, interval", [(2, 0.05), (50, 0.05), (400, 0.4)])
+def test_a_larger_job_asks_its_workers_for_slower_reports(max_workers, interval):
+    # The master's load from reports stays flat as the job grows (bench/master_capacity.py).
+    m = Master(max_workers=max_workers)
+    try:
+        assert m.client(0).register().report_interval_s == pytest.approx(interval)
+    finally:
+        m.close()

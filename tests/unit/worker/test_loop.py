@@ -4,7 +4,6 @@ from __future__ import annotations
 import threading
 import types
 
-from elastic_step.worker import loop
 from elastic_step.worker.loop import Reporter, coalesce, minibatches
 
 
@@ -48,10 +47,9 @@ class RecordingMaster:
         return True
 
 
-def test_reports_are_paced_and_a_flush_delivers_everything(monkeypatch):
-    monkeypatch.setattr(loop, "REPORT_INTERVAL_S", 60.0)
+def test_reports_are_paced_and_a_flush_delivers_everything():
     master = RecordingMaster()
-    reporter = Reporter(master)
+    reporter = Reporter(master, interval_s=60.0)
     try:
         for i in range(20):   # one task's minibatches, far faster than the report interval
             reporter.report(7, 64 * (i + 1), 64, 1.0, duplicate=False)
@@ -63,11 +61,10 @@ def test_reports_are_paced_and_a_flush_delivers_everything(monkeypatch):
     assert sum(item[2] for item in master.sent) == 64 * 20   # every record counted, once
 
 
-def test_a_leases_last_report_goes_without_waiting_for_the_pace(monkeypatch):
+def test_a_leases_last_report_goes_without_waiting_for_the_pace():
     # The master moves a worker on to the lease it took ahead only once that report is in.
-    monkeypatch.setattr(loop, "REPORT_INTERVAL_S", 60.0)
     master = RecordingMaster()
-    reporter = Reporter(master)
+    reporter = Reporter(master, interval_s=60.0)
     try:
         reporter.report(7, 64, 64, 1.0, duplicate=False)     # the first goes at once
         reporter.in_flight.result()
