@@ -138,7 +138,7 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
         retry = AHEAD_RETRY_S
         while True:
             reply = master.get_task(ahead_of=after)
-            if reply.kind == pb.GetTaskResponse.TASK and minibatches(reply.task, minibatch_size):
+            if reply.kind == pb.GetTaskResponse.TASK:
                 return reply.task, feed_lease(reply.task)
             if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(retry):
                 return None
@@ -169,10 +169,8 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                     time.sleep(reply.retry_after_s or 0.05)
                     continue
                 t = reply.task
-                if not minibatches(t, minibatch_size):
-                    continue
                 fed = feed_lease(t)
-            bounds = minibatches(t, minibatch_size)
+            bounds = minibatches(t, minibatch_size)   # never empty: the ledger cuts no empty task
             leaving = threading.Event()
             ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
             for seq, hi in bounds:
