@@ -69,9 +69,13 @@ class PSClient:
 
     def pull_dense(self) -> list[np.ndarray]:
         """Each shard's flat dense buffer, in shard order."""
+        return [flat for _, flat in self.pull_dense_at()]
+
+    def pull_dense_at(self) -> list[tuple[int, np.ndarray]]:
+        """Each shard's (version, flat dense buffer at that version), in shard order."""
         futures = [s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout)
                    for s in self.stubs]
-        return [tensors.decode(f.result().dense_flat) for f in futures]
+        return [(r.version, tensors.decode(r.dense_flat)) for r in (f.result() for f in futures)]
 
     def pull_dense_named(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}

@@ -141,8 +141,12 @@ class ParameterShard:
         return out
 
     def dense_flat(self) -> np.ndarray:
+        return self.snapshot()[1]
+
+    def snapshot(self) -> tuple[int, np.ndarray]:
+        """(version, the flat dense values at that version)."""
         with self.lock:
-            return self._values()
+            return self.version, self._values()
 
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.tf.gather(self.tables[name], ids // self.num_ps).numpy()
@@ -166,9 +170,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def PullDense(self, request, context):
         check_token(context, self.token, request.token)
-        reply = pb.PullDenseResponse(version=self.shard.version)
-        if self.shard.version > request.min_version or request.min_version <= 0:
-            tensors.encode(self.shard.dense_flat(), reply.dense_flat)
+        version, values = self.shard.snapshot()
+        reply = pb.PullDenseResponse(version=version)
+        if version > request.min_version or request.min_version <= 0:
+            tensors.encode(values, reply.dense_flat)
         return reply
 
     def PullEmbedding(self, request, context):

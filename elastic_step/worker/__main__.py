@@ -76,7 +76,7 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     info = master.register()
     ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=PUSH_DEPTH)
     trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=PUSH_DEPTH)
-    trainer.set_dense(ps.pull_dense())
+    trainer.refresh_dense()
     readers = ReaderPool()
     try:
         why = train_tasks(master, trainer, readers, info.minibatch_size, stop,

@@ -146,9 +146,11 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
 
     ahead = None                  # Future of lease_ahead()
     leaving = threading.Event()   # set when the worker leaves the lease it asked ahead of
+    waited = False                # for work: others pushed meanwhile, so this worker's values are old
     try:
         while not stop.is_set():
             # Reports arrive in order, so the master takes the next lease's once this one's last is in.
+            waited = waited or (ahead is not None and not ahead.done())
             nxt = ahead.result() if ahead is not None else None
             ahead = None
             if nxt is not None and not reporter.refused:
@@ -167,10 +169,14 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                     return "done"
                 if reply.kind == pb.GetTaskResponse.WAIT:
                     time.sleep(reply.retry_after_s or 0.05)
+                    waited = True
                     continue
                 t = reply.task
                 fed = feed_lease(t)
             bounds = minibatches(t, minibatch_size)   # never empty: the ledger cuts no empty task
+            if waited:
+                trainer.refresh_dense()
+                waited = False
             leaving = threading.Event()
             ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
             for seq, hi in bounds:

@@ -110,6 +110,13 @@ class PSTrainer:
             log.info("model is not functional: embedding rows are refreshed after each push")
             return None
 
+    def refresh_dense(self) -> None:
+        """Pull the shards' current values now. For when this worker's values may be many updates
+        old: at its start, after tracing its step (a second or more) and after it waited for work
+        (others pushed meanwhile). Gradients from such values, applied late, set the model back:
+        a 2-worker digits job's accuracy dipped from 0.96 to 0.67-0.89 in some runs."""
+        self._take_fresh(self.ps.pull_dense_at())
+
     def set_dense(self, flats: list[np.ndarray]) -> None:
         """Each shard's flat dense values, for the next steps (tensors made here, off the training thread)."""
         self._flats = [self.tf.constant(f, self.tf.float32) for f in flats]
@@ -198,6 +205,7 @@ class PSTrainer:
         if self._traced is None or self._traced[0] != specs:
             self._traced = (specs, self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec,
                                                                     self._flat_specs))
+            self.refresh_dense()   # others pushed while this traced
         return self._traced[1]
 
     def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:

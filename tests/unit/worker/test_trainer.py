@@ -110,3 +110,16 @@ def test_minibatches_of_one_lease_share_its_tensors_and_one_traced_step(trainer)
     t.compute(second)
     t.compute(t.minibatch(t.feed_lease(lease_rows(24, seed=2)), 0, 24))   # another lease, another size
     assert t._traced[1] is step
+
+
+def test_a_refresh_takes_the_shards_values_now_and_older_replies_do_not_undo_it(trainer):
+    t, ps, _ = trainer
+    other = ps   # another worker's pushes: they move the shard on
+    for seq in range(3):
+        other.push(99, seq, [np.full(t._flat_specs[0].shape[0], 0.01, np.float32)], {}, want_dense=False)
+    (version, now), = ps.pull_dense_at()
+    assert version == 3 and not np.array_equal(t._flats[0].numpy(), now)
+    t.refresh_dense()
+    np.testing.assert_array_equal(t._flats[0].numpy(), now)
+    t._take_fresh([(2, np.zeros_like(now))])    # a reply from before the refresh arrives late
+    np.testing.assert_array_equal(t._flats[0].numpy(), now)
