@@ -74,13 +74,14 @@ def run(args, master: MasterClient, stop: threading.Event) -> int:
     model = model_def.model()
     placement = Placement.of(model, args.num_ps)
     info = master.register()
-    ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=PUSH_DEPTH)
-    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=PUSH_DEPTH)
+    depth = info.pushes_in_flight or PUSH_DEPTH
+    ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
+    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth)
     trainer.refresh_dense()
     readers = ReaderPool()
     try:
         why = train_tasks(master, trainer, readers, info.minibatch_size, stop,
-                          report_interval_s=info.report_interval_s or REPORT_INTERVAL_S)
+                          report_interval_s=info.report_interval_s or REPORT_INTERVAL_S, pushes_in_flight=depth)
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:

@@ -25,9 +25,10 @@ from elastic_step.proto import elastic_pb2 as pb
 
 log = logging.getLogger("elastic_step.worker")
 
-# Pushes in flight per worker. Two lets the worker's compute and the PS's update overlap
-# (throughput bound by the slower of the two, not by their sum plus a round trip), at the cost
-# of at most two steps of staleness, which async SGD tolerates.
+# Pushes in flight per worker unless the master says otherwise (RegisterResponse: it gives one to
+# each worker of a multi-worker job, to bound staleness). Two lets the worker's compute and the
+# PS's update overlap (throughput bound by the slower of the two, not by their sum plus a round
+# trip), at the cost of up to two of its own updates missing from each gradient.
 PUSH_DEPTH = 2
 
 # Watermarks go to the master at most this often, and at every lease's end. A report is an RPC on
@@ -113,7 +114,7 @@ def minibatches(task, minibatch_size: int) -> list[tuple[int, int]]:
 
 
 def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event,
-                report_interval_s: float = REPORT_INTERVAL_S) -> str:
+                report_interval_s: float = REPORT_INTERVAL_S, pushes_in_flight: int = PUSH_DEPTH) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended."""
     reporter = Reporter(master, report_interval_s)
     # The next lease is asked for and read on its own thread while the current one trains: at the
@@ -183,7 +184,7 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                 if reporter.refused or stop.is_set():
                     break
                 result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
-                settle(keep=PUSH_DEPTH - 1)
+                settle(keep=pushes_in_flight - 1)
                 in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq, hi == t.end))
                 reporter.pump()
             leaving.set()

@@ -28,7 +28,7 @@ def loss(labels, predictions):
 
 
 def optimizer() -> keras.optimizers.Optimizer:
-    return keras.optimizers.Adam(learning_rate=1e-3)
+    return keras.optimizers.Adam(learning_rate=3e-3)
 
 
 def feed(batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -219,3 +219,13 @@ def test_a_larger_job_asks_its_workers_for_slower_reports(max_workers, interval)
         assert m.client(0).register().report_interval_s == pytest.approx(interval)
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("max_workers, depth", [(1, 2), (2, 1), (8, 1)])
+def test_workers_of_a_multi_worker_job_keep_one_push_in_flight(max_workers, depth):
+    # Each gradient misses the updates in flight when its step began: fewer with more workers.
+    m = Master(max_workers=max_workers)
+    try:
+        assert m.client(0).register().pushes_in_flight == depth
+    finally:
+        m.close()
