@@ -5,7 +5,6 @@ import numpy as np
 
 from elastic_step.data.api import Manifest
 from elastic_step.data.reader import ShardReader
-from elastic_step.errors import ModelDefError
 
 
 def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
@@ -31,8 +30,7 @@ def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
                     for m in metrics.values():
                         m.update_state(labels, preds)
                 except Exception as e:
-                    raise ModelDefError(f"Evaluating the model of {model_def.spec!r} raised "
-                                        f"{type(e).__name__}: {e}") from e
+                    raise model_def.user_error(e, "evaluating the model") from e
                 k = len(labels)
                 total_loss += loss * k
                 count += k

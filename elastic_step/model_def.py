@@ -11,9 +11,11 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import functools
 import os
 import sys
 import tempfile
+import traceback
 import types
 from typing import Any, Callable
 
@@ -32,9 +34,37 @@ class ModelDef:
         try:
             return getattr(self.module, name)(*args)
         except Exception as e:  # the user's code raised: say where, keep the cause
-            raise ModelDefError(
-                f"{name}() in the model definition {self.spec!r} raised {type(e).__name__}: {e}. "
-                f"Fix {name}() in that module; it must run with plain Keras too.") from e
+            raise self.user_error(e, f"calling {name}()", name) from e
+
+    def user_error(self, error: BaseException, doing: str, function: str | None = None) -> ModelDefError:
+        """The user's error as theirs: the contract function it came from (the outermost frame in the
+        user's module, else `function`), the user's own frames of the traceback, and the fix.
+        Errors raised by TensorFlow while running a traced step have no such frames: the message then
+        points at what feeds what."""
+        if isinstance(error, ModelDefError):
+            return error
+        frames = self._user_frames(error)
+        function = frames[0].name if frames else function
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        if lines and lines[0] == "in user code:":   # tf.function's framing: the error itself is last
+            lines = [lines[-1].removeprefix(f"{type(error).__name__}: ")]
+        first = lines[0] if lines else ""
+        what = f"{function}() in the model definition {self.spec!r}" if function else \
+            f"The model definition {self.spec!r}"
+        fix = f"Fix {function}() in that module" if function else \
+            "Check that feed() returns what model() and loss() expect"
+        text = f"{what} raised {type(error).__name__}: {first} (while {doing}). {fix}; it must run with " \
+               "plain Keras too."
+        if frames:
+            text += "\nYour code, innermost last:\n" + "".join(traceback.format_list(frames)).rstrip()
+        return ModelDefError(text)
+
+    def raised_in_user_code(self, error: BaseException) -> bool:
+        return bool(self._user_frames(error))
+
+    def _user_frames(self, error: BaseException) -> list[traceback.FrameSummary]:
+        path = os.path.realpath(getattr(self.module, "__file__", "") or "")
+        return [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) == path]
 
     def model(self):
         import keras
@@ -63,9 +93,20 @@ class ModelDef:
     def feed(self, batch):
         return self._call("feed", batch)
 
-    @property
+    @functools.cached_property
     def loss_fn(self) -> Callable:
-        return self.module.loss
+        """loss() reduced exactly as Keras's compile/fit reduce it: a `keras.losses.Loss` is used as
+        it is (its own reduction); a function returning a scalar or per-example losses is wrapped
+        as compile() wraps it (labels and predictions brought to one rank, then the mean over every
+        element)."""
+        import keras
+        # The very wrapper compile() puts around a loss function (keras/src/trainers/compile_utils.py,
+        # get_loss); Keras does not export it. The parity tests hold us to fit's results.
+        from keras.src.losses.losses import LossFunctionWrapper
+        loss = self.module.loss
+        if isinstance(loss, keras.losses.Loss):
+            return loss
+        return LossFunctionWrapper(loss, name=getattr(loss, "__name__", "loss"))
 
     def training_loss(self, model, features, labels, trainable_values=None):
         """What a training step minimises: loss() plus the model's own regularization losses, as Keras's

@@ -17,7 +17,7 @@ import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
-from elastic_step.errors import ConfigError, ElasticStepError, JobFailed
+from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError
 from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.coordinator import Coordinator
@@ -293,6 +293,9 @@ class TrainingJob:
             else:
                 self._load_from_ps(self._eval_model)
             r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
+        except ModelDefError as e:   # the user's loss or metrics: theirs, reported once, now
+            self.coord.report_failure("master", "model_error", str(e), "")
+            return
         except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
             log.warning("evaluation after epoch %d failed: %s", epoch, e)
             return

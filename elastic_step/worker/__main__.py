@@ -18,16 +18,14 @@ from elastic_step.instance import EXIT_USER_ERROR, MasterClient, parse_args, qui
 log = logging.getLogger("elastic_step.worker")
 
 
-def run_allreduce(args, master: MasterClient, stop: threading.Event) -> int:
+def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     """--strategy allreduce: see worker/allreduce_loop.py."""
     import keras
 
     from elastic_step.data.reader import ReaderPool
-    from elastic_step.model_def import load_model_def
     from elastic_step.worker import collective
     from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
 
-    model_def = load_model_def(args.model_def)
     keras.utils.set_random_seed(args.seed)
     trainer = AllReduceTrainer(model_def, model_def.model())
     state = collective.StateProvider()
@@ -59,17 +57,15 @@ def run_allreduce(args, master: MasterClient, stop: threading.Event) -> int:
         server.stop(grace=0.5)
 
 
-def run(args, master: MasterClient, stop: threading.Event) -> int:
+def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     import keras
 
     from elastic_step.data.reader import ReaderPool
-    from elastic_step.model_def import load_model_def
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient
     from elastic_step.worker.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
     from elastic_step.worker.trainer import PSTrainer
 
-    model_def = load_model_def(args.model_def)
     keras.utils.set_random_seed(args.seed)
     model = model_def.model()
     placement = Placement.of(model, args.num_ps)
@@ -96,11 +92,23 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     master = MasterClient(args.master, args.token, "worker", args.index)
+    model_def = None
     try:
-        return (run_allreduce if args.strategy == "allreduce" else run)(args, master, stop)
+        from elastic_step.model_def import load_model_def
+        model_def = load_model_def(args.model_def)
+        return (run_allreduce if args.strategy == "allreduce" else run)(args, model_def, master, stop)
     except ElasticStepError as e:
         log.error("%s", e)
         master.fail("data_error" if isinstance(e, DataError) else "model_error", e)
+        return EXIT_USER_ERROR
+    except Exception as e:
+        # Raised in the user's code on a thread of ours (a push, a lease read ahead): still theirs,
+        # reported once as such, not relaunched into a crash loop.
+        if model_def is None or not model_def.raised_in_user_code(e):
+            raise
+        error = model_def.user_error(e, "training")
+        log.error("%s", error)
+        master.fail("model_error", error)
         return EXIT_USER_ERROR
     finally:
         master.close()

@@ -33,7 +33,6 @@ import zlib
 import grpc
 import numpy as np
 
-from elastic_step.errors import ModelDefError
 from elastic_step.instance import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc
@@ -85,10 +84,7 @@ class AllReduceTrainer:
         try:
             loss, flat = self._grad_step(features, labels)
         except Exception as e:  # the user's model/loss failed on real data
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
-                                f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
-                                "loss() expect.") from e
+            raise self.model_def.user_error(e, "computing a training step") from e
         return float(loss), flat.numpy(), int(len(labels))
 
     def apply(self, mean_grad: np.ndarray, lr: float) -> None:

@@ -19,7 +19,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from elastic_step.errors import ModelDefError
 from elastic_step.ps.api import Placement, embedding_variable_paths, variable_names
 from elastic_step.ps.client import PSClient
 
@@ -193,10 +192,7 @@ class PSTrainer:
             begin, end = (self.tf.constant([b], self.tf.int64) for b in batch.bounds)
             loss, dense, sparse = self._step_for(batch.specs)(batch.features, batch.labels, begin, end, self._flats)
         except Exception as e:  # the user's model/loss failed on real data
-            first = str(e).splitlines()[0] if str(e) else ""
-            raise ModelDefError(f"The training step of the model definition {self.model_def.spec!r} raised "
-                                f"{type(e).__name__}: {first}. Check that feed() returns what model() and "
-                                "loss() expect.") from e
+            raise self.model_def.user_error(e, "computing a training step") from e
         return StepResult(loss, dense, sparse)
 
     def _step_for(self, specs):

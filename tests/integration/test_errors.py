@@ -82,7 +82,9 @@ def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
     out = tmp_path / "out"
     proc, summary = train(digits_data, out, "--max-workers", "2", model=model)
     msg = assert_clean_error(proc, "pixel column has the wrong scale", "feed()", "user_model.py")
-    assert "worker-" in msg
+    # Named by whoever met it first: a worker's step, or the master's eval of the initial weights.
+    assert "(worker-" in msg or "(master)" in msg, msg
+    assert proc.stderr.count("elastic-step: error:") == 1
     assert proc.returncode == 1
     # Not relaunched forever: the job failed on the first report of the user's error.
     assert summary["status"] == "failed"
@@ -126,3 +128,24 @@ def test_kubernetes_backend_without_a_cluster_is_a_clear_error(tmp_path, digits_
 def test_unknown_backend_is_a_clear_error(tmp_path, digits_data):
     proc, _ = train(digits_data, tmp_path / "out", "--backend", "yarn")
     assert_clean_error(proc, "--backend 'yarn'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
+def test_an_error_in_the_users_loss_is_theirs_once_with_their_traceback(tmp_path, digits_data, strategy):
+    model = write_model(tmp_path, """
+        def loss(labels, predictions):
+            return scaled(keras.losses.sparse_categorical_crossentropy(labels, predictions))
+
+        def scaled(losses):
+            raise ValueError("class weights are missing")
+    """)
+    out = tmp_path / "out"
+    proc, summary = train(digits_data, out, "--max-workers", "2", "--strategy", strategy, model=model)
+    assert_clean_error(proc, "loss()", "class weights are missing", "Fix loss()")
+    # The user's own frames, innermost last: where to look, without TensorFlow's.
+    assert "user_model.py" in proc.stderr and "in scaled" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("elastic-step: error:") == 1
+    assert summary["status"] == "failed" and summary["workers"]["relaunched"] == 0
+    assert "crash" not in proc.stderr.lower().split("elastic-step: error:")[-1]
+    assert not (out / "model.keras").exists()
