@@ -315,6 +315,11 @@ def _cards(summary: dict) -> str:
                       f"{exact} of {len(epochs)} epochs complete, no record applied twice"
                       if "incomplete" in states and "NOT exact" not in states
                       else f"{exact} of {len(epochs)} epochs committed exactly once"))
+    audit = _dict(summary, "audit")
+    if audit.get("verdict"):
+        cards.append(("exactly-once audit", str(audit["verdict"]),
+                      "from what the PS shards applied, not the ledger" if audit["verdict"] != "unavailable"
+                      else str(audit.get("reason", ""))))
     return '<div class="cards" id="cards">' + "".join(
         f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div>'
         + (f'<div class="s">{esc(small)}</div>' if small else "") + "</div>" for k, v, small in cards) + "</div>"
@@ -463,6 +468,36 @@ def _ledger(summary: dict) -> str:
             f'<details{is_open}><summary>Per-epoch table ({len(rows)} epochs)</summary>{table}</details>')
 
 
+def _audit(summary: dict) -> str:
+    """The exactly-once audit: the PS shards' own accounting laid over the data set (master/audit.py)."""
+    audit = _dict(summary, "audit")
+    if not audit:
+        return ('<p id="audit-verdict">No audit: allreduce has no parameter servers to account for what they '
+                'applied (the members\' weights are the only state).</p>'
+                if summary.get("strategy") == "allreduce" else '<p id="audit-verdict">No audit in this summary.</p>')
+    rows = _rows(audit, "epochs")
+    verdict = str(audit.get("verdict"))
+    if verdict == "exact":
+        head = (f"<b>Exact</b>: on all {_int(audit.get('ps_shards'))} PS shards, every record of all {len(rows)} "
+                "epochs was applied exactly once.")
+    elif verdict == "violated":
+        head = '<b class="bad">VIOLATED</b>: see the epochs marked below.'
+        if _int(audit.get("records_outside_the_data")):
+            head += f" {_int(audit.get('records_outside_the_data'))} applied records are not in the data set."
+    else:
+        head = f"Unavailable: {esc(audit.get('reason', ''))}."
+    body = "".join(
+        f'<tr class="{"ok" if _int(r.get("applied_once")) == _int(r.get("records")) else "bad"}">'
+        f'<td>{esc(r.get("epoch", i))}</td><td>{_int(r.get("records"))}</td><td>{_int(r.get("applied_once"))}</td>'
+        f'<td>{_int(r.get("never"))}</td><td>{_int(r.get("more_than_once"))}</td>'
+        f'<td>{_int(r.get("shards_disagree"))}</td></tr>' for i, r in enumerate(rows))
+    table = ('<table id="audit"><thead><tr><th>epoch</th><th>records</th><th>applied once</th><th>never</th>'
+             '<th>more than once</th><th>shards disagree</th></tr></thead><tbody>' + body + "</tbody></table>")
+    is_open = " open" if len(rows) <= 12 or verdict != "exact" else ""
+    return (f'<p id="audit-verdict">{head}</p>'
+            f'<details{is_open}><summary>Per-epoch audit ({len(rows)} epochs)</summary>{table}</details>')
+
+
 def _recovery(summary: dict) -> str:
     rec, w, ledger = _dict(summary, "recovery"), _dict(summary, "workers"), _dict(summary, "ledger")
     lat = [v for v in (num(x) for x in rec.get("requeue_latency_s", []) or []) if v is not None]
@@ -571,6 +606,11 @@ Dashed vertical lines: workers lost (red) and relaunched workers rejoining (gree
 <p class="note">A lost worker's task is requeued from its last reported watermark, not replayed whole, and a
 parameter server applies each (task, minibatch) push at most once.</p>
 {_ledger(summary)}
+<h2>Exactly-once audit</h2>
+<p class="note">The ledger is what the master believes. The audit checks it against evidence it does not
+produce: each PS shard accounts for the records of every push it applied, and those ranges are laid over
+the data set. A record counts as applied once only when every shard applied it exactly once.</p>
+{_audit(summary)}
 <h2>Recovery</h2>
 {_recovery(summary)}
 </body></html>

@@ -45,8 +45,19 @@ class Coordinator:
         from elastic_step.master.rendezvous import Rendezvous
 
         self.rendezvous = Rendezvous(self.min_workers, max_workers, lock=self.lock,
-                                     commit_fn=self._commit_step, record=self.record)
+                                     commit_fn=self._commit_step, record=self.record,
+                                     state_lost_fn=self._state_lost)
         return self.rendezvous
+
+    def _state_lost(self) -> None:
+        """allreduce: the last member is gone, and the only copy of the weights with it (lock held).
+        Without a checkpoint to go back to, the ledger goes back to the start, so that the final model
+        still holds every record exactly once."""
+        again = self.ledger.rewind()
+        if again:
+            log.warning("every allreduce member was lost, and the trained weights with them: no checkpoint "
+                        "to restore, so training starts over; %d committed records will be trained again", again)
+            self.record("rewound", "", f"every member lost: {again} committed records to train again")
 
     def _commit_step(self, ready: dict, now: float) -> bool:
         """An allreduce step commits (lock held): every member's watermark at once. True when done."""

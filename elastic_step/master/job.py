@@ -20,6 +20,8 @@ from elastic_step.data.api import load_manifest
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError
 from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
+from elastic_step.master.audit import EXACT, audit, describe
+from elastic_step.master.chaos import Chaos
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
@@ -47,42 +49,6 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
     raise ConfigError(f"Unknown backend {cfg.backend!r}; use local or kubernetes.")
 
 
-class Chaos:
-    """Test/benchmark hook: `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed
-    and every worker is training (so each loss hits a job at full strength); `term:` sends
-    SIGTERM instead (graceful scale-in). `@0` fires as soon as the job is at full strength. Actions
-    fire in threshold order."""
-
-    def __init__(self, specs: list[str]):
-        self.pending = []
-        for s in specs:
-            try:
-                action, rest = s.split(":", 1)
-                name, at = rest.split("@", 1)
-                role, index = name.rsplit("-", 1)
-                self.pending.append((action, InstanceId(role, int(index)), int(at)))
-                assert action in ("kill", "term")
-            except (ValueError, AssertionError):
-                raise ElasticStepError(f"Bad --chaos spec {s!r}: use kill:worker-0@400 or term:worker-1@900.")
-        self.pending.sort(key=lambda item: item[2])
-
-    def tick(self, committed: int, backend: Backend, coord: Coordinator, max_workers: int) -> None:
-        if not self.pending or len(coord.membership.training()) < max_workers:
-            return
-        # In threshold order, one per tick: the next waits for full strength again, so each action
-        # hits a job at full strength whatever this machine's speed.
-        action, inst, at = self.pending[0]
-        # ...and while it holds a lease, so the kill cuts a task short and leaves a remainder.
-        if committed >= at and inst in backend.alive() and str(inst) in coord.ledger.leases:
-            self.pending.pop(0)
-            coord.record("chaos", str(inst), f"{action} at {committed} records")
-            log.info("chaos: %s %s at %d committed records", action, inst, committed)
-            if action == "kill":
-                backend.kill(inst)
-            else:
-                threading.Thread(target=backend.stop, args=(inst, 30.0), daemon=True).start()
-
-
 class TrainingJob:
     def __init__(self, cfg: TrainConfig, backend: Backend | None = None):
         self.cfg = cfg.validate()
@@ -98,7 +64,7 @@ class TrainingJob:
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
-        self.chaos = Chaos(cfg.chaos)
+        self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers)
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.train_seconds = 0.0
         self.eval_history: list[dict] = []
@@ -176,7 +142,7 @@ class TrainingJob:
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
-            self.chaos.tick(committed, self.backend, self.coord, self.cfg.max_workers)
+            self.chaos.tick(committed, self.backend, self.coord)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
             # so a point's weights are those of the epoch it is labelled with.
             if (self.eval is not None and self.ledger.epoch > evaluated and not self.ledger.done
@@ -229,8 +195,8 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ the end
     def _load_from_ps(self, model, with_stats: bool = False) -> list:
-        """Load the parameter servers' current weights into a model built from the model definition."""
-        from elastic_step.proto import tensors
+        """Load the parameter servers' current weights into a model built from the model definition;
+        with `with_stats`, return each shard's Stats (counters and the audit's evidence)."""
         from elastic_step.ps.api import Placement, variable_names
         from elastic_step.ps.client import PSClient
 
@@ -243,11 +209,7 @@ class TrainingJob:
             ps.close()
         for name, var in zip(variable_names(model), model.trainable_variables):
             var.assign(values[name])
-        return [{"shard": s.shard, "pushes_applied": s.pushes_applied, "pushes_skipped": s.pushes_skipped,
-                 "dense_parameters": s.dense_parameters,
-                 "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in s.touched},
-                 "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in s.touched}}
-                for s in stats]
+        return stats
 
     def _final_model(self):
         import keras
@@ -310,11 +272,20 @@ class TrainingJob:
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
-        extra = {"ps": ps_stats} if not self.allreduce else {}
+        extra = {"ps": [ps_summary(s) for s in ps_stats], "audit": self._audit(ps_stats)} if not self.allreduce else {}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         log.info("job %s succeeded: %s", self.cfg.job_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
         return summary
+
+    def _audit(self, ps_stats) -> dict:
+        """The PS shards' evidence laid over the training data (not the ledger): see master/audit.py."""
+        from elastic_step.proto import tensors
+
+        evidence = [{(a.epoch, a.data_shard): tensors.decode(a.ranges) for a in s.applied} for s in ps_stats]
+        result = audit([s.rows for s in self.train.shards], self.cfg.epochs, evidence)
+        (log.info if result["verdict"] == EXACT else log.error)("%s", describe(result))
+        return result
 
     def _write_summary(self, status: str, **extra) -> dict:
         c, coord = self.cfg, self.coord
@@ -333,7 +304,8 @@ class TrainingJob:
                            "model_def": c.model_def, "train_data": c.train_data, "eval_data": c.eval_data},
                 "ledger": {"epochs": [a.as_dict() for a in self.ledger.accounts],
                            "records_committed": committed,
-                           "duplicate_pushes_suppressed": coord.duplicates_suppressed},
+                           "duplicate_pushes_suppressed": coord.duplicates_suppressed,
+                           "records_trained_again": self.ledger.trained_again},
                 "workers": coord.membership.summary(),
                 "recovery": {"requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
                              "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s],
@@ -351,11 +323,22 @@ class TrainingJob:
                 "timeseries": list(coord.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
+                **({"chaos": self.chaos.summary()} if self.chaos.schedule else {}),
             }
         summary.update(extra)
         atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))
         write_report(summary, str(self.output / REPORT_FILE))
         return summary
+
+
+def ps_summary(stats) -> dict:
+    """A PS shard's counters for summary.json."""
+    from elastic_step.proto import tensors
+
+    return {"shard": stats.shard, "pushes_applied": stats.pushes_applied, "pushes_skipped": stats.pushes_skipped,
+            "dense_parameters": stats.dense_parameters,
+            "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
+            "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched}}
 
 
 def train(cfg: TrainConfig) -> dict:

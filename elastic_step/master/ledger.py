@@ -73,6 +73,9 @@ class LedgerError(Exception):
 class Ledger:
     def __init__(self, shards: Iterable[ShardInfo], records_per_task: int, epochs: int,
                  minibatch_size: int = 1, seed: int = 0):
+        shards = list(shards)
+        # A shard's position in the manifest names its records in pushes (see PushKey).
+        self.shard_index = {s.uri: i for i, s in enumerate(shards)}
         self.shards = [s for s in shards if s.rows > 0]
         if not self.shards:
             raise ConfigError("The training data has no records: check the train manifest.")
@@ -95,6 +98,7 @@ class Ledger:
         self._next_id = 0
         self._lost_at: dict[int, float] = {}             # task_id -> when its remainder was requeued
         self.requeue_latencies: list[float] = []
+        self.trained_again = 0                           # records committed, then rewound (see rewind)
         self._advance_epoch()
 
     # ------------------------------------------------------------------ state
@@ -177,6 +181,24 @@ class Ledger:
             return lo, hi
         self._maybe_finish_epoch()
         return None
+
+    def rewind(self) -> int:
+        """The trained state that every commit went into is gone, and no checkpoint holds any part of
+        it: what was committed is no longer in any model, so it becomes uncommitted and training
+        starts over from the first epoch. Returns how many records will be trained again. Leases are
+        dropped (their holders' next reports are refused); task ids keep counting, so no push key of
+        before is ever reused."""
+        again = self.records_committed_total()
+        self.trained_again += again
+        self.epoch = -1
+        self.accounts.clear()
+        self.queue.clear()
+        self.leases.clear()
+        self.ahead.clear()
+        self.committed.clear()
+        self._lost_at.clear()
+        self._advance_epoch()
+        return again
 
     # ------------------------------------------------------------------ internals
     def _commit(self, task: TaskDef, lo: int, hi: int) -> int:

@@ -56,12 +56,14 @@ class View:
 class Rendezvous:
     def __init__(self, min_workers: int, max_workers: int, lock: threading.Lock | None = None,
                  commit_fn: Callable[[dict[str, Ready], float], bool] | None = None,
-                 record: Callable[..., None] | None = None, now: Callable[[], float] = time.time):
+                 record: Callable[..., None] | None = None, now: Callable[[], float] = time.time,
+                 state_lost_fn: Callable[[], None] | None = None):
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.cv = threading.Condition(lock or threading.Lock())
         self.commit_fn = commit_fn or (lambda ready, now: False)   # True: training is complete
         self.record = record or (lambda *a, **k: None)
+        self.state_lost_fn = state_lost_fn or (lambda: None)   # every member gone: the weights with them
         self.now = now
         self.version = 0
         self.members: list[tuple[str, str]] = []          # (name, address), rank order
@@ -129,9 +131,11 @@ class Rendezvous:
                 self._registered_at.pop(name, None)   # the initial members are not newcomers
             self._bump(f"training starts with {len(self.members)} workers")
         elif self.version and not self.members:
-            # Every member is gone: nobody will commit, admit the newcomers now (from their own state).
+            # Every member is gone, and the trained weights with them: admit the newcomers now, from
+            # their own initial state, and have what was committed trained again.
             self.members, self.pending = self.pending, []
-            self._bump("no member left: newcomers admitted")
+            self.state_lost_fn()
+            self._bump("no member left: newcomers admitted, from initial weights")
         self.cv.notify_all()
 
     def remove_locked(self, worker: str, why: str, at: float | None = None) -> bool:

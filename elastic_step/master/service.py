@@ -84,7 +84,7 @@ class MasterService(pb_grpc.MasterServicer):
         t = lease.task
         return pb.GetTaskResponse(kind=pb.GetTaskResponse.TASK, task=pb.Task(
             task_id=t.task_id, epoch=t.epoch, shard=t.shard, start=lease.watermark, end=t.end,
-            task_start=t.start))
+            task_start=t.start, shard_index=self.c.ledger.shard_index[t.shard]))
 
     def ReportProgress(self, request, context):
         check_token(context, self.token, request.token)

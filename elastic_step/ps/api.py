@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -68,3 +69,41 @@ class Placement:
         """Positions of `ids` owned by each shard (shard -> index array into ids)."""
         owner = ids % self.num_ps
         return [np.nonzero(owner == s)[0] for s in range(self.num_ps)]
+
+
+class PushKey(NamedTuple):
+    """One minibatch's push: its idempotency key (task_id, seq), under which a shard applies it at
+    most once, and the records it is made of, which the shard accounts for as the audit's evidence."""
+    task_id: int
+    seq: int             # first record of the minibatch (an index into its data shard)
+    end: int             # one past its last record
+    epoch: int
+    data_shard: int      # the data shard's index in the training manifest
+
+    @classmethod
+    def of(cls, request) -> "PushKey":
+        """The key a PushRequest carries."""
+        return cls(request.task_id, request.seq, request.end, request.epoch, request.data_shard)
+
+    @property
+    def idempotency(self) -> tuple[int, int]:
+        return self.task_id, self.seq
+
+
+class AppliedRecords:
+    """The records a shard applied: per (epoch, data shard), the [start, end) range of every applied
+    push. A range that starts where the last one ended extends it (a lease's minibatches arrive in
+    order); any other, overlapping ones included, is kept apart, so a record applied twice shows."""
+
+    def __init__(self):
+        self.ranges: dict[tuple[int, int], list[list[int]]] = {}
+
+    def add(self, key: PushKey) -> None:
+        ranges = self.ranges.setdefault((key.epoch, key.data_shard), [])
+        if ranges and ranges[-1][1] == key.seq:
+            ranges[-1][1] = key.end
+        else:
+            ranges.append([key.seq, key.end])
+
+    def arrays(self) -> dict[tuple[int, int], np.ndarray]:
+        return {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in self.ranges.items()}

@@ -14,7 +14,7 @@ import numpy as np
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
-from elastic_step.ps.api import Placement
+from elastic_step.ps.api import Placement, PushKey
 from elastic_step.ps.doorbell import Bell, Dropped
 from elastic_step.ps.shared_memory import PushSlots, SharedMemoryUnavailable
 
@@ -103,13 +103,14 @@ class PSClient:
                 out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
         return out
 
-    def push(self, task_id: int, seq: int, flat_grads: list[np.ndarray],
+    def push(self, key: PushKey, flat_grads: list[np.ndarray],
              emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
              ) -> tuple[bool, list[tuple[int, np.ndarray]]]:
         """One minibatch's push to every shard at once: per shard a flat dense gradient, plus
         embedding rows to their owners. Returns (applied by any shard, each shard's (version,
         fresh flat dense values))."""
-        requests = [pb.PushRequest(token=self.token, task_id=task_id, seq=seq, want_dense=want_dense)
+        requests = [pb.PushRequest(token=self.token, task_id=key.task_id, seq=key.seq, end=key.end,
+                                   epoch=key.epoch, data_shard=key.data_shard, want_dense=want_dense)
                     for _ in self.stubs]
         for name, (ids, values) in emb_grads.items():
             for shard, pos in enumerate(self.placement.split_ids(ids)):
@@ -137,7 +138,7 @@ class PSClient:
             np.copyto(shared.slots.gradient(slot), flat)
             try:
                 if shared.bells is not None and not request.embedding_grads:
-                    applied, version = shared.bells[slot].ring(request.task_id, request.seq, request.want_dense)
+                    applied, version = shared.bells[slot].ring(PushKey.of(request), request.want_dense)
                 else:
                     request.shared.segment, request.shared.slot = shared.segment, slot
                     r = self.stubs[shard].PushGradients(request, timeout=self.timeout)

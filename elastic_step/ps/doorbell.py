@@ -21,10 +21,12 @@ import struct
 import threading
 from typing import Callable
 
+from elastic_step.ps.api import PushKey
+
 log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")   # segment, slot, the segment's nonce
-RING = struct.Struct("<qq?")      # task_id, seq, want_dense
+RING = struct.Struct("<qqqii?")   # a PushKey (task_id, seq, end, epoch, data_shard), want_dense
 ANSWER = struct.Struct("<B?q")    # status, applied, version; a UTF-8 reason follows unless OK
 OK, DROPPED, FAILED = 0, 1, 2
 MAX_REASON = 2000
@@ -45,12 +47,12 @@ def _socket_address(address: str) -> str:
 
 class DoorbellServer:
     """The shard's side. `admit(segment, slot, nonce)` says whether a connection may ring for that
-    slot; `push(segment, slot, task_id, seq, want_dense)` applies one and returns (applied, version),
+    slot; `push(segment, slot, key, want_dense)` applies one and returns (applied, version),
     raising Dropped when the segment is gone. One thread per connection: pushes wait for the
     shard's lock anyway, and a slow or silent peer then holds up nobody else."""
 
     def __init__(self, admit: Callable[[int, int, bytes], bool],
-                 push: Callable[[int, int, int, int, bool], tuple[bool, int]]):
+                 push: Callable[[int, int, PushKey, bool], tuple[bool, int]]):
         self._admit = admit
         self._push = push
         self.address = f"@elastic-step-doorbell-{secrets.token_hex(8)}"
@@ -89,8 +91,9 @@ class DoorbellServer:
                 ring = conn.recv(RING.size + 1)
                 if len(ring) != RING.size:   # closed (the worker is gone) or not our protocol
                     return
+                *key, want_dense = RING.unpack(ring)
                 try:
-                    applied, version = self._push(segment, slot, *RING.unpack(ring))
+                    applied, version = self._push(segment, slot, PushKey(*key), want_dense)
                 except Dropped:
                     conn.send(ANSWER.pack(DROPPED, False, 0))
                     return
@@ -132,9 +135,9 @@ class Bell:
             self._sock.close()
             raise
 
-    def ring(self, task_id: int, seq: int, want_dense: bool) -> tuple[bool, int]:
+    def ring(self, key: PushKey, want_dense: bool) -> tuple[bool, int]:
         """(applied, the shard's version after it); the values are in the slot."""
-        self._sock.send(RING.pack(task_id, seq, want_dense))
+        self._sock.send(RING.pack(*key, want_dense))
         return self._answer()
 
     def _answer(self) -> tuple[bool, int]:

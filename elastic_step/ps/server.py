@@ -17,7 +17,7 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.ps.api import Placement, variable_names
+from elastic_step.ps.api import AppliedRecords, Placement, PushKey, variable_names
 from elastic_step.ps.doorbell import DoorbellServer, Dropped
 from elastic_step.ps.shared_memory import SharedSegments
 from elastic_step.util.atomic import atomic_write_bytes
@@ -67,6 +67,7 @@ class ParameterShard:
         self.dense_size = sum(int(v.shape.num_elements()) for v in dense_vars)
         self.version = 0
         self.applied: set[tuple[int, int]] = set()
+        self.applied_records = AppliedRecords()
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
@@ -97,13 +98,14 @@ class ParameterShard:
             [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables])
         self._read = tf.function(flat_values).get_concrete_function()
 
-    def push(self, key: tuple[int, int], flat_grad: np.ndarray,
+    def push(self, key: PushKey, flat_grad: np.ndarray,
              emb_grads: list[tuple[str, np.ndarray, np.ndarray]], out: np.ndarray | None = None
              ) -> tuple[bool, int, np.ndarray]:
-        """Apply a keyed push at most once. Returns (applied, version, the shard's flat dense values
-        at that version), the values written into `out` when given (a shared push slot)."""
+        """Apply a keyed push at most once, and account for its records. Returns (applied, version,
+        the shard's flat dense values at that version), the values written into `out` when given (a
+        shared push slot)."""
         with self.lock:
-            if key in self.applied:
+            if key.idempotency in self.applied:
                 self.skipped += 1
                 return False, self.version, self._values(out)
             if flat_grad.size != self.dense_size:
@@ -122,7 +124,8 @@ class ParameterShard:
             fresh = self._apply(tf.constant(flat_grad, tf.float32), [tf.constant(i, tf.int64) for i in ids_list],
                                 [tf.constant(v, t.dtype) for v, t in zip(values_list, self.tables.values())])
             values = self._copy(fresh, out)
-            self.applied.add(key)
+            self.applied.add(key.idempotency)
+            self.applied_records.add(key)
             self.version += 1
             return True, self.version, values
 
@@ -199,7 +202,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         else:
             grad = tensors.decode(request.dense_grads_flat)
         try:
-            applied, version, values = self.shard.push((request.task_id, request.seq), grad, emb, out)
+            applied, version, values = self.shard.push(PushKey.of(request), grad, emb, out)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         reply = pb.PushResponse(applied=applied, version=version)
@@ -224,13 +227,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                     log.info("no doorbell for shared pushes (%s): they use gRPC calls", e)
         return pb.AttachSharedResponse(segment=segment, doorbell=self.doorbell.address if self.doorbell else "")
 
-    def _ring(self, segment: int, slot: int, task_id: int, seq: int, want_dense: bool) -> tuple[bool, int]:
+    def _ring(self, segment: int, slot: int, key: PushKey, want_dense: bool) -> tuple[bool, int]:
         """A push rung through the doorbell: its gradient is in the slot, its values go back there."""
         try:
             grad, out = self.segments.slot(segment, slot)
         except KeyError as e:
             raise Dropped(str(e)) from e
-        applied, version, _ = self.shard.push((task_id, seq), grad, [], out)
+        applied, version, _ = self.shard.push(key, grad, [], out)
         return applied, version
 
     def close(self) -> None:
@@ -252,7 +255,11 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         s = self.shard
         reply = pb.PsStats(shard=s.shard, pushes_applied=len(s.applied), pushes_skipped=s.skipped,
                            dense_parameters=s.dense_size)
-        for name, ids in s.touched.items():
-            t = reply.touched.add(name=name)
-            tensors.encode(np.array(sorted(ids), dtype=np.int64), t.ids)
+        with s.lock:
+            for name, ids in s.touched.items():
+                t = reply.touched.add(name=name)
+                tensors.encode(np.array(sorted(ids), dtype=np.int64), t.ids)
+            for (epoch, data_shard), ranges in s.applied_records.arrays().items():
+                tensors.encode(ranges, reply.applied.add(epoch=epoch, data_shard=data_shard).ranges)
         return reply
+

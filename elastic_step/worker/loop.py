@@ -22,6 +22,7 @@ import time
 
 from elastic_step.instance import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
+from elastic_step.ps.api import PushKey
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -185,7 +186,8 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                     break
                 result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
                 settle(keep=pushes_in_flight - 1)
-                in_flight.append((trainer.push_start(result, t.task_id, seq), t.task_id, hi, hi - seq, hi == t.end))
+                key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
+                in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
                 reporter.pump()
             leaving.set()
         return "stopped"

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from elastic_step.ps.api import Placement, embedding_variable_paths, variable_names
+from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, variable_names
 from elastic_step.ps.client import PSClient
 
 log = logging.getLogger("elastic_step.worker")
@@ -204,19 +204,19 @@ class PSTrainer:
             self.refresh_dense()   # others pushed while this traced
         return self._traced[1]
 
-    def push_start(self, result: StepResult, task_id: int, seq: int) -> concurrent.futures.Future:
-        """Push keyed by (task, seq) on a push thread; `push_finish` waits for it."""
-        return self._push_threads.submit(self._push, result, task_id, seq)
+    def push_start(self, result: StepResult, key: PushKey) -> concurrent.futures.Future:
+        """Push under `key` on a push thread; `push_finish` waits for it."""
+        return self._push_threads.submit(self._push, result, key)
 
     @staticmethod
     def push_finish(handle: concurrent.futures.Future) -> tuple[bool, float]:
         """(applied by any shard, the minibatch's loss), once the push is done."""
         return handle.result()
 
-    def _push(self, result: StepResult, task_id: int, seq: int) -> tuple[bool, float]:
+    def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float]:
         dense = [g.numpy() for g in result.dense]
         rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
-        applied, replies = self.ps.push(task_id, seq, dense, rows, want_dense=True)
+        applied, replies = self.ps.push(key, dense, rows, want_dense=True)
         self._take_fresh(replies)
         if self.table_names and self._ids_of is None:
             self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in rows.items()})

@@ -248,3 +248,16 @@ ROW = st.fixed_dictionaries({}, optional={k: JUNK | st.floats(-1e6, 1e6) for k i
 def test_any_summary_renders(summary):
     page = render_report(summary)
     assert page.startswith("<!DOCTYPE html>") and parse(page).errors == []
+
+
+def test_the_audit_is_shown_and_a_violation_stands_out():
+    exact = {**SUMMARY, "audit": {"source": "ps", "verdict": "exact", "ps_shards": 2, "records_outside_the_data": 0,
+                                  "epochs": [{"epoch": 0, "records": 80, "applied_once": 80, "never": 0,
+                                              "more_than_once": 0, "shards_disagree": 0}]}}
+    html = render_report(exact)
+    assert "<b>Exact</b>: on all 2 PS shards" in html and 'id="audit"' in html
+    bad = {**exact, "audit": {**exact["audit"], "verdict": "violated",
+                              "epochs": [{"epoch": 0, "records": 80, "applied_once": 70, "never": 4,
+                                          "more_than_once": 6, "shards_disagree": 0}]}}
+    html = render_report(bad)
+    assert '<b class="bad">VIOLATED</b>' in html and '<tr class="bad"><td>0</td><td>80</td><td>70</td><td>4</td><td>6</td>' in html

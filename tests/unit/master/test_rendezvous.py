@@ -129,3 +129,22 @@ def test_coordinator_commits_every_member_watermark_at_once_and_requeues_the_los
     assert ledger.account.requeued == 24
     assert rdv.step_ready("worker-0", 2, 2, Ready(l0.task.task_id, l0.start + 16, 8, 1.0, 5))[0] == COMMIT
     assert ledger.records_committed_total() == 24
+
+
+def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewinds():
+    from elastic_step.master.coordinator import Coordinator
+    from elastic_step.master.ledger import Ledger, ShardInfo
+
+    ledger = Ledger([ShardInfo("s0", 64)], records_per_task=16, epochs=2, minibatch_size=16)
+    coord = Coordinator(ledger, 0, min_workers=1)
+    rdv = coord.attach_rendezvous(max_workers=1)
+    with coord.lock:
+        rdv.join_locked("worker-0", "a0")
+        lease = ledger.lease("worker-0", 0.0)
+        ledger.report("worker-0", lease.task.task_id, lease.task.end)
+        assert ledger.records_committed_total() == 16
+        rdv.remove_locked("worker-0", "killed")
+        rdv.join_locked("worker-1", "a1")       # from its own initial weights: nothing it holds is trained
+    assert ledger.records_committed_total() == 0 and ledger.trained_again == 16
+    assert ledger.epoch == 0 and len(ledger.queue) == 4 and not ledger.leases
+    assert any(e["kind"] == "rewound" for e in coord.events)

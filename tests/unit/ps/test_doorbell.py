@@ -6,6 +6,8 @@ import socket
 
 import pytest
 
+from tests.unit.ps.keys import key
+
 from elastic_step.ps import doorbell, shared_memory
 
 NONCE = b"n" * 16
@@ -19,13 +21,13 @@ def server():
     def admit(segment, slot, nonce):
         return segment == 7 and 0 <= slot < 2 and nonce == NONCE
 
-    def push(segment, slot, task_id, seq, want_dense):
-        if seq < 0:
+    def push(segment, slot, key, want_dense):
+        if key.seq < 0:
             raise doorbell.Dropped()
-        if seq == 999:
+        if key.seq == 999:
             raise RuntimeError("the optimizer blew up")
-        rung.append((segment, slot, task_id, seq, want_dense))
-        return (task_id, seq) not in {(t, s) for _, _, t, s, _ in rung[:-1]}, len(rung)
+        rung.append((segment, slot, key, want_dense))
+        return key.idempotency not in {k.idempotency for _, _, k, _ in rung[:-1]}, len(rung)
 
     def start():
         made.append(doorbell.DoorbellServer(admit, push))
@@ -38,9 +40,10 @@ def server():
 def test_a_ring_carries_the_key_and_returns_the_shards_answer(server):
     bell_server, rung = server()
     bell = doorbell.Bell(bell_server.address, 7, 1, NONCE, timeout=5)
-    assert bell.ring(3, 128, True) == (True, 1)
-    assert bell.ring(3, 128, False) == (False, 2)      # the shard's answer, as it gave it
-    assert rung == [(7, 1, 3, 128, True), (7, 1, 3, 128, False)]
+    assert bell.ring(key(3, 128, epoch=2, data_shard=5), True) == (True, 1)
+    assert bell.ring(key(3, 128), False) == (False, 2)      # the shard's answer, as it gave it
+    # The whole key crosses: the records (for the audit) as well as the idempotency key.
+    assert rung == [(7, 1, key(3, 128, epoch=2, data_shard=5), True), (7, 1, key(3, 128), False)]
     bell.close()
 
 
@@ -56,12 +59,12 @@ def test_a_dropped_segment_and_a_failed_push_are_told_apart(server):
     bell_server, _ = server()
     bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
     with pytest.raises(doorbell.PushFailed, match="RuntimeError: the optimizer blew up"):
-        bell.ring(1, 999, True)
-    assert bell.ring(1, 0, True) == (True, 1)          # a failure leaves the connection usable
+        bell.ring(key(1, 999), True)
+    assert bell.ring(key(1, 0), True) == (True, 1)          # a failure leaves the connection usable
     with pytest.raises(doorbell.Dropped):
-        bell.ring(1, -1, True)
+        bell.ring(key(1, -1), True)
     with pytest.raises(ConnectionError):               # after a drop the shard hangs up
-        bell.ring(1, 64, True)
+        bell.ring(key(1, 64), True)
     bell.close()
 
 
@@ -70,7 +73,7 @@ def test_closing_the_server_wakes_its_connections_and_clients_see_it(server):
     bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
     bell_server.close()
     with pytest.raises((ConnectionError, OSError)):
-        bell.ring(1, 0, True)
+        bell.ring(key(1, 0), True)
     bell.close()
     with pytest.raises(OSError):                       # nothing listens any more
         doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
@@ -107,5 +110,5 @@ def test_garbage_on_the_socket_ends_only_that_connection(server):
     assert raw.recv(4096)[:1] == bytes([doorbell.FAILED])
     raw.close()
     bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
-    assert bell.ring(2, 0, True) == (True, 1)
+    assert bell.ring(key(2, 0), True) == (True, 1)
     bell.close()

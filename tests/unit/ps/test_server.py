@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.unit.ps.keys import key
+
 keras = pytest.importorskip("keras")
 
 from elastic_step.ps import server  # noqa: E402
@@ -33,8 +35,8 @@ def test_flat_update_matches_the_per_variable_update(monkeypatch):
     rng = np.random.default_rng(0)
     for seq in range(5):
         g = rng.normal(size=fused.dense_size).astype(np.float32)
-        _, _, a = fused.push((0, seq), g, [])
-        _, _, b = reference.push((0, seq), g, [])
+        _, _, a = fused.push(key(0, seq), g, [])
+        _, _, b = reference.push(key(0, seq), g, [])
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert not np.allclose(a, shard(keras.optimizers.Adam(0.01)).dense_flat())   # the pushes moved it
 
@@ -42,8 +44,8 @@ def test_flat_update_matches_the_per_variable_update(monkeypatch):
 def test_a_key_is_applied_at_most_once():
     s = shard(keras.optimizers.SGD(0.1))
     g = np.ones(s.dense_size, np.float32)
-    applied, version, once = s.push((7, 64), g, [])
-    again, still, twice = s.push((7, 64), g, [])
+    applied, version, once = s.push(key(7, 64), g, [])
+    again, still, twice = s.push(key(7, 64), g, [])
     assert applied and not again and version == still == 1
     np.testing.assert_array_equal(once, twice)
     assert s.skipped == 1 and s.version == 1
@@ -73,7 +75,7 @@ def test_concurrent_pushes_each_get_one_consistent_version():
 
     def pusher(task):
         for seq in range(150):
-            _, version, values = s.push((task, seq), g, [])
+            _, version, values = s.push(key(task, seq), g, [])
             with lock:
                 replies.append((version, values))
     threads = [threading.Thread(target=pusher, args=(t,)) for t in (1, 2)]

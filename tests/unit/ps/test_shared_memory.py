@@ -8,6 +8,8 @@ import threading
 import numpy as np
 import pytest
 
+from tests.unit.ps.keys import key
+
 keras = pytest.importorskip("keras")
 
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
@@ -77,8 +79,8 @@ def test_shared_pushes_apply_what_pushes_with_bytes_apply(serve):
     rng = np.random.default_rng(0)
     for seq in range(6):
         g = rng.normal(size=shared_service.shard.dense_size).astype(np.float32)
-        a_applied, [(a_version, a)] = via_shm.push(0, seq, [g], {})
-        b_applied, [(b_version, b)] = via_bytes.push(0, seq, [g], {})
+        a_applied, [(a_version, a)] = via_shm.push(key(0, seq), [g], {})
+        b_applied, [(b_version, b)] = via_bytes.push(key(0, seq), [g], {})
         assert a_applied and b_applied and a_version == b_version == seq + 1
         np.testing.assert_array_equal(a, b)
     assert len(shared_service.segments) == 1 and len(bytes_service.segments) == 0
@@ -93,8 +95,8 @@ def test_a_replayed_key_is_skipped_and_returns_the_current_values(serve):
     service, client = serve(keras.optimizers.SGD(0.1))
     c = client()
     g = np.ones(service.shard.dense_size, np.float32)
-    first, [(_, once)] = c.push(3, 128, [g], {})
-    again, [(version, twice)] = c.push(3, 128, [g], {})
+    first, [(_, once)] = c.push(key(3, 128), [g], {})
+    again, [(version, twice)] = c.push(key(3, 128), [g], {})
     assert first and not again and version == 1
     np.testing.assert_array_equal(once, twice)
 
@@ -110,7 +112,7 @@ def test_concurrent_pushes_each_use_their_own_slot(serve):
 
     def pusher(offset):
         for i in range(offset, len(grads), 2):
-            assert c.push(1, i, [grads[i]], {})[0]
+            assert c.push(key(1, i), [grads[i]], {})[0]
     threads = [threading.Thread(target=pusher, args=(o,)) for o in (0, 1)]
     for t in threads:
         t.start()
@@ -124,10 +126,10 @@ def test_a_dropped_segment_is_resent_with_bytes_and_applied_once(serve):
     service, client = serve(keras.optimizers.SGD(0.1))
     c = client()
     g = np.ones(service.shard.dense_size, np.float32)
-    assert c.push(0, 0, [g], {})[0]
+    assert c.push(key(0, 0), [g], {})[0]
     (segment,) = list(service.segments._segments)
     service.segments.detach(segment)        # as when a shard drops its least recently used segment
-    applied, [(version, values)] = c.push(0, 64, [g], {})
+    applied, [(version, values)] = c.push(key(0, 64), [g], {})
     assert applied and version == 2 and service.shard.version == 2
     np.testing.assert_array_equal(values, service.shard.dense_flat())
 
@@ -144,7 +146,7 @@ def test_a_segment_the_shard_cannot_verify_is_refused_and_bytes_are_sent(serve, 
     c = client()
     g = np.ones(service.shard.dense_size, np.float32)
     with caplog.at_level("INFO", logger="elastic_step.ps"):
-        applied, [(_, values)] = c.push(0, 0, [g], {})
+        applied, [(_, values)] = c.push(key(0, 0), [g], {})
     assert applied and len(service.segments) == 0 and "refused shared push slots" in caplog.text
     np.testing.assert_array_equal(values, service.shard.dense_flat())
     assert not ours()

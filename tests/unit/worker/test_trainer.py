@@ -13,7 +13,7 @@ tf = pytest.importorskip("tensorflow")
 from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.proto import rpc  # noqa: E402
-from elastic_step.ps.api import Placement  # noqa: E402
+from elastic_step.ps.api import Placement, PushKey  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
 from elastic_step.worker.trainer import PSTrainer  # noqa: E402
@@ -32,7 +32,7 @@ MODEL = textwrap.dedent(f"""
         return keras.Model({{"ids": ids, "x": x}}, keras.layers.Dense(1)(keras.layers.Concatenate()([looked_up, x])))
 
     def loss(labels, predictions):
-        return keras.ops.mean(keras.ops.square(labels - predictions[:, 0]))
+        return keras.ops.mean(keras.ops.square(labels - predictions))   # labels come as [n, 1], as in fit
 
     def optimizer():
         return keras.optimizers.SGD(0.1)
@@ -116,7 +116,7 @@ def test_a_refresh_takes_the_shards_values_now_and_older_replies_do_not_undo_it(
     t, ps, _ = trainer
     other = ps   # another worker's pushes: they move the shard on
     for seq in range(3):
-        other.push(99, seq, [np.full(t._flat_specs[0].shape[0], 0.01, np.float32)], {}, want_dense=False)
+        other.push(PushKey(99, seq, seq + 1, 0, 0), [np.full(t._flat_specs[0].shape[0], 0.01, np.float32)], {}, want_dense=False)
     (version, now), = ps.pull_dense_at()
     assert version == 3 and not np.array_equal(t._flats[0].numpy(), now)
     t.refresh_dense()

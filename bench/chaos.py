@@ -1,0 +1,101 @@
+"""Chaos soak on the local backend: seeded random SIGKILLs and SIGTERMs to workers, fired on training
+progress, in both strategies, side by side with undisturbed runs of the same job.
+
+    .venv/bin/python bench/chaos.py [--runs 3] [--signals 3] [--epochs 40] [--strategies ps allreduce]
+
+Per strategy: one undisturbed digits run, then `--runs` runs under `random:<signals>:seed=<run>`. It
+prints, per run, the signals sent, the losses the master saw, the audit's verdict (the PS shards'
+own accounting laid over the data set; allreduce has no PS and says so), the records trained again
+and the accuracy; then the accuracy spread with chaos against without. The tally model's weights
+(tests/models/tally.py) are the other witness: pass `--tally` to train it instead of digits and
+check every record's weight against the epochs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DIGITS = ("samples/digits/model.py", "samples/digits/digits.csv")
+
+
+def run(out: pathlib.Path, data: pathlib.Path, model: str, strategy: str, epochs: int, chaos: str | None) -> dict:
+    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model,
+           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
+           "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128",
+           "--max-workers", "2", "--strategy", strategy, "--progress", "off"]
+    cmd += ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
+    if chaos:
+        cmd += ["--chaos", chaos]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed ({strategy}, {chaos}):\n{proc.stderr[-3000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def tally_verdict(out: pathlib.Path, data: pathlib.Path, epochs: int) -> str:
+    from tests.models import tally
+    from tests.models.witness import train_ids
+
+    rows, dense = tally.tallies(str(out / "model.keras"))
+    expected = np.zeros(tally.RECORDS)
+    expected[train_ids(str(data / "train"))] = epochs
+    wrong = int(((rows != expected) | (dense != expected)).sum())
+    return "exact" if wrong == 0 else f"{wrong} wrong"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--signals", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--strategies", nargs="+", default=["ps", "allreduce"])
+    p.add_argument("--tally", action="store_true", help="train the tally model: weights count applications")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
+        work = pathlib.Path(tmp)
+        if args.tally:
+            from tests.models import tally
+            model, source = "tests/models/tally.py", str(work / "tally.csv")
+            tally.write_csv(source)
+        else:
+            model, source = DIGITS
+        subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source", source,
+                        "--label", "label", "--output", str(work / "data")], cwd=ROOT, check=True,
+                       capture_output=True)
+        print(f"{'tally' if args.tally else 'digits'}, {args.epochs} epochs, 2 workers "
+              f"(ps: 2 PS shards; allreduce: --global-batch fixed), random:{args.signals}:seed=<run>")
+        header = (f"{'strategy':<10}{'run':<6}{'signals':<9}{'kill/term':<11}{'losses':<8}{'audit':<13}"
+                  f"{'tally':<8}{'trained again':<15}{'accuracy':<9}")
+        print(header)
+        for strategy in args.strategies:
+            base = run(work / f"{strategy}-base", work / "data", model, strategy, args.epochs, None)
+            accuracies = []
+            for i in range(args.runs):
+                out = work / f"{strategy}-{i}"
+                s = run(out, work / "data", model, strategy, args.epochs, f"random:{args.signals}:seed={i}")
+                fired = s.get("chaos", {}).get("fired", [])
+                kinds = f"{sum(f['action'] == 'kill' for f in fired)}/{sum(f['action'] == 'term' for f in fired)}"
+                audit = s.get("audit", {}).get("verdict", "no PS")
+                tv = tally_verdict(out, work / "data", args.epochs) if args.tally else "-"
+                acc = s["eval"].get("accuracy")
+                accuracies.append(acc)
+                print(f"{strategy:<10}{i:<6}{len(fired):<9}{kinds:<11}{s['workers']['lost']:<8}{audit:<13}{tv:<8}"
+                      f"{s['ledger']['records_trained_again']:<15}{acc if acc is None else f'{acc:.4f}':<9}")
+            if accuracies[0] is not None:
+                b = base["eval"]["accuracy"]
+                print(f"{strategy}: accuracy undisturbed {b:.4f}; with chaos {min(accuracies):.4f}-"
+                      f"{max(accuracies):.4f} (median {float(np.median(accuracies)):.4f}, "
+                      f"ratio to undisturbed {float(np.median(accuracies)) / b:.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Fault injection for tests, benchmarks and the demo: signals to workers, fired on training progress.
+
+Specs (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated):
+- `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed and every worker is training
+  (so each loss hits a job at full strength); `term:` sends SIGTERM instead (graceful scale-in). `@0`
+  fires as soon as the job is at full strength.
+- `random:4` or `random:4:seed=7`: a seeded random schedule of 4 signals, SIGKILL or SIGTERM, at
+  record counts drawn over the job's first 90 %. Each goes to a worker that holds a lease when it
+  fires (the seed ranks the workers), without waiting for full strength, so several fire in a run
+  even while replacements are still starting.
+
+Nothing fires on wall time: a slower machine sees the same schedule at the same progress. What
+fired goes into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+
+from elastic_step.backends.api import Backend, InstanceId
+from elastic_step.errors import ElasticStepError
+
+log = logging.getLogger("elastic_step.master")
+
+ACTIONS = ("kill", "term")
+SPEC_HELP = "use kill:worker-0@400, term:worker-1@900 or random:4:seed=7"
+
+
+@dataclasses.dataclass
+class Signal:
+    action: str                   # kill | term
+    at: int                       # records committed
+    target: InstanceId | None     # None: a worker holding a lease, ranked by `rank`
+    rank: list[int] = dataclasses.field(default_factory=list)
+
+
+class Chaos:
+    def __init__(self, specs: list[str], records_total: int, max_workers: int):
+        self.max_workers = max_workers
+        self.pending: list[Signal] = []
+        self.fired: list[dict] = []
+        for s in specs:
+            self.pending += self._parse(s, records_total, max_workers)
+        self.pending.sort(key=lambda sig: sig.at)
+        self.schedule = [{"action": sig.action, "at_records": sig.at,
+                          "instance": str(sig.target) if sig.target else "any worker holding a lease"}
+                         for sig in self.pending]
+
+    @staticmethod
+    def _parse(spec: str, records_total: int, max_workers: int) -> list[Signal]:
+        try:
+            kind, rest = spec.split(":", 1)
+            if kind == "random":
+                count, *options = rest.split(":")
+                opts = dict(o.split("=", 1) for o in options)
+                if set(opts) - {"seed"} or int(count) < 1:
+                    raise ValueError
+                rng = random.Random(int(opts.get("seed", 0)))
+                return [Signal(rng.choice(ACTIONS), rng.randint(1, max(1, int(records_total * 0.9))), None,
+                               rng.sample(range(max_workers), max_workers)) for _ in range(int(count))]
+            name, at = rest.split("@", 1)
+            role, index = name.rsplit("-", 1)
+            if kind not in ACTIONS or role != "worker" or int(at) < 0:
+                raise ValueError
+            return [Signal(kind, int(at), InstanceId(role, int(index)))]
+        except ValueError:
+            raise ElasticStepError(f"Bad --chaos spec {spec!r}: {SPEC_HELP}.") from None
+
+    def tick(self, committed: int, backend: Backend, coord) -> None:
+        """Fire the next signal whose threshold has passed, if its target is ready (one per tick)."""
+        if not self.pending or committed < self.pending[0].at:
+            return
+        sig = self.pending[0]
+        alive = backend.alive()
+        leased = {w for w in coord.ledger.leases}
+        if sig.target is not None:
+            # In threshold order, each at full strength and while its target holds a lease, so the
+            # signal cuts a task short and leaves a remainder, whatever this machine's speed.
+            if len(coord.membership.training()) < self.max_workers or sig.target not in alive \
+                    or str(sig.target) not in leased:
+                return
+            target = sig.target
+        else:
+            ready = [InstanceId("worker", i) for i in sig.rank
+                     if InstanceId("worker", i) in alive and f"worker-{i}" in leased]
+            if not ready:
+                return
+            target = ready[0]
+        self.pending.pop(0)
+        self.fired.append({"action": sig.action, "instance": str(target), "at_records": committed})
+        coord.record("chaos", str(target), f"{sig.action} at {committed} records")
+        log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
+        if sig.action == "kill":
+            backend.kill(target)
+        else:
+            threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
+
+    def summary(self) -> dict:
+        return {"schedule": self.schedule, "fired": list(self.fired),
+                "not_fired": [{"action": s.action, "at_records": s.at} for s in self.pending]}

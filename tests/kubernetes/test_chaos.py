@@ -1,0 +1,40 @@
+"""Chaos on the real control plane, in both strategies: a seeded random schedule of SIGKILLs (pod
+deleted with grace 0) and SIGTERMs (graceful deletion) of worker pods, fired on training progress,
+with the master as the real CLI holding only the shipped Role's rights. Every record is still
+applied exactly once, by the witnesses of tests/models/witness.py, not by the ledger."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.kubernetes.test_backend import ROOT, cli_env, job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.models.witness import (TALLY_MODEL, assert_audit_exact, assert_chaos_fired,
+                                  assert_each_record_applied_exactly)
+
+EPOCHS = 12
+
+
+@pytest.mark.parametrize("strategy, seed", [("ps", 11), ("allreduce", 13)])
+def test_random_pod_kills_and_terms_lose_nothing(control_plane, core, node, namespace, tally_data,
+                                                 priority_classes, sa_kubeconfig, tmp_path, strategy, seed):
+    signals, job, out = 3, f"chaos-{strategy}", tmp_path / "out"
+    extra = ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", job,
+         "--model-def", TALLY_MODEL, "--train-data", tally_data["train"], "--eval-data", tally_data["eval"],
+         "--output", str(out), "--strategy", strategy, "--epochs", str(EPOCHS), "--minibatch-size", "32",
+         "--records-per-task", "128", "--max-workers", "2", *extra, "--chaos", f"random:{signals}:seed={seed}",
+         "--progress", "lines"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=cli_env(sa_kubeconfig, namespace))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "kubernetes"
+    fired = assert_chaos_fired(summary, signals)
+    assert summary["workers"]["relaunched"] >= sum(f["action"] == "kill" for f in fired)
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    if strategy == "ps":
+        assert_audit_exact(summary)
+    assert job_pods(core, namespace, job) == []

@@ -1,0 +1,54 @@
+"""Witnesses of exactly-once that owe nothing to the ledger: the tally model's trained weights and the
+PS shards' audit; and the check that a test's chaos really fired."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from elastic_step.data.api import load_manifest
+from tests.models import tally
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TALLY_MODEL = os.path.join(ROOT, "tests", "models", "tally.py")
+
+
+def prepare_tally_data(out) -> dict:
+    """The tally data set (one record per id), prepared into train and eval manifests under `out`."""
+    from elastic_step.data.prep import prepare
+
+    tally.write_csv(str(out / "tally.csv"))
+    r = prepare(str(out / "tally.csv"), str(out / "prepared"), label="label", seed=0)
+    return {"train": r.train_uri, "eval": r.eval_uri, "rows": r.train.total_rows}
+
+
+def train_ids(manifest_uri: str) -> np.ndarray:
+    m = load_manifest(manifest_uri)
+    return np.concatenate([pq.read_table(m.shard_uri(s), columns=["id"])["id"].to_numpy() for s in m.shards])
+
+
+def assert_chaos_fired(summary: dict, planned: int) -> list[dict]:
+    chaos = summary.get("chaos") or {}
+    fired = chaos.get("fired", [])
+    assert len(fired) == planned, (f"the chaos never fired as planned: {len(fired)} of {planned} signals sent "
+                                   f"(not fired: {chaos.get('not_fired')}); the test proved nothing")
+    return fired
+
+
+def assert_each_record_applied_exactly(out, data: dict, epochs: int) -> None:
+    """The weights count applications: `epochs` for every train record, 0 for every other id."""
+    rows, dense = tally.tallies(str(out / "model.keras"))
+    expected = np.zeros(tally.RECORDS)
+    expected[train_ids(data["train"])] = epochs
+    for name, got in (("embedding rows", rows), ("dense kernel", dense)):
+        wrong = np.nonzero(got != expected)[0]
+        assert wrong.size == 0, (f"{name}: {wrong.size} records applied a wrong number of times, e.g. ids "
+                                 f"{wrong[:10].tolist()} hold {got[wrong[:10]].tolist()} (expected "
+                                 f"{expected[wrong[:10]].tolist()})")
+
+
+def assert_audit_exact(summary: dict) -> None:
+    audit = summary["audit"]
+    assert audit["verdict"] == "exact", audit
+    assert [e["applied_once"] for e in audit["epochs"]] == [summary["records_per_epoch"]] * summary["epochs"]
