@@ -318,7 +318,7 @@ def _cards(summary: dict) -> str:
     audit = _dict(summary, "audit")
     if audit.get("verdict"):
         cards.append(("exactly-once audit", str(audit["verdict"]),
-                      "from what the PS shards applied, not the ledger" if audit["verdict"] != "unavailable"
+                      "from what the model's state holds, not the ledger" if audit["verdict"] != "unavailable"
                       else str(audit.get("reason", ""))))
     return '<div class="cards" id="cards">' + "".join(
         f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div>'
@@ -469,17 +469,14 @@ def _ledger(summary: dict) -> str:
 
 
 def _audit(summary: dict) -> str:
-    """The exactly-once audit: the PS shards' own accounting laid over the data set (master/audit.py)."""
+    """The exactly-once audit: the model state's own accounting laid over the data set (master/audit.py)."""
     audit = _dict(summary, "audit")
     if not audit:
-        return ('<p id="audit-verdict">No audit: allreduce has no parameter servers to account for what they '
-                'applied (the members\' weights are the only state).</p>'
-                if summary.get("strategy") == "allreduce" else '<p id="audit-verdict">No audit in this summary.</p>')
+        return '<p id="audit-verdict">No audit in this summary.</p>'
     rows = _rows(audit, "epochs")
     verdict = str(audit.get("verdict"))
     if verdict == "exact":
-        head = (f"<b>Exact</b>: on all {_int(audit.get('ps_shards'))} PS shards, every record of all {len(rows)} "
-                "epochs was applied exactly once.")
+        head = f"<b>Exact</b>: every record of all {len(rows)} epochs was applied exactly once, {esc(audit.get('where', ''))}."
     elif verdict == "violated":
         head = '<b class="bad">VIOLATED</b>: see the epochs marked below.'
         if _int(audit.get("records_outside_the_data")):

@@ -11,6 +11,7 @@ import posixpath
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from elastic_step.errors import DataError
 from elastic_step.util.atomic import atomic_write_text
@@ -105,3 +106,30 @@ def load_manifest(path_or_dir: str) -> Manifest:
             uri=uri)
     except (KeyError, TypeError) as e:
         raise DataError(f"The manifest {uri} lacks field {e}; re-run `elastic-step data prep`.") from None
+
+
+class AppliedRecords:
+    """The records whose updates a copy of the model holds (a PS shard's, or an allreduce member's):
+    per (epoch, data shard index in the training manifest), the [start, end) range of each applied
+    update. A range that starts where the last one ended extends it (a lease's minibatches arrive
+    in order); any other, overlapping ones included, is kept apart, so a record applied twice shows.
+    The exactly-once audit (master/audit.py) lays them over the data set."""
+
+    def __init__(self):
+        self.ranges: dict[tuple[int, int], list[list[int]]] = {}
+
+    def add(self, epoch: int, data_shard: int, start: int, end: int) -> None:
+        ranges = self.ranges.setdefault((epoch, data_shard), [])
+        if ranges and ranges[-1][1] == start:
+            ranges[-1][1] = end
+        else:
+            ranges.append([start, end])
+
+    def arrays(self) -> dict[tuple[int, int], np.ndarray]:
+        return {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in self.ranges.items()}
+
+    @classmethod
+    def of(cls, arrays: dict[tuple[int, int], np.ndarray]) -> "AppliedRecords":
+        out = cls()
+        out.ranges = {k: [list(map(int, r)) for r in np.asarray(v).reshape(-1, 2)] for k, v in arrays.items()}
+        return out

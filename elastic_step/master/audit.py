@@ -1,11 +1,13 @@
-"""The exactly-once audit: what the parameter servers applied, compared with the data set.
+"""The exactly-once audit: what the model's state holds, compared with the data set.
 
-The ledger is what the master believes; the audit is the check on it. Every PS shard accounts for
-the records of each push it applied (ps/api.py, AppliedRecords), and here those ranges are laid
-over the training manifest: per epoch, how many records were applied 0, 1 and more than 1 times.
-Nothing here reads the ledger. A record counts as applied once only when every shard applied it
-exactly once: a push lost on one shard, or applied twice on one, leaves the shards' parameters out
-of step with the data, whatever the other shards hold.
+The ledger is what the master believes; the audit is the check on it. Whoever holds the model's
+state accounts for the records of each update it applied (data/api.py, AppliedRecords): every PS
+shard for its pushes; in allreduce, every member for each step it applied, all members'
+contributions included (they travel in the allreduced buffer, and with the weights to a newcomer).
+Here those ranges are laid over the training manifest: per epoch, how many records were applied 0,
+1 and more than 1 times. Nothing here reads the ledger. A record counts as applied once only when
+every holder applied it exactly once: a push lost on one shard, or applied twice on one, leaves the
+shards' parameters out of step with the data, whatever the other shards hold.
 """
 from __future__ import annotations
 
@@ -24,12 +26,15 @@ def coverage(rows: int, ranges: np.ndarray) -> np.ndarray:
     return np.cumsum(delta[:-1])
 
 
-def audit(shard_rows: list[int], epochs: int, evidence: list[dict[tuple[int, int], np.ndarray]]) -> dict:
+def audit(shard_rows: list[int], epochs: int, evidence: list[dict[tuple[int, int], np.ndarray]],
+          source: str = "ps") -> dict:
     """`shard_rows`: records of each data shard of the training manifest, in manifest order.
-    `evidence`: per PS shard, (epoch, data shard) -> the [start, end) ranges it applied.
+    `evidence`: per holder of state (PS shard, or the allreduce member the model came from),
+    (epoch, data shard) -> the [start, end) ranges it applied. `source`: "ps" or "allreduce".
     Returns the audit for summary.json: a verdict and, per epoch, records applied 0, 1, >1 times."""
     if not evidence:
-        return {"source": "ps", "verdict": UNAVAILABLE, "reason": "no parameter-server evidence", "epochs": []}
+        return {"source": source, "verdict": UNAVAILABLE, "reason": "no evidence from the model's state",
+                "epochs": []}
     records = int(sum(shard_rows))
     per_epoch, strays = [], 0
     for epoch in range(epochs):
@@ -53,8 +58,8 @@ def audit(shard_rows: list[int], epochs: int, evidence: list[dict[tuple[int, int
             strays += int((np.clip(ranges[:, 1], rows, None) - np.clip(ranges[:, 0], rows, None)).sum()
                           + (np.clip(ranges[:, 1], None, 0) - np.clip(ranges[:, 0], None, 0)).sum())
     exact = strays == 0 and all(e["applied_once"] == records for e in per_epoch)
-    return {"source": "ps", "ps_shards": len(evidence), "verdict": EXACT if exact else VIOLATED,
-            "records_outside_the_data": strays, "epochs": per_epoch}
+    return {"source": source, "holders": len(evidence), "where": where(source, len(evidence)),
+            "verdict": EXACT if exact else VIOLATED, "records_outside_the_data": strays, "epochs": per_epoch}
 
 
 def describe(result: dict) -> str:
@@ -63,11 +68,17 @@ def describe(result: dict) -> str:
         return f"audit unavailable ({result.get('reason', 'no evidence')})"
     if result["verdict"] == EXACT:
         n = len(result["epochs"])
-        return (f"audit exact: every record of {n} epoch(s) applied exactly once on all "
-                f"{result.get('ps_shards', 1)} PS shard(s)")
+        return f"audit exact: every record of {n} epoch(s) applied exactly once, {result['where']}"
     bad = [e for e in result["epochs"] if e["applied_once"] != e["records"]]
     parts = [f"epoch {e['epoch']}: {e['never']} never, {e['more_than_once']} more than once, "
              f"{e['shards_disagree']} differing between shards" for e in bad[:3]]
     if result.get("records_outside_the_data"):
         parts.append(f"{result['records_outside_the_data']} applied records outside the data set")
     return "audit VIOLATED: " + "; ".join(parts)
+
+
+def where(source: str, holders: int) -> str:
+    """Where the evidence came from, for a person."""
+    if source == "allreduce":
+        return "by the final weights' own accounting (allreduce members)"
+    return f"on all {holders} PS shard(s)"

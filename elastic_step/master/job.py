@@ -123,7 +123,7 @@ class TrainingJob:
             self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())),
                                final=True)
             self._evaluator.shutdown(wait=True)  # no model is built in two threads at once
-            model, ps_stats = self._final_model()
+            model, ps_stats, evidence = self._final_model()
         finally:
             self._evaluator.shutdown(wait=False, cancel_futures=True)
             self.coord.stop_all.set()
@@ -131,7 +131,7 @@ class TrainingJob:
             server.stop(grace=1)
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
-        return self._finish(model, ps_stats)
+        return self._finish(model, ps_stats, evidence)
 
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""
@@ -214,16 +214,19 @@ class TrainingJob:
     def _final_model(self):
         import keras
 
+        from elastic_step.proto import tensors
+
         keras.utils.set_random_seed(self.cfg.seed)
         model = self.model_def.model()
         if self.allreduce:
-            self._load_from_rank0(model, final=True)
-            return model, None
-        return model, self._load_from_ps(model, with_stats=True)
+            return model, None, [self._load_from_rank0(model, final=True)]
+        stats = self._load_from_ps(model, with_stats=True)
+        return model, stats, [tensors.decode_applied(s.applied) for s in stats]
 
-    def _load_from_rank0(self, model, final: bool = False) -> None:
+    def _load_from_rank0(self, model, final: bool = False) -> dict:
         """allreduce: the members' weights (identical on every member), from the first that answers.
-        `final`: the state of the last committed step; else whatever step the member is at."""
+        `final`: the state of the last committed step; else whatever step the member is at. Returns
+        the records those weights hold, as the member accounted them (the audit's evidence)."""
         from elastic_step.worker.collective import pull_state
 
         rdv = self.rendezvous
@@ -232,13 +235,14 @@ class TrainingJob:
         errors = []
         for name, address in members:
             try:
-                _, num_model, values = pull_state(address, self.cfg.token, step if final else -1, timeout=30)
+                _, num_model, values, applied = pull_state(address, self.cfg.token, step if final else -1,
+                                                           timeout=30)
             except Exception as e:  # noqa: BLE001 - try the next member
                 errors.append(f"{name}: {e}")
                 continue
             for var, value in zip(model.weights, values[:num_model]):
                 var.assign(value.reshape(tuple(var.shape)))
-            return
+            return applied
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 
     def _evaluate_epoch(self, epoch: int) -> None:
@@ -265,25 +269,24 @@ class TrainingJob:
             self.eval_history.append({"t": round(time.time() - self.coord.t0, 3), "epoch": epoch,
                                       **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)}})
 
-    def _finish(self, model, ps_stats) -> dict:
+    def _finish(self, model, ps_stats, evidence) -> dict:
         from elastic_step.evaluation import evaluate
         from elastic_step.model_io import save_model
 
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
-        extra = {"ps": [ps_summary(s) for s in ps_stats], "audit": self._audit(ps_stats)} if not self.allreduce else {}
+        extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         log.info("job %s succeeded: %s", self.cfg.job_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
         return summary
 
-    def _audit(self, ps_stats) -> dict:
-        """The PS shards' evidence laid over the training data (not the ledger): see master/audit.py."""
-        from elastic_step.proto import tensors
-
-        evidence = [{(a.epoch, a.data_shard): tensors.decode(a.ranges) for a in s.applied} for s in ps_stats]
-        result = audit([s.rows for s in self.train.shards], self.cfg.epochs, evidence)
+    def _audit(self, evidence: list[dict]) -> dict:
+        """What the PS shards (or the allreduce member whose weights are the model) say they applied,
+        laid over the training data, not over the ledger: see master/audit.py."""
+        result = audit([s.rows for s in self.train.shards], self.cfg.epochs, evidence,
+                       source="allreduce" if self.allreduce else "ps")
         (log.info if result["verdict"] == EXACT else log.error)("%s", describe(result))
         return result
 

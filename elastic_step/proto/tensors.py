@@ -29,3 +29,13 @@ def decode(t: pb.Tensor) -> np.ndarray:
     if a.size != expected:
         raise ValueError(f"tensor payload has {a.size} values, shape {list(t.shape)} needs {expected}")
     return a.reshape(tuple(t.shape))
+
+
+def encode_applied(applied: dict[tuple[int, int], np.ndarray], out) -> None:
+    """(epoch, data shard) -> [start, end) ranges (int64, k x 2) into a repeated AppliedRecords field."""
+    for (epoch, data_shard), ranges in applied.items():
+        encode(np.asarray(ranges, dtype=np.int64).reshape(-1, 2), out.add(epoch=epoch, data_shard=data_shard).ranges)
+
+
+def decode_applied(field) -> dict[tuple[int, int], np.ndarray]:
+    return {(a.epoch, a.data_shard): decode(a.ranges).reshape(-1, 2) for a in field}

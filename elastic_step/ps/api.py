@@ -89,21 +89,3 @@ class PushKey(NamedTuple):
     def idempotency(self) -> tuple[int, int]:
         return self.task_id, self.seq
 
-
-class AppliedRecords:
-    """The records a shard applied: per (epoch, data shard), the [start, end) range of every applied
-    push. A range that starts where the last one ended extends it (a lease's minibatches arrive in
-    order); any other, overlapping ones included, is kept apart, so a record applied twice shows."""
-
-    def __init__(self):
-        self.ranges: dict[tuple[int, int], list[list[int]]] = {}
-
-    def add(self, key: PushKey) -> None:
-        ranges = self.ranges.setdefault((key.epoch, key.data_shard), [])
-        if ranges and ranges[-1][1] == key.seq:
-            ranges[-1][1] = key.end
-        else:
-            ranges.append([key.seq, key.end])
-
-    def arrays(self) -> dict[tuple[int, int], np.ndarray]:
-        return {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in self.ranges.items()}

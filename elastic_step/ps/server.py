@@ -17,7 +17,8 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.ps.api import AppliedRecords, Placement, PushKey, variable_names
+from elastic_step.data.api import AppliedRecords
+from elastic_step.ps.api import Placement, PushKey, variable_names
 from elastic_step.ps.doorbell import DoorbellServer, Dropped
 from elastic_step.ps.shared_memory import SharedSegments
 from elastic_step.util.atomic import atomic_write_bytes
@@ -125,7 +126,7 @@ class ParameterShard:
                                 [tf.constant(v, t.dtype) for v, t in zip(values_list, self.tables.values())])
             values = self._copy(fresh, out)
             self.applied.add(key.idempotency)
-            self.applied_records.add(key)
+            self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
             self.version += 1
             return True, self.version, values
 
@@ -259,7 +260,6 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             for name, ids in s.touched.items():
                 t = reply.touched.add(name=name)
                 tensors.encode(np.array(sorted(ids), dtype=np.int64), t.ids)
-            for (epoch, data_shard), ranges in s.applied_records.arrays().items():
-                tensors.encode(ranges, reply.applied.add(epoch=epoch, data_shard=data_shard).ranges)
+            tensors.encode_applied(s.applied_records.arrays(), reply.applied)
         return reply
 

@@ -33,6 +33,7 @@ import zlib
 import grpc
 import numpy as np
 
+from elastic_step.data.api import AppliedRecords
 from elastic_step.instance import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc
@@ -55,6 +56,8 @@ class AllReduceTrainer:
         trainable = model.trainable_variables
         self.optimizer.build(trainable)
         self.base_lr = float(np.asarray(self.optimizer.learning_rate))
+        # The records whose updates the weights hold: every member's contribution to each applied step.
+        self.applied_records = AppliedRecords()
         self.size = sum(int(v.shape.num_elements()) for v in trainable)
         sizes = [int(v.shape.num_elements()) for v in trainable]
 
@@ -94,23 +97,49 @@ class AllReduceTrainer:
     def checksum(self) -> int:
         return zlib.crc32(self._flat_weights().numpy().tobytes())
 
-    def state(self) -> tuple[int, list[np.ndarray]]:
+    def state(self) -> tuple[int, list[np.ndarray], dict]:
         values = [np.asarray(v.numpy()) for v in self.model.weights]
-        return len(values), values + [np.asarray(v.numpy()) for v in self.optimizer.variables]
+        return (len(values), values + [np.asarray(v.numpy()) for v in self.optimizer.variables],
+                self.applied_records.arrays())
 
-    def load_state(self, num_model: int, values: list[np.ndarray]) -> None:
+    def load_state(self, num_model: int, values: list[np.ndarray], applied: dict) -> None:
+        """A peer's state: its weights, its optimizer's, and the records they hold, which travel with them."""
         targets = list(self.model.weights) + list(self.optimizer.variables)
         if num_model != len(self.model.weights) or len(values) != len(targets):
             raise RuntimeError(f"peer state has {len(values)} tensors ({num_model} model weights); "
                                f"this model has {len(targets)} ({len(self.model.weights)})")
         for var, value in zip(targets, values):
             var.assign(value.reshape(tuple(var.shape)))
+        self.applied_records = AppliedRecords.of(applied)
 
 
 class Lease:
     def __init__(self, t: pb.Task):
         self.task_id, self.shard, self.task_start, self.end = t.task_id, t.shard, t.task_start, t.end
+        self.epoch, self.shard_index = t.epoch, t.shard_index
         self.watermark = t.start
+
+
+# A member's contribution to a step, (epoch, data shard, start, end), rides in the allreduced buffer:
+# each member writes it into its rank's slot, zeros elsewhere, so the sum hands every member all of
+# them. Each integer is two float32s (high and low 20 bits), exact below 2**44.
+SLOT = 8
+_LOW = 1 << 20
+
+
+def contribution_slots(contribution: tuple[int, int, int, int] | None, rank: int, world: int) -> np.ndarray:
+    slots = np.zeros(SLOT * world, np.float32)
+    if contribution is not None:
+        ints = np.array(contribution, np.int64)
+        slots[SLOT * rank:SLOT * (rank + 1)] = np.stack([ints // _LOW, ints % _LOW], 1).ravel()
+    return slots
+
+
+def contributions(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
+    """Every member's (epoch, data shard, start, end) in a step, from the allreduced slots."""
+    pairs = np.rint(slots).astype(np.int64).reshape(-1, 4, 2)
+    ints = pairs[:, :, 0] * _LOW + pairs[:, :, 1]
+    return [tuple(int(x) for x in c) for c in ints if c[3] > c[2]]
 
 
 class AllReduceWorker:
@@ -182,7 +211,7 @@ class AllReduceWorker:
             return True
         peer, address = v.members[0].name, v.members[0].address
         try:
-            step, num_model, values = pull_state(address, self.token, v.base_step)
+            step, num_model, values, applied = pull_state(address, self.token, v.base_step)
         except grpc.RpcError as e:
             log.warning("could not pull the state of step %d from %s: %s", v.base_step, peer, e.code().name)
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -190,7 +219,7 @@ class AllReduceWorker:
             time.sleep(0.05)
             return False
         with self.state.cv:
-            self.trainer.load_state(num_model, values)
+            self.trainer.load_state(num_model, values, applied)
             self.applied_step = step
             self.state.applied_step = step
             self.state.cv.notify_all()
@@ -213,7 +242,8 @@ class AllReduceWorker:
         return "none"
 
     def compute(self, world: int):
-        """(flat buffer to allreduce, watermark after, records, loss) for this step's minibatches."""
+        """(flat buffer to allreduce, watermark after, records, loss, this member's contribution) for
+        this step's minibatches: one range of its lease, (epoch, data shard, start, end), or None."""
         k = 1 if self.global_batch == "scaled" else max(1, math.ceil(self.view.max_workers / world))
         buf = np.zeros(self.trainer.size + 2, np.float32)
         records, loss_sum = 0, 0.0
@@ -229,12 +259,13 @@ class AllReduceWorker:
             records += n
             loss_sum += loss * n
         buf[-2], buf[-1] = records, loss_sum
-        return buf, hi, records, (loss_sum / records if records else float("nan"))
+        contribution = (self.lease.epoch, self.lease.shard_index, self.lease.watermark, hi) if records else None
+        return buf, hi, records, (loss_sum / records if records else float("nan")), contribution
 
     def run(self) -> str:
         if not self.join():
             return "done"
-        computed = None     # (step, buf, watermark, records, loss): kept across retries of the step
+        computed = None     # (step, buf, watermark, records, loss, contribution): kept across retries of the step
         while not self.stop.is_set():
             step = self.applied_step + 1
             if computed is None or computed[0] != step:
@@ -243,11 +274,13 @@ class AllReduceWorker:
                     return "done"
                 world = len(self.view.members)
                 computed = (step, *self.compute(world))
-            _, buf, watermark, records, loss = computed
+            _, buf, watermark, records, loss, contribution = computed
             v = self.view
             try:
-                total = self.ring.allreduce(buf, [(m.name, m.address) for m in v.members], v.version, step,
+                payload = np.concatenate([buf, contribution_slots(contribution, v.rank, len(v.members))])
+                total = self.ring.allreduce(payload, [(m.name, m.address) for m in v.members], v.version, step,
                                             self.abort_check)
+                total, slots = total[:buf.size], total[buf.size:]
                 checksum = self.trainer.checksum()
                 while True:
                     reply = rpc.call(self.master.stub.StepReady, pb.StepReadyRequest(
@@ -280,6 +313,8 @@ class AllReduceWorker:
             with self.state.cv:
                 if n > 0:
                     self.trainer.apply(total[:-2] / n, lr)
+                    for epoch, data_shard, start, end in contributions(slots):
+                        self.trainer.applied_records.add(epoch, data_shard, start, end)
                 self.applied_step = step
                 self.state.applied_step = step
                 self.state.cv.notify_all()

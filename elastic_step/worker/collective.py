@@ -83,7 +83,8 @@ class StateProvider:
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.applied_step = -1
-        self.snapshot: Callable[[], tuple[int, list[np.ndarray]]] | None = None
+        # () -> (number of model weights, weights then optimizer variables, the records they hold)
+        self.snapshot: Callable[[], tuple[int, list[np.ndarray], dict]] | None = None
 
     def set_applied(self, step: int) -> None:
         with self.cv:
@@ -113,8 +114,9 @@ class CollectiveService(pb_grpc.CollectiveServicer):
             if st.snapshot is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no state yet")
             # Under the lock: the owner applies a step only while holding it, so this is one step's state.
-            num_model, values = st.snapshot()
+            num_model, values, applied = st.snapshot()
             reply = pb.StateReply(step=st.applied_step, num_model_weights=num_model)
+        tensors.encode_applied(applied, reply.applied)
         for v in values:
             tensors.encode(v, reply.tensors.add())
         return reply
@@ -128,13 +130,15 @@ def serve(service: CollectiveService, host: str) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def pull_state(address: str, token: str, step: int, timeout: float = 60.0) -> tuple[int, int, list[np.ndarray]]:
+def pull_state(address: str, token: str, step: int, timeout: float = 60.0
+               ) -> tuple[int, int, list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
+    """(step, number of model weights, weights then optimizer variables, the records they hold)."""
     ch = rpc.channel(address)
     try:
         r = pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step), timeout=timeout)
     finally:
         ch.close()
-    return r.step, r.num_model_weights, [tensors.decode(t) for t in r.tensors]
+    return r.step, r.num_model_weights, [tensors.decode(t) for t in r.tensors], tensors.decode_applied(r.applied)
 
 
 def chaos_target(me: str) -> int | None:

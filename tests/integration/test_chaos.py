@@ -2,8 +2,8 @@
 fired on training progress, several per run, and every record still applied exactly once.
 
 The witnesses are not the ledger: the trained weights of the tally model (tests/models/tally.py)
-count each record's applications, and in `ps` mode the summary's audit lays the PS shards' own
-accounting over the data set.
+count each record's applications, and the summary's audit lays the model state's own accounting
+(the PS shards', or the allreduce members') over the data set.
 """
 from __future__ import annotations
 
@@ -31,5 +31,4 @@ def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data,
     assert {f["action"] for f in fired} <= {"kill", "term"}
     assert summary["workers"]["relaunched"] >= sum(f["action"] == "kill" for f in fired)
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
-    if strategy == "ps":
-        assert_audit_exact(summary)
+    assert_audit_exact(summary, strategy)

@@ -35,6 +35,5 @@ def test_random_pod_kills_and_terms_lose_nothing(control_plane, core, node, name
     fired = assert_chaos_fired(summary, signals)
     assert summary["workers"]["relaunched"] >= sum(f["action"] == "kill" for f in fired)
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
-    if strategy == "ps":
-        assert_audit_exact(summary)
+    assert_audit_exact(summary, strategy)
     assert job_pods(core, namespace, job) == []

@@ -48,7 +48,8 @@ def assert_each_record_applied_exactly(out, data: dict, epochs: int) -> None:
                                  f"{expected[wrong[:10]].tolist()})")
 
 
-def assert_audit_exact(summary: dict) -> None:
+def assert_audit_exact(summary: dict, source: str = "ps") -> None:
+    """The audit: the model state's own accounting (PS shards, or allreduce members) over the data set."""
     audit = summary["audit"]
-    assert audit["verdict"] == "exact", audit
+    assert audit["source"] == source and audit["verdict"] == "exact", audit
     assert [e["applied_once"] for e in audit["epochs"]] == [summary["records_per_epoch"]] * summary["epochs"]

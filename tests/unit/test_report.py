@@ -251,11 +251,11 @@ def test_any_summary_renders(summary):
 
 
 def test_the_audit_is_shown_and_a_violation_stands_out():
-    exact = {**SUMMARY, "audit": {"source": "ps", "verdict": "exact", "ps_shards": 2, "records_outside_the_data": 0,
+    exact = {**SUMMARY, "audit": {"source": "ps", "verdict": "exact", "holders": 2, "where": "on all 2 PS shard(s)", "records_outside_the_data": 0,
                                   "epochs": [{"epoch": 0, "records": 80, "applied_once": 80, "never": 0,
                                               "more_than_once": 0, "shards_disagree": 0}]}}
     html = render_report(exact)
-    assert "<b>Exact</b>: on all 2 PS shards" in html and 'id="audit"' in html
+    assert "<b>Exact</b>: every record of all 1 epochs was applied exactly once, on all 2 PS shard(s)" in html and 'id="audit"' in html
     bad = {**exact, "audit": {**exact["audit"], "verdict": "violated",
                               "epochs": [{"epoch": 0, "records": 80, "applied_once": 70, "never": 4,
                                           "more_than_once": 6, "shards_disagree": 0}]}}

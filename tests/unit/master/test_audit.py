@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 from elastic_step.master.audit import EXACT, UNAVAILABLE, VIOLATED, audit, coverage, describe
-from elastic_step.ps.api import AppliedRecords, PushKey
+from elastic_step.data.api import AppliedRecords
+from elastic_step.ps.api import PushKey
 
 ROWS = [100, 37]
 
@@ -12,7 +13,7 @@ ROWS = [100, 37]
 def applied(*keys: PushKey) -> dict:
     records = AppliedRecords()
     for k in keys:
-        records.add(k)
+        records.add(k.epoch, k.data_shard, k.seq, k.end)
     return records.arrays()
 
 
