@@ -200,6 +200,40 @@ class Ledger:
         self._advance_epoch()
         return again
 
+    # ------------------------------------------------------------------ checkpoints
+    def cut(self) -> dict:
+        """The ledger as plain data, for a checkpoint. Leases are not carried over: a restored ledger
+        puts their remainders (and leases ahead) back at the front of the queue, where whoever holds
+        the job next takes them, under the same task ids and minibatch boundaries as before."""
+        held = [(lease.task.task_id, lease.watermark) for lease in [*self.leases.values(), *self.ahead.values()]
+                if lease.watermark < lease.task.end]
+        queue = held + [(task.task_id, start) for task, start in self.queue]
+        live = {t for t, _ in queue} | {t for t, task in self.tasks.items() if task.epoch == self.epoch}
+        return {"epoch": self.epoch, "next_id": self._next_id, "trained_again": self.trained_again,
+                "shards": [[s.uri, s.rows] for s in self.shards],
+                "accounts": [dataclasses.asdict(a) for a in self.accounts],
+                "tasks": {str(t): [task.epoch, task.shard, task.start, task.end]
+                          for t, task in self.tasks.items() if t in live},
+                "committed": {str(t): [list(i) for i in iv] for t, iv in self.committed.items() if t in live},
+                "queue": queue}
+
+    def restore(self, cut: dict) -> int:
+        """Go back to a cut (see `cut`); returns how many records committed now were not then (they
+        will be trained again)."""
+        if [[s.uri, s.rows] for s in self.shards] != cut["shards"]:
+            raise ConfigError("the checkpoint's ledger is over other data shards than this job's")
+        again = max(0, self.records_committed_total() - sum(a["committed"] for a in cut["accounts"]))
+        self.epoch, self._next_id = cut["epoch"], cut["next_id"]
+        self.trained_again = cut["trained_again"] + again
+        self.accounts = [EpochAccount(**a) for a in cut["accounts"]]
+        self.tasks = {int(t): TaskDef(int(t), e, uri, lo, hi) for t, (e, uri, lo, hi) in cut["tasks"].items()}
+        self.committed = {int(t): [list(iv) for iv in ivs] for t, ivs in cut["committed"].items()}
+        self.queue = collections.deque((self.tasks[t], start) for t, start in cut["queue"])
+        self.leases.clear()
+        self.ahead.clear()
+        self._lost_at.clear()
+        return again
+
     # ------------------------------------------------------------------ internals
     def _commit(self, task: TaskDef, lo: int, hi: int) -> int:
         if hi <= lo:

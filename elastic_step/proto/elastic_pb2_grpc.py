@@ -596,6 +596,11 @@ class ParameterServerStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
                 _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/elastic_step.ParameterServer/Restore',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/elastic_step.ParameterServer/Stats',
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.StatsRequest.SerializeToString,
@@ -637,7 +642,15 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Save(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """the shard's whole state (a checkpoint's part), atomically
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """back to a state Save wrote
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -678,6 +691,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             ),
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
             ),
@@ -847,6 +865,33 @@ class ParameterServer:
             request,
             target,
             '/elastic_step.ParameterServer/Save',
+            elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.ParameterServer/Restore',
             elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
             options,

@@ -63,6 +63,7 @@ class ParameterShard:
             name: tf.Variable(values[name].numpy()[shard::self.num_ps], name=f"e{i}")
             for i, name in enumerate(placement.embeddings)}
         tables = list(self.tables.values())
+        self.dense_vars = dense_vars
         self.optimizer = optimizer
         self.optimizer.build(dense_vars + tables)
         self.dense_size = sum(int(v.shape.num_elements()) for v in dense_vars)
@@ -156,12 +157,47 @@ class ParameterShard:
         return self.tf.gather(self.tables[name], ids // self.num_ps).numpy()
 
     def save(self, uri: str) -> None:
+        """The shard's whole state at one moment, atomically at `uri`: its values, its optimizer's
+        variables (slots, step count), and the keys and records of the pushes it applied, so that a
+        shard restored from it skips what it had applied and the audit sees exactly what it holds."""
         buf = io.BytesIO()
         with self.lock:
-            arrays = {"dense_flat": self._values()}
+            arrays = {"dense": np.array(self._values()), "version": np.array(self.version, np.int64),
+                      "skipped": np.array(self.skipped, np.int64),
+                      "applied_keys": np.array(sorted(self.applied), np.int64).reshape(-1, 2)}
             arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
+            arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
+            arrays.update({f"records/{e}/{d}": r for (e, d), r in self.applied_records.arrays().items()})
+            arrays.update({f"touched/{n}": np.array(sorted(ids), np.int64) for n, ids in self.touched.items()})
             np.savez(buf, **arrays)
         atomic_write_bytes(uri, buf.getvalue())
+
+    def restore(self, uri: str) -> None:
+        """Back to the state `save` wrote (the shard's values, its optimizer's, what it applied)."""
+        import fsspec
+
+        with fsspec.open(uri, "rb") as f:
+            saved = dict(np.load(io.BytesIO(f.read()), allow_pickle=False))
+        optimizer = [saved[f"optimizer/{i}"] for i in range(len(self.optimizer.variables))]
+        if saved["dense"].size != self.dense_size or any(f"table/{n}" not in saved for n in self.tables) \
+                or f"optimizer/{len(optimizer)}" in saved:
+            raise ValueError(f"the checkpoint {uri} is of another model: it does not fit shard {self.shard}")
+        with self.lock:
+            offset = 0
+            for v in self.dense_vars:
+                n = int(v.shape.num_elements())
+                v.assign(saved["dense"][offset:offset + n].reshape(v.shape))
+                offset += n
+            for name, table in self.tables.items():
+                table.assign(saved[f"table/{name}"])
+            for var, value in zip(self.optimizer.variables, optimizer):
+                var.assign(value)
+            self.version = int(saved["version"])
+            self.skipped = int(saved["skipped"])
+            self.applied = {(int(t), int(q)) for t, q in saved["applied_keys"]}
+            self.applied_records = AppliedRecords.of({tuple(int(x) for x in k.split("/")[1:]): v
+                                                      for k, v in saved.items() if k.startswith("records/")})
+            self.touched = {n: set(saved.get(f"touched/{n}", np.zeros(0, np.int64)).tolist()) for n in self.tables}
 
 
 class ParameterServerService(pb_grpc.ParameterServerServicer):
@@ -249,6 +285,14 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Save(self, request, context):
         check_token(context, self.token, request.token)
         self.shard.save(request.uri)
+        return pb.Ack()
+
+    def Restore(self, request, context):
+        check_token(context, self.token, request.token)
+        try:
+            self.shard.restore(request.uri)
+        except (OSError, ValueError, KeyError) as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot restore {request.uri}: {e}")
         return pb.Ack()
 
     def Stats(self, request, context):

@@ -7,6 +7,8 @@ that no record is leased twice at once, none is committed twice and none is skip
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -555,3 +557,36 @@ LedgerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count
                                            suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.filter_too_much])
 TestLedgerMachine = LedgerMachine.TestCase
+
+
+def test_a_cut_restores_into_a_fresh_ledger_with_held_leases_requeued_under_their_task_ids():
+    shards = [ShardInfo("a", 100), ShardInfo("b", 60)]
+    ledger = Ledger(shards, records_per_task=32, epochs=3, minibatch_size=16)
+    while ledger.epoch == 0:                                     # one whole epoch, then part of the next
+        lease = ledger.lease("w0", 0.0)
+        ledger.report("w0", lease.task.task_id, lease.task.end)
+    lease = ledger.lease("w0", 0.0)
+    ledger.report("w0", lease.task.task_id, lease.task.start + 16)
+    ahead = ledger.lease("w0", 0.0, after=lease.task.task_id)
+    cut = ledger.cut()
+    committed = ledger.records_committed_total()
+    assert committed == 160 + 16
+
+    # The old ledger goes on past the cut; the new one (a restarted master) starts from the cut.
+    ledger.report("w0", lease.task.task_id, lease.task.end)
+    restored = Ledger(shards, records_per_task=32, epochs=3, minibatch_size=16)
+    restored.restore(json.loads(json.dumps(cut)))
+    assert restored.records_committed_total() == committed and restored.epoch == 1
+    again = restored.lease("w1", 0.0)
+    assert (again.task.task_id, again.start) == (lease.task.task_id, lease.task.start + 16)
+    assert restored.lease("w2", 0.0).task.task_id == ahead.task.task_id
+    assert ledger.restore(cut) == lease.task.end - lease.task.start - 16   # what the old one committed after
+    # It finishes exactly: every record of every epoch once.
+    for worker in ("w1", "w2"):
+        while (held := restored.held(worker)):
+            restored.report(worker, held[0].task.task_id, held[0].task.end)
+    while not restored.done:
+        lease = restored.lease("w1", 0.0)
+        restored.report("w1", lease.task.task_id, lease.task.end)
+    assert [a.committed for a in restored.accounts] == [160, 160, 160]
+    assert all(a.double_applied == 0 for a in restored.accounts)
