@@ -1,7 +1,8 @@
 """The local backend against the Backend contract, with real subprocesses: every end of an
-instance is an event at once (no polling, no timeout), with how it ended."""
+instance is an event from the process's own end (no polling, no timeout), with how it ended."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -17,13 +18,25 @@ def spec(code: str, inst: InstanceId = W0) -> InstanceSpec:
     return InstanceSpec(inst, [sys.executable, "-c", code])
 
 
+READY = "print('ready', flush=True)\n"
+
+
 def next_end(backend: LocalBackend, timeout: float = 20.0):
+    """The next EXITED or LOST event (`timeout`: a safety limit, not a speed requirement)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for ev in backend.events(timeout=0.2):
             if ev.kind in (EventKind.EXITED, EventKind.LOST):
-                return ev, time.monotonic()
+                return ev
     pytest.fail("no end event")
+
+
+def wait_ready(backend: LocalBackend, inst: InstanceId = W0) -> None:
+    """Until the instance's program runs (its signal handlers are in place): it printed READY."""
+    deadline = time.monotonic() + 20.0
+    while "ready" not in backend.log_path(inst).read_text():
+        assert time.monotonic() < deadline, f"{inst} never got ready"
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -35,38 +48,43 @@ def backend(tmp_path):
 
 def test_exit_code_is_reported(backend):
     backend.start(spec("import sys; sys.exit(3)"))
-    ev, _ = next_end(backend)
+    ev = next_end(backend)
     assert (ev.kind, ev.instance, ev.exit_code) == (EventKind.EXITED, W0, 3)
 
 
-def test_sigkill_is_a_loss_reported_at_once(backend):
-    backend.start(spec("import time; time.sleep(60)"))
-    time.sleep(0.3)
-    t0 = time.monotonic()
+def test_sigkill_is_a_loss_reported_from_the_reaped_process(backend):
+    """The loss comes from the process's end itself (the signal that killed it, as the kernel
+    reports it when the child is reaped), once, with no further call into the backend."""
+    backend.start(spec(READY + "import time; time.sleep(60)"))
+    wait_ready(backend)
+    pid = backend.pid(W0)
     backend.kill(W0)
-    ev, t1 = next_end(backend)
-    assert ev.kind == EventKind.LOST and "SIGKILL" in ev.detail
-    assert t1 - t0 < 1.0
-    assert W0 not in backend.alive()
+    ev = next_end(backend)
+    assert (ev.kind, ev.instance, ev.exit_code, ev.detail) == (EventKind.LOST, W0, -9, "killed by SIGKILL")
+    assert W0 not in backend.alive() and backend.pid(W0) is None
+    with pytest.raises(ChildProcessError):   # already reaped, by the thread that reported it
+        os.waitpid(pid, os.WNOHANG)
+    assert [e.kind for e in backend.events(timeout=0.2)] == []   # one loss, not one per poll
 
 
 def test_stop_is_graceful_then_forced(backend, tmp_path):
     marker = tmp_path / "termed"
-    backend.start(spec(f"import signal, sys, time\n"
+    backend.start(spec(READY + f"import signal, sys, time\n"
                        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0)))\n"
                        f"time.sleep(60)"))
-    time.sleep(0.5)
+    wait_ready(backend)
     backend.stop(W0, grace_s=5)
-    ev, _ = next_end(backend)
+    ev = next_end(backend)
     assert (ev.kind, ev.exit_code) == (EventKind.EXITED, 0)
     assert marker.exists()
     stubborn = InstanceId("worker", 1)
-    backend.start(spec("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)",
+    backend.start(spec(READY + "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)",
                        stubborn))
-    time.sleep(0.5)
+    wait_ready(backend, stubborn)
     backend.stop(stubborn, grace_s=0.5)
-    ev, _ = next_end(backend)
-    assert ev.instance == stubborn and ev.kind == EventKind.LOST
+    ev = next_end(backend)
+    # SIGTERM was ignored: the end came from the SIGKILL after the grace period
+    assert (ev.instance, ev.kind, ev.detail) == (stubborn, EventKind.LOST, "killed by SIGKILL")
 
 
 def test_env_and_logs_and_relaunch(backend):
@@ -79,10 +97,17 @@ def test_env_and_logs_and_relaunch(backend):
     assert backend.log_path(W0).name.endswith(".2.log")
 
 
-def test_close_stops_everyone(backend):
-    for i in range(3):
-        backend.start(spec("import time; time.sleep(60)", InstanceId("worker", i)))
-    time.sleep(0.3)
-    assert len(backend.alive()) == 3
+def test_close_stops_everyone_gracefully(backend):
+    insts = [InstanceId("worker", i) for i in range(3)]
+    for inst in insts:
+        backend.start(spec(READY + "import time; time.sleep(60)", inst))
+    for inst in insts:
+        wait_ready(backend, inst)
+    assert backend.alive() == set(insts)
     backend.close(grace_s=2)
     assert backend.alive() == set()
+    ends = {}
+    while len(ends) < 3:
+        ev = next_end(backend)
+        ends[ev.instance] = ev.detail
+    assert ends == {inst: "killed by SIGTERM" for inst in insts}   # asked to go, never forced
