@@ -21,6 +21,14 @@
     ``$PROCESS_KUBELET_ROOT/var/run/secrets/kubernetes.io/serviceaccount/token`` is a real,
     pod-bound token);
   - its own loopback address 127.0.0.N (``status.podIP``; Linux routes all of 127/8 to lo);
+  - its own ``/dev/shm``: the process runs in a mount namespace of its own (``unshare --mount``,
+    private propagation) where a fresh tmpfs of 64 MiB, mounted as container runtimes mount it, covers
+    ``/dev/shm``. As on a real node, pods do not see each other's shared memory (nor the host's),
+    so code that passes data through /dev/shm between "hosts" that share a loopback network fails
+    here as it would on a cluster, and code that only uses its own /dev/shm (TensorFlow,
+    multiprocessing) works. Needs root, or unprivileged user namespaces (then ``--map-root-user``);
+    the kubelet checks once and refuses to start without it rather than run pods dishonestly.
+    Unlike a real pod's, the tmpfs is per start of the container, not kept across its restarts;
 * patches the pod status: Pending (IP, ContainerCreating) -> Running (container
   running/started, Ready) -> Succeeded/Failed with the exit code in
   ``containerStatuses[0].state.terminated`` (restartPolicy Always/OnFailure restart the
@@ -35,7 +43,9 @@ Logs: each container's stdout+stderr goes to ``<workdir>/pods/<ns>_<name>_<uid>/
 
 Several kubelets can run in one process; pod addresses come from one allocator per
 process. Not implemented: init containers, containers after the first, probes, lifecycle
-hooks, resource enforcement, exec/logs/port-forward through the apiserver.
+hooks, resource enforcement, exec/logs/port-forward through the apiserver, volumes mounted at
+their real ``mountPath`` (they live under ``$PROCESS_KUBELET_ROOT``; :func:`in_mount_namespace`
+takes bind mounts for when they are).
 """
 from __future__ import annotations
 
@@ -46,11 +56,14 @@ import json
 import logging
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .controlplane import _die_with_parent
@@ -114,6 +127,86 @@ def expand(s: str, env: dict) -> str:
     return _VAR.sub(sub, s)
 
 
+# ---- a mount namespace per container ----------------------------------------------------------
+
+# What containerd and Docker mount on a container's /dev/shm unless told otherwise.
+DEV_SHM_OPTIONS = "nosuid,nodev,noexec,mode=1777,size=64m"
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One mount made inside a container's mount namespace before its command runs: a fresh
+    filesystem (``fstype`` "tmpfs", ...) or, with fstype "bind", a directory of the pod's
+    (``source``) shown at ``target``."""
+    target: str
+    fstype: str
+    source: str = "none"
+    options: str = ""
+
+    def shell(self) -> str:
+        q = shlex.quote
+        if self.fstype == "bind":
+            return f"mount --bind {q(self.source)} {q(self.target)}"
+        opts = f" -o {q(self.options)}" if self.options else ""
+        return f"mount -t {q(self.fstype)}{opts} {q(self.source)} {q(self.target)}"
+
+
+def private_dev_shm() -> Mount:
+    return Mount("/dev/shm", "tmpfs", "shm", DEV_SHM_OPTIONS)
+
+
+def in_mount_namespace(argv: list[str], mounts: list[Mount], *, map_root_user: bool = False) -> list[str]:
+    """``argv`` wrapped to run in a mount namespace of its own, after ``mounts``.
+
+    Propagation is private, so nothing mounted inside reaches the host's namespace, and the
+    mounts go away with the last process in it. The wrapper execs (no fork), so the process the
+    kubelet started, signals and waits for is the container's command itself. A failed mount
+    fails the container (exit code of mount, message in its log)."""
+    script = "set -e\n" + "".join(m.shell() + "\n" for m in mounts) + 'exec "$@"'
+    unshare = [_tool("unshare"), "--mount", "--propagation", "private"]
+    if map_root_user:
+        unshare.append("--map-root-user")
+    return [*unshare, "--", _tool("sh"), "-c", script, "container", *argv]
+
+
+def _tool(name: str) -> str:
+    # Absolute: a pod's own PATH must not decide which unshare/sh/mount wraps it.
+    path = shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+    if path is None:
+        raise MountNamespaceUnavailable(f"the process kubelet needs {name}(1) to give each pod its own /dev/shm")
+    return path
+
+
+class MountNamespaceUnavailable(RuntimeError):
+    """This machine cannot give a pod a mount namespace of its own (not root, no user namespaces)."""
+
+
+_ns_mode: bool | None = None   # map_root_user, once known
+_ns_mode_lock = threading.Lock()
+
+
+def mount_namespace_mode() -> bool:
+    """Whether containers need ``--map-root-user`` (not root, user namespaces allowed): tried
+    once per process with a real tmpfs on /dev/shm in a throwaway namespace."""
+    global _ns_mode
+    with _ns_mode_lock:
+        if _ns_mode is None:
+            errors = []
+            for map_root_user in (False, True):
+                argv = in_mount_namespace(["true"], [private_dev_shm()], map_root_user=map_root_user)
+                p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+                if p.returncode == 0:
+                    _ns_mode = map_root_user
+                    break
+                errors.append(f"{shlex.join(argv[:5])}: {p.stderr.strip() or p.returncode}")
+            else:
+                raise MountNamespaceUnavailable(
+                    "the process kubelet gives each pod its own /dev/shm (a mount namespace per pod, as "
+                    "a real node has) and cannot here; run as root or allow unprivileged user "
+                    "namespaces. Tried: " + "; ".join(errors))
+        return _ns_mode
+
+
 class PodConfigError(Exception):
     """The pod references something missing (secret, key...); retried like the kubelet does."""
 
@@ -164,6 +257,7 @@ class ProcessKubelet:
         self.stop()
 
     def start(self) -> "ProcessKubelet":
+        self.map_root_user = mount_namespace_mode()   # before the node exists: no pod runs without it
         self._register()
         for target, tname in ((self._heartbeat_loop, "lease"), (self._watch_loop, "watch")):
             t = threading.Thread(target=target, name=f"kubelet-{self.name}-{tname}", daemon=True)
@@ -472,9 +566,14 @@ class _PodWorker(threading.Thread):
             try:
                 if not self.container.get("command"):
                     raise FileNotFoundError("the process kubelet ignores images: the container needs a command")
+                # Found before wrapping, so a missing program is a StartError as with a runtime,
+                # not the wrapper's exit code 127.
+                if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+                    raise FileNotFoundError(f"executable file not found: {argv[0]}")
                 with open(self.log_file, "ab") as out:
                     self.proc = subprocess.Popen(
-                        argv, env=env, cwd=self._cwd(), stdin=subprocess.DEVNULL, stdout=out,
+                        in_mount_namespace(argv, self._mounts(), map_root_user=k.map_root_user),
+                        env=env, cwd=self._cwd(), stdin=subprocess.DEVNULL, stdout=out,
                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
             except OSError as e:
                 with open(self.log_file, "ab") as out:
@@ -515,6 +614,11 @@ class _PodWorker(threading.Thread):
 
     def name_for_id(self) -> str:
         return self.k.name
+
+    def _mounts(self) -> list[Mount]:
+        """What the container's mount namespace shows that the host's does not: its pod's own
+        /dev/shm (a worker cannot map a segment another pod made, as between two hosts)."""
+        return [private_dev_shm()]
 
     def _wait_process(self) -> int:
         """Wait for the process; on deletion SIGTERM it, SIGKILL the group at the deadline."""
