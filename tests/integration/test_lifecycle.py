@@ -17,27 +17,32 @@ from tests.integration.harness import DIGITS_MODEL, ROOT
 pytestmark = pytest.mark.slow
 
 
+def both_workers_pushing(logs) -> bool:
+    texts = [p.read_text() for p in (logs / "worker-0.1.log", logs / "worker-1.1.log") if p.exists()]
+    return len(texts) == 2 and all("PS shard 0" in t for t in texts)
+
+
 def test_sigterm_to_master_stops_all_instances(digits_data, tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "train", "--model-def", DIGITS_MODEL,
-                             "--train-data", digits_data["train"], "--output", str(out), "--epochs", "500",
-                             "--max-workers", "2", "--progress", "lines"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, log = tmp_path / "out", tmp_path / "master.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "train", "--model-def", DIGITS_MODEL,
+                                 "--train-data", digits_data["train"], "--output", str(out), "--epochs", "500",
+                                 "--max-workers", "2", "--progress", "lines"],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, text=True)
     try:
-        # Wait until both workers were started, give them time to import TensorFlow and train,
-        # then terminate the master.
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if (out / "logs").exists() and len(list((out / "logs").glob("worker-*.log"))) >= 2:
-                break
-            time.sleep(0.5)
-        time.sleep(8)
-        assert proc.poll() is None, proc.stderr.read()
+        # Terminate the master while both workers train: each has pushed gradients to the PS (its
+        # first push logs which path it takes). The deadline is a safety limit only.
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and not both_workers_pushing(out / "logs"):
+            assert time.monotonic() < deadline, "the workers never pushed gradients: " + log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    err = log.read_text()
     assert proc.returncode != 0
     assert "terminated (SIGTERM)" in err
     assert "Traceback" not in err
