@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,6 +196,32 @@ def assert_exact_ledger(summary: dict) -> None:
         assert e["lost"] == 0 and e["double_applied"] == 0, e
 
 
+def assert_pushes_carried_bytes(logs: dict[str, str], shards: int, every_worker: bool = True) -> None:
+    """The production data path: a worker and a PS shard in two pods share no /dev/shm (the process
+    kubelet gives each pod its own, as nodes do), so the shard could not open the worker's push-slot
+    segment and every push carried its bytes over gRPC. `logs`: worker pod name -> its log. With
+    `every_worker`, each worker met every shard; otherwise (workers killed early) the job did."""
+    refused = {}
+    for pod, text in logs.items():
+        assert "pushes go through shared memory" not in text, (pod, text[-3000:])
+        refused[pod] = {int(m.group(1)) for m in re.finditer(
+            r"PS shard (\d+) at \S+ refused shared push slots \(cannot open /dev/shm/elastic-step-ps\1-\S+: "
+            r"No such file or directory\): pushes carry their bytes", text)}
+    if every_worker:
+        for pod, shards_refused in refused.items():
+            assert shards_refused == set(range(shards)), (pod, shards_refused, logs[pod][-3000:])
+    else:
+        assert set().union(*refused.values()) == set(range(shards)), refused
+
+
+def worker_logs(kubelet, namespace: str, job: str) -> dict[str, str]:
+    """The logs of every worker pod of the job that ran on this kubelet (relaunches included)."""
+    logs = {}
+    for path in sorted(kubelet.workdir.glob(f"pods/{namespace}_{job}-worker-*_*/*.log")):
+        logs[path.parent.name.split("_")[1]] = path.read_text()
+    return logs
+
+
 def run_job(cfg, backend):
     """TrainingJob.run() on a thread (the master in this process); returns (thread, job, result)."""
     from elastic_step.master.job import TrainingJob
@@ -344,6 +371,10 @@ def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, names
         assert o["spec"]["nodeName"] == "node-1"
     master_ip = pod.status.pod_ip
     assert all(f"--master {master_ip}:" in " ".join(o["spec"]["containers"][0]["command"]) for o in ours.values())
+    # pods on one node share no /dev/shm: pushes went as bytes over gRPC, as between two nodes
+    logs = worker_logs(node, namespace, job)
+    assert set(logs) == {f"{job}-worker-0", f"{job}-worker-1"}, sorted(logs)
+    assert_pushes_carried_bytes(logs, shards=1)
     # afterwards no job pod is left, nor the token Secret
     assert job_pods(core, namespace, job) == []
     assert not secret_exists(core, namespace, f"{job}-token")
@@ -537,10 +568,13 @@ def test_restarted_master_adopts_its_pods_without_duplicates(control_plane, core
     log1, log2 = tmp_path / "master-1.log", tmp_path / "master-2.log"
     m1 = master(attempt1, 200, log1)
     try:
+        # killed while both workers train: each has pushed gradients (its first push logs the path)
         wait_for(lambda: "worker-1 registered" in log1.read_text() and "worker-0 registered" in log1.read_text()
                  or m1.poll() is not None, 240, interval=0.5, what="master 1 training with two workers")
+        wait_for(lambda: [n for n, text in worker_logs(node, namespace, job).items() if "PS shard 0" in text]
+                 == [f"{job}-worker-0", f"{job}-worker-1"] or m1.poll() is not None,
+                 240, interval=0.5, what="both workers of master 1 pushing gradients")
         assert m1.poll() is None, log1.read_text()[-3000:]
-        time.sleep(2)
     finally:
         m1.send_signal(signal.SIGKILL)
         m1.wait()
@@ -671,8 +705,9 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
                 b.start(InstanceSpec(i, quits))
             for i in (w0, w1):
                 ev.wait(EventKind.RUNNING, i)
-            time.sleep(5)  # a few watch timeouts: resumed from the last resourceVersion, no re-list
-            assert b.stats["watches"] >= 3 and b.stats["relists"] == 0 and b.stats["gone_410"] == 0, b.stats
+            # a few watch timeouts (2 s each): each resumed from the last resourceVersion, no re-list
+            wait_for(lambda: b.stats["watches"] >= 3, 60, what="three watches")
+            assert b.stats["relists"] == 0 and b.stats["gone_410"] == 0, b.stats
             b._hold_watch()
             b.start(InstanceSpec(w2, SLEEPER))           # created while nobody watches
             core.delete_namespaced_pod("job-410-worker-0", ns, grace_period_seconds=0)

@@ -1,7 +1,8 @@
 """Chaos on the real control plane, in both strategies: a seeded random schedule of SIGKILLs (pod
 deleted with grace 0) and SIGTERMs (graceful deletion) of worker pods, fired on training progress,
 with the master as the real CLI holding only the shipped Role's rights. Every record is still
-applied exactly once, by the witnesses of tests/models/witness.py, not by the ledger."""
+applied exactly once, by the witnesses of tests/models/witness.py, not by the ledger. In `ps` mode,
+pushes carry their bytes over gRPC, as between nodes (each pod has its own /dev/shm)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from tests.kubernetes.test_backend import ROOT, cli_env, job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.kubernetes.test_backend import (ROOT, assert_pushes_carried_bytes, cli_env, job_pods,  # noqa: F401
+                                          priority_classes, sa_kubeconfig, worker_logs)
 from tests.models.witness import (TALLY_MODEL, assert_audit_exact, assert_chaos_fired,
                                   assert_each_record_applied_exactly)
 
@@ -36,4 +38,6 @@ def test_random_pod_kills_and_terms_lose_nothing(control_plane, core, node, name
     assert summary["workers"]["relaunched"] >= sum(f["action"] == "kill" for f in fired)
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)
+    if strategy == "ps":   # a worker killed before its first push met no shard: the job as a whole did
+        assert_pushes_carried_bytes(worker_logs(node, namespace, job), shards=2, every_worker=False)
     assert job_pods(core, namespace, job) == []
