@@ -44,6 +44,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                    "it exists)")
     p.add_argument("--image", help="kubernetes: runtime image of worker and PS pods")
     p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines", "off"])
+    p.add_argument("--checkpoint-every", default="60s", metavar="INTERVAL",
+                   help="cut a checkpoint of the PS shards and the ledger (under OUTPUT/checkpoints) every "
+                        "INTERVAL: a time (60s, 5m) or a number of committed records (50000); 0 for none")
+    p.add_argument("--resume", default="auto", choices=["auto", "never"],
+                   help="auto: resume from this job's last checkpoint when there is one (a retried step); "
+                        "never: start over")
     p.add_argument("--chaos", action="append", default=[], metavar="ACTION:INSTANCE@RECORDS",
                    help="testing: kill:worker-0@400 SIGKILLs worker-0 after 400 committed records; "
                         "term: sends SIGTERM")
@@ -84,6 +90,7 @@ def _train(args) -> dict:
         seed=args.seed, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
         **({"chaos": args.chaos} if args.chaos else {}))  # else TrainConfig reads ELASTIC_STEP_CHAOS
     if args.job_id:
         cfg.job_id = args.job_id

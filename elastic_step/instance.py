@@ -21,6 +21,24 @@ TOKEN_ENV = "ELASTIC_STEP_TOKEN"
 EXIT_USER_ERROR = 3
 
 
+# Set by the local backend: the master's pid. Its instances die with it, as pods go with their owner
+# on Kubernetes, so a SIGKILLed master leaves no process behind to push into shards nobody will read.
+PARENT_ENV = "ELASTIC_STEP_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(parent):   # it died before we asked
+        os._exit(1)
+
+
 def quiet_tensorflow() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -49,6 +67,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),
                    help="address this instance serves on and advertises (PS)")
     args = p.parse_args(argv)
+    die_with_parent()
     args.token = os.environ.get(TOKEN_ENV, "")
     if not args.token:
         p.error(f"{TOKEN_ENV} is not set: the master passes the job token in the environment")
@@ -71,12 +90,18 @@ class MasterClient:
     def get_task(self, ahead_of: int | None = None) -> pb.GetTaskResponse:
         return rpc.call(self.stub.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me, ahead_of=ahead_of))
 
-    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> bool:
-        """Returns False when the master refused the report (the lease is no longer ours)."""
-        reply = rpc.call(self.stub.ReportProgress, pb.ProgressReport(
+    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> pb.ProgressResponse:
+        """`stop`: the master refused the report (the lease is no longer ours); `hold`: a checkpoint is cut."""
+        return rpc.call(self.stub.ReportProgress, pb.ProgressReport(
             token=self.token, instance=self.me, task_id=task_id, watermark=watermark,
             records=records, loss=loss, duplicate=duplicate))
-        return not reply.stop
+
+    def hold(self, stop) -> None:
+        """Wait while the master cuts a checkpoint (this worker has nothing in flight), or until `stop`."""
+        while not stop.is_set():
+            if rpc.call(self.stub.Hold, pb.HoldRequest(token=self.token, instance=self.me, wait_s=1.0),
+                        timeout=10).released:
+                return
 
     def heartbeat(self) -> bool:
         """True when the master asks this instance to stop."""

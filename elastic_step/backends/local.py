@@ -12,6 +12,7 @@ import subprocess
 import threading
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
+from elastic_step.instance import PARENT_ENV
 
 
 class LocalBackend(Backend):
@@ -32,7 +33,8 @@ class LocalBackend(Backend):
             self._launches[spec.id] = n
             log_path = self.log_dir / f"{spec.id}.{n}.log"
             with open(log_path, "ab") as log:
-                proc = subprocess.Popen(spec.argv, env={**os.environ, **self._env, **spec.env},
+                env = {**os.environ, **self._env, **spec.env, PARENT_ENV: str(os.getpid())}
+                proc = subprocess.Popen(spec.argv, env=env,
                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # a Ctrl-C reaches the master only
             self._procs[spec.id] = proc

@@ -38,6 +38,8 @@ class TrainConfig:
     image: str | None = None
     max_relaunches: int = 20           # per job: a crash loop fails the job instead of spinning
     progress: str = "auto"             # auto | bar | lines | off
+    checkpoint_every: str = "60s"      # a time (60s, 5m) or records (50000); 0: no checkpoints
+    resume: str = "auto"               # auto: from this job's last checkpoint when there is one | never
     # Chaos hooks for tests and benchmarks: kill a worker after N committed records. Also read
     # from ELASTIC_STEP_CHAOS (comma-separated), so a pipeline step can be disturbed from outside.
     chaos: list[str] = dataclasses.field(
@@ -58,6 +60,10 @@ class TrainConfig:
             raise ConfigError(f"Unknown --strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
         if self.global_batch not in GLOBAL_BATCH:
             raise ConfigError(f"Unknown --global-batch {self.global_batch!r}; choose one of {', '.join(GLOBAL_BATCH)}.")
+        if self.resume not in ("auto", "never"):
+            raise ConfigError(f"Unknown --resume {self.resume!r}; choose auto or never.")
+        from elastic_step.master.checkpoint import parse_interval
+        parse_interval(self.checkpoint_every)
         if self.progress not in ("auto", "bar", "lines", "off"):
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")
         return self

@@ -4,6 +4,9 @@ Specs (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated):
 - `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed and every worker is training
   (so each loss hits a job at full strength); `term:` sends SIGTERM instead (graceful scale-in). `@0`
   fires as soon as the job is at full strength.
+- `kill:master@900` SIGKILLs the master itself once 900 records are committed (a lost step pod; run
+  the step again with the same job id and output to resume it); `kill:master@checkpoint=2` does it
+  after checkpoint 2's parts are written and before its manifest is (a master lost mid-checkpoint).
 - `random:4` or `random:4:seed=7`: a seeded random schedule of 4 signals, SIGKILL or SIGTERM, at
   record counts drawn over the job's first 90 %. Each goes to a worker that holds a lease when it
   fires (the seed ranks the workers), without waiting for full strength, so several fire in a run
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
+import signal
 import threading
 
 from elastic_step.backends.api import Backend, InstanceId
@@ -25,14 +30,16 @@ from elastic_step.errors import ElasticStepError
 log = logging.getLogger("elastic_step.master")
 
 ACTIONS = ("kill", "term")
-SPEC_HELP = "use kill:worker-0@400, term:worker-1@900 or random:4:seed=7"
+MASTER = "master"   # a signal's target: the master itself
+SPEC_HELP = ("use kill:worker-0@400, term:worker-1@900, random:4:seed=7, kill:master@900 or "
+             "kill:master@checkpoint=2")
 
 
 @dataclasses.dataclass
 class Signal:
     action: str                   # kill | term
     at: int                       # records committed
-    target: InstanceId | None     # None: a worker holding a lease, ranked by `rank`
+    target: InstanceId | str | None   # None: a worker holding a lease, ranked by `rank`; or MASTER
     rank: list[int] = dataclasses.field(default_factory=list)
 
 
@@ -41,12 +48,18 @@ class Chaos:
         self.max_workers = max_workers
         self.pending: list[Signal] = []
         self.fired: list[dict] = []
+        self.kill_at_checkpoint: int | None = None
         for s in specs:
+            if s.startswith("kill:master@checkpoint="):
+                self.kill_at_checkpoint = self._number(s, s.rsplit("=", 1)[1])
+                continue
             self.pending += self._parse(s, records_total, max_workers)
         self.pending.sort(key=lambda sig: sig.at)
         self.schedule = [{"action": sig.action, "at_records": sig.at,
                           "instance": str(sig.target) if sig.target else "any worker holding a lease"}
                          for sig in self.pending]
+        if self.kill_at_checkpoint is not None:
+            self.schedule.append({"action": "kill", "instance": "master", "at_checkpoint": self.kill_at_checkpoint})
 
     @staticmethod
     def _parse(spec: str, records_total: int, max_workers: int) -> list[Signal]:
@@ -61,6 +74,8 @@ class Chaos:
                 return [Signal(rng.choice(ACTIONS), rng.randint(1, max(1, int(records_total * 0.9))), None,
                                rng.sample(range(max_workers), max_workers)) for _ in range(int(count))]
             name, at = rest.split("@", 1)
+            if name == "master" and kind == "kill" and int(at) >= 0:
+                return [Signal(kind, int(at), MASTER)]
             role, index = name.rsplit("-", 1)
             if kind not in ACTIONS or role != "worker" or int(at) < 0:
                 raise ValueError
@@ -68,11 +83,26 @@ class Chaos:
         except ValueError:
             raise ElasticStepError(f"Bad --chaos spec {spec!r}: {SPEC_HELP}.") from None
 
+    @staticmethod
+    def _number(spec: str, text: str) -> int:
+        if not text.isdigit():
+            raise ElasticStepError(f"Bad --chaos spec {spec!r}: {SPEC_HELP}.")
+        return int(text)
+
+    def checkpoint_written(self, ckpt_id: int) -> None:
+        """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""
+        if ckpt_id == self.kill_at_checkpoint:
+            log.warning("chaos: SIGKILL the master between checkpoint %d's parts and its manifest", ckpt_id)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def tick(self, committed: int, backend: Backend, coord) -> None:
         """Fire the next signal whose threshold has passed, if its target is ready (one per tick)."""
         if not self.pending or committed < self.pending[0].at:
             return
         sig = self.pending[0]
+        if sig.target == MASTER:   # a lost step pod: nothing is cleaned up, nothing is flushed
+            log.warning("chaos: SIGKILL the master at %d committed records", committed)
+            os.kill(os.getpid(), signal.SIGKILL)
         alive = backend.alive()
         leased = {w for w in coord.ledger.leases}
         if sig.target is not None:

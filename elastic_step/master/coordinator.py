@@ -39,6 +39,11 @@ class Coordinator:
         self.first_commit_at: float | None = None  # throughput is measured between first and last commit
         self.last_commit_at: float | None = None
         self.rendezvous = None                  # --strategy allreduce: see attach_rendezvous
+        # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
+        # its worker to hold, and the workers that finished their pushes wait in `hold`.
+        self.holding = False
+        self.held: set[str] = set()
+        self._released = threading.Condition(self.lock)
 
     def attach_rendezvous(self, max_workers: int):
         """--strategy allreduce: versioned membership and atomic step commits, under this lock."""
@@ -125,6 +130,32 @@ class Coordinator:
             log.info("%s registered%s", inst, f" at {address}" if address else "")
             return list(self.ps_addresses)
 
+    # ------------------------------------------------------------ the checkpoint barrier
+    def begin_hold(self) -> None:
+        with self.lock:
+            self.holding = True
+            self.held.clear()
+
+    def hold_reached(self) -> bool:
+        """Every worker holding a lease has finished and reported its pushes, and waits: nothing is in
+        flight, so the shards' state and the ledger are at one cut."""
+        with self.lock:
+            return self.holding and all(w in self.held for w in self.ledger.leases)
+
+    def end_hold(self) -> None:
+        with self.lock:
+            self.holding = False
+            self.held.clear()
+            self._released.notify_all()
+
+    def hold(self, inst: InstanceId, wait_s: float) -> bool:
+        """A worker with nothing in flight waits for the checkpoint to be cut. True once released."""
+        with self.lock:
+            if self.holding:
+                self.held.add(str(inst))
+                self._released.wait_for(lambda: not self.holding, timeout=wait_s)
+            return not self.holding
+
     def get_task(self, inst: InstanceId, after: int | None = None) -> Lease | None | str:
         """A lease (with `after`, the one to start after that task: see Ledger.lease), None
         (wait), or "done"."""
@@ -134,6 +165,8 @@ class Coordinator:
                 # A worker the backend declared gone (e.g. a pod in its grace period) gets no new
                 # lease: one it held was already requeued, and nobody would release another.
                 return "done"
+            if self.holding and not self.ledger.held(str(inst)):
+                return None   # no new work while a checkpoint is cut; leases held are handed out again
             self.membership.seen(inst)
             if not self.training_started:
                 if len(self.membership.training()) < self.min_workers:

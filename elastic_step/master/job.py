@@ -22,6 +22,7 @@ from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.chaos import Chaos
+from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
@@ -65,9 +66,11 @@ class TrainingJob:
         self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
         self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers)
+        # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
+        self.durable = JobCheckpoints(cfg, self.model_def, self.coord, before_commit=self.chaos.checkpoint_written)
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.train_seconds = 0.0
-        self.eval_history: list[dict] = []
+        self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
 
@@ -112,7 +115,8 @@ class TrainingJob:
                 self._launch(InstanceId("ps", i))
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
-                if self.eval is not None:   # where the curve starts: the initial weights, while workers start
+                self.durable.restore_shards()
+                if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
                     self._evaluator.submit(self._evaluate_epoch, -1)
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
@@ -143,6 +147,7 @@ class TrainingJob:
             now = time.time()
             committed = self.ledger.records_committed_total()
             self.chaos.tick(committed, self.backend, self.coord)
+            self.durable.tick(committed, now)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
             # so a point's weights are those of the epoch it is labelled with.
             if (self.eval is not None and self.ledger.epoch > evaluated and not self.ledger.done
@@ -278,6 +283,7 @@ class TrainingJob:
         outputs["report"] = str(self.output / REPORT_FILE)
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
+        self.durable.finished()
         log.info("job %s succeeded: %s", self.cfg.job_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
         return summary
@@ -327,6 +333,7 @@ class TrainingJob:
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
                 **({"chaos": self.chaos.summary()} if self.chaos.schedule else {}),
+                "checkpoints": self.durable.summary(),
             }
         summary.update(extra)
         atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))

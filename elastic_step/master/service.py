@@ -90,7 +90,11 @@ class MasterService(pb_grpc.MasterServicer):
         check_token(context, self.token, request.token)
         ok = self.c.report_progress(_instance(context, request.instance), request.task_id,
                                     request.watermark, request.loss, request.duplicate)
-        return pb.ProgressResponse(stop=not ok)
+        return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
+
+    def Hold(self, request, context):
+        check_token(context, self.token, request.token)
+        return pb.HoldReply(released=self.c.hold(_instance(context, request.instance), min(request.wait_s, 5.0)))
 
     def ReportFailure(self, request, context):
         check_token(context, self.token, request.token)

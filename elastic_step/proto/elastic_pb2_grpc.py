@@ -64,6 +64,11 @@ class MasterStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.JobState.FromString,
                 _registered_method=True)
+        self.Hold = channel.unary_unary(
+                '/elastic_step.Master/Hold',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.HoldRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.HoldReply.FromString,
+                _registered_method=True)
         self.GetMembership = channel.unary_unary(
                 '/elastic_step.Master/GetMembership',
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.MembershipRequest.SerializeToString,
@@ -120,6 +125,13 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hold(self, request, context):
+        """A worker with no push in flight and every report delivered waits here while a checkpoint is cut.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetMembership(self, request, context):
         """--strategy allreduce: versioned membership (rendezvous) and atomic step commits.
         """
@@ -171,6 +183,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.GetJobState,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.JobState.SerializeToString,
+            ),
+            'Hold': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hold,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.HoldRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.HoldReply.SerializeToString,
             ),
             'GetMembership': grpc.unary_unary_rpc_method_handler(
                     servicer.GetMembership,
@@ -350,6 +367,33 @@ class Master:
             '/elastic_step.Master/GetJobState',
             elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.JobState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hold(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Master/Hold',
+            elastic__step_dot_proto_dot_elastic__pb2.HoldRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.HoldReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,7 @@ class Reporter:
         self.pending: list[tuple] = []
         self.in_flight: concurrent.futures.Future | None = None
         self.refused = False
+        self.hold = False      # the master is cutting a checkpoint: settle, flush, then hold
         self._sent_at = 0.0
         self._urgent = False   # a lease's last report is pending
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
@@ -68,8 +69,9 @@ class Reporter:
         if self.in_flight is not None:
             if not block and not self.in_flight.done():
                 return
-            if not self.in_flight.result():
-                self.refused = True
+            reply = self.in_flight.result()
+            self.refused = self.refused or reply.stop
+            self.hold = self.hold or reply.hold
             self.in_flight = None
         if self.pending and not self.refused:
             if not block and not self._urgent and time.monotonic() - self._sent_at < self.interval_s:
@@ -182,6 +184,14 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
             leaving = threading.Event()
             ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
             for seq, hi in bounds:
+                if reporter.hold:
+                    # A checkpoint: every push this worker made is applied and reported before it
+                    # waits, so the shards' state and the ledger are cut at the same pushes.
+                    settle()
+                    reporter.flush()
+                    reporter.hold = False
+                    master.hold(stop)
+                    trainer.refresh_dense()   # others may have pushed between our last push and the cut
                 if reporter.refused or stop.is_set():
                     break
                 result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))

@@ -1,6 +1,9 @@
 """The master's gRPC service, for real: a server on 127.0.0.1 and the workers' MasterClient."""
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
 
@@ -57,7 +60,7 @@ def _train(client: MasterClient, reply: pb.GetTaskResponse, upto: int | None = N
     seq = t.start
     while seq < (t.end if upto is None else upto):
         hi = min(t.end, t.task_start + ((seq - t.task_start) // MINIBATCH + 1) * MINIBATCH)
-        assert client.report(t.task_id, hi, hi - seq, 0.5, False)
+        assert not client.report(t.task_id, hi, hi - seq, 0.5, False).stop
         seq = hi
 
 
@@ -86,6 +89,7 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
             "StepReady": lambda: bad.stub.StepReady(pb.StepReadyRequest(token=token, instance=me), timeout=10),
             "ReportPeerFailure": lambda: bad.stub.ReportPeerFailure(pb.PeerFailureReport(
                 token=token, instance=me, peer="worker-0"), timeout=10),
+            "Hold": lambda: bad.stub.Hold(pb.HoldRequest(token=token, instance=me), timeout=10),
         }
         assert set(calls) == set(pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
         for name, call in calls.items():
@@ -177,18 +181,18 @@ def test_a_report_for_a_task_the_worker_does_not_hold_is_refused(master):
     b.register()
     ta = a.get_task().task
     tb = b.get_task().task
-    assert not b.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)      # a's task
-    assert not a.report(10_000, MINIBATCH, MINIBATCH, 0.1, False)                     # no such task
-    assert not a.report(ta.task_id, ta.end + MINIBATCH, MINIBATCH, 0.1, False)        # past its end
+    assert b.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop      # a's task
+    assert a.report(10_000, MINIBATCH, MINIBATCH, 0.1, False).stop                     # no such task
+    assert a.report(ta.task_id, ta.end + MINIBATCH, MINIBATCH, 0.1, False).stop        # past its end
     never = master.client(2)
     never.register()
-    assert not never.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)  # holds nothing
+    assert never.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop  # holds nothing
     assert master.ledger.records_committed_total() == 0
     assert [e["instance"] for e in master.coord.events if e["kind"] == "refused"] == \
         ["worker-1", "worker-0", "worker-0", "worker-2"]
     # The holders still hold their leases and may go on.
-    assert a.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)
-    assert b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False)
+    assert not a.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop
+    assert not b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False).stop
     assert master.ledger.records_committed_total() == 2 * MINIBATCH
 
 
@@ -201,7 +205,7 @@ def test_a_lost_workers_late_report_is_refused_and_its_remainder_goes_to_the_nex
     _train(a, first, upto=first.task.start + MINIBATCH)
     remainder = master.coord.on_instance_event(InstanceEvent(EventKind.LOST, InstanceId("worker", 0)))
     assert remainder == (first.task.start + MINIBATCH, first.task.end)
-    assert not a.report(first.task.task_id, first.task.start + 2 * MINIBATCH, MINIBATCH, 0.1, False)
+    assert a.report(first.task.task_id, first.task.start + 2 * MINIBATCH, MINIBATCH, 0.1, False).stop
     nxt = b.get_task()
     assert nxt.task.task_id == first.task.task_id
     assert (nxt.task.start, nxt.task.end, nxt.task.task_start) == (*remainder, first.task.start)
@@ -229,3 +233,36 @@ def test_workers_of_a_multi_worker_job_keep_one_push_in_flight(max_workers, dept
         assert m.client(0).register().pushes_in_flight == depth
     finally:
         m.close()
+
+
+def test_the_checkpoint_barrier_holds_leases_and_is_reached_only_when_every_leaseholder_waits(master):
+    a, b, c = master.client(0), master.client(1), master.client(2)
+    for w in (a, b, c):
+        w.register()
+    ta, tb = a.get_task().task, b.get_task().task
+    master.coord.begin_hold()
+    # No new work while holding; c holds no lease, so the barrier does not wait for it.
+    assert c.get_task().kind == TASK.WAIT
+    assert b.get_task().task.task_id == tb.task_id          # a lease held is handed out again
+    reply = a.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)
+    assert reply.hold and not reply.stop                    # reports still commit, and ask to hold
+    assert not master.coord.hold_reached()
+    waiting = threading.Thread(target=a.hold, args=(threading.Event(),))
+    waiting.start()
+    wait_until(lambda: "worker-0" in master.coord.held)
+    assert not master.coord.hold_reached()                  # b still has pushes to report
+    b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False)
+    threading.Thread(target=b.hold, args=(threading.Event(),), daemon=True).start()
+    wait_until(master.coord.hold_reached)
+    master.coord.end_hold()
+    waiting.join(10)
+    assert not waiting.is_alive()                           # released
+    assert c.get_task().kind == TASK.TASK
+    assert master.ledger.records_committed_total() == 2 * MINIBATCH
+
+
+def wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.01)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 import types
 
+from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.worker.loop import Reporter, coalesce, minibatches
 
 
@@ -41,10 +42,10 @@ class RecordingMaster:
         self.sent: list[tuple] = []
         self.lock = threading.Lock()
 
-    def report(self, *item) -> bool:
+    def report(self, *item) -> pb.ProgressResponse:
         with self.lock:
             self.sent.append(item)
-        return True
+        return pb.ProgressResponse()
 
 
 def test_reports_are_paced_and_a_flush_delivers_everything():

@@ -1,0 +1,318 @@
+"""Checkpoints of a job's state at one consistent cut, through fsspec (a local path, gs://, s3://).
+
+A checkpoint is every PS shard's whole state plus the master's ledger, taken while no push is in
+flight (the barrier lives in the coordinator: workers finish and report their pushes, then hold).
+Under `<output>/checkpoints/`:
+
+    ckpt-000007/ps-0.npz ...    each shard's values, optimizer variables, applied keys and records
+    ckpt-000007/ledger.json     the ledger at the cut, and the job's counters
+    checkpoint.json             the commit point: names the complete checkpoint and its files
+
+The part files are written first, then `checkpoint.json` in one atomic write. A checkpoint whose
+manifest was never written is never loaded, and the previous one is deleted only after the new
+manifest is in place. The manifest also carries the job's fingerprint (job id, model, data,
+configuration): a checkpoint of another job is not resumed, and one of the same job with another
+model, data set or configuration is refused, naming the difference.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import time
+
+import fsspec
+
+from elastic_step.errors import ConfigError
+from elastic_step.util.atomic import atomic_write_text
+
+log = logging.getLogger("elastic_step.master")
+
+FORMAT = "elastic-step/checkpoint/v1"
+MANIFEST = "checkpoint.json"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be written, or the one found cannot be resumed."""
+
+
+class CheckpointStore:
+    def __init__(self, root: str, fingerprint: dict):
+        self.root = root.rstrip("/")
+        self.fingerprint = fingerprint
+        self.fs, self.path = fsspec.core.url_to_fs(self.root)
+
+    def uri(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def check_writable(self) -> None:
+        """At the job's start, not at its first checkpoint: write and delete a probe."""
+        probe = self.uri(".probe")
+        try:
+            atomic_write_text(probe, "elastic-step checkpoint probe\n")
+            self.fs.rm(posixpath.join(self.path, ".probe"))
+        except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph
+            raise CheckpointError(
+                f"Cannot write checkpoints under {self.root}: {type(e).__name__}: {e}. Check that the step's "
+                "output is writable with the step's credentials, or pass --checkpoint-every 0 to train "
+                "without checkpoints (a lost master or PS then loses the job's progress).") from None
+
+    def latest(self) -> dict | None:
+        """The last complete checkpoint's manifest, or None. A corrupt manifest is an error; one of
+        another job is None (logged); one of this job with another model, data or configuration is an
+        error naming the difference."""
+        try:
+            with self.fs.open(posixpath.join(self.path, MANIFEST), "r") as f:
+                text = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = json.loads(text)
+            if manifest.get("format") != FORMAT:
+                raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+            fingerprint, files = manifest["fingerprint"], manifest["files"]
+            if not isinstance(files, dict):
+                raise ValueError("'files' is not a mapping")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"The checkpoint manifest {self.uri(MANIFEST)} is corrupt ({e}). Delete {self.root} to start "
+                "over, or pass --resume never.") from None
+        if fingerprint.get("job_id") != self.fingerprint["job_id"]:
+            log.info("found a checkpoint of job %s under %s, not of this job (%s): not resuming; this job's "
+                     "checkpoints will replace it", fingerprint.get("job_id"), self.root, self.fingerprint["job_id"])
+            return None
+        differences = [f"{k}: checkpoint {fingerprint.get(k)!r}, this job {v!r}"
+                       for k, v in self.fingerprint.items() if fingerprint.get(k) != v]
+        if differences:
+            raise CheckpointError(
+                f"The checkpoint under {self.root} is of job {self.fingerprint['job_id']} but with another "
+                f"{', '.join(d.split(':')[0] for d in differences)} ({'; '.join(differences)}). Resume with "
+                "the same model, data and configuration, or pass --resume never to start over.")
+        return manifest
+
+    def read_json(self, manifest: dict, name: str) -> dict:
+        try:
+            with self.fs.open(posixpath.join(self.path, manifest["files"][name]), "r") as f:
+                return json.load(f)
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"The checkpoint {manifest.get('id')} under {self.root} is missing or has a "
+                                  f"corrupt {name} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
+                                  "or pass --resume never.") from None
+
+    def part(self, ckpt_id: int, name: str) -> str:
+        """Where a part of checkpoint `ckpt_id` goes."""
+        return self.uri(f"ckpt-{ckpt_id:06d}", name)
+
+    def commit(self, ckpt_id: int, files: list[str], **meta) -> dict:
+        """The commit point: the manifest naming the complete checkpoint; then older ones go."""
+        manifest = {"format": FORMAT, "id": ckpt_id, "written_at": time.time(), "fingerprint": self.fingerprint,
+                    "files": {name: f"ckpt-{ckpt_id:06d}/{name}" for name in files}, **meta}
+        atomic_write_text(self.uri(MANIFEST), json.dumps(manifest, indent=1))
+        for old in self.fs.glob(posixpath.join(self.path, "ckpt-*")):
+            if posixpath.basename(old) != f"ckpt-{ckpt_id:06d}":
+                self.fs.rm(old, recursive=True)
+        return manifest
+
+
+def parse_interval(text: str) -> tuple[str, float] | None:
+    """`--checkpoint-every`: "60s", "5m", "1h" (time), "50000" or "50000records" (records committed),
+    "0" (never). Returns ("seconds" | "records", amount), or None for never."""
+    t = str(text).strip().lower()
+    units = {"s": 1, "m": 60, "h": 3600}
+    try:
+        if t.endswith("records"):
+            kind, amount = "records", float(t[:-len("records")])
+        elif t and t[-1] in units:
+            kind, amount = "seconds", float(t[:-1]) * units[t[-1]]
+        else:
+            kind, amount = "records", float(t)
+    except ValueError:
+        raise ConfigError(f"--checkpoint-every {text!r} is neither a time (60s, 5m, 1h) nor a number of "
+                          "records (50000): use one of those, or 0 for no checkpoints.") from None
+    if amount < 0:
+        raise ConfigError(f"--checkpoint-every {text!r} is negative: use a time (60s), records (50000) or 0.")
+    return None if amount == 0 else (kind, amount)
+
+
+class Checkpointer:
+    """Cuts checkpoints on the master's pump, without stopping it: `tick` starts the barrier when one
+    is due, and writes the checkpoint once the barrier holds (or gives up after `HOLD_TIMEOUT_S`, if a
+    worker holding a lease never gets there, and tries again later). `parts(ckpt_id)` writes the
+    shards' parts and returns their names (the PS Save RPCs); `state()` is the ledger's cut and the
+    job's counters, taken under the coordinator's lock."""
+
+    HOLD_TIMEOUT_S = 60.0
+
+    def __init__(self, store: CheckpointStore, every: tuple[str, float], coord, parts, state,
+                 first_id: int = 1, before_commit=None):
+        self.store, self.every, self.coord = store, every, coord
+        self._parts, self._state = parts, state
+        self.next_id = first_id
+        self.before_commit = before_commit or (lambda ckpt_id: None)   # chaos: a kill mid-checkpoint
+        self._holding_since: float | None = None
+        self._last_at = time.time()
+        self._last_records = 0
+        self.written: list[dict] = []      # per checkpoint: id, records, hold and write seconds
+        self.abandoned = 0
+
+    def restart_from(self, records: int, now: float) -> None:
+        """Count the next interval from here (a resumed job's start)."""
+        self._last_at, self._last_records = now, records
+
+    def due(self, committed: int, now: float) -> bool:
+        kind, amount = self.every
+        return (now - self._last_at >= amount) if kind == "seconds" else (committed - self._last_records >= amount)
+
+    def tick(self, committed: int, now: float) -> None:
+        if self._holding_since is None:
+            if self.due(committed, now) and not self.coord.finished.is_set():
+                self.coord.begin_hold()
+                self._holding_since = now
+            return
+        if self.coord.hold_reached():
+            try:
+                self._write(now)
+            finally:
+                self.coord.end_hold()
+                self._holding_since = None
+        elif now - self._holding_since > self.HOLD_TIMEOUT_S:
+            log.warning("checkpoint %d abandoned: workers %s did not hold within %.0f s; trying again later",
+                        self.next_id, sorted(set(self.coord.ledger.leases) - self.coord.held), self.HOLD_TIMEOUT_S)
+            self.coord.end_hold()
+            self._holding_since, self._last_at = None, now
+            self.abandoned += 1
+
+    def _write(self, hold_reached_at: float) -> None:
+        ckpt_id, t0 = self.next_id, time.time()
+        files = self._parts(ckpt_id)
+        state = self._state()
+        atomic_write_text(self.store.part(ckpt_id, "ledger.json"), json.dumps(state))
+        self.before_commit(ckpt_id)
+        records = state["ledger_records_committed"]
+        self.store.commit(ckpt_id, [*files, "ledger.json"], records_committed=records, epoch=state["ledger"]["epoch"])
+        took = time.time() - t0
+        self.written.append({"id": ckpt_id, "records_committed": records,
+                             "hold_s": round(hold_reached_at - self._holding_since, 4), "write_s": round(took, 4)})
+        self.coord.record("checkpoint", "", f"checkpoint {ckpt_id} at {records} records "
+                          f"(barrier {hold_reached_at - self._holding_since:.3f} s, write {took:.3f} s)")
+        log.info("checkpoint %d written at %d committed records (barrier %.3f s, write %.3f s) to %s", ckpt_id,
+                 records, hold_reached_at - self._holding_since, took, self.store.root)
+        self.next_id += 1
+        self._last_at, self._last_records = time.time(), records
+
+    def summary(self) -> dict:
+        return {"every": f"{self.every[1]:g} {self.every[0]}", "root": self.store.root, "written": len(self.written),
+                "abandoned": self.abandoned, "checkpoints": self.written[-20:]}
+
+
+def fingerprint(cfg, model_def, ledger) -> dict:
+    """What a checkpoint must share with the job resuming it."""
+    import hashlib
+    import inspect
+
+    try:
+        source = open(inspect.getsourcefile(model_def.module), "rb").read()
+    except (OSError, TypeError):
+        source = cfg.model_def.encode()
+    return {"job_id": cfg.job_id, "model": hashlib.sha256(source).hexdigest()[:16],
+            "data": [[s.uri.rsplit("/", 1)[-1], s.rows] for s in ledger.shards], "epochs": cfg.epochs,
+            "minibatch_size": cfg.minibatch_size, "records_per_task": ledger.records_per_task,
+            "num_ps": cfg.num_ps, "strategy": cfg.strategy, "seed": cfg.seed}
+
+
+class JobCheckpoints:
+    """A training job's durability: where its checkpoints go, what it resumed from, and the cutting.
+
+    PS mode: a checkpoint is every shard's Save plus the ledger's cut, at the barrier. A resumed job
+    restores the ledger at once (before any lease) and every shard once they have registered, before
+    any worker starts: shards and ledger are back at the same cut, and what was committed after it
+    is trained again."""
+
+    def __init__(self, cfg, model_def, coord, before_commit=None):
+        self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
+        self.store = CheckpointStore(f"{cfg.output.rstrip('/')}/checkpoints", fingerprint(cfg, model_def, coord.ledger))
+        every = parse_interval(cfg.checkpoint_every)
+        if every and cfg.strategy == "allreduce":
+            log.info("checkpoints are not cut in allreduce mode yet: a lost master starts the job over")
+            every = None
+        if every:
+            self.store.check_writable()
+        self.resumed = self.store.latest() if cfg.resume == "auto" else None
+        self.state = self.store.read_json(self.resumed, "ledger.json") if self.resumed else {}
+        self.restarts: list[dict] = list(self.state.get("restarts", []))
+        if self.resumed:
+            self.ledger.restore(self.state["ledger"])
+            coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
+            self.restarts.append({"at": time.time(), "from_checkpoint": self.resumed["id"],
+                                  "records_committed_at_checkpoint": self.resumed["records_committed"]})
+            log.info("resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; what was "
+                     "committed after it is trained again", cfg.job_id, self.resumed["id"], self.store.root,
+                     self.resumed["records_committed"], self.ledger.epoch)
+            coord.record("resumed", "", f"from checkpoint {self.resumed['id']} at "
+                         f"{self.resumed['records_committed']} records")
+        self.cutter = Checkpointer(self.store, every, coord, self._save_shards, self._cut,
+                                   first_id=(self.resumed or {}).get("id", 0) + 1,
+                                   before_commit=before_commit) if every else None
+        if self.cutter:
+            self.cutter.restart_from(self.ledger.records_committed_total(), time.time())
+        self.eval_history: list[dict] = list(self.state.get("eval_history", []))
+
+    def _stubs(self):
+        from elastic_step.proto import elastic_pb2_grpc as pb_grpc
+        from elastic_step.proto import rpc
+
+        channels = [rpc.channel(a) for a in self.coord.ps_addresses]
+        return channels, [pb_grpc.ParameterServerStub(c) for c in channels]
+
+    def _each_shard(self, call: str, uri_of) -> None:
+        import concurrent.futures
+
+        from elastic_step.proto import elastic_pb2 as pb
+
+        channels, stubs = self._stubs()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(stubs))) as pool:
+                list(pool.map(lambda i: getattr(stubs[i], call)(
+                    pb.SaveRequest(token=self.cfg.token, uri=uri_of(i)), timeout=300), range(len(stubs))))
+        finally:
+            for c in channels:
+                c.close()
+
+    def _save_shards(self, ckpt_id: int) -> list[str]:
+        names = [f"ps-{i}.npz" for i in range(len(self.coord.ps_addresses))]
+        self._each_shard("Save", lambda i: self.store.part(ckpt_id, names[i]))
+        return names
+
+    def restore_shards(self) -> None:
+        """Every shard back to the resumed checkpoint (called once they have all registered)."""
+        if not self.resumed:
+            return
+        import grpc
+        try:
+            self._each_shard("Restore", lambda i: self.store.uri(self.resumed["files"][f"ps-{i}.npz"]))
+        except (grpc.RpcError, KeyError) as e:
+            detail = e.details() if isinstance(e, grpc.RpcError) else f"no part {e}"
+            raise CheckpointError(f"Cannot restore the parameter servers from checkpoint {self.resumed['id']} "
+                                  f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
+                                  "or pass --resume never.") from None
+
+    def _cut(self) -> dict:
+        with self.coord.lock:
+            return {"ledger": self.ledger.cut(), "ledger_records_committed": self.ledger.records_committed_total(),
+                    "duplicates_suppressed": self.coord.duplicates_suppressed, "restarts": self.restarts,
+                    "eval_history": list(self.eval_history)}
+
+    def tick(self, committed: int, now: float) -> None:
+        if self.cutter is not None:
+            self.cutter.tick(committed, now)
+
+    def finished(self) -> None:
+        """The job succeeded: its model is the output, and a rerun of this job id starts over."""
+        try:
+            self.store.fs.rm(self.store.path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def summary(self) -> dict:
+        return {**(self.cutter.summary() if self.cutter else {"every": "never"}), "restarts": self.restarts,
+                **({"resumed_from": self.resumed["id"]} if self.resumed else {})}

@@ -1,0 +1,88 @@
+"""A durable step on the local backend: checkpoints at one consistent cut, a master SIGKILLed mid-epoch
+(or mid-checkpoint) whose step is run again with the same job id and output, and bad checkpoints.
+
+Exactly-once is checked through the tally model's trained weights and the PS shards' audit, never
+through the ledger: the ledger is the very state being restored.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.harness import run_cli, train
+from tests.integration.test_errors import assert_clean_error
+from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 6
+
+
+def tally_job(data, out, *extra):
+    return train(data, out, "--job-id", "durable", "--epochs", str(EPOCHS), "--max-workers", "2",
+                 "--num-ps", "2", "--minibatch-size", "32", "--records-per-task", "128",
+                 "--checkpoint-every", "3000", *extra, model=TALLY)
+
+
+from tests.models.witness import TALLY_MODEL as TALLY  # noqa: E402
+
+
+def manifest(out) -> dict:
+    return json.loads((out / "checkpoints" / "checkpoint.json").read_text())
+
+
+def test_a_master_killed_mid_epoch_is_resumed_by_the_same_step_and_every_record_applied_once(tally_data, tmp_path):
+    total = tally_data["rows"] * EPOCHS
+    killed_at = int(total * 0.55)
+    proc, _ = tally_job(tally_data, tmp_path, "--chaos", f"kill:master@{killed_at}")
+    assert proc.returncode == -9, proc.stderr[-3000:]          # the chaos fired: the master died mid-run
+    assert not (tmp_path / "summary.json").exists()
+    cut = manifest(tmp_path)
+    assert 0 < cut["records_committed"] <= killed_at
+    proc, summary = tally_job(tally_data, tmp_path)             # the retried step: same job id and output
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming job durable from checkpoint" in proc.stderr
+    restarts = summary["checkpoints"]["restarts"]
+    assert [r["from_checkpoint"] for r in restarts] == [cut["id"]]
+    assert summary["checkpoints"]["written"] >= 1
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary)
+    assert not (tmp_path / "checkpoints").exists()              # done: a rerun of the job starts over
+
+
+def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_one(tally_data, tmp_path):
+    proc, _ = tally_job(tally_data, tmp_path, "--chaos", "kill:master@checkpoint=2")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert manifest(tmp_path)["id"] == 1                       # checkpoint 2's parts exist, its manifest not
+    assert (tmp_path / "checkpoints" / "ckpt-000002" / "ledger.json").exists()
+    proc, summary = tally_job(tally_data, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["from_checkpoint"] for r in summary["checkpoints"]["restarts"]] == [1]
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary)
+
+
+def test_a_checkpoint_of_another_configuration_is_refused_naming_the_difference(tally_data, tmp_path):
+    proc, _ = tally_job(tally_data, tmp_path, "--chaos", "kill:master@checkpoint=2")
+    assert proc.returncode == -9
+    proc, _ = train(tally_data, tmp_path, "--job-id", "durable", "--epochs", str(EPOCHS + 1), "--max-workers", "2",
+                    "--num-ps", "2", "--minibatch-size", "32", "--records-per-task", "128", model=TALLY)
+    assert_clean_error(proc, "epochs: checkpoint 6, this job 7", "--resume never")
+    (tmp_path / "checkpoints" / "checkpoint.json").write_text("{not json")
+    proc, _ = tally_job(tally_data, tmp_path)
+    assert_clean_error(proc, "checkpoint.json is corrupt", "--resume never")
+    proc, summary = tally_job(tally_data, tmp_path, "--resume", "never")   # starts over, and replaces it
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary["checkpoints"]["restarts"] == []
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+
+
+def test_an_unwritable_checkpoint_location_is_an_error_at_the_start(tally_data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoints folder goes")
+    proc = run_cli("train", "--model-def", TALLY, "--train-data", tally_data["train"], "--output", str(out),
+                   "--epochs", "1")
+    assert_clean_error(proc, "Cannot write checkpoints under", "--checkpoint-every 0")
+    assert not (out / "logs").exists() or not any((out / "logs").iterdir())   # nothing was started
