@@ -68,9 +68,15 @@ def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
     assert summary["workers"]["relaunched"] == 2
     registered = [i for k, i, _ in kinds if k == "registered"]
     assert registered.count("worker-0") == 2
-    # Remainders were requeued from the backend event and leased again within a second.
-    latencies = summary["recovery"]["requeue_latency_s"]
-    assert latencies and all(x < 1.0 for x in latencies), latencies
+    # Remainders were requeued from the backend's event (the master has no timeout that could):
+    # in the timeline each requeue follows its worker's loss, recorded under the same lock, with
+    # nothing of that worker's in between; and each was leased again (the ledger times every
+    # re-lease: how fast is bench/recovery.py's figure, not a test's).
+    for i, e in enumerate(events):
+        if e["kind"] == "requeued":
+            cause = next(p for p in reversed(events[:i]) if p["instance"] == e["instance"] and p["kind"] != "requeued")
+            assert cause["kind"] in ("lost", "exited") and cause["t"] <= e["t"], (cause, e)
+    assert summary["recovery"]["requeue_latency_s"], summary["recovery"]
     assert sum(e["requeued"] for e in summary["ledger"]["epochs"]) > 0
     # Same model quality as the undisturbed run.
     assert abs(summary["eval"]["accuracy"] - base["eval"]["accuracy"]) <= 0.02
