@@ -196,11 +196,19 @@ def assert_exact_ledger(summary: dict) -> None:
         assert e["lost"] == 0 and e["double_applied"] == 0, e
 
 
-def assert_pushes_carried_bytes(logs: dict[str, str], shards: int, every_worker: bool = True) -> None:
+def dense_shards(summary: dict) -> set[int]:
+    """The PS shards that hold dense values: only their pushes could use shared-memory slots (embedding
+    rows always travel in the message)."""
+    shards = {p["shard"] for p in summary["ps"] if p["dense_parameters"]}
+    assert shards, summary["ps"]
+    return shards
+
+
+def assert_pushes_carried_bytes(logs: dict[str, str], shards: set[int], every_worker: bool = True) -> None:
     """The production data path: a worker and a PS shard in two pods share no /dev/shm (the process
-    kubelet gives each pod its own, as nodes do), so the shard could not open the worker's push-slot
-    segment and every push carried its bytes over gRPC. `logs`: worker pod name -> its log. With
-    `every_worker`, each worker met every shard; otherwise (workers killed early) the job did."""
+    kubelet gives each pod its own, as nodes do), so each shard of `shards` could not open the worker's
+    push-slot segment and every push carried its bytes over gRPC. `logs`: worker pod name -> its log.
+    With `every_worker`, each worker met every shard; otherwise (workers killed early) the job did."""
     refused = {}
     for pod, text in logs.items():
         assert "pushes go through shared memory" not in text, (pod, text[-3000:])
@@ -209,9 +217,9 @@ def assert_pushes_carried_bytes(logs: dict[str, str], shards: int, every_worker:
             r"No such file or directory\): pushes carry their bytes", text)}
     if every_worker:
         for pod, shards_refused in refused.items():
-            assert shards_refused == set(range(shards)), (pod, shards_refused, logs[pod][-3000:])
+            assert shards_refused == shards, (pod, shards_refused, logs[pod][-3000:])
     else:
-        assert set().union(*refused.values()) == set(range(shards)), refused
+        assert set().union(*refused.values()) == shards, refused
 
 
 def worker_logs(kubelet, namespace: str, job: str) -> dict[str, str]:
@@ -374,7 +382,7 @@ def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, names
     # pods on one node share no /dev/shm: pushes went as bytes over gRPC, as between two nodes
     logs = worker_logs(node, namespace, job)
     assert set(logs) == {f"{job}-worker-0", f"{job}-worker-1"}, sorted(logs)
-    assert_pushes_carried_bytes(logs, shards=1)
+    assert_pushes_carried_bytes(logs, dense_shards(summary))
     # afterwards no job pod is left, nor the token Secret
     assert job_pods(core, namespace, job) == []
     assert not secret_exists(core, namespace, f"{job}-token")
