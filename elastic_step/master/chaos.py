@@ -4,6 +4,7 @@ Specs (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated):
 - `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed and every worker is training
   (so each loss hits a job at full strength); `term:` sends SIGTERM instead (graceful scale-in). `@0`
   fires as soon as the job is at full strength.
+- `kill:ps-1@900` SIGKILLs a parameter server once 900 records are committed (`term:` SIGTERMs it).
 - `kill:master@900` SIGKILLs the master itself once 900 records are committed (a lost step pod; run
   the step again with the same job id and output to resume it); `kill:master@checkpoint=2` does it
   after checkpoint 2's parts are written and before its manifest is (a master lost mid-checkpoint).
@@ -77,7 +78,7 @@ class Chaos:
             if name == "master" and kind == "kill" and int(at) >= 0:
                 return [Signal(kind, int(at), MASTER)]
             role, index = name.rsplit("-", 1)
-            if kind not in ACTIONS or role != "worker" or int(at) < 0:
+            if kind not in ACTIONS or role not in ("worker", "ps") or int(at) < 0:
                 raise ValueError
             return [Signal(kind, int(at), InstanceId(role, int(index)))]
         except ValueError:
@@ -105,7 +106,11 @@ class Chaos:
             os.kill(os.getpid(), signal.SIGKILL)
         alive = backend.alive()
         leased = {w for w in coord.ledger.leases}
-        if sig.target is not None:
+        if sig.target is not None and sig.target.role == "ps":
+            if sig.target not in alive or coord.rewinding:   # one loss at a time: not while restoring
+                return
+            target = sig.target
+        elif sig.target is not None:
             # In threshold order, each at full strength and while its target holds a lease, so the
             # signal cuts a task short and leaves a remainder, whatever this machine's speed.
             if len(coord.membership.training()) < self.max_workers or sig.target not in alive \

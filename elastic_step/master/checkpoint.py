@@ -163,7 +163,23 @@ class Checkpointer:
         kind, amount = self.every
         return (now - self._last_at >= amount) if kind == "seconds" else (committed - self._last_records >= amount)
 
+    def write_now(self) -> None:
+        """A checkpoint with no worker running: nothing can be in flight, no barrier needed."""
+        self._holding_since = time.time()
+        try:
+            self._write(self._holding_since)
+        finally:
+            self._holding_since = None
+
+    def abandon(self) -> None:
+        """Stop a barrier in progress (a PS was lost meanwhile)."""
+        if self._holding_since is not None:
+            self.coord.end_hold()
+            self._holding_since = None
+
     def tick(self, committed: int, now: float) -> None:
+        if self.coord.rewinding:
+            return
         if self._holding_since is None:
             if self.due(committed, now) and not self.coord.finished.is_set():
                 self.coord.begin_hold()
@@ -256,6 +272,7 @@ class JobCheckpoints:
         if self.cutter:
             self.cutter.restart_from(self.ledger.records_committed_total(), time.time())
         self.eval_history: list[dict] = list(self.state.get("eval_history", []))
+        self.ps_restores: list[dict] = []
 
     def _stubs(self):
         from elastic_step.proto import elastic_pb2_grpc as pb_grpc
@@ -264,7 +281,7 @@ class JobCheckpoints:
         channels = [rpc.channel(a) for a in self.coord.ps_addresses]
         return channels, [pb_grpc.ParameterServerStub(c) for c in channels]
 
-    def _each_shard(self, call: str, uri_of) -> None:
+    def _each_shard(self, call: str, uri_of, generation: int = 0) -> None:
         import concurrent.futures
 
         from elastic_step.proto import elastic_pb2 as pb
@@ -273,7 +290,8 @@ class JobCheckpoints:
         try:
             with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(stubs))) as pool:
                 list(pool.map(lambda i: getattr(stubs[i], call)(
-                    pb.SaveRequest(token=self.cfg.token, uri=uri_of(i)), timeout=300), range(len(stubs))))
+                    pb.SaveRequest(token=self.cfg.token, uri=uri_of(i), generation=generation), timeout=300),
+                    range(len(stubs))))
         finally:
             for c in channels:
                 c.close()
@@ -283,18 +301,58 @@ class JobCheckpoints:
         self._each_shard("Save", lambda i: self.store.part(ckpt_id, names[i]))
         return names
 
-    def restore_shards(self) -> None:
-        """Every shard back to the resumed checkpoint (called once they have all registered)."""
-        if not self.resumed:
+    def restore_shards(self, manifest: dict | None = None, generation: int = 0) -> None:
+        """Every shard back to a checkpoint (the resumed one by default), as `generation`; called once
+        they have all registered."""
+        manifest = manifest or self.resumed
+        if not manifest:
             return
         import grpc
         try:
-            self._each_shard("Restore", lambda i: self.store.uri(self.resumed["files"][f"ps-{i}.npz"]))
+            self._each_shard("Restore", lambda i: self.store.uri(manifest["files"][f"ps-{i}.npz"]), generation)
         except (grpc.RpcError, KeyError) as e:
             detail = e.details() if isinstance(e, grpc.RpcError) else f"no part {e}"
-            raise CheckpointError(f"Cannot restore the parameter servers from checkpoint {self.resumed['id']} "
+            raise CheckpointError(f"Cannot restore the parameter servers from checkpoint {manifest['id']} "
                                   f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
                                   "or pass --resume never.") from None
+
+    def initial(self) -> None:
+        """A first checkpoint before any worker starts (no barrier needed): a PS lost before the
+        first periodic one still has a cut to go back to."""
+        if self.cutter is not None and not self.resumed:
+            self.cutter.write_now()
+
+    def can_restore(self) -> bool:
+        return self.cutter is not None and bool(self.cutter.written or self.resumed)
+
+    def rewind(self, lost_ps: int) -> tuple[dict, int]:
+        """A PS was lost: the ledger goes back to the last checkpoint at once, and, until
+        `rewound(generation)`, no lease is handed out, no report commits and no worker learns the
+        shards' addresses. Returns (the checkpoint's manifest, the generation to restore the shards as)."""
+        manifest = self.store.latest()
+        state = self.store.read_json(manifest, "ledger.json")
+        if self.cutter is not None:
+            self.cutter.abandon()
+        coord = self.coord
+        with coord.lock:
+            coord.rewinding = True
+            coord.ps_ready.clear()
+            coord.ps_addresses[lost_ps] = ""
+            again = self.ledger.restore(state["ledger"])
+            coord.duplicates_suppressed = state.get("duplicates_suppressed", 0)
+            generation = coord.ps_generation + 1
+        self.ps_restores.append({"at": time.time(), "ps": lost_ps, "from_checkpoint": manifest["id"],
+                                 "records_trained_again": again})
+        coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
+        log.warning("ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
+                    "the %d records committed since are trained again", lost_ps, manifest["id"],
+                    manifest["records_committed"], again)
+        return manifest, generation
+
+    def rewound(self, generation: int) -> None:
+        with self.coord.lock:
+            self.coord.ps_generation = generation
+            self.coord.rewinding = False
 
     def _cut(self) -> dict:
         with self.coord.lock:
@@ -315,4 +373,5 @@ class JobCheckpoints:
 
     def summary(self) -> dict:
         return {**(self.cutter.summary() if self.cutter else {"every": "never"}), "restarts": self.restarts,
+                "ps_restores": self.ps_restores,
                 **({"resumed_from": self.resumed["id"]} if self.resumed else {})}

@@ -43,6 +43,10 @@ class Coordinator:
         # its worker to hold, and the workers that finished their pushes wait in `hold`.
         self.holding = False
         self.held: set[str] = set()
+        # A lost PS: every shard and the ledger go back to the last checkpoint, as a new generation of
+        # the shards' state. While `rewinding`, no lease is handed out and no report commits.
+        self.rewinding = False
+        self.ps_generation = 0
         self._released = threading.Condition(self.lock)
 
     def attach_rendezvous(self, max_workers: int):
@@ -128,7 +132,8 @@ class Coordinator:
             if self.rendezvous is not None and inst.role == "worker":
                 self.rendezvous.join_locked(str(inst), address)
             log.info("%s registered%s", inst, f" at {address}" if address else "")
-            return list(self.ps_addresses)
+            # While the shards are being restored, no worker may push to them yet.
+            return [""] * len(self.ps_addresses) if self.rewinding else list(self.ps_addresses)
 
     # ------------------------------------------------------------ the checkpoint barrier
     def begin_hold(self) -> None:
@@ -165,7 +170,7 @@ class Coordinator:
                 # A worker the backend declared gone (e.g. a pod in its grace period) gets no new
                 # lease: one it held was already requeued, and nobody would release another.
                 return "done"
-            if self.holding and not self.ledger.held(str(inst)):
+            if self.rewinding or (self.holding and not self.ledger.held(str(inst))):
                 return None   # no new work while a checkpoint is cut; leases held are handed out again
             self.membership.seen(inst)
             if not self.training_started:
@@ -192,6 +197,8 @@ class Coordinator:
         with self.lock:
             worker = str(inst)
             epoch_before = self.ledger.epoch
+            if self.rewinding:   # the ledger went back to a checkpoint: this lease is gone
+                return False
             try:
                 self.ledger.report(worker, task_id, watermark)
             except LedgerError as e:

@@ -115,7 +115,9 @@ class TrainingJob:
                 self._launch(InstanceId("ps", i))
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
-                self.durable.restore_shards()
+                if self.coord.ps_ready.is_set():   # else a shard failed: the job fails below
+                    self.durable.restore_shards()
+                    self.durable.initial()
                 if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
                     self._evaluator.submit(self._evaluate_epoch, -1)
             for i in range(cfg.max_workers):
@@ -164,7 +166,8 @@ class TrainingJob:
             return
         over = self.coord.finished.is_set()
         member = self.coord.membership.members[ev.instance]
-        decision = self.scaler.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress)
+        decision = self.scaler.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress,
+                                      checkpoint=self.durable.can_restore())
         if decision.action == "none":
             return
         if ev.instance.role == "worker":
@@ -175,9 +178,23 @@ class TrainingJob:
         if decision.action == "relaunch":
             self.coord.mark_replacement(ev.instance, ev.time)
             self._launch(ev.instance, relaunch=True)
+        elif decision.action == "restore":
+            self._restore_after_ps_loss(ev.instance)
         elif decision.action == "fail" and self.coord.failure is None:
             tail = self._log_tail(ev.instance)
             self.coord.report_failure(str(ev.instance), "instance_failed", decision.reason, tail)
+
+    def _restore_after_ps_loss(self, inst: InstanceId) -> None:
+        """Every shard and the ledger back to the last checkpoint, one cut (restoring the lost shard
+        alone would leave the others holding updates it lost). The lost shard is relaunched and
+        restored, the others restored in place, as a new generation: workers stay up, learn it from
+        their next push (refused) and register again for the shards."""
+        manifest, generation = self.durable.rewind(inst.index)
+        self._launch(inst, relaunch=True)
+        self._pump(until=self.coord.ps_ready.is_set)
+        if self.coord.failure is None:
+            self.durable.restore_shards(manifest, generation)
+            self.durable.rewound(generation)
 
     def _log_tail(self, inst: InstanceId, lines: int = 15) -> str:
         path = getattr(self.backend, "log_path", lambda _i: None)(inst)

@@ -29,15 +29,23 @@ class Scaler:
     CRASH_LOOP = 3   # consecutive launches of one worker that crash before committing anything
 
     def on_end(self, ev: InstanceEvent, job_over: bool, reported_failure: bool,
-               crashes_without_progress: int = 0) -> Decision:
+               crashes_without_progress: int = 0, checkpoint: bool = False) -> Decision:
+        """`checkpoint`: the job has one to go back to (a lost PS is survivable only then)."""
         inst = ev.instance
         if job_over:
             return Decision("none", f"{inst} ended after training finished")
         if ev.exit_code == EXIT_USER_ERROR or reported_failure:
             return Decision("fail", f"{inst} failed on the user's model or data (exit {ev.exit_code})")
         if inst.role == "ps":
-            return Decision("fail", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}); "
-                                    "PS shards are not relaunched in this version")
+            if not checkpoint:
+                return Decision("fail", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}) and the "
+                                        "job has no checkpoint to restore the shards from (--checkpoint-every 0)")
+            if self.relaunches >= self.max_relaunches:
+                return Decision("fail", f"parameter server {inst} was lost and the job already relaunched "
+                                        f"{self.relaunches} instances (limit {self.max_relaunches})")
+            self.relaunches += 1
+            return Decision("restore", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}): it is "
+                                       "relaunched, and every shard and the ledger go back to the last checkpoint")
         if ev.kind == EventKind.EXITED and ev.exit_code not in (0, None) \
                 and crashes_without_progress >= self.CRASH_LOOP:
             return Decision("fail", f"{inst} crashed (exit {ev.exit_code}) {crashes_without_progress} times "

@@ -64,7 +64,7 @@ class MasterService(pb_grpc.MasterServicer):
         return pb.RegisterResponse(job_id=self.job_id, ps_addresses=addrs,
                                    minibatch_size=self.minibatch_size, model_def=self.model_def,
                                    report_interval_s=self.report_interval_s,
-                                   pushes_in_flight=self.pushes_in_flight)
+                                   pushes_in_flight=self.pushes_in_flight, ps_generation=self.c.ps_generation)
 
     def Heartbeat(self, request, context):
         check_token(context, self.token, request.token)

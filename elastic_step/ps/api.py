@@ -79,11 +79,12 @@ class PushKey(NamedTuple):
     end: int             # one past its last record
     epoch: int
     data_shard: int      # the data shard's index in the training manifest
+    generation: int = 0  # the shards' state it was computed for (see PushRequest.generation)
 
     @classmethod
     def of(cls, request) -> "PushKey":
         """The key a PushRequest carries."""
-        return cls(request.task_id, request.seq, request.end, request.epoch, request.data_shard)
+        return cls(request.task_id, request.seq, request.end, request.epoch, request.data_shard, request.generation)
 
     @property
     def idempotency(self) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ipaddress
 import logging
 import queue
@@ -15,10 +16,37 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.ps.api import Placement, PushKey
-from elastic_step.ps.doorbell import Bell, Dropped
+from elastic_step.ps.doorbell import REFUSED, Bell, Dropped, PushFailed
 from elastic_step.ps.shared_memory import PushSlots, SharedMemoryUnavailable
 
 log = logging.getLogger("elastic_step.ps")
+
+
+class ShardsMoved(Exception):
+    """A push cannot be applied any more: a shard is unreachable (lost), or it was restored to a
+    checkpoint and refuses pushes computed before that. The worker drops what it holds and registers
+    again for the shards' new addresses and generation."""
+
+
+@contextlib.contextmanager
+def moved_shards_named():
+    """Calls to the shards raise ShardsMoved when that is what went wrong."""
+    try:
+        yield
+    except ShardsMoved:
+        raise
+    except Exception as e:
+        if shards_moved(e):
+            raise ShardsMoved(str(e)) from e
+        raise
+
+
+def shards_moved(error: BaseException) -> bool:
+    if isinstance(error, grpc.RpcError):
+        return error.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+    if isinstance(error, PushFailed):
+        return str(error).startswith(REFUSED)
+    return isinstance(error, (ConnectionError, BrokenPipeError))
 
 
 class SharedPath(NamedTuple):
@@ -73,9 +101,10 @@ class PSClient:
 
     def pull_dense_at(self) -> list[tuple[int, np.ndarray]]:
         """Each shard's (version, flat dense buffer at that version), in shard order."""
-        futures = [s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout)
-                   for s in self.stubs]
-        return [(r.version, tensors.decode(r.dense_flat)) for r in (f.result() for f in futures)]
+        with moved_shards_named():
+            futures = [s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout)
+                       for s in self.stubs]
+            return [(r.version, tensors.decode(r.dense_flat)) for r in (f.result() for f in futures)]
 
     def pull_dense_named(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -99,7 +128,9 @@ class PSClient:
         for shard, f in enumerate(futures):
             if f is None:
                 continue
-            for rows in f.result().rows:
+            with moved_shards_named():
+                reply = f.result()
+            for rows in reply.rows:
                 out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
         return out
 
@@ -110,7 +141,8 @@ class PSClient:
         embedding rows to their owners. Returns (applied by any shard, each shard's (version,
         fresh flat dense values))."""
         requests = [pb.PushRequest(token=self.token, task_id=key.task_id, seq=key.seq, end=key.end,
-                                   epoch=key.epoch, data_shard=key.data_shard, want_dense=want_dense)
+                                   epoch=key.epoch, data_shard=key.data_shard, generation=key.generation,
+                                   want_dense=want_dense)
                     for _ in self.stubs]
         for name, (ids, values) in emb_grads.items():
             for shard, pos in enumerate(self.placement.split_ids(ids)):
@@ -121,12 +153,13 @@ class PSClient:
         slot = self._free_slots.get()   # one per push in flight: never two pushes in one slot
         try:
             # Every shard gets the key, even with nothing to apply, so all shards agree on it.
-            if len(self.stubs) == 1:
-                replies = [self._push_shard(0, requests[0], flat_grads[0], slot)]
-            else:
-                futures = [self._pool.submit(self._push_shard, shard, r, flat, slot)
-                           for shard, (r, flat) in enumerate(zip(requests, flat_grads))]
-                replies = [f.result() for f in futures]
+            with moved_shards_named():
+                if len(self.stubs) == 1:
+                    replies = [self._push_shard(0, requests[0], flat_grads[0], slot)]
+                else:
+                    futures = [self._pool.submit(self._push_shard, shard, r, flat, slot)
+                               for shard, (r, flat) in enumerate(zip(requests, flat_grads))]
+                    replies = [f.result() for f in futures]
         finally:
             self._free_slots.put(slot)
         return any(applied for applied, _ in replies), [fresh for _, fresh in replies]

@@ -26,9 +26,10 @@ from elastic_step.ps.api import PushKey
 log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")   # segment, slot, the segment's nonce
-RING = struct.Struct("<qqqii?")   # a PushKey (task_id, seq, end, epoch, data_shard), want_dense
+RING = struct.Struct("<qqqiiq?")  # a PushKey (task_id, seq, end, epoch, data_shard, generation), want_dense
 ANSWER = struct.Struct("<B?q")    # status, applied, version; a UTF-8 reason follows unless OK
 OK, DROPPED, FAILED = 0, 1, 2
+REFUSED = "refused: "   # a FAILED answer's reason starts so when the shard refused the push (Refused)
 MAX_REASON = 2000
 
 
@@ -38,6 +39,11 @@ class Dropped(Exception):
 
 class PushFailed(Exception):
     """The shard could not apply a push; the message is its reason."""
+
+
+class Refused(Exception):
+    """The shard will not apply this push (it is of another generation): the worker's business, not
+    a failure of the shard, so the doorbell answers with the reason and logs nothing."""
 
 
 def _socket_address(address: str) -> str:
@@ -97,6 +103,9 @@ class DoorbellServer:
                 except Dropped:
                     conn.send(ANSWER.pack(DROPPED, False, 0))
                     return
+                except Refused as e:
+                    conn.send(ANSWER.pack(FAILED, False, 0) + f"{REFUSED}{e}".encode()[:MAX_REASON])
+                    continue
                 except Exception as e:  # noqa: BLE001 - the worker gets the reason, as from gRPC
                     log.exception("push through the doorbell failed")
                     conn.send(ANSWER.pack(FAILED, False, 0) + f"{type(e).__name__}: {e}".encode()[:MAX_REASON])

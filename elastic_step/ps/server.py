@@ -19,7 +19,7 @@ from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
 from elastic_step.data.api import AppliedRecords
 from elastic_step.ps.api import Placement, PushKey, variable_names
-from elastic_step.ps.doorbell import DoorbellServer, Dropped
+from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.shared_memory import SharedSegments
 from elastic_step.util.atomic import atomic_write_bytes
 
@@ -70,6 +70,7 @@ class ParameterShard:
         self.version = 0
         self.applied: set[tuple[int, int]] = set()
         self.applied_records = AppliedRecords()
+        self.generation = 0   # bumped by each restore: pushes of another generation are refused
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
@@ -107,6 +108,9 @@ class ParameterShard:
         the shard's flat dense values at that version), the values written into `out` when given (a
         shared push slot)."""
         with self.lock:
+            if key.generation != self.generation:
+                raise StaleGeneration(f"a push of generation {key.generation} to shard {self.shard}, which is "
+                                      f"at generation {self.generation}: it was restored to a checkpoint since")
             if key.idempotency in self.applied:
                 self.skipped += 1
                 return False, self.version, self._values(out)
@@ -172,8 +176,9 @@ class ParameterShard:
             np.savez(buf, **arrays)
         atomic_write_bytes(uri, buf.getvalue())
 
-    def restore(self, uri: str) -> None:
-        """Back to the state `save` wrote (the shard's values, its optimizer's, what it applied)."""
+    def restore(self, uri: str, generation: int = 0) -> None:
+        """Back to the state `save` wrote (the shard's values, its optimizer's, what it applied), as
+        generation `generation`: from here on, only pushes computed for it are applied."""
         import fsspec
 
         with fsspec.open(uri, "rb") as f:
@@ -183,6 +188,7 @@ class ParameterShard:
                 or f"optimizer/{len(optimizer)}" in saved:
             raise ValueError(f"the checkpoint {uri} is of another model: it does not fit shard {self.shard}")
         with self.lock:
+            self.generation = generation
             offset = 0
             for v in self.dense_vars:
                 n = int(v.shape.num_elements())
@@ -198,6 +204,10 @@ class ParameterShard:
             self.applied_records = AppliedRecords.of({tuple(int(x) for x in k.split("/")[1:]): v
                                                       for k, v in saved.items() if k.startswith("records/")})
             self.touched = {n: set(saved.get(f"touched/{n}", np.zeros(0, np.int64)).tolist()) for n in self.tables}
+
+
+class StaleGeneration(Exception):
+    """A push computed for the shards' state before they were restored: never applied."""
 
 
 class ParameterServerService(pb_grpc.ParameterServerServicer):
@@ -242,6 +252,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             applied, version, values = self.shard.push(PushKey.of(request), grad, emb, out)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StaleGeneration as e:   # ABORTED, not FAILED_PRECONDITION: that one means a dropped slot
+            context.abort(grpc.StatusCode.ABORTED, str(e))
         reply = pb.PushResponse(applied=applied, version=version)
         if request.want_dense and out is None:
             tensors.encode(values, reply.dense_flat)
@@ -270,7 +282,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             grad, out = self.segments.slot(segment, slot)
         except KeyError as e:
             raise Dropped(str(e)) from e
-        applied, version, _ = self.shard.push(key, grad, [], out)
+        try:
+            applied, version, _ = self.shard.push(key, grad, [], out)
+        except StaleGeneration as e:
+            raise Refused(str(e)) from None
         return applied, version
 
     def close(self) -> None:
@@ -290,7 +305,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Restore(self, request, context):
         check_token(context, self.token, request.token)
         try:
-            self.shard.restore(request.uri)
+            self.shard.restore(request.uri, request.generation)
         except (OSError, ValueError, KeyError) as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot restore {request.uri}: {e}")
         return pb.Ack()

@@ -72,12 +72,26 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     info = master.register()
     depth = info.pushes_in_flight or PUSH_DEPTH
     ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
-    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth)
+    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth, generation=info.ps_generation)
     trainer.refresh_dense()
     readers = ReaderPool()
+
+    def rejoin() -> None:
+        """Wait until the master has every shard back (relaunched, restored to its last checkpoint, a new
+        generation), then push to them."""
+        while not stop.is_set():
+            info = master.register()
+            if info.ps_generation > trainer.generation and all(info.ps_addresses):
+                new = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
+                trainer.reconnect(new, info.ps_generation).close()
+                log.info("the PS shards are back at generation %d: training on", info.ps_generation)
+                return
+            stop.wait(0.2)
+
     try:
         why = train_tasks(master, trainer, readers, info.minibatch_size, stop,
-                          report_interval_s=info.report_interval_s or REPORT_INTERVAL_S, pushes_in_flight=depth)
+                          report_interval_s=info.report_interval_s or REPORT_INTERVAL_S, pushes_in_flight=depth,
+                          rejoin=rejoin)
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ import time
 from elastic_step.instance import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
+from elastic_step.ps.client import ShardsMoved
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -88,6 +90,15 @@ class Reporter:
         while self.in_flight is not None or self.pending:
             self.pump(block=True)
 
+    def drop(self) -> None:
+        """Forget what is pending: the master rewound the ledger past it (a lost PS)."""
+        self.pending.clear()
+        if self.in_flight is not None:
+            with contextlib.suppress(Exception):
+                self.in_flight.result()
+            self.in_flight = None
+        self.refused = self.hold = self._urgent = False
+
     def close(self) -> None:
         self._thread.shutdown(wait=True)
 
@@ -117,8 +128,10 @@ def minibatches(task, minibatch_size: int) -> list[tuple[int, int]]:
 
 
 def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event,
-                report_interval_s: float = REPORT_INTERVAL_S, pushes_in_flight: int = PUSH_DEPTH) -> str:
-    """Train until the master says DONE or `stop` is set. Returns why it ended."""
+                report_interval_s: float = REPORT_INTERVAL_S, pushes_in_flight: int = PUSH_DEPTH,
+                rejoin=None) -> str:
+    """Train until the master says DONE or `stop` is set. Returns why it ended. When the shards move
+    (a PS lost, every shard restored to a checkpoint), `rejoin()` waits for them and reconnects."""
     reporter = Reporter(master, report_interval_s)
     # The next lease is asked for and read on its own thread while the current one trains: at the
     # current one's end the worker goes straight on, instead of waiting for its last push and
@@ -148,65 +161,87 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                 return None
             retry = min(2 * retry, AHEAD_RETRY_MAX_S)
 
+    def drop_everything() -> None:
+        """The shards moved: the pushes in flight may or may not have landed before the restore that
+        erased them, and the master rewound its ledger to the same cut, so nothing in hand counts."""
+        leaving.set()
+        while in_flight:
+            with contextlib.suppress(Exception):
+                trainer.push_finish(in_flight.popleft()[0])
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                ahead.result()
+        reporter.drop()
+
     ahead = None                  # Future of lease_ahead()
     leaving = threading.Event()   # set when the worker leaves the lease it asked ahead of
     waited = False                # for work: others pushed meanwhile, so this worker's values are old
     try:
         while not stop.is_set():
-            # Reports arrive in order, so the master takes the next lease's once this one's last is in.
-            waited = waited or (ahead is not None and not ahead.done())
-            nxt = ahead.result() if ahead is not None else None
-            ahead = None
-            if nxt is not None and not reporter.refused:
-                t, fed = nxt
-            else:
-                # The master hands a worker its current lease again until the lease's last report
-                # arrives, so deliver every report before asking for more work.
-                settle()
-                reporter.flush()
-                if reporter.refused:
-                    # The master no longer counts the lease ours (it thought us lost): start afresh.
-                    log.warning("master refused a progress report: dropping the lease")
-                    reporter.refused = False
-                reply = master.get_task()
-                if reply.kind == pb.GetTaskResponse.DONE:
-                    return "done"
-                if reply.kind == pb.GetTaskResponse.WAIT:
-                    time.sleep(reply.retry_after_s or 0.05)
-                    waited = True
-                    continue
-                t = reply.task
-                fed = feed_lease(t)
-            bounds = minibatches(t, minibatch_size)   # never empty: the ledger cuts no empty task
-            if waited:
-                trainer.refresh_dense()
-                waited = False
-            leaving = threading.Event()
-            ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
-            for seq, hi in bounds:
-                if reporter.hold:
-                    # A checkpoint: every push this worker made is applied and reported before it
-                    # waits, so the shards' state and the ledger are cut at the same pushes.
+            try:
+                # Reports arrive in order, so the master takes the next lease's once this one's last is in.
+                waited = waited or (ahead is not None and not ahead.done())
+                nxt = ahead.result() if ahead is not None else None
+                ahead = None
+                if nxt is not None and not reporter.refused:
+                    t, fed = nxt
+                else:
+                    # The master hands a worker its current lease again until the lease's last report
+                    # arrives, so deliver every report before asking for more work.
                     settle()
                     reporter.flush()
-                    reporter.hold = False
-                    master.hold(stop)
-                    trainer.refresh_dense()   # others may have pushed between our last push and the cut
-                if reporter.refused or stop.is_set():
-                    break
-                result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
-                settle(keep=pushes_in_flight - 1)
-                key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
-                in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
-                reporter.pump()
-            leaving.set()
+                    if reporter.refused:
+                        # The master no longer counts the lease ours (it thought us lost): start afresh.
+                        log.warning("master refused a progress report: dropping the lease")
+                        reporter.refused = False
+                    reply = master.get_task()
+                    if reply.kind == pb.GetTaskResponse.DONE:
+                        return "done"
+                    if reply.kind == pb.GetTaskResponse.WAIT:
+                        time.sleep(reply.retry_after_s or 0.05)
+                        waited = True
+                        continue
+                    t = reply.task
+                    fed = feed_lease(t)
+                bounds = minibatches(t, minibatch_size)   # never empty: the ledger cuts no empty task
+                if waited:
+                    trainer.refresh_dense()
+                    waited = False
+                leaving = threading.Event()
+                ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
+                for seq, hi in bounds:
+                    if reporter.hold:
+                        # A checkpoint: every push this worker made is applied and reported before it
+                        # waits, so the shards' state and the ledger are cut at the same pushes.
+                        settle()
+                        reporter.flush()
+                        reporter.hold = False
+                        master.hold(stop)
+                        trainer.refresh_dense()   # others may have pushed between our last push and the cut
+                    if reporter.refused or stop.is_set():
+                        break
+                    result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
+                    settle(keep=pushes_in_flight - 1)
+                    key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
+                    in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
+                    reporter.pump()
+                leaving.set()
+            except ShardsMoved as e:
+                if rejoin is None:
+                    raise
+                log.warning("the PS shards moved (%s): dropping my leases and pushes in flight, then "
+                            "registering again", str(e).splitlines()[0][:200])
+                drop_everything()
+                ahead = None
+                rejoin()
         return "stopped"
     finally:
         # SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit. A lease
         # taken ahead and never started goes back to the queue when the master sees us exit.
         leaving.set()
         try:
-            settle()
+            with contextlib.suppress(ShardsMoved):   # nothing to deliver to: the master rewinds past it
+                settle()
             reporter.flush()
         finally:
             reporter.close()

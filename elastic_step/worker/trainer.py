@@ -26,7 +26,8 @@ log = logging.getLogger("elastic_step.worker")
 
 
 class PSTrainer:
-    def __init__(self, model_def, model, ps: PSClient, placement: Placement, pushes_in_flight: int = 2):
+    def __init__(self, model_def, model, ps: PSClient, placement: Placement, pushes_in_flight: int = 2,
+                 generation: int = 0):
         import keras
         import tensorflow as tf
 
@@ -34,6 +35,7 @@ class PSTrainer:
         self.model_def = model_def
         self.model = model
         self.ps = ps
+        self.generation = generation   # of the shards' state (see PushRequest.generation)
         self.placement = placement
         self.names = variable_names(model)
         self.variables = dict(zip(self.names, model.trainable_variables))
@@ -205,8 +207,18 @@ class PSTrainer:
         return self._traced[1]
 
     def push_start(self, result: StepResult, key: PushKey) -> concurrent.futures.Future:
-        """Push under `key` on a push thread; `push_finish` waits for it."""
-        return self._push_threads.submit(self._push, result, key)
+        """Push under `key`, for the shards' current generation, on a push thread; `push_finish` waits
+        for it."""
+        return self._push_threads.submit(self._push, result, key._replace(generation=self.generation))
+
+    def reconnect(self, ps: PSClient, generation: int) -> PSClient:
+        """The shards were restored (after a lost PS): push to them, as `generation`, from their
+        values. Returns the old client, to close."""
+        old, self.ps, self.generation = self.ps, ps, generation
+        with self._fresh_lock:
+            self._versions = [-1] * self.placement.num_ps
+        self.refresh_dense()
+        return old
 
     @staticmethod
     def push_finish(handle: concurrent.futures.Future) -> tuple[bool, float]:

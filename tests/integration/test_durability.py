@@ -12,7 +12,7 @@ import pytest
 
 from tests.integration.harness import run_cli, train
 from tests.integration.test_errors import assert_clean_error
-from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
+from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
 
@@ -86,3 +86,29 @@ def test_an_unwritable_checkpoint_location_is_an_error_at_the_start(tally_data, 
                    "--epochs", "1")
     assert_clean_error(proc, "Cannot write checkpoints under", "--checkpoint-every 0")
     assert not (out / "logs").exists() or not any((out / "logs").iterdir())   # nothing was started
+
+
+def test_a_lost_ps_is_relaunched_every_shard_and_the_ledger_go_back_and_workers_stay_up(tally_data, tmp_path):
+    total = tally_data["rows"] * EPOCHS
+    proc, summary = tally_job(tally_data, tmp_path, "--chaos", f"kill:ps-1@{int(total * 0.6)}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_chaos_fired(summary, 1)
+    restores = summary["checkpoints"]["ps_restores"]
+    assert [r["ps"] for r in restores] == [1], restores
+    assert summary["workers"]["relaunched"] == 0 and summary["workers"]["lost"] == 0   # workers stayed up
+    assert summary["ledger"]["records_trained_again"] == restores[0]["records_trained_again"]
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary)
+
+
+def test_a_lost_ps_and_then_a_lost_master_in_one_run(tally_data, tmp_path):
+    total = tally_data["rows"] * EPOCHS
+    proc, _ = tally_job(tally_data, tmp_path, "--chaos", f"kill:ps-0@{int(total * 0.3)}",
+                        "--chaos", f"kill:master@{int(total * 0.7)}")
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    assert "ps-0 lost: every shard and the ledger go back to checkpoint" in proc.stderr
+    proc, summary = tally_job(tally_data, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(summary["checkpoints"]["restarts"]) == 1
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary)
