@@ -25,9 +25,10 @@ class Progress:
         (t0, r0), (t1, r1) = self._window[0], self._window[-1]
         return (r1 - r0) / (t1 - t0) if t1 > t0 else 0.0
 
-    def show(self, sample: dict, final: bool = False) -> None:
+    def show(self, sample: dict, final: bool = False, now: float | None = None) -> None:
         if self.mode == "off":
             return
+        now = time.time() if now is None else now
         frac = min(1.0, sample["records"] / self.total) if self.total else 1.0
         loss = "-" if sample["loss"] is None else f"{sample['loss']:.4f}"
         text = (f"epoch {sample['epoch'] + 1}/{self.epochs} {frac * 100:5.1f}% "
@@ -38,7 +39,7 @@ class Progress:
             bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
             self.stream.write(f"\r[{bar}] {text}\033[K" + ("\n" if final else ""))
             self.stream.flush()
-        elif final or time.time() - self._last_line >= 5.0:
-            self._last_line = time.time()
+        elif final or now - self._last_line >= 5.0:
+            self._last_line = now
             self.stream.write(f"progress: {text}\n")
             self.stream.flush()

@@ -27,9 +27,9 @@ def test_terminal_gets_a_redrawn_bar_with_the_figures():
 def test_logs_get_plain_lines_not_more_than_every_few_seconds():
     out = io.StringIO()
     p = Progress("auto", records_per_epoch=1000, epochs=2, stream=out)
-    p.show(SAMPLE)
-    p.show(SAMPLE)            # too soon: no second line
-    p.show(SAMPLE, final=True)
+    p.show(SAMPLE, now=100.0)
+    p.show(SAMPLE, now=104.9)            # too soon: no second line
+    p.show(SAMPLE, final=True, now=105.0)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and all(l.startswith("progress: epoch 2/2") for l in lines)
     assert "\r" not in out.getvalue()
