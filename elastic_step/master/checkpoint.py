@@ -24,7 +24,7 @@ import time
 import fsspec
 
 from elastic_step.errors import ConfigError
-from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
@@ -281,24 +281,25 @@ class JobCheckpoints:
         channels = [rpc.channel(a) for a in self.coord.ps_addresses]
         return channels, [pb_grpc.ParameterServerStub(c) for c in channels]
 
-    def _each_shard(self, call: str, uri_of, generation: int = 0) -> None:
+    def _each_shard(self, call) -> None:
+        """call(i, stub) for every shard at once."""
         import concurrent.futures
-
-        from elastic_step.proto import elastic_pb2 as pb
 
         channels, stubs = self._stubs()
         try:
             with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(stubs))) as pool:
-                list(pool.map(lambda i: getattr(stubs[i], call)(
-                    pb.SaveRequest(token=self.cfg.token, uri=uri_of(i), generation=generation), timeout=300),
-                    range(len(stubs))))
+                list(pool.map(lambda i: call(i, stubs[i]), range(len(stubs))))
         finally:
             for c in channels:
                 c.close()
 
     def _save_shards(self, ckpt_id: int) -> list[str]:
+        """Each shard's state, written by the master: a PS pod needs no access to the step's output."""
+        from elastic_step.proto import elastic_pb2 as pb
+
         names = [f"ps-{i}.npz" for i in range(len(self.coord.ps_addresses))]
-        self._each_shard("Save", lambda i: self.store.part(ckpt_id, names[i]))
+        self._each_shard(lambda i, stub: atomic_write_bytes(
+            self.store.part(ckpt_id, names[i]), stub.Save(pb.SaveRequest(token=self.cfg.token), timeout=300).npz))
         return names
 
     def restore_shards(self, manifest: dict | None = None, generation: int = 0) -> None:
@@ -308,10 +309,17 @@ class JobCheckpoints:
         if not manifest:
             return
         import grpc
+
+        from elastic_step.proto import elastic_pb2 as pb
+
+        def restore(i, stub):
+            with self.store.fs.open(posixpath.join(self.store.path, manifest["files"][f"ps-{i}.npz"]), "rb") as f:
+                stub.Restore(pb.RestoreRequest(token=self.cfg.token, npz=f.read(), generation=generation),
+                             timeout=300)
         try:
-            self._each_shard("Restore", lambda i: self.store.uri(manifest["files"][f"ps-{i}.npz"]), generation)
-        except (grpc.RpcError, KeyError) as e:
-            detail = e.details() if isinstance(e, grpc.RpcError) else f"no part {e}"
+            self._each_shard(restore)
+        except (grpc.RpcError, KeyError, OSError) as e:
+            detail = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             raise CheckpointError(f"Cannot restore the parameter servers from checkpoint {manifest['id']} "
                                   f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
                                   "or pass --resume never.") from None

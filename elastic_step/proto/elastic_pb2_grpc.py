@@ -638,11 +638,11 @@ class ParameterServerStub:
         self.Save = channel.unary_unary(
                 '/elastic_step.ParameterServer/Save',
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
-                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.ShardState.FromString,
                 _registered_method=True)
         self.Restore = channel.unary_unary(
                 '/elastic_step.ParameterServer/Restore',
-                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
@@ -686,14 +686,14 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Save(self, request, context):
-        """the shard's whole state (a checkpoint's part), atomically
+        """the shard's whole state, for a checkpoint
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Restore(self, request, context):
-        """back to a state Save wrote
+        """back to a state Save gave
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -736,11 +736,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
             'Save': grpc.unary_unary_rpc_method_handler(
                     servicer.Save,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.FromString,
-                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.ShardState.SerializeToString,
             ),
             'Restore': grpc.unary_unary_rpc_method_handler(
                     servicer.Restore,
-                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.FromString,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.RestoreRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -910,7 +910,7 @@ class ParameterServer:
             target,
             '/elastic_step.ParameterServer/Save',
             elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
-            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            elastic__step_dot_proto_dot_elastic__pb2.ShardState.FromString,
             options,
             channel_credentials,
             insecure,
@@ -936,7 +936,7 @@ class ParameterServer:
             request,
             target,
             '/elastic_step.ParameterServer/Restore',
-            elastic__step_dot_proto_dot_elastic__pb2.SaveRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.RestoreRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -21,7 +21,6 @@ from elastic_step.data.api import AppliedRecords
 from elastic_step.ps.api import Placement, PushKey, variable_names
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.shared_memory import SharedSegments
-from elastic_step.util.atomic import atomic_write_bytes
 
 log = logging.getLogger("elastic_step.ps")
 
@@ -160,10 +159,10 @@ class ParameterShard:
     def rows(self, name: str, ids: np.ndarray) -> np.ndarray:
         return self.tf.gather(self.tables[name], ids // self.num_ps).numpy()
 
-    def save(self, uri: str) -> None:
-        """The shard's whole state at one moment, atomically at `uri`: its values, its optimizer's
-        variables (slots, step count), and the keys and records of the pushes it applied, so that a
-        shard restored from it skips what it had applied and the audit sees exactly what it holds."""
+    def save(self) -> bytes:
+        """The shard's whole state at one moment, as an .npz: its values, its optimizer's variables
+        (slots, step count), and the keys and records of the pushes it applied, so that a shard
+        restored from it skips what it had applied and the audit sees exactly what it holds."""
         buf = io.BytesIO()
         with self.lock:
             arrays = {"dense": np.array(self._values()), "version": np.array(self.version, np.int64),
@@ -174,19 +173,16 @@ class ParameterShard:
             arrays.update({f"records/{e}/{d}": r for (e, d), r in self.applied_records.arrays().items()})
             arrays.update({f"touched/{n}": np.array(sorted(ids), np.int64) for n, ids in self.touched.items()})
             np.savez(buf, **arrays)
-        atomic_write_bytes(uri, buf.getvalue())
+        return buf.getvalue()
 
-    def restore(self, uri: str, generation: int = 0) -> None:
+    def restore(self, npz: bytes, generation: int = 0) -> None:
         """Back to the state `save` wrote (the shard's values, its optimizer's, what it applied), as
         generation `generation`: from here on, only pushes computed for it are applied."""
-        import fsspec
-
-        with fsspec.open(uri, "rb") as f:
-            saved = dict(np.load(io.BytesIO(f.read()), allow_pickle=False))
+        saved = dict(np.load(io.BytesIO(npz), allow_pickle=False))
         optimizer = [saved[f"optimizer/{i}"] for i in range(len(self.optimizer.variables))]
         if saved["dense"].size != self.dense_size or any(f"table/{n}" not in saved for n in self.tables) \
                 or f"optimizer/{len(optimizer)}" in saved:
-            raise ValueError(f"the checkpoint {uri} is of another model: it does not fit shard {self.shard}")
+            raise ValueError(f"the saved state is of another model: it does not fit shard {self.shard}")
         with self.lock:
             self.generation = generation
             offset = 0
@@ -299,15 +295,14 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Save(self, request, context):
         check_token(context, self.token, request.token)
-        self.shard.save(request.uri)
-        return pb.Ack()
+        return pb.ShardState(npz=self.shard.save())
 
     def Restore(self, request, context):
         check_token(context, self.token, request.token)
         try:
-            self.shard.restore(request.uri, request.generation)
+            self.shard.restore(request.npz, request.generation)
         except (OSError, ValueError, KeyError) as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot restore {request.uri}: {e}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot restore shard {self.shard.shard}: {e}")
         return pb.Ack()
 
     def Stats(self, request, context):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.harness import train
-from tests.integration.test_train_local import assert_exact_ledger
+from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def undisturbed(digits_data, tmp_path_factory):
 
 def test_allreduce_digits_trains_to_090(undisturbed):
     out, summary = undisturbed
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     assert summary["strategy"] == "allreduce"
     assert summary["eval"]["accuracy"] >= 0.90
     assert summary["workers"]["max_alive"] == 3
@@ -48,7 +48,7 @@ def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tm
     total = digits_data["rows"] * EPOCHS
     proc, summary = train(digits_data, tmp_path, *SETTINGS, "--chaos", f"kill:worker-1@{int(total * 0.1)}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in summary["events"]]
     assert ("lost", "worker-1", "killed by SIGKILL") in kinds
     assert summary["workers"]["lost"] == 1 and summary["workers"]["relaunched"] == 1
@@ -78,7 +78,7 @@ def test_allreduce_kill_in_the_middle_of_a_collective(digits_data, tmp_path, mon
     proc, summary = train(digits_data, tmp_path, "--strategy", "allreduce", "--epochs", "6", "--max-workers", "2",
                           "--min-workers", "2", "--minibatch-size", "32", "--records-per-task", "128")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in summary["events"]]
     assert ("lost", "worker-1", "killed by SIGKILL") in kinds
     aborted = [d for k, _, d in kinds if k == "step_aborted"]

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from tests.integration.harness import CTR_MODEL, train
+from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
 
@@ -18,16 +19,6 @@ pytestmark = pytest.mark.slow
 EPOCHS = 120
 SETTINGS = ("--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "1", "--minibatch-size", "32",
             "--records-per-task", "128")
-
-
-def assert_exact_ledger(summary: dict) -> None:
-    assert summary["status"] == "succeeded"
-    epochs = summary["ledger"]["epochs"]
-    assert len(epochs) == summary["epochs"]
-    for e in epochs:
-        assert e["committed"] == summary["records_per_epoch"], e
-        assert e["lost"] == 0, e
-        assert e["double_applied"] == 0, e
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +31,7 @@ def undisturbed(digits_data, tmp_path_factory):
 
 def test_digits_trains_to_090(undisturbed):
     out, summary = undisturbed
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     assert summary["eval"]["accuracy"] >= 0.90
     assert summary["workers"]["max_alive"] == 2
     assert (out / "model.keras").is_file()
@@ -57,7 +48,7 @@ def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
                           "--chaos", f"kill:worker-0@{int(total * 0.1)}",
                           "--chaos", f"term:worker-1@{int(total * 0.1) + 1}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     events = summary["events"]
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in events]
     # The kill and the SIGTERM really happened, to live processes.
@@ -86,7 +77,7 @@ def test_ctr_embeddings_split_across_two_ps(ctr_data, tmp_path):
     proc, summary = train(ctr_data, tmp_path, "--epochs", "2", "--num-ps", "2", "--max-workers", "2",
                           "--minibatch-size", "128", "--records-per-task", "1024", model=CTR_MODEL)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     # The loss falls: from the initial weights' (the eval curve's first point) to the trained model's.
     initial = summary["eval_history"][0]
     assert initial["epoch"] == -1

@@ -27,6 +27,7 @@ from elastic_step.backends.kubernetes import (NEEDED, KubernetesBackend, Kuberne
                                               KubernetesPermissionError, Owner, load_manifests)
 from elastic_step.errors import ElasticStepError
 from kube.harness import ControlPlane, wait_for
+from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
 
@@ -186,14 +187,6 @@ class PodRecorder(threading.Thread):
 
     def stop(self):
         self.stopped.set()
-
-
-def assert_exact_ledger(summary: dict) -> None:
-    assert summary["status"] == "succeeded", summary.get("status")
-    assert len(summary["ledger"]["epochs"]) == summary["epochs"]
-    for e in summary["ledger"]["epochs"]:
-        assert e["committed"] == summary["records_per_epoch"], e
-        assert e["lost"] == 0 and e["double_applied"] == 0, e
 
 
 def dense_shards(summary: dict) -> set[int]:
@@ -367,7 +360,7 @@ def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, names
     assert pod.status.phase == "Succeeded", log[-4000:]
     recorder.stop()
     summary = json.loads((out / "summary.json").read_text())
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     assert summary["backend"] == "kubernetes"
     assert summary["eval"]["accuracy"] >= 0.90, summary["eval"]
     assert summary["workers"]["max_alive"] == 2
@@ -458,7 +451,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
     assert not thread.is_alive()
     assert "error" not in result, result.get("error")
     summary = result["summary"]
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"]) for e in summary["events"]]
     assert kinds.count(("registered", victim)) == 2, kinds
     # The victim finished and reported its minibatch in its grace period before the loss was reported:
@@ -601,7 +594,7 @@ def test_restarted_master_adopts_its_pods_without_duplicates(control_plane, core
     assert rc == 0, text[-4000:]
     assert "adopting" in text and f"{job}-worker-0" in text.split("adopting", 1)[1].splitlines()[0], text[-4000:]
     summary = json.loads((tmp_path / "attempt-2" / "summary.json").read_text())
-    assert_exact_ledger(summary)
+    assert_exactly_once(summary)
     started = [e["detail"] for e in summary["events"] if e["kind"] == "started"]
     assert any(d.startswith(f"replaces adopted pod {job}-worker-") for d in started), started
     # never two live pods of one instance, the new ones owned by the retried step's pod

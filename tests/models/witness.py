@@ -53,3 +53,13 @@ def assert_audit_exact(summary: dict, source: str = "ps") -> None:
     audit = summary["audit"]
     assert audit["source"] == source and audit["verdict"] == "exact", audit
     assert [e["applied_once"] for e in audit["epochs"]] == [summary["records_per_epoch"]] * summary["epochs"]
+
+
+def assert_exactly_once(summary: dict) -> None:
+    """The job succeeded and every record of every epoch was applied exactly once, by the audit (the
+    model state's own accounting laid over the data set), with the ledger agreeing with it."""
+    assert summary["status"] == "succeeded", summary.get("status")
+    assert_audit_exact(summary, summary["strategy"])
+    applied = [e["applied_once"] for e in summary["audit"]["epochs"]]
+    assert [e["committed"] for e in summary["ledger"]["epochs"]] == applied, summary["ledger"]["epochs"]
+    assert all(e["double_applied"] == 0 for e in summary["ledger"]["epochs"])

@@ -88,19 +88,22 @@ def test_concurrent_pushes_each_get_one_consistent_version():
         np.testing.assert_allclose(v, start - 0.125 * version, rtol=0, atol=1e-4)
 
 
-def test_a_restored_shard_is_the_saved_one_values_slots_keys_and_records(tmp_path):
+def test_a_restored_shard_is_the_saved_one_values_slots_keys_and_records():
     s = shard(__import__("keras").optimizers.Adam(0.01))
     g = np.full(s.dense_size, 0.5, np.float32)
     s.push(key(1, 0), g, [])
-    s.save(str(tmp_path / "ps-0.npz"))
+    saved = s.save()
     at_save = s.snapshot()
     s.push(key(1, 64), g, [])                      # after the cut: undone by the restore
-    s.restore(str(tmp_path / "ps-0.npz"))
+    s.restore(saved, generation=1)
+    with pytest.raises(server.StaleGeneration):   # computed for the state before the restore
+        s.push(key(2, 0), g, [])
     assert s.snapshot()[0] == at_save[0]
     np.testing.assert_array_equal(s.snapshot()[1], at_save[1])
     assert s.applied == {(1, 0)} and s.applied_records.arrays()[(0, 0)].tolist() == [[0, 64]]
     # The optimizer's slots came back too: the same next push as an uninterrupted twin's.
     twin = shard(__import__("keras").optimizers.Adam(0.01))
     twin.push(key(1, 0), g, [])
-    assert not s.push(key(1, 0), g, [])[0]         # applied before the cut: still skipped
-    np.testing.assert_allclose(s.push(key(1, 64), g, [])[2], twin.push(key(1, 64), g, [])[2], rtol=1e-6)
+    assert not s.push(key(1, 0)._replace(generation=1), g, [])[0]   # applied before the cut: still skipped
+    np.testing.assert_allclose(s.push(key(1, 64)._replace(generation=1), g, [])[2],
+                               twin.push(key(1, 64), g, [])[2], rtol=1e-6)
