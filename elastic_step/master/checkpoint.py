@@ -259,8 +259,11 @@ class JobCheckpoints:
         if self.resumed:
             self.ledger.restore(self.state["ledger"])
             coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
-            self.restarts.append({"at": time.time(), "from_checkpoint": self.resumed["id"],
+            started = time.time()
+            self.restarts.append({"at": started, "from_checkpoint": self.resumed["id"],
                                   "records_committed_at_checkpoint": self.resumed["records_committed"]})
+            entry = self.restarts[-1]
+            coord.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
             log.info("resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; what was "
                      "committed after it is trained again", cfg.job_id, self.resumed["id"], self.store.root,
                      self.resumed["records_committed"], self.ledger.epoch)
@@ -333,7 +336,7 @@ class JobCheckpoints:
     def can_restore(self) -> bool:
         return self.cutter is not None and bool(self.cutter.written or self.resumed)
 
-    def rewind(self, lost_ps: int) -> tuple[dict, int]:
+    def rewind(self, lost_ps: int, lost_at: float) -> tuple[dict, int]:
         """A PS was lost: the ledger goes back to the last checkpoint at once, and, until
         `rewound(generation)`, no lease is handed out, no report commits and no worker learns the
         shards' addresses. Returns (the checkpoint's manifest, the generation to restore the shards as)."""
@@ -349,8 +352,10 @@ class JobCheckpoints:
             again = self.ledger.restore(state["ledger"])
             coord.duplicates_suppressed = state.get("duplicates_suppressed", 0)
             generation = coord.ps_generation + 1
-        self.ps_restores.append({"at": time.time(), "ps": lost_ps, "from_checkpoint": manifest["id"],
-                                 "records_trained_again": again})
+        entry = {"at": lost_at, "ps": lost_ps, "from_checkpoint": manifest["id"], "records_trained_again": again}
+        self.ps_restores.append(entry)
+        with coord.lock:
+            coord.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
         coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
         log.warning("ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
                     "the %d records committed since are trained again", lost_ps, manifest["id"],

@@ -47,6 +47,7 @@ class Coordinator:
         # the shards' state. While `rewinding`, no lease is handed out and no report commits.
         self.rewinding = False
         self.ps_generation = 0
+        self.on_next_commit: list = []          # callables(now), each called once at the next commit
         self._released = threading.Condition(self.lock)
 
     def attach_rendezvous(self, max_workers: int):
@@ -97,6 +98,8 @@ class Coordinator:
         """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
         self.first_commit_at = self.first_commit_at or now
         self.last_commit_at = now
+        while self.on_next_commit:   # recovery figures: from a loss or a restart to training again
+            self.on_next_commit.pop()(now)
         if loss == loss:  # not NaN
             self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         if self.ledger.epoch != epoch_before:

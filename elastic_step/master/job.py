@@ -179,17 +179,17 @@ class TrainingJob:
             self.coord.mark_replacement(ev.instance, ev.time)
             self._launch(ev.instance, relaunch=True)
         elif decision.action == "restore":
-            self._restore_after_ps_loss(ev.instance)
+            self._restore_after_ps_loss(ev.instance, ev.time)
         elif decision.action == "fail" and self.coord.failure is None:
             tail = self._log_tail(ev.instance)
             self.coord.report_failure(str(ev.instance), "instance_failed", decision.reason, tail)
 
-    def _restore_after_ps_loss(self, inst: InstanceId) -> None:
+    def _restore_after_ps_loss(self, inst: InstanceId, lost_at: float) -> None:
         """Every shard and the ledger back to the last checkpoint, one cut (restoring the lost shard
         alone would leave the others holding updates it lost). The lost shard is relaunched and
         restored, the others restored in place, as a new generation: workers stay up, learn it from
         their next push (refused) and register again for the shards."""
-        manifest, generation = self.durable.rewind(inst.index)
+        manifest, generation = self.durable.rewind(inst.index, lost_at)
         self._launch(inst, relaunch=True)
         self._pump(until=self.coord.ps_ready.is_set)
         if self.coord.failure is None:

@@ -1,0 +1,94 @@
+"""What durability costs and what it saves, on the local backend, side by side in one run.
+
+    .venv/bin/python bench/durability.py [--runs 3] [--epochs 600] [--intervals 10s 60s]
+
+1. Throughput with checkpoints every 10 s and every 60 s against none (`--checkpoint-every 0`), the
+   runs alternating, best against best (goal: under 3 % cost), with each checkpoint's barrier and
+   write times.
+2. A PS shard SIGKILLed at 60 % of the job: the time from its loss to training again, and the records
+   trained again (those committed after the last checkpoint).
+3. The master SIGKILLed at 60 % and the step run again with the same job id and output: the time
+   from the new master's start to training again, and the records trained again.
+Every run's audit must be exact (the PS shards' accounting laid over the data set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *extra: str) -> tuple[int, dict]:
+    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", "samples/digits/model.py",
+           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
+           "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128", "--max-workers", "2",
+           "--num-ps", "1", "--job-id", "bench-durability", "--checkpoint-every", every, "--progress", "off", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    summary = out / "summary.json"
+    if proc.returncode not in (0, -9) or (proc.returncode == 0 and not summary.exists()):
+        raise SystemExit(f"training failed ({every}, {extra}):\n{proc.stderr[-3000:]}")
+    s = json.loads(summary.read_text()) if proc.returncode == 0 else {}
+    if s and s["audit"]["verdict"] != "exact":
+        raise SystemExit(f"audit not exact ({every}, {extra}): {s['audit']}")
+    return proc.returncode, s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=600)
+    p.add_argument("--intervals", nargs="+", default=["10s", "60s"])
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
+        work = pathlib.Path(tmp)
+        subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source",
+                        "samples/digits/digits.csv", "--label", "label", "--output", str(work / "data")],
+                       cwd=ROOT, check=True, capture_output=True)
+        settings = ["0", *args.intervals]
+        rates: dict[str, list[float]] = {s: [] for s in settings}
+        checkpoints: dict[str, list[dict]] = {s: [] for s in settings}
+        for run in range(args.runs):
+            for every in settings:
+                _, s = train(work / f"{every}-{run}", work / "data", args.epochs, every)
+                rates[every].append(s["throughput_records_per_s"])
+                checkpoints[every] += s["checkpoints"].get("checkpoints", [])
+        total = json.loads((work / f"0-0" / "summary.json").read_text())["records_per_epoch"] * args.epochs
+        print(f"digits, {args.epochs} epochs ({total} records), 2 workers + 1 PS, {args.runs} runs per setting")
+        best_none = max(rates["0"])
+        print(f"{'checkpoints':<14}{'rec/s (runs)':<34}{'best/best':<11}{'cost':<8}{'barrier s (median)':<20}"
+              f"{'write s (median)':<18}{'per run':<8}")
+        for every in settings:
+            best = max(rates[every])
+            cks = checkpoints[every]
+            hold = statistics.median(c["hold_s"] for c in cks) if cks else 0.0
+            write = statistics.median(c["write_s"] for c in cks) if cks else 0.0
+            print(f"{'none' if every == '0' else 'every ' + every:<14}{' '.join(f'{r:,.0f}' for r in rates[every]):<34}"
+                  f"{best / best_none:<11.3f}{(1 - best / best_none) * 100:<8.1f}{hold:<20.3f}{write:<18.3f}"
+                  f"{len(cks) / args.runs:<8.1f}")
+
+        every = args.intervals[0]
+        _, s = train(work / "ps-loss", work / "data", args.epochs, every, "--chaos", f"kill:ps-0@{int(total * 0.6)}")
+        r = s["checkpoints"]["ps_restores"][0]
+        print(f"PS loss (checkpoints every {every}): loss -> training again {r.get('loss_to_first_commit_s')} s, "
+              f"{r['records_trained_again']} records trained again; audit {s['audit']['verdict']}, "
+              f"accuracy {s['eval']['accuracy']:.4f}")
+        out = work / "master-loss"
+        code, _ = train(out, work / "data", args.epochs, every, "--chaos", f"kill:master@{int(total * 0.6)}")
+        assert code == -9, "the master was not killed"
+        cut = json.loads((out / "checkpoints" / "checkpoint.json").read_text())["records_committed"]
+        _, s = train(out, work / "data", args.epochs, every)
+        r = s["checkpoints"]["restarts"][0]
+        print(f"master loss (checkpoints every {every}): new master start -> training again "
+              f"{r.get('start_to_first_commit_s')} s, {int(total * 0.6) - cut} records trained again (killed at "
+              f"{int(total * 0.6)}, checkpoint at {cut}); audit {s['audit']['verdict']}, accuracy "
+              f"{s['eval']['accuracy']:.4f}")
+
+
+if __name__ == "__main__":
+    main()
