@@ -1,0 +1,58 @@
+"""A durable step on the real control plane: the master (the real CLI, with the shipped Role's rights
+only) SIGKILLed mid-epoch and run again with the same job id and output, a PS pod deleted mid-epoch,
+and both in one run. Exactly-once is checked through the tally weights and the PS shards' audit,
+not the ledger (the state being restored)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.kubernetes.test_backend import ROOT, cli_env, job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.models.witness import TALLY_MODEL, assert_chaos_fired, assert_each_record_applied_exactly, \
+    assert_exactly_once
+
+EPOCHS = 6
+
+
+def master(data, out, job, kubeconfig, namespace, *chaos: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", job,
+         "--model-def", TALLY_MODEL, "--train-data", data["train"], "--eval-data", data["eval"],
+         "--output", str(out), "--epochs", str(EPOCHS), "--minibatch-size", "32", "--records-per-task", "128",
+         "--max-workers", "2", "--num-ps", "2", "--checkpoint-every", "3000", "--progress", "lines",
+         *[a for c in chaos for a in ("--chaos", c)]],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=cli_env(kubeconfig, namespace))
+    summary = out / "summary.json"
+    return proc, json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else {}
+
+
+def test_a_deleted_ps_pod_is_relaunched_and_restored_and_workers_stay_up(control_plane, core, node, namespace,
+                                                                        tally_data, priority_classes,
+                                                                        sa_kubeconfig, tmp_path):
+    total = tally_data["rows"] * EPOCHS
+    proc, summary = master(tally_data, tmp_path, "durable-ps", sa_kubeconfig, namespace,
+                           f"kill:ps-1@{int(total * 0.5)}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_chaos_fired(summary, 1)
+    assert [r["ps"] for r in summary["checkpoints"]["ps_restores"]] == [1]
+    assert summary["workers"]["relaunched"] == 0
+    assert_exactly_once(summary)
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert job_pods(core, namespace, "durable-ps") == []
+
+
+def test_a_killed_master_and_a_deleted_ps_pod_the_retried_step_resumes(control_plane, core, node, namespace,
+                                                                       tally_data, priority_classes,
+                                                                       sa_kubeconfig, tmp_path):
+    total = tally_data["rows"] * EPOCHS
+    proc, _ = master(tally_data, tmp_path, "durable-both", sa_kubeconfig, namespace,
+                     f"kill:ps-0@{int(total * 0.3)}", f"kill:master@{int(total * 0.6)}")
+    assert proc.returncode == -9, proc.stderr[-4000:]
+    assert "ps-0 lost: every shard and the ledger go back to checkpoint" in proc.stderr
+    proc, summary = master(tally_data, tmp_path, "durable-both", sa_kubeconfig, namespace)   # the retried step
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(summary["checkpoints"]["restarts"]) == 1
+    assert_exactly_once(summary)
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert job_pods(core, namespace, "durable-both") == []
