@@ -178,7 +178,7 @@ class Checkpointer:
             self._holding_since = None
 
     def tick(self, committed: int, now: float) -> None:
-        if self.coord.rewinding:
+        if self.coord.rewinding or not self.coord.ps_ready.is_set():   # no shard set to cut yet
             return
         if self._holding_since is None:
             if self.due(committed, now) and not self.coord.finished.is_set():
