@@ -1,0 +1,77 @@
+"""The checkpoint cutter and store on a real coordinator and a real folder: intervals, the barrier,
+the manifest as the commit point, and the previous checkpoint kept until then."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elastic_step.errors import ConfigError
+from elastic_step.master.checkpoint import CheckpointStore, Checkpointer, parse_interval
+from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.ledger import Ledger, ShardInfo
+
+
+def test_intervals_are_times_or_records_or_never():
+    assert parse_interval("60s") == ("seconds", 60) and parse_interval("5m") == ("seconds", 300)
+    assert parse_interval("50000") == ("records", 50000) == parse_interval("50000records")
+    assert parse_interval("0") is None
+    with pytest.raises(ConfigError, match="--checkpoint-every 'often'"):
+        parse_interval("often")
+
+
+def cutter(tmp_path, parts_written: list):
+    coord = Coordinator(Ledger([ShardInfo("s", 64)], 16, 2, 16), num_ps=1)
+    store = CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "j"})
+
+    def parts(ckpt_id):
+        parts_written.append(ckpt_id)
+        (tmp_path / "checkpoints" / f"ckpt-{ckpt_id:06d}").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "checkpoints" / f"ckpt-{ckpt_id:06d}" / "ps-0.npz").write_bytes(b"state")
+        return ["ps-0.npz"]
+
+    def state():
+        return {"ledger": coord.ledger.cut(), "ledger_records_committed": coord.ledger.records_committed_total()}
+    return coord, store, Checkpointer(store, ("records", 16), coord, parts, state)
+
+
+def test_nothing_is_cut_before_every_shard_registered_nor_before_the_barrier_holds(tmp_path):
+    written: list = []
+    coord, store, c = cutter(tmp_path, written)
+    ledger = coord.ledger
+    lease = ledger.lease("worker-0", 0.0)
+    ledger.report("worker-0", lease.task.task_id, lease.task.end)          # 16 records: one is due
+    c.tick(16, 0.0)
+    assert not coord.holding and written == []                              # the shards are not all up
+    coord.ps_ready.set()
+    lease = ledger.lease("worker-0", 0.0)
+    c.tick(16, 0.0)
+    assert coord.holding and written == []                                  # worker-0 still holds a lease
+    coord.held.add("worker-0")
+    c.tick(16, 0.0)
+    assert written == [1] and not coord.holding
+    manifest = store.latest()
+    assert manifest["id"] == 1 and manifest["records_committed"] == 16
+    cut = store.read_json(manifest, "ledger.json")["ledger"]
+    assert [lease.task.task_id, lease.watermark] in cut["queue"]           # the held lease goes back
+
+
+def test_the_manifest_is_the_commit_point_and_the_previous_checkpoint_stays_until_it(tmp_path):
+    written: list = []
+    coord, store, c = cutter(tmp_path, written)
+    coord.ps_ready.set()
+    c.tick(16, 0.0)
+    c.tick(16, 0.0)
+    c.before_commit = lambda ckpt_id: (_ for _ in ()).throw(RuntimeError("the master dies here"))
+    c.tick(32, 0.0)
+    with pytest.raises(RuntimeError):
+        c.tick(32, 0.0)
+    assert store.latest()["id"] == 1                                       # checkpoint 2 never committed
+    assert (tmp_path / "checkpoints" / "ckpt-000001" / "ps-0.npz").exists()
+    assert json.loads((tmp_path / "checkpoints" / "checkpoint.json").read_text())["files"]["ps-0.npz"] == \
+        "ckpt-000001/ps-0.npz"
+    c.before_commit = lambda ckpt_id: None
+    c.tick(48, 0.0)
+    c.tick(48, 0.0)
+    assert store.latest()["id"] == 2
+    assert not (tmp_path / "checkpoints" / "ckpt-000001").exists()        # gone only after 2 committed
