@@ -24,6 +24,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import prepare  # noqa: E402
+
 DIGITS = ("samples/digits/model.py", "samples/digits/digits.csv")
 
 
@@ -68,9 +70,7 @@ def main() -> None:
             tally.write_csv(source)
         else:
             model, source = DIGITS
-        subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source", source,
-                        "--label", "label", "--output", str(work / "data")], cwd=ROOT, check=True,
-                       capture_output=True)
+        prepare(source, work / "data")
         print(f"{'tally' if args.tally else 'digits'}, {args.epochs} epochs, 2 workers "
               f"(ps: 2 PS shards; allreduce: --global-batch fixed), random:{args.signals}:seed=<run>")
         header = (f"{'strategy':<10}{'run':<6}{'signals':<9}{'kill/term':<11}{'losses':<8}{'audit':<13}"

@@ -22,6 +22,9 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import prepare  # noqa: E402
 
 
 def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *extra: str) -> tuple[int, dict]:
@@ -47,9 +50,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
         work = pathlib.Path(tmp)
-        subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source",
-                        "samples/digits/digits.csv", "--label", "label", "--output", str(work / "data")],
-                       cwd=ROOT, check=True, capture_output=True)
+        prepare("samples/digits/digits.csv", work / "data")
         settings = ["0", *args.intervals]
         rates: dict[str, list[float]] = {s: [] for s in settings}
         checkpoints: dict[str, list[dict]] = {s: [] for s in settings}

@@ -17,6 +17,9 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import prepare  # noqa: E402
 
 
 def run(out: pathlib.Path, data: pathlib.Path, epochs: int, chaos: list[str]) -> dict:
@@ -41,9 +44,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
         work = pathlib.Path(tmp)
-        subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source",
-                        "samples/digits/digits.csv", "--label", "label", "--output", str(work / "data")],
-                       cwd=ROOT, check=True, capture_output=True)
+        prepare("samples/digits/digits.csv", work / "data")
         base = run(work / "base", work / "data", args.epochs, [])
         total = base["records_per_epoch"] * args.epochs
         # Kills spread over the run; each waits for the job to be at full strength again.

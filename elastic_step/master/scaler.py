@@ -40,19 +40,23 @@ class Scaler:
             if not checkpoint:
                 return Decision("fail", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}) and the "
                                         "job has no checkpoint to restore the shards from (--checkpoint-every 0)")
-            if self.relaunches >= self.max_relaunches:
-                return Decision("fail", f"parameter server {inst} was lost and the job already relaunched "
-                                        f"{self.relaunches} instances (limit {self.max_relaunches})")
-            self.relaunches += 1
+            if (over := self._over_budget(inst, ev)) is not None:
+                return over
             return Decision("restore", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}): it is "
                                        "relaunched, and every shard and the ledger go back to the last checkpoint")
         if ev.kind == EventKind.EXITED and ev.exit_code not in (0, None) \
                 and crashes_without_progress >= self.CRASH_LOOP:
             return Decision("fail", f"{inst} crashed (exit {ev.exit_code}) {crashes_without_progress} times "
                                     "in a row before committing any record: not relaunching a crash loop")
-        if self.relaunches >= self.max_relaunches:
-            return Decision("fail", f"{inst} ended ({ev.detail or f'exit {ev.exit_code}'}) and the job "
-                                    f"already relaunched {self.relaunches} workers (limit {self.max_relaunches})")
-        self.relaunches += 1
+        if (over := self._over_budget(inst, ev)) is not None:
+            return over
         why = {EventKind.LOST: ev.detail or "lost"}.get(ev.kind, f"exited with code {ev.exit_code}")
         return Decision("relaunch", f"{inst} {why} before training finished")
+
+    def _over_budget(self, inst, ev: InstanceEvent) -> Decision | None:
+        """A relaunch counts against the job's budget; past it, the job fails instead of spinning."""
+        if self.relaunches >= self.max_relaunches:
+            return Decision("fail", f"{inst} ended ({ev.detail or f'exit {ev.exit_code}'}) and the job already "
+                                    f"relaunched {self.relaunches} instances (limit {self.max_relaunches})")
+        self.relaunches += 1
+        return None
