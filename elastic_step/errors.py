@@ -27,3 +27,11 @@ class JobFailed(ElasticStepError):
     """The training job failed; the message says which instance and why."""
 
     exit_code = 1
+
+
+class StepTerminated(JobFailed):
+    """The step's process got SIGTERM (its pod was preempted, evicted, drained or deleted) before the job
+    finished. It exits 143 (128 + SIGTERM), as a process killed by the signal would, so that a retry
+    policy can retry this and not a job that failed on its own (1) or bad input (2)."""
+
+    exit_code = 143

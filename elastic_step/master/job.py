@@ -17,7 +17,7 @@ import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
-from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError
+from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
 from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
@@ -28,6 +28,7 @@ from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
 from elastic_step.master.scaler import Scaler
 from elastic_step.master.service import MasterService, serve
+from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
 
@@ -69,6 +70,7 @@ class TrainingJob:
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         self.durable = JobCheckpoints(cfg, self.model_def, self.coord, before_commit=self.chaos.checkpoint_written)
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
+        self.tensorboard = TensorBoardLog.for_job(cfg.output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
@@ -207,8 +209,8 @@ class TrainingJob:
         f = self.coord.failure
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
-            return JobFailed("The training step was terminated (SIGTERM) before it finished; all its "
-                             "workers and parameter servers were stopped.")
+            return StepTerminated("The training step was terminated (SIGTERM) before it finished; all its "
+                                  "workers and parameter servers were stopped.")
         where = f" ({f['instance']})" if f.get("instance") else ""
         detail = f["message"]
         if f["kind"] == "instance_failed" and f.get("traceback"):
