@@ -5,9 +5,11 @@ all call these, so a step behaves the same whichever orchestrator runs it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 
@@ -50,6 +52,38 @@ def train_step(train_data: str, eval_data: str, model_def: str, model_dir: str, 
         shutil.copy(os.path.join(out, REPORT_FILE), report_path)
         shutil.copy(os.path.join(out, SUMMARY_FILE), summary_path)
     return summary
+
+
+def step_job_id(job_id: str = "", run_id: str = "", task_name: str = "", anchor: str = "") -> str | None:
+    """The training job's id in a pipeline step: the same in every retry of the step, and another in
+    every other run or task, so a retried step resumes its own job's checkpoint and takes over its pods.
+
+    - `job_id`, when given, wins as it is (the Kubernetes backend checks it can name pods).
+    - Else from `run_id` and `task_name`: the values of KFP's PIPELINE_JOB_ID_PLACEHOLDER and
+      PIPELINE_TASK_NAME_PLACEHOLDER. KFP resolves them once per task, before the executor pod that a
+      retry replaces, so every attempt sees the same ones; kfp.local resolves them to a random run id
+      and the task's name.
+    - Else, when those did not resolve (a component uploaded on its own, or used without passing
+      them: KFP substitutes a placeholder only where it is a task's whole argument), from `anchor`,
+      the URI of the step's output artifact, which KFP also fixes once per task.
+    - Else None: the job gets a random id, and a retry starts over.
+
+    A derived id is `<task name>-<16 hex of a digest>`: at most 41 characters of [a-z0-9-], so
+    `<job>-<role>-<index>-<launch>` pod names and the `elastic-step/job` label stay valid."""
+    if job_id:
+        return job_id
+
+    def resolved(value: str) -> bool:
+        return bool(value) and "{{" not in value
+
+    if resolved(run_id):
+        key = f"{run_id}/{task_name if resolved(task_name) else ''}"
+    elif resolved(anchor):
+        key = anchor
+    else:
+        return None
+    readable = re.sub(r"[^a-z0-9]+", "-", task_name.lower()).strip("-")[:24].strip("-") if resolved(task_name) else ""
+    return f"{readable or 'es'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def train_metrics(summary: dict) -> dict[str, float]:

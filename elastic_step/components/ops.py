@@ -48,17 +48,23 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                      min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
                      global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
                      worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
-                     ps_priority_class: str = "", seed: int = 0):
-    """Elastic training: a master for the length of this step, workers and PS as processes or pods."""
+                     ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
+                     pipeline_task_name: str = ""):
+    """Elastic training: a master for the length of this step, workers and PS as processes or pods.
+
+    The job's id is `job_id` when given; else derived from `pipeline_run_id` and `pipeline_task_name`
+    (pass dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER), else from the model
+    artifact's URI: the same in every retry of this step, so a retried step resumes its own job."""
     from elastic_step.components.outputs import record_training
-    from elastic_step.steps import train_step
+    from elastic_step.steps import step_job_id, train_step
 
     s = train_step(train_data.path, eval_data.path, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
                    global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
-                   ps_priority_class=ps_priority_class, seed=seed)
+                   ps_priority_class=ps_priority_class, seed=seed,
+                   job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 
 
@@ -69,18 +75,21 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                          min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
                          global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
                          worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
-                         ps_priority_class: str = "", seed: int = 0):
+                         ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
+                         pipeline_task_name: str = ""):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
-    manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI)."""
+    manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI).
+    The job's id: as in elastic_train_op."""
     from elastic_step.components.outputs import record_training
-    from elastic_step.steps import train_step
+    from elastic_step.steps import step_job_id, train_step
 
     s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
                    global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
-                   ps_priority_class=ps_priority_class, seed=seed)
+                   ps_priority_class=ps_priority_class, seed=seed,
+                   job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 
 

@@ -6,6 +6,10 @@ cluster and on this machine (`elastic-step pipeline run`, through kfp.local).
 Caching: the prep step never caches (its input is a URI whose content changes: a cached prep would
 train tomorrow on today's data), so every later step sees new artifacts and runs again too. The
 schedule helper builds it with caching off on every task (`build(caching=False)`).
+
+Retries: the training step is retried (TRAIN_RETRY) and resumes its job from the last checkpoint,
+as its job id stays the same across retries: the component derives it from KFP's run id and task
+name placeholders, each passed as a whole argument (KFP substitutes a placeholder only there).
 """
 
 from kfp import dsl
@@ -14,6 +18,12 @@ from elastic_step.components import data_prep_op, elastic_train_op, evaluate_op,
 
 PIPELINE_NAME = "elastic-step-train-eval"
 GATE_NAME = "gate-passed"
+# KFP's set_retry has no condition: every failure is retried, so a model error costs two more quick
+# failures, and few retries are worth it. The back-off leaves the scheduler time to find room for a
+# preempted step. KFP (as Argo's maxDuration) retries only within backoff_max_duration of the first
+# attempt's start, 1 h by default: it must outlast the longest training, or a step preempted after
+# an hour would not be retried.
+TRAIN_RETRY = {"num_retries": 2, "backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "168h"}
 
 
 def build(caching: bool = True):
@@ -40,7 +50,10 @@ def build(caching: bool = True):
             min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
             global_batch=global_batch, backend=backend,
             worker_image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
-            worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed), caching)
+            worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed,
+            pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, pipeline_task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER),
+            caching)
+        train.set_retry(**TRAIN_RETRY)
         evaluation = no_cache_unless(evaluate_op(model=train.outputs["model"], eval_data=prep.outputs["eval_data"],
                                                  model_def=model_def, threshold=threshold, metric=metric), caching)
         with dsl.If(evaluation.outputs["passed"] == True, name=GATE_NAME):  # noqa: E712 - a KFP condition
