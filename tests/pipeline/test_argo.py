@@ -23,7 +23,9 @@ import yaml
 from hera.workflows import models
 
 from elastic_step.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
+from elastic_step.backends.kubernetes import _JOB_ID
 from elastic_step.cli import build_parser
+from elastic_step.errors import ConfigError, JobFailed, StepTerminated
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {kind: getattr(models, kind)
@@ -207,9 +209,12 @@ def test_the_workflow_takes_every_kfp_pipeline_parameter():
     assert required == {"source-uri", "model-def"}
 
 
+WORKFLOW_UID = "8a0f6a52-3c1e-4d2b-9f7a-1b2c3d4e5f60"   # what Argo puts in {{workflow.uid}}
+
+
 def _substitute(arg: str, values: dict[str, str]) -> str:
     arg = re.sub(r"\{\{inputs\.parameters\.([\w-]+)\}\}", lambda m: values[m.group(1)], arg)
-    return arg.replace("{{workflow.name}}", "elastic-step-train-eval-abc12")
+    return arg.replace("{{workflow.uid}}", WORKFLOW_UID)
 
 
 @pytest.mark.parametrize("template", ["data-prep", "elastic-train", "evaluate", "publish"])
@@ -224,7 +229,7 @@ def test_every_container_runs_a_real_cli_command(template):
     if template == "elastic-train":
         assert (args.epochs, args.minibatch_size, args.records_per_task) == (10, 64, 512)
         assert (args.min_workers, args.max_workers, args.num_ps, args.backend) == (1, 4, 1, "kubernetes")
-        assert args.image == IMAGE and args.job_id == "elastic-step-train-eval-abc12"
+        assert args.image == IMAGE and args.job_id == f"{WORKFLOW_UID}-elastic-train"
         assert args.output == "/work/model" and args.train_data == "/work/prepared/train"
         assert not args.chaos
     elif template == "data-prep":
@@ -241,8 +246,33 @@ def test_the_training_step_can_own_and_reach_its_pods():
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in train["container"]["env"]}
     assert env == {"POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
                    "ELASTIC_STEP_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
-    assert train["retryStrategy"] == {"limit": "2", "retryPolicy": "OnError"}  # IntOrString: the schema wants a string
     assert {a["name"] for a in train["outputs"]["artifacts"]} == {"model", "report", "summary"}
+
+
+def test_a_retried_training_step_keeps_its_job_id():
+    """Every attempt runs with the same --job-id, built from the workflow's uid and the step's name (not
+    the pod's name, which each attempt changes), so the retried master resumes the job and adopts its pods."""
+    tasks, train = dag_tasks(), templates()["elastic-train"]
+    assert tasks["elastic-train"]["template"] == "elastic-train"
+    args = train["container"]["args"]
+    job_id = args[args.index("--job-id") + 1]
+    assert job_id == "{{workflow.uid}}-elastic-train"
+    assert not re.search(r"\{\{(pod|node|retries)", json.dumps(train["container"]))  # nothing per attempt
+    resolved = _substitute(job_id, {})
+    assert len(resolved) <= 50 and _JOB_ID.fullmatch(resolved), resolved   # it names the job's pods
+
+
+def test_the_training_step_retries_what_took_it_away_not_a_failed_job():
+    retry = templates()["elastic-train"]["retryStrategy"]
+    assert retry["limit"] == "2" and retry["retryPolicy"] == "Always"   # IntOrString: the schema wants a string
+    assert retry["backoff"] == {"duration": "1m", "factor": "2"}
+    assert "maxDuration" not in retry["backoff"]   # counted from the first attempt: training outlasts any cap
+    assert retry["expression"] == 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) not in [1, 2]'
+    # the exit codes it tells apart are the CLI's: a failed job, bad input, a terminated step
+    assert (JobFailed.exit_code, ConfigError.exit_code, StepTerminated.exit_code) == (1, 2, 143)
+    for name, t in templates().items():
+        if name != "elastic-train":
+            assert "retryStrategy" not in t, name
 
 
 def test_pods_run_as_the_image_user_in_a_writable_work_dir():
