@@ -1,7 +1,8 @@
 """The `elastic-step` command line.
 
 Progress and logs go to stderr; stdout carries one machine-readable JSON result per command,
-so `elastic-step train ... | jq .eval` works in scripts and pipeline steps.
+so `elastic-step train ... | jq .eval` works in scripts and pipeline steps. `pipeline run`, which
+people run by hand, prints a short summary for a person instead; its JSON result is behind `--json`.
 """
 from __future__ import annotations
 
@@ -112,16 +113,29 @@ def _prep(args) -> dict:
 
 
 def _pipeline_run(args) -> dict:
+    from elastic_step.master.chaos import Chaos
     from elastic_step.pipelines.local_run import print_run, run_local
 
+    Chaos(args.chaos, 1, args.max_workers)   # a bad spec is an error now, not in the training step's log
+    if args.chaos:
+        logging.getLogger("elastic_step").warning(
+            "chaos, on purpose: the training step will %s (--chaos), to show training going on through "
+            "the loss", ", ".join(args.chaos))
     result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
                        minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
                        min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
                        strategy=args.strategy, global_batch=args.global_batch, threshold=args.threshold,
                        metric=args.metric, publish_uri=args.publish_uri,
-                       eval_fraction=args.eval_fraction, seed=args.seed)
-    print_run(result)
+                       eval_fraction=args.eval_fraction, seed=args.seed, chaos=args.chaos)
+    if args.json:   # the person's summary (stdout) is not printed then: keep the essentials on stderr
+        print_run(result)
     return result
+
+
+def _pipeline_text(result: dict) -> str:
+    from elastic_step.pipelines.local_run import summary_text
+
+    return summary_text(result)
 
 
 def _evaluate(args) -> dict:
@@ -220,7 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-fraction", type=float, default=0.2)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--publish-uri", default="", help="where a model that passes the gate is copied")
-    run.set_defaults(func=_pipeline_run)
+    run.add_argument("--chaos", action="append", default=[], metavar="ACTION:INSTANCE@RECORDS",
+                     help="testing and the demo: disturb the training step on purpose, e.g. kill:worker-0@300000 "
+                          "SIGKILLs worker-0 once 300000 records are committed (as `elastic-step train --chaos`; "
+                          "also read from ELASTIC_STEP_CHAOS)")
+    run.add_argument("--json", action="store_true",
+                     help="print the whole result as JSON on stdout (artifacts, metrics, metadata) instead of "
+                          "the summary for a person")
+    run.set_defaults(func=_pipeline_run, text=_pipeline_text)
 
     schedule = sub.add_parser("schedule", help="recurring retraining on a KFP cluster").add_subparsers(
         dest="schedule_command", required=True)
@@ -275,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("elastic-step: interrupted", file=sys.stderr)
         return 130
+    if getattr(args, "text", None) is not None and not args.json:
+        sys.stdout.write(args.text(result))
+        return 0
     json.dump(result, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
     return 0
