@@ -3,6 +3,7 @@ the v1 (Elyra) components run commands the real CLI accepts.
 
 No `from __future__ import annotations`: KFP reads the pipeline functions' real types."""
 
+import json
 import os
 import pathlib
 import re
@@ -158,6 +159,106 @@ def test_pipeline_gates_publish_on_evaluate_passed():
     assert set(branch) == {"publish-model-op"}
     assert "publish-model-op" not in root
     assert root["data-prep-op"]["cachingOptions"] == {}  # the source URI's content changes: never cached
+
+
+# ---------------------------------------------------------------- a retried training step resumes its job
+TRAIN_STEMS = COMPONENTS["elastic_train"]
+JOB_ID_INPUTS = {"job_id", "pipeline_run_id", "pipeline_task_name"}
+
+
+def test_the_pipelines_training_task_is_retried_with_a_job_id_from_the_placeholders():
+    spec = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
+    train = spec["root"]["dag"]["tasks"]["elastic-train-op"]
+    assert train["retryPolicy"] == {"maxRetryCount": 2, "backoffDuration": "60s", "backoffFactor": 2.0,
+                                    "backoffMaxDuration": "604800s"}   # outlasts the training (1 h by default)
+    # Each placeholder is an argument's whole value: KFP substitutes nothing else.
+    inputs = train["inputs"]["parameters"]
+    assert inputs["pipeline_run_id"] == {"runtimeValue": {"constant": dsl.PIPELINE_JOB_ID_PLACEHOLDER}}
+    assert inputs["pipeline_task_name"] == {"runtimeValue": {"constant": dsl.PIPELINE_TASK_NAME_PLACEHOLDER}}
+    assert "job_id" not in inputs   # derived, unless a pipeline author passes one
+    # Not the task id or pod: they are not what a retry keeps.
+    assert "pipeline_task_uuid" not in str(train) and "KFP_POD" not in str(train)
+    for name, task in spec["root"]["dag"]["tasks"].items():
+        if name != "elastic-train-op":
+            assert "retryPolicy" not in task, name
+
+
+@pytest.mark.parametrize("stem", TRAIN_STEMS)
+def test_training_components_derive_the_job_id_unless_given_one(stem):
+    spec = yaml.safe_load((ROOT / f"components/elastic_train/{stem}.yaml").read_text())
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert {n: (params[n]["parameterType"], params[n]["defaultValue"]) for n in JOB_ID_INPUTS} == \
+        {n: ("STRING", "") for n in JOB_ID_INPUTS}
+    code = "".join(next(iter(spec["deploymentSpec"]["executors"].values()))["container"]["command"])
+    assert "job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri)" in code
+
+
+def test_the_kfp_training_components_and_the_argo_step_take_the_same_settings():
+    """Both run one training job with the same knobs: the components' parameters are the Argo step's
+    CLI flags (with dashes), the data and the job id's sources aside; and both pass a job id."""
+    from elastic_step.argo import TRAIN_PARAMS, workflow_template
+
+    for stem in TRAIN_STEMS:
+        params = yaml.safe_load((ROOT / f"components/elastic_train/{stem}.yaml").read_text())["root"][
+            "inputDefinitions"]["parameters"]
+        settings = {n.replace("_", "-") for n in params} - {"train-uri", "eval-uri"} - \
+            {n.replace("_", "-") for n in JOB_ID_INPUTS}
+        assert settings == set(TRAIN_PARAMS), stem
+    train = next(t for t in workflow_template().templates if t.name == "elastic-train")
+    assert "--job-id" in train.args
+
+
+def test_step_job_id():
+    from elastic_step.backends.kubernetes import _JOB_ID
+    from elastic_step.steps import step_job_id
+
+    run_a, run_b = "2c1b7a4e-5d6f-4a3b-9c8d-0e1f2a3b4c5d", "9e8d7c6b-5a4f-4e3d-8c2b-1a0f9e8d7c6b"
+    a = step_job_id("", run_a, "elastic-train-op", anchor="gs://b/r/a/elastic-train-op/model")
+    assert a == step_job_id("", run_a, "elastic-train-op", anchor="another attempt's URI")   # every retry
+    assert a != step_job_id("", run_b, "elastic-train-op") != step_job_id("", run_a, "elastic-train-op-2")
+    assert a.startswith("elastic-train-op-")
+    assert step_job_id("mine", run_a, "elastic-train-op") == "mine"   # an explicit id wins as it is
+    # KFP left a placeholder unresolved (it substitutes only whole arguments): the artifact URI decides
+    unresolved = step_job_id("", dsl.PIPELINE_JOB_ID_PLACEHOLDER, dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+                             anchor="minio://mlpipeline/v2/artifacts/p/run-1/elastic-train-op/model")
+    assert unresolved.startswith("es-") and "{" not in unresolved
+    assert unresolved == step_job_id("", "", "", anchor="minio://mlpipeline/v2/artifacts/p/run-1/elastic-train-op/model")
+    assert step_job_id("", "", "", anchor="") is None   # nothing stable: a random id, as before
+    for job_id in (a, unresolved, step_job_id("", run_a, "Train: the BIG model " * 5)):
+        assert len(job_id) <= 50 and _JOB_ID.fullmatch(job_id), job_id   # names pods <job>-<role>-<index>
+
+
+def test_kfp_local_resolves_the_placeholders_the_job_id_comes_from(tmp_path):
+    """kfp.local (SubprocessRunner: `elastic-step pipeline run`, `make demo`) resolves both placeholders,
+    the run id to a random number, and runs a task with a retry policy (it does not retry)."""
+    script = tmp_path / "probe.py"
+    script.write_text(f"""
+import sys
+from kfp import dsl, local
+from kfp.dsl import Model, Output
+
+@dsl.component
+def probe(model: Output[Model], pipeline_run_id: str = "", pipeline_task_name: str = "") -> str:
+    import json
+    from elastic_step.steps import step_job_id
+    return json.dumps([pipeline_run_id, pipeline_task_name, step_job_id("", pipeline_run_id, pipeline_task_name,
+                                                                        anchor=model.uri)])
+
+@dsl.pipeline
+def p() -> str:
+    t = probe(pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, pipeline_task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+    t.set_retry(num_retries=2, backoff_max_duration="168h")
+    return t.outputs["Output"]
+
+local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root={str(tmp_path / "root")!r})
+sys.stderr.write("RESULT " + p().output + "\\n")
+""")
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id, task_name, job_id = json.loads(proc.stderr.split("RESULT ", 1)[1].splitlines()[0])
+    assert run_id.isdigit() and task_name == "probe"
+    assert job_id.startswith("probe-") and len(job_id) <= 50
 
 
 SAMPLE = {"Integer": "3", "Float": "0.5", "String": "text"}
