@@ -43,7 +43,7 @@ def test_sigterm_to_master_stops_all_instances(digits_data, tmp_path):
         if proc.poll() is None:
             proc.kill()
     err = log.read_text()
-    assert proc.returncode != 0
+    assert proc.returncode == 143   # as killed by SIGTERM: a retry policy retries this, not a failed job (1)
     assert "terminated (SIGTERM)" in err
     assert "Traceback" not in err
     summary = json.loads((out / "summary.json").read_text())
