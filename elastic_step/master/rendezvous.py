@@ -87,6 +87,12 @@ class Rendezvous:
     def _names(self) -> list[str]:
         return [n for n, _ in self.members]
 
+    def _admit_without_state(self) -> None:
+        """Every member is gone, and the trained weights with them: the newcomers are admitted now,
+        from their own initial state, and what was committed is trained again (state_lost_fn)."""
+        self.members, self.pending = self.pending, []
+        self.state_lost_fn()
+
     def _bump(self, why: str, aborts: bool = False) -> None:
         # A loss aborts the step in progress: its members were in its collective or about to be.
         aborts = aborts and self.version > 0 and not self.done
@@ -131,10 +137,7 @@ class Rendezvous:
                 self._registered_at.pop(name, None)   # the initial members are not newcomers
             self._bump(f"training starts with {len(self.members)} workers")
         elif self.version and not self.members:
-            # Every member is gone, and the trained weights with them: admit the newcomers now, from
-            # their own initial state, and have what was committed trained again.
-            self.members, self.pending = self.pending, []
-            self.state_lost_fn()
+            self._admit_without_state()
             self._bump("no member left: newcomers admitted, from initial weights")
         self.cv.notify_all()
 
@@ -147,7 +150,7 @@ class Rendezvous:
         self.members = [(n, a) for n, a in self.members if n != worker]
         self._lost_at.append(self.now() if at is None else at)
         if not self.members and self.pending:
-            self.members, self.pending = self.pending, []
+            self._admit_without_state()
         self._bump(f"{worker} lost: {why}", aborts=True)
         return True
 

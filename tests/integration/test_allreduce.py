@@ -13,7 +13,9 @@ from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 25
+# Long enough (~72k records: 10-20 s of training here after the kill at 10 %) that the killed worker's
+# replacement starts TensorFlow and joins the ring before the job ends, even on a loaded machine.
+EPOCHS = 50
 SETTINGS = ("--strategy", "allreduce", "--epochs", str(EPOCHS), "--max-workers", "3", "--min-workers", "2",
             "--minibatch-size", "32", "--records-per-task", "128")
 
