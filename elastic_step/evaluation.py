@@ -10,6 +10,8 @@ from elastic_step.data.reader import ShardReader
 def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
              keep_predictions: bool = False, limit: int | None = None) -> dict:
     """Returns {"loss", <each eval metric>, "records"} and, if asked, labels and predictions.
+    "loss" is what Keras's evaluate() reports: loss() reduced as compile reduces it, plus the
+    model's regularization losses.
     `limit` stops after that many records (a quick point on a curve)."""
     metrics = model_def.eval_metrics()
     total_loss, count = 0.0, 0
@@ -27,6 +29,8 @@ def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
                 try:
                     preds = model(features, training=False)
                     loss = float(model_def.loss_fn(labels, preds))
+                    # The model's own losses (regularizers), as Keras's evaluate() reports them too.
+                    loss += sum(float(extra) for extra in model.losses)
                     for m in metrics.values():
                         m.update_state(labels, preds)
                 except Exception as e:

@@ -1,0 +1,35 @@
+"""Habit: a loss function that returns per-example losses and leaves the reduction to Keras.
+
+Keras users write `return keras.losses.sparse_categorical_crossentropy(y, p, from_logits=True)` and
+let `compile` average it; the model ends in logits, not a softmax. (Returning a `[batch]` vector used
+to crash every elastic worker.) Digits: 64 pixels -> 10 classes.
+"""
+import keras
+import numpy as np
+
+PIXELS = [f"pixel_{i}" for i in range(64)]
+
+
+def model():
+    return keras.Sequential([
+        keras.Input(shape=(64,)),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),          # logits
+    ])
+
+
+def loss(labels, predictions):
+    return keras.losses.sparse_categorical_crossentropy(labels, predictions, from_logits=True)
+
+
+def optimizer():
+    return keras.optimizers.Adam(learning_rate=2e-3)
+
+
+def feed(batch):
+    x = np.stack([batch[c] for c in PIXELS], axis=1).astype("float32") / 16.0
+    return x, batch["label"].astype("int64")
+
+
+def eval_metrics():
+    return {"accuracy": keras.metrics.SparseCategoricalAccuracy(name="accuracy")}

@@ -1,0 +1,155 @@
+"""The model contract's promise, held to numbers: a module trains the same with plain Keras
+(`compile` + `fit` + `evaluate`) and with elastic-step in both strategies.
+
+Each module under tests/parity/models/ (and the two samples) is trained on the same prepared
+records three ways, for the same epochs at the same batch size:
+  * fit:       `model.compile(optimizer=optimizer(), loss=loss, metrics=[*eval_metrics().values()])`,
+               `fit(epochs, batch_size=32)` on the train manifest's records through `feed`, then
+               `evaluate` on the eval manifest's;
+  * ps:        `elastic-step train --strategy ps`, 1 PS, 1 worker, minibatch 32 (async SGD: the
+               worker keeps up to two pushes in flight, so its gradients are up to two updates stale);
+  * allreduce: `elastic-step train --strategy allreduce`, 2 workers, minibatch 16 each (a global
+               batch of 32, the learning rate unscaled: world 2 = max-workers 2);
+and the final evaluation (OUTPUT/summary.json's `eval`) must agree with fit's within TOLERANCE.
+
+TOLERANCE, from measured spread (this machine, loaded by other TF jobs; seeds 0, 1, 2 of each):
+{SPREAD}
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+from tests.integration.harness import CTR_MODEL, DIGITS_MODEL, train
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# name -> (module file, data set fixture)
+MODULES = {
+    "per_example_loss": (os.path.join(HERE, "models", "per_example_loss.py"), "digits_data"),
+    "loss_instance": (os.path.join(HERE, "models", "loss_instance.py"), "digits_data"),
+    "batchnorm_dropout": (os.path.join(HERE, "models", "batchnorm_dropout.py"), "digits_data"),
+    "l2_regularizer": (os.path.join(HERE, "models", "l2_regularizer.py"), "digits_data"),
+    "dict_inputs": (os.path.join(HERE, "models", "dict_inputs.py"), "digits_data"),
+    "embedding": (os.path.join(HERE, "models", "embedding.py"), "ctr_data"),
+    "sample_digits": (DIGITS_MODEL, "digits_data"),
+    "sample_ctr": (CTR_MODEL, "ctr_data"),
+}
+EPOCHS = {"digits_data": 8, "ctr_data": 2}
+BATCH = 32
+SEED = 0
+STRATEGIES = {
+    "ps": ("--strategy", "ps", "--num-ps", "1", "--min-workers", "1", "--max-workers", "1",
+           "--minibatch-size", str(BATCH)),
+    "allreduce": ("--strategy", "allreduce", "--min-workers", "2", "--max-workers", "2",
+                  "--minibatch-size", str(BATCH // 2)),
+}
+# Elastic jobs run side by side (each is a master, workers and maybe a PS: mostly start-up).
+JOBS_AT_ONCE = 4
+
+# |fit - elastic| allowed per metric (see the docstring for where they come from).
+TOLERANCE = {"loss": None, "accuracy": None, "auc": None}
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("parity_" + os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def read_records(manifest_path: str) -> dict[str, np.ndarray]:
+    """Every record of a prepared manifest, in order, as columns."""
+    from elastic_step.data.api import load_manifest
+    from elastic_step.data.reader import ShardReader
+
+    manifest = load_manifest(manifest_path)
+    parts = []
+    for shard in manifest.shards:
+        reader = ShardReader(manifest.shard_uri(shard))
+        try:
+            parts.append(reader.read(0, reader.num_rows))
+        finally:
+            reader.close()
+    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+
+
+def fit_and_evaluate(path: str, data: dict, epochs: int, seed: int = SEED) -> dict[str, float]:
+    """The module as a plain Keras user trains it."""
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    module = load_module(path)
+    x, y = module.feed(read_records(data["train"]))
+    eval_x, eval_y = module.feed(read_records(data["eval"]))
+    net = module.model()
+    metrics = module.eval_metrics() if hasattr(module, "eval_metrics") else {}
+    net.compile(optimizer=module.optimizer(), loss=module.loss, metrics=list(metrics.values()))
+    net.fit(x, y, epochs=epochs, batch_size=BATCH, verbose=0)
+    return net.evaluate(eval_x, eval_y, batch_size=1024, verbose=0, return_dict=True)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every selected test's jobs at once: the elastic jobs side by side in subprocesses while this
+    process fits. {(name, "fit"): eval} and {(name, strategy): (process, summary)}."""
+    wanted = sorted({(item.callspec.params["name"], item.callspec.params["strategy"])
+                     for item in request.session.items
+                     if getattr(item, "module", None) is request.module and "runs" in item.fixturenames})
+    data = {fixture: request.getfixturevalue(fixture) for fixture in {MODULES[n][1] for n, _ in wanted}}
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
+        jobs = {}
+        for name, strategy in wanted:
+            path, fixture = MODULES[name]
+            out = tmp_path_factory.mktemp(f"{name}-{strategy}")
+            jobs[name, strategy] = pool.submit(
+                train, data[fixture], out, *STRATEGIES[strategy], "--epochs", str(EPOCHS[fixture]),
+                "--seed", str(SEED), "--checkpoint-every", "0", model=path)
+        for name in sorted({n for n, _ in wanted}):
+            path, fixture = MODULES[name]
+            results[name, "fit"] = fit_and_evaluate(path, data[fixture], EPOCHS[fixture])
+        for key, job in jobs.items():
+            results[key] = job.result()
+    return results
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_evaluation_reports_what_keras_evaluate_reports(request, name):
+    """The step's evaluation (summary.json's eval, the eval curve, the evaluate component) against
+    Keras's evaluate() on the same weights: no training, so any gap is the evaluation's own."""
+    import keras
+
+    from elastic_step.data.api import load_manifest
+    from elastic_step.evaluation import evaluate
+    from elastic_step.model_def import load_model_def
+
+    path, fixture = MODULES[name]
+    data = request.getfixturevalue(fixture)
+    keras.utils.set_random_seed(SEED)
+    model_def = load_model_def(path)
+    net = model_def.model()
+    net.compile(loss=model_def.module.loss, metrics=list(model_def.eval_metrics().values()))
+    x, y = model_def.feed(read_records(data["eval"]))
+    expected = net.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)
+    got = evaluate(net, model_def, load_manifest(data["eval"]))
+    assert got["records"] == len(y)
+    assert {m: got[m] for m in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("name", list(MODULES))
+def test_elastic_evaluates_as_fit(runs, name, strategy):
+    fit = runs[name, "fit"]
+    proc, summary = runs[name, strategy]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    elastic = summary["eval"]
+    assert set(fit) <= set(elastic), (fit, elastic)
+    off = {m: abs(elastic[m] - fit[m]) for m in fit}
+    assert all(off[m] <= TOLERANCE[m] for m in fit), \
+        f"{name} --strategy {strategy}: elastic {elastic}, fit {fit}, tolerance {TOLERANCE}"
