@@ -68,11 +68,13 @@ PARAMETERS: dict[str, tuple[str | None, str]] = {
     "threshold": ("0.9", "the gate: publish only when the metric is at least this"),
     "metric": ("accuracy", "the eval metric the gate compares"),
     "publish-uri": ("", "where a model that passes the gate is copied (folder URI)"),
+    "checkpoint-uri": ("", "where the training job's checkpoints go (a bucket URI), so a retried training "
+                           "step resumes; empty: inside the step's pod, gone with it"),
 }
 PREP_PARAMS = ("source-uri", "label", "eval-fraction", "seed")
 TRAIN_PARAMS = ("model-def", "epochs", "minibatch-size", "records-per-task", "min-workers", "max-workers", "num-ps",
                 "strategy", "global-batch", "backend", "seed", "worker-image", "worker-cpu", "worker-memory",
-                "worker-priority-class", "ps-priority-class")
+                "worker-priority-class", "ps-priority-class", "checkpoint-uri")
 EVAL_PARAMS = ("model-def", "threshold", "metric")
 PUBLISH_PARAMS = ("publish-uri",)
 
@@ -120,7 +122,7 @@ def workflow_template() -> WorkflowTemplate:
             TRAIN_STEP,
             ["train", "--train-data", f"{WORK}/prepared/train", "--eval-data", f"{WORK}/prepared/eval",
              "--output", f"{WORK}/model", "--job-id", TRAIN_JOB_ID, "--progress", "lines",
-             *_flags(TRAIN_PARAMS, {"worker-image": "image"})],
+             *_flags(TRAIN_PARAMS, {"worker-image": "image", "checkpoint-uri": "checkpoint-dir"})],
             inputs=[Artifact(name="prepared", path=f"{WORK}/prepared"), *(Parameter(name=n) for n in TRAIN_PARAMS)],
             outputs=[Artifact(name="model", path=f"{WORK}/model"),
                      Artifact(name="report", path=f"{WORK}/model/report.html", archive=NoneArchiveStrategy()),

@@ -48,6 +48,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", default="60s", metavar="INTERVAL",
                    help="cut a checkpoint of the PS shards and the ledger (under OUTPUT/checkpoints) every "
                         "INTERVAL: a time (60s, 5m) or a number of committed records (50000); 0 for none")
+    p.add_argument("--checkpoint-dir", default="", metavar="URI",
+                   help="where checkpoints go, as URI/<job-id>/ (a bucket, so a step retried in a new pod "
+                        "finds them); default OUTPUT/checkpoints")
     p.add_argument("--resume", default="auto", choices=["auto", "never"],
                    help="auto: resume from this job's last checkpoint when there is one (a retried step); "
                         "never: start over")
@@ -91,7 +94,7 @@ def _train(args) -> dict:
         seed=args.seed, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
         **({"chaos": args.chaos} if args.chaos else {}))  # else TrainConfig reads ELASTIC_STEP_CHAOS
     if args.job_id:
         cfg.job_id = args.job_id

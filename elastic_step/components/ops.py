@@ -49,12 +49,13 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                      global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
                      worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
                      ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
-                     pipeline_task_name: str = ""):
+                     pipeline_task_name: str = "", checkpoint_uri: str = ""):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods.
 
     The job's id is `job_id` when given; else derived from `pipeline_run_id` and `pipeline_task_name`
     (pass dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER), else from the model
-    artifact's URI: the same in every retry of this step, so a retried step resumes its own job."""
+    artifact's URI: the same in every retry of this step, so a retried step resumes its own job from
+    its checkpoints under `checkpoint_uri` (a bucket URI: the step's own folders go with its pod)."""
     from elastic_step.components.outputs import record_training
     from elastic_step.steps import step_job_id, train_step
 
@@ -64,6 +65,7 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                    global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
                    ps_priority_class=ps_priority_class, seed=seed,
+                   checkpoint_dir=checkpoint_uri,
                    job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 
@@ -76,7 +78,7 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                          global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
                          worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
                          ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
-                         pipeline_task_name: str = ""):
+                         pipeline_task_name: str = "", checkpoint_uri: str = ""):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
     manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI).
     The job's id: as in elastic_train_op."""
@@ -89,6 +91,7 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                    global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
                    ps_priority_class=ps_priority_class, seed=seed,
+                   checkpoint_dir=checkpoint_uri,
                    job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 

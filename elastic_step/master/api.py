@@ -39,6 +39,9 @@ class TrainConfig:
     max_relaunches: int = 20           # per job: a crash loop fails the job instead of spinning
     progress: str = "auto"             # auto | bar | lines | off
     checkpoint_every: str = "60s"      # a time (60s, 5m) or records (50000); 0: no checkpoints
+    # Where checkpoints go: <checkpoint_dir>/<job_id>/ (any fsspec URI), so that a retried step in a new
+    # pod finds them; empty: <output>/checkpoints, which lasts only as long as the output does.
+    checkpoint_dir: str = ""
     resume: str = "auto"               # auto: from this job's last checkpoint when there is one | never
     # Chaos hooks for tests and benchmarks: kill a worker after N committed records. Also read
     # from ELASTIC_STEP_CHAOS (comma-separated), so a pipeline step can be disturbed from outside.

@@ -246,7 +246,9 @@ class JobCheckpoints:
 
     def __init__(self, cfg, model_def, coord, before_commit=None):
         self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
-        self.store = CheckpointStore(f"{cfg.output.rstrip('/')}/checkpoints", fingerprint(cfg, model_def, coord.ledger))
+        root = (f"{cfg.checkpoint_dir.rstrip('/')}/{cfg.job_id}" if cfg.checkpoint_dir
+                else f"{cfg.output.rstrip('/')}/checkpoints")
+        self.store = CheckpointStore(root, fingerprint(cfg, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
         if every and cfg.strategy == "allreduce":
             log.info("checkpoints are not cut in allreduce mode yet: a lost master starts the job over")

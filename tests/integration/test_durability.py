@@ -32,23 +32,29 @@ def manifest(out) -> dict:
     return json.loads((out / "checkpoints" / "checkpoint.json").read_text())
 
 
-def test_a_master_killed_mid_epoch_is_resumed_by_the_same_step_and_every_record_applied_once(tally_data, tmp_path):
+def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_record_applied_once(tally_data,
+                                                                                                  tmp_path):
+    # As a pipeline step runs it: each attempt has an output of its own (gone with its pod), and the
+    # checkpoints are under --checkpoint-dir, by job id.
     total = tally_data["rows"] * EPOCHS
     killed_at = int(total * 0.55)
-    proc, _ = tally_job(tally_data, tmp_path, "--chaos", f"kill:master@{killed_at}")
+    ckpts = tmp_path / "bucket"
+    proc, _ = tally_job(tally_data, tmp_path / "attempt-1", "--checkpoint-dir", str(ckpts),
+                        "--chaos", f"kill:master@{killed_at}")
     assert proc.returncode == -9, proc.stderr[-3000:]          # the chaos fired: the master died mid-run
-    assert not (tmp_path / "summary.json").exists()
-    cut = manifest(tmp_path)
+    assert not (tmp_path / "attempt-1" / "summary.json").exists()
+    cut = json.loads((ckpts / "durable" / "checkpoint.json").read_text())
     assert 0 < cut["records_committed"] <= killed_at
-    proc, summary = tally_job(tally_data, tmp_path)             # the retried step: same job id and output
+    out = tmp_path / "attempt-2"
+    proc, summary = tally_job(tally_data, out, "--checkpoint-dir", str(ckpts))   # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming job durable from checkpoint" in proc.stderr
     restarts = summary["checkpoints"]["restarts"]
     assert [r["from_checkpoint"] for r in restarts] == [cut["id"]]
     assert summary["checkpoints"]["written"] >= 1
-    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary)
-    assert not (tmp_path / "checkpoints").exists()              # done: a rerun of the job starts over
+    assert not (ckpts / "durable").exists()                     # done: a rerun of the job starts over
 
 
 def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_and_only_as_itself(
