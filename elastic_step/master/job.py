@@ -160,7 +160,9 @@ class TrainingJob:
                 pending = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
             if now - last_tick >= 0.5:
                 last_tick = now
-                self.progress.show(self.coord.sample(self.progress.rate(committed, now)))
+                sample = self.coord.sample(self.progress.rate(committed, now))
+                self.progress.show(sample)
+                self.tensorboard.progress(sample)
 
     def _on_event(self, ev) -> None:
         remainder = self.coord.on_instance_event(ev)
@@ -207,6 +209,7 @@ class TrainingJob:
 
     def _failure(self) -> JobFailed:
         f = self.coord.failure
+        self.tensorboard.close()
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
             return StepTerminated("The training step was terminated (SIGTERM) before it finished; all its "
@@ -292,12 +295,15 @@ class TrainingJob:
         with self.coord.lock:
             self.eval_history.append({"t": round(time.time() - self.coord.t0, 3), "epoch": epoch,
                                       **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)}})
+        self.tensorboard.evaluation(self.eval_history[-1])
 
     def _finish(self, model, ps_stats, evidence) -> dict:
         from elastic_step.evaluation import evaluate
         from elastic_step.model_io import save_model
 
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
+        self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})   # the curve's last point
+        self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
