@@ -131,18 +131,26 @@ def test_coordinator_commits_every_member_watermark_at_once_and_requeues_the_los
     assert ledger.records_committed_total() == 24
 
 
-def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewinds():
+def one_member_that_committed(max_workers: int):
+    """A coordinator whose rendezvous has worker-0 as its only member, with one task (16 records)
+    committed: (coord, rendezvous, ledger)."""
     from elastic_step.master.coordinator import Coordinator
     from elastic_step.master.ledger import Ledger, ShardInfo
 
     ledger = Ledger([ShardInfo("s0", 64)], records_per_task=16, epochs=2, minibatch_size=16)
     coord = Coordinator(ledger, 0, min_workers=1)
-    rdv = coord.attach_rendezvous(max_workers=1)
+    rdv = coord.attach_rendezvous(max_workers=max_workers)
     with coord.lock:
         rdv.join_locked("worker-0", "a0")
         lease = ledger.lease("worker-0", 0.0)
         ledger.report("worker-0", lease.task.task_id, lease.task.end)
-        assert ledger.records_committed_total() == 16
+    assert ledger.records_committed_total() == 16
+    return coord, rdv, ledger
+
+
+def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewinds():
+    coord, rdv, ledger = one_member_that_committed(max_workers=1)
+    with coord.lock:
         rdv.remove_locked("worker-0", "killed")
         rdv.join_locked("worker-1", "a1")       # from its own initial weights: nothing it holds is trained
     assert ledger.records_committed_total() == 0 and ledger.trained_again == 16
@@ -151,16 +159,8 @@ def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewin
 
 
 def test_when_the_last_member_is_lost_while_a_newcomer_waits_the_ledger_rewinds_too():
-    from elastic_step.master.coordinator import Coordinator
-    from elastic_step.master.ledger import Ledger, ShardInfo
-
-    ledger = Ledger([ShardInfo("s0", 64)], records_per_task=16, epochs=2, minibatch_size=16)
-    coord = Coordinator(ledger, 0, min_workers=1)
-    rdv = coord.attach_rendezvous(max_workers=2)
+    coord, rdv, ledger = one_member_that_committed(max_workers=2)
     with coord.lock:
-        rdv.join_locked("worker-0", "a0")
-        lease = ledger.lease("worker-0", 0.0)
-        ledger.report("worker-0", lease.task.task_id, lease.task.end)
         rdv.join_locked("worker-1", "a1")       # pending: admitted at the next step commit
         rdv.remove_locked("worker-0", "killed")  # ...which never comes: it is admitted from its own weights
     assert rdv._names() == ["worker-1"]
