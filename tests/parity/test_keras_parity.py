@@ -12,8 +12,35 @@ records three ways, for the same epochs at the same batch size:
                batch of 32, the learning rate unscaled: world 2 = max-workers 2);
 and the final evaluation (OUTPUT/summary.json's `eval`) must agree with fit's within TOLERANCE.
 
-TOLERANCE, from measured spread (this machine, loaded by other TF jobs; seeds 0, 1, 2 of each):
-{SPREAD}
+Fast check first (no training, no marks): elastic-step's evaluation of a model (summary.json's
+`eval`, the eval curve, the evaluate component) equals Keras's `evaluate()` on the same weights, for
+every module: any gap there is the evaluation's own, not training's.
+
+TOLERANCE, from measured spread. Each side was run with seeds 0, 1, 2 (scratch runs, this 2-core
+machine loaded by other TF jobs, load average 11-17): fit for every module; the elastic side with
+seed 0 for every module and strategy, and seeds 1 and 2 for per_example_loss and the CTR sample in
+both strategies. Largest observed differences (fit-vs-fit = max - min over fit's seeds;
+fit-vs-elastic = max |fit - elastic| over every pair of seeds):
+
+  digits data     accuracy: fit-vs-fit <= 0.022 (batchnorm_dropout), fit-vs-elastic <= 0.025
+                  (l2_regularizer, allreduce); one eval record is 0.0028, the binomial standard error
+                  of one run's accuracy at 0.965 on 359 records is 0.0097, of a difference 0.014.
+                  loss: fit-vs-fit <= 0.032 (per_example_loss), fit-vs-elastic <= 0.046 (dict_inputs
+                  and per_example_loss, allreduce).
+  CTR data        auc: fit-vs-fit <= 0.026 (embedding), fit-vs-elastic <= 0.025 (embedding).
+                  loss: fit-vs-fit <= 0.021, fit-vs-elastic <= 0.039 (CTR sample, ps).
+                  accuracy: fit-vs-fit <= 0.006, fit-vs-elastic <= 0.054 (CTR sample, ps, seed 0:
+                  accuracy near the 0.67 base rate is a threshold metric; a slightly less calibrated
+                  async run moves many predictions across 0.5 while its AUC stays within 0.003).
+
+The tolerance is about 1.5 x the largest observed difference (three seeds show the spread's size,
+not its extreme; the margin is for unseen seeds), rounded: digits accuracy 0.04 (~3 standard
+errors of a difference), digits loss 0.07; CTR auc 0.04, loss 0.06, accuracy 0.08. What it catches
+(measured): BatchNormalization statistics never reaching the model (accuracy 0.67 against 0.99,
+loss 3.4 against 0.09: the known ps bug below); the L2 penalty dropped from the training loss (eval
+loss 0.70 against 0.52, off by 0.17); the penalty dropped from the evaluation's loss (the fast check
+fails: elastic_step/evaluation.py did just that before this test). A summed instead of averaged loss
+would be off by orders of magnitude.
 """
 from __future__ import annotations
 
@@ -51,8 +78,9 @@ STRATEGIES = {
 # Elastic jobs run side by side (each is a master, workers and maybe a PS: mostly start-up).
 JOBS_AT_ONCE = 4
 
-# |fit - elastic| allowed per metric (see the docstring for where they come from).
-TOLERANCE = {"loss": None, "accuracy": None, "auc": None}
+# |fit - elastic| allowed per data set and metric (see the docstring for where they come from).
+TOLERANCE = {"digits_data": {"accuracy": 0.04, "loss": 0.07},
+             "ctr_data": {"auc": 0.04, "loss": 0.06, "accuracy": 0.08}}
 
 
 def load_module(path: str):
@@ -141,15 +169,27 @@ def test_evaluation_reports_what_keras_evaluate_reports(request, name):
     assert {m: got[m] for m in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
+# Known runtime bugs, each a real failure of the matrix: strict, so the test says when it is fixed.
+KNOWN_BUGS = {
+    ("batchnorm_dropout", "ps"): "ps mode never carries non-trainable variables (BatchNormalization's moving "
+                                 "mean and variance) to the PS: workers update theirs locally, the final model "
+                                 "(master/job.py _load_from_ps: trainable variables only) keeps 0 and 1",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("name", list(MODULES))
+@pytest.mark.parametrize("name, strategy", [
+    pytest.param(name, strategy, marks=[pytest.mark.xfail(reason=KNOWN_BUGS[name, strategy], strict=True)]
+                 if (name, strategy) in KNOWN_BUGS else [])
+    for name in MODULES for strategy in STRATEGIES])
 def test_elastic_evaluates_as_fit(runs, name, strategy):
     fit = runs[name, "fit"]
     proc, summary = runs[name, strategy]
     assert proc.returncode == 0, proc.stderr[-4000:]
     elastic = summary["eval"]
     assert set(fit) <= set(elastic), (fit, elastic)
+    tolerance = TOLERANCE[MODULES[name][1]]
+    assert set(fit) == set(tolerance), (fit, tolerance)
     off = {m: abs(elastic[m] - fit[m]) for m in fit}
-    assert all(off[m] <= TOLERANCE[m] for m in fit), \
-        f"{name} --strategy {strategy}: elastic {elastic}, fit {fit}, tolerance {TOLERANCE}"
+    assert all(off[m] <= tolerance[m] for m in fit), \
+        f"{name} --strategy {strategy}: elastic {elastic}, fit {fit}, |difference| {off}, tolerance {tolerance}"
