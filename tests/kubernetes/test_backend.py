@@ -631,7 +631,7 @@ def test_sigterm_to_the_master_deletes_the_job_pods(control_plane, core, node, n
         if m.poll() is None:
             m.kill()
     text = log.read_text()
-    assert rc == 1 and "terminated (SIGTERM)" in text, text[-3000:]
+    assert rc == 143 and "terminated (SIGTERM)" in text, text[-3000:]   # 143: a retry policy retries it
     assert job_pods(core, namespace, "term") == []
     assert not secret_exists(core, namespace, "term-token")
     print(f"\nSIGTERM: master exited {took:.1f}s later with no job pod left")
