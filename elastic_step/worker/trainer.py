@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, variable_names
-from elastic_step.ps.client import PSClient
+from elastic_step.ps.client import PSClient, ShardsMoved
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -193,6 +193,8 @@ class PSTrainer:
         try:
             begin, end = (self.tf.constant([b], self.tf.int64) for b in batch.bounds)
             loss, dense, sparse = self._step_for(batch.specs)(batch.features, batch.labels, begin, end, self._flats)
+        except ShardsMoved:   # a refresh of the values while tracing met a lost shard: not the user's
+            raise
         except Exception as e:  # the user's model/loss failed on real data
             raise self.model_def.user_error(e, "computing a training step") from e
         return StepResult(loss, dense, sparse)
