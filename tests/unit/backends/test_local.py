@@ -18,6 +18,7 @@ def spec(code: str, inst: InstanceId = W0) -> InstanceSpec:
     return InstanceSpec(inst, [sys.executable, "-c", code])
 
 
+# Printed once the program's signal handlers are in place, never before.
 READY = "print('ready', flush=True)\n"
 
 
@@ -69,16 +70,16 @@ def test_sigkill_is_a_loss_reported_from_the_reaped_process(backend):
 
 def test_stop_is_graceful_then_forced(backend, tmp_path):
     marker = tmp_path / "termed"
-    backend.start(spec(READY + f"import signal, sys, time\n"
+    backend.start(spec(f"import signal, sys, time\n"
                        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0)))\n"
-                       f"time.sleep(60)"))
+                       + READY + "time.sleep(60)"))
     wait_ready(backend)
     backend.stop(W0, grace_s=5)
     ev = next_end(backend)
     assert (ev.kind, ev.exit_code) == (EventKind.EXITED, 0)
     assert marker.exists()
     stubborn = InstanceId("worker", 1)
-    backend.start(spec(READY + "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)",
+    backend.start(spec("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + READY + "time.sleep(60)",
                        stubborn))
     wait_ready(backend, stubborn)
     backend.stop(stubborn, grace_s=0.5)
