@@ -108,27 +108,34 @@ class ModelDef:
             return loss
         return LossFunctionWrapper(loss, name=getattr(loss, "__name__", "loss"))
 
-    def training_loss(self, model, features, labels, trainable_values=None):
+    def training_loss(self, model, features, labels, trainable_values=None, state_values=None):
         """What a training step minimises: loss() plus the model's own regularization losses, as Keras's
         fit adds them. Traced inside the workers' compiled steps (both strategies).
 
         With `trainable_values` (tensors, in the order of model.trainable_variables) the model runs on
         them instead of its variables (Keras's stateless_call); its non-trainable state (e.g. batch
-        norm statistics) is still updated."""
+        norm statistics) is still updated. With `state_values` too ({position in
+        model.non_trainable_variables: tensor}), those parts of the state are taken from it and their
+        new values returned, not assigned: the result is then (loss, {position: new value})."""
         import tensorflow as tf
 
         if trainable_values is None:
             predictions, losses = model(features, training=True), model.losses
         else:
+            given = state_values or {}
             state = model.non_trainable_variables
             predictions, new_state, losses = model.stateless_call(
-                trainable_values, [v.value for v in state], features, training=True, return_losses=True)
-            for var, value in zip(state, new_state):
-                var.assign(value)
+                trainable_values, [given[i] if i in given else v.value for i, v in enumerate(state)], features,
+                training=True, return_losses=True)
+            for i, (var, value) in enumerate(zip(state, new_state)):
+                if i not in given:
+                    var.assign(value)
         loss = self.loss_fn(labels, predictions)
         if losses:
             loss = loss + tf.add_n(losses)
-        return loss
+        if state_values is None:
+            return loss
+        return loss, {i: new_state[i] for i in state_values}
 
     @property
     def feed_fn(self) -> Callable:

@@ -222,9 +222,9 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ the end
     def _load_from_ps(self, model, with_stats: bool = False) -> list:
-        """Load the parameter servers' current weights into a model built from the model definition;
+        """Load the parameter servers' current weights and state into a model built from the model definition;
         with `with_stats`, return each shard's Stats (counters and the audit's evidence)."""
-        from elastic_step.ps.api import Placement, variable_names
+        from elastic_step.ps.api import Placement, load_named
         from elastic_step.ps.client import PSClient
 
         ps = PSClient(self.coord.ps_addresses, self.cfg.token, Placement.of(model, self.cfg.num_ps))
@@ -234,8 +234,7 @@ class TrainingJob:
             stats = ps.stats() if with_stats else []
         finally:
             ps.close()
-        for name, var in zip(variable_names(model), model.trainable_variables):
-            var.assign(values[name])
+        load_named(model, values)
         return stats
 
     def _final_model(self):

@@ -1,9 +1,11 @@
 """Parameter-server contract: where each parameter lives, and how a shard's dense part is laid out.
 
 Dense variables go to a shard by a stable hash of their name; embedding rows by id
-(`id mod num_ps`), so one table's rows spread over every shard. A shard's dense variables travel
-as one flat buffer, in `variable_names` order. Workers, PS and master all derive the same
-placement from the model itself, so nothing about it travels on the wire.
+(`id mod num_ps`), so one table's rows spread over every shard. A shard's dense part travels as
+one flat buffer: its trainable variables in `variable_names` order, then its share of the model's
+state (`state_variables`: BatchNormalization's moving statistics), whose "gradient" in a push is
+how the step changed it. Workers, PS and master all derive the same placement from the model
+itself, so nothing about it travels on the wire.
 """
 from __future__ import annotations
 
@@ -24,6 +26,19 @@ def variable_names(model) -> list[str]:
     return [f"{i:04d}:{v.name}" for i, v in enumerate(model.trainable_variables)]
 
 
+def state_variables(model) -> list[tuple[str, int]]:
+    """The state training changes without a gradient (BatchNormalization's moving mean and variance),
+    as (stable name, position in model.non_trainable_variables): the floating-point non-trainable
+    variables of layers that train. It lives on the PS like the weights, so the final model, the
+    evaluation and the checkpoints hold it, and a worker that joins late starts from it. Left out:
+    integer state (the seed of each worker's dropout masks stays its own) and frozen layers (nothing
+    changes them: they would only travel as zeros)."""
+    frozen = {id(v) for layer in model._flatten_layers(include_self=True) if not layer.trainable
+              for v in layer.weights}
+    return [(f"s{i:04d}:{v.name}", i) for i, v in enumerate(model.non_trainable_variables)
+            if "float" in str(v.dtype) and id(v) not in frozen]
+
+
 def embedding_variable_paths(model) -> set[str]:
     """Paths of the tables of plain `keras.layers.Embedding` layers: their rows are sharded by id."""
     import keras
@@ -37,6 +52,7 @@ class Placement:
     dense: dict[str, int]                       # name -> shard
     shapes: dict[str, tuple[int, ...]]          # name -> shape (dense variables)
     embeddings: dict[str, tuple[int, int]]      # name -> (vocabulary rows, dim)
+    state: frozenset[str] = frozenset()         # the dense names that are state, not weights
 
     @classmethod
     def of(cls, model, num_ps: int) -> "Placement":
@@ -48,11 +64,22 @@ class Placement:
             else:
                 dense[name] = zlib.crc32(name.encode()) % num_ps
                 shapes[name] = tuple(int(d) for d in v.shape)
-        return cls(num_ps=num_ps, dense=dense, shapes=shapes, embeddings=emb)
+        state = state_variables(model)
+        for name, i in state:   # after every weight: a shard's flat buffer is its weights, then its state
+            dense[name] = zlib.crc32(name.encode()) % num_ps
+            shapes[name] = tuple(int(d) for d in model.non_trainable_variables[i].shape)
+        return cls(num_ps=num_ps, dense=dense, shapes=shapes, embeddings=emb,
+                   state=frozenset(name for name, _ in state))
 
     def dense_on(self, shard: int) -> list[str]:
-        """The shard's dense variables, in the order of its flat buffer."""
+        """The shard's dense variables, in the order of its flat buffer: weights, then state."""
         return [n for n, s in self.dense.items() if s == shard]
+
+    def weights_on(self, shard: int) -> list[str]:
+        return [n for n in self.dense_on(shard) if n not in self.state]
+
+    def state_on(self, shard: int) -> list[str]:
+        return [n for n in self.dense_on(shard) if n in self.state]
 
     def unflatten(self, shard: int, flat: np.ndarray) -> dict[str, np.ndarray]:
         out, offset = {}, 0
@@ -69,6 +96,15 @@ class Placement:
         """Positions of `ids` owned by each shard (shard -> index array into ids)."""
         owner = ids % self.num_ps
         return [np.nonzero(owner == s)[0] for s in range(self.num_ps)]
+
+
+def load_named(model, values: dict[str, np.ndarray]) -> None:
+    """Set a model's weights and its PS-held state from values named as the shards name them."""
+    for name, var in zip(variable_names(model), model.trainable_variables):
+        var.assign(values[name])
+    state = model.non_trainable_variables
+    for name, i in state_variables(model):
+        state[i].assign(values[name])
 
 
 class PushKey(NamedTuple):

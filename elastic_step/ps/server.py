@@ -18,7 +18,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
 from elastic_step.data.api import AppliedRecords
-from elastic_step.ps.api import Placement, PushKey, variable_names
+from elastic_step.ps.api import Placement, PushKey, state_variables, variable_names
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.shared_memory import SharedSegments
 
@@ -42,7 +42,8 @@ def updates_elementwise(optimizer) -> bool:
 
 
 class ParameterShard:
-    """The parameters one shard owns and the optimizer that updates them (TensorFlow inside)."""
+    """The parameters one shard owns, the optimizer that updates them, and its share of the model's
+    state (TensorFlow inside)."""
 
     def __init__(self, model, optimizer, placement: Placement, shard: int):
         import tensorflow as tf
@@ -51,7 +52,9 @@ class ParameterShard:
         self.shard = shard
         self.num_ps = placement.num_ps
         values = dict(zip(variable_names(model), model.trainable_variables))
-        self.dense_names = placement.dense_on(shard)
+        values.update((name, model.non_trainable_variables[i]) for name, i in state_variables(model))
+        self.dense_names = placement.weights_on(shard)
+        state_names = placement.state_on(shard)
         if (updates_elementwise(optimizer) and self.dense_names
                 and all(values[n].dtype == "float32" for n in self.dense_names)):
             flat = np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in self.dense_names])
@@ -62,10 +65,16 @@ class ParameterShard:
             name: tf.Variable(values[name].numpy()[shard::self.num_ps], name=f"e{i}")
             for i, name in enumerate(placement.embeddings)}
         tables = list(self.tables.values())
+        # The state (BatchNormalization's moving statistics) is no optimizer's: a push adds how the
+        # worker's step changed it, so every step's update lands, as in one process.
+        state = tf.Variable(np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in state_names]
+                                           + [np.zeros(0, np.float32)]), name="state_flat")
         self.dense_vars = dense_vars
+        self.state = state
         self.optimizer = optimizer
         self.optimizer.build(dense_vars + tables)
-        self.dense_size = sum(int(v.shape.num_elements()) for v in dense_vars)
+        weights_size = sum(int(v.shape.num_elements()) for v in dense_vars)
+        self.dense_size = weights_size + int(state.shape.num_elements())
         self.version = 0
         self.applied: set[tuple[int, int]] = set()
         self.applied_records = AppliedRecords()
@@ -76,15 +85,16 @@ class ParameterShard:
         sizes = [int(v.shape.num_elements()) for v in dense_vars]
 
         def flat_values():
-            if not dense_vars:
-                return tf.zeros([0], tf.float32)
-            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars], 0)
+            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars] + [state], 0)
 
         # One call per push: split the flat gradient, apply the user's optimizer to the dense
-        # variables and the pushed embedding rows, and read the fresh flat values back. Traced once
-        # into a concrete function (any number of rows per table): for a small model, matching
-        # arguments against traces and a second call for the read cost as much as the update.
+        # variables and the pushed embedding rows, add the state's change, and read the fresh flat
+        # values back. Traced once into a concrete function (any number of rows per table): for a
+        # small model, matching arguments against traces and a second call for the read cost as
+        # much as the update.
         def apply(flat_grad, table_ids, table_values):
+            flat_grad, state_change = tf.split(flat_grad, [weights_size, self.dense_size - weights_size])
+            state.assign_add(state_change)
             pairs = [(tf.cast(tf.reshape(g, v.shape), v.dtype), v)
                      for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)]
             for ids, rows, table in zip(table_ids, table_values, tables):
@@ -186,7 +196,7 @@ class ParameterShard:
         with self.lock:
             self.generation = generation
             offset = 0
-            for v in self.dense_vars:
+            for v in [*self.dense_vars, self.state]:
                 n = int(v.shape.num_elements())
                 v.assign(saved["dense"][offset:offset + n].reshape(v.shape))
                 offset += n

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, variable_names
+from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, state_variables, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
 
 log = logging.getLogger("elastic_step.worker")
@@ -42,7 +42,12 @@ class PSTrainer:
         self.table_names = [n for n in self.names if n in placement.embeddings]
         self._ids_of = self._id_extractor(keras, model)
         trainable = model.trainable_variables
-        shard_pos = [[self.names.index(n) for n in placement.dense_on(s)] for s in range(placement.num_ps)]
+        state_vars = model.non_trainable_variables
+        # Each shard's flat buffer, in order: ("weight", position in trainable) or ("state", position
+        # in state_vars). A push carries the weights' gradients and how the step changed the state.
+        where = {**{n: ("weight", i) for i, n in enumerate(self.names)},
+                 **{n: ("state", i) for n, i in state_variables(model)}}
+        layouts = [[where[n] for n in placement.dense_on(s)] for s in range(placement.num_ps)]
         table_pos = [self.names.index(n) for n in self.table_names]
 
         def flat(tensors_):
@@ -50,26 +55,40 @@ class PSTrainer:
                 return tf.zeros([0], tf.float32)
             return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors_], 0)
 
-        part_sizes = [[int(trainable[i].shape.num_elements()) for i in pos] for pos in shard_pos]
+        def var(kind, i):
+            return trainable[i] if kind == "weight" else state_vars[i]
+
+        part_sizes = [[int(var(*at).shape.num_elements()) for at in layout] for layout in layouts]
 
         @tf.function(reduce_retracing=True)
         def step(features, labels, begin, end, flats):
             # The minibatch is sliced from its lease's tensors here, in the graph: no Python per step.
             # (One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.)
             features, labels = tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), (features, labels))
-            values = [None] * len(trainable)
-            for pos, sizes_, buf in zip(shard_pos, part_sizes, flats):
-                for i, part in zip(pos, tf.split(buf, sizes_) if pos else []):
-                    values[i] = tf.cast(tf.reshape(part, trainable[i].shape), trainable[i].dtype)
+            values, state = [None] * len(trainable), {}
+            for layout, sizes_, buf in zip(layouts, part_sizes, flats):
+                for (kind, i), part in zip(layout, tf.split(buf, sizes_) if layout else []):
+                    v = var(kind, i)
+                    value = tf.cast(tf.reshape(part, v.shape), v.dtype)
+                    if kind == "weight":
+                        values[i] = value
+                    else:
+                        state[i] = value
             for i in table_pos:   # tables stay variables: the rows a minibatch needs are pulled into them
                 values[i] = tf.convert_to_tensor(trainable[i].value)
             with tf.GradientTape() as tape:
                 tape.watch(values)
-                loss = model_def.training_loss(model, features, labels, trainable_values=values)
+                loss, new_state = model_def.training_loss(model, features, labels, trainable_values=values,
+                                                          state_values=state)
             grads = tape.gradient(loss, values)
+
+            def pushed(kind, i):
+                if kind == "state":
+                    return new_state[i] - state[i]
+                return tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
+
             # One flat buffer per PS shard: one tensor on the wire instead of one per variable.
-            dense = [flat([tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
-                           for i in pos]) for pos in shard_pos]
+            dense = [flat([pushed(*at) for at in layout]) for layout in layouts]
             sparse = []
             for i in table_pos:
                 g = grads[i]

@@ -37,7 +37,7 @@ The tolerance is about 1.5 x the largest observed difference (three seeds show t
 not its extreme; the margin is for unseen seeds), rounded: digits accuracy 0.04 (~3 standard
 errors of a difference), digits loss 0.07; CTR auc 0.04, loss 0.06, accuracy 0.08. What it catches
 (measured): BatchNormalization statistics never reaching the model (accuracy 0.67 against 0.99,
-loss 3.4 against 0.09: the known ps bug below); the L2 penalty dropped from the training loss (eval
+loss 3.4 against 0.09: what ps mode did before the PS held the model's state); the L2 penalty dropped from the training loss (eval
 loss 0.70 against 0.52, off by 0.17); the penalty dropped from the evaluation's loss (the fast check
 fails: elastic_step/evaluation.py did just that before this test). A summed instead of averaged loss
 would be off by orders of magnitude.
@@ -174,12 +174,6 @@ def test_evaluation_reports_what_keras_evaluate_reports(request, name):
     assert {m: got[m] for m in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-# Known runtime bugs, each a real failure of the matrix: strict, so the test says when it is fixed.
-KNOWN_BUGS = {
-    ("batchnorm_dropout", "ps"): "ps mode never carries non-trainable variables (BatchNormalization's moving "
-                                 "mean and variance) to the PS: workers update theirs locally, the final model "
-                                 "(master/job.py _load_from_ps: trainable variables only) keeps 0 and 1",
-}
 # Seen, not yet explained: not strict, since it happens in about 1 run of 15 and passes otherwise.
 INTERMITTENT = {
     ("sample_digits", "ps"): "async Adam at 3e-3: about 1 run in 15 ends an epoch late at accuracy 0.89 "
@@ -189,9 +183,7 @@ INTERMITTENT = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, strategy", [
-    pytest.param(name, strategy, marks=[pytest.mark.xfail(reason=KNOWN_BUGS[name, strategy], strict=True)]
-                 if (name, strategy) in KNOWN_BUGS else
-                 [pytest.mark.xfail(reason=INTERMITTENT[name, strategy], strict=False)]
+    pytest.param(name, strategy, marks=[pytest.mark.xfail(reason=INTERMITTENT[name, strategy], strict=False)]
                  if (name, strategy) in INTERMITTENT else [])
     for name in MODULES for strategy in STRATEGIES])
 def test_elastic_evaluates_as_fit(runs, name, strategy):

@@ -107,3 +107,27 @@ def test_a_restored_shard_is_the_saved_one_values_slots_keys_and_records():
     assert not s.push(key(1, 0)._replace(generation=1), g, [])[0]   # applied before the cut: still skipped
     np.testing.assert_allclose(s.push(key(1, 64)._replace(generation=1), g, [])[2],
                                twin.push(key(1, 64), g, [])[2], rtol=1e-6)
+
+
+def test_the_state_is_added_not_optimized_and_saved_with_the_weights():
+    """BatchNormalization's moving statistics follow the weights in the flat buffer; a push's part for
+    them is how the step changed them, added as is (no optimizer), once per key, and in the save."""
+    keras.utils.set_random_seed(3)
+    m = keras.Sequential([keras.Input(shape=(6,)), keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    placement = Placement.of(m, 1)
+    s = ParameterShard(m, keras.optimizers.Adam(0.01), placement, 0)
+    names = placement.dense_on(0)
+    assert [n in placement.state for n in names] == [False] * 4 + [True] * 2   # gamma, beta, kernel, bias
+    weights = sum(int(np.prod(placement.shapes[n])) for n in placement.weights_on(0))
+    start = s.dense_flat()
+    np.testing.assert_array_equal(start[weights:], [0.0] * 6 + [1.0] * 6)    # mean 0, variance 1
+    change = np.zeros(s.dense_size, np.float32)
+    change[:weights] = 0.5
+    change[weights:] = np.arange(12, dtype=np.float32) / 10
+    _, _, once = s.push(key(1, 0), change, [])
+    np.testing.assert_allclose(once[weights:], start[weights:] + change[weights:], rtol=1e-6)
+    assert not np.allclose(once[:weights], start[:weights] + 0.5)             # the weights went by Adam
+    saved = s.save()
+    s.push(key(1, 8), change, [])
+    s.restore(saved, generation=1)
+    np.testing.assert_array_equal(s.dense_flat(), once)

@@ -13,7 +13,7 @@ tf = pytest.importorskip("tensorflow")
 from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.proto import rpc  # noqa: E402
-from elastic_step.ps.api import Placement, PushKey  # noqa: E402
+from elastic_step.ps.api import Placement, PushKey, load_named  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
 from elastic_step.worker.trainer import PSTrainer  # noqa: E402
@@ -44,9 +44,38 @@ MODEL = textwrap.dedent(f"""
 """)
 
 
+BATCHNORM = textwrap.dedent("""
+    import keras
+    import numpy as np
+
+    def model():
+        return keras.Sequential([keras.Input(shape=(3,)), keras.layers.BatchNormalization(momentum=0.9),
+                                 keras.layers.Dense(1)])
+
+    def loss(labels, predictions):
+        return keras.ops.mean(keras.ops.square(labels - predictions))
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1)
+
+    def feed(batch):
+        return np.stack([batch["a"], batch["b"], batch["c"]], axis=1).astype("float32"), batch["y"].astype("float32")
+""")
+
+
 @pytest.fixture
 def trainer(tmp_path):
-    (tmp_path / "model_def.py").write_text(MODEL)
+    yield from serve(tmp_path, MODEL)
+
+
+@pytest.fixture
+def batchnorm_trainer(tmp_path):
+    yield from serve(tmp_path, BATCHNORM)
+
+
+def serve(tmp_path, source: str):
+    """A PSTrainer on a model defined by `source`, against one real shard on loopback gRPC."""
+    (tmp_path / "model_def.py").write_text(source)
     model_def = load_model_def(str(tmp_path / "model_def.py"))
     keras.utils.set_random_seed(1)
     ps_model = model_def.model()
@@ -123,3 +152,31 @@ def test_a_refresh_takes_the_shards_values_now_and_older_replies_do_not_undo_it(
     np.testing.assert_array_equal(t._flats[0].numpy(), now)
     t._take_fresh([(2, np.zeros_like(now))])    # a reply from before the refresh arrives late
     np.testing.assert_array_equal(t._flats[0].numpy(), now)
+
+
+def test_the_step_moves_the_ps_held_batchnorm_statistics_as_keras_moves_them(batchnorm_trainer):
+    """BatchNormalization's moving mean and variance live on the PS: a push adds how the step changed
+    them, so the PS holds what Keras's own training call leaves in a model with the PS's values."""
+    t, ps, ps_model = batchnorm_trainer
+    bn = ps_model.layers[0]
+    witness = keras.models.clone_model(ps_model)
+    named = ps.pull_dense_named()
+    load_named(witness, named)   # the PS's values, before the push: mean 0, variance 1
+    np.testing.assert_array_equal(witness.layers[0].moving_mean.numpy(), bn.moving_mean.numpy())
+
+    rows = lease_rows(32, seed=3)
+    rows["a"] = rows["a"] * 4 + 10          # far from mean 0 / variance 1: the update is visible
+    result = t.compute(t.minibatch(t.feed_lease(rows), 0, 32))
+    assert t.push_finish(t.push_start(result, PushKey(5, 0, 32, 0, 0)))[0]
+
+    x = np.stack([rows["a"], rows["b"], rows["c"]], axis=1).astype("float32")
+    witness(x, training=True)               # Keras's own update of the statistics, once
+    after = ps.pull_dense_named()
+    mean = next(v for n, v in after.items() if n.endswith("moving_mean"))
+    variance = next(v for n, v in after.items() if n.endswith("moving_variance"))
+    np.testing.assert_allclose(mean, witness.layers[0].moving_mean.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(variance, witness.layers[0].moving_variance.numpy(), rtol=1e-5, atol=1e-6)
+    assert mean[0] > 0.5                     # (0.1 of a batch mean near 10)
+    # The same push again changes nothing: the state is applied once, with its key.
+    assert not t.push_finish(t.push_start(result, PushKey(5, 0, 32, 0, 0)))[0]
+    np.testing.assert_array_equal(ps.pull_dense_named()[next(n for n in after if n.endswith("moving_mean"))], mean)
