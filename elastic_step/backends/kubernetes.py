@@ -44,8 +44,8 @@ Restart (adoption)
     dead: its argv points at the old master, which no longer exists, so it can never register
     again (left alone, a PS stops after ~10 s of failed heartbeats, a worker after its RPCs have
     retried for 60 s). Such a pod is deleted at once (grace 0) and its replacement created in
-    its place. Since the master does not persist its ledger yet, a new master starts training
-    from scratch, with new parameter servers. Finished pods of the old master are deleted.
+    its place; the new master restores the shards and the ledger from the job's last checkpoint
+    (master/checkpoint.py). Finished pods of the old master are deleted.
 
 Permissions
     The backend checks the verbs it needs (SelfSubjectAccessReview) when it is constructed and

@@ -8,6 +8,7 @@ Specs (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated):
 - `kill:master@900` SIGKILLs the master itself once 900 records are committed (a lost step pod; run
   the step again with the same job id and output to resume it); `kill:master@checkpoint=2` does it
   after checkpoint 2's parts are written and before its manifest is (a master lost mid-checkpoint).
+  `term:master@900` SIGTERMs it instead (the step's pod evicted or preempted, with a grace period).
 - `random:4` or `random:4:seed=7`: a seeded random schedule of 4 signals, SIGKILL or SIGTERM, at
   record counts drawn over the job's first 90 %. Each goes to a worker that holds a lease when it
   fires (the seed ranks the workers), without waiting for full strength, so several fire in a run
@@ -32,8 +33,8 @@ log = logging.getLogger("elastic_step.master")
 
 ACTIONS = ("kill", "term")
 MASTER = "master"   # a signal's target: the master itself
-SPEC_HELP = ("use kill:worker-0@400, term:worker-1@900, random:4:seed=7, kill:master@900 or "
-             "kill:master@checkpoint=2")
+SPEC_HELP = ("use kill:worker-0@400, term:worker-1@900, random:4:seed=7, kill:master@900, term:master@900 "
+             "or kill:master@checkpoint=2")
 
 
 @dataclasses.dataclass
@@ -75,7 +76,7 @@ class Chaos:
                 return [Signal(rng.choice(ACTIONS), rng.randint(1, max(1, int(records_total * 0.9))), None,
                                rng.sample(range(max_workers), max_workers)) for _ in range(int(count))]
             name, at = rest.split("@", 1)
-            if name == "master" and kind == "kill" and int(at) >= 0:
+            if name == "master" and kind in ACTIONS and int(at) >= 0:
                 return [Signal(kind, int(at), MASTER)]
             role, index = name.rsplit("-", 1)
             if kind not in ACTIONS or role not in ("worker", "ps") or int(at) < 0:
@@ -101,9 +102,15 @@ class Chaos:
         if not self.pending or committed < self.pending[0].at:
             return
         sig = self.pending[0]
-        if sig.target == MASTER:   # a lost step pod: nothing is cleaned up, nothing is flushed
+        if sig.target == MASTER and sig.action == "kill":   # a lost step pod: nothing is cleaned up or flushed
             log.warning("chaos: SIGKILL the master at %d committed records", committed)
             os.kill(os.getpid(), signal.SIGKILL)
+        if sig.target == MASTER:   # the step's pod stopped with a grace period: the master's own handler acts
+            self.pending.pop(0)
+            self.fired.append({"action": sig.action, "instance": MASTER, "at_records": committed})
+            log.warning("chaos: SIGTERM the master at %d committed records", committed)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         alive = backend.alive()
         leased = {w for w in coord.ledger.leases}
         if sig.target is not None and sig.target.role == "ps":

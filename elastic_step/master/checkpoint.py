@@ -7,6 +7,8 @@ Under `<output>/checkpoints/`:
     ckpt-000007/ps-0.npz ...    each shard's values, optimizer variables, applied keys and records
     ckpt-000007/ledger.json     the ledger at the cut, and the job's counters
     checkpoint.json             the commit point: names the complete checkpoint and its files
+    watermark.json              the records committed so far (every few seconds): what a master
+                                restarted after a loss trains again is counted from it
 
 The part files are written first, then `checkpoint.json` in one atomic write. A checkpoint whose
 manifest was never written is never loaded, and the previous one is deleted only after the new
@@ -30,6 +32,9 @@ log = logging.getLogger("elastic_step.master")
 
 FORMAT = "elastic-step/checkpoint/v1"
 MANIFEST = "checkpoint.json"
+WATERMARK = "watermark.json"
+WATERMARK_EVERY_S = 5.0   # often enough to count what a lost master's successor trains again; cheap on object stores
+LAST_CUT_S = 15.0         # the last checkpoint of a terminated step: well inside Kubernetes's 30 s grace period
 
 
 class CheckpointError(ConfigError):
@@ -99,6 +104,20 @@ class CheckpointStore:
                                   f"corrupt {name} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
                                   "or pass --resume never.") from None
 
+    def write_watermark(self, records_committed: int) -> None:
+        atomic_write_text(self.uri(WATERMARK), json.dumps({"job_id": self.fingerprint["job_id"],
+                                                           "records_committed": records_committed,
+                                                           "at": time.time()}))
+
+    def watermark(self) -> int | None:
+        """The records the job's last master had committed, as it last wrote them; None if unknown."""
+        try:
+            with self.fs.open(posixpath.join(self.path, WATERMARK), "r") as f:
+                mark = json.load(f)
+            return int(mark["records_committed"]) if mark.get("job_id") == self.fingerprint["job_id"] else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
     def part(self, ckpt_id: int, name: str) -> str:
         """Where a part of checkpoint `ckpt_id` goes."""
         return self.uri(f"ckpt-{ckpt_id:06d}", name)
@@ -154,12 +173,15 @@ class Checkpointer:
         self._last_records = 0
         self.written: list[dict] = []      # per checkpoint: id, records, hold and write seconds
         self.abandoned = 0
+        self.last = False                  # the step is ending: cut now, and keep the workers held after
 
     def restart_from(self, records: int, now: float) -> None:
         """Count the next interval from here (a resumed job's start)."""
         self._last_at, self._last_records = now, records
 
     def due(self, committed: int, now: float) -> bool:
+        if self.last:
+            return True
         kind, amount = self.every
         return (now - self._last_at >= amount) if kind == "seconds" else (committed - self._last_records >= amount)
 
@@ -189,7 +211,8 @@ class Checkpointer:
             try:
                 self._write(now)
             finally:
-                self.coord.end_hold()
+                if not self.last:   # the last cut keeps them held: whatever they trained after it would be lost
+                    self.coord.end_hold()
                 self._holding_since = None
         elif now - self._holding_since > self.HOLD_TIMEOUT_S:
             log.warning("checkpoint %d abandoned: workers %s did not hold within %.0f s; trying again later",
@@ -262,13 +285,18 @@ class JobCheckpoints:
             self.ledger.restore(self.state["ledger"])
             coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
             started = time.time()
+            before = self.store.watermark()
             self.restarts.append({"at": started, "from_checkpoint": self.resumed["id"],
-                                  "records_committed_at_checkpoint": self.resumed["records_committed"]})
+                                  "records_committed_at_checkpoint": self.resumed["records_committed"],
+                                  # at least: the watermark is up to WATERMARK_EVERY_S behind the lost master
+                                  "records_trained_again": None if before is None
+                                  else max(0, before - self.resumed["records_committed"])})
             entry = self.restarts[-1]
             coord.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
-            log.info("resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; what was "
-                     "committed after it is trained again", cfg.job_id, self.resumed["id"], self.store.root,
-                     self.resumed["records_committed"], self.ledger.epoch)
+            log.info("resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
+                     "records the previous master committed after it are trained again", cfg.job_id,
+                     self.resumed["id"], self.store.root, self.resumed["records_committed"], self.ledger.epoch,
+                     "(unknown number of)" if before is None else entry["records_trained_again"])
             coord.record("resumed", "", f"from checkpoint {self.resumed['id']} at "
                          f"{self.resumed['records_committed']} records")
         self.cutter = Checkpointer(self.store, every, coord, self._save_shards, self._cut,
@@ -278,33 +306,23 @@ class JobCheckpoints:
             self.cutter.restart_from(self.ledger.records_committed_total(), time.time())
         self.eval_history: list[dict] = list(self.state.get("eval_history", []))
         self.ps_restores: list[dict] = []
+        self._watermark = (0.0, -1)          # (written at, records) of the last watermark
+        self._last_cut: tuple[float, int] | None = None   # (asked at, the id it must reach), once terminated
 
-    def _stubs(self):
-        from elastic_step.proto import elastic_pb2_grpc as pb_grpc
-        from elastic_step.proto import rpc
-
-        channels = [rpc.channel(a) for a in self.coord.ps_addresses]
-        return channels, [pb_grpc.ParameterServerStub(c) for c in channels]
-
-    def _each_shard(self, call) -> None:
-        """call(i, stub) for every shard at once."""
-        import concurrent.futures
-
-        channels, stubs = self._stubs()
-        try:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(stubs))) as pool:
-                list(pool.map(lambda i: call(i, stubs[i]), range(len(stubs))))
-        finally:
-            for c in channels:
-                c.close()
+    def _shards(self):
+        from elastic_step.ps.client import PSClient
+        return PSClient(self.coord.ps_addresses, self.cfg.token)
 
     def _save_shards(self, ckpt_id: int) -> list[str]:
         """Each shard's state, written by the master: a PS pod needs no access to the step's output."""
-        from elastic_step.proto import elastic_pb2 as pb
-
-        names = [f"ps-{i}.npz" for i in range(len(self.coord.ps_addresses))]
-        self._each_shard(lambda i, stub: atomic_write_bytes(
-            self.store.part(ckpt_id, names[i]), stub.Save(pb.SaveRequest(token=self.cfg.token), timeout=300).npz))
+        shards = self._shards()
+        try:
+            states = shards.save()
+        finally:
+            shards.close()
+        names = [f"ps-{i}.npz" for i in range(len(states))]
+        for name, npz in zip(names, states):
+            atomic_write_bytes(self.store.part(ckpt_id, name), npz)
         return names
 
     def restore_shards(self, manifest: dict | None = None, generation: int = 0) -> None:
@@ -315,19 +333,20 @@ class JobCheckpoints:
             return
         import grpc
 
-        from elastic_step.proto import elastic_pb2 as pb
-
-        def restore(i, stub):
-            with self.store.fs.open(posixpath.join(self.store.path, manifest["files"][f"ps-{i}.npz"]), "rb") as f:
-                stub.Restore(pb.RestoreRequest(token=self.cfg.token, npz=f.read(), generation=generation),
-                             timeout=300)
+        shards = self._shards()
         try:
-            self._each_shard(restore)
+            states = []
+            for i in range(len(self.coord.ps_addresses)):
+                with self.store.fs.open(posixpath.join(self.store.path, manifest["files"][f"ps-{i}.npz"]), "rb") as f:
+                    states.append(f.read())
+            shards.restore(states, generation)
         except (grpc.RpcError, KeyError, OSError) as e:
             detail = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             raise CheckpointError(f"Cannot restore the parameter servers from checkpoint {manifest['id']} "
                                   f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
                                   "or pass --resume never.") from None
+        finally:
+            shards.close()
 
     def initial(self) -> None:
         """A first checkpoint before any worker starts (no barrier needed): a PS lost before the
@@ -376,8 +395,47 @@ class JobCheckpoints:
                     "eval_history": list(self.eval_history)}
 
     def tick(self, committed: int, now: float) -> None:
-        if self.cutter is not None:
-            self.cutter.tick(committed, now)
+        if self.cutter is None:
+            return
+        self.cutter.tick(committed, now)
+        at, records = self._watermark
+        if now - at >= WATERMARK_EVERY_S and committed != records and not self.coord.rewinding:
+            self.store.write_watermark(committed)
+            self._watermark = (now, committed)
+
+    def last_cut(self, committed: int, now: float) -> bool:
+        """The step is being terminated (SIGTERM: its pod evicted or preempted, the run stopped): cut
+        one more checkpoint, and keep the workers held after it, so that a retried step trains nothing
+        again. Called on every pump until it returns True: written, not possible now (no checkpoints,
+        no shards to cut, a PS being restored), or not done within LAST_CUT_S."""
+        c = self.cutter
+        if c is None or self.coord.rewinding or not self.coord.ps_ready.is_set():
+            return True
+        if self._last_cut is None:
+            self._last_cut = (now, c.next_id)   # the next checkpoint (a barrier already begun ends in it too)
+            c.last = True
+            log.info("terminated: cutting a last checkpoint so that a retried step resumes where this one stopped")
+        asked_at, target = self._last_cut
+        c.tick(committed, now)
+        if c.next_id > target:
+            return True
+        if now - asked_at > LAST_CUT_S:
+            log.warning("terminated: no last checkpoint within %.0f s (workers %s never held); the retried step "
+                        "resumes from checkpoint %d", LAST_CUT_S, sorted(set(self.ledger.leases) - self.coord.held),
+                        c.next_id - 1)
+            c.abandon()
+            return True
+        return False
+
+    def resume_note(self) -> str:
+        """What a retry of this step (same job id and output) will do, for a person."""
+        last = self.cutter.written[-1] if self.cutter and self.cutter.written else None
+        if last is None and not self.resumed:
+            return "No checkpoint was written: a retried step starts over."
+        ckpt_id, records = (last["id"], last["records_committed"]) if last else \
+            (self.resumed["id"], self.resumed["records_committed"])
+        return (f"A retried step (same job id and output) resumes from checkpoint {ckpt_id} at {records} committed "
+                f"records, under {self.store.root}.")
 
     def finished(self) -> None:
         """The job succeeded: its model is the output, and a rerun of this job id starts over."""

@@ -72,6 +72,7 @@ class TrainingJob:
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.tensorboard = TensorBoardLog.for_job(cfg.output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0
+        self.terminated_at: float | None = None   # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
@@ -104,9 +105,8 @@ class TrainingJob:
         self.master_address = self.backend.master_address(port)
         previous = signal.getsignal(signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():
-            # The step's pod is being deleted: stop our instances before we go.
-            signal.signal(signal.SIGTERM, lambda *_: self.coord.report_failure(
-                "master", "terminated", "the master received SIGTERM", ""))
+            # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
+            signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated_at", time.time()))
         log.info("job %s: %d records/epoch in %d tasks of <= %d records, %d epoch(s); %d PS, "
                  "%d-%d workers on the %s backend", cfg.job_id, self.ledger.records_per_epoch,
                  len(self.ledger.queue), self.ledger.records_per_task, cfg.epochs, cfg.num_ps,
@@ -150,6 +150,10 @@ class TrainingJob:
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
+            if self.terminated_at is not None:
+                if self.durable.last_cut(committed, now):
+                    self.coord.report_failure("master", "terminated", "the master received SIGTERM", "")
+                continue
             self.chaos.tick(committed, self.backend, self.coord)
             self.durable.tick(committed, now)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
@@ -213,7 +217,7 @@ class TrainingJob:
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
             return StepTerminated("The training step was terminated (SIGTERM) before it finished; all its "
-                                  "workers and parameter servers were stopped.")
+                                  f"workers and parameter servers were stopped. {self.durable.resume_note()}")
         where = f" ({f['instance']})" if f.get("instance") else ""
         detail = f["message"]
         if f["kind"] == "instance_failed" and f.get("traceback"):

@@ -70,11 +70,12 @@ def on_this_host(address: str) -> bool:
 class PSClient:
     """`pushes_in_flight` pushes may run at once (from as many threads). With `shared_memory`, a
     push to a shard on this host carries its dense buffers through shared-memory slots instead of
-    the message."""
+    the message. The calls that split or gather parameters (pulls, pushes) need the `placement`;
+    the whole-shard ones (stats, save, restore) do not."""
 
-    def __init__(self, addresses: list[str], token: str, placement: Placement, timeout: float = 60.0,
+    def __init__(self, addresses: list[str], token: str, placement: Placement | None = None, timeout: float = 60.0,
                  pushes_in_flight: int = 2, shared_memory: bool = True):
-        if len(addresses) != placement.num_ps:
+        if placement is not None and len(addresses) != placement.num_ps:
             raise ValueError(f"{len(addresses)} PS addresses for {placement.num_ps} shards")
         self.token = token
         self.placement = placement
@@ -245,6 +246,18 @@ class PSClient:
 
     def stats(self) -> list[pb.PsStats]:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
+
+    def save(self, timeout: float = 300.0) -> list[bytes]:
+        """Every shard's whole state (ParameterShard.save), asked of all at once, in shard order."""
+        futures = [s.Save.future(pb.SaveRequest(token=self.token), timeout=timeout) for s in self.stubs]
+        return [f.result().npz for f in futures]
+
+    def restore(self, states: list[bytes], generation: int, timeout: float = 300.0) -> None:
+        """Every shard back to a saved state, as `generation`, all at once."""
+        futures = [s.Restore.future(pb.RestoreRequest(token=self.token, npz=npz, generation=generation),
+                                    timeout=timeout) for s, npz in zip(self.stubs, states)]
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         for shard, shared in self._shared.items():

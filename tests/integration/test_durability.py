@@ -51,10 +51,33 @@ def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_reco
     assert "resuming job durable from checkpoint" in proc.stderr
     restarts = summary["checkpoints"]["restarts"]
     assert [r["from_checkpoint"] for r in restarts] == [cut["id"]]
+    # Counted from the lost master's watermark: at most what it committed after the cut (two reports of a
+    # task each may land in the tick that fires the kill).
+    assert 0 <= restarts[0]["records_trained_again"] <= killed_at + 2 * 128 - cut["records_committed"]
     assert summary["checkpoints"]["written"] >= 1
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary)
     assert not (ckpts / "durable").exists()                     # done: a rerun of the job starts over
+
+
+def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains_nothing_again(tally_data,
+                                                                                                  tmp_path):
+    """SIGTERM is how Kubernetes stops the step's pod (eviction, preemption, a stopped run), with a
+    grace period: the master cuts one more checkpoint, holding the workers after it, and exits 143."""
+    total = tally_data["rows"] * EPOCHS
+    asked_at = int(total * 0.45)
+    proc, _ = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h", "--chaos", f"term:master@{asked_at}")
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "chaos: SIGTERM the master" in proc.stderr          # the chaos fired
+    cut = manifest(tmp_path)
+    assert cut["id"] == 2 and cut["records_committed"] >= asked_at   # after the initial one: cut on SIGTERM
+    assert f"resumes from checkpoint 2 at {cut['records_committed']} committed records" in proc.stderr
+    proc, summary = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    restart, = summary["checkpoints"]["restarts"]
+    assert restart["from_checkpoint"] == 2 and restart["records_trained_again"] == 0
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary)
 
 
 def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_and_only_as_itself(

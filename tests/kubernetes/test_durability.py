@@ -42,6 +42,28 @@ def test_a_deleted_ps_pod_is_relaunched_and_restored_and_workers_stay_up(control
     assert job_pods(core, namespace, "durable-ps") == []
 
 
+def test_a_killed_master_the_retried_step_takes_over_the_jobs_pods_and_resumes(control_plane, core, node,
+                                                                              namespace, tally_data,
+                                                                              priority_classes, sa_kubeconfig,
+                                                                              tmp_path):
+    """SIGKILL leaves the job's pods running, pointed at a master that is gone: the retried step finds
+    them (by job id), replaces them, restores the shards and the ledger from the checkpoint."""
+    total = tally_data["rows"] * EPOCHS
+    proc, _ = master(tally_data, tmp_path, "durable-master", sa_kubeconfig, namespace,
+                     f"kill:master@{int(total * 0.5)}")
+    assert proc.returncode == -9, proc.stderr[-4000:]
+    left = job_pods(core, namespace, "durable-master")
+    assert left, "the killed master's pods should outlive it"
+    proc, summary = master(tally_data, tmp_path, "durable-master", sa_kubeconfig, namespace)   # the retried step
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "adopting" in proc.stderr and "resuming job durable-master from checkpoint" in proc.stderr
+    restart, = summary["checkpoints"]["restarts"]
+    assert restart["records_committed_at_checkpoint"] > 0
+    assert_exactly_once(summary)
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert job_pods(core, namespace, "durable-master") == []
+
+
 def test_a_killed_master_and_a_deleted_ps_pod_the_retried_step_resumes(control_plane, core, node, namespace,
                                                                        tally_data, priority_classes,
                                                                        sa_kubeconfig, tmp_path):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from elastic_step.backends.api import InstanceId
 from elastic_step.errors import ConfigError
 from elastic_step.master.checkpoint import CheckpointStore, Checkpointer, parse_interval
 from elastic_step.master.coordinator import Coordinator
@@ -75,3 +76,32 @@ def test_the_manifest_is_the_commit_point_and_the_previous_checkpoint_stays_unti
     c.tick(48, 0.0)
     assert store.latest()["id"] == 2
     assert not (tmp_path / "checkpoints" / "ckpt-000001").exists()        # gone only after 2 committed
+
+
+def test_the_last_cut_is_taken_at_once_and_keeps_the_workers_held(tmp_path):
+    """On SIGTERM: one more checkpoint, not waiting for the interval, and no worker released after it
+    (whatever it trained next would be lost with the step)."""
+    written: list = []
+    coord, store, c = cutter(tmp_path, written)
+    coord.ps_ready.set()
+    c.every = ("seconds", 3600.0)
+    ledger = coord.ledger
+    lease = ledger.lease("worker-0", 0.0)
+    ledger.report("worker-0", lease.task.task_id, lease.task.end)
+    c.tick(16, 0.0)
+    assert not coord.holding                                                # not due for an hour
+    c.last = True
+    c.tick(16, 0.0)
+    assert coord.holding and written == []
+    coord.held.add("worker-0")
+    c.tick(16, 0.0)
+    assert written == [1] and store.latest()["records_committed"] == 16
+    assert coord.holding and not coord.hold(InstanceId("worker", 0), wait_s=0.01)   # still held
+
+
+def test_the_watermark_is_this_jobs_only(tmp_path):
+    store = CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "j"})
+    assert store.watermark() is None
+    store.write_watermark(1234)
+    assert store.watermark() == 1234
+    assert CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "another"}).watermark() is None
