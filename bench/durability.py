@@ -54,11 +54,13 @@ def main() -> None:
         settings = ["0", *args.intervals]
         rates: dict[str, list[float]] = {s: [] for s in settings}
         checkpoints: dict[str, list[dict]] = {s: [] for s in settings}
+        accuracy: list[float] = []   # every uninterrupted run's: the spread a run after a loss must stay within
         for run in range(args.runs):
             for every in settings:
                 _, s = train(work / f"{every}-{run}", work / "data", args.epochs, every)
                 rates[every].append(s["throughput_records_per_s"])
                 checkpoints[every] += s["checkpoints"].get("checkpoints", [])
+                accuracy.append(s["eval"]["accuracy"])
         total = json.loads((work / f"0-0" / "summary.json").read_text())["records_per_epoch"] * args.epochs
         print(f"digits, {args.epochs} epochs ({total} records), 2 workers + 1 PS, {args.runs} runs per setting")
         best_none = max(rates["0"])
@@ -72,6 +74,8 @@ def main() -> None:
             print(f"{'none' if every == '0' else 'every ' + every:<14}{' '.join(f'{r:,.0f}' for r in rates[every]):<34}"
                   f"{best / best_none:<11.3f}{(1 - best / best_none) * 100:<8.1f}{hold:<20.3f}{write:<18.3f}"
                   f"{len(cks) / args.runs:<8.1f}")
+
+        print(f"final accuracy of the {len(accuracy)} uninterrupted runs: {min(accuracy):.4f} - {max(accuracy):.4f}")
 
         every = args.intervals[0]
         _, s = train(work / "ps-loss", work / "data", args.epochs, every, "--chaos", f"kill:ps-0@{int(total * 0.6)}")
