@@ -77,7 +77,7 @@ from elastic_step.instance import TOKEN_ENV
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
 DEFAULT_IMAGE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
-MANIFESTS = pathlib.Path(__file__).resolve().parent / "manifests"
+MANIFESTS = pathlib.Path(__file__).resolve().parent.parent / "manifests"  # backends/manifests
 ROLE_FILE = "elastic_step/backends/manifests/role.yaml"
 PRIORITY_FILE = "elastic_step/backends/manifests/priorityclasses.yaml"
 
