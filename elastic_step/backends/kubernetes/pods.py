@@ -1,0 +1,158 @@
+"""Pods: what the job's pods look like, and what the backend knows of each.
+
+    `<job>-<role>-<index>` (a relaunch: `<job>-<role>-<index>-<launch>`), labels `elastic-step/job`,
+    `elastic-step/role`, `elastic-step/index`, `elastic-step/launch` and
+    `app.kubernetes.io/managed-by: elastic-step`; command = the instance's argv; the job token from
+    the Secret `<job>-token` (`secretKeyRef`, never a literal), `ELASTIC_STEP_POD_IP` from the
+    downward API (`status.podIP`: a PS serves and advertises on it); requests = limits = the
+    instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `elastic-high`
+    for PS, when the cluster has them: see manifests/priorityclasses.yaml); restartPolicy Never;
+    no service-account token; terminationGracePeriodSeconds 30; an ownerReference
+    (blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
+    own pod (`POD_NAME`/`POD_UID` from the downward API), else none. `ELASTIC_STEP_POD_SPEC`
+    (JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets...
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import threading
+import time
+
+from elastic_step.backends.api import InstanceId, InstanceSpec
+from elastic_step.backends.kubernetes.config import POD_IP_ENV
+from elastic_step.errors import ConfigError
+from elastic_step.instance import TOKEN_ENV
+
+PRIORITY_FILE = "elastic_step/backends/manifests/priorityclasses.yaml"
+
+LABEL_JOB = "elastic-step/job"
+LABEL_ROLE = "elastic-step/role"
+LABEL_INDEX = "elastic-step/index"
+LABEL_LAUNCH = "elastic-step/launch"
+MANAGED_BY = ("app.kubernetes.io/managed-by", "elastic-step")
+TOKEN_KEY = "token"
+DEFAULT_PRIORITY = {"worker": "elastic-low", "ps": "elastic-high"}
+TERMINAL = ("Succeeded", "Failed")
+
+_JOB_ID = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def job_labels(job_id: str, inst: InstanceId | None = None, number: int | None = None) -> dict:
+    """The labels of the job's objects: its Secret (job only) and its pods (instance, launch)."""
+    out = {LABEL_JOB: job_id, MANAGED_BY[0]: MANAGED_BY[1]}
+    if inst is not None:
+        out.update({LABEL_ROLE: inst.role, LABEL_INDEX: str(inst.index)})
+    if number is not None:
+        out[LABEL_LAUNCH] = str(number)
+    return out
+
+
+@dataclasses.dataclass
+class _Pod:
+    """What the watch knows of one pod of the job."""
+    name: str
+    inst: InstanceId
+    uid: str = ""
+    obj: dict = dataclasses.field(default_factory=dict)
+    phase: str | None = None
+    deleting: bool = False
+    gone: bool = False
+    forced: bool = False              # deleted with grace 0 by us: its process is killed
+    tracked_at: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def process_over(self) -> bool:
+        return self.gone or self.forced or self.phase in TERMINAL
+
+    @property
+    def live(self) -> bool:
+        return not self.deleting and not self.gone and self.phase not in TERMINAL
+
+
+@dataclasses.dataclass
+class _Launch:
+    """One launch of an instance: the pod the master currently counts as that instance."""
+    spec: InstanceSpec
+    number: int
+    name: str = ""
+    state: str = "deferred"           # deferred -> pending -> running -> ended
+    blocker: str = ""                 # predecessor pod whose process must end first
+    stopping: bool = False            # we deleted it gracefully (scale-in): EXITED with its code
+    killing: bool = False             # we deleted it with grace 0: LOST
+    adopted: bool = False
+    ended: threading.Event = dataclasses.field(default_factory=threading.Event)
+    timer: threading.Timer | None = None        # forces a deferred creation
+    loss_timer: threading.Timer | None = None   # bounds the wait for a deleted pod's end
+
+    def end(self) -> None:
+        self.state = "ended"
+        self.ended.set()
+        for timer in (self.timer, self.loss_timer):
+            if timer:
+                timer.cancel()
+
+
+def track(pods: dict[str, _Pod], obj: dict) -> _Pod | None:
+    """Record this version of a pod in `pods` (by name; a new uid is a new pod); None when it is
+    not one of an instance's pods."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    try:
+        inst = InstanceId(labels[LABEL_ROLE], int(labels[LABEL_INDEX]))
+    except (KeyError, ValueError, ConfigError):
+        return None
+    pod = pods.get(meta["name"])
+    if pod is None or (pod.uid and meta.get("uid") and pod.uid != meta["uid"]):
+        pod = pods[meta["name"]] = _Pod(meta["name"], inst)
+    pod.uid = meta.get("uid", pod.uid)
+    pod.obj = obj
+    pod.phase = (obj.get("status") or {}).get("phase")
+    pod.deleting = pod.deleting or meta.get("deletionTimestamp") is not None
+    return pod
+
+
+def _terminated(obj: dict) -> dict | None:
+    for cs in (obj.get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated")
+        if term:
+            return term
+    return None
+
+
+def _deletion_cause(obj: dict) -> str:
+    name = obj["metadata"]["name"]
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
+            if c.get("reason") == "PreemptionByScheduler":
+                return f"preempted by the scheduler (pod {name} deleted)"
+            return f"pod {name} deleted: {c.get('reason')}: {c.get('message', '')}".rstrip(": ")
+    return f"pod {name} deleted from outside the master"
+
+
+def pod_body(launch: _Launch, *, job_id: str, namespace: str, image: str, secret_name: str, grace_s: int,
+             pod_spec: dict, default_priority: str | None, owner_refs: list[dict]) -> dict:
+    """The pod of `launch` (named already); `default_priority`: the role's PriorityClass when the
+    instance names none."""
+    spec, inst = launch.spec, launch.spec.id
+    env = [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
+           {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "ELASTIC_STEP_JOB_ID", "value": job_id}]
+    env += [{"name": k, "value": v} for k, v in spec.env.items() if k not in (TOKEN_ENV, POD_IP_ENV)]
+    quantities = {k: v for k, v in (("cpu", spec.cpu), ("memory", spec.memory)) if v}
+    container = {"name": inst.role, "image": image, "imagePullPolicy": "IfNotPresent",
+                 "command": list(spec.argv), "env": env}
+    if quantities:
+        container["resources"] = {"requests": dict(quantities), "limits": dict(quantities)}
+    body_spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": grace_s,
+                 "automountServiceAccountToken": False, "enableServiceLinks": False,
+                 **copy.deepcopy(pod_spec), "containers": [container]}
+    priority = spec.priority_class or default_priority
+    if priority:
+        body_spec["priorityClassName"] = priority
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": launch.name, "namespace": namespace,
+                         "labels": job_labels(job_id, inst, launch.number),
+                         "ownerReferences": owner_refs},
+            "spec": body_spec}
