@@ -7,8 +7,11 @@
    write times.
 2. A PS shard SIGKILLed at 60 % of the job: the time from its loss to training again, and the records
    trained again (those committed after the last checkpoint).
-3. The master SIGKILLed at 60 % and the step run again with the same job id and output: the time
-   from the new master's start to training again, and the records trained again.
+3. The master SIGKILLed at 60 % (a pod lost without warning), and SIGTERMed at 60 % (evicted or
+   preempted with a grace period: it cuts a last checkpoint), each step then run again with the same
+   job id and output: the time from the new master's start to training again, and the records
+   trained again.
+Parts 2 and 3 run for each interval (`--losses-only` skips part 1).
 Every run's audit must be exact (the PS shards' accounting laid over the data set).
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import prepare  # noqa: E402
+from elastic_step.data.api import load_manifest  # noqa: E402
 
 
 def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *extra: str) -> tuple[int, dict]:
@@ -34,7 +38,7 @@ def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *extra
            "--num-ps", "1", "--job-id", "bench-durability", "--checkpoint-every", every, "--progress", "off", *extra]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     summary = out / "summary.json"
-    if proc.returncode not in (0, -9) or (proc.returncode == 0 and not summary.exists()):
+    if proc.returncode not in (0, -9, 143) or (proc.returncode == 0 and not summary.exists()):
         raise SystemExit(f"training failed ({every}, {extra}):\n{proc.stderr[-3000:]}")
     s = json.loads(summary.read_text()) if proc.returncode == 0 else {}
     if s and s["audit"]["verdict"] != "exact":
@@ -47,51 +51,64 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--epochs", type=int, default=600)
     p.add_argument("--intervals", nargs="+", default=["10s", "60s"])
+    p.add_argument("--losses-only", action="store_true", help="skip the throughput runs (parts 2 and 3 only)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
         work = pathlib.Path(tmp)
         prepare("samples/digits/digits.csv", work / "data")
-        settings = ["0", *args.intervals]
-        rates: dict[str, list[float]] = {s: [] for s in settings}
-        checkpoints: dict[str, list[dict]] = {s: [] for s in settings}
-        accuracy: list[float] = []   # every uninterrupted run's: the spread a run after a loss must stay within
-        for run in range(args.runs):
-            for every in settings:
-                _, s = train(work / f"{every}-{run}", work / "data", args.epochs, every)
-                rates[every].append(s["throughput_records_per_s"])
-                checkpoints[every] += s["checkpoints"].get("checkpoints", [])
-                accuracy.append(s["eval"]["accuracy"])
-        total = json.loads((work / f"0-0" / "summary.json").read_text())["records_per_epoch"] * args.epochs
-        print(f"digits, {args.epochs} epochs ({total} records), 2 workers + 1 PS, {args.runs} runs per setting")
-        best_none = max(rates["0"])
-        print(f"{'checkpoints':<14}{'rec/s (runs)':<34}{'best/best':<11}{'cost':<8}{'barrier s (median)':<20}"
-              f"{'write s (median)':<18}{'per run':<8}")
+        total = sum(s.rows for s in load_manifest(str(work / "data" / "train")).shards) * args.epochs
+        if not args.losses_only:
+            throughput(work, args, total)
+        for every in args.intervals:
+            losses(work, args.epochs, every, total)
+
+
+def throughput(work: pathlib.Path, args, total: int) -> None:
+    """Part 1: the same job with checkpoints at each interval and with none, alternating."""
+    settings = ["0", *args.intervals]
+    rates: dict[str, list[float]] = {s: [] for s in settings}
+    checkpoints: dict[str, list[dict]] = {s: [] for s in settings}
+    accuracy: list[float] = []   # every uninterrupted run's: the spread a run after a loss must stay within
+    for run in range(args.runs):
         for every in settings:
-            best = max(rates[every])
-            cks = checkpoints[every]
-            hold = statistics.median(c["hold_s"] for c in cks) if cks else 0.0
-            write = statistics.median(c["write_s"] for c in cks) if cks else 0.0
-            print(f"{'none' if every == '0' else 'every ' + every:<14}{' '.join(f'{r:,.0f}' for r in rates[every]):<34}"
-                  f"{best / best_none:<11.3f}{(1 - best / best_none) * 100:<8.1f}{hold:<20.3f}{write:<18.3f}"
-                  f"{len(cks) / args.runs:<8.1f}")
+            _, s = train(work / f"{every}-{run}", work / "data", args.epochs, every)
+            rates[every].append(s["throughput_records_per_s"])
+            checkpoints[every] += s["checkpoints"].get("checkpoints", [])
+            accuracy.append(s["eval"]["accuracy"])
+    print(f"digits, {args.epochs} epochs ({total} records), 2 workers + 1 PS, {args.runs} runs per setting")
+    best_none = max(rates["0"])
+    print(f"{'checkpoints':<14}{'rec/s (runs)':<34}{'best/best':<11}{'cost':<8}{'barrier s (median)':<20}"
+          f"{'write s (median)':<18}{'per run':<8}")
+    for every in settings:
+        best = max(rates[every])
+        cks = checkpoints[every]
+        hold = statistics.median(c["hold_s"] for c in cks) if cks else 0.0
+        write = statistics.median(c["write_s"] for c in cks) if cks else 0.0
+        print(f"{'none' if every == '0' else 'every ' + every:<14}{' '.join(f'{r:,.0f}' for r in rates[every]):<34}"
+              f"{best / best_none:<11.3f}{(1 - best / best_none) * 100:<8.1f}{hold:<20.3f}{write:<18.3f}"
+              f"{len(cks) / args.runs:<8.1f}")
 
-        print(f"final accuracy of the {len(accuracy)} uninterrupted runs: {min(accuracy):.4f} - {max(accuracy):.4f}")
+    print(f"final accuracy of the {len(accuracy)} uninterrupted runs: {min(accuracy):.4f} - {max(accuracy):.4f}")
 
-        every = args.intervals[0]
-        _, s = train(work / "ps-loss", work / "data", args.epochs, every, "--chaos", f"kill:ps-0@{int(total * 0.6)}")
-        r = s["checkpoints"]["ps_restores"][0]
-        print(f"PS loss (checkpoints every {every}): loss -> training again {r.get('loss_to_first_commit_s')} s, "
-              f"{r['records_trained_again']} records trained again; audit {s['audit']['verdict']}, "
-              f"accuracy {s['eval']['accuracy']:.4f}")
-        out = work / "master-loss"
-        code, _ = train(out, work / "data", args.epochs, every, "--chaos", f"kill:master@{int(total * 0.6)}")
-        assert code == -9, "the master was not killed"
+
+def losses(work: pathlib.Path, epochs: int, every: str, total: int) -> None:
+    """A PS loss, a master lost without warning, and a master stopped with SIGTERM, all at 60 %."""
+    at = int(total * 0.6)
+    _, s = train(work / f"ps-loss-{every}", work / "data", epochs, every, "--chaos", f"kill:ps-0@{at}")
+    r = s["checkpoints"]["ps_restores"][0]
+    print(f"PS loss (checkpoints every {every}): loss -> training again {r.get('loss_to_first_commit_s')} s, "
+          f"{r['records_trained_again']} records trained again; audit {s['audit']['verdict']}, "
+          f"accuracy {s['eval']['accuracy']:.4f}")
+    for signal, code in (("kill", -9), ("term", 143)):
+        out = work / f"master-{signal}-{every}"
+        got, _ = train(out, work / "data", epochs, every, "--chaos", f"{signal}:master@{at}")
+        assert got == code, f"the master was not stopped by {signal} (exit {got})"
         cut = json.loads((out / "checkpoints" / "checkpoint.json").read_text())["records_committed"]
-        _, s = train(out, work / "data", args.epochs, every)
+        _, s = train(out, work / "data", epochs, every)
         r = s["checkpoints"]["restarts"][0]
-        print(f"master loss (checkpoints every {every}): new master start -> training again "
-              f"{r.get('start_to_first_commit_s')} s, {int(total * 0.6) - cut} records trained again (killed at "
-              f"{int(total * 0.6)}, checkpoint at {cut}); audit {s['audit']['verdict']}, accuracy "
+        print(f"master {'SIGKILL' if signal == 'kill' else 'SIGTERM'} (checkpoints every {every}): new master start "
+              f"-> training again {r.get('start_to_first_commit_s')} s, {r['records_trained_again']} records "
+              f"trained again (stopped at {at}, checkpoint at {cut}); audit {s['audit']['verdict']}, accuracy "
               f"{s['eval']['accuracy']:.4f}")
 
 
