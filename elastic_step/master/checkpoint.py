@@ -210,6 +210,16 @@ class Checkpointer:
         if self.coord.hold_reached():
             try:
                 self._write(now)
+            except Exception as e:
+                from elastic_step.ps.client import shards_moved
+                if not shards_moved(e):
+                    raise
+                # A shard died before the master learned of it (its pod's end is reported later):
+                # that loss is handled first (the shards go back to the last checkpoint), then cuts go on.
+                log.warning("checkpoint %d abandoned: a PS shard is unreachable (%s); trying again later", self.next_id,
+                            str(e.details() if hasattr(e, "details") else e)[:200])
+                self._last_at, self._last_records = now, committed   # the next one an interval later
+                self.abandoned += 1
             finally:
                 if not self.last:   # the last cut keeps them held: whatever they trained after it would be lost
                     self.coord.end_hold()

@@ -105,3 +105,36 @@ def test_the_watermark_is_this_jobs_only(tmp_path):
     store.write_watermark(1234)
     assert store.watermark() == 1234
     assert CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "another"}).watermark() is None
+
+
+def test_a_shard_lost_before_the_master_knows_abandons_the_checkpoint_not_the_job(tmp_path):
+    """CI found it: a PS pod deleted, workers dropped their leases (their pushes failed), the barrier
+    held at once and Save met the dead shard before the pod's end was reported."""
+    import grpc
+
+    class Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses"
+
+    written: list = []
+    coord, store, c = cutter(tmp_path, written)
+    coord.ps_ready.set()
+    c.tick(16, 0.0)
+    c.write_now()                                    # checkpoint 1
+    healthy, c._parts = c._parts, lambda ckpt_id: (_ for _ in ()).throw(Unavailable())
+    c.tick(32, 0.0)
+    c.tick(32, 0.0)                                  # the barrier holds: Save fails
+    assert c.abandoned == 1 and not coord.holding and store.latest()["id"] == 1
+    c._parts = healthy
+    c.tick(40, 0.0)
+    assert not coord.holding                         # the next try is an interval later
+    c.tick(64, 0.0)
+    c.tick(64, 0.0)
+    assert store.latest()["id"] == 2                 # the same id, once the shards are back
+    c._parts = lambda ckpt_id: (_ for _ in ()).throw(ValueError("a bug"))
+    c.tick(96, 0.0)
+    with pytest.raises(ValueError):                  # anything else is not swallowed
+        c.tick(96, 0.0)
