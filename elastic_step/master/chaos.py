@@ -102,14 +102,14 @@ class Chaos:
         if not self.pending or committed < self.pending[0].at:
             return
         sig = self.pending[0]
-        if sig.target == MASTER and sig.action == "kill":   # a lost step pod: nothing is cleaned up or flushed
-            log.warning("chaos: SIGKILL the master at %d committed records", committed)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if sig.target == MASTER:   # the step's pod stopped with a grace period: the master's own handler acts
+        if sig.target == MASTER:
+            # SIGKILL: a lost step pod, nothing cleaned up or flushed. SIGTERM: the pod stopped with a
+            # grace period, which the master's own handler uses.
             self.pending.pop(0)
             self.fired.append({"action": sig.action, "instance": MASTER, "at_records": committed})
-            log.warning("chaos: SIGTERM the master at %d committed records", committed)
-            os.kill(os.getpid(), signal.SIGTERM)
+            number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
+            log.warning("chaos: %s the master at %d committed records", number.name, committed)
+            os.kill(os.getpid(), number)
             return
         alive = backend.alive()
         leased = {w for w in coord.ledger.leases}

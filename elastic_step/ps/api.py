@@ -98,13 +98,18 @@ class Placement:
         return [np.nonzero(owner == s)[0] for s in range(self.num_ps)]
 
 
+def named_variables(model) -> dict:
+    """Every variable the shards hold, by the name they hold it under: the weights, then the state."""
+    named = dict(zip(variable_names(model), model.trainable_variables))
+    state = model.non_trainable_variables
+    named.update((name, state[i]) for name, i in state_variables(model))
+    return named
+
+
 def load_named(model, values: dict[str, np.ndarray]) -> None:
     """Set a model's weights and its PS-held state from values named as the shards name them."""
-    for name, var in zip(variable_names(model), model.trainable_variables):
+    for name, var in named_variables(model).items():
         var.assign(values[name])
-    state = model.non_trainable_variables
-    for name, i in state_variables(model):
-        state[i].assign(values[name])
 
 
 class PushKey(NamedTuple):

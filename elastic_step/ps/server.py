@@ -18,7 +18,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
 from elastic_step.data.api import AppliedRecords
-from elastic_step.ps.api import Placement, PushKey, state_variables, variable_names
+from elastic_step.ps.api import Placement, PushKey, named_variables
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.shared_memory import SharedSegments
 
@@ -51,8 +51,7 @@ class ParameterShard:
         self.tf = tf
         self.shard = shard
         self.num_ps = placement.num_ps
-        values = dict(zip(variable_names(model), model.trainable_variables))
-        values.update((name, model.non_trainable_variables[i]) for name, i in state_variables(model))
+        values = named_variables(model)
         self.dense_names = placement.weights_on(shard)
         state_names = placement.state_on(shard)
         if (updates_elementwise(optimizer) and self.dense_names
