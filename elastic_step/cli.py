@@ -31,6 +31,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"],
                    help="allreduce: scaled (world x minibatch, learning rate scaled by world/max-workers) or "
                         "fixed (max-workers x minibatch kept by gradient accumulation)")
+    p.add_argument("--pushes-in-flight", type=int, default=1,
+                   help="ps: pushes each worker keeps in flight. 1 (default): a lone worker trains as "
+                        "Keras fit does. 2: its step overlaps the PS's update, about 10%% faster, each "
+                        "gradient one more update stale (with Adam 3e-3 on digits, about 1 run in 15 "
+                        "ended below 0.9 accuracy)")
     p.add_argument("--backend", default="local", metavar="{local,kubernetes}",
                    help="local: workers and PS are subprocesses (default); kubernetes: they are pods in the "
                         "step's namespace (see below)")
@@ -91,7 +96,7 @@ def _train(args) -> dict:
         epochs=args.epochs, minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
         min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
         strategy=args.strategy, global_batch=args.global_batch, backend=args.backend,
-        seed=args.seed, worker_cpu=args.worker_cpu,
+        seed=args.seed, pushes_in_flight=args.pushes_in_flight, worker_cpu=args.worker_cpu,
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,

@@ -11,6 +11,7 @@ from elastic_step.errors import ConfigError
 STRATEGIES = ("ps", "allreduce")
 GLOBAL_BATCH = ("scaled", "fixed")
 BACKENDS = ("local", "kubernetes")
+MAX_PUSHES_IN_FLIGHT = 4
 
 
 @dataclasses.dataclass
@@ -29,6 +30,9 @@ class TrainConfig:
     strategy: str = "ps"
     global_batch: str = "scaled"       # allreduce: "scaled" (lr follows world size) or "fixed" (accumulation)
     seed: int = 0
+    # ps: pushes each worker keeps in flight. One is the algorithm fit runs when the job has one worker;
+    # two overlap a worker's step with the PS's update (faster), at one more update of staleness.
+    pushes_in_flight: int = 1
     job_id: str = dataclasses.field(default_factory=lambda: "es-" + uuid.uuid4().hex[:8])
     token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
     worker_cpu: str | None = None
@@ -52,8 +56,13 @@ class TrainConfig:
         def positive(name: str) -> None:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
-        for name in ("epochs", "minibatch_size", "records_per_task", "min_workers", "max_workers", "num_ps"):
+        for name in ("epochs", "minibatch_size", "records_per_task", "min_workers", "max_workers", "num_ps",
+                     "pushes_in_flight"):
             positive(name)
+        if self.pushes_in_flight > MAX_PUSHES_IN_FLIGHT:
+            raise ConfigError(f"--pushes-in-flight {self.pushes_in_flight} is more than {MAX_PUSHES_IN_FLIGHT}: "
+                              "each one adds an update of staleness to every gradient and gains no speed "
+                              f"past the worker's and the PS's overlap. Use 1 (the default) or 2.")
         if self.min_workers > self.max_workers:
             raise ConfigError(f"--min-workers ({self.min_workers}) is larger than --max-workers "
                               f"({self.max_workers}); the job could never start training.")

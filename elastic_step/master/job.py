@@ -99,7 +99,7 @@ class TrainingJob:
     def run(self) -> dict:
         cfg = self.cfg
         service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def,
-                                cfg.max_workers)
+                                cfg.max_workers, cfg.pushes_in_flight)
         host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)

@@ -38,25 +38,16 @@ def report_interval_s(max_workers: int) -> float:
     return max(MIN_REPORT_INTERVAL_S, max_workers / REPORTS_PER_S_BUDGET)
 
 
-def pushes_in_flight(max_workers: int) -> int:
-    """Pushes each worker keeps in flight. A gradient misses the updates in flight when its step
-    began: the worker's own (up to this many) and the other workers'. One worker alone gets two,
-    so its step and the PS's update overlap; with more, one, which bounds the staleness. Measured
-    on the 2-worker digits demo (Adam 3e-3, 6 runs each): two in flight ended at 0.922-0.978
-    accuracy, one at 0.975-0.983."""
-    return 2 if max_workers <= 1 else 1
-
-
 class MasterService(pb_grpc.MasterServicer):
     def __init__(self, coordinator: Coordinator, token: str, job_id: str, minibatch_size: int,
-                 model_def: str, max_workers: int = 1):
+                 model_def: str, max_workers: int = 1, pushes_in_flight: int = 1):
         self.c = coordinator
         self.token = token
         self.job_id = job_id
         self.minibatch_size = minibatch_size
         self.model_def = model_def
         self.report_interval_s = report_interval_s(max_workers)
-        self.pushes_in_flight = pushes_in_flight(max_workers)
+        self.pushes_in_flight = pushes_in_flight
 
     def Register(self, request, context):
         check_token(context, self.token, request.token)

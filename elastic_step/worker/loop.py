@@ -28,11 +28,11 @@ from elastic_step.ps.client import ShardsMoved
 
 log = logging.getLogger("elastic_step.worker")
 
-# Pushes in flight per worker unless the master says otherwise (RegisterResponse: it gives one to
-# each worker of a multi-worker job, to bound staleness). Two lets the worker's compute and the
-# PS's update overlap (throughput bound by the slower of the two, not by their sum plus a round
-# trip), at the cost of up to two of its own updates missing from each gradient.
-PUSH_DEPTH = 2
+# Pushes in flight per worker unless the master says otherwise (RegisterResponse: the job's
+# --pushes-in-flight). One keeps a lone worker's SGD sequential, as fit's. Two let the worker's
+# compute and the PS's update overlap (throughput bound by the slower of the two, not by their sum
+# plus a round trip), at the cost of one more of its own updates missing from each gradient.
+PUSH_DEPTH = 1
 
 # Watermarks go to the master at most this often, and at every lease's end. A report is an RPC on
 # both sides; a coarser watermark costs only a few more re-pushed minibatches after a loss, and the

@@ -7,11 +7,14 @@ through the ledger: the ledger is the very state being restored.
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
 from tests.integration.harness import run_cli, train
 from tests.integration.test_errors import assert_clean_error
+from tests.models.witness import TALLY_MODEL as TALLY
 from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
@@ -23,9 +26,6 @@ def tally_job(data, out, *extra):
     return train(data, out, "--job-id", "durable", "--epochs", str(EPOCHS), "--max-workers", "2",
                  "--num-ps", "2", "--minibatch-size", "32", "--records-per-task", "128",
                  "--checkpoint-every", "3000", *extra, model=TALLY)
-
-
-from tests.models.witness import TALLY_MODEL as TALLY  # noqa: E402
 
 
 def manifest(out) -> dict:
@@ -63,12 +63,20 @@ def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_reco
 def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains_nothing_again(tally_data,
                                                                                                   tmp_path):
     """SIGTERM is how Kubernetes stops the step's pod (eviction, preemption, a stopped run), with a
-    grace period: the master cuts one more checkpoint, holding the workers after it, and exits 143."""
+    grace period: the master cuts one more checkpoint, holding the workers after it, stops every
+    worker and PS it started, and exits 143 (killed by SIGTERM: a retry policy retries that)."""
     total = tally_data["rows"] * EPOCHS
     asked_at = int(total * 0.45)
-    proc, _ = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h", "--chaos", f"term:master@{asked_at}")
+    proc, summary = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h", "--chaos", f"term:master@{asked_at}")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "chaos: SIGTERM the master" in proc.stderr          # the chaos fired
+    assert "terminated (SIGTERM)" in proc.stderr and "Traceback" not in proc.stderr
+    assert summary["status"] == "failed" and not (tmp_path / "model.keras").exists()
+    pids = [int(m.group(1)) for e in summary["events"] if e["kind"] == "started"
+            for m in [re.match(r"pid (\d+)", e["detail"])] if m]
+    assert len(pids) >= 4, summary["events"]                   # 2 PS + 2 workers, none left running
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
     cut = manifest(tmp_path)
     assert cut["id"] == 2 and cut["records_committed"] >= asked_at   # after the initial one: cut on SIGTERM
     assert f"resumes from checkpoint 2 at {cut['records_committed']} committed records" in proc.stderr

@@ -20,11 +20,12 @@ TASK = pb.GetTaskResponse
 
 
 class Master:
-    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1):
+    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1, pushes_in_flight=1):
         self.ledger = Ledger([ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task,
                              epochs, minibatch_size=MINIBATCH)
         self.coord = Coordinator(self.ledger, num_ps=0)
-        self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers))
+        self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers,
+                                                         pushes_in_flight))
         self.address = f"127.0.0.1:{self.port}"
         self.clients: list[MasterClient] = []
 
@@ -225,10 +226,10 @@ def test_a_larger_job_asks_its_workers_for_slower_reports(max_workers, interval)
         m.close()
 
 
-@pytest.mark.parametrize("max_workers, depth", [(1, 2), (2, 1), (8, 1)])
-def test_workers_of_a_multi_worker_job_keep_one_push_in_flight(max_workers, depth):
-    # Each gradient misses the updates in flight when its step began: fewer with more workers.
-    m = Master(max_workers=max_workers)
+@pytest.mark.parametrize("max_workers, depth", [(1, 1), (1, 2), (8, 2)])
+def test_workers_keep_the_jobs_pushes_in_flight_whatever_its_size(max_workers, depth):
+    # The job's --pushes-in-flight reaches every worker: a choice of algorithm, not of the job's size.
+    m = Master(max_workers=max_workers, pushes_in_flight=depth)
     try:
         assert m.client(0).register().pushes_in_flight == depth
     finally:

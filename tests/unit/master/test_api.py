@@ -1,0 +1,20 @@
+import pytest
+
+from elastic_step.errors import ConfigError
+from elastic_step.master.api import TrainConfig
+
+
+def config(**kw) -> TrainConfig:
+    return TrainConfig(model_def="m.py", train_data="t", eval_data=None, output="o", **kw)
+
+
+def test_one_push_in_flight_unless_the_user_opts_into_more():
+    assert config().validate().pushes_in_flight == 1
+    assert config(pushes_in_flight=2).validate().pushes_in_flight == 2
+
+
+@pytest.mark.parametrize("depth, says", [(0, "--pushes-in-flight must be >= 1"),
+                                         (9, "--pushes-in-flight 9 is more than 4")])
+def test_pushes_in_flight_out_of_range_is_a_clear_error(depth, says):
+    with pytest.raises(ConfigError, match=says):
+        config(pushes_in_flight=depth).validate()
