@@ -55,14 +55,11 @@ def keras_fit(model_path: str, manifest: str, batch: int) -> float:
     import keras
     import numpy as np
 
-    from elastic_step.data.api import load_manifest
-    from elastic_step.data.reader import ShardReader
+    from elastic_step.data.reader import read_all
     from elastic_step.model_def import load_model_def
 
     md = load_model_def(model_path)
-    m = load_manifest(manifest)
-    reader = ShardReader(m.shard_uri(m.shards[0]))
-    x, y = md.feed(reader.read(0, reader.num_rows))
+    x, y = md.feed(read_all(manifest))
     model = md.model()
     model.compile(optimizer=md.optimizer(), loss=md.loss_fn)
     model.fit(x[: batch * 20], y[: batch * 20], batch_size=batch, epochs=1, verbose=0)  # warm-up: tracing

@@ -57,6 +57,23 @@ class ShardReader:
         self._file.close()
 
 
+def read_all(manifest) -> dict[str, np.ndarray]:
+    """Every record of a manifest (a Manifest or its URI), in order, as columns: for data that one
+    process holds whole (a plain Keras baseline, a test), never for a worker's leases."""
+    from elastic_step.data.api import load_manifest
+
+    if isinstance(manifest, str):
+        manifest = load_manifest(manifest)
+    parts = []
+    for shard in manifest.shards:
+        reader = ShardReader(manifest.shard_uri(shard))
+        try:
+            parts.append(reader.read(0, reader.num_rows))
+        finally:
+            reader.close()
+    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+
+
 class ReaderPool:
     """One ShardReader per shard URI, opened on first use."""
 

@@ -53,9 +53,9 @@ import concurrent.futures
 import importlib.util
 import os
 
-import numpy as np
 import pytest
 
+from elastic_step.data.reader import read_all
 from tests.integration.harness import CTR_MODEL, DIGITS_MODEL, train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,30 +95,14 @@ def load_module(path: str):
     return module
 
 
-def read_records(manifest_path: str) -> dict[str, np.ndarray]:
-    """Every record of a prepared manifest, in order, as columns."""
-    from elastic_step.data.api import load_manifest
-    from elastic_step.data.reader import ShardReader
-
-    manifest = load_manifest(manifest_path)
-    parts = []
-    for shard in manifest.shards:
-        reader = ShardReader(manifest.shard_uri(shard))
-        try:
-            parts.append(reader.read(0, reader.num_rows))
-        finally:
-            reader.close()
-    return {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
-
-
 def fit_and_evaluate(path: str, data: dict, epochs: int, seed: int = SEED) -> dict[str, float]:
     """The module as a plain Keras user trains it."""
     import keras
 
     keras.utils.set_random_seed(seed)
     module = load_module(path)
-    x, y = module.feed(read_records(data["train"]))
-    eval_x, eval_y = module.feed(read_records(data["eval"]))
+    x, y = module.feed(read_all(data["train"]))
+    eval_x, eval_y = module.feed(read_all(data["eval"]))
     net = module.model()
     metrics = module.eval_metrics() if hasattr(module, "eval_metrics") else {}
     net.compile(optimizer=module.optimizer(), loss=module.loss, metrics=list(metrics.values()))
@@ -167,7 +151,7 @@ def test_evaluation_reports_what_keras_evaluate_reports(request, name):
     model_def = load_model_def(path)
     net = model_def.model()
     net.compile(loss=model_def.module.loss, metrics=list(model_def.eval_metrics().values()))
-    x, y = model_def.feed(read_records(data["eval"]))
+    x, y = model_def.feed(read_all(data["eval"]))
     expected = net.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)
     got = evaluate(net, model_def, load_manifest(data["eval"]))
     assert got["records"] == len(y)

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elastic_step.data.prep import prepare
-from elastic_step.data.reader import ReaderPool, ShardReader
+from elastic_step.data.reader import ReaderPool, ShardReader, read_all
 from elastic_step.errors import DataError
 
 ROWS, SHARD_ROWS, GROUP_ROWS = 100, 45, 8  # 90 train rows: two shards of 45, row groups of 8
@@ -33,6 +33,14 @@ def test_shards_have_small_row_groups(prepared):
     assert [s.rows for s in prepared.shards] == [45, 45]
     md = pq.ParquetFile(prepared.shard_uri(prepared.shards[0])).metadata
     assert [md.row_group(i).num_rows for i in range(md.num_row_groups)] == [8] * 5 + [5]
+
+
+def test_read_all_is_every_shard_in_manifest_order(prepared):
+    got = read_all(prepared)
+    expected = [source_rows(prepared, s) for s in prepared.shards]
+    assert list(got["id"]) == [i for rows in expected for i in rows["id"]]
+    assert len(got["id"]) == 90 and set(got) == set(expected[0])
+    assert list(read_all(prepared.uri)["id"]) == list(got["id"])     # by URI too
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,0 +1,238 @@
+"""elastic-step's PS mode against TensorFlow's own parameter-server training, side by side in one run.
+
+    .venv/bin/python bench/ps_strategy.py [--sample digits ctr] [--runs 3] [--epochs 3]
+
+Both sides: 2 workers + 1 PS as local processes on this machine, the same model module (the sample's
+model, loss, optimizer and feed), the same prepared records, minibatch, epochs and seed, evaluated the
+same way (elastic_step.evaluation on the held-out eval manifest).
+
+* TensorFlow: `tf.distribute.ParameterServerStrategy` with a `ClusterCoordinator` (the chief) and two
+  `tf.distribute.Server` workers and one PS. Keras 3 has no parameter-server `fit`, so the chief runs
+  TF's custom training loop as its tutorial does: a per-worker dataset (`create_per_worker_dataset`,
+  each worker a shard of the records), the model and optimizer built under `strategy.scope()`, and
+  `coordinator.schedule` of a `tf.function` that runs `--tf-steps` minibatches per call (the tutorial's
+  advice for small steps: fewer round trips to the coordinator; the best of 1 and 16 is kept). Records/s
+  is steps x minibatch over the scheduled steps' span, after a warm-up call per worker (tracing).
+* elastic-step: `elastic-step train --strategy ps --num-ps 1 --min-workers 2 --max-workers 2`;
+  records/s is its steady state (first to last commit), as in bench/throughput.py.
+
+It prints, per sample, each side's best records/s and final eval metrics over `--runs` alternating runs,
+with their spread, and the ratio of the bests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from bench.common import prepare  # noqa: E402
+
+SAMPLES = {  # name -> (model module, metric, minibatch)
+    "digits": ("samples/digits/model.py", "accuracy", 64),
+    "ctr": ("samples/ctr/model.py", "auc", 256),
+}
+NUM_WORKERS = 2
+
+
+def make_data(sample: str, rows: int, out: pathlib.Path) -> pathlib.Path:
+    """Prepared train and eval manifests: the digits train split repeated to `rows` (its eval split kept
+    apart), or `rows` generated CTR records."""
+    if sample == "ctr":
+        from samples.ctr.generate import generate
+        out.mkdir(parents=True, exist_ok=True)
+        generate(str(out / "ctr.csv"), rows=rows, seed=0)
+        return prepare(str(out / "ctr.csv"), out / "prepared", label="clicked")
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from elastic_step.data.api import Manifest, Shard, load_manifest
+    prepared = prepare(str(ROOT / "samples" / "digits" / "digits.csv"), out / "prepared")
+    train = load_manifest(str(prepared / "train"))
+    table = pa.concat_tables([pq.read_table(train.shard_uri(s)) for s in train.shards])
+    table = pa.concat_tables([table] * -(-rows // table.num_rows)).slice(0, rows)
+    table = table.take(np.random.default_rng(0).permutation(rows))
+    big = out / "prepared" / "train"
+    for s in train.shards:
+        os.remove(train.shard_uri(s))
+    pq.write_table(table, big / "part-00000.parquet", row_group_size=1024)
+    Manifest(split="train", label=train.label, shards=[Shard("part-00000.parquet", rows)],
+             schema=train.schema).save(str(big / "manifest.json"))
+    return prepared
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ---------------------------------------------------------------- TensorFlow's side, one process per task
+def tf_server(cluster: dict, job: str, index: int) -> None:
+    import tensorflow as tf
+
+    # The tutorial's advice when tasks share few cores: enough inter-op threads for every worker's calls.
+    config = tf.compat.v1.ConfigProto()
+    config.inter_op_parallelism_threads = NUM_WORKERS + 1
+    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index,
+                                  protocol="grpc", config=config, start=True)
+    server.join()
+
+
+def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int, steps_per_call: int,
+             seed: int) -> dict:
+    import keras
+    import tensorflow as tf
+
+    from elastic_step.data.api import load_manifest
+    from elastic_step.data.reader import read_all
+    from elastic_step.evaluation import evaluate
+    from elastic_step.model_def import load_model_def
+
+    keras.utils.set_random_seed(seed)
+    md = load_model_def(model_path)
+    x, y = md.feed(read_all(os.path.join(data, "train")))
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = md.model()
+        optimizer = md.optimizer()
+        optimizer.build(model.trainable_variables)
+
+    def dataset_fn(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        return ds.shuffle(len(y) // NUM_WORKERS + 1, seed=seed).repeat().batch(batch).prefetch(2)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def train_steps(it):
+        def replica_fn(features, labels):
+            with tf.GradientTape() as tape:
+                loss = md.training_loss(model, features, labels)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        loss = tf.constant(0.0)
+        for _ in tf.range(steps_per_call):
+            features, labels = next(it)
+            loss = strategy.run(replica_fn, args=(features, labels))
+        return loss
+
+    calls = max(1, epochs * len(y) // (batch * steps_per_call))
+    for _ in range(NUM_WORKERS):     # warm-up: each worker traces the function
+        coordinator.schedule(train_steps, args=(iterator,))
+    coordinator.join()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        coordinator.schedule(train_steps, args=(iterator,))
+    coordinator.join()
+    seconds = time.perf_counter() - t0
+    local = md.model()
+    local.set_weights([v.numpy() for v in model.weights])
+    metrics = evaluate(local, md, load_manifest(os.path.join(data, "eval")))
+    return {"records_per_s": calls * steps_per_call * batch / seconds, "eval": metrics}
+
+
+def tensorflow(model_path: str, data: pathlib.Path, batch: int, epochs: int, steps_per_call: int,
+               seed: int) -> dict:
+    ports = free_ports(NUM_WORKERS + 2)
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
+               "worker": [f"127.0.0.1:{p}" for p in ports[2:]]}
+    me = [sys.executable, os.path.abspath(__file__)]
+    servers = [subprocess.Popen([*me, "--tf-server", json.dumps(cluster), job, str(i)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for job, i in [("ps", 0)] + [("worker", i) for i in range(NUM_WORKERS)]]
+    try:
+        proc = subprocess.run([*me, "--tf-chief", json.dumps(cluster), model_path, str(data), str(batch),
+                               str(epochs), str(steps_per_call), str(seed)], cwd=ROOT, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"TensorFlow's ParameterServerStrategy run failed:\n{proc.stderr[-4000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        for s in servers:
+            s.kill()
+            s.wait()
+
+
+# ---------------------------------------------------------------- elastic-step's side
+def elastic(model_path: str, data: pathlib.Path, batch: int, epochs: int, seed: int, out: pathlib.Path) -> dict:
+    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model_path,
+           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
+           "--epochs", str(epochs), "--minibatch-size", str(batch), "--records-per-task", str(batch * 32),
+           "--strategy", "ps", "--num-ps", "1", "--min-workers", str(NUM_WORKERS),
+           "--max-workers", str(NUM_WORKERS), "--seed", str(seed), "--checkpoint-every", "0", "--progress", "off"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    return {"records_per_s": s["throughput_records_per_s"], "eval": s["eval"]}
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sample", nargs="+", default=list(SAMPLES), choices=list(SAMPLES))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--rows", type=int, default=60_000)
+    p.add_argument("--tf-steps", type=int, nargs="+", default=[1, 16],
+                   help="minibatches per scheduled function on TensorFlow's side; the best is kept")
+    args = p.parse_args()
+    print(f"2 workers + 1 PS, local processes, {args.epochs} epochs, {args.rows} records, {args.runs} runs each")
+    print(f"{'sample':>7} {'side':>24} {'best rec/s':>11} {'rec/s spread':>16} {'metric':>8} {'spread':>12}")
+    with tempfile.TemporaryDirectory(prefix="bench-ps-strategy-") as tmp:
+        work = pathlib.Path(tmp)
+        for sample in args.sample:
+            model_path, metric, batch = SAMPLES[sample]
+            data = make_data(sample, args.rows, work / sample)
+            sides: dict[str, list[dict]] = {"elastic-step": []}
+            sides.update({f"tf PS strategy, {k} steps/call": [] for k in args.tf_steps})
+            for run in range(args.runs):
+                sides["elastic-step"].append(elastic(model_path, data, batch, args.epochs, run,
+                                                     work / f"out-{sample}-{run}"))
+                for k in args.tf_steps:
+                    sides[f"tf PS strategy, {k} steps/call"].append(
+                        tensorflow(model_path, data, batch, args.epochs, k, run))
+            best = {}
+            for side, runs in sides.items():
+                rates, scores = [r["records_per_s"] for r in runs], [r["eval"][metric] for r in runs]
+                best[side] = max(rates)
+                print(f"{sample:>7} {side:>24} {max(rates):>11.0f} {min(rates):>7.0f}-{max(rates):<8.0f} "
+                      f"{metric:>8} {spread(scores):>12}", flush=True)
+            tf_best = max(v for k, v in best.items() if k != "elastic-step")
+            print(f"{sample:>7} elastic-step / best TensorFlow PS strategy (best/best): "
+                  f"{best['elastic-step'] / tf_best:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--tf-server":
+        tf_server(json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--tf-chief":
+        cluster, model_path, data, batch, epochs, steps, seed = sys.argv[2:9]
+        print(json.dumps(tf_chief(json.loads(cluster), model_path, data, int(batch), int(epochs), int(steps),
+                                  int(seed))))
+    else:
+        main()
