@@ -133,3 +133,12 @@ class AppliedRecords:
         out = cls()
         out.ranges = {k: [list(map(int, r)) for r in np.asarray(v).reshape(-1, 2)] for k, v in arrays.items()}
         return out
+
+    def npz(self) -> dict[str, np.ndarray]:
+        """As .npz entries (`records/<epoch>/<data shard>`), beside a saved model state's own arrays."""
+        return {f"records/{e}/{d}": r for (e, d), r in self.arrays().items()}
+
+    @classmethod
+    def of_npz(cls, saved: dict[str, np.ndarray]) -> "AppliedRecords":
+        return cls.of({tuple(int(x) for x in k.split("/")[1:]): v for k, v in saved.items()
+                       if k.startswith("records/")})

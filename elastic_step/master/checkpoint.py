@@ -1,10 +1,13 @@
 """Checkpoints of a job's state at one consistent cut, through fsspec (a local path, gs://, s3://).
 
-A checkpoint is every PS shard's whole state plus the master's ledger, taken while no push is in
-flight (the barrier lives in the coordinator: workers finish and report their pushes, then hold).
+A checkpoint is the model's whole state plus the master's ledger at one cut. PS mode: every shard's
+state, taken while no push is in flight (the barrier lives in the coordinator: workers finish and
+report their pushes, then hold). allreduce: one member's weights and optimizer variables (identical
+on every member) at the last committed step, taken while no further step may commit.
 Under `<output>/checkpoints/`:
 
     ckpt-000007/ps-0.npz ...    each shard's values, optimizer variables, applied keys and records
+    ckpt-000007/members.npz     allreduce: the members' state, and the records it holds
     ckpt-000007/ledger.json     the ledger at the cut, and the job's counters
     checkpoint.json             the commit point: names the complete checkpoint and its files
     watermark.json              the records committed so far (every few seconds): what a master
@@ -158,14 +161,19 @@ class Checkpointer:
     is due, and writes the checkpoint once the barrier holds (or gives up after `HOLD_TIMEOUT_S`, if a
     worker holding a lease never gets there, and tries again later). `parts(ckpt_id)` writes the
     shards' parts and returns their names (the PS Save RPCs); `state()` is the ledger's cut and the
-    job's counters, taken under the coordinator's lock."""
+    job's counters, taken under the coordinator's lock. `parts_lost(error)` says whether an error of
+    `parts` means the state's holder was lost (a PS shard by default): then the checkpoint is
+    abandoned and tried again an interval later."""
 
     HOLD_TIMEOUT_S = 60.0
 
     def __init__(self, store: CheckpointStore, every: tuple[str, float], coord, parts, state,
-                 first_id: int = 1, before_commit=None):
+                 first_id: int = 1, before_commit=None, parts_lost=None):
+        from elastic_step.ps.client import shards_moved
+
         self.store, self.every, self.coord = store, every, coord
         self._parts, self._state = parts, state
+        self.parts_lost = parts_lost or shards_moved
         self.next_id = first_id
         self.before_commit = before_commit or (lambda ckpt_id: None)   # chaos: a kill mid-checkpoint
         self._holding_since: float | None = None
@@ -200,7 +208,7 @@ class Checkpointer:
             self._holding_since = None
 
     def tick(self, committed: int, now: float) -> None:
-        if self.coord.rewinding or not self.coord.ps_ready.is_set():   # no shard set to cut yet
+        if not self.coord.state_to_cut():
             return
         if self._holding_since is None:
             if self.due(committed, now) and not self.coord.finished.is_set():
@@ -211,13 +219,12 @@ class Checkpointer:
             try:
                 self._write(now)
             except Exception as e:
-                from elastic_step.ps.client import shards_moved
-                if not shards_moved(e):
+                if not self.parts_lost(e):
                     raise
-                # A shard died before the master learned of it (its pod's end is reported later):
-                # that loss is handled first (the shards go back to the last checkpoint), then cuts go on.
-                log.warning("checkpoint %d abandoned: a PS shard is unreachable (%s); trying again later", self.next_id,
-                            str(e.details() if hasattr(e, "details") else e)[:200])
+                # The state's holder died before the master learned of it (its pod's end is reported
+                # later): that loss is handled first, then cuts go on.
+                log.warning("checkpoint %d abandoned: the model's state is unreachable (%s); trying again later",
+                            self.next_id, str(e.details() if hasattr(e, "details") else e)[:200])
                 self._last_at, self._last_records = now, committed   # the next one an interval later
                 self.abandoned += 1
             finally:
@@ -226,7 +233,7 @@ class Checkpointer:
                 self._holding_since = None
         elif now - self._holding_since > self.HOLD_TIMEOUT_S:
             log.warning("checkpoint %d abandoned: workers %s did not hold within %.0f s; trying again later",
-                        self.next_id, sorted(set(self.coord.ledger.leases) - self.coord.held), self.HOLD_TIMEOUT_S)
+                        self.next_id, self.coord.waiting_for_hold(), self.HOLD_TIMEOUT_S)
             self.coord.end_hold()
             self._holding_since, self._last_at = None, now
             self.abandoned += 1
@@ -275,7 +282,12 @@ class JobCheckpoints:
     PS mode: a checkpoint is every shard's Save plus the ledger's cut, at the barrier. A resumed job
     restores the ledger at once (before any lease) and every shard once they have registered, before
     any worker starts: shards and ledger are back at the same cut, and what was committed after it
-    is trained again."""
+    is trained again.
+
+    allreduce: a checkpoint is rank 0's state at the last committed step (PullState), while no step
+    may commit, plus the ledger's cut. A resumed job restores the ledger, starts the rendezvous at the
+    checkpoint's step, and serves the checkpoint's state (`member_state`) to the members of its first
+    version, which all load it."""
 
     def __init__(self, cfg, model_def, coord, before_commit=None):
         self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
@@ -283,9 +295,8 @@ class JobCheckpoints:
                 else f"{cfg.output.rstrip('/')}/checkpoints")
         self.store = CheckpointStore(root, fingerprint(cfg, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
-        if every and cfg.strategy == "allreduce":
-            log.info("checkpoints are not cut in allreduce mode yet: a lost master starts the job over")
-            every = None
+        self.allreduce = coord.rendezvous is not None
+        self.member_state: tuple | None = None   # allreduce, resumed: (step, num_model, values, applied)
         if every:
             self.store.check_writable()
         self.resumed = self.store.latest() if cfg.resume == "auto" else None
@@ -293,6 +304,9 @@ class JobCheckpoints:
         self.restarts: list[dict] = list(self.state.get("restarts", []))
         if self.resumed:
             self.ledger.restore(self.state["ledger"])
+            if self.allreduce:
+                self.member_state = self._load_members(self.resumed)
+                coord.rendezvous.restore(self.member_state[0], self.resumed["id"])
             coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
             started = time.time()
             before = self.store.watermark()
@@ -309,15 +323,79 @@ class JobCheckpoints:
                      "(unknown number of)" if before is None else entry["records_trained_again"])
             coord.record("resumed", "", f"from checkpoint {self.resumed['id']} at "
                          f"{self.resumed['records_committed']} records")
-        self.cutter = Checkpointer(self.store, every, coord, self._save_shards, self._cut,
-                                   first_id=(self.resumed or {}).get("id", 0) + 1,
-                                   before_commit=before_commit) if every else None
+        self._last_members: tuple | None = None   # allreduce: (id, ledger cut, member state) of the last cut
+        self._cut_members: tuple | None = None    # allreduce: (id, member state) pulled for the cut in progress
+        if self.allreduce and every:
+            coord.members_lost = self._members_lost
+            if self.resumed:
+                self._last_members = (self.resumed["id"], self.state, self.member_state)
+        self.cutter = Checkpointer(
+            self.store, every, coord, self._save_members if self.allreduce else self._save_shards, self._cut,
+            first_id=(self.resumed or {}).get("id", 0) + 1, before_commit=before_commit,
+            parts_lost=self._rank0_unreachable if self.allreduce else None) if every else None
         if self.cutter:
             self.cutter.restart_from(self.ledger.records_committed_total(), time.time())
         self.eval_history: list[dict] = list(self.state.get("eval_history", []))
         self.ps_restores: list[dict] = []
         self._watermark = (0.0, -1)          # (written at, records) of the last watermark
         self._last_cut: tuple[float, int] | None = None   # (asked at, the id it must reach), once terminated
+
+    @staticmethod
+    def _rank0_unreachable(error: Exception) -> bool:
+        """allreduce: rank 0 lost, or a new version formed, while its state was being pulled."""
+        import grpc
+        return isinstance(error, grpc.RpcError)
+
+    def _members_lost(self) -> bool:
+        """allreduce, every member gone (lock held): the ledger goes back to the last checkpoint's cut, and
+        the newcomers load its state from the master, instead of everything being trained again."""
+        if self._last_members is None:
+            return False
+        ckpt_id, state, member = self._last_members
+        again = self.ledger.restore(state["ledger"])
+        self.member_state = member
+        self.coord.rendezvous.restore_locked(member[0], ckpt_id)
+        self.coord.record("rewound", "", f"every member lost: to checkpoint {ckpt_id}, {again} records to train again")
+        log.warning("every allreduce member was lost, and the trained weights with them: the ledger goes back to "
+                    "checkpoint %d, whose state the newcomers load; the %d records committed since are trained again",
+                    ckpt_id, again)
+        return True
+
+    def _save_members(self, ckpt_id: int) -> list[str]:
+        """Rank 0's state at the last committed step (no step commits meanwhile), written by the master."""
+        import io
+
+        import numpy as np
+
+        from elastic_step.data.api import AppliedRecords
+        from elastic_step.worker.collective import pull_state
+        rdv = self.coord.rendezvous
+        with self.coord.lock:
+            step, (_, address) = rdv.committed_step, rdv.members[0]
+        pulled, num_model, values, applied = pull_state(address, self.cfg.token, step)
+        buf = io.BytesIO()
+        np.savez(buf, step=np.array(pulled, np.int64), num_model=np.array(num_model, np.int64),
+                 **{f"values/{i}": v for i, v in enumerate(values)}, **AppliedRecords.of(applied).npz())
+        atomic_write_bytes(self.store.part(ckpt_id, "members.npz"), buf.getvalue())
+        self._cut_members = (ckpt_id, (pulled, num_model, values, applied))
+        return ["members.npz"]
+
+    def _load_members(self, manifest: dict) -> tuple:
+        import io
+
+        import numpy as np
+
+        from elastic_step.data.api import AppliedRecords
+        try:
+            with self.store.fs.open(posixpath.join(self.store.path, manifest["files"]["members.npz"]), "rb") as f:
+                saved = dict(np.load(io.BytesIO(f.read()), allow_pickle=False))
+            values = [saved[f"values/{i}"] for i in range(sum(k.startswith("values/") for k in saved))]
+            return (int(saved["step"]), int(saved["num_model"]), values,
+                    AppliedRecords.of_npz(saved).arrays())
+        except (KeyError, OSError, ValueError) as e:
+            raise CheckpointError(f"Cannot read the allreduce members' state of checkpoint {manifest['id']} under "
+                                  f"{self.store.root} ({type(e).__name__}: {e}). Delete {self.store.root} to start "
+                                  "over, or pass --resume never.") from None
 
     def _shards(self):
         from elastic_step.ps.client import PSClient
@@ -400,9 +478,15 @@ class JobCheckpoints:
 
     def _cut(self) -> dict:
         with self.coord.lock:
-            return {"ledger": self.ledger.cut(), "ledger_records_committed": self.ledger.records_committed_total(),
-                    "duplicates_suppressed": self.coord.duplicates_suppressed, "restarts": self.restarts,
-                    "eval_history": list(self.eval_history)}
+            rdv = self.coord.rendezvous
+            state = {"ledger": self.ledger.cut(), "ledger_records_committed": self.ledger.records_committed_total(),
+                     **({"allreduce_step": rdv.committed_step} if rdv is not None else {}),
+                     "duplicates_suppressed": self.coord.duplicates_suppressed, "restarts": self.restarts,
+                     "eval_history": list(self.eval_history)}
+            if rdv is not None:   # what every member lost goes back to (kept in memory: the state is in hand)
+                ckpt_id, member = self._cut_members
+                self._last_members = (ckpt_id, state, member)
+            return state
 
     def tick(self, committed: int, now: float) -> None:
         if self.cutter is None:
@@ -419,7 +503,7 @@ class JobCheckpoints:
         again. Called on every pump until it returns True: written, not possible now (no checkpoints,
         no shards to cut, a PS being restored), or not done within LAST_CUT_S."""
         c = self.cutter
-        if c is None or self.coord.rewinding or not self.coord.ps_ready.is_set():
+        if c is None or not self.coord.state_to_cut():
             return True
         if self._last_cut is None:
             self._last_cut = (now, c.next_id)   # the next checkpoint (a barrier already begun ends in it too)
@@ -431,8 +515,7 @@ class JobCheckpoints:
             return True
         if now - asked_at > LAST_CUT_S:
             log.warning("terminated: no last checkpoint within %.0f s (workers %s never held); the retried step "
-                        "resumes from checkpoint %d", LAST_CUT_S, sorted(set(self.ledger.leases) - self.coord.held),
-                        c.next_id - 1)
+                        "resumes from checkpoint %d", LAST_CUT_S, self.coord.waiting_for_hold(), c.next_id - 1)
             c.abandon()
             return True
         return False

@@ -48,6 +48,7 @@ class Coordinator:
         self.rewinding = False
         self.ps_generation = 0
         self.on_next_commit: list = []          # callables(now), each called once at the next commit
+        self.members_lost = lambda: False       # allreduce, lock held: True once back at a checkpoint
         self._released = threading.Condition(self.lock)
 
     def attach_rendezvous(self, max_workers: int):
@@ -61,8 +62,11 @@ class Coordinator:
 
     def _state_lost(self) -> None:
         """allreduce: the last member is gone, and the only copy of the weights with it (lock held).
-        Without a checkpoint to go back to, the ledger goes back to the start, so that the final model
-        still holds every record exactly once."""
+        The ledger and the newcomers go back to the last checkpoint (`members_lost`, set by the job's
+        checkpoints); without one, the ledger goes back to the start. Either way the final model still
+        holds every record exactly once."""
+        if self.members_lost():
+            return
         again = self.ledger.rewind()
         if again:
             log.warning("every allreduce member was lost, and the trained weights with them: no checkpoint "
@@ -141,20 +145,43 @@ class Coordinator:
     # ------------------------------------------------------------ the checkpoint barrier
     def begin_hold(self) -> None:
         with self.lock:
+            if self.rendezvous is not None:
+                # allreduce: no step commits, so every member's weights stay those of the last one.
+                self.rendezvous.hold_commits = True
+                return
             self.holding = True
             self.held.clear()
 
     def hold_reached(self) -> bool:
-        """Every worker holding a lease has finished and reported its pushes, and waits: nothing is in
-        flight, so the shards' state and the ledger are at one cut."""
+        """PS: every worker holding a lease has finished and reported its pushes, and waits: nothing
+        is in flight, so the shards' state and the ledger are at one cut. allreduce: at once (a
+        step's records and its update commit together)."""
         with self.lock:
+            if self.rendezvous is not None:
+                return self.rendezvous.hold_commits
             return self.holding and all(w in self.held for w in self.ledger.leases)
 
     def end_hold(self) -> None:
         with self.lock:
+            if self.rendezvous is not None:
+                self.rendezvous.release_commits()
             self.holding = False
             self.held.clear()
             self._released.notify_all()
+
+    def state_to_cut(self) -> bool:
+        """Whether a checkpoint can be cut now. PS: a full set of shards, not being restored. allreduce:
+        members holding a committed step of their own (not still loading a resumed checkpoint)."""
+        with self.lock:
+            rdv = self.rendezvous
+            if rdv is None:
+                return not self.rewinding and self.ps_ready.is_set()
+            return bool(rdv.members) and rdv.committed_step > 0 and not rdv.restore_checkpoint and not rdv.done
+
+    def waiting_for_hold(self) -> list[str]:
+        """The workers a checkpoint's barrier still waits for (for a log line)."""
+        with self.lock:
+            return [] if self.rendezvous is not None else sorted(set(self.ledger.leases) - self.held)
 
     def hold(self, inst: InstanceId, wait_s: float) -> bool:
         """A worker with nothing in flight waits for the checkpoint to be cut. True once released."""

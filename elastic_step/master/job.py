@@ -100,6 +100,7 @@ class TrainingJob:
         cfg = self.cfg
         service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def,
                                 cfg.max_workers, cfg.pushes_in_flight)
+        service.checkpoint_state = lambda: self.durable.member_state   # allreduce, resumed
         host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)
@@ -259,9 +260,19 @@ class TrainingJob:
         the records those weights hold, as the member accounted them (the audit's evidence)."""
         from elastic_step.worker.collective import pull_state
 
+        def load(num_model, values):
+            for var, value in zip(model.weights, values[:num_model]):
+                var.assign(value.reshape(tuple(var.shape)))
+
         rdv = self.rendezvous
         with self.coord.lock:
-            members, step = list(rdv.members), rdv.committed_step
+            members, step, restoring = list(rdv.members), rdv.committed_step, rdv.restore_checkpoint
+        if restoring and self.durable.member_state is not None:
+            # No step committed since a checkpoint was restored: its state is the model (members may not
+            # have loaded it yet).
+            _, num_model, values, applied = self.durable.member_state
+            load(num_model, values)
+            return applied
         errors = []
         for name, address in members:
             try:
@@ -270,8 +281,7 @@ class TrainingJob:
             except Exception as e:  # noqa: BLE001 - try the next member
                 errors.append(f"{name}: {e}")
                 continue
-            for var, value in zip(model.weights, values[:num_model]):
-                var.assign(value.reshape(tuple(var.shape)))
+            load(num_model, values)
             return applied
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 

@@ -17,6 +17,11 @@ the new ring. A member applies the average only after COMMIT, so no member appli
 one; the weights checksums the members send for a step (taken before applying it) must agree,
 and `checksum_mismatches` counts any that do not.
 
+Checkpoints. While `hold_commits` is set, no step commits (members that are ready wait), so every
+member's weights stay those of `committed_step` while the master copies them with the ledger's cut.
+A resumed job starts at the checkpoint's step (`restore`): until its first commit, every member loads
+the checkpoint's state from the master instead of pulling it from rank 0.
+
 The object shares the coordinator's lock (a Condition on it): ledger, membership and steps
 change together. `now` is injectable for tests.
 """
@@ -51,6 +56,7 @@ class View:
     rank: int
     base_step: int
     committed_step: int
+    restore_checkpoint: int = 0    # nonzero: the base state is this checkpoint's, loaded from the master
 
 
 class Rendezvous:
@@ -71,6 +77,8 @@ class Rendezvous:
         self.base_step = 0
         self.committed_step = 0
         self.ready: dict[str, Ready] = {}
+        self.hold_commits = False                          # a checkpoint is being cut
+        self.restore_checkpoint = 0                        # see View.restore_checkpoint
         self.commits: dict[int, tuple[int, frozenset[str]]] = {}   # step -> (version, members)
         self.done = False
         # figures
@@ -120,7 +128,18 @@ class Rendezvous:
         else:
             state = "evicted"
         return View(state, self.version, list(self.members), names.index(worker) if worker in names else -1,
-                    self.base_step, self.committed_step)
+                    self.base_step, self.committed_step, self.restore_checkpoint)
+
+    def restore(self, step: int, checkpoint_id: int) -> None:
+        """A resumed job (before any member joined): training goes on from a checkpoint's step, whose
+        state every member of the first version loads from the master."""
+        with self.cv:
+            self.restore_locked(step, checkpoint_id)
+
+    def restore_locked(self, step: int, checkpoint_id: int) -> None:
+        self.committed_step = self.base_step = step
+        self.restore_checkpoint = checkpoint_id
+        self.commits.clear()
 
     # ------------------------------------------------------------------ membership (lock held by caller
     # when called from the coordinator; the public methods below take it themselves)
@@ -173,6 +192,11 @@ class Rendezvous:
         with self.cv:
             return self.peer_failed_locked(reporter, version, peer, detail)
 
+    def release_commits(self) -> None:
+        """The checkpoint is cut (lock held): members waiting in step_ready commit the next step."""
+        self.hold_commits = False
+        self.cv.notify_all()
+
     def finish(self) -> None:
         with self.cv:
             self.done = True
@@ -208,7 +232,7 @@ class Rendezvous:
         if step != self.committed_step + 1:
             return ABORT
         self.ready[worker] = ready
-        if set(self.ready) == set(self._names()):
+        if set(self.ready) == set(self._names()) and not self.hold_commits:
             self._commit(step)
             return COMMIT
         return WAIT
@@ -226,6 +250,7 @@ class Rendezvous:
         self.commits[step] = (self.version, frozenset(ready))
         self.commits.pop(step - 64, None)
         self.committed_step = step
+        self.restore_checkpoint = 0      # the members hold the state now: newcomers pull it from rank 0
         self.steps_committed += 1
         self.ready.clear()
         if self._lost_at:

@@ -10,7 +10,7 @@ from elastic_step.backends.api import InstanceId
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
-from elastic_step.proto import rpc
+from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
 
 WAIT_S = 0.05
@@ -48,6 +48,9 @@ class MasterService(pb_grpc.MasterServicer):
         self.model_def = model_def
         self.report_interval_s = report_interval_s(max_workers)
         self.pushes_in_flight = pushes_in_flight
+        # allreduce, a resumed job: () -> (step, number of model weights, values, applied records) of
+        # the checkpoint the members start from, or None (see master/checkpoint.py).
+        self.checkpoint_state = lambda: None
 
     def Register(self, request, context):
         check_token(context, self.token, request.token)
@@ -113,7 +116,7 @@ class MasterService(pb_grpc.MasterServicer):
             state=getattr(pb.MembershipReply, view.state.upper()), version=view.version,
             members=[pb.Peer(name=n, address=a) for n, a in view.members], rank=view.rank,
             base_step=view.base_step, committed_step=view.committed_step,
-            max_workers=self.c.rendezvous.max_workers)
+            max_workers=self.c.rendezvous.max_workers, restore_checkpoint=view.restore_checkpoint)
 
     def GetMembership(self, request, context):
         check_token(context, self.token, request.token)
@@ -133,6 +136,16 @@ class MasterService(pb_grpc.MasterServicer):
                                           request.checksum), wait_s=STEP_WAIT_S)
         k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)
         return pb.StepReadyReply(kind=k, membership=self._view(view), done=rdv.done)
+
+    def PullCheckpointState(self, request, context):
+        check_token(context, self.token, request.token)
+        self._rendezvous(context)
+        state = self.checkpoint_state()
+        if state is None or (request.step >= 0 and state[0] != request.step):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"no checkpoint state of step {request.step} here (the job resumed from "
+                          f"{'none' if state is None else f'step {state[0]}'})")
+        return tensors.state_reply(*state)
 
     def ReportPeerFailure(self, request, context):
         check_token(context, self.token, request.token)

@@ -84,6 +84,11 @@ class MasterStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.PeerFailureReport.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
                 _registered_method=True)
+        self.PullCheckpointState = channel.unary_unary(
+                '/elastic_step.Master/PullCheckpointState',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.StateRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StateReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -151,6 +156,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullCheckpointState(self, request, context):
+        """allreduce, a resumed job: the checkpoint's weights and optimizer state, which every member of the
+        first version after the restore loads (MembershipReply.restore_checkpoint).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +216,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportPeerFailure,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.PeerFailureReport.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
+            ),
+            'PullCheckpointState': grpc.unary_unary_rpc_method_handler(
+                    servicer.PullCheckpointState,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StateRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.StateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -475,6 +493,33 @@ class Master:
             '/elastic_step.Master/ReportPeerFailure',
             elastic__step_dot_proto_dot_elastic__pb2.PeerFailureReport.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullCheckpointState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Master/PullCheckpointState',
+            elastic__step_dot_proto_dot_elastic__pb2.StateRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.StateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,3 +39,18 @@ def encode_applied(applied: dict[tuple[int, int], np.ndarray], out) -> None:
 
 def decode_applied(field) -> dict[tuple[int, int], np.ndarray]:
     return {(a.epoch, a.data_shard): decode(a.ranges).reshape(-1, 2) for a in field}
+
+
+def state_reply(step: int, num_model: int, values: list[np.ndarray],
+                applied: dict[tuple[int, int], np.ndarray]) -> pb.StateReply:
+    """An allreduce member's state (a peer's, or a checkpoint's): weights, then optimizer variables."""
+    reply = pb.StateReply(step=step, num_model_weights=num_model)
+    encode_applied(applied, reply.applied)
+    for v in values:
+        encode(v, reply.tensors.add())
+    return reply
+
+
+def decode_state(reply: pb.StateReply) -> tuple[int, int, list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
+    """(step, number of model weights, weights then optimizer variables, the records they hold)."""
+    return reply.step, reply.num_model_weights, [decode(t) for t in reply.tensors], decode_applied(reply.applied)

@@ -179,7 +179,7 @@ class ParameterShard:
                       "applied_keys": np.array(sorted(self.applied), np.int64).reshape(-1, 2)}
             arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
             arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
-            arrays.update({f"records/{e}/{d}": r for (e, d), r in self.applied_records.arrays().items()})
+            arrays.update(self.applied_records.npz())
             arrays.update({f"touched/{n}": np.array(sorted(ids), np.int64) for n, ids in self.touched.items()})
             np.savez(buf, **arrays)
         return buf.getvalue()
@@ -206,8 +206,7 @@ class ParameterShard:
             self.version = int(saved["version"])
             self.skipped = int(saved["skipped"])
             self.applied = {(int(t), int(q)) for t, q in saved["applied_keys"]}
-            self.applied_records = AppliedRecords.of({tuple(int(x) for x in k.split("/")[1:]): v
-                                                      for k, v in saved.items() if k.startswith("records/")})
+            self.applied_records = AppliedRecords.of_npz(saved)
             self.touched = {n: set(saved.get(f"touched/{n}", np.zeros(0, np.int64)).tolist()) for n in self.tables}
 
 

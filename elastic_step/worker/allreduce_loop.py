@@ -11,7 +11,9 @@ Per step, each member of the master's membership version v:
      change);
   5. applies the average with the user's optimizer, only after COMMIT.
 A newcomer is admitted at a step commit; it pulls every weight and optimizer variable from rank 0
-(once rank 0 has applied that step), then takes part from the next step on.
+(once rank 0 has applied that step), then takes part from the next step on. In a job resumed from a
+checkpoint, every member of the first version loads the checkpoint's state from the master instead
+(MembershipReply.restore_checkpoint), and drops any lease of a previous master's.
 
 Global batch (`--global-batch`):
   * `scaled` (default): each member does one minibatch of `minibatch_size` per step, so the global
@@ -36,7 +38,7 @@ import numpy as np
 from elastic_step.data.api import AppliedRecords
 from elastic_step.instance import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
-from elastic_step.proto import rpc
+from elastic_step.proto import rpc, tensors
 from elastic_step.worker.collective import Aborted, PeerFailed, Ring, StateProvider, pull_state
 
 log = logging.getLogger("elastic_step.worker")
@@ -153,6 +155,7 @@ class AllReduceWorker:
         self.view: pb.MembershipReply | None = None
         self.lease: Lease | None = None
         self.applied_step = -1       # the step whose state this worker's weights are (-1: none yet)
+        self.restored_from = 0       # the checkpoint whose state this worker loaded from the master
         self._last_poll = 0.0
 
     # ------------------------------------------------------------------ master calls
@@ -204,6 +207,8 @@ class AllReduceWorker:
     def sync_state(self) -> bool:
         """Make this member's weights those of the version's base step (pull them if needed)."""
         v = self.view
+        if v.restore_checkpoint and self.restored_from != v.restore_checkpoint:
+            return self.load_checkpoint()
         if v.rank == 0 or self.applied_step == v.base_step:
             if self.applied_step < 0:
                 self.applied_step = v.base_step    # rank 0 of the very first version: its own init
@@ -225,6 +230,28 @@ class AllReduceWorker:
             self.state.cv.notify_all()
         log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", step, peer, v.version,
                  v.rank, len(v.members))
+        return True
+
+    def load_checkpoint(self) -> bool:
+        """A resumed job's first version: the checkpoint's state, from the master."""
+        v = self.view
+        try:
+            step, num_model, values, applied = tensors.decode_state(self.master.stub.PullCheckpointState(
+                pb.StateRequest(token=self.token, step=v.base_step), timeout=60))
+        except grpc.RpcError as e:
+            log.warning("could not load checkpoint %d's state from the master: %s", v.restore_checkpoint,
+                        e.code().name)
+            time.sleep(0.2)
+            return False
+        with self.state.cv:
+            self.trainer.load_state(num_model, values, applied)
+            self.applied_step = step
+            self.state.applied_step = step
+            self.state.cv.notify_all()
+        self.restored_from = v.restore_checkpoint
+        self.lease = None   # a lease of the previous master's ledger means nothing to this one
+        log.info("loaded checkpoint %d's state (step %d) from the master (version %d, rank %d of %d)",
+                 v.restore_checkpoint, step, v.version, v.rank, len(v.members))
         return True
 
     # ------------------------------------------------------------------ steps
@@ -265,16 +292,18 @@ class AllReduceWorker:
     def run(self) -> str:
         if not self.join():
             return "done"
-        computed = None     # (step, buf, watermark, records, loss, contribution): kept across retries of the step
+        # (step, checkpoint restored from, buf, watermark, records, loss, contribution): kept across retries
+        # of the step, but not across a restore (its lease and weights were a previous master's).
+        computed = None
         while not self.stop.is_set():
             step = self.applied_step + 1
-            if computed is None or computed[0] != step:
+            if computed is None or computed[:2] != (step, self.restored_from):
                 status = self.take_lease()
                 if status == "done":
                     return "done"
                 world = len(self.view.members)
-                computed = (step, *self.compute(world))
-            _, buf, watermark, records, loss, contribution = computed
+                computed = (step, self.restored_from, *self.compute(world))
+            _, _, buf, watermark, records, loss, contribution = computed
             v = self.view
             try:
                 payload = np.concatenate([buf, contribution_slots(contribution, v.rank, len(v.members))])

@@ -115,11 +115,8 @@ class CollectiveService(pb_grpc.CollectiveServicer):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no state yet")
             # Under the lock: the owner applies a step only while holding it, so this is one step's state.
             num_model, values, applied = st.snapshot()
-            reply = pb.StateReply(step=st.applied_step, num_model_weights=num_model)
-        tensors.encode_applied(applied, reply.applied)
-        for v in values:
-            tensors.encode(v, reply.tensors.add())
-        return reply
+            step = st.applied_step
+        return tensors.state_reply(step, num_model, values, applied)
 
 
 def serve(service: CollectiveService, host: str) -> tuple[grpc.Server, int]:
@@ -135,10 +132,10 @@ def pull_state(address: str, token: str, step: int, timeout: float = 60.0
     """(step, number of model weights, weights then optimizer variables, the records they hold)."""
     ch = rpc.channel(address)
     try:
-        r = pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step), timeout=timeout)
+        return tensors.decode_state(pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step),
+                                                                          timeout=timeout))
     finally:
         ch.close()
-    return r.step, r.num_model_weights, [tensors.decode(t) for t in r.tensors], tensors.decode_applied(r.applied)
 
 
 def chaos_target(me: str) -> int | None:

@@ -60,6 +60,30 @@ def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_reco
     assert not (ckpts / "durable").exists()                     # done: a rerun of the job starts over
 
 
+def test_allreduce_a_lost_ring_and_then_a_lost_master_both_go_back_to_the_last_checkpoint(tally_data, tmp_path):
+    """No parameter servers: a checkpoint is a member's weights and optimizer state at a committed step,
+    cut while no further step may commit. A ring whose every member is lost goes back to it (not to the
+    start), and so does the retried step of a killed master, whose first members all load it."""
+    total = tally_data["rows"] * EPOCHS
+    allreduce = ("--strategy", "allreduce", "--global-batch", "fixed")   # the tally counts 1 per step
+    proc, _ = tally_job(tally_data, tmp_path, *allreduce, "--min-workers", "1", "--max-workers", "1",
+                        "--chaos", f"kill:worker-0@{int(total * 0.3)}", "--chaos", f"kill:master@{int(total * 0.6)}")
+    assert proc.returncode == -9, proc.stderr[-3000:]          # the master's chaos fired
+    assert "every allreduce member was lost" in proc.stderr and "goes back to checkpoint" in proc.stderr
+    cut = manifest(tmp_path)
+    assert "members.npz" in cut["files"]
+    # The retried step with two workers (the checkpoint does not fix the world size): both load it.
+    proc, summary = tally_job(tally_data, tmp_path, *allreduce, "--min-workers", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = [p.name for p in (tmp_path / "logs").glob("worker-*.log")
+              if f"loaded checkpoint {cut['id']}'s state" in p.read_text()]
+    assert {"worker-0.1.log", "worker-1.1.log"} <= set(loaded), loaded   # the retry's launches (logs append)
+    assert [r["from_checkpoint"] for r in summary["checkpoints"]["restarts"]] == [cut["id"]]
+    assert summary["allreduce"]["checksum_mismatches"] == 0
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary, "allreduce")
+
+
 def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains_nothing_again(tally_data,
                                                                                                   tmp_path):
     """SIGTERM is how Kubernetes stops the step's pod (eviction, preemption, a stopped run), with a

@@ -165,3 +165,51 @@ def test_when_the_last_member_is_lost_while_a_newcomer_waits_the_ledger_rewinds_
         rdv.remove_locked("worker-0", "killed")  # ...which never comes: it is admitted from its own weights
     assert rdv._names() == ["worker-1"]
     assert ledger.records_committed_total() == 0 and ledger.trained_again == 16
+
+
+def test_while_commits_are_held_for_a_checkpoint_no_step_commits_then_the_waiting_one_does():
+    r = started()
+    r.hold_commits = True
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == WAIT     # every member ready: still held
+    assert r.committed_step == 0
+    out = {}
+    t = threading.Thread(target=lambda: out.update(k=r.step_ready("worker-0", 1, 1, ready(), wait_s=5)[0]))
+    t.start()
+    with r.cv:
+        r.release_commits()
+    t.join(2)
+    assert out["k"] == COMMIT and r.committed_step == 1 and r.steps_committed == 1
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == COMMIT
+
+
+def test_a_resumed_rendezvous_starts_at_the_checkpoints_step_whose_state_comes_from_the_master():
+    r = Rendezvous(min_workers=2, max_workers=3)
+    r.restore(40, checkpoint_id=3)
+    r.join("worker-0", "a0")
+    r.join("worker-1", "a1")
+    v = r.membership("worker-1")
+    assert (v.version, v.base_step, v.restore_checkpoint) == (1, 40, 3)
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == ABORT     # the steps go on from the checkpoint's
+    r.step_ready("worker-0", 1, 41, ready())
+    assert r.step_ready("worker-1", 1, 41, ready())[0] == COMMIT
+    # Once a step committed, the members hold the state: a newcomer pulls it from rank 0.
+    assert r.membership("worker-0").restore_checkpoint == 0
+    r.join("worker-2", "a2")
+    r.step_ready("worker-0", 1, 42, ready())
+    assert r.step_ready("worker-1", 1, 42, ready())[0] == COMMIT      # worker-2 admitted at this commit
+    v = r.membership("worker-2")
+    assert (v.state, v.base_step, v.restore_checkpoint) == ("member", 42, 0)
+
+
+def test_a_coordinator_checkpoint_hold_in_allreduce_holds_commits_not_leases():
+    ledger = Ledger([ShardInfo("s0", 64)], 16, 1, minibatch_size=8)
+    c = Coordinator(ledger, num_ps=0, min_workers=1)
+    rdv = c.attach_rendezvous(2)
+    c.register(InstanceId("worker", 0), "a0")
+    c.begin_hold()
+    assert c.hold_reached() and c.waiting_for_hold() == []
+    assert c.get_task(InstanceId("worker", 0)) not in (None, "done")   # leases go on being handed out
+    assert rdv.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    c.end_hold()
+    assert rdv.step_ready("worker-0", 1, 1, ready())[0] == COMMIT

@@ -91,6 +91,7 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
             "ReportPeerFailure": lambda: bad.stub.ReportPeerFailure(pb.PeerFailureReport(
                 token=token, instance=me, peer="worker-0"), timeout=10),
             "Hold": lambda: bad.stub.Hold(pb.HoldRequest(token=token, instance=me), timeout=10),
+            "PullCheckpointState": lambda: bad.stub.PullCheckpointState(pb.StateRequest(token=token), timeout=10),
         }
         assert set(calls) == set(pb.DESCRIPTOR.services_by_name["Master"].methods_by_name)
         for name, call in calls.items():
