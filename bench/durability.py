@@ -12,6 +12,10 @@
    job id and output: the time from the new master's start to training again, and the records
    trained again.
 Parts 2 and 3 run for each interval (`--losses-only` skips part 1).
+4. `--quality N` (instead of 1-3): the model after a loss against the uninterrupted run-to-run spread.
+   For seeds 0..N-1, an uninterrupted run, a run with a PS SIGKILLed at 60 %, and a run whose master is
+   SIGKILLed at 60 % and then resumed, with checkpoints every first `--intervals` value; it prints each
+   kind's final accuracy and loss per seed, and their spreads.
 Every run's audit must be exact (the PS shards' accounting laid over the data set).
 """
 from __future__ import annotations
@@ -52,11 +56,16 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=600)
     p.add_argument("--intervals", nargs="+", default=["10s", "60s"])
     p.add_argument("--losses-only", action="store_true", help="skip the throughput runs (parts 2 and 3 only)")
+    p.add_argument("--quality", type=int, default=0, metavar="N",
+                   help="only part 4: N seeds of uninterrupted, PS-loss and master-loss runs, final accuracy")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
         work = pathlib.Path(tmp)
         prepare("samples/digits/digits.csv", work / "data")
         total = sum(s.rows for s in load_manifest(str(work / "data" / "train")).shards) * args.epochs
+        if args.quality:
+            quality(work, args, total)
+            return
         if not args.losses_only:
             throughput(work, args, total)
         for every in args.intervals:
@@ -110,6 +119,30 @@ def losses(work: pathlib.Path, epochs: int, every: str, total: int) -> None:
               f"-> training again {r.get('start_to_first_commit_s')} s, {r['records_trained_again']} records "
               f"trained again (stopped at {at}, checkpoint at {cut}); audit {s['audit']['verdict']}, accuracy "
               f"{s['eval']['accuracy']:.4f}")
+
+
+def quality(work: pathlib.Path, args, total: int) -> None:
+    """Part 4: is a model trained through a loss as good as an uninterrupted one, seed for seed?"""
+    every, at = args.intervals[0], int(total * 0.6)
+    runs: dict[str, list[dict]] = {"uninterrupted": [], "PS SIGKILL": [], "master SIGKILL": []}
+    for seed in range(args.quality):
+        seeded = ("--seed", str(seed))
+        runs["uninterrupted"].append(train(work / f"q-none-{seed}", work / "data", args.epochs, every, *seeded)[1])
+        runs["PS SIGKILL"].append(train(work / f"q-ps-{seed}", work / "data", args.epochs, every, *seeded,
+                                        "--chaos", f"kill:ps-0@{at}")[1])
+        out = work / f"q-master-{seed}"
+        got, _ = train(out, work / "data", args.epochs, every, *seeded, "--chaos", f"kill:master@{at}")
+        assert got == -9, f"the master was not killed (exit {got})"
+        runs["master SIGKILL"].append(train(out, work / "data", args.epochs, every, *seeded)[1])
+    print(f"digits, {args.epochs} epochs, 2 workers + 1 PS, checkpoints every {every}, losses at 60 %, "
+          f"seeds 0-{args.quality - 1}")
+    base = [s["eval"]["accuracy"] for s in runs["uninterrupted"]]
+    for kind, summaries in runs.items():
+        acc = [s["eval"]["accuracy"] for s in summaries]
+        loss = [s["eval"]["loss"] for s in summaries]
+        print(f"{kind:<16} accuracy {' '.join(f'{a:.4f}' for a in acc)} (spread {min(acc):.4f}-{max(acc):.4f}, "
+              f"median {statistics.median(acc):.4f}); loss {' '.join(f'{x:.4f}' for x in loss)}; "
+              f"|difference from the same seed uninterrupted| max {max(abs(a - b) for a, b in zip(acc, base)):.4f}")
 
 
 if __name__ == "__main__":
