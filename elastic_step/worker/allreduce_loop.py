@@ -223,14 +223,18 @@ class AllReduceWorker:
                 self.report_peer(PeerFailed(peer, f"PullState: {e.code().name}"))
             time.sleep(0.05)
             return False
+        self.take_state(step, num_model, values, applied)
+        log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", step, peer, v.version,
+                 v.rank, len(v.members))
+        return True
+
+    def take_state(self, step: int, num_model: int, values, applied) -> None:
+        """Another copy's state (a peer's, or a checkpoint's) becomes this member's, under the state lock."""
         with self.state.cv:
             self.trainer.load_state(num_model, values, applied)
             self.applied_step = step
             self.state.applied_step = step
             self.state.cv.notify_all()
-        log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", step, peer, v.version,
-                 v.rank, len(v.members))
-        return True
 
     def load_checkpoint(self) -> bool:
         """A resumed job's first version: the checkpoint's state, from the master."""
@@ -243,11 +247,7 @@ class AllReduceWorker:
                         e.code().name)
             time.sleep(0.2)
             return False
-        with self.state.cv:
-            self.trainer.load_state(num_model, values, applied)
-            self.applied_step = step
-            self.state.applied_step = step
-            self.state.cv.notify_all()
+        self.take_state(step, num_model, values, applied)
         self.restored_from = v.restore_checkpoint
         self.lease = None   # a lease of the previous master's ledger means nothing to this one
         log.info("loaded checkpoint %d's state (step %d) from the master (version %d, rank %d of %d)",
