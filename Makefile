@@ -8,4 +8,4 @@ test:
 	./scripts/test
 
 bench:
-	./scripts/bootstrap && .venv/bin/python bench/throughput.py && .venv/bin/python bench/recovery.py && .venv/bin/python bench/master_capacity.py && .venv/bin/python bench/chaos.py && .venv/bin/python bench/durability.py
+	./scripts/bootstrap && .venv/bin/python bench/throughput.py && .venv/bin/python bench/recovery.py && .venv/bin/python bench/master_capacity.py && .venv/bin/python bench/chaos.py && .venv/bin/python bench/durability.py && .venv/bin/python bench/ps_strategy.py

@@ -121,7 +121,11 @@ def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int,
         ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
         return ds.shuffle(len(y) // NUM_WORKERS + 1, seed=seed).repeat().batch(batch).prefetch(2)
 
-    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    @tf.function
+    def per_worker_dataset_fn():   # as TF's parameter-server tutorial builds it
+        return strategy.distribute_datasets_from_function(dataset_fn)
+
+    iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
 
     @tf.function
     def train_steps(it):
@@ -202,7 +206,7 @@ def main() -> None:
                    help="minibatches per scheduled function on TensorFlow's side; the best is kept")
     args = p.parse_args()
     print(f"2 workers + 1 PS, local processes, {args.epochs} epochs, {args.rows} records, {args.runs} runs each")
-    print(f"{'sample':>7} {'side':>24} {'best rec/s':>11} {'rec/s spread':>16} {'metric':>8} {'spread':>12}")
+    print(f"{'sample':>7} {'side':>30} {'best rec/s':>11} {'rec/s spread':>16} {'metric':>8} {'spread':>12}")
     with tempfile.TemporaryDirectory(prefix="bench-ps-strategy-") as tmp:
         work = pathlib.Path(tmp)
         for sample in args.sample:
@@ -220,7 +224,7 @@ def main() -> None:
             for side, runs in sides.items():
                 rates, scores = [r["records_per_s"] for r in runs], [r["eval"][metric] for r in runs]
                 best[side] = max(rates)
-                print(f"{sample:>7} {side:>24} {max(rates):>11.0f} {min(rates):>7.0f}-{max(rates):<8.0f} "
+                print(f"{sample:>7} {side:>30} {max(rates):>11.0f} {min(rates):>7.0f}-{max(rates):<8.0f} "
                       f"{metric:>8} {spread(scores):>12}", flush=True)
             tf_best = max(v for k, v in best.items() if k != "elastic-step")
             print(f"{sample:>7} elastic-step / best TensorFlow PS strategy (best/best): "
