@@ -436,9 +436,14 @@ class JobCheckpoints:
         finally:
             shards.close()
 
-    def initial(self) -> None:
-        """A first checkpoint before any worker starts (no barrier needed): a PS lost before the
-        first periodic one still has a cut to go back to."""
+    def shards_ready(self) -> None:
+        """Every shard has registered, before any worker starts. A resumed job restores them; a new one
+        cuts a first checkpoint (no barrier needed), so that a PS lost before the first periodic one
+        still has a cut to go back to."""
+        if self.resumed and self.coord.ps_generation == 0:
+            self.restore_shards()
+        # A generation past 0: a shard was lost while they registered, and its rewind restored them all
+        # (as that generation, which restoring as 0 here would undo: every push refused from then on).
         if self.cutter is not None and not self.resumed:
             self.cutter.write_now()
 

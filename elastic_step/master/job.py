@@ -119,8 +119,7 @@ class TrainingJob:
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
                 if self.coord.ps_ready.is_set():   # else a shard failed: the job fails below
-                    self.durable.restore_shards()
-                    self.durable.initial()
+                    self.durable.shards_ready()
                 if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
                     self._evaluator.submit(self._evaluate_epoch, -1)
             for i in range(cfg.max_workers):

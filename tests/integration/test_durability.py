@@ -166,8 +166,12 @@ def test_a_lost_ps_and_then_a_lost_master_in_one_run(tally_data, tmp_path):
                         "--chaos", f"kill:master@{int(total * 0.7)}")
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert "ps-0 lost: every shard and the ledger go back to checkpoint" in proc.stderr
-    proc, summary = tally_job(tally_data, tmp_path)
+    # The retried step loses ps-1 as soon as it runs, while the shards are being restored: that loss
+    # rewinds them all again, and the restore it interrupted must not undo the rewind.
+    proc, summary = tally_job(tally_data, tmp_path, "--chaos", "kill:ps-1@0")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_chaos_fired(summary, 1)
     assert len(summary["checkpoints"]["restarts"]) == 1
+    assert [r["ps"] for r in summary["checkpoints"]["ps_restores"]] == [1]
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary)
