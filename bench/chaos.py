@@ -1,7 +1,12 @@
-"""Chaos soak on the local backend: seeded random SIGKILLs and SIGTERMs to workers, fired on training
-progress, in both strategies, side by side with undisturbed runs of the same job.
+"""Chaos soak on the local backend: seeded random SIGKILLs and SIGTERMs to workers (and with `--roles`,
+to the PS shards and the master), fired on training progress, in both strategies, side by side with
+undisturbed runs of the same job.
 
     .venv/bin/python bench/chaos.py [--runs 3] [--signals 3] [--epochs 40] [--strategies ps allreduce]
+                                    [--roles worker,ps,master]
+
+A run whose master was killed or terminated is run again with the same job id and output, as a retry
+policy does (the `masters` column counts the masters a run took); allreduce leaves `ps` out of the roles.
 
 Per strategy: one undisturbed digits run, then `--runs` runs under `random:<signals>:seed=<run>`. It
 prints, per run, the signals sent, the losses the master saw, the audit's verdict (the PS shards'
@@ -33,14 +38,17 @@ def run(out: pathlib.Path, data: pathlib.Path, model: str, strategy: str, epochs
     cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model,
            "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
            "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128",
-           "--max-workers", "2", "--strategy", strategy, "--progress", "off"]
+           "--max-workers", "2", "--strategy", strategy, "--progress", "off", "--job-id", f"chaos-{out.name}"]
     cmd += ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
     if chaos:
         cmd += ["--chaos", chaos]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    for masters in range(1, 6):   # a retry policy: the master killed or terminated, the step runs again
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode not in (-9, 143):
+            break
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({strategy}, {chaos}):\n{proc.stderr[-3000:]}")
-    return json.loads((out / "summary.json").read_text())
+    return {**json.loads((out / "summary.json").read_text()), "masters": masters}
 
 
 def tally_verdict(out: pathlib.Path, data: pathlib.Path, epochs: int) -> str:
@@ -61,6 +69,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--strategies", nargs="+", default=["ps", "allreduce"])
     p.add_argument("--tally", action="store_true", help="train the tally model: weights count applications")
+    p.add_argument("--roles", default="worker", help="the signals' targets: worker, ps, master (comma-separated)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as tmp:
         work = pathlib.Path(tmp)
@@ -72,8 +81,8 @@ def main() -> None:
             model, source = DIGITS
         prepare(source, work / "data")
         print(f"{'tally' if args.tally else 'digits'}, {args.epochs} epochs, 2 workers "
-              f"(ps: 2 PS shards; allreduce: --global-batch fixed), random:{args.signals}:seed=<run>")
-        header = (f"{'strategy':<10}{'run':<6}{'signals':<9}{'kill/term':<11}{'losses':<8}{'audit':<13}"
+              f"(ps: 2 PS shards; allreduce: --global-batch fixed), random:{args.signals}:seed=<run>:roles={args.roles}")
+        header = (f"{'strategy':<10}{'run':<6}{'signals':<9}{'kill/term':<11}{'losses':<8}{'masters':<9}{'audit':<13}"
                   f"{'tally':<8}{'trained again':<15}{'accuracy':<9}")
         print(header)
         for strategy in args.strategies:
@@ -81,14 +90,17 @@ def main() -> None:
             accuracies = []
             for i in range(args.runs):
                 out = work / f"{strategy}-{i}"
-                s = run(out, work / "data", model, strategy, args.epochs, f"random:{args.signals}:seed={i}")
+                roles = ",".join(r for r in args.roles.split(",") if strategy == "ps" or r != "ps")
+                s = run(out, work / "data", model, strategy, args.epochs,
+                        f"random:{args.signals}:seed={i}:roles={roles}")
                 fired = s.get("chaos", {}).get("fired", [])
                 kinds = f"{sum(f['action'] == 'kill' for f in fired)}/{sum(f['action'] == 'term' for f in fired)}"
                 audit = s.get("audit", {}).get("verdict", "no PS")
                 tv = tally_verdict(out, work / "data", args.epochs) if args.tally else "-"
                 acc = s["eval"].get("accuracy")
                 accuracies.append(acc)
-                print(f"{strategy:<10}{i:<6}{len(fired):<9}{kinds:<11}{s['workers']['lost']:<8}{audit:<13}{tv:<8}"
+                print(f"{strategy:<10}{i:<6}{len(fired):<9}{kinds:<11}{s['workers']['lost']:<8}{s['masters']:<9}"
+                      f"{audit:<13}{tv:<8}"
                       f"{s['ledger']['records_trained_again']:<15}{acc if acc is None else f'{acc:.4f}':<9}")
             if accuracies[0] is not None:
                 b = base["eval"]["accuracy"]

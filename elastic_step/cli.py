@@ -124,7 +124,8 @@ def _pipeline_run(args) -> dict:
     from elastic_step.master.chaos import Chaos
     from elastic_step.pipelines.local_run import print_run, run_local
 
-    Chaos(args.chaos, 1, args.max_workers)   # a bad spec is an error now, not in the training step's log
+    # A bad spec is an error now, not in the training step's log.
+    Chaos(args.chaos, 1, args.max_workers, args.num_ps if args.strategy == "ps" else 0)
     if args.chaos:
         logging.getLogger("elastic_step").warning(
             "chaos, on purpose: the training step will %s (--chaos), to show training going on through "

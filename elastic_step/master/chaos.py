@@ -12,14 +12,19 @@ Specs (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated):
 - `random:4` or `random:4:seed=7`: a seeded random schedule of 4 signals, SIGKILL or SIGTERM, at
   record counts drawn over the job's first 90 %. Each goes to a worker that holds a lease when it
   fires (the seed ranks the workers), without waiting for full strength, so several fire in a run
-  even while replacements are still starting.
+  even while replacements are still starting. `random:4:seed=7:roles=worker,ps,master` also draws
+  each signal's target among the roles listed: a parameter server (by index), or the master itself,
+  whose step must then be run again (same job id and output), as a retry policy does.
 
 Nothing fires on wall time: a slower machine sees the same schedule at the same progress. What
 fired goes into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
+With checkpoints on, it also goes to `chaos.json` beside them as it fires: a retried step (the same
+job, the same specs) skips what its predecessors fired, and reports it with its own.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import random
@@ -28,13 +33,15 @@ import threading
 
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
+from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
 ACTIONS = ("kill", "term")
 MASTER = "master"   # a signal's target: the master itself
-SPEC_HELP = ("use kill:worker-0@400, term:worker-1@900, random:4:seed=7, kill:master@900, term:master@900 "
-             "or kill:master@checkpoint=2")
+ROLES = ("worker", "ps", MASTER)
+SPEC_HELP = ("use kill:worker-0@400, term:worker-1@900, random:4:seed=7, random:4:seed=7:roles=worker,ps,master, "
+             "kill:master@900, term:master@900 or kill:master@checkpoint=2")
 
 
 @dataclasses.dataclass
@@ -43,20 +50,24 @@ class Signal:
     at: int                       # records committed
     target: InstanceId | str | None   # None: a worker holding a lease, ranked by `rank`; or MASTER
     rank: list[int] = dataclasses.field(default_factory=list)
+    index: int = 0                    # its place in the job's schedule
 
 
 class Chaos:
-    def __init__(self, specs: list[str], records_total: int, max_workers: int):
+    def __init__(self, specs: list[str], records_total: int, max_workers: int, num_ps: int = 0):
         self.max_workers = max_workers
         self.pending: list[Signal] = []
         self.fired: list[dict] = []
         self.kill_at_checkpoint: int | None = None
+        self.journal: str | None = None   # chaos.json beside the checkpoints (see resume)
         for s in specs:
             if s.startswith("kill:master@checkpoint="):
                 self.kill_at_checkpoint = self._number(s, s.rsplit("=", 1)[1])
                 continue
-            self.pending += self._parse(s, records_total, max_workers)
+            self.pending += self._parse(s, records_total, max_workers, num_ps)
         self.pending.sort(key=lambda sig: sig.at)
+        for i, sig in enumerate(self.pending):
+            sig.index = i
         self.schedule = [{"action": sig.action, "at_records": sig.at,
                           "instance": str(sig.target) if sig.target else "any worker holding a lease"}
                          for sig in self.pending]
@@ -64,17 +75,30 @@ class Chaos:
             self.schedule.append({"action": "kill", "instance": "master", "at_checkpoint": self.kill_at_checkpoint})
 
     @staticmethod
-    def _parse(spec: str, records_total: int, max_workers: int) -> list[Signal]:
+    def _parse(spec: str, records_total: int, max_workers: int, num_ps: int) -> list[Signal]:
         try:
             kind, rest = spec.split(":", 1)
             if kind == "random":
                 count, *options = rest.split(":")
                 opts = dict(o.split("=", 1) for o in options)
-                if set(opts) - {"seed"} or int(count) < 1:
+                roles = opts.get("roles", "worker").split(",")
+                if set(opts) - {"seed", "roles"} or int(count) < 1 or not roles or set(roles) - set(ROLES):
                     raise ValueError
+                if "ps" in roles and num_ps < 1:
+                    raise ElasticStepError(f"--chaos {spec!r} targets parameter servers, and this job has none "
+                                           "(--strategy allreduce): leave ps out of roles=.")
                 rng = random.Random(int(opts.get("seed", 0)))
-                return [Signal(rng.choice(ACTIONS), rng.randint(1, max(1, int(records_total * 0.9))), None,
-                               rng.sample(range(max_workers), max_workers)) for _ in range(int(count))]
+                signals = []
+                for _ in range(int(count)):
+                    sig = Signal(rng.choice(ACTIONS), rng.randint(1, max(1, int(records_total * 0.9))), None,
+                                 rng.sample(range(max_workers), max_workers))
+                    role = rng.choice(roles) if len(roles) > 1 else roles[0]   # workers only: seeds as before
+                    if role == MASTER:
+                        sig.target = MASTER
+                    elif role == "ps":
+                        sig.target = InstanceId("ps", rng.randrange(num_ps))
+                    signals.append(sig)
+                return signals
             name, at = rest.split("@", 1)
             if name == "master" and kind in ACTIONS and int(at) >= 0:
                 return [Signal(kind, int(at), MASTER)]
@@ -91,6 +115,34 @@ class Chaos:
             raise ElasticStepError(f"Bad --chaos spec {spec!r}: {SPEC_HELP}.")
         return int(text)
 
+    def resume(self, journal: str, job_id: str, resumable: bool = True) -> None:
+        """Keep what fires in `journal` (chaos.json beside the checkpoints). A retried step of the same job
+        skips what its predecessors fired, whether or not a checkpoint let it resume: the same specs make
+        the same schedule, and each signal fires once per job (else a master killed on schedule would be
+        killed again at the same progress, by every retry)."""
+        self.journal, self._job_id = journal, job_id
+        if not resumable:
+            return
+        try:
+            import fsspec
+            with fsspec.open(journal, "r") as f:
+                saved = json.load(f)
+            before = saved["fired"] if saved.get("job_id") == job_id else []
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        done = {f["index"] for f in before}
+        self.fired = [{**f, "by_previous_master": True} for f in before]
+        self.pending = [sig for sig in self.pending if sig.index not in done]
+        if done:
+            log.info("chaos: %d signal(s) of the schedule were fired by a previous master; %d to go",
+                     len(done), len(self.pending))
+
+    def _fire(self, sig: Signal, instance: str, committed: int) -> None:
+        self.pending.remove(sig)
+        self.fired.append({"action": sig.action, "instance": instance, "at_records": committed, "index": sig.index})
+        if self.journal is not None:   # before the signal: a master that kills itself must leave it written
+            atomic_write_text(self.journal, json.dumps({"job_id": self._job_id, "fired": self.fired}))
+
     def checkpoint_written(self, ckpt_id: int) -> None:
         """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""
         if ckpt_id == self.kill_at_checkpoint:
@@ -105,8 +157,7 @@ class Chaos:
         if sig.target == MASTER:
             # SIGKILL: a lost step pod, nothing cleaned up or flushed. SIGTERM: the pod stopped with a
             # grace period, which the master's own handler uses.
-            self.pending.pop(0)
-            self.fired.append({"action": sig.action, "instance": MASTER, "at_records": committed})
+            self._fire(sig, MASTER, committed)
             number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
             log.warning("chaos: %s the master at %d committed records", number.name, committed)
             os.kill(os.getpid(), number)
@@ -130,8 +181,7 @@ class Chaos:
             if not ready:
                 return
             target = ready[0]
-        self.pending.pop(0)
-        self.fired.append({"action": sig.action, "instance": str(target), "at_records": committed})
+        self._fire(sig, str(target), committed)
         coord.record("chaos", str(target), f"{sig.action} at {committed} records")
         log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
         if sig.action == "kill":

@@ -66,9 +66,12 @@ class TrainingJob:
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
-        self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers)
+        self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
+                           0 if self.allreduce else cfg.num_ps)
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         self.durable = JobCheckpoints(cfg, self.model_def, self.coord, before_commit=self.chaos.checkpoint_written)
+        if self.durable.cutter is not None:   # a retried step goes on with the schedule, not over it
+            self.chaos.resume(self.durable.store.uri("chaos.json"), cfg.job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.tensorboard = TensorBoardLog.for_job(cfg.output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0

@@ -24,3 +24,19 @@ def train(data: dict, output, *extra: str, model: str = DIGITS_MODEL) -> tuple[s
     summary_path = os.path.join(str(output), "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     return proc, summary
+
+
+RETRIED = (-9, 143)   # the master was SIGKILLed or SIGTERMed: what a retry policy retries
+
+
+def retried(run, attempts: int = 4) -> tuple[list[int], object]:
+    """`run()` again while its master was killed or terminated, as KFP's set_retry or Argo's
+    retryStrategy runs a step again (same job id and output). Returns (every attempt's exit code,
+    the last attempt's result); `run()` returns (a CompletedProcess, ...)."""
+    codes = []
+    for _ in range(attempts):
+        result = run()
+        codes.append(result[0].returncode)
+        if codes[-1] not in RETRIED:
+            break
+    return codes, result
