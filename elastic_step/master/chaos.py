@@ -60,6 +60,7 @@ class Chaos:
         self.fired: list[dict] = []
         self.kill_at_checkpoint: int | None = None
         self.journal: str | None = None   # chaos.json beside the checkpoints (see resume)
+        self._job_id = ""
         for s in specs:
             if s.startswith("kill:master@checkpoint="):
                 self.kill_at_checkpoint = self._number(s, s.rsplit("=", 1)[1])
