@@ -128,7 +128,8 @@ class Chaos:
             import fsspec
             with fsspec.open(journal, "r") as f:
                 saved = json.load(f)
-            before = saved["fired"] if saved.get("job_id") == job_id else []
+            same = saved.get("job_id") == job_id and saved.get("schedule") == self.schedule
+            before = saved["fired"] if same else []   # another job, or other specs: a schedule of its own
         except (OSError, ValueError, KeyError, TypeError):
             return
         done = {f["index"] for f in before}
@@ -142,7 +143,8 @@ class Chaos:
         self.pending.remove(sig)
         self.fired.append({"action": sig.action, "instance": instance, "at_records": committed, "index": sig.index})
         if self.journal is not None:   # before the signal: a master that kills itself must leave it written
-            atomic_write_text(self.journal, json.dumps({"job_id": self._job_id, "fired": self.fired}))
+            atomic_write_text(self.journal, json.dumps({"job_id": self._job_id, "schedule": self.schedule,
+                                                        "fired": self.fired}))
 
     def checkpoint_written(self, ckpt_id: int) -> None:
         """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""

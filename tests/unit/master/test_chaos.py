@@ -77,5 +77,8 @@ def test_a_resumed_master_skips_what_its_predecessor_fired(tmp_path, job):
     other = Chaos(specs, 1000, 1, num_ps=1)
     other.resume(journal, "job-2")                                  # another job's journal is not its own
     assert len(other.pending) == 2
+    respecified = Chaos(["kill:ps-0@10"], 1000, 1, num_ps=1)
+    respecified.resume(journal, "job-1")                            # nor is one of other specs
+    assert len(respecified.pending) == 1
     fired = second.summary()["fired"]
     assert [(f["instance"], f.get("by_previous_master", False)) for f in fired] == [("ps-0", True), ("worker-0", False)]
