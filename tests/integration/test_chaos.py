@@ -16,7 +16,7 @@ from tests.models.witness import (TALLY_MODEL, assert_audit_exact, assert_chaos_
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 12
+EPOCHS = 6
 
 
 # Seeds whose schedule holds every role asked for (the test checks it): ps: kill worker, term master,

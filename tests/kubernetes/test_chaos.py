@@ -19,7 +19,7 @@ from tests.kubernetes.test_backend import (ROOT, assert_pushes_carried_bytes, cl
 from tests.models.witness import (TALLY_MODEL, assert_audit_exact, assert_chaos_fired,
                                   assert_each_record_applied_exactly)
 
-EPOCHS = 12
+EPOCHS = 6
 
 
 # Seeds whose schedule holds every role asked for: ps: kill worker, term master, term ps-0; allreduce:

@@ -1,7 +1,8 @@
 """A durable step on the real control plane: the master (the real CLI, with the shipped Role's rights
-only) SIGKILLed mid-epoch and run again with the same job id and output, a PS pod deleted mid-epoch,
-and both in one run. Exactly-once is checked through the tally weights and the PS shards' audit,
-not the ledger (the state being restored)."""
+only) SIGKILLed mid-epoch and run again with the same job id and output, and a PS pod deleted
+mid-epoch. Both in one run is tests/kubernetes/test_chaos.py's `ps` case (a worker, the master and a PS
+pod). Exactly-once is checked through the tally weights and the PS shards' audit, not the ledger (the
+state being restored)."""
 from __future__ import annotations
 
 import json
@@ -62,19 +63,3 @@ def test_a_killed_master_the_retried_step_takes_over_the_jobs_pods_and_resumes(c
     assert_exactly_once(summary)
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert job_pods(core, namespace, "durable-master") == []
-
-
-def test_a_killed_master_and_a_deleted_ps_pod_the_retried_step_resumes(control_plane, core, node, namespace,
-                                                                       tally_data, priority_classes,
-                                                                       sa_kubeconfig, tmp_path):
-    total = tally_data["rows"] * EPOCHS
-    proc, _ = master(tally_data, tmp_path, "durable-both", sa_kubeconfig, namespace,
-                     f"kill:ps-0@{int(total * 0.3)}", f"kill:master@{int(total * 0.6)}")
-    assert proc.returncode == -9, proc.stderr[-4000:]
-    assert "ps-0 lost: every shard and the ledger go back to checkpoint" in proc.stderr
-    proc, summary = master(tally_data, tmp_path, "durable-both", sa_kubeconfig, namespace)   # the retried step
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(summary["checkpoints"]["restarts"]) == 1
-    assert_exactly_once(summary)
-    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
-    assert job_pods(core, namespace, "durable-both") == []
