@@ -64,7 +64,7 @@ def _client_process(address: str, indices: list[int], minibatch: int, think_s: f
     from elastic_step.instance import MasterClient
     from elastic_step.proto import elastic_pb2 as pb
 
-    TASK, WAIT, DONE = pb.GetTaskResponse.TASK, pb.GetTaskResponse.WAIT, pb.GetTaskResponse.DONE
+    WAIT, DONE = pb.GetTaskResponse.WAIT, pb.GetTaskResponse.DONE
     results = []
     lock = threading.Lock()
     registered = threading.Barrier(len(indices) + 1)

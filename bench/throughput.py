@@ -53,7 +53,6 @@ def make_data(rows: int, out: pathlib.Path) -> str:
 
 def keras_fit(model_path: str, manifest: str, batch: int) -> float:
     import keras
-    import numpy as np
 
     from elastic_step.data.reader import read_all
     from elastic_step.model_def import load_model_def

@@ -74,7 +74,7 @@ class TrainConfig:
             raise ConfigError(f"Unknown --global-batch {self.global_batch!r}; choose one of {', '.join(GLOBAL_BATCH)}.")
         if self.resume not in ("auto", "never"):
             raise ConfigError(f"Unknown --resume {self.resume!r}; choose auto or never.")
-        from elastic_step.master.checkpoint import parse_interval
+        from elastic_step.master.checkpoint_store import parse_interval
         parse_interval(self.checkpoint_every)
         if self.progress not in ("auto", "bar", "lines", "off"):
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")

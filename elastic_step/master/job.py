@@ -272,19 +272,18 @@ class TrainingJob:
         if restoring and self.durable.member_state is not None:
             # No step committed since a checkpoint was restored: its state is the model (members may not
             # have loaded it yet).
-            _, num_model, values, applied = self.durable.member_state
-            load(num_model, values)
-            return applied
+            state = self.durable.member_state
+            load(state.num_model, state.values)
+            return state.applied
         errors = []
         for name, address in members:
             try:
-                _, num_model, values, applied = pull_state(address, self.cfg.token, step if final else -1,
-                                                           timeout=30)
+                state = pull_state(address, self.cfg.token, step if final else -1, timeout=30)
             except Exception as e:  # noqa: BLE001 - try the next member
                 errors.append(f"{name}: {e}")
                 continue
-            load(num_model, values)
-            return applied
+            load(state.num_model, state.values)
+            return state.applied
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 
     def _evaluate_epoch(self, epoch: int) -> None:

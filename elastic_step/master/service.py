@@ -48,8 +48,8 @@ class MasterService(pb_grpc.MasterServicer):
         self.model_def = model_def
         self.report_interval_s = report_interval_s(max_workers)
         self.pushes_in_flight = pushes_in_flight
-        # allreduce, a resumed job: () -> (step, number of model weights, values, applied records) of
-        # the checkpoint the members start from, or None (see master/checkpoint.py).
+        # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
+        # None (see master/checkpoint.py).
         self.checkpoint_state = lambda: None
 
     def Register(self, request, context):
@@ -141,11 +141,11 @@ class MasterService(pb_grpc.MasterServicer):
         check_token(context, self.token, request.token)
         self._rendezvous(context)
         state = self.checkpoint_state()
-        if state is None or (request.step >= 0 and state[0] != request.step):
+        if state is None or (request.step >= 0 and state.step != request.step):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"no checkpoint state of step {request.step} here (the job resumed from "
-                          f"{'none' if state is None else f'step {state[0]}'})")
-        return tensors.state_reply(*state)
+                          f"{'none' if state is None else f'step {state.step}'})")
+        return tensors.state_reply(state)
 
     def ReportPeerFailure(self, request, context):
         check_token(context, self.token, request.token)

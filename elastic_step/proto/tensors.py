@@ -1,6 +1,8 @@
 """numpy <-> wire tensors: raw bytes + dtype + shape (no pickles, so no code runs on decode)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from elastic_step.proto import elastic_pb2 as pb
@@ -41,16 +43,22 @@ def decode_applied(field) -> dict[tuple[int, int], np.ndarray]:
     return {(a.epoch, a.data_shard): decode(a.ranges).reshape(-1, 2) for a in field}
 
 
-def state_reply(step: int, num_model: int, values: list[np.ndarray],
-                applied: dict[tuple[int, int], np.ndarray]) -> pb.StateReply:
-    """An allreduce member's state (a peer's, or a checkpoint's): weights, then optimizer variables."""
-    reply = pb.StateReply(step=step, num_model_weights=num_model)
-    encode_applied(applied, reply.applied)
-    for v in values:
+class MemberState(NamedTuple):
+    """An allreduce member's state at a step (a peer's, or a checkpoint's)."""
+    step: int
+    num_model: int                                  # values[:num_model] are the model's weights,
+    values: list[np.ndarray]                        # the rest its optimizer variables
+    applied: dict[tuple[int, int], np.ndarray]      # the records these weights hold
+
+
+def state_reply(state: MemberState) -> pb.StateReply:
+    reply = pb.StateReply(step=state.step, num_model_weights=state.num_model)
+    encode_applied(state.applied, reply.applied)
+    for v in state.values:
         encode(v, reply.tensors.add())
     return reply
 
 
-def decode_state(reply: pb.StateReply) -> tuple[int, int, list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
-    """(step, number of model weights, weights then optimizer variables, the records they hold)."""
-    return reply.step, reply.num_model_weights, [decode(t) for t in reply.tensors], decode_applied(reply.applied)
+def decode_state(reply: pb.StateReply) -> MemberState:
+    return MemberState(reply.step, reply.num_model_weights, [decode(t) for t in reply.tensors],
+                       decode_applied(reply.applied))

@@ -216,42 +216,42 @@ class AllReduceWorker:
             return True
         peer, address = v.members[0].name, v.members[0].address
         try:
-            step, num_model, values, applied = pull_state(address, self.token, v.base_step)
+            state = pull_state(address, self.token, v.base_step)
         except grpc.RpcError as e:
             log.warning("could not pull the state of step %d from %s: %s", v.base_step, peer, e.code().name)
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.report_peer(PeerFailed(peer, f"PullState: {e.code().name}"))
             time.sleep(0.05)
             return False
-        self.take_state(step, num_model, values, applied)
-        log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", step, peer, v.version,
+        self.take_state(state)
+        log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", state.step, peer, v.version,
                  v.rank, len(v.members))
         return True
 
-    def take_state(self, step: int, num_model: int, values, applied) -> None:
+    def take_state(self, state: tensors.MemberState) -> None:
         """Another copy's state (a peer's, or a checkpoint's) becomes this member's, under the state lock."""
         with self.state.cv:
-            self.trainer.load_state(num_model, values, applied)
-            self.applied_step = step
-            self.state.applied_step = step
+            self.trainer.load_state(state.num_model, state.values, state.applied)
+            self.applied_step = state.step
+            self.state.applied_step = state.step
             self.state.cv.notify_all()
 
     def load_checkpoint(self) -> bool:
         """A resumed job's first version: the checkpoint's state, from the master."""
         v = self.view
         try:
-            step, num_model, values, applied = tensors.decode_state(self.master.stub.PullCheckpointState(
+            state = tensors.decode_state(self.master.stub.PullCheckpointState(
                 pb.StateRequest(token=self.token, step=v.base_step), timeout=60))
         except grpc.RpcError as e:
             log.warning("could not load checkpoint %d's state from the master: %s", v.restore_checkpoint,
                         e.code().name)
             time.sleep(0.2)
             return False
-        self.take_state(step, num_model, values, applied)
+        self.take_state(state)
         self.restored_from = v.restore_checkpoint
         self.lease = None   # a lease of the previous master's ledger means nothing to this one
         log.info("loaded checkpoint %d's state (step %d) from the master (version %d, rank %d of %d)",
-                 v.restore_checkpoint, step, v.version, v.rank, len(v.members))
+                 v.restore_checkpoint, state.step, v.version, v.rank, len(v.members))
         return True
 
     # ------------------------------------------------------------------ steps

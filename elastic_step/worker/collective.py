@@ -116,7 +116,7 @@ class CollectiveService(pb_grpc.CollectiveServicer):
             # Under the lock: the owner applies a step only while holding it, so this is one step's state.
             num_model, values, applied = st.snapshot()
             step = st.applied_step
-        return tensors.state_reply(step, num_model, values, applied)
+        return tensors.state_reply(tensors.MemberState(step, num_model, values, applied))
 
 
 def serve(service: CollectiveService, host: str) -> tuple[grpc.Server, int]:
@@ -127,9 +127,7 @@ def serve(service: CollectiveService, host: str) -> tuple[grpc.Server, int]:
     return server, port
 
 
-def pull_state(address: str, token: str, step: int, timeout: float = 60.0
-               ) -> tuple[int, int, list[np.ndarray], dict[tuple[int, int], np.ndarray]]:
-    """(step, number of model weights, weights then optimizer variables, the records they hold)."""
+def pull_state(address: str, token: str, step: int, timeout: float = 60.0) -> tensors.MemberState:
     ch = rpc.channel(address)
     try:
         return tensors.decode_state(pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step),

@@ -8,7 +8,8 @@ import pytest
 
 from elastic_step.backends.api import InstanceId
 from elastic_step.errors import ConfigError
-from elastic_step.master.checkpoint import CheckpointStore, Checkpointer, parse_interval
+from elastic_step.master.checkpoint import Checkpointer
+from elastic_step.master.checkpoint_store import CheckpointStore, parse_interval
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 
