@@ -1,5 +1,5 @@
-"""The checkpoint cutter and store on a real coordinator and a real folder: intervals, the barrier,
-the manifest as the commit point, and the previous checkpoint kept until then."""
+"""The checkpoint cutter on a real coordinator and a real folder: the barrier, the manifest as the
+commit point, and the previous checkpoint kept until then."""
 from __future__ import annotations
 
 import json
@@ -7,19 +7,10 @@ import json
 import pytest
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.errors import ConfigError
 from elastic_step.master.checkpoint import Checkpointer
-from elastic_step.master.checkpoint_store import CheckpointStore, parse_interval
+from elastic_step.master.checkpoint_store import CheckpointStore
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
-
-
-def test_intervals_are_times_or_records_or_never():
-    assert parse_interval("60s") == ("seconds", 60) and parse_interval("5m") == ("seconds", 300)
-    assert parse_interval("50000") == ("records", 50000) == parse_interval("50000records")
-    assert parse_interval("0") is None
-    with pytest.raises(ConfigError, match="--checkpoint-every 'often'"):
-        parse_interval("often")
 
 
 def cutter(tmp_path, parts_written: list):
@@ -98,14 +89,6 @@ def test_the_last_cut_is_taken_at_once_and_keeps_the_workers_held(tmp_path):
     c.tick(16, 0.0)
     assert written == [1] and store.latest()["records_committed"] == 16
     assert coord.holding and not coord.hold(InstanceId("worker", 0), wait_s=0.01)   # still held
-
-
-def test_the_watermark_is_this_jobs_only(tmp_path):
-    store = CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "j"})
-    assert store.watermark() is None
-    store.write_watermark(1234)
-    assert store.watermark() == 1234
-    assert CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "another"}).watermark() is None
 
 
 def test_a_shard_lost_before_the_master_knows_abandons_the_checkpoint_not_the_job(tmp_path):
