@@ -1,12 +1,12 @@
 """The Argo Workflows files: current, every key one that Argo's spec defines where it stands and every
 value of its type, checked against Hera's models of that spec (the pydantic models Hera generates from
 Argo's OpenAPI schema: pydantic ignores unknown keys, so a typo would pass validation alone and the
-strict key check walks the models itself), and wired the way Argo resolves them (no Argo here): every
+strict key check walks the models itself), and wired the way Argo resolves them: every
 parameter and artifact a template uses is declared and passed, every argument parses with the real CLI.
 
-Validation against Argo's own JSON schema is gone from here (the schema lived outside the repository,
-and no test reads outside it); a later issue replaces it with Argo's own lint, run by the Argo
-workflow-controller built from the Go module proxy."""
+And Argo's own lint, offline and strict (`argo lint --offline --strict`), built from the Go module proxy
+by scripts/build-argo: the shipped files pass, and it refuses a typo, an unresolved parameter and a
+dangling dependency. No test reads outside the repository."""
 from __future__ import annotations
 
 import copy
@@ -25,6 +25,7 @@ from hera.workflows import models
 from elastic_step.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
 from elastic_step.backends.kubernetes import _JOB_ID
 from elastic_step.cli import build_parser
+from kube.harness.argo import lint
 from elastic_step.errors import ConfigError, JobFailed, StepTerminated
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -109,6 +110,44 @@ def test_a_workflow_submitted_from_the_template_is_valid():
     # and the template's own spec is a valid Workflow spec (a Workflow can inline it)
     inline = {**load(FILES[0]), "kind": "Workflow"}
     assert check(inline) == []
+
+
+# ---------------------------------------------------------------- Argo's own lint
+def test_argos_own_lint_passes_the_shipped_files():
+    """`argo lint --offline --strict`, Argo's own code (kube/argo/lint, built by scripts/build-argo): the
+    CronWorkflow's reference to the WorkflowTemplate is resolved between the two files."""
+    ok, out = lint([ROOT / "pipelines" / "argo" / name for name in FILES])
+    assert ok, out
+
+
+def _lint_mutated(tmp_path, mutate) -> str:
+    doc = copy.deepcopy(load(FILES[0]))
+    mutate(doc)
+    (tmp_path / FILES[0]).write_text(yaml.safe_dump(doc, sort_keys=False))
+    (tmp_path / FILES[1]).write_text((ROOT / "pipelines" / "argo" / FILES[1]).read_text())
+    ok, out = lint([tmp_path / FILES[0], tmp_path / FILES[1]])
+    assert not ok, out
+    return out
+
+
+def _template(doc: dict, name: str) -> dict:
+    return next(t for t in doc["spec"]["templates"] if t["name"] == name)
+
+
+def _dag(doc: dict) -> list[dict]:
+    return next(t for t in doc["spec"]["templates"] if "dag" in t)["dag"]["tasks"]
+
+
+@pytest.mark.parametrize("mutate, says", [
+    (lambda d: _template(d, "elastic-train")["container"].__setitem__(
+        "comand", _template(d, "elastic-train")["container"].pop("command")), 'unknown field "spec.templates[1].container.comand"'),
+    (lambda d: _template(d, "evaluate")["container"]["args"].append("{{inputs.parameters.nope}}"),
+     "templates.evaluate: failed to resolve {{inputs.parameters.nope}}"),
+    (lambda d: _dag(d)[-1].__setitem__("depends", "no-such-task"), "invalid dependency no-such-task"),
+])
+def test_argos_lint_refuses_what_the_controller_would(tmp_path, mutate, says):
+    """The lint is Argo's: it fails on a typo, an unresolved parameter and a dangling dependency."""
+    assert says in _lint_mutated(tmp_path, mutate)
 
 
 # ---------------------------------------------------------------- the strict check catches typos
