@@ -1,8 +1,8 @@
 """A durable step on the real control plane: the master (the real CLI, with the shipped Role's rights
 only) SIGKILLed mid-epoch and run again with the same job id and output, and a PS pod deleted
-mid-epoch. Both in one run is tests/kubernetes/test_chaos.py's `ps` case (a worker, the master and a PS
-pod). Exactly-once is checked through the tally weights and the PS shards' audit, not the ledger (the
-state being restored)."""
+mid-epoch. Both in one run is tests/kubernetes/test_chaos.py's `ps` case (a worker and the master
+SIGKILLed, then a PS pod deleted). Exactly-once is checked through the tally weights and the PS shards'
+audit, not the ledger (the state being restored)."""
 from __future__ import annotations
 
 import json
