@@ -98,8 +98,7 @@ class CheckpointStore:
 
     def read_json(self, manifest: dict, name: str) -> dict:
         try:
-            with self.fs.open(posixpath.join(self.path, manifest["files"][name]), "r") as f:
-                return json.load(f)
+            return json.loads(self.read_part(manifest, name))
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"The checkpoint {manifest.get('id')} under {self.root} is missing or has a "
                                   f"corrupt {name} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
