@@ -1,0 +1,729 @@
+"""Reading and validating one source file (CSV, Parquet or JSON lines) as a stream of Arrow tables.
+
+pyarrow parses each file (fast path), a few MB at a time. Only when pyarrow rejects a file, or its
+label column has gaps, is the file parsed again by the precise Python pass below, which knows the
+line of every record and so can name the file, line and column of each bad row (and, when asked
+to, skip them). Types are those pyarrow's whole-file read would infer, kept to the five a manifest
+holds; `combine` then checks the files against each other.
+
+A file's stream may yield RESTART: everything it yielded before is void (a later block showed the
+types the first one suggested were too narrow, or the file needs the precise pass), and it starts
+again from its first row.
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import io
+import json
+import posixpath
+import re
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+
+from elastic_step.errors import DataError
+
+TYPES = {"int64": pa.int64(), "float32": pa.float32(), "float64": pa.float64(),
+         "string": pa.string(), "bool": pa.bool_()}
+TYPE_NAMES = {t: name for name, t in TYPES.items()}
+FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json"}
+MAX_BAD_ROWS = 20  # kept in the manifest; the count covers all of them
+SKIP_HINT = ("Fix or delete that row, or set on_bad_rows to 'skip' (CLI: --on-bad-rows skip) to skip "
+             "bad rows; skipped rows are counted in the manifest.")
+RESTART = "restart"
+
+# pyarrow's streaming CSV reader reads up to 32 blocks ahead: 1 MB blocks keep that to ~40 MB, and
+# parse as fast as bigger ones. JSON is cut into chunks of whole lines; Parquet read by batches.
+CSV_BLOCK_BYTES = 1 << 20
+JSON_CHUNK_BYTES = 4 << 20
+PARQUET_BATCH_BYTES = 4 << 20
+PRECISE_BATCH_ROWS = 16_384
+
+# pyarrow's CSV defaults, mirrored by the precise pass. Only an empty field is missing: "NA" or
+# "null" are real values in a string column (and a bad value in a numeric one).
+_TRUE, _FALSE = ("1", "True", "TRUE", "true"), ("0", "False", "FALSE", "false")
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*(e[+-]?\d+)?|\.\d+(e[+-]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
+
+
+def file_format(path: str) -> str | None:
+    return FORMATS.get(posixpath.splitext(path)[1].lower())
+
+
+class BadRow:
+    def __init__(self, file: str, line: int, column: str | None, reason: str, unit: str = "line"):
+        self.file, self.line, self.column, self.reason, self.unit = file, line, column, reason, unit
+        # line: 1-based as an editor shows it (CSV header = line 1); a row number for Parquet
+
+    def message(self) -> str:
+        where = f", column {self.column!r}" if self.column else ""
+        return f"Bad row in {self.file} {self.unit} {self.line}{where}: {self.reason}. {SKIP_HINT}"
+
+
+class BadRows:
+    """Fails on the first bad row, or counts it and keeps the first few for the manifest."""
+
+    def __init__(self, skip: bool):
+        self.skip = skip
+        self.count = 0
+        self.first: list[dict[str, Any]] = []
+        self.last: BadRow | None = None
+
+    def add(self, bad: BadRow) -> None:
+        if not self.skip:
+            raise DataError(bad.message())
+        self.count += 1
+        self.last = bad
+        if len(self.first) < MAX_BAD_ROWS:
+            self.first.append({"file": bad.file, "line": bad.line, "column": bad.column, "reason": bad.reason})
+
+
+class SourceFile:
+    """One source file as a stream of tables (`batches()`); `schema` holds its types once it ends.
+
+    The tables' columns have the five manifest types (or null). A CSV or Parquet file's tables all
+    have `schema`; a JSON-lines file's may lack a key or hold a narrower type (null, or int64 where
+    the file turns out float64): `conform` makes them whole."""
+
+    def __init__(self, fs, path: str, name: str, declared: dict[str, pa.DataType] | None,
+                 label: str | None, bad: BadRows):
+        self.fs, self.path, self.name, self.declared, self.label, self.bad = fs, path, name, declared, label, bad
+        self.schema: pa.Schema | None = None
+        self.rows = 0  # rows of the final attempt, after bad ones
+
+    def batches(self) -> Iterator[pa.Table | str]:
+        fmt = file_format(self.path)
+        try:
+            for item in (self._parquet() if fmt == "parquet" else self._csv() if fmt == "csv" else self._json()):
+                if item is RESTART:
+                    self.rows = 0
+                elif item.num_rows:
+                    self.rows += item.num_rows
+                yield item
+        except OSError as e:
+            raise DataError(f"Cannot read {self.name}: {e}. Check that it exists and the step may read it.") from None
+        except UnicodeDecodeError as e:
+            raise DataError(f"{self.name} is not UTF-8 text ({e}). Re-encode it as UTF-8.") from None
+        _check_not_all_bad(self.rows, self.name, self.bad)
+
+    # ------------------------------------------------------------ Parquet
+
+    def _parquet(self) -> Iterator[pa.Table]:
+        name, label, declared = self.name, self.label, self.declared
+        with _open_binary(self.fs, self.path) as f:
+            try:
+                pf = pq.ParquetFile(f, buffer_size=1 << 20)  # buffered: a huge row group is not read whole
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise _not_parquet(name, e) from None
+            schema = _supported(pf.schema_arrow.empty_table(), name).schema
+            if declared is not None:
+                _check_columns(schema.names, declared, name)
+                for c, t in declared.items():  # the types are known before any row is read
+                    _cast_declared(pa.chunked_array([], schema.field(c).type), t, c, name)
+                schema = pa.schema(list(declared.items()))
+            md = pf.metadata
+            row_bytes = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups)) / max(md.num_rows, 1)
+            batches = pf.iter_batches(batch_size=max(1024, int(PARQUET_BATCH_BYTES / max(row_bytes, 1))))
+            seen = 0
+            while True:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                    raise _not_parquet(name, e) from None
+                table = _supported(pa.Table.from_batches([batch]), name)
+                if declared is not None:
+                    table = pa.table({c: _cast_declared(table.column(c), t, c, name) for c, t in declared.items()})
+                if label is not None and label in table.column_names and table.column(label).null_count:
+                    # Parquet has no lines: report 1-based row numbers.
+                    missing = table.column(label).is_null().to_numpy(zero_copy_only=False).nonzero()[0]
+                    for i in missing:
+                        self.bad.add(BadRow(name, seen + int(i) + 1, label, "the label is missing", unit="row"))
+                    table = table.filter(table.column(label).is_valid())
+                seen += batch.num_rows
+                yield table
+        self.schema = schema
+
+    # ------------------------------------------------------------ CSV
+
+    def _csv(self) -> Iterator[pa.Table | str]:
+        header = _csv_header(self.fs, self.path, self.name)
+        if self.declared is not None:
+            _check_columns(header, self.declared, self.name)
+        types = dict(self.declared) if self.declared is not None else None
+        try:
+            gaps = yield from self._arrow_csv(types, header)
+            if gaps is None:
+                return
+            types = gaps  # the label has gaps: the precise pass names their lines
+        except pa.ArrowInvalid:
+            pass  # a bad row; the precise pass finds it
+        yield RESTART
+        yield from self._precise(lambda: _csv_records(self.fs, self.path, self.name, header), header, types,
+                                 text=True)
+
+    def _arrow_csv(self, types, header):
+        """Yield the file's tables; return None, or the file's types when its label has gaps."""
+        name, label = self.name, self.label
+        whole_file = types is not None  # types known for the whole file: a conversion error is a bad row
+        reader = _open_csv(self.fs, self.path, types or {})
+        try:
+            if types is None:
+                # pyarrow infers ISO dates as timestamps; keep the text as written instead.
+                temporal = {f.name: pa.string() for f in reader.schema if pa.types.is_temporal(f.type)}
+                if temporal:
+                    reader.close()
+                    reader = _open_csv(self.fs, self.path, temporal)
+            yielded, gaps, unsupported = False, False, None
+            while True:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    break
+                except pa.ArrowInvalid:
+                    if whole_file:
+                        raise
+                    # The streaming reader infers types from the first block only; a later value that
+                    # does not fit them is no error for a whole-file read, which loosens the type
+                    # instead. Find the types it would give, and read the file again with them.
+                    types, whole_file = _csv_file_types(self.fs, self.path, header), True
+                    reader.close()
+                    reader = _open_csv(self.fs, self.path, types)
+                    if yielded:
+                        yield RESTART
+                    yielded, gaps, unsupported = False, False, None
+                    continue
+                if unsupported or gaps:
+                    continue  # read on: a malformed row further down takes the precise pass instead
+                try:
+                    table = _supported(pa.Table.from_batches([batch]), name)
+                except DataError as e:
+                    unsupported = e
+                    continue
+                if label is not None and label in table.column_names and table.column(label).null_count:
+                    gaps = True
+                    continue
+                yield table
+                yielded = True
+            if unsupported:
+                raise unsupported
+            schema = _supported(reader.schema.empty_table(), name).schema
+        finally:
+            reader.close()
+        if gaps:
+            return schema_types(schema)
+        self.schema = schema
+        return None
+
+    # ------------------------------------------------------------ JSON lines
+
+    def _json(self) -> Iterator[pa.Table | str]:
+        declared = self.declared
+        types = dict(declared) if declared is not None else None
+        try:
+            gaps = yield from self._arrow_json()
+            if gaps is None:
+                return
+            types = gaps
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            pass  # a bad row, or a key holding numbers here and text there; the precise pass finds it
+        yield RESTART
+        columns = list(types) if types is not None else None
+        yield from self._precise(lambda: _json_records(self.fs, self.path, self.name), columns, types, text=False,
+                                 declared=declared is not None)
+
+    def _arrow_json(self):
+        """Yield the file's tables; return None, or the file's types when its label has gaps."""
+        name, label, declared = self.name, self.label, self.declared
+        explicit = pa.schema(list(declared.items())) if declared is not None else None
+        schema, gaps, unlabelled, unsupported = None, False, False, False
+        rows, values = 0, collections.Counter()
+        for chunk in _line_chunks(self.fs, self.path):
+            table = _arrow_json(chunk, explicit, "error" if declared is not None else "infer")
+            if declared is None:
+                temporal = [(f.name, pa.string()) for f in table.schema if pa.types.is_temporal(f.type)]
+                if temporal:  # keep dates as written, as for CSV
+                    table = _arrow_json(chunk, pa.schema(temporal), "infer")
+                # As pyarrow's whole-file read: a key's type widens null -> any and int -> float;
+                # any other change (number here, text there) raises, for the precise pass.
+                schema = table.schema if schema is None else pa.unify_schemas(
+                    [schema, table.schema], promote_options="permissive")
+            else:
+                schema = explicit
+                rows += table.num_rows
+                values.update({c: table.num_rows - table.column(c).null_count for c in declared})
+            if unsupported or gaps:
+                continue
+            try:
+                table = _supported(table, name)
+            except DataError:
+                unsupported = True  # raised for the whole file's types, once it is read
+                continue
+            if label is not None:
+                if label in table.column_names:
+                    if table.column(label).null_count:
+                        gaps = True
+                        continue
+                elif table.num_rows:
+                    unlabelled = True  # no label in this chunk: a gap if the key appears later
+            yield table
+        if declared is not None:
+            _check_json_columns(rows, values, declared, name)
+        schema = _supported(schema.empty_table(), name).schema
+        if label is not None and label in schema.names and (gaps or unlabelled):
+            return schema_types(schema)
+        self.schema = schema
+        return None
+
+    # ------------------------------------------------------------ the precise pass
+
+    def _precise(self, open_records: Callable[[], Iterator[tuple[int, Any]]], columns, types, text: bool,
+                 declared: bool = False) -> Iterator[pa.Table]:
+        """Parse the records (from _csv_records / _json_records) value by value, naming each bad row.
+        Inferring types needs every value first: then the file is read twice."""
+        name, label, bad = self.name, self.label, self.bad
+        if types is None:
+            columns, types = _infer(open_records(), columns, text, name)
+        convert = _from_text if text else _from_json
+        values: dict[str, list] = {c: [] for c in columns}
+        rows, pending, present = 0, 0, collections.Counter()
+
+        def table() -> pa.Table:
+            t = pa.table({c: pa.array(values[c], type=types[c]) for c in columns})
+            for c in columns:
+                present[c] += t.num_rows - t.column(c).null_count
+                values[c] = []
+            return t
+
+        for line, record in open_records():
+            if isinstance(record, BadRow):
+                bad.add(record)
+                continue
+            extra = [k for k in record if k not in types]
+            if extra:  # only with a declared schema: an undeclared key is a schema mismatch, not a bad row
+                raise DataError(f"{name} line {line} has column {extra[0]!r}, which the schema does not "
+                                "declare. Add it to the schema or remove it from the data.")
+            row, problem = {}, None
+            for c in columns:
+                raw = record.get(c)
+                try:
+                    row[c] = None if raw is None else convert(raw, types[c])
+                except ValueError as e:
+                    problem = BadRow(name, line, c, str(e))
+                    break
+                if row[c] is None and c == label:
+                    problem = BadRow(name, line, c, "the label is missing")
+                    break
+            if problem:
+                bad.add(problem)
+                continue
+            for c in columns:
+                values[c].append(row[c])
+            rows, pending = rows + 1, pending + 1
+            if pending == PRECISE_BATCH_ROWS:
+                yield table()
+                pending = 0
+        if pending:
+            yield table()
+        if declared:
+            _check_json_columns(rows, present, types, name)
+        self.schema = pa.schema([(c, types[c]) for c in columns])
+
+
+def schema_types(schema: pa.Schema) -> dict[str, pa.DataType]:
+    return {f.name: f.type for f in schema}
+
+
+def _not_parquet(name: str, e: Exception) -> DataError:
+    return DataError(f"{name} is not a readable Parquet file: {e}. Re-export it, or give it the "
+                     "extension of its real format.")
+
+
+def _local_path(fs, path: str) -> str | None:
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return path if "file" in protocol or "local" in protocol else None
+
+
+def _open_binary(fs, path: str):
+    # A local file is read by pyarrow itself (no Python in the loop); anything else through fsspec.
+    local = _local_path(fs, path)
+    return pa.OSFile(local) if local is not None else fs.open(path, "rb")
+
+
+def _convert_options(column_types) -> pa_csv.ConvertOptions:
+    return pa_csv.ConvertOptions(column_types=column_types, null_values=[""], strings_can_be_null=True,
+                                 true_values=list(_TRUE), false_values=list(_FALSE))
+
+
+_CSV_PARSE = pa_csv.ParseOptions(newlines_in_values=True)
+
+
+def _open_csv(fs, path, column_types) -> pa_csv.CSVStreamingReader:
+    f = _open_binary(fs, path)
+    try:
+        reader = pa_csv.open_csv(f, read_options=pa_csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
+                                 parse_options=_CSV_PARSE, convert_options=_convert_options(column_types))
+    except BaseException:
+        f.close()
+        raise
+    return _Closing(reader, f)
+
+
+class _Closing:
+    """A streaming reader that also closes the file it reads."""
+
+    def __init__(self, reader, f):
+        self._reader, self._file = reader, f
+        self.schema = reader.schema
+
+    def read_next_batch(self):
+        return self._reader.read_next_batch()
+
+    def __iter__(self):
+        return iter(self._reader)
+
+    def close(self):
+        self._reader.close()
+        self._file.close()
+
+
+def _csv_file_types(fs, path, header) -> dict[str, pa.DataType]:
+    """The types pyarrow's whole-file read infers for each column, found a block at a time.
+
+    pyarrow tries int64, bool, date, time, timestamps, float64, then text (binary when not UTF-8),
+    and takes the first type every value of the column converts to. Dates, times and timestamps
+    become text here, and no value converts both to one of them and to a number or a bool, so
+    int64, bool and float64 are the types to test: each with pyarrow's own converter, on the
+    block's values of the column written out as a one-column CSV. A malformed row raises."""
+    candidates = (pa.int64(), pa.bool_(), pa.float64())
+    alive = {c: list(candidates) for c in header}
+    has_value = dict.fromkeys(header, False)
+    utf8 = dict.fromkeys(header, True)
+    reader = _open_csv(fs, path, {c: pa.binary() for c in header})
+    try:
+        for batch in reader:
+            for c in header:
+                values = batch.column(c).drop_null()
+                if not len(values):
+                    continue
+                has_value[c] = True
+                if utf8[c]:
+                    try:
+                        values.cast(pa.string())
+                    except pa.ArrowInvalid:
+                        utf8[c] = False
+                if alive[c]:
+                    text = _one_column_csv(values)
+                    alive[c] = [t for t in alive[c] if _converts(text, t)]
+    finally:
+        reader.close()
+    return {c: (pa.null() if not has_value[c] else alive[c][0] if alive[c]
+                else pa.string() if utf8[c] else pa.binary()) for c in header}
+
+
+def _one_column_csv(values: pa.Array) -> bytes:
+    """`values` (binary) as the text of a CSV file with one column, each value quoted."""
+    quoted = pc.binary_join_element_wise(b'"', pc.replace_substring(values, b'"', b'""'), b'"\n', b"")
+    offsets = np.frombuffer(quoted.buffers()[1], dtype=np.int32)[quoted.offset:quoted.offset + len(quoted) + 1]
+    return b"c\n" + memoryview(quoted.buffers()[2])[offsets[0]:offsets[-1]].tobytes()
+
+
+def _converts(text: bytes, t: pa.DataType) -> bool:
+    try:
+        pa_csv.read_csv(pa.BufferReader(text), read_options=pa_csv.ReadOptions(use_threads=False),
+                        parse_options=_CSV_PARSE, convert_options=_convert_options({"c": t}))
+        return True
+    except pa.ArrowInvalid:
+        return False
+
+
+def _open_text(fs, path):
+    # utf-8-sig drops a byte-order mark, as pyarrow does, so both passes see the same header.
+    return io.TextIOWrapper(fs.open(path, "rb"), encoding="utf-8-sig", newline="")
+
+
+def _csv_header(fs, path, name) -> list[str]:
+    with _open_text(fs, path) as f:
+        header = next((row for row in csv.reader(f) if row), None)
+    if header is None:
+        raise DataError(f"{name} is empty; a CSV file needs a header line naming its columns.")
+    dupes = sorted({c for c in header if header.count(c) > 1})
+    if dupes or "" in header:
+        what = f"repeats column(s) {', '.join(map(repr, dupes))}" if dupes else "has an unnamed column"
+        raise DataError(f"The header of {name} {what}; give every column a unique name.")
+    return header
+
+
+def _csv_records(fs, path, name, header) -> Iterator[tuple[int, Any]]:
+    """(first line of the record, {column: text} or a BadRow), header skipped."""
+    with _open_text(fs, path) as f:
+        reader = csv.reader(f)
+        rows = iter(reader)
+        seen_header, last = False, 0
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except csv.Error as e:  # e.g. a field over the csv module's size limit
+                raise DataError(f"Cannot parse {name} at line {reader.line_num}: {e}.") from None
+            line, last = last + 1, reader.line_num  # a quoted field may span lines: report the first
+            if not row:  # blank line, as pyarrow skips it
+                continue
+            if not seen_header:
+                seen_header = True
+                continue
+            if len(row) != len(header):
+                column = header[len(row)] if len(row) < len(header) else None
+                yield line, BadRow(name, line, column, f"it has {len(row)} fields but the header has {len(header)}")
+                continue
+            yield line, dict(zip(header, row))
+
+
+def _line_chunks(fs, path) -> Iterator[bytes]:
+    """The file in chunks of whole lines (an empty file: one empty chunk, as a whole-file read sees it)."""
+    with _open_binary(fs, path) as f:
+        rest, first = b"", True
+        while True:
+            data = f.read(JSON_CHUNK_BYTES)
+            if not data:
+                if rest or first:
+                    yield rest
+                return
+            first = False
+            data = rest + data if rest else data
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # a line longer than a chunk: read on
+                rest = data
+                continue
+            yield data[:cut]
+            rest = data[cut:]
+
+
+def _arrow_json(data: bytes, explicit, unexpected) -> pa.Table:
+    return pa_json.read_json(pa.BufferReader(data), parse_options=pa_json.ParseOptions(
+        explicit_schema=explicit, unexpected_field_behavior=unexpected))
+
+
+def _json_records(fs, path, name) -> Iterator[tuple[int, Any]]:
+    with _open_text(fs, path) as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield line, BadRow(name, line, None, f"it is not valid JSON ({e.msg})")
+                continue
+            if not isinstance(record, dict):
+                yield line, BadRow(name, line, None, "it is not a JSON object")
+                continue
+            yield line, record
+
+
+def _check_json_columns(rows: int, values: dict[str, int], declared, name) -> None:
+    # JSON rows may omit keys, so a declared column never set in the whole file is the "missing column".
+    if rows:
+        for c in declared:
+            if not values[c]:
+                raise DataError(f"Column {c!r} of the schema has no value in {name}. Fix the schema "
+                                "or the data so that they name the same columns.")
+
+
+# ---------------------------------------------------------------- the precise pass's conversions
+
+def _from_text(s: str, t: pa.DataType):
+    if s == "":
+        return None
+    if t == pa.string():
+        return s
+    if t == pa.int64() and _INT.fullmatch(s) and -2**63 <= int(s) < 2**63:
+        return int(s)
+    if pa.types.is_floating(t) and _FLOAT.fullmatch(s):
+        return float(s)
+    if t == pa.bool_() and s in _TRUE + _FALSE:
+        return s in _TRUE
+    raise ValueError(f"cannot read {s!r} as {TYPE_NAMES[t]}")
+
+
+def _from_json(v, t: pa.DataType):
+    # As strict as pyarrow with a declared schema: no numbers in quotes, no strings from numbers.
+    if t == pa.string():
+        ok = isinstance(v, str)
+    elif t == pa.bool_():
+        ok = isinstance(v, bool)
+    elif t == pa.int64():
+        ok = isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+    else:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if not ok:
+        raise ValueError(f"cannot read {json.dumps(v)[:60]} as {TYPE_NAMES.get(t, t)}")
+    return v
+
+
+def _infer(records, columns, text: bool, name: str) -> tuple[list[str], dict[str, pa.DataType]]:
+    """(columns, types) of the records, value by value; JSON's columns in order of first appearance."""
+    seen: dict[str, None] = dict.fromkeys(columns) if columns is not None else {}
+    fits: dict[str, list[pa.DataType]] = {}  # text: the types every value so far fits, in pyarrow's order
+    kinds: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # JSON
+    nested: set[str] = set()
+    for _, r in records:
+        if not isinstance(r, dict):
+            continue
+        for c, v in r.items():
+            if columns is None:
+                seen.setdefault(c)
+            if v is None:
+                continue
+            if text:
+                if v == "":
+                    continue
+                alive = fits.setdefault(c, [pa.int64(), pa.bool_(), pa.float64()])
+                if alive:
+                    fits[c] = [t for t in alive if _fits(v, t)]
+            elif isinstance(v, (dict, list)):
+                nested.add(c)
+            else:
+                kinds[c]["bool" if isinstance(v, bool) else "str" if isinstance(v, str)
+                         else "int" if isinstance(v, int) else "float"] += 1
+    columns = list(seen)
+    types = {}
+    for c in columns:
+        if text:  # pyarrow's CSV order: the first type every value fits
+            types[c] = pa.null() if c not in fits else fits[c][0] if fits[c] else pa.string()
+            continue
+        if c in nested:
+            raise DataError(f"Column {c!r} of {name} holds nested JSON values; elastic-step reads flat "
+                            "records of numbers, strings and booleans. Flatten the data first.")
+        # pyarrow gives up on a column mixing kinds; the majority kind wins here, so that
+        # the odd values become bad rows that name their line.
+        k = kinds[c]
+        numbers = k["int"] + k["float"]
+        if not k:
+            types[c] = pa.null()
+        elif numbers >= max(k["bool"], k["str"]):
+            types[c] = pa.float64() if k["float"] else pa.int64()
+        else:
+            types[c] = pa.bool_() if k["bool"] > k["str"] else pa.string()
+    return columns, types
+
+
+def _fits(s: str, t: pa.DataType) -> bool:
+    try:
+        _from_text(s, t)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_not_all_bad(rows: int, name: str, bad: BadRows) -> None:
+    # Skipping every row hides a wrong file or schema behind an empty data set.
+    if rows == 0 and bad.last is not None and bad.last.file == name:
+        raise DataError(f"Every row of {name} is bad, e.g. {bad.last.unit} {bad.last.line}: "
+                        f"{bad.last.reason}. Check that the file matches the schema.")
+
+
+# ---------------------------------------------------------------- types and columns
+
+def _supported(table: pa.Table, name: str) -> pa.Table:
+    """Narrow arrow's many types to the five a manifest holds, or say which column cannot be."""
+    cols = {}
+    for f in table.schema:
+        t = f.type
+        if pa.types.is_integer(t):
+            target = pa.int64()
+        elif pa.types.is_floating(t):
+            target = pa.float64() if t == pa.float64() else pa.float32()
+        elif pa.types.is_boolean(t) or pa.types.is_null(t):
+            target = t
+        elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_temporal(t) or (
+                pa.types.is_dictionary(t) and pa.types.is_string(t.value_type)):
+            target = pa.string()
+        else:
+            raise DataError(f"Column {f.name!r} of {name} has type {t}, which elastic-step cannot train "
+                            f"on; convert it to one of {', '.join(TYPES)} (or drop it) first.")
+        column = table.column(f.name)
+        try:
+            cols[f.name] = column if t == target else column.cast(target)
+        except pa.ArrowInvalid as e:
+            raise DataError(f"Column {f.name!r} of {name} does not fit {target}: {e}.") from None
+    return pa.table(cols)
+
+
+def _cast_declared(column: pa.ChunkedArray, declared: pa.DataType, c: str, name: str) -> pa.ChunkedArray:
+    actual = column.type
+    numeric = (pa.int64(), pa.float32(), pa.float64())
+    if actual == declared or pa.types.is_null(actual) or (
+            pa.types.is_floating(declared) and actual in numeric):
+        return column.cast(declared)
+    raise DataError(f"Column {c!r} of {name} holds {TYPE_NAMES.get(actual, actual)} values but the schema "
+                    f"declares {TYPE_NAMES[declared]}. Fix the schema or convert the column.")
+
+
+def _check_columns(columns: list[str], declared: dict, name: str) -> None:
+    missing = [c for c in declared if c not in columns]
+    extra = [c for c in columns if c not in declared]
+    if missing:
+        raise DataError(f"Column {missing[0]!r} of the schema is missing from {name}. Fix the schema or "
+                        "the data so that they name the same columns.")
+    if extra:
+        raise DataError(f"{name} has column {extra[0]!r}, which the schema does not declare. Add it to "
+                        "the schema or remove it from the data.")
+
+
+def combine(schemas: list[tuple[str, pa.Schema]], declared) -> pa.Schema:
+    """The data set's schema from all files': the same columns everywhere, types widened int -> float only."""
+    first_name, first = schemas[0]
+    columns = list(declared) if declared is not None else first.names
+    types = {c: first.field(c).type for c in columns} if declared is None else dict(declared)
+    for name, s in schemas:
+        if set(s.names) != set(columns):
+            odd = sorted(set(s.names) ^ set(columns))[0]
+            has, lacks = (name, first_name) if odd in s.names else (first_name, name)
+            raise DataError(f"{has} has column {odd!r} but {lacks} does not; all source files need the "
+                            "same columns (or pass --schema to check them).")
+        if declared is None:
+            for c in columns:
+                types[c] = _widen(types[c], s.field(c).type, c, first_name, name)
+    for c, t in types.items():
+        if pa.types.is_null(t):  # never had a value anywhere
+            types[c] = pa.string()
+    return pa.schema([(c, types[c]) for c in columns])
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly `schema`'s columns: missing ones null, narrower types widened.
+
+    Only the widenings `combine` and a JSON file's types allow reach here (null -> any, int ->
+    float); an integer past 2**53 rounds to the nearest float64, as pyarrow's JSON reader does."""
+    if table.schema.equals(schema):
+        return table
+    n = table.num_rows
+    cols = []
+    for f in schema:
+        i = table.schema.get_field_index(f.name)
+        if i < 0:
+            cols.append(pa.nulls(n, f.type))
+        else:
+            col = table.column(i)
+            cols.append(col if col.type == f.type else col.cast(f.type, safe=False))
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _widen(a: pa.DataType, b: pa.DataType, c: str, name_a: str, name_b: str) -> pa.DataType:
+    if a == b or pa.types.is_null(b):
+        return a
+    if pa.types.is_null(a):
+        return b
+    numeric = (pa.int64(), pa.float32(), pa.float64())
+    if a in numeric and b in numeric:
+        return pa.float64()
+    raise DataError(f"Column {c!r} is {TYPE_NAMES[a]} in {name_a} but {TYPE_NAMES[b]} in {name_b}. "
+                    "Pass --schema to declare its type.")

@@ -1,0 +1,325 @@
+"""An exact, seeded shuffle of a data set larger than memory: keys, buckets and two passes.
+
+Every row gets a 64-bit key that only the seed and the row's place in the source decide: the i-th
+output of splitmix64 seeded with the seed, where i = (file index << 40) + the row's index among its
+file's good rows. (Not the row's index in the whole data set: that needs every earlier file's row
+count before a file's keys can be made, so a counting pass or files parsed one after another.
+(file, row) is as fixed by the source, and lets every file be parsed on its own.) The keys are
+distinct (splitmix64 is a bijection of i), so sorting by key orders the rows one way only.
+
+Pass 1 parses each source file (a process per file, up to the CPUs) and appends its rows, key
+first, to one of 2**bits buckets by the key's top bits: Arrow IPC files in a local folder. Pass 2
+takes the buckets in key order, sorts each by key and yields the rows. The order, and so the shards,
+depend on the source and the seed only: not on the number of processes, batch sizes or buckets.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import multiprocessing
+import os
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from elastic_step.data.parse import RESTART, BadRows, SourceFile, conform, file_format
+from elastic_step.errors import DataError
+
+# Pass 2 sorts this much at once (held twice: as read and sorted); pass 1 buffers this much per
+# process before appending to the bucket files. Together with pyarrow's read-ahead they bound memory.
+SORT_BYTES = 32 << 20
+SPILL_BUFFER_BYTES = 32 << 20
+MAX_BUCKET_BITS = 10  # <= 1024 buckets; a bucket past SORT_BYTES is split again in pass 2
+# Below this much source, starting processes (~0.5 s each) costs more than it saves.
+PARALLEL_MIN_BYTES = 32 << 20
+ROW_BITS, FILE_BITS = 40, 24
+
+_GAMMA = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def _mix(z):
+    """splitmix64's finalizer: a bijection of 64-bit integers (Python ints or uint64 arrays)."""
+    if isinstance(z, int):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        return z ^ (z >> 31)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)  # uint64 arrays wrap mod 2**64
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_keys(seed: int, file_index: int, start: int, count: int) -> np.ndarray:
+    """The keys of rows [start, start + count) of file `file_index`, as uint64."""
+    if not 0 <= file_index < 1 << FILE_BITS or start + count > 1 << ROW_BITS:
+        raise DataError(f"A source of more than {1 << FILE_BITS} files or {1 << ROW_BITS} rows in one file is "
+                        "more than data prep handles; split it.")
+    # The seed is mixed first so that seeds a multiple of the gamma apart do not give shifted keys.
+    first = (_mix(seed & _MASK) + ((file_index << ROW_BITS) + start + 1) * _GAMMA) & _MASK
+    with np.errstate(over="ignore"):
+        z = np.arange(count, dtype=np.uint64) * np.uint64(_GAMMA) + np.uint64(first)
+        return _mix(z)
+
+
+def bucket_bits(files: list[tuple[str, int]]) -> int:
+    """log2 of the bucket count for [(path, size)]: a bucket about SORT_BYTES in memory. A guess
+    (a CSV's numbers take up to ~2x their text in memory, compressed Parquet ~4x); pass 2 sorts
+    small buckets together and splits big ones, so a wrong guess costs time, not memory."""
+    estimate = sum(size * (4 if file_format(path) == "parquet" else 2) for path, size in files)
+    return min(MAX_BUCKET_BITS, max(0, math.ceil(math.log2(max(estimate, 1) / SORT_BYTES))))
+
+
+def _bucket_of(keys: np.ndarray, used: int, bits: int) -> np.ndarray:
+    """The `bits` bits of each key after its top `used` bits."""
+    if bits == 0:
+        return np.zeros(len(keys), dtype=np.intp)
+    top = keys << np.uint64(used) if used else keys
+    return (top >> np.uint64(64 - bits)).astype(np.intp)
+
+
+class _Buckets:
+    """Rows, key first, appended to FOLDER/<bucket>/<pid>.arrow by bits [used, used + bits) of their key.
+
+    A process's rows go to its own files, one Arrow IPC stream per flush (streams carry their own
+    schema: a JSON file's chunks may differ). `forget` truncates them back to where this file began."""
+
+    def __init__(self, folder: str, used: int, bits: int):
+        self.folder, self.used, self.bits = folder, used, bits
+        n = 1 << bits
+        self.rows = np.zeros(n, dtype=np.int64)
+        self.bytes = np.zeros(n, dtype=np.int64)
+        self._pending: list[list[pa.Table]] = [[] for _ in range(n)]
+        self._pending_bytes = 0
+        self._started: dict[int, int] = {}  # bucket -> its file's size before this file's rows
+
+    def path(self, bucket: int) -> str:
+        return os.path.join(self.folder, f"{bucket:04d}", f"{os.getpid()}.arrow")
+
+    def add(self, table: pa.Table, keys: np.ndarray) -> None:
+        table = pa.Table.from_arrays([pa.array(keys, pa.uint64())] + table.columns,
+                                     names=["key"] + table.column_names)
+        buckets = _bucket_of(keys, self.used, self.bits)
+        if self.bits:
+            order = np.argsort(buckets, kind="stable")
+            table = table.take(order)
+            counts = np.bincount(buckets, minlength=len(self.rows))
+        else:
+            counts = np.array([table.num_rows])
+        start = 0
+        for b in np.flatnonzero(counts):
+            part = table.slice(start, counts[b])
+            start += counts[b]
+            self._pending[b].append(part)
+            self.rows[b] += part.num_rows
+            self.bytes[b] += part.nbytes
+            self._pending_bytes += part.nbytes
+        if self._pending_bytes > SPILL_BUFFER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        for b, parts in enumerate(self._pending):
+            if not parts:
+                continue
+            path = self.path(b)
+            if b not in self._started:
+                self._started[b] = os.path.getsize(path) if os.path.exists(path) else 0
+            with open(path, "ab") as f:
+                while parts:
+                    same = [p for p in parts if p.schema.equals(parts[0].schema)]
+                    parts = [p for p in parts if not p.schema.equals(parts[0].schema)]
+                    with ipc.new_stream(f, same[0].schema) as w:
+                        w.write_table(pa.concat_tables(same).combine_chunks())
+            self._pending[b] = []
+        self._pending_bytes = 0
+
+    def forget(self) -> None:
+        for b, size in self._started.items():
+            os.truncate(self.path(b), size)
+        self._started.clear()
+        self._pending = [[] for _ in self._pending]
+        self._pending_bytes = 0
+        self.rows[:] = 0
+        self.bytes[:] = 0
+
+
+# ---------------------------------------------------------------- pass 1
+
+@dataclasses.dataclass
+class Spilled:
+    """Pass 1's account of one source file."""
+    name: str
+    schema: pa.Schema
+    rows: int
+    bucket_rows: np.ndarray
+    bucket_bytes: np.ndarray
+    skipped: int
+    bad_rows: list[dict]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+    fs: object
+    path: str
+    name: str
+    index: int
+    declared: dict | None
+    label: str | None
+    skip: bool
+    seed: int
+    folder: str
+    bits: int
+
+
+def _spill_file(task: _Task) -> Spilled:
+    bad = BadRows(task.skip)
+    source = SourceFile(task.fs, task.path, task.name, task.declared, task.label, bad)
+    out = _Buckets(task.folder, 0, task.bits)
+    rows = 0
+    for item in source.batches():
+        if item is RESTART:
+            out.forget()
+            rows = 0
+        elif item.num_rows:
+            out.add(item, row_keys(task.seed, task.index, rows, item.num_rows))
+            rows += item.num_rows
+    out.flush()
+    return Spilled(task.name, source.schema, rows, out.rows, out.bytes, bad.count, bad.first)
+
+
+def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: int, folder: str, bits: int,
+          processes: int) -> list[Spilled]:
+    """Pass 1: every file's rows into the buckets under `folder`; the files' accounts in file order.
+
+    With several processes the error raised is the one of the first file (in order) that fails,
+    as when they are read one after another."""
+    for b in range(1 << bits):
+        os.makedirs(os.path.join(folder, f"{b:04d}"), exist_ok=True)
+    tasks = [_Task(fs, path, name, i, declared, label, skip, seed, folder, bits)
+             for i, (path, name) in enumerate(files)]
+    if processes <= 1:
+        return [_spill_file(t) for t in tasks]
+    # forkserver, not fork: the caller may hold threads (pyarrow's, gRPC's) that fork would copy
+    # mid-step. As with any such pool, a script calling prepare() needs `if __name__ == "__main__":`.
+    # No preload: Python 3.11's forkserver would import it before taking the caller's sys.path.
+    context = multiprocessing.get_context("forkserver")
+    results: dict[int, Spilled] = {}
+    errors: dict[int, BaseException] = {}
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        futures = {pool.submit(_spill_file, t): t.index for t in tasks}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                i = futures[future]
+                if future.cancelled():
+                    continue
+                error = future.exception()
+                if error is None:
+                    results[i] = future.result()
+                    continue
+                errors[i] = error
+                for other, j in futures.items():  # later files cannot change which error is raised
+                    if j > i:
+                        other.cancel()
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    if errors:
+        raise errors[min(errors)]
+    return [results[i] for i in range(len(tasks))]
+
+
+def processes_for(files: list[tuple[str, int]], fs) -> int:
+    """How many processes pass 1 uses: a file each, up to the CPUs this process may use."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if len(files) < 2 or sum(size for _, size in files) < PARALLEL_MIN_BYTES or "memory" in protocol:
+        return 1  # memory:// lives in this process only
+    return max(1, min(len(files), usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """os.cpu_count(), less what CPU affinity or a cgroup quota (a container's CPU limit) leaves."""
+    cpus = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cpus = min(cpus, len(os.sched_getaffinity(0)))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
+
+
+# ---------------------------------------------------------------- pass 2
+
+def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema,
+                 used: int = 0) -> Iterator[pa.Table]:
+    """Pass 2: every row under `folder` in key order, key dropped, as tables of `schema`'s columns.
+
+    Neighbouring buckets are sorted together up to SORT_BYTES; a bucket bigger than that (the
+    guess of bucket_bits was low) is split by the next bits of its keys first."""
+    unit: list[int] = []
+    unit_bytes = 0
+    for b in range(1 << bits):
+        size = int(bucket_bytes[b])
+        if unit and unit_bytes + size > SORT_BYTES:
+            yield _sorted(folder, unit, schema)
+            unit, unit_bytes = [], 0
+        if size > SORT_BYTES and used + bits < 64:
+            yield from _split(folder, b, size, schema, used + bits)
+            continue
+        unit.append(b)
+        unit_bytes += size
+    if unit:
+        yield _sorted(folder, unit, schema)
+
+
+def _streams(folder: str, bucket: int) -> Iterator[pa.Table]:
+    """The tables appended to a bucket, as written: each file holds one IPC stream per flush."""
+    sub = os.path.join(folder, f"{bucket:04d}")
+    for name in sorted(os.listdir(sub)):
+        with pa.OSFile(os.path.join(sub, name)) as f:
+            size = f.size()
+            while f.tell() < size:
+                yield ipc.open_stream(f).read_all()
+
+
+def _sorted(folder: str, buckets: list[int], schema: pa.Schema) -> pa.Table:
+    parts = []
+    for b in buckets:
+        for t in _streams(folder, b):
+            data = pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:])
+            parts.append((t.column(0), conform(data, schema)))
+    if not parts:
+        return schema.empty_table()
+    keys = pa.chunked_array([k for k, _ in parts], pa.uint64()).to_numpy()
+    table = pa.concat_tables([t for _, t in parts])
+    del parts
+    return table.take(np.argsort(keys))
+
+
+def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int) -> Iterator[pa.Table]:
+    sub = os.path.join(folder, f"{bucket:04d}", "split")
+    bits = min(MAX_BUCKET_BITS, 64 - used, max(1, math.ceil(math.log2(size / SORT_BYTES)) + 1))
+    for b in range(1 << bits):
+        os.makedirs(os.path.join(sub, f"{b:04d}"), exist_ok=True)
+    out = _Buckets(sub, used, bits)
+    for t in _streams_of_files(folder, bucket):
+        out.add(pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:]), t.column(0).to_numpy())
+    out.flush()
+    yield from in_key_order(sub, bits, out.bytes, schema, used)
+
+
+def _streams_of_files(folder: str, bucket: int) -> Iterator[pa.Table]:
+    sub = os.path.join(folder, f"{bucket:04d}")
+    for name in sorted(os.listdir(sub)):
+        path = os.path.join(sub, name)
+        if os.path.isfile(path):
+            with pa.OSFile(path) as f:
+                size = f.size()
+                while f.tell() < size:
+                    for batch in ipc.open_stream(f):  # a batch at a time: the bucket does not fit
+                        yield pa.Table.from_batches([batch])
