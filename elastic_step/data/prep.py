@@ -8,6 +8,8 @@ files take about the data's size in Arrow form on local disk, in TMPDIR.
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -29,7 +31,9 @@ from elastic_step.util.atomic import atomic_directory
 __all__ = ["MAX_BAD_ROWS", "PrepResult", "prepare"]
 
 # A shard is written in one piece while its row groups fit in this; a bigger one streams to its file.
-SHARD_BUFFER_BYTES = 32 << 20
+SHARD_BUFFER_BYTES = 16 << 20
+# Shards are encoded by this many threads (pyarrow releases the GIL) while pass 2 sorts the next rows.
+MAX_WRITER_THREADS = 4
 SPLITS = ("eval", "train")  # in the order the key sort fills them
 
 
@@ -231,7 +235,9 @@ def _write(output: str, rows: Iterator[pa.Table], n_eval: int, manifests: dict[s
 def _write_splits(fs, folders: dict[str, str], rows: Iterator[pa.Table], n_eval: int,
                   manifests: dict[str, Manifest], shard_rows: int, row_group_rows: int) -> None:
     """The first n_eval rows to eval's shards, the rest to train's."""
-    writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows) for s in SPLITS}
+    threads = min(MAX_WRITER_THREADS, shuffle.usable_cpus())
+    pool = _Writers(threads)
+    writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool) for s in SPLITS}
     try:
         position = 0
         for table in rows:
@@ -244,49 +250,83 @@ def _write_splits(fs, folders: dict[str, str], rows: Iterator[pa.Table], n_eval:
             position += table.num_rows
         for w in writers.values():
             w.close()
+        pool.wait()
     finally:
+        pool.shutdown()
         for w in writers.values():
             w.abort()
+
+
+class _Writers:
+    """Threads writing whole shards; at most one more shard in flight than threads (memory)."""
+
+    def __init__(self, threads: int):
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="prep-write")
+        self._limit = threads + 1
+        self._pending: collections.deque = collections.deque()
+
+    def submit(self, fn, *args) -> None:
+        while len(self._pending) >= self._limit:
+            self._pending.popleft().result()  # raises what the write raised
+        self._pending.append(self._pool.submit(fn, *args))
+
+    def wait(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)  # no write left running on a failure
+
+
+def _write_shard(fs, path: str, table: pa.Table, row_group_rows: int) -> None:
+    with _open_output(fs, path) as f:
+        # Small row groups let a worker read just the groups its task's range spans.
+        pq.write_table(table, f, row_group_size=row_group_rows, **_parquet_options(table.schema))
+
+
+def _open_output(fs, path: str):
+    # pyarrow writes a local file itself: through fsspec's file object it makes a Python call per page.
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return pa.OSFile(path, "wb") if "file" in protocol else fs.open(path, "wb")
 
 
 class _ShardWriter:
     """One split's rows, in order, as shards of shard_rows rows in row groups of row_group_rows.
 
-    Each row group is made one contiguous table, so a shard's bytes depend on its rows only. A shard
-    whose row groups fit in SHARD_BUFFER_BYTES is written whole by pq.write_table; a bigger one
-    (wide rows, large shard_rows) streams to its file a row group at a time. Both give the same bytes."""
+    What is written is made one contiguous table first (a copy only where pieces meet), so a shard's
+    bytes depend on its rows only. A shard that fits in SHARD_BUFFER_BYTES is written whole by
+    pq.write_table, on a writer thread; a bigger one (wide rows, large shard_rows) streams to its
+    file here, whole row groups at a time. Both give the same bytes."""
 
-    def __init__(self, fs, folder: str, manifest: Manifest, shard_rows: int, row_group_rows: int):
+    def __init__(self, fs, folder: str, manifest: Manifest, shard_rows: int, row_group_rows: int,
+                 writers: _Writers):
         fs.makedirs(folder, exist_ok=True)
-        self.fs, self.folder, self.manifest = fs, folder, manifest
+        self.fs, self.folder, self.manifest, self.writers = fs, folder, manifest, writers
         self.shard_rows, self.group_rows = shard_rows, row_group_rows
-        self._slices: list[pa.Table] = []  # the row group being filled
-        self._slice_rows = 0
-        self._groups: list[pa.Table] = []  # the shard's row groups, while they fit in memory
-        self._groups_bytes = 0
-        self._rows = 0  # in the shard's finished row groups
+        self._pieces: list[pa.Table] = []  # the shard's rows not written yet
+        self._pending_rows = 0
+        self._pending_bytes = 0.0
+        self._rows = 0  # the shard's rows, written or pending
         self._file = self._writer = None
-        self._closed = False
 
     def write(self, table: pa.Table) -> None:
+        row_bytes = table.nbytes / max(table.num_rows, 1)
         offset = 0
         while offset < table.num_rows:
-            room = min(self.group_rows - self._slice_rows, self.shard_rows - self._rows - self._slice_rows)
-            n = min(room, table.num_rows - offset)
-            self._slices.append(table.slice(offset, n))
-            self._slice_rows += n
+            n = min(self.shard_rows - self._rows, table.num_rows - offset)
+            self._pieces.append(table.slice(offset, n))
             offset += n
-            if n == room:
-                self._end_group()
+            self._rows += n
+            self._pending_rows += n
+            self._pending_bytes += n * row_bytes
+            if self._rows == self.shard_rows:
+                self._end_shard()
+            elif self._pending_bytes > SHARD_BUFFER_BYTES:
+                self._stream()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        if self._slice_rows:
-            self._end_group()
         if self._rows:
             self._end_shard()
-        self._closed = True
 
     def abort(self) -> None:
         if self._file is not None:
@@ -296,37 +336,43 @@ class _ShardWriter:
     def _path(self) -> str:
         return f"part-{len(self.manifest.shards):05d}.parquet"
 
-    def _end_group(self) -> None:
-        group = pa.concat_tables(self._slices).combine_chunks()
-        self._slices, self._slice_rows = [], 0
-        self._rows += group.num_rows
+    def _stream(self) -> None:
+        """Write the pending whole row groups to the shard's file; keep the rest."""
+        whole = self._pending_rows - self._pending_rows % self.group_rows
+        if not whole:
+            return
+        pending = pa.concat_tables(self._pieces)
         if self._writer is None:
-            self._groups.append(group)
-            self._groups_bytes += group.nbytes
-            if self._groups_bytes > SHARD_BUFFER_BYTES:
-                self._file = self.fs.open(posixpath.join(self.folder, self._path()), "wb")
-                self._writer = pq.ParquetWriter(self._file, group.schema)
-                for g in self._groups:
-                    self._writer.write_table(g, row_group_size=self.group_rows)
-                self._groups, self._groups_bytes = [], 0
-        else:
-            self._writer.write_table(group, row_group_size=self.group_rows)
-        if self._rows == self.shard_rows:
-            self._end_shard()
+            self._file = _open_output(self.fs, posixpath.join(self.folder, self._path()))
+            self._writer = pq.ParquetWriter(self._file, pending.schema, **_parquet_options(pending.schema))
+        self._writer.write_table(_contiguous(pending.slice(0, whole)), row_group_size=self.group_rows)
+        self._pieces = [pending.slice(whole)]
+        self._pending_bytes *= (self._pending_rows - whole) / self._pending_rows
+        self._pending_rows -= whole
 
     def _end_shard(self) -> None:
         path = self._path()
+        table = _contiguous(pa.concat_tables(self._pieces))
         if self._writer is None:
-            with self.fs.open(posixpath.join(self.folder, path), "wb") as f:
-                # Small row groups let a worker read just the groups its task's range spans.
-                pq.write_table(pa.concat_tables(self._groups), f, row_group_size=self.group_rows)
-            self._groups, self._groups_bytes = [], 0
+            self.writers.submit(_write_shard, self.fs, posixpath.join(self.folder, path), table, self.group_rows)
         else:
+            if table.num_rows:
+                self._writer.write_table(table, row_group_size=self.group_rows)
             self._writer.close()
             self._file.close()
             self._file = self._writer = None
         self.manifest.shards.append(Shard(path=path, rows=self._rows))
-        self._rows = 0
+        self._pieces, self._pending_rows, self._pending_bytes, self._rows = [], 0, 0.0, 0
+
+
+def _contiguous(table: pa.Table) -> pa.Table:
+    return table.combine_chunks() if any(c.num_chunks > 1 for c in table.columns) else table
+
+
+def _parquet_options(schema: pa.Schema) -> dict:
+    # Dictionary pages halve the write speed of float columns, and their values rarely repeat
+    # (the file grows); integers, strings and booleans keep them.
+    return {"use_dictionary": [f.name for f in schema if not pa.types.is_floating(f.type)]}
 
 
 def _check_replaceable(path: str, output: str) -> None:
