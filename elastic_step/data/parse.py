@@ -246,12 +246,16 @@ class SourceFile:
         explicit = pa.schema(list(declared.items())) if declared is not None else None
         schema, gaps, unlabelled, unsupported = None, False, False, False
         rows, values = 0, collections.Counter()
+        dates: dict[str, bool] = {}  # key -> every value so far a date (so, for the whole file, a date)
         for chunk in _line_chunks(self.fs, self.path):
             table = _arrow_json(chunk, explicit, "error" if declared is not None else "infer")
             if declared is None:
+                for f in table.schema:
+                    if not pa.types.is_null(f.type):
+                        dates[f.name] = dates.get(f.name, True) and pa.types.is_temporal(f.type)
                 temporal = [(f.name, pa.string()) for f in table.schema if pa.types.is_temporal(f.type)]
                 if temporal:  # keep dates as written, as for CSV
-                    table = _arrow_json(chunk, pa.schema(temporal), "infer")
+                    table = _arrow_json(chunk, pa.schema(temporal), "infer").select(table.column_names)
                 # As pyarrow's whole-file read: a key's type widens null -> any and int -> float;
                 # any other change (number here, text there) raises, for the precise pass.
                 schema = table.schema if schema is None else pa.unify_schemas(
@@ -277,6 +281,9 @@ class SourceFile:
             yield table
         if declared is not None:
             _check_json_columns(rows, values, declared, name)
+        else:  # the whole-file read that found dates read the file again, those keys first
+            first = [f for f in schema if dates.get(f.name)]
+            schema = pa.schema(first + [f for f in schema if not dates.get(f.name)])
         schema = _supported(schema.empty_table(), name).schema
         if label is not None and label in schema.names and (gaps or unlabelled):
             return schema_types(schema)
@@ -387,7 +394,10 @@ class _CsvReader:
         return iter(self._reader)
 
     def close(self) -> None:
-        self._reader.close()
+        try:
+            self._reader.close()
+        except pa.ArrowException:
+            pass  # what its read-ahead met: this reader is given up, the error is read (or not) anew
 
 
 def _csv_file_types(fs, path, header) -> dict[str, pa.DataType]:
