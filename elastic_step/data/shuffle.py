@@ -8,7 +8,7 @@ count before a file's keys can be made, so a counting pass or files parsed one a
 distinct (splitmix64 is a bijection of i), so sorting by key orders the rows one way only.
 
 Pass 1 parses each source file (a process per file, up to the CPUs) and appends its rows, key
-first, to one of 2**bits buckets by the key's top bits: Arrow IPC files in a local folder. Pass 2
+first, to one of 2**bits buckets by the key's top bits: Arrow IPC streams in a local folder. Pass 2
 takes the buckets in key order, sorts each by key and yields the rows. The order, and so the shards,
 depend on the source and the seed only: not on the number of processes, batch sizes or buckets.
 """
@@ -20,6 +20,7 @@ import math
 import multiprocessing
 import os
 import queue
+import resource
 import threading
 from typing import Iterator
 
@@ -32,8 +33,8 @@ from elastic_step.errors import DataError
 
 # Pass 2 sorts this much at once (held twice: as read and sorted); pass 1 buffers this much per
 # process before appending to the bucket files. Together with pyarrow's read-ahead they bound memory.
-SORT_BYTES = 24 << 20
-SPILL_BUFFER_BYTES = 16 << 20
+SORT_BYTES = 16 << 20
+SPILL_BUFFER_BYTES = 8 << 20
 MAX_BUCKET_BITS = 10  # <= 1024 buckets; a bucket past SORT_BYTES is split again in pass 2
 # Below this much source, starting processes (~0.5 s each) costs more than it saves.
 PARALLEL_MIN_BYTES = 32 << 20
@@ -71,7 +72,10 @@ def bucket_bits(files: list[tuple[str, int]]) -> int:
     (a CSV's numbers take up to ~2x their text in memory, compressed Parquet ~4x); pass 2 sorts
     small buckets together and splits big ones, so a wrong guess costs time, not memory."""
     estimate = sum(size * (4 if file_format(path) == "parquet" else 2) for path, size in files)
-    return min(MAX_BUCKET_BITS, max(0, math.ceil(math.log2(max(estimate, 1) / SORT_BYTES))))
+    # A process keeps a file open per bucket: stay within a quarter of its limit on open files.
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    most = MAX_BUCKET_BITS if limit == resource.RLIM_INFINITY else min(MAX_BUCKET_BITS, int(math.log2(limit / 4)))
+    return min(most, max(0, math.ceil(math.log2(max(estimate, 1) / SORT_BYTES))))
 
 
 def _bucket_of(keys: np.ndarray, used: int, bits: int) -> np.ndarray:
@@ -85,8 +89,10 @@ def _bucket_of(keys: np.ndarray, used: int, bits: int) -> np.ndarray:
 class _Buckets:
     """Rows, key first, appended to FOLDER/<bucket>/<pid>.arrow by bits [used, used + bits) of their key.
 
-    A process's rows go to its own files, one Arrow IPC stream per flush (streams carry their own
-    schema: a JSON file's chunks may differ). `forget` truncates them back to where this file began."""
+    A process's rows go to files of its own, through one Arrow IPC stream per bucket left open while
+    the file is read (a schema message per flush would outweigh the rows of a wide table), and a new
+    stream where a JSON file's chunk changes the schema. `forget` truncates the files back to where
+    this source file began; `close` ends the streams."""
 
     def __init__(self, folder: str, used: int, bits: int):
         self.folder, self.used, self.bits = folder, used, bits
@@ -96,6 +102,7 @@ class _Buckets:
         self._pending: list[list[pa.Table]] = [[] for _ in range(n)]
         self._pending_bytes = 0
         self._started: dict[int, int] = {}  # bucket -> its file's size before this file's rows
+        self._streams: dict[int, tuple[pa.NativeFile, ipc.RecordBatchStreamWriter, pa.Schema]] = {}
 
     def path(self, bucket: int) -> str:
         return os.path.join(self.folder, f"{bucket:04d}", f"{os.getpid()}.arrow")
@@ -123,21 +130,40 @@ class _Buckets:
 
     def flush(self) -> None:
         for b, parts in enumerate(self._pending):
-            if not parts:
-                continue
-            path = self.path(b)
-            if b not in self._started:
-                self._started[b] = os.path.getsize(path) if os.path.exists(path) else 0
-            with pa.OSFile(path, "ab") as f:
-                while parts:
-                    same = [p for p in parts if p.schema.equals(parts[0].schema)]
-                    parts = [p for p in parts if not p.schema.equals(parts[0].schema)]
-                    with ipc.new_stream(f, same[0].schema) as w:
-                        w.write_table(pa.concat_tables(same).combine_chunks())
+            while parts:
+                same = [p for p in parts if p.schema.equals(parts[0].schema)]
+                parts = [p for p in parts if not p.schema.equals(parts[0].schema)]
+                self._stream(b, same[0].schema).write_table(pa.concat_tables(same).combine_chunks())
             self._pending[b] = []
         self._pending_bytes = 0
 
+    def close(self) -> None:
+        self.flush()
+        self.end_streams()
+
+    def _stream(self, bucket: int, schema: pa.Schema) -> ipc.RecordBatchStreamWriter:
+        entry = self._streams.get(bucket)
+        if entry is not None and entry[2].equals(schema):
+            return entry[1]
+        if entry is not None:
+            entry[1].close()
+            entry[0].close()
+        path = self.path(bucket)
+        if bucket not in self._started:
+            self._started[bucket] = os.path.getsize(path) if os.path.exists(path) else 0
+        f = pa.OSFile(path, "ab")
+        writer = ipc.new_stream(f, schema)
+        self._streams[bucket] = (f, writer, schema)
+        return writer
+
+    def end_streams(self) -> None:
+        for f, writer, _ in self._streams.values():
+            writer.close()
+            f.close()
+        self._streams.clear()
+
     def forget(self) -> None:
+        self.end_streams()
         for b, size in self._started.items():
             os.truncate(self.path(b), size)
         self._started.clear()
@@ -180,14 +206,17 @@ def _spill_file(task: _Task) -> Spilled:
     source = SourceFile(task.fs, task.path, task.name, task.declared, task.label, bad)
     out = _Buckets(task.folder, 0, task.bits)
     rows = 0
-    for item in _prefetched(source.batches()):
-        if item is RESTART:
-            out.forget()
-            rows = 0
-        elif item.num_rows:
-            out.add(item, row_keys(task.seed, task.index, rows, item.num_rows))
-            rows += item.num_rows
-    out.flush()
+    try:
+        for item in _prefetched(source.batches()):
+            if item is RESTART:
+                out.forget()
+                rows = 0
+            elif item.num_rows:
+                out.add(item, row_keys(task.seed, task.index, rows, item.num_rows))
+                rows += item.num_rows
+        out.close()
+    finally:
+        out.end_streams()  # on a failure: no file left open in a pool process that lives on
     return Spilled(task.name, source.schema, rows, out.rows, out.bytes, bad.count, bad.first)
 
 
@@ -323,7 +352,7 @@ def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Sc
 
 
 def _read_bucket(folder: str, bucket: int) -> Iterator[pa.Table]:
-    """The tables appended to a bucket, a batch at a time: each file holds an IPC stream per flush."""
+    """The tables appended to a bucket, a batch at a time: each file holds one IPC stream or more."""
     sub = os.path.join(folder, f"{bucket:04d}")
     for name in sorted(os.listdir(sub)):
         path = os.path.join(sub, name)
@@ -358,5 +387,5 @@ def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int) ->
     out = _Buckets(sub, used, bits)
     for t in _read_bucket(folder, bucket):
         out.add(pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:]), t.column(0).to_numpy())
-    out.flush()
+    out.close()
     yield from in_key_order(sub, bits, out.bytes, schema, used)
