@@ -244,13 +244,15 @@ def _write_splits(fs, folders: dict[str, str], rows: Iterator[pa.Table], n_eval:
         if sum(t.num_rows for t in first) >= DICTIONARY_SAMPLE_ROWS:
             break
     options = _parquet_options(pa.concat_tables(first))
+    rows = itertools.chain(first, rows)
+    del first  # or it would hold the first sort unit to the end
     threads = min(MAX_WRITER_THREADS, shuffle.usable_cpus())
     pool = _Writers(threads)
     writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool, options)
                for s in SPLITS}
     try:
         position = 0
-        for table in itertools.chain(first, rows):
+        for table in rows:
             head = max(0, min(n_eval - position, table.num_rows))
             if head:
                 writers["eval"].write(table.slice(0, head))
@@ -258,6 +260,9 @@ def _write_splits(fs, folders: dict[str, str], rows: Iterator[pa.Table], n_eval:
                 writers["eval"].close()
                 writers["train"].write(table.slice(head))
             position += table.num_rows
+            for w in writers.values():
+                w.release()
+            del table, head  # this sort unit's memory, before the next one is sorted
         for w in writers.values():
             w.close()
         pool.wait()
@@ -303,8 +308,8 @@ def _open_output(fs, path: str):
 class _ShardWriter:
     """One split's rows, in order, as shards of shard_rows rows in row groups of row_group_rows.
 
-    What is written is made one contiguous table first (a copy only where pieces meet), so a shard's
-    bytes depend on its rows only. A shard that fits in SHARD_BUFFER_BYTES is written whole by
+    What is written is copied into one contiguous table first, so a shard's bytes depend on its rows
+    only, and a shard waiting for a writer thread holds no more memory than its own. A shard that fits in SHARD_BUFFER_BYTES is written whole by
     pq.write_table, on a writer thread; a bigger one (wide rows, large shard_rows) streams to its
     file here, whole row groups at a time. Both give the same bytes."""
 
@@ -338,6 +343,11 @@ class _ShardWriter:
         if self._rows:
             self._end_shard()
 
+    def release(self) -> None:
+        """Copy the rows waiting for the rest of their shard, so they no longer hold their sort unit."""
+        if len(self._pieces) > 1 or self._pieces and self._pieces[0].num_rows:
+            self._pieces = [_compact(pa.concat_tables(self._pieces))]
+
     def abort(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -355,14 +365,14 @@ class _ShardWriter:
         if self._writer is None:
             self._file = _open_output(self.fs, posixpath.join(self.folder, self._path()))
             self._writer = pq.ParquetWriter(self._file, pending.schema, **self.options)
-        self._writer.write_table(_contiguous(pending.slice(0, whole)), row_group_size=self.group_rows)
+        self._writer.write_table(_compact(pending.slice(0, whole)), row_group_size=self.group_rows)
         self._pieces = [pending.slice(whole)]
         self._pending_bytes *= (self._pending_rows - whole) / self._pending_rows
         self._pending_rows -= whole
 
     def _end_shard(self) -> None:
         path = self._path()
-        table = _contiguous(pa.concat_tables(self._pieces))
+        table = _compact(pa.concat_tables(self._pieces))
         if self._writer is None:
             self.writers.submit(_write_shard, self.fs, posixpath.join(self.folder, path), table, self.group_rows,
                                 self.options)
@@ -376,8 +386,12 @@ class _ShardWriter:
         self._pieces, self._pending_rows, self._pending_bytes, self._rows = [], 0, 0.0, 0
 
 
-def _contiguous(table: pa.Table) -> pa.Table:
-    return table.combine_chunks() if any(c.num_chunks > 1 for c in table.columns) else table
+def _compact(table: pa.Table) -> pa.Table:
+    """A copy of `table` in fresh contiguous buffers: not a slice holding a whole sort unit in memory,
+    and laid out the same whatever the pieces it came from."""
+    if not table.num_rows:
+        return table
+    return pa.Table.from_arrays([pa.concat_arrays(c.chunks) for c in table.columns], schema=table.schema)
 
 
 def _parquet_options(sample: pa.Table) -> dict:
