@@ -4,8 +4,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -399,3 +402,84 @@ def test_remote_crash_leaves_no_manifest(monkeypatch):
         assert not fs.exists("/prep-crash/out/eval/manifest.json")
     finally:
         fs.rm("/prep-crash", recursive=True)
+
+
+# ---------------------------------------------------------------- streaming: order, sizes, memory
+
+def output_bytes(folder: pathlib.Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_same_bytes_different_seed_different_order(tmp_path):
+    src = write(tmp_path / "d.csv", "id,x\n" + "".join(f"{i},{i * 0.5}\n" for i in range(5000)))
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        prepare(src, str(tmp_path / name), seed=seed, shard_rows=700, row_group_rows=100)
+    assert output_bytes(tmp_path / "a") == output_bytes(tmp_path / "b")
+    ids = {n: {split: [r["id"] for r in rows_of(load_manifest(str(tmp_path / n / split)))]
+               for split in ("train", "eval")} for n in "ac"}
+    a, c = ids["a"], ids["c"]
+    assert sorted(a["train"] + a["eval"]) == sorted(c["train"] + c["eval"]) == list(range(5000))
+    assert (len(a["eval"]), len(a["train"])) == (len(c["eval"]), len(c["train"])) == (1000, 4000)
+    assert len(set(a["eval"]) & set(c["eval"])) < 300  # other rows (~200 alike by chance), in other orders
+    assert sum(x == y for x, y in zip(a["train"], c["train"])) < 20
+
+
+@pytest.mark.parametrize("n", [2, 3, 7, 100, 1001])
+@pytest.mark.parametrize("fraction", [0.01, 0.2, 0.5, 0.99])
+def test_split_sizes_are_exact(tmp_path, n, fraction):
+    src = write(tmp_path / "d.csv", "id\n" + "".join(f"{i}\n" for i in range(n)))
+    r = prepare(src, str(tmp_path / "out"), eval_fraction=fraction, shard_rows=30)
+    n_eval = min(max(round(n * fraction), 1), n - 1)
+    assert (r.eval.total_rows, r.train.total_rows) == (n_eval, n - n_eval)
+    assert sorted(row["id"] for row in rows_of(r.train) + rows_of(r.eval)) == list(range(n))
+
+
+def test_a_shard_too_big_for_memory_streams_to_its_file_with_the_same_bytes(tmp_path, monkeypatch):
+    src = write(tmp_path / "d.csv", "id,s\n" + "".join(f"{i},{'v' * (i % 50)}\n" for i in range(4000)))
+    prepare(src, str(tmp_path / "whole"), shard_rows=1500, row_group_rows=128)
+    streamed = []
+    real = prep_module._ShardWriter._stream
+    monkeypatch.setattr(prep_module._ShardWriter, "_stream", lambda self: streamed.append(1) or real(self))
+    monkeypatch.setattr(prep_module, "SHARD_BUFFER_BYTES", 5000)
+    prepare(src, str(tmp_path / "streamed"), shard_rows=1500, row_group_rows=128)
+    assert streamed
+    assert output_bytes(tmp_path / "streamed") == output_bytes(tmp_path / "whole")
+
+
+def test_dictionary_pages_only_where_values_repeat(tmp_path):
+    src = write(tmp_path / "d.csv", "id,x,cat,label\n" + "".join(
+        f"{i},{i * 0.37},c{i % 5},{i % 2}\n" for i in range(5000)))
+    r = prepare(src, str(tmp_path / "out"), label="label", shard_rows=5000)
+    md = pq.ParquetFile(r.train.shard_uri(r.train.shards[0])).metadata
+    dictionary = {md.schema.column(i).name: "PLAIN_DICTIONARY" in md.row_group(0).column(i).encodings
+                  or "RLE_DICTIONARY" in md.row_group(0).column(i).encodings for i in range(md.num_columns)}
+    assert dictionary == {"id": False, "x": False, "cat": True, "label": True}
+
+
+BOUND_MB = 250   # peak RSS of the whole prep (one file: one process); measured ~205-230 MB
+SOURCE_MB = 750  # three times the bound as CSV text; more in memory (~800 MB as Arrow columns)
+
+
+def test_a_source_larger_than_memory_is_prepared_in_bounded_memory(tmp_path):
+    # The old prep held the whole table (and a shuffled copy): ~4x the source's size in RSS.
+    from bench.prep import make_source
+
+    rows, size = make_source(tmp_path / "src", SOURCE_MB, 0)
+    assert size > 3 * BOUND_MB * 1e6
+    code = ("import json, resource, sys\n"
+            "from elastic_step.data.prep import prepare\n"
+            "r = prepare(sys.argv[1], sys.argv[2], label='label')\n"
+            "print(json.dumps({'train': r.train.total_rows, 'eval': r.eval.total_rows,\n"
+            "                  'peak_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "out")], cwd=ROOT,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["peak_mb"] < BOUND_MB, got
+    assert got["train"] + got["eval"] == rows
+    ids = []
+    for split in ("train", "eval"):
+        m = load_manifest(str(tmp_path / "out" / split))
+        ids += [pq.read_table(m.shard_uri(s), columns=["id"]).column("id").to_numpy() for s in m.shards]
+    assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(rows))  # every source row, once
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("elastic-step-prep-")]  # spills removed
