@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.json as pa_json
+import pyarrow.parquet as pq
 import pytest
 
 from elastic_step.data import parse
@@ -183,3 +186,35 @@ def test_an_empty_json_lines_file_reads_as_before(tmp_path):
     path.write_text("")
     table, schema, _, _ = read(path)
     assert table.num_rows == 0 and schema.names == []
+
+
+def most_arrow_memory(source: parse.SourceFile, pause_s: float = 0.0) -> tuple[int, int]:
+    """(rows, the most bytes Arrow held) while the file is read, a consumer pausing after each batch."""
+    rows = most = 0
+    for item in source.batches():
+        rows = 0 if item is parse.RESTART else rows + item.num_rows
+        most = max(most, pa.total_allocated_bytes())
+        time.sleep(pause_s)
+    return rows, most
+
+
+def test_a_slow_reader_of_a_csv_file_does_not_make_it_buffer(tmp_path):
+    # pyarrow's dataset scanner keeps parsing ahead of a slower reader, without bound; open_csv does not.
+    path = tmp_path / "big.csv"
+    n = 3_000_000
+    pa_csv.write_csv(pa.table({"a": np.arange(n), "b": np.arange(n) * 0.5, "c": np.arange(n) % 100}), path)  # 60 MB
+    before = pa.total_allocated_bytes()
+    rows, most = most_arrow_memory(parse.SourceFile(LOCAL, str(path), path.name, None, None, parse.BadRows(False)),
+                                   pause_s=0.02)
+    assert rows == n and most - before < 25e6, most - before  # 72 MB as Arrow columns
+
+
+def test_a_parquet_file_is_read_a_batch_at_a_time(tmp_path):
+    # ParquetFile's default pre_buffer reads every row group ahead: the whole file.
+    path = tmp_path / "big.parquet"
+    n = 2_000_000
+    pq.write_table(pa.table({"a": np.arange(n), "b": np.arange(n) * 0.5, "c": np.arange(n) % 7}), path,
+                   row_group_size=250_000, compression="none")  # 48 MB in 8 row groups
+    before = pa.total_allocated_bytes()
+    rows, most = most_arrow_memory(parse.SourceFile(LOCAL, str(path), path.name, None, None, parse.BadRows(False)))
+    assert rows == n and most - before < 25e6, most - before
