@@ -316,13 +316,19 @@ def usable_cpus() -> int:
     cpus = os.cpu_count() or 1
     if hasattr(os, "sched_getaffinity"):
         cpus = min(cpus, len(os.sched_getaffinity(0)))
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            with open(quota_file) as f:
+                values = f.read().split()
+            if period_file is not None:
+                with open(period_file) as f:
+                    values += f.read().split()
+            quota, period = values[:2]
+            if quota not in ("max", "-1"):
+                cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError):
+            pass
     return cpus
 
 
