@@ -51,7 +51,10 @@ class PrepResult:
 def prepare(source: str, output: str, label: str | None = None, eval_fraction: float = 0.2,
             shard_rows: int = 50_000, schema: str | None = None, on_bad_rows: str = "fail",
             seed: int = 0, row_group_rows: int = 1024) -> PrepResult:
-    """Read `source`, validate it, split it by `seed` and write OUTPUT/{train,eval}/ shards + manifest.json."""
+    """Read `source`, validate it, split it by `seed` and write OUTPUT/{train,eval}/ shards + manifest.json.
+
+    A source of several files (32 MB or more) is parsed by a process per file (forkserver): as for
+    any such pool, a script that calls prepare() needs `if __name__ == "__main__":`."""
     _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows)
     declared = _load_schema(schema) if schema else None
     if declared is not None and label is not None and label not in declared:

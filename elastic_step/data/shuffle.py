@@ -74,7 +74,7 @@ def bucket_bits(files: list[tuple[str, int]]) -> int:
     estimate = sum(size * (4 if file_format(path) == "parquet" else 2) for path, size in files)
     # A process keeps a file open per bucket: stay within a quarter of its limit on open files.
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    most = MAX_BUCKET_BITS if limit == resource.RLIM_INFINITY else min(MAX_BUCKET_BITS, int(math.log2(limit / 4)))
+    most = MAX_BUCKET_BITS if limit == resource.RLIM_INFINITY else min(MAX_BUCKET_BITS, int(math.log2(max(limit, 4) / 4)))
     return min(most, max(0, math.ceil(math.log2(max(estimate, 1) / SORT_BYTES))))
 
 
@@ -181,8 +181,7 @@ class Spilled:
     name: str
     schema: pa.Schema
     rows: int
-    bucket_rows: np.ndarray
-    bucket_bytes: np.ndarray
+    bucket_bytes: np.ndarray  # in memory, per bucket: how pass 2 groups and splits them
     skipped: int
     bad_rows: list[dict]
 
@@ -217,7 +216,7 @@ def _spill_file(task: _Task) -> Spilled:
         out.close()
     finally:
         out.end_streams()  # on a failure: no file left open in a pool process that lives on
-    return Spilled(task.name, source.schema, rows, out.rows, out.bytes, bad.count, bad.first)
+    return Spilled(task.name, source.schema, rows, out.bytes, bad.count, bad.first)
 
 
 def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
