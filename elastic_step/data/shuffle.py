@@ -19,9 +19,7 @@ import dataclasses
 import math
 import multiprocessing
 import os
-import queue
 import resource
-import threading
 from typing import Iterator
 
 import numpy as np
@@ -99,7 +97,7 @@ class _Buckets:
         n = 1 << bits
         self.rows = np.zeros(n, dtype=np.int64)
         self.bytes = np.zeros(n, dtype=np.int64)
-        self._pending: list[list[pa.Table]] = [[] for _ in range(n)]
+        self._pending: list[tuple[pa.Table, np.ndarray]] = []  # (rows, their buckets), not yet written
         self._pending_bytes = 0
         self._started: dict[int, int] = {}  # bucket -> its file's size before this file's rows
         self._streams: dict[int, tuple[pa.NativeFile, ipc.RecordBatchStreamWriter, pa.Schema]] = {}
@@ -110,31 +108,29 @@ class _Buckets:
     def add(self, table: pa.Table, keys: np.ndarray) -> None:
         table = pa.Table.from_arrays([pa.array(keys, pa.uint64())] + table.columns,
                                      names=["key"] + table.column_names)
-        buckets = _bucket_of(keys, self.used, self.bits)
-        if self.bits:
-            # Indices as an Arrow array: take converts a numpy one slowly (~8x the take itself).
-            table = table.take(pa.array(np.argsort(buckets, kind="stable")))
-            counts = np.bincount(buckets, minlength=len(self.rows))
-        else:
-            counts = np.array([table.num_rows])
-        row_bytes = table.nbytes / max(table.num_rows, 1)  # a slice's own nbytes costs ~0.1 ms
-        start = 0
-        for b in np.flatnonzero(counts):
-            self._pending[b].append(table.slice(start, counts[b]))
-            start += counts[b]
-            self.rows[b] += counts[b]
-            self.bytes[b] += int(counts[b] * row_bytes)
+        self._pending.append((table, _bucket_of(keys, self.used, self.bits)))
         self._pending_bytes += table.nbytes
         if self._pending_bytes > SPILL_BUFFER_BYTES:
             self.flush()
 
     def flush(self) -> None:
-        for b, parts in enumerate(self._pending):
-            while parts:
-                same = [p for p in parts if p.schema.equals(parts[0].schema)]
-                parts = [p for p in parts if not p.schema.equals(parts[0].schema)]
-                self._stream(b, same[0].schema).write_table(pa.concat_tables(same).combine_chunks())
-            self._pending[b] = []
+        """The pending rows, ordered by bucket in one take, to each bucket's stream as one batch."""
+        while self._pending:
+            schema = self._pending[0][0].schema  # a JSON file's chunks may differ: a schema at a time
+            same = [p for p in self._pending if p[0].schema.equals(schema)]
+            self._pending = [p for p in self._pending if not p[0].schema.equals(schema)]
+            table = pa.concat_tables([t for t, _ in same])
+            buckets = np.concatenate([b for _, b in same])
+            counts = np.bincount(buckets, minlength=len(self.rows))
+            if self.bits:
+                # Indices as an Arrow array: take converts a numpy one slowly (~8x the take itself);
+                # so given, it is faster on the chunks than on them combined (a copy) first.
+                table = table.take(pa.array(np.argsort(buckets, kind="stable")))
+            self.rows += counts
+            self.bytes += (counts * (table.nbytes / table.num_rows)).astype(np.int64)
+            ends = np.cumsum(counts)
+            for b in np.flatnonzero(counts):
+                self._stream(b, schema).write_table(table.slice(ends[b] - counts[b], counts[b]))
         self._pending_bytes = 0
 
     def close(self) -> None:
@@ -167,7 +163,7 @@ class _Buckets:
         for b, size in self._started.items():
             os.truncate(self.path(b), size)
         self._started.clear()
-        self._pending = [[] for _ in self._pending]
+        self._pending = []
         self._pending_bytes = 0
         self.rows[:] = 0
         self.bytes[:] = 0
@@ -206,7 +202,7 @@ def _spill_file(task: _Task) -> Spilled:
     out = _Buckets(task.folder, 0, task.bits)
     rows = 0
     try:
-        for item in _prefetched(source.batches()):
+        for item in source.batches():
             if item is RESTART:
                 out.forget()
                 rows = 0
@@ -217,48 +213,6 @@ def _spill_file(task: _Task) -> Spilled:
     finally:
         out.end_streams()  # on a failure: no file left open in a pool process that lives on
     return Spilled(task.name, source.schema, rows, out.bytes, bad.count, bad.first)
-
-
-def _prefetched(items: Iterator, depth: int = 2) -> Iterator:
-    """`items`, produced by a thread `depth` ahead: pyarrow parses the next block (without the GIL)
-    while this thread spills the last one."""
-    q: queue.Queue = queue.Queue(depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(entry) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
-
-    def produce() -> None:
-        try:
-            for item in items:
-                if not put((item, None)):
-                    return
-            put((end, None))
-        except BaseException as e:  # handed to the consumer, which raises it
-            put((end, e))
-        finally:
-            items.close()
-
-    thread = threading.Thread(target=produce, name="prep-parse", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = q.get()
-            if item is end:
-                if error is not None:
-                    raise error
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: int, folder: str, bits: int,
@@ -356,8 +310,9 @@ def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Sc
         yield _sorted(folder, unit, schema)
 
 
-def _read_bucket(folder: str, bucket: int) -> Iterator[pa.Table]:
-    """The tables appended to a bucket, a batch at a time: each file holds one IPC stream or more."""
+def _read_bucket(folder: str, bucket: int, whole_streams: bool) -> Iterator[pa.Table]:
+    """The tables appended to a bucket: each file holds one IPC stream or more, read whole (one
+    Python step per stream, not per batch) or, for a bucket too big to hold, a batch at a time."""
     sub = os.path.join(folder, f"{bucket:04d}")
     for name in sorted(os.listdir(sub)):
         path = os.path.join(sub, name)
@@ -366,22 +321,26 @@ def _read_bucket(folder: str, bucket: int) -> Iterator[pa.Table]:
         with pa.OSFile(path) as f:
             size = f.size()
             while f.tell() < size:
-                for batch in ipc.open_stream(f):
-                    yield pa.Table.from_batches([batch])
+                reader = ipc.open_stream(f)
+                if whole_streams:
+                    yield reader.read_all()
+                else:
+                    for batch in reader:
+                        yield pa.Table.from_batches([batch])
 
 
 def _sorted(folder: str, buckets: list[int], schema: pa.Schema) -> pa.Table:
     parts = []
     for b in buckets:
-        for t in _read_bucket(folder, b):
+        for t in _read_bucket(folder, b, whole_streams=True):
             data = pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:])
             parts.append((t.column(0), conform(data, schema)))
     if not parts:
         return schema.empty_table()
     keys = np.concatenate([chunk.to_numpy() for k, _ in parts for chunk in k.chunks])
-    table = pa.concat_tables([t for _, t in parts]).combine_chunks()  # take is ~3x faster on one chunk
+    table = pa.concat_tables([t for _, t in parts])
     del parts
-    return table.take(pa.array(np.argsort(keys)))
+    return table.take(pa.array(np.argsort(keys)))  # Arrow indices: see _Buckets.flush
 
 
 def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int) -> Iterator[pa.Table]:
@@ -390,7 +349,7 @@ def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int) ->
     for b in range(1 << bits):
         os.makedirs(os.path.join(sub, f"{b:04d}"), exist_ok=True)
     out = _Buckets(sub, used, bits)
-    for t in _read_bucket(folder, bucket):
+    for t in _read_bucket(folder, bucket, whole_streams=False):
         out.add(pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:]), t.column(0).to_numpy())
     out.close()
     yield from in_key_order(sub, bits, out.bytes, schema, used)
