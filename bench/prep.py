@@ -7,9 +7,11 @@ row), as one file, or as files of at most --file-mb MB. Each side runs in a proc
 alternating, --repeat times: pyarrow reading the files (the faster of pyarrow.csv.read_csv per file
 and a pyarrow.dataset scan to one table, both on all CPUs) and `prepare(source, out, label="label")`
 with its defaults. MB/s is the source's bytes over the call's wall time (imports excluded); the
-best run, with the spread (slowest/best) as this VM's speed drifts. Peak RSS is sampled from /proc
-every 20 ms over the process and its descendants (pass 1's process pool): the largest process's
-VmHWM, and the largest sum over the processes alive at one sample. The spill files go to --tmp.
+best run, with the spread (slowest/best) as this VM's speed drifts. CPU is each side's least CPU
+time (user + system, the interpreter's start and imports included) over the runs, per GB: steadier
+than MB/s on a shared machine; its ratio says what prep costs next to a read whatever the cores. Peak RSS is sampled from /proc every 20 ms over
+the process and its descendants (pass 1's process pool): the largest process's VmHWM, and the
+largest sum over the processes alive at one sample. The spill files go to --tmp.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import pathlib
+import resource
 import shutil
 import subprocess
 import sys
@@ -32,12 +35,13 @@ HEADER = b"id,f0,f1,f2,f3,f4,f5,cat,label\n"
 READ = """
 import json, os, sys, time
 import pyarrow.csv as pc, pyarrow.dataset as ds
-src = sys.argv[1]
-files = sorted(os.path.join(src, f) for f in os.listdir(src))
-t = time.perf_counter(); rows = sum(pc.read_csv(f).num_rows for f in files); per_file = time.perf_counter() - t
-t = time.perf_counter(); rows_ds = ds.dataset(src, format="csv").to_table().num_rows; scan = time.perf_counter() - t
-assert rows == rows_ds
-print(json.dumps({"seconds": min(per_file, scan), "rows": rows}))
+src, how = sys.argv[1], sys.argv[2]
+t = time.perf_counter()
+if how == "read_csv":
+    rows = sum(pc.read_csv(os.path.join(src, f)).num_rows for f in sorted(os.listdir(src)))
+else:
+    rows = ds.dataset(src, format="csv").to_table().num_rows
+print(json.dumps({"seconds": time.perf_counter() - t, "rows": rows}))
 """
 
 PREP = """
@@ -107,6 +111,15 @@ def _descendants(root: int) -> list[int]:
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _status_mb(pid: int, field: str) -> int:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -119,10 +132,12 @@ def _status_mb(pid: int, field: str) -> int:
 
 
 def run(code: str, args: list[str], env: dict) -> dict:
-    """Run `code` in a new process; its printed JSON plus its tree's peak RSS (MB)."""
+    """Run `code` in a new process; its printed JSON plus its tree's peak RSS (MB) and CPU time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     hwm: dict[int, int] = {}
+    cpu: dict[int, float] = {}  # descendants the process does not wait for (pass 1's pool): last seen
     total = [0]
 
     def sample() -> None:
@@ -132,6 +147,8 @@ def run(code: str, args: list[str], env: dict) -> dict:
             for pid in pids:
                 hwm[pid] = max(hwm.get(pid, 0), _status_mb(pid, "VmHWM"))
                 rss += _status_mb(pid, "VmRSS")
+                if pid != proc.pid:
+                    cpu[pid] = max(cpu.get(pid, 0.0), _cpu_s(pid))
             total[0] = max(total[0], rss)
             time.sleep(0.02)
 
@@ -141,8 +158,10 @@ def run(code: str, args: list[str], env: dict) -> dict:
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"failed:\n{err[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = json.loads(out.strip().splitlines()[-1])
     result["peak_mb"], result["total_mb"], result["processes"] = max(hwm.values(), default=0), total[0], len(hwm)
+    result["cpu_s"] = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime + sum(cpu.values()))
     return result
 
 
@@ -156,7 +175,8 @@ def main() -> None:
     print(f"CSV source as {'one file' if not args.file_mb else f'files of {args.file_mb:g} MB'}; "
           f"{os.cpu_count()} CPUs; best of {args.repeat}, spread = slowest/best")
     print(f"{'source MB':>9} {'files':>5} {'rows':>10} {'pyarrow MB/s':>12} {'spread':>6} {'prep MB/s':>9} "
-          f"{'spread':>6} {'ratio':>5} {'prep peak RSS MB':>16} {'all procs MB':>12} {'pyarrow RSS MB':>14}")
+          f"{'spread':>6} {'ratio':>5} {'CPU s/GB pyarrow':>16} {'prep':>5} {'ratio':>5} "
+          f"{'prep peak RSS MB':>16} {'all procs MB':>12} {'pyarrow RSS MB':>14}")
     for mb in args.mb:
         with tempfile.TemporaryDirectory(prefix="bench-prep-", dir=args.tmp) as tmp:
             work = pathlib.Path(tmp)
@@ -164,15 +184,19 @@ def main() -> None:
             env = dict(os.environ, TMPDIR=tmp, PYTHONPATH=str(ROOT))
             reads, preps = [], []
             for _ in range(args.repeat):  # alternate: a slow moment of this VM only slows one run
-                reads.append(run(READ, [str(work / "src")], env))
+                reads += [dict(run(READ, [str(work / "src"), how], env), how=how) for how in ("read_csv", "scan")]
                 preps.append(run(PREP, [str(work / "src"), str(work / "out")], env))
                 shutil.rmtree(work / "out")
             assert all(r["rows"] == rows for r in reads + preps)
-            read_s = sorted(r["seconds"] for r in reads)
+            best_how = min(reads, key=lambda r: r["seconds"])["how"]
+            read_s = sorted(r["seconds"] for r in reads if r["how"] == best_how)
             prep_s = sorted(r["seconds"] for r in preps)
+            read_cpu, prep_cpu = (min(r["cpu_s"] for r in runs) / (size / 1e9)
+                                  for runs in ([r for r in reads if r["how"] == best_how], preps))
             print(f"{size / 1e6:>9.0f} {len(list((work / 'src').iterdir())):>5} {rows:>10} "
                   f"{size / 1e6 / read_s[0]:>12.1f} {read_s[-1] / read_s[0]:>6.2f} {size / 1e6 / prep_s[0]:>9.1f} "
                   f"{prep_s[-1] / prep_s[0]:>6.2f} {read_s[0] / prep_s[0]:>5.2f} "
+                  f"{read_cpu:>16.1f} {prep_cpu:>5.1f} {read_cpu / prep_cpu:>5.2f} "
                   f"{max(r['peak_mb'] for r in preps):>16} {max(r['total_mb'] for r in preps):>12} "
                   f"{max(r['peak_mb'] for r in reads):>14}", flush=True)
 
