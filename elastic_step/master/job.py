@@ -117,16 +117,21 @@ class TrainingJob:
                  cfg.min_workers, cfg.max_workers, cfg.backend)
         t_start = time.time()
         try:
+            # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
+            # model's build) overlaps the shards'. The master withholds the shards' addresses until
+            # every shard is up and restored, so no worker pushes before then.
             for i in range(0 if self.allreduce else cfg.num_ps):   # allreduce: no parameter servers
                 self._launch(InstanceId("ps", i))
+            for i in range(cfg.max_workers):
+                self._launch(InstanceId("worker", i))
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
                 if self.coord.ps_ready.is_set():   # else a shard failed: the job fails below
                     self.durable.shards_ready()
-                if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
-                    self._evaluator.submit(self._evaluate_epoch, -1)
-            for i in range(cfg.max_workers):
-                self._launch(InstanceId("worker", i))
+                    if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
+                        self._load_weights()   # now: once the shards are open, workers push at once
+                        self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
+                    self.coord.open_shards()
             self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
             if self.coord.failure:
@@ -286,19 +291,24 @@ class TrainingJob:
             return state.applied
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 
-    def _evaluate_epoch(self, epoch: int) -> None:
+    def _load_weights(self) -> None:
+        """The job's current weights into the evaluation's model (built once)."""
+        if self._eval_model is None:
+            self._eval_model = self.model_def.model()
+        if self.allreduce:
+            self._load_from_rank0(self._eval_model)
+        else:
+            self._load_from_ps(self._eval_model)
+
+    def _evaluate_epoch(self, epoch: int, loaded: bool = False) -> None:
         """The eval curve: after each epoch, the PS weights on (a sample of) the eval data; epoch -1 is
-        the initial weights, before any training. Runs on the evaluator thread, so the master keeps
-        handling events meanwhile."""
+        the initial weights, before any training (`loaded`: already in the evaluation's model). Runs on
+        the evaluator thread, so the master keeps handling events meanwhile."""
         from elastic_step.evaluation import evaluate
 
         try:
-            if self._eval_model is None:
-                self._eval_model = self.model_def.model()
-            if self.allreduce:
-                self._load_from_rank0(self._eval_model)
-            else:
-                self._load_from_ps(self._eval_model)
+            if not loaded:
+                self._load_weights()
             r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
         except ModelDefError as e:   # the user's loss or metrics: theirs, reported once, now
             self.coord.report_failure("master", "model_error", str(e), "")
