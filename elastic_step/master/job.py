@@ -7,11 +7,14 @@ end evaluates, exports the model and writes `summary.json`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -31,6 +34,7 @@ from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.storage import check_writable, copy_folder, explain, local_path
 
 log = logging.getLogger("elastic_step.master")
 
@@ -52,9 +56,10 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
 
 
 class TrainingJob:
-    def __init__(self, cfg: TrainConfig, backend: Backend | None = None):
+    def __init__(self, cfg: TrainConfig, backend: Backend | None = None, output_uri: str | None = None):
         self.cfg = cfg.validate()
-        self.output = pathlib.Path(cfg.output)
+        self.output = pathlib.Path(cfg.output)     # where this job writes
+        self.output_uri = output_uri or cfg.output  # where its outputs end up (an object store: uploaded)
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
         from elastic_step.model_def import load_model_def
@@ -330,6 +335,8 @@ class TrainingJob:
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
+        outputs = {k: self.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output)
+                   for k, v in outputs.items()}
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
@@ -401,6 +408,33 @@ def ps_summary(stats) -> dict:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run a whole training job; returns the summary (also written to OUTPUT/summary.json)."""
-    os.makedirs(cfg.output, exist_ok=True)
-    return TrainingJob(cfg).run()
+    """Run a whole training job; returns the summary (also written to OUTPUT/summary.json).
+
+    An output in an object store (gs://, s3://) is checked writable before anything starts, written in a
+    local staging folder, and uploaded at the end, summary.json last: a reader that finds the summary
+    finds the model, report and logs it names. Checkpoints go straight to OUTPUT/checkpoints there."""
+    if local_path(cfg.output) is not None:
+        os.makedirs(cfg.output, exist_ok=True)
+        return TrainingJob(cfg).run()
+    check_writable(cfg.output, "write the training step's output to", ConfigError)
+    staged = dataclasses.replace(cfg, output=tempfile.mkdtemp(prefix="elastic-step-output-"),
+                                 checkpoint_dir=cfg.checkpoint_dir or f"{cfg.output.rstrip('/')}/checkpoints")
+    try:
+        summary = TrainingJob(staged, output_uri=cfg.output).run()
+    except BaseException:
+        _upload(staged.output, cfg.output, failed=True)   # a failed job's summary, report and logs
+        raise
+    _upload(staged.output, cfg.output)
+    return summary
+
+
+def _upload(staging: str, uri: str, failed: bool = False) -> None:
+    log.info("uploading the output to %s", uri)
+    try:
+        copy_folder(staging, uri, last=SUMMARY_FILE)
+    except Exception as e:  # noqa: BLE001 - the store failed at the end: one clear paragraph
+        if not failed:   # else the job's own error is the one to report
+            raise ConfigError(explain(uri, e, "upload the training step's output to")) from None
+        log.error("%s", explain(uri, e, "upload the failed step's output to"))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
