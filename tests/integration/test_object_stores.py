@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from tests.integration.harness import run_cli, train
+from elastic_step.steps import evaluate_step, publish_step
+from tests.integration.harness import ROOT, run_cli, train
 from tests.models import tally
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
 
@@ -60,14 +63,10 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
     assert_each_record_applied_exactly(local, data, EPOCHS)
     assert_audit_exact(summary)
 
-    proc = run_cli("evaluate", "--model", output, "--eval-data", data["eval"], "--model-def", TALLY_MODEL,
-                   "--metric", "loss", "--metrics-out", str(tmp_path / "metrics.json"), env=server.env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    eval_rows = json.loads(fs.cat_file(data["eval"]))["shards"][0]["rows"]
-    assert json.loads((tmp_path / "metrics.json").read_text())["metrics"]["records"] == eval_rows
-
-    proc = run_cli("publish", "--model", output, "--to", f"{bucket}/published", env=server.env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Evaluate and publish as their pipeline steps call them (in this process: no TensorFlow start-up).
+    result = evaluate_step(output, data["eval"], TALLY_MODEL, metric="loss", threshold=0.0)
+    assert result["metrics"]["records"] == json.loads(fs.cat_file(data["eval"]))["shards"][0]["rows"]
+    assert publish_step(output, f"{bucket}/published", passed=result["passed"]) == f"{bucket}/published"
     assert fs.cat_file(f"{bucket}/published/model.keras") == fs.cat_file(f"{output}/model.keras")
     assert fs.exists(f"{bucket}/published/saved_model/saved_model.pb")
 
@@ -124,3 +123,17 @@ def test_a_lease_fetches_only_the_row_groups_it_spans(store, monkeypatch):
     assert sum(fetched) - opened <= spanned * 1.05, (sum(fetched) - opened, spanned)
     assert len(fetched) <= 4, fetched                          # a GET or two per read, not one per column
     assert sum(fetched) < size / 8, (sum(fetched), size)
+
+
+def test_missing_s3_credentials_are_one_paragraph_naming_the_uri_and_the_standard_ways(s3_server, tmp_path):
+    bucket = s3_server.bucket("t-no-credentials")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=s3_server.url, AWS_DEFAULT_REGION="us-east-1",
+               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
+    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source", f"{bucket}/d.csv",
+                           "--output", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{bucket}/d.csv" in proc.stderr
+    assert "AWS_ACCESS_KEY_ID" in proc.stderr and "IRSA" in proc.stderr and "AWS_ENDPOINT_URL" in proc.stderr
+    assert not (tmp_path / "out").exists()
