@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 from elastic_step.data.api import MANIFEST_NAME, Field, Manifest, Shard
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.util.atomic import atomic_directory
+from elastic_step.util.storage import explain
 
 TYPES = {"int64": pa.int64(), "float32": pa.float32(), "float64": pa.float64(),
          "string": pa.string(), "bool": pa.bool_()}
@@ -185,8 +186,7 @@ def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str,
     except DataError:
         raise
     except Exception as e:  # missing fsspec plugin (gcsfs/s3fs), credentials, permissions, bad URI
-        raise DataError(f"Cannot read the source {source}: {type(e).__name__}: {e}. Check the URI and "
-                        "the credentials; gs:// needs gcsfs and s3:// needs s3fs installed.") from None
+        raise DataError(explain(source, e, "read the source")) from None
     local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     named = [(p, p if local else fs.unstrip_protocol(p)) for p in paths]
     unknown = [name for p, name in named if _format(p) is None]
