@@ -59,7 +59,8 @@ PARAMETERS: dict[str, tuple[str | None, str]] = {
     "num-ps": ("1", "parameter server shards"),
     "strategy": ("ps", "ps: asynchronous SGD with parameter servers; allreduce: synchronous, no PS"),
     "global-batch": ("scaled", "allreduce: scaled (lr follows the world size) or fixed (gradient accumulation)"),
-    "backend": ("kubernetes", "kubernetes: workers and parameter servers as pods; local: processes in the step"),
+    "backend": ("auto", "auto: pods when the step's service account may run them, else local; kubernetes: "
+                "workers and parameter servers as pods; local: processes in the step"),
     "worker-image": (IMAGE, "image of the worker and parameter server pods"),
     "worker-cpu": ("1", "CPU of each worker pod (requests = limits; empty: none)"),
     "worker-memory": ("2Gi", "memory of each worker pod (requests = limits; empty: none)"),

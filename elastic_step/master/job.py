@@ -44,6 +44,8 @@ REPORT_FILE = "report.html"
 
 
 def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+    if cfg.backend == "auto":
+        return _auto_backend(cfg, log_dir)
     if cfg.backend == "local":
         from elastic_step.backends.local import LocalBackend
         return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token})
@@ -53,6 +55,30 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
         from elastic_step.backends.kubernetes import KubernetesBackend
         return KubernetesBackend.from_train_config(cfg)
     raise ConfigError(f"Unknown backend {cfg.backend!r}; use local or kubernetes.")
+
+
+def _auto_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+    """--backend auto: pods when this step runs in a pod whose service account holds the Role's verbs
+    (so a training component dragged into a cluster pipeline is an elastic job of pods), else processes
+    of this step. `cfg.backend` becomes the choice, and the log says why."""
+    from elastic_step.backends.kubernetes.config import in_cluster
+    from elastic_step.backends.kubernetes.errors import KubernetesPermissionError
+
+    if in_cluster():
+        cfg.backend = "kubernetes"
+        try:
+            backend = make_backend(cfg, log_dir)
+        except KubernetesPermissionError as e:   # checked before the backend creates anything
+            why = f"this step runs in a pod, but {e}"
+        else:
+            log.info("backend auto -> kubernetes: this step runs in a pod whose service account may run the "
+                     "job's pods in namespace %s", backend.namespace)
+            return backend
+    else:
+        why = "this step does not run in a Kubernetes pod (no service-account token)"
+    cfg.backend = "local"
+    log.info("backend auto -> local: workers and parameter servers run as processes of this step; %s", why)
+    return make_backend(cfg, log_dir)
 
 
 class TrainingJob:

@@ -267,7 +267,7 @@ def test_every_container_runs_a_real_cli_command(template):
     args = build_parser().parse_args(argv)
     if template == "elastic-train":
         assert (args.epochs, args.minibatch_size, args.records_per_task) == (10, 64, 512)
-        assert (args.min_workers, args.max_workers, args.num_ps, args.backend) == (1, 4, 1, "kubernetes")
+        assert (args.min_workers, args.max_workers, args.num_ps, args.backend) == (1, 4, 1, "auto")
         assert args.image == IMAGE and args.job_id == f"{WORKFLOW_UID}-elastic-train"
         assert args.output == "/work/model" and args.train_data == "/work/prepared/train"
         assert not args.chaos
