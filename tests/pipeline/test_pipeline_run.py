@@ -13,27 +13,34 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run_pipeline(tmp_path, *extra, env=None, source="samples/digits/digits.csv"):
+def run_pipeline(tmp_path, *extra, env=None, source="samples/digits/digits.csv", publish=None):
     return subprocess.run([sys.executable, "-m", "elastic_step.cli", "pipeline", "run", "--source",
                            str(source), "--model-def", "samples/digits/model.py", "--label", "label",
-                           "--output", str(tmp_path / "run"), "--publish-uri", str(tmp_path / "published"), *extra],
+                           "--output", str(tmp_path / "run"), "--publish-uri", publish or str(tmp_path / "published"),
+                           *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800,
                           env={**{k: v for k, v in os.environ.items()
                                   if k not in ("ELASTIC_STEP_CHAOS", "AIP_TENSORBOARD_LOG_DIR")}, **(env or {})})
 
 
 @pytest.mark.slow
-def test_pipeline_runs_locally_and_passes_the_gate(tmp_path):
-    proc = run_pipeline(tmp_path, "--epochs", "10", "--json")
+def test_pipeline_runs_locally_and_passes_the_gate(tmp_path, gcs_server):
+    """The source and the published model in a bucket (fake-gcs-server): kfp.local keeps its pipeline_root
+    on disk (it makes it an absolute local path), the data the pipeline reads and writes need not be."""
+    fs = gcs_server.filesystem()
+    bucket = gcs_server.bucket("pipeline-run")
+    fs.put_file(str(ROOT / "samples" / "digits" / "digits.csv"), "pipeline-run/source/digits.csv")
+    proc = run_pipeline(tmp_path, "--epochs", "10", "--json", env=gcs_server.env,
+                        source=f"{bucket}/source/digits.csv", publish=f"{bucket}/published")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["evaluation"]["passed"] is True
     assert result["evaluation"]["score"] >= 0.90
     assert result["evaluation"]["metrics"]["accuracy"] >= 0.90
     assert {"data-prep-op", "elastic-train-op", "evaluate-op", "publish-model-op"} <= set(result["tasks"])
-    assert result["publish"]["published_to"] == str(tmp_path / "published")
-    assert (tmp_path / "published" / "model.keras").is_file()
-    assert (tmp_path / "published" / "saved_model" / "saved_model.pb").is_file()
+    assert result["publish"]["published_to"] == f"{bucket}/published"
+    assert fs.exists("pipeline-run/published/model.keras")
+    assert fs.exists("pipeline-run/published/saved_model/saved_model.pb")
     run = pathlib.Path(result["run"])
     assert run.parent == (tmp_path / "run" / "pipeline_root").resolve()
     for artifact in ("data-prep-op.train_data", "data-prep-op.eval_data", "elastic-train-op.model",
@@ -52,7 +59,7 @@ def test_pipeline_runs_locally_and_passes_the_gate(tmp_path):
     assert sum(sum(r["row"]) for r in confusion["rows"]) == result["evaluation"]["metrics"]["records"]
     rows = {k: result["metadata"][f"data-prep-op.{k}"]["rows"] for k in ("train_data", "eval_data")}
     assert rows["train_data"] == summary["records_per_epoch"] and rows["eval_data"] == summary["eval"]["records"]
-    assert "PASSED the gate" in proc.stderr and f"published: {tmp_path / 'published'}" in proc.stderr
+    assert "PASSED the gate" in proc.stderr and f"published: {bucket}/published" in proc.stderr
 
 
 # The digits, 16 variants of each (samples/digits/make_csv.py): 23 002 training rows, 230 020 records in
