@@ -54,7 +54,7 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
         # module). A restarted master finds the job's Secret and keeps its token: cfg.token is set to it.
         from elastic_step.backends.kubernetes import KubernetesBackend
         return KubernetesBackend.from_train_config(cfg)
-    raise ConfigError(f"Unknown backend {cfg.backend!r}; use local or kubernetes.")
+    raise ConfigError(f"Unknown backend {cfg.backend!r}; use auto, local or kubernetes.")
 
 
 def _auto_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
