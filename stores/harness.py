@@ -7,6 +7,8 @@ against) for gs://, moto's S3 server (the one s3fs's own suite uses) for s3://.
         os.environ.update(gcs.env)           # what a step's process needs to reach it
         gcs.bucket("data")                   # -> "gs://data"
 
+S3ServerWithIam checks credentials and permissions too (fake-gcs-server checks neither).
+
 Each server's `env` is what gcsfs / s3fs read from the environment, so the CLI, workers and PS started
 as subprocesses reach the same server, as a step's pods reach a real store.
 """
@@ -142,3 +144,42 @@ class S3Server(_Server):
 
     def ready_path(self) -> str:
         return "/moto-api/"
+
+
+class S3ServerWithIam(S3Server):
+    """A moto S3 server that checks every request against IAM, as AWS does: unknown keys are refused
+    (InvalidAccessKeyId) and a user's policy decides what it may do (AccessDenied).
+
+    Moto enforces IAM once its first INITIAL_NO_AUTH_ACTION_COUNT requests are done: exactly the set-up
+    below (a bucket, and a user allowed only to read it, with its key), so nothing after it goes unchecked.
+
+        with S3ServerWithIam("data") as s3:
+            s3.reader_env                     # the read-only user's credentials, for a step's process
+    """
+    name = "moto-s3-iam"
+    SETUP_ACTIONS = 4
+    READ_ONLY = {"Version": "2012-10-17", "Statement": [
+        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}
+
+    def __init__(self, bucket: str) -> None:
+        super().__init__()
+        self.bucket_name = bucket
+        self.server_env = {"INITIAL_NO_AUTH_ACTION_COUNT": str(self.SETUP_ACTIONS)}
+        self.reader_env: dict[str, str] = {}
+
+    def start(self) -> "S3ServerWithIam":
+        import json
+
+        import boto3
+
+        super().start()
+        kw = {"endpoint_url": self.url, "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+              "region_name": "us-east-1"}
+        boto3.client("s3", **kw).create_bucket(Bucket=self.bucket_name)
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="reader")
+        iam.put_user_policy(UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps(self.READ_ONLY))
+        key = iam.create_access_key(UserName="reader")["AccessKey"]
+        self.reader_env = {**self.env, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                           "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        return self

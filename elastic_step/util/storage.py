@@ -38,7 +38,8 @@ FIXES = {
 }
 _MISSING_CREDENTIALS = ("DefaultCredentialsError", "NoCredentialsError", "PartialCredentialsError",
                         "Anonymous caller")
-_REFUSED = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "RefreshError", "invalid_grant", "ExpiredToken",
+_REFUSED = ("InvalidAccessKeyId", "does not exist in our records", "SignatureDoesNotMatch",
+            "request signature we calculated does not match", "RefreshError", "invalid_grant", "ExpiredToken",
             "InvalidToken", "401", "Unauthorized")
 _DENIED = ("AccessDenied", "Forbidden", "403", "Permission denied", "does not have storage.")
 _NO_BUCKET = ("NoSuchBucket", "bucket does not exist", "The specified bucket does not exist")
@@ -66,6 +67,8 @@ def explain(uri: str, e: BaseException, doing: str) -> str:
         kind = "credentials"
     elif any(k in text for k in _REFUSED):
         kind = "refused"
+    elif text == "PermissionError: Forbidden" and store == "s3":
+        kind = "forbidden"   # a HEAD's 403 has no body: unknown credentials and a missing permission look alike
     elif isinstance(e, PermissionError) or any(k in text for k in _DENIED):
         kind = "permission"
     elif any(k in text for k in _NO_BUCKET):
@@ -77,6 +80,8 @@ def explain(uri: str, e: BaseException, doing: str) -> str:
     if kind == "missing":
         fix = "Nothing is there: check the URI" + (f"; if the bucket itself is missing: {fixes['bucket']}"
                                                     if "bucket" in fixes else ".")
+    elif kind == "forbidden":
+        fix = f"{fixes['refused']} If they are right, they lack the permission: {fixes['permission'].split(': ', 1)[1]}"
     elif kind in fixes:
         fix = fixes[kind]
     elif store is None and "://" in uri and kind == "other":
@@ -89,7 +94,7 @@ def explain(uri: str, e: BaseException, doing: str) -> str:
         # gcsfs falls back to anonymous access when the key file is missing: say so, not "permission".
         fix = (f"GOOGLE_APPLICATION_CREDENTIALS names {key}, which does not exist, so the step ran without "
                "credentials. Mount the key file there (a Kubernetes Secret as a volume) or unset it.")
-    return f"Cannot {doing} {uri}: {first}. {fix}"
+    return f"Cannot {doing} {uri}: {first.rstrip('.')}. {fix}"
 
 
 def check_writable(uri: str, doing: str, error: type[Exception]) -> None:

@@ -137,3 +137,39 @@ def test_missing_s3_credentials_are_one_paragraph_naming_the_uri_and_the_standar
     assert f"{bucket}/d.csv" in proc.stderr
     assert "AWS_ACCESS_KEY_ID" in proc.stderr and "IRSA" in proc.stderr and "AWS_ENDPOINT_URL" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def s3_with_iam():
+    from stores.harness import S3ServerWithIam
+
+    with S3ServerWithIam("t-iam") as server:
+        yield server
+
+
+def test_credentials_the_store_refuses_are_one_paragraph(s3_with_iam, tmp_path):
+    """moto with IAM on: a key the store does not know is refused, as AWS refuses it."""
+    env = {**s3_with_iam.env, "AWS_ACCESS_KEY_ID": "AKIAUNKNOWN000000000", "AWS_SECRET_ACCESS_KEY": "wrong"}
+    source = "s3://t-iam/source/d.csv"
+    proc = run_cli("data", "prep", "--source", source, "--output", str(tmp_path / "out"), env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"Cannot read the source {source}" in proc.stderr and "refused" in proc.stderr
+    assert "AWS_SECRET_ACCESS_KEY" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_permission_is_one_paragraph_and_nothing_is_written(s3_with_iam, tmp_path):
+    """moto with IAM on: a user whose policy allows only reads cannot publish, and is told which
+    permission its identity lacks; the bucket holds nothing of the attempt."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model.keras").write_bytes(b"a model")
+    proc = run_cli("publish", "--model", str(tmp_path / "model"), "--to", "s3://t-iam/model",
+                   env=s3_with_iam.reader_env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "Cannot publish the model to s3://t-iam/model" in proc.stderr
+    assert "lack the permission" in proc.stderr and "s3:PutObject" in proc.stderr
+    import fsspec
+
+    reader = fsspec.filesystem("s3", key=s3_with_iam.reader_env["AWS_ACCESS_KEY_ID"], endpoint_url=s3_with_iam.url,
+                               secret=s3_with_iam.reader_env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
+    assert reader.ls("t-iam", refresh=True) == []   # listed as the reader: moto's set-up key is refused now

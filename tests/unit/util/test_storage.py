@@ -21,6 +21,8 @@ CASES = [
     ("s3://b/x", PermissionError("The AWS Access Key Id you provided does not exist (InvalidAccessKeyId)"),
      "refused"),
     ("s3://b/x", PermissionError("Access Denied"), "s3:PutObject"),
+    ("s3://b/x", PermissionError("Forbidden"), "refused the step's AWS credentials"),   # a HEAD's bare 403
+    ("s3://b/x", PermissionError("Forbidden"), "s3:PutObject"),
     ("s3://b/x", FileNotFoundError("The specified bucket does not exist"), "aws s3 mb"),
 ]
 
