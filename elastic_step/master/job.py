@@ -440,9 +440,14 @@ def train(cfg: TrainConfig) -> dict:
     local staging folder, and uploaded at the end, summary.json last: a reader that finds the summary
     finds the model, report and logs it names. Checkpoints go straight to OUTPUT/checkpoints there."""
     if local_path(cfg.output) is not None:
-        os.makedirs(cfg.output, exist_ok=True)
-        return TrainingJob(cfg).run()
+        try:
+            os.makedirs(local_path(cfg.output), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"Cannot create the training step's output folder {cfg.output}: {e.strerror}. "
+                              "Pass an --output the step may write to (a local folder, gs:// or s3://).") from None
     check_writable(cfg.output, "write the training step's output to", ConfigError)
+    if local_path(cfg.output) is not None:
+        return TrainingJob(cfg).run()
     staged = dataclasses.replace(cfg, output=tempfile.mkdtemp(prefix="elastic-step-output-"),
                                  checkpoint_dir=cfg.checkpoint_dir or f"{cfg.output.rstrip('/')}/checkpoints")
     try:

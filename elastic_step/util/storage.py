@@ -97,8 +97,9 @@ def explain(uri: str, e: BaseException, doing: str) -> str:
     return f"Cannot {doing} {uri}: {first.rstrip('.')}. {fix}"
 
 
-def check_writable(uri: str, doing: str, error: type[Exception]) -> None:
-    """At a job's start, not at its end: write and delete a probe under `uri` (a folder)."""
+def check_writable(uri: str, doing: str, error: type[Exception], alternative: str = "") -> None:
+    """At a job's start, not at its end: write and delete a probe under `uri` (a folder). `alternative`
+    ends the error's paragraph: a way to run without writing there, if there is one."""
     from elastic_step.util.atomic import atomic_write_text
 
     probe = f"{uri.rstrip('/')}/.elastic-step-probe"
@@ -107,7 +108,7 @@ def check_writable(uri: str, doing: str, error: type[Exception]) -> None:
         fs, path = fsspec.core.url_to_fs(probe)
         fs.rm(path)
     except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph
-        raise error(explain(uri, e, doing)) from None
+        raise error(" ".join(filter(None, (explain(uri, e, doing), alternative)))) from None
 
 
 def copy_folder(source: str | os.PathLike, uri: str, last: str | None = None) -> None:
