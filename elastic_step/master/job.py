@@ -48,7 +48,7 @@ def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
         return _auto_backend(cfg, log_dir)
     if cfg.backend == "local":
         from elastic_step.backends.local import LocalBackend
-        return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token})
+        return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token}, preload=True)
     if cfg.backend == "kubernetes":
         # Namespace, credentials, owner pod and pod-spec additions come from the environment (see the
         # module). A restarted master finds the job's Secret and keeps its token: cfg.token is set to it.
@@ -95,12 +95,12 @@ class TrainingJob:
         self.allreduce = cfg.strategy == "allreduce"
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
-        self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
         self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
                            0 if self.allreduce else cfg.num_ps)
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         self.durable = JobCheckpoints(cfg, self.model_def, self.coord, before_commit=self.chaos.checkpoint_written)
+        self.backend = backend or make_backend(cfg, self.output / "logs")   # starts processes: after every check
         if self.durable.cutter is not None:   # a retried step goes on with the schedule, not over it
             self.chaos.resume(self.durable.store.uri("chaos.json"), cfg.job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
