@@ -33,9 +33,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
                         "fixed (max-workers x minibatch kept by gradient accumulation)")
     p.add_argument("--pushes-in-flight", type=int, default=1,
                    help="ps: pushes each worker keeps in flight. 1 (default): a lone worker trains as "
-                        "Keras fit does. 2: its step overlaps the PS's update, about 10%% faster, each "
-                        "gradient one more update stale (with Adam 3e-3 on digits, about 1 run in 15 "
-                        "ended below 0.9 accuracy)")
+                        "Keras fit does. 2: its step overlaps the PS's update (a lone digits-MLP worker ran "
+                        "about 25%% faster), each gradient one update stale")
     p.add_argument("--backend", default="auto", metavar="{auto,local,kubernetes}",
                    help="auto (default): kubernetes when this runs in a pod whose service account holds the "
                         "Role's verbs, else local (the log says which and why); local: workers and PS are "
