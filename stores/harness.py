@@ -14,6 +14,7 @@ as subprocesses reach the same server, as a step's pods reach a real store.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -144,6 +145,27 @@ class S3Server(_Server):
 
     def ready_path(self) -> str:
         return "/moto-api/"
+
+
+    @contextlib.contextmanager
+    def mounted(self, bucket: str):
+        """The bucket as a local folder, through s3fs-fuse (Debian's `s3fs`): for a tool that only writes
+        local paths, as Vertex AI's pipelines see gs:// at /gcs/ through gcsfuse. Unmounted on exit."""
+        folder = tempfile.mkdtemp(prefix=f"{bucket}-mounted-")
+        with tempfile.NamedTemporaryFile("w", prefix="s3fs-passwd-", delete=False) as f:
+            f.write(f"{self.storage_options['key']}:{self.storage_options['secret']}\n")
+        os.chmod(f.name, 0o600)
+        proc = subprocess.run(["s3fs", bucket, folder, "-o", f"url={self.url}", "-o", "use_path_request_style",
+                               "-o", "endpoint=us-east-1", "-o", f"passwd_file={f.name}"],
+                              capture_output=True, text=True, timeout=60)
+        os.unlink(f.name)
+        if proc.returncode != 0:
+            raise StoreError(f"s3fs could not mount s3://{bucket} at {folder}: {proc.stderr.strip()}")
+        try:
+            yield folder
+        finally:
+            subprocess.run(["umount", folder], check=False, timeout=60)
+            os.rmdir(folder)
 
 
 class S3ServerWithIam(S3Server):
