@@ -132,19 +132,29 @@ def confusion_matrix(labels: np.ndarray, predictions: np.ndarray) -> dict | None
 
 
 def publish_step(model_dir: str, publish_uri: str, passed: bool) -> str:
-    """Copy the model folder to `publish_uri` (any fsspec URI) when the gate passed."""
+    """Copy the model folder (a local path or any fsspec URI) to `publish_uri` (any fsspec URI) when the
+    gate passed: model.keras last, so a reader that finds it finds the whole model."""
     import fsspec
+
+    from elastic_step.model_io import KERAS_FILE
+    from elastic_step.util.storage import copy_folder, explain
 
     if not passed:
         return ""
     if not publish_uri:
         return ""
-    fs, root = fsspec.core.url_to_fs(publish_uri)
-    for path in pathlib.Path(model_dir).rglob("*"):
-        if path.is_file():
-            dest = f"{root.rstrip('/')}/{path.relative_to(model_dir).as_posix()}"
-            fs.makedirs(os.path.dirname(dest), exist_ok=True)
-            fs.put_file(str(path), dest)
+    try:
+        fs, root = fsspec.core.url_to_fs(model_dir)
+        found = fs.exists(f"{root.rstrip('/')}/{KERAS_FILE}")
+    except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph
+        raise ConfigError(explain(model_dir, e, "read the model to publish from")) from None
+    if not found:
+        raise ConfigError(f"No {KERAS_FILE} in {model_dir}: pass the folder the training step wrote its "
+                          "model to.")
+    try:
+        copy_folder(model_dir, publish_uri, last=KERAS_FILE)
+    except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph
+        raise ConfigError(explain(publish_uri, e, "publish the model to")) from None
     return publish_uri
 
 

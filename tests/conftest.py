@@ -39,3 +39,37 @@ def ctr_data(tmp_path_factory):
     generate(str(csv), rows=12000, seed=0)
     r = prepare(str(csv), str(out / "prepared"), label="clicked", seed=0)
     return {"train": r.train_uri, "eval": r.eval_uri, "rows": r.train.total_rows}
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server on loopback (built by scripts/build-fake-gcs when missing)."""
+    from stores.harness import GcsServer
+
+    with GcsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback."""
+    from stores.harness import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture(params=["gs", "s3"])
+def store(request, monkeypatch):
+    """(server, URI of a fresh bucket) on each real store, with this process's environment pointing
+    at the server as a step's would (subprocesses get `server.env` passed)."""
+    import uuid
+
+    import fsspec
+
+    server = request.getfixturevalue({"gs": "gcs_server", "s3": "s3_server"}[request.param])
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    fsspec.config.conf.setdefault(server.protocol, {}).update(server.storage_options)
+    yield server, server.bucket("t-" + uuid.uuid4().hex[:12])
+    fsspec.config.conf.pop(server.protocol, None)

@@ -46,8 +46,8 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                      model: Output[Model], metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
                      epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
                      min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
-                     global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
-                     worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
+                     global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
+                     worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
                      ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
                      pipeline_task_name: str = "", checkpoint_uri: str = ""):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods.
@@ -75,8 +75,8 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                          metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
                          epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
                          min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
-                         global_batch: str = "scaled", backend: str = "local", worker_image: str = "",
-                         worker_cpu: str = "", worker_memory: str = "", worker_priority_class: str = "",
+                         global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
+                         worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
                          ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
                          pipeline_task_name: str = "", checkpoint_uri: str = ""):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are

@@ -28,6 +28,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
 from elastic_step.errors import DataError
+from elastic_step.util.storage import on_disk
 
 TYPES = {"int64": pa.int64(), "float32": pa.float32(), "float64": pa.float64(),
          "string": pa.string(), "bool": pa.bool_()}
@@ -356,8 +357,7 @@ def _not_parquet(name: str, e: Exception) -> DataError:
 
 
 def _local_path(fs, path: str) -> str | None:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return path if "file" in protocol or "local" in protocol else None
+    return path if on_disk(fs) else None
 
 
 def _open_binary(fs, path: str):

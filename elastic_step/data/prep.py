@@ -29,6 +29,7 @@ from elastic_step.data.api import MANIFEST_NAME, Field, Manifest, Shard
 from elastic_step.data.parse import FORMATS, MAX_BAD_ROWS, TYPE_NAMES, TYPES, combine, file_format
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.util.atomic import atomic_directory
+from elastic_step.util.storage import check_writable, explain, local_path, on_disk
 
 __all__ = ["MAX_BAD_ROWS", "PrepResult", "prepare"]
 
@@ -62,11 +63,13 @@ def prepare(source: str, output: str, label: str | None = None, eval_fraction: f
                         f"{', '.join(declared)}). Pass a label that the schema declares, or add it there.")
     fs, files, sizes = _list_files(source)
     _check_output_outside_source(source, output, fs, files)
-    local = _local(output)
+    local = local_path(output)
     if local is not None:
         if "://" not in output:  # keep the manifests' URIs valid whatever the reader's cwd
             output = os.path.abspath(output)
         _check_replaceable(local, output)  # before reading: the source may take a while
+    else:
+        check_writable(output, "write the prepared data to", DataError)
 
     sized = [(path, sizes[path]) for path, _ in files]
     bits = shuffle.bucket_bits(sized)
@@ -168,10 +171,9 @@ def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str,
     except DataError:
         raise
     except Exception as e:  # missing fsspec plugin (gcsfs/s3fs), credentials, permissions, bad URI
-        raise DataError(f"Cannot read the source {source}: {type(e).__name__}: {e}. Check the URI and "
-                        "the credentials; gs:// needs gcsfs and s3:// needs s3fs installed.") from None
+        raise DataError(explain(source, e, "read the source")) from None
     paths = sorted(found)
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    local = on_disk(fs)
     named = [(p, p if local else fs.unstrip_protocol(p)) for p in paths]
     unknown = [name for p, name in named if file_format(p) is None]
     named = [(p, name) for p, name in named if file_format(p) is not None]
@@ -180,12 +182,6 @@ def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str,
                         + f". Data files must end in {', '.join(FORMATS)}; rename them or point at others.")
     return fs, named, {p: int(found[p].get("size") or 0) for p, _ in named}
 
-
-
-def _local(uri: str) -> str | None:
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    return None if "://" in uri else uri
 
 
 
@@ -208,7 +204,7 @@ def _check_output_outside_source(source: str, output: str, fs, files) -> None:
 
 def _write(output: str, rows: Iterator[pa.Table], n_eval: int, manifests: dict[str, Manifest],
            shard_rows: int, row_group_rows: int) -> None:
-    local = _local(output)
+    local = local_path(output)
     if local is not None:
         # Everything goes to a temporary sibling folder renamed into place at the end, so a
         # failure leaves either no output or the previous one intact.
@@ -304,8 +300,7 @@ def _write_shard(fs, path: str, table: pa.Table, row_group_rows: int, options: d
 
 def _open_output(fs, path: str):
     # pyarrow writes a local file itself: through fsspec's file object it makes a Python call per page.
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return pa.OSFile(path, "wb") if "file" in protocol else fs.open(path, "wb")
+    return pa.OSFile(path, "wb") if on_disk(fs) else fs.open(path, "wb")
 
 
 class _ShardWriter:
@@ -318,7 +313,8 @@ class _ShardWriter:
 
     def __init__(self, fs, folder: str, manifest: Manifest, shard_rows: int, row_group_rows: int,
                  writers: _Writers, options: dict):
-        fs.makedirs(folder, exist_ok=True)
+        if on_disk(fs):
+            fs.makedirs(folder, exist_ok=True)   # an object store has no folders (s3fs's would create a bucket)
         self.fs, self.folder, self.manifest, self.writers, self.options = fs, folder, manifest, writers, options
         self.shard_rows, self.group_rows = shard_rows, row_group_rows
         self._pieces: list[pa.Table] = []  # the shard's rows not written yet

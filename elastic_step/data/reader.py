@@ -22,8 +22,11 @@ class ShardReader:
         self.uri = uri
         self.columns = columns
         try:
-            self._file = fsspec.open(uri, "rb").open()
-            self._pq = pq.ParquetFile(self._file)
+            # No read-ahead cache (s3fs's would fetch most of a shard to read one row group), and the
+            # ranges a row group's column chunks span fetched together: one GET per read, not one per column.
+            fs, path = fsspec.core.url_to_fs(uri)
+            self._file = fs.open(path, "rb", cache_type="none")
+            self._pq = pq.ParquetFile(self._file, pre_buffer=True)
         except (OSError, ValueError) as e:
             raise DataError(f"Cannot open the data shard {uri}: {e}. Check that the manifest's shards "
                             "are where the manifest says (re-run `elastic-step data prep`).") from None

@@ -28,6 +28,7 @@ import pyarrow.ipc as ipc
 
 from elastic_step.data.parse import RESTART, BadRows, SourceFile, conform, file_format
 from elastic_step.errors import DataError
+from elastic_step.util.storage import protocols
 
 # Pass 2 sorts this much at once (held twice: as read and sorted); pass 1 buffers this much per
 # process before appending to the bucket files. Together with pyarrow's read-ahead they bound memory.
@@ -258,8 +259,7 @@ def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: i
 
 def processes_for(files: list[tuple[str, int]], fs) -> int:
     """How many processes pass 1 uses: a file each, up to the CPUs this process may use."""
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    if len(files) < 2 or sum(size for _, size in files) < PARALLEL_MIN_BYTES or "memory" in protocol:
+    if len(files) < 2 or sum(size for _, size in files) < PARALLEL_MIN_BYTES or "memory" in protocols(fs):
         return 1  # memory:// lives in this process only
     return max(1, min(len(files), usable_cpus()))
 

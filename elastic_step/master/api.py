@@ -10,7 +10,7 @@ from elastic_step.errors import ConfigError
 
 STRATEGIES = ("ps", "allreduce")
 GLOBAL_BATCH = ("scaled", "fixed")
-BACKENDS = ("local", "kubernetes")
+BACKENDS = ("auto", "local", "kubernetes")
 MAX_PUSHES_IN_FLIGHT = 4
 
 
@@ -26,7 +26,7 @@ class TrainConfig:
     min_workers: int = 1
     max_workers: int = 2
     num_ps: int = 1
-    backend: str = "local"
+    backend: str = "auto"                # auto | local | kubernetes (auto: see master/job.py make_backend)
     strategy: str = "ps"
     global_batch: str = "scaled"       # allreduce: "scaled" (lr follows world size) or "fixed" (accumulation)
     seed: int = 0

@@ -259,7 +259,7 @@ class JobCheckpoints:
             shards.close()
 
     def shards_ready(self) -> None:
-        """Every shard has registered, before any worker starts. A resumed job restores them; a new one
+        """Every shard has registered, before any worker may push. A resumed job restores them; a new one
         cuts a first checkpoint (no barrier needed), so that a PS lost before the first periodic one
         still has a cut to go back to."""
         if self.resumed and self.coord.ps_generation == 0:

@@ -29,6 +29,7 @@ import fsspec
 
 from elastic_step.errors import ConfigError
 from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
+from elastic_step.util.storage import check_writable
 
 log = logging.getLogger("elastic_step.master")
 
@@ -52,16 +53,10 @@ class CheckpointStore:
         return posixpath.join(self.root, *parts)
 
     def check_writable(self) -> None:
-        """At the job's start, not at its first checkpoint: write and delete a probe."""
-        probe = self.uri(".probe")
-        try:
-            atomic_write_text(probe, "elastic-step checkpoint probe\n")
-            self.fs.rm(posixpath.join(self.path, ".probe"))
-        except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph
-            raise CheckpointError(
-                f"Cannot write checkpoints under {self.root}: {type(e).__name__}: {e}. Check that the step's "
-                "output is writable with the step's credentials, or pass --checkpoint-every 0 to train "
-                "without checkpoints (a lost master or PS then loses the job's progress).") from None
+        """At the job's start, not at its first checkpoint."""
+        check_writable(self.root, "write checkpoints under", CheckpointError,
+                       "Or pass --checkpoint-every 0 to train without checkpoints (a lost master or PS then "
+                       "loses the job's progress).")
 
     def latest(self) -> dict | None:
         """The last complete checkpoint's manifest, or None. A corrupt manifest is an error; one of

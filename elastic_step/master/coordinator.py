@@ -26,6 +26,9 @@ class Coordinator:
         self.training_started = False           # elastic, not gang: gated once, on min_workers
         self.ps_addresses: list[str] = [""] * num_ps
         self.ps_ready = threading.Event()
+        # Workers learn the shards' addresses only once every shard is up and, for a resumed job,
+        # restored (see open_shards): workers start beside the shards, not after them.
+        self.shards_open = num_ps == 0
         self.events: list[dict] = []
         self.samples: list[dict] = []           # progress over time, for the report
         self.failure: dict | None = None
@@ -129,18 +132,27 @@ class Coordinator:
 
     # ------------------------------------------------------------ RPC side
     def register(self, inst: InstanceId, address: str) -> list[str]:
+        """An instance registers (a worker again and again while it waits for the shards). Returns the
+        shards' addresses, or empty ones while a worker may not push to them yet."""
         with self.lock:
-            self.membership.registered(inst, address)
+            if self.membership.registered(inst, address):
+                self.record("registered", str(inst), address)
+                log.info("%s registered%s", inst, f" at {address}" if address else "")
             if inst.role == "ps":
                 self.ps_addresses[inst.index] = address
                 if all(self.ps_addresses):
                     self.ps_ready.set()
-            self.record("registered", str(inst), address)
             if self.rendezvous is not None and inst.role == "worker":
                 self.rendezvous.join_locked(str(inst), address)
-            log.info("%s registered%s", inst, f" at {address}" if address else "")
-            # While the shards are being restored, no worker may push to them yet.
-            return [""] * len(self.ps_addresses) if self.rewinding else list(self.ps_addresses)
+            # Not before every shard is up (and restored), nor while they are restored after a loss.
+            if not self.shards_open or self.rewinding:
+                return [""] * len(self.ps_addresses)
+            return list(self.ps_addresses)
+
+    def open_shards(self) -> None:
+        """Every shard is up (and a resumed job's restored): workers may learn where they are."""
+        with self.lock:
+            self.shards_open = True
 
     # ------------------------------------------------------------ the checkpoint barrier
     def begin_hold(self) -> None:

@@ -7,11 +7,14 @@ end evaluates, exports the model and writes `summary.json`.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
 import pathlib
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -31,6 +34,7 @@ from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.storage import check_writable, copy_folder, explain, local_path
 
 log = logging.getLogger("elastic_step.master")
 
@@ -40,21 +44,48 @@ REPORT_FILE = "report.html"
 
 
 def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+    if cfg.backend == "auto":
+        return _auto_backend(cfg, log_dir)
     if cfg.backend == "local":
         from elastic_step.backends.local import LocalBackend
-        return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token})
+        return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token}, preload=True)
     if cfg.backend == "kubernetes":
         # Namespace, credentials, owner pod and pod-spec additions come from the environment (see the
         # module). A restarted master finds the job's Secret and keeps its token: cfg.token is set to it.
         from elastic_step.backends.kubernetes import KubernetesBackend
         return KubernetesBackend.from_train_config(cfg)
-    raise ConfigError(f"Unknown backend {cfg.backend!r}; use local or kubernetes.")
+    raise ConfigError(f"Unknown backend {cfg.backend!r}; use auto, local or kubernetes.")
+
+
+def _auto_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+    """--backend auto: pods when this step runs in a pod whose service account holds the Role's verbs
+    (so a training component dragged into a cluster pipeline is an elastic job of pods), else processes
+    of this step. `cfg.backend` becomes the choice, and the log says why."""
+    from elastic_step.backends.kubernetes.config import in_cluster
+    from elastic_step.backends.kubernetes.errors import KubernetesPermissionError
+
+    if in_cluster():
+        cfg.backend = "kubernetes"
+        try:
+            backend = make_backend(cfg, log_dir)
+        except KubernetesPermissionError as e:   # checked before the backend creates anything
+            why = f"this step runs in a pod, but {e}"
+        else:
+            log.info("backend auto -> kubernetes: this step runs in a pod whose service account may run the "
+                     "job's pods in namespace %s", backend.namespace)
+            return backend
+    else:
+        why = "this step does not run in a Kubernetes pod (no service-account token)"
+    cfg.backend = "local"
+    log.info("backend auto -> local: workers and parameter servers run as processes of this step; %s", why)
+    return make_backend(cfg, log_dir)
 
 
 class TrainingJob:
-    def __init__(self, cfg: TrainConfig, backend: Backend | None = None):
+    def __init__(self, cfg: TrainConfig, backend: Backend | None = None, output_uri: str | None = None):
         self.cfg = cfg.validate()
-        self.output = pathlib.Path(cfg.output)
+        self.output = pathlib.Path(cfg.output)     # where this job writes
+        self.output_uri = output_uri or cfg.output  # where its outputs end up (an object store: uploaded)
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
         from elastic_step.model_def import load_model_def
@@ -64,12 +95,12 @@ class TrainingJob:
         self.allreduce = cfg.strategy == "allreduce"
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
-        self.backend = backend or make_backend(cfg, self.output / "logs")
         self.scaler = Scaler(cfg.max_relaunches)
         self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
                            0 if self.allreduce else cfg.num_ps)
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         self.durable = JobCheckpoints(cfg, self.model_def, self.coord, before_commit=self.chaos.checkpoint_written)
+        self.backend = backend or make_backend(cfg, self.output / "logs")   # starts processes: after every check
         if self.durable.cutter is not None:   # a retried step goes on with the schedule, not over it
             self.chaos.resume(self.durable.store.uri("chaos.json"), cfg.job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
@@ -117,16 +148,21 @@ class TrainingJob:
                  cfg.min_workers, cfg.max_workers, cfg.backend)
         t_start = time.time()
         try:
+            # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
+            # model's build) overlaps the shards'. The master withholds the shards' addresses until
+            # every shard is up and restored, so no worker pushes before then.
             for i in range(0 if self.allreduce else cfg.num_ps):   # allreduce: no parameter servers
                 self._launch(InstanceId("ps", i))
+            for i in range(cfg.max_workers):
+                self._launch(InstanceId("worker", i))
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
                 if self.coord.ps_ready.is_set():   # else a shard failed: the job fails below
                     self.durable.shards_ready()
-                if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
-                    self._evaluator.submit(self._evaluate_epoch, -1)
-            for i in range(cfg.max_workers):
-                self._launch(InstanceId("worker", i))
+                    if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
+                        self._load_weights()   # now: once the shards are open, workers push at once
+                        self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
+                    self.coord.open_shards()
             self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
             if self.coord.failure:
@@ -286,19 +322,24 @@ class TrainingJob:
             return state.applied
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
 
-    def _evaluate_epoch(self, epoch: int) -> None:
+    def _load_weights(self) -> None:
+        """The job's current weights into the evaluation's model (built once)."""
+        if self._eval_model is None:
+            self._eval_model = self.model_def.model()
+        if self.allreduce:
+            self._load_from_rank0(self._eval_model)
+        else:
+            self._load_from_ps(self._eval_model)
+
+    def _evaluate_epoch(self, epoch: int, loaded: bool = False) -> None:
         """The eval curve: after each epoch, the PS weights on (a sample of) the eval data; epoch -1 is
-        the initial weights, before any training. Runs on the evaluator thread, so the master keeps
-        handling events meanwhile."""
+        the initial weights, before any training (`loaded`: already in the evaluation's model). Runs on
+        the evaluator thread, so the master keeps handling events meanwhile."""
         from elastic_step.evaluation import evaluate
 
         try:
-            if self._eval_model is None:
-                self._eval_model = self.model_def.model()
-            if self.allreduce:
-                self._load_from_rank0(self._eval_model)
-            else:
-                self._load_from_ps(self._eval_model)
+            if not loaded:
+                self._load_weights()
             r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
         except ModelDefError as e:   # the user's loss or metrics: theirs, reported once, now
             self.coord.report_failure("master", "model_error", str(e), "")
@@ -320,6 +361,8 @@ class TrainingJob:
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
+        outputs = {k: self.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output)
+                   for k, v in outputs.items()}
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
@@ -391,6 +434,38 @@ def ps_summary(stats) -> dict:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run a whole training job; returns the summary (also written to OUTPUT/summary.json)."""
-    os.makedirs(cfg.output, exist_ok=True)
-    return TrainingJob(cfg).run()
+    """Run a whole training job; returns the summary (also written to OUTPUT/summary.json).
+
+    An output in an object store (gs://, s3://) is checked writable before anything starts, written in a
+    local staging folder, and uploaded at the end, summary.json last: a reader that finds the summary
+    finds the model, report and logs it names. Checkpoints go straight to OUTPUT/checkpoints there."""
+    if local_path(cfg.output) is not None:
+        try:
+            os.makedirs(local_path(cfg.output), exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"Cannot create the training step's output folder {cfg.output}: {e.strerror}. "
+                              "Pass an --output the step may write to (a local folder, gs:// or s3://).") from None
+    check_writable(cfg.output, "write the training step's output to", ConfigError)
+    if local_path(cfg.output) is not None:
+        return TrainingJob(cfg).run()
+    staged = dataclasses.replace(cfg, output=tempfile.mkdtemp(prefix="elastic-step-output-"),
+                                 checkpoint_dir=cfg.checkpoint_dir or f"{cfg.output.rstrip('/')}/checkpoints")
+    try:
+        summary = TrainingJob(staged, output_uri=cfg.output).run()
+    except BaseException:
+        _upload(staged.output, cfg.output, failed=True)   # a failed job's summary, report and logs
+        raise
+    _upload(staged.output, cfg.output)
+    return summary
+
+
+def _upload(staging: str, uri: str, failed: bool = False) -> None:
+    log.info("uploading the output to %s", uri)
+    try:
+        copy_folder(staging, uri, last=SUMMARY_FILE)
+    except Exception as e:  # noqa: BLE001 - the store failed at the end: one clear paragraph
+        if not failed:   # else the job's own error is the one to report
+            raise ConfigError(explain(uri, e, "upload the training step's output to")) from None
+        log.error("%s", explain(uri, e, "upload the failed step's output to"))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

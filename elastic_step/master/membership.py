@@ -51,10 +51,14 @@ class Membership:
                                           if crashed and not m.progress_since_launch else 0)
         self._sample(ev.time)
 
-    def registered(self, inst: InstanceId, address: str = "") -> None:
+    def registered(self, inst: InstanceId, address: str = "") -> bool:
+        """True when this is the launch's first registration (or at a new address)."""
         m = self.members.setdefault(inst, Member(inst))
+        new = m.state != "registered" or m.address != address
         m.state, m.address, m.last_seen = "registered", address, time.time()
-        self._sample(m.last_seen)
+        if new:
+            self._sample(m.last_seen)
+        return new
 
     def seen(self, inst: InstanceId, progressed: bool = False) -> None:
         m = self.members.get(inst)

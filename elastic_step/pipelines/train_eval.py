@@ -37,8 +37,8 @@ def build(caching: bool = True):
     def train_eval(source_uri: str, model_def: str, label: str = "label", epochs: int = 10,
                    minibatch_size: int = 64, records_per_task: int = 512, min_workers: int = 1,
                    max_workers: int = 2, num_ps: int = 1, strategy: str = "ps", global_batch: str = "scaled",
-                   backend: str = "local",
-                   worker_image: str = "", worker_cpu: str = "", worker_memory: str = "",
+                   backend: str = "auto",
+                   worker_image: str = "", worker_cpu: str = "1", worker_memory: str = "2Gi",
                    worker_priority_class: str = "", ps_priority_class: str = "",
                    threshold: float = 0.9, metric: str = "accuracy", publish_uri: str = "",
                    eval_fraction: float = 0.2, seed: int = 0):

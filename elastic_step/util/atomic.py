@@ -13,6 +13,8 @@ import uuid
 
 import fsspec
 
+from elastic_step.util.storage import local_path
+
 
 def _current_umask() -> int:
     mask = os.umask(0)
@@ -23,14 +25,8 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
-def _local_path(uri: str) -> str | None:
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    return None if "://" in uri else uri
-
-
 def atomic_write_bytes(uri: str, data: bytes) -> None:
-    local = _local_path(uri)
+    local = local_path(uri)
     if local is None:
         with fsspec.open(uri, "wb") as f:  # one PUT: atomic on object stores
             f.write(data)

@@ -57,6 +57,17 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
         server.stop(grace=0.5)
 
 
+def shards(master: MasterClient, stop: threading.Event, newer_than: int = -1):
+    """Register until the master hands out every shard's address, at a generation past `newer_than`
+    (it withholds them while the shards start, or are restored after a loss). None once stopped."""
+    while not stop.is_set():
+        info = master.register()
+        if info.ps_generation > newer_than and all(info.ps_addresses):
+            return info
+        stop.wait(0.2)
+    return None
+
+
 def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     import keras
 
@@ -69,7 +80,9 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     keras.utils.set_random_seed(args.seed)
     model = model_def.model()
     placement = Placement.of(model, args.num_ps)
-    info = master.register()
+    info = shards(master, stop)
+    if info is None:   # stopped before the shards were up
+        return 0
     depth = info.pushes_in_flight or PUSH_DEPTH
     ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
     trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth, generation=info.ps_generation)
@@ -79,14 +92,11 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     def rejoin() -> None:
         """Wait until the master has every shard back (relaunched, restored to its last checkpoint, a new
         generation), then push to them."""
-        while not stop.is_set():
-            info = master.register()
-            if info.ps_generation > trainer.generation and all(info.ps_addresses):
-                new = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
-                trainer.reconnect(new, info.ps_generation).close()
-                log.info("the PS shards are back at generation %d: training on", info.ps_generation)
-                return
-            stop.wait(0.2)
+        info = shards(master, stop, newer_than=trainer.generation)
+        if info is not None:
+            new = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
+            trainer.reconnect(new, info.ps_generation).close()
+            log.info("the PS shards are back at generation %d: training on", info.ps_generation)
 
     try:
         why = train_tasks(master, trainer, readers, info.minibatch_size, stop,

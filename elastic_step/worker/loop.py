@@ -220,8 +220,10 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                         trainer.refresh_dense()   # others may have pushed between our last push and the cut
                     if reporter.refused or stop.is_set():
                         break
-                    result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
+                    # Before the step, not after: its gradient is then taken on values that hold every
+                    # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     settle(keep=pushes_in_flight - 1)
+                    result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
                     reporter.pump()

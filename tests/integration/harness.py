@@ -18,9 +18,10 @@ def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subpro
                           capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
-def train(data: dict, output, *extra: str, model: str = DIGITS_MODEL) -> tuple[subprocess.CompletedProcess, dict]:
+def train(data: dict, output, *extra: str, model: str = DIGITS_MODEL,
+          env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     proc = run_cli("train", "--model-def", model, "--train-data", data["train"], "--eval-data", data["eval"],
-                   "--output", str(output), "--progress", "lines", *extra)
+                   "--output", str(output), "--progress", "lines", *extra, env=env)
     summary_path = os.path.join(str(output), "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     return proc, summary

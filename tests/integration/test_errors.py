@@ -38,6 +38,14 @@ def test_unreadable_train_data(tmp_path):
     assert not (tmp_path / "out" / "model.keras").exists()
 
 
+def test_an_output_the_step_cannot_create_is_a_clear_error(tmp_path, digits_data):
+    (tmp_path / "a-file").write_text("not a folder")
+    output = str(tmp_path / "a-file" / "out")
+    proc = run_cli("train", "--model-def", DIGITS_MODEL, "--train-data", digits_data["train"], "--output", output)
+    assert_clean_error(proc, output, "--output")
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+
+
 def test_unreadable_source_in_prep(tmp_path):
     proc = run_cli("data", "prep", "--source", "file:///no/such/file.csv", "--output", str(tmp_path / "out"))
     assert_clean_error(proc, "/no/such/file.csv")

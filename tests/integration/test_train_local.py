@@ -26,21 +26,23 @@ def undisturbed(digits_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("undisturbed")
     proc, summary = train(digits_data, out, *SETTINGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, summary
+    return out, summary, proc
 
 
 def test_digits_trains_to_090(undisturbed):
-    out, summary = undisturbed
+    out, summary, proc = undisturbed
     assert_exactly_once(summary)
     assert summary["eval"]["accuracy"] >= 0.90
     assert summary["workers"]["max_alive"] == 2
+    # The default backend, auto, outside a pod: processes of this step, and the log says why.
+    assert summary["backend"] == "local" and "backend auto -> local" in proc.stderr
     assert (out / "model.keras").is_file()
     assert (out / "saved_model" / "saved_model.pb").is_file()
     assert summary["throughput_records_per_s"] > 0
 
 
 def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
-    _, base = undisturbed
+    _, base, _ = undisturbed
     total = digits_data["rows"] * EPOCHS
     # Chaos fires only while both workers train and the target holds a lease: the SIGTERM comes as
     # soon as worker-0's replacement has joined, whatever this machine's speed.

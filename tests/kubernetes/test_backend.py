@@ -337,7 +337,8 @@ def check_pods_and_events(b, core, namespace, owner):
 def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, namespace, digits, priority_classes,
                                                 tmp_path):
     """The step as Kubernetes runs it: the master is a pod of service account elastic-step (in-cluster
-    config, namespace from the token's directory, owner = its own pod via the downward API)."""
+    config, namespace from the token's directory, owner = its own pod via the downward API), with the
+    default backend, auto: in a pod whose service account holds the Role's verbs, that means pods."""
     step_account(control_plane, namespace)
     recorder = PodRecorder(core, namespace)
     out, job = tmp_path / "out", "digits-k8s"
@@ -348,7 +349,7 @@ def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, names
     core.create_namespaced_pod(namespace, {"metadata": {"name": "step"}, "spec": {
         "serviceAccountName": "elastic-step", "restartPolicy": "Never", "priorityClassName": "elastic-high",
         "containers": [{"name": "main", "image": "ghcr.io/elastic-step/elastic-step:0.1.0", "env": env,
-                        "command": [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes",
+                        "command": [sys.executable, "-m", "elastic_step.cli", "train",
                                     "--job-id", job, "--model-def", DIGITS_MODEL, "--train-data", digits["train"],
                                     "--eval-data", digits["eval"], "--output", str(out), "--epochs", "40",
                                     "--minibatch-size", "32", "--records-per-task", "128", "--max-workers", "2",
@@ -361,7 +362,7 @@ def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, names
     recorder.stop()
     summary = json.loads((out / "summary.json").read_text())
     assert_exactly_once(summary)
-    assert summary["backend"] == "kubernetes"
+    assert summary["backend"] == "kubernetes" and "backend auto -> kubernetes: this step runs in a pod" in log
     assert summary["eval"]["accuracy"] >= 0.90, summary["eval"]
     assert summary["workers"]["max_alive"] == 2
     # workers and PS ran as pods of this job, owned by the step's pod, on the process kubelet

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 
@@ -25,7 +26,11 @@ def prepare_tally_data(out) -> dict:
 
 def train_ids(manifest_uri: str) -> np.ndarray:
     m = load_manifest(manifest_uri)
-    return np.concatenate([pq.read_table(m.shard_uri(s), columns=["id"])["id"].to_numpy() for s in m.shards])
+    ids = []
+    for s in m.shards:
+        with fsspec.open(m.shard_uri(s), "rb") as f:   # any store, as the step reads it
+            ids.append(pq.read_table(f, columns=["id"])["id"].to_numpy())
+    return np.concatenate(ids)
 
 
 def assert_chaos_fired(summary: dict, planned: int) -> list[dict]:

@@ -42,10 +42,11 @@ loss 0.70 against 0.52, off by 0.17); the penalty dropped from the evaluation's 
 fails: elastic_step/evaluation.py did just that before this test). A summed instead of averaged loss
 would be off by orders of magnitude.
 
-The ps side runs one push in flight (the default), so a lone worker's SGD is fit's, in sequence. With
-`--pushes-in-flight 2` (each gradient one update stale), the digits sample with Adam 3e-3 ended below
-fit's range in some runs: 14 seed-0 runs each way ended at 0.953-0.983 accuracy with two in flight and at
-0.978-0.983 with one; in 1 of 4 earlier runs with two, at 0.891 (0.978 the epoch before).
+The ps side runs one push in flight (the default), so a lone worker's SGD is fit's, in sequence: the
+worker waits for its push before the next step. Before that wait moved ahead of the step, one in flight
+left each gradient one update stale (as `--pushes-in-flight 2` does now) and two left it two stale: 14
+seed-0 runs each way of the digits sample with Adam 3e-3 ended at 0.978-0.983 accuracy with one update of
+staleness and at 0.953-0.983 with two (in 1 of 4 earlier runs, at 0.891).
 """
 from __future__ import annotations
 

@@ -13,37 +13,52 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def run_pipeline(tmp_path, *extra, env=None, source="samples/digits/digits.csv"):
+def run_pipeline(tmp_path, *extra, env=None, source="samples/digits/digits.csv", publish=None, output=None):
     return subprocess.run([sys.executable, "-m", "elastic_step.cli", "pipeline", "run", "--source",
                            str(source), "--model-def", "samples/digits/model.py", "--label", "label",
-                           "--output", str(tmp_path / "run"), "--publish-uri", str(tmp_path / "published"), *extra],
+                           "--output", str(output or tmp_path / "run"),
+                           "--publish-uri", publish or str(tmp_path / "published"), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800,
                           env={**{k: v for k, v in os.environ.items()
                                   if k not in ("ELASTIC_STEP_CHAOS", "AIP_TENSORBOARD_LOG_DIR")}, **(env or {})})
 
 
 @pytest.mark.slow
-def test_pipeline_runs_locally_and_passes_the_gate(tmp_path):
-    proc = run_pipeline(tmp_path, "--epochs", "10", "--json")
+def test_pipeline_runs_locally_with_everything_in_a_bucket_and_passes_the_gate(tmp_path, s3_server):
+    """The source, the published model and kfp.local's pipeline_root, all in one bucket (moto's S3 server).
+    kfp.local writes its pipeline_root only through local paths, so the bucket is mounted there with
+    s3fs-fuse, as Vertex AI Pipelines mounts gs:// at /gcs/; the source and publish URIs are s3:// ones.
+    What the run wrote is read back from the bucket through the store's API, not through the mount."""
+    fs = s3_server.filesystem()
+    bucket = s3_server.bucket("pipeline-run")
+    fs.put_file(str(ROOT / "samples" / "digits" / "digits.csv"), "pipeline-run/source/digits.csv")
+    with s3_server.mounted("pipeline-run") as mounted:
+        proc = run_pipeline(tmp_path, "--epochs", "10", "--json", env=s3_server.env, output=f"{mounted}/run",
+                            source=f"{bucket}/source/digits.csv", publish=f"{bucket}/published")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["evaluation"]["passed"] is True
     assert result["evaluation"]["score"] >= 0.90
     assert result["evaluation"]["metrics"]["accuracy"] >= 0.90
     assert {"data-prep-op", "elastic-train-op", "evaluate-op", "publish-model-op"} <= set(result["tasks"])
-    assert result["publish"]["published_to"] == str(tmp_path / "published")
-    assert (tmp_path / "published" / "model.keras").is_file()
-    assert (tmp_path / "published" / "saved_model" / "saved_model.pb").is_file()
-    run = pathlib.Path(result["run"])
-    assert run.parent == (tmp_path / "run" / "pipeline_root").resolve()
+    assert result["publish"]["published_to"] == f"{bucket}/published"
+    assert fs.exists("pipeline-run/published/model.keras")
+    assert fs.exists("pipeline-run/published/saved_model/saved_model.pb")
+
+    def in_bucket(path: str) -> str:   # a path under the mount -> the object's key in the bucket
+        return f"pipeline-run/{os.path.relpath(path, mounted)}"
+
+    fs.invalidate_cache()
+    run = result["run"]
+    assert pathlib.Path(run).parent == pathlib.Path(mounted) / "run" / "pipeline_root"
     for artifact in ("data-prep-op.train_data", "data-prep-op.eval_data", "elastic-train-op.model",
                      "elastic-train-op.report", "elastic-train-op.summary"):
         assert pathlib.Path(result["artifacts"][artifact]).is_relative_to(run), artifact
-        assert os.path.exists(result["artifacts"][artifact]), artifact
-    assert (pathlib.Path(result["artifacts"]["data-prep-op.train_data"]) / "manifest.json").is_file()
-    summary = json.loads(pathlib.Path(result["artifacts"]["elastic-train-op.summary"]).read_text())
+        assert fs.exists(in_bucket(result["artifacts"][artifact])), artifact
+    assert fs.isfile(in_bucket(result["artifacts"]["data-prep-op.train_data"]) + "/manifest.json")
+    summary = json.loads(fs.cat_file(in_bucket(result["artifacts"]["elastic-train-op.summary"])))
     assert summary["status"] == "succeeded" and summary["epochs"] == 10
-    assert (pathlib.Path(result["artifacts"]["elastic-train-op.model"]) / "saved_model" / "saved_model.pb").is_file()
+    assert fs.isfile(in_bucket(result["artifacts"]["elastic-train-op.model"]) + "/saved_model/saved_model.pb")
     # Metrics and ClassificationMetrics are metadata (kfp.local keeps them in executor_output.json)
     assert result["training"]["eval_accuracy"] >= 0.9 and result["training"]["throughput_records_per_s"] > 0
     assert result["training"]["workers_lost"] == 0
@@ -52,7 +67,7 @@ def test_pipeline_runs_locally_and_passes_the_gate(tmp_path):
     assert sum(sum(r["row"]) for r in confusion["rows"]) == result["evaluation"]["metrics"]["records"]
     rows = {k: result["metadata"][f"data-prep-op.{k}"]["rows"] for k in ("train_data", "eval_data")}
     assert rows["train_data"] == summary["records_per_epoch"] and rows["eval_data"] == summary["eval"]["records"]
-    assert "PASSED the gate" in proc.stderr and f"published: {tmp_path / 'published'}" in proc.stderr
+    assert "PASSED the gate" in proc.stderr and f"published: {bucket}/published" in proc.stderr
 
 
 # The digits, 16 variants of each (samples/digits/make_csv.py): 23 002 training rows, 230 020 records in

@@ -155,9 +155,13 @@ def test_the_report_of_a_job_with_a_killed_worker_renders(page, tmp_path):
     out = tmp_path / "job"
     proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "train", "--model-def",
                            str(ROOT / "samples" / "digits" / "model.py"), "--train-data", data.train_uri,
-                           "--eval-data", data.eval_uri, "--output", str(out), "--epochs", "20",
+                           "--eval-data", data.eval_uri, "--output", str(out), "--epochs", "60",
                            "--minibatch-size", "32", "--records-per-task", "128", "--progress", "off",
-                           "--chaos", f"kill:worker-0@{data.train.total_rows * 4}"],
+                           # early (2 of 60 epochs, an epoch is ~0.2 s), so the rest (~12 s) outlasts the
+                           # replacement's start-up (forked from the preloader: its model's build and first
+                           # step, a few seconds beside the job's own processes on 2 cores): it must rejoin
+                           # for the charts to mark its return
+                           "--chaos", f"kill:worker-0@{data.train.total_rows * 2}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -172,7 +176,7 @@ def test_the_report_of_a_job_with_a_killed_worker_renders(page, tmp_path):
         assert "worker-0 rejoined" in c["labels"], c
     assert charts["chart-eval"]["dots"] >= 3  # the per-epoch curve and the final evaluation
     assert charts["chart-ledger"]["rects"] >= 20  # a bar per epoch
-    assert page.evaluate("document.querySelectorAll('#ledger tbody tr').length") == 20
+    assert page.evaluate("document.querySelectorAll('#ledger tbody tr').length") == summary["epochs"]
     assert page.evaluate("document.getElementById('status').textContent") == "succeeded"
 
 

@@ -49,7 +49,8 @@ def _sa_root() -> str:
     return os.environ.get("PROCESS_KUBELET_ROOT", "")
 
 
-def _in_cluster() -> bool:
+def in_cluster() -> bool:
+    """This process runs in a pod: the API's address and a service-account token are there."""
     return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.isfile(_sa_root() + SA_DIR + "/token")
 
 
@@ -59,7 +60,7 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None):
     import kubernetes
 
     kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
-    if kubeconfig is None and _in_cluster():
+    if kubeconfig is None and in_cluster():
         root = _sa_root()
         cfg = kubernetes.client.Configuration()
         kubernetes.config.incluster_config.InClusterConfigLoader(

@@ -20,10 +20,10 @@ TASK = pb.GetTaskResponse
 
 
 class Master:
-    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1, pushes_in_flight=1):
+    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1, pushes_in_flight=1, num_ps=0):
         self.ledger = Ledger([ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task,
                              epochs, minibatch_size=MINIBATCH)
-        self.coord = Coordinator(self.ledger, num_ps=0)
+        self.coord = Coordinator(self.ledger, num_ps=num_ps)
         self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers,
                                                          pushes_in_flight))
         self.address = f"127.0.0.1:{self.port}"
@@ -113,6 +113,24 @@ def test_a_malformed_instance_is_invalid_argument(master):
 
 
 # ---------------------------------------------------------------------------- the task flow
+
+def test_a_worker_started_beside_the_shards_learns_their_addresses_only_once_they_are_open():
+    """Workers start with the PS, not after it: until every shard is up (and restored), a worker's
+    registration answers empty addresses, and asking again is not a second registration."""
+    m = Master(num_ps=2)
+    try:
+        worker, ps0, ps1 = m.client(0), m.client(0, role="ps"), m.client(1, role="ps")
+        assert list(worker.register().ps_addresses) == ["", ""]
+        ps0.register("127.0.0.1:1001")
+        ps1.register("127.0.0.1:1002")
+        assert m.coord.ps_ready.is_set()
+        assert list(worker.register().ps_addresses) == ["", ""]   # up, but not yet open
+        m.coord.open_shards()
+        assert list(worker.register().ps_addresses) == ["127.0.0.1:1001", "127.0.0.1:1002"]
+        assert [e["instance"] for e in m.coord.events if e["kind"] == "registered"] == ["worker-0", "ps-0", "ps-1"]
+    finally:
+        m.close()
+
 
 def test_register_get_task_report_commits_every_record_and_then_done(master):
     client = master.client(0)
