@@ -147,11 +147,12 @@ def test_parallel_and_serial_give_the_same_shards(tmp_path, monkeypatch):
     make_source(tmp_path / "in")
     prepare(str(tmp_path / "in"), str(tmp_path / "serial"), label="label", seed=1, shard_rows=500)
     monkeypatch.setattr(shuffle, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(shuffle, "usable_cpus", lambda: 2)  # a pool even on one CPU
     spill = shuffle.spill
     seen = []
     monkeypatch.setattr(shuffle, "spill", lambda *args: seen.append(args[-1]) or spill(*args))
     prepare(str(tmp_path / "in"), str(tmp_path / "parallel"), label="label", seed=1, shard_rows=500)
-    assert seen[0] == min(4, shuffle.usable_cpus()) > 1  # four files, a process each up to the CPUs
+    assert seen == [2]  # four files, a process each up to the CPUs
     assert output_bytes(tmp_path / "parallel") == output_bytes(tmp_path / "serial")
 
 
@@ -161,6 +162,7 @@ def test_in_parallel_the_error_is_the_first_failing_files(tmp_path, monkeypatch)
     (tmp_path / "in" / "b.csv").write_text("a,label\n1,\n")          # a missing label
     (tmp_path / "in" / "c.csv").write_text("a,label\n1,0\n2,1,3\n")  # a field too many
     monkeypatch.setattr(shuffle, "PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr(shuffle, "usable_cpus", lambda: 2)
     for _ in range(2):
         with pytest.raises(DataError, match=r"b\.csv line 2, column 'label': the label is missing"):
             prepare(str(tmp_path / "in"), str(tmp_path / "out"), label="label")
