@@ -4,8 +4,9 @@ Importing TensorFlow and Keras costs a worker or PS process about 5-6 s of CPU a
 job's start and again at every relaunch after a loss, on cores the running workers need. Every instance
 of the local backend runs this package's code, so a *preloader* (one process per backend) imports it
 once and forks each instance from itself: an instance runs its own code a few milliseconds after the
-master asks. The fork happens before TensorFlow creates its runtime (nothing in the preloader runs an
-op, and it has no thread of its own), which is what makes forking it safe.
+master asks. The fork happens before TensorFlow creates its runtime (its thread pools come with the first
+op, and nothing in the preloader runs one), and the preloader's Python code runs in one thread (a signal
+wakes its loop through a pipe): that is what makes forking it safe.
 
 Each instance is still a process of its own: its own session, environment, log file and exit status,
 reported the moment the preloader reaps it. It dies with the master as before: the preloader exits when

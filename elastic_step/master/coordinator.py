@@ -31,6 +31,7 @@ class Coordinator:
         self.shards_open = num_ps == 0
         self.events: list[dict] = []
         self.samples: list[dict] = []           # progress over time, for the report
+        self._alive_seen = 0                    # membership.alive_samples already folded into a sample
         self.failure: dict | None = None
         self.finished = threading.Event()       # training over (done or failed)
         self.stop_all = threading.Event()       # the master no longer needs any instance (PS included)
@@ -294,10 +295,14 @@ class Coordinator:
             self.membership.lost += 1
 
     def sample(self, records_per_s: float) -> dict:
+        """Progress now. `workers_alive` is the fewest workers training since the previous sample, so that
+        a worker lost and back within one interval still shows as a dip (a relaunch can take under a second)."""
         with self.lock:
+            changes = self.membership.alive_samples[self._alive_seen:]
+            self._alive_seen += len(changes)
             s = {"t": round(time.time() - self.t0, 3), "epoch": min(self.ledger.epoch, self.ledger.epochs - 1),
                  "records": self.ledger.records_committed_total(), "records_per_s": round(records_per_s, 1),
                  "loss": None if self.loss_ema is None else round(self.loss_ema, 5),
-                 "workers_alive": len(self.membership.training())}
+                 "workers_alive": min([n for _, n in changes] + [len(self.membership.training())])}
             self.samples.append(s)
             return s
