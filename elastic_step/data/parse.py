@@ -13,6 +13,7 @@ again from its first row.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import csv
 import io
 import json
@@ -39,8 +40,9 @@ SKIP_HINT = ("Fix or delete that row, or set on_bad_rows to 'skip' (CLI: --on-ba
              "bad rows; skipped rows are counted in the manifest.")
 RESTART = "restart"
 
-# pyarrow's streaming CSV reader reads up to 32 blocks ahead: 512 KB blocks keep that to ~20 MB of
-# Arrow memory. JSON is cut into chunks of whole lines; Parquet is read by batches.
+# CSV is read in chunks of whole rows parsed on all CPUs, or, once a quote is seen, by pyarrow's
+# streaming reader, which reads up to 32 blocks ahead: 512 KB blocks keep that to ~20 MB of Arrow memory. JSON is cut into chunks of whole lines; Parquet is read by batches.
+CSV_CHUNK_BYTES = 8 << 20
 CSV_BLOCK_BYTES = 512 << 10
 JSON_CHUNK_BYTES = 4 << 20
 PARQUET_BATCH_BYTES = 4 << 20
@@ -375,32 +377,107 @@ _CSV_PARSE = pa_csv.ParseOptions(newlines_in_values=True)
 
 
 class _CsvReader:
-    """A file's CSV record batches as pyarrow.csv.open_csv streams them: types from the first block
-    (`schema`) unless given. (pyarrow's dataset scanner parses faster, but buffers parsed blocks
-    without bound when its reader is slower than it: 750 MB for 400 blocks of 512 KB, measured.)"""
+    """A file's CSV record batches, in order; types from the first part read (`schema`) unless given.
+
+    In text without a quote, every LF ends a row, so the file is read in chunks of CSV_CHUNK_BYTES
+    cut after an LF, each parsed by pyarrow.csv.read_csv on all CPUs, the next chunk
+    on a thread while this one is used. From the first chunk holding a quote (a quoted value may
+    hold a newline) the rest streams through pyarrow.csv.open_csv, which parses on one CPU.
+    (pyarrow's dataset scanner parses faster, but buffers parsed blocks without bound when its
+    reader is slower than it: 750 MB for 400 blocks of 512 KB, measured.)"""
 
     def __init__(self, fs, path: str, column_types: dict):
         self._file = _open_binary(fs, path)
+        self._types, self._names = dict(column_types), None
+        self._stream = None
+        self._batches: collections.deque = collections.deque()
+        self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="csv-chunk")
+        self._next = None
+        self._offset = 0  # where the next chunk starts: a row's start
+        self._eof = False
         try:
-            self._reader = pa_csv.open_csv(self._file, read_options=pa_csv.ReadOptions(block_size=CSV_BLOCK_BYTES),
-                                           parse_options=_CSV_PARSE, convert_options=_convert_options(column_types))
+            first = self._parse(self._read_chunk())
+            if first is None:
+                self.schema = self._stream.schema
+            else:
+                self.schema = first.schema
+                self._batches.extend(first.to_batches())
+                self._fix_types()
+                self._next = self._ahead.submit(self._read_and_parse)
         except BaseException:
-            self._file.close()
+            self.close()
             raise
-        self.schema = self._reader.schema
 
     def read_next_batch(self) -> pa.RecordBatch:
-        return self._reader.read_next_batch()
+        while not self._batches:
+            if self._stream is not None:
+                return self._stream.read_next_batch()
+            if self._next is None:
+                raise StopIteration
+            table, self._next = self._next.result(), None
+            if table is None:
+                raise StopIteration
+            if self._stream is None:
+                self._next = self._ahead.submit(self._read_and_parse)
+            self._batches.extend(table.to_batches())
+        return self._batches.popleft()
 
     def __iter__(self):
-        return iter(self._reader)
+        while True:
+            try:
+                yield self.read_next_batch()
+            except StopIteration:
+                return
 
     def close(self) -> None:
-        try:
-            self._reader.close()
-        except pa.ArrowException:
-            pass  # what its read-ahead met: this reader is given up, the error is read (or not) anew
+        if self._next is not None:
+            self._next.cancel()
+            try:
+                self._next.result()
+            except BaseException:
+                pass  # the chunk's error is read (or not) anew by whoever reads the file again
+        self._ahead.shutdown(wait=True)
+        if self._stream is not None:
+            try:
+                self._stream.close()
+            except pa.ArrowException:
+                pass  # what its read-ahead met: this reader is given up, the error is read (or not) anew
         self._file.close()
+
+    def _read_chunk(self) -> pa.Buffer | None:
+        """The next chunk of whole rows, or None (from here on the file streams)."""
+        self._file.seek(self._offset)
+        data = self._file.read(CSV_CHUNK_BYTES)
+        at_end = len(data) < CSV_CHUNK_BYTES
+        end = len(data) if at_end else data.rfind(b"\n") + 1
+        if not end or data.find(b'"', 0, end) >= 0:
+            self._file.seek(self._offset)
+            return None
+        self._offset += end
+        self._eof = at_end
+        return pa.py_buffer(data).slice(0, end)  # not a copy
+
+    def _parse(self, chunk: pa.Buffer | None) -> pa.Table | None:
+        if chunk is None:
+            read = pa_csv.ReadOptions(block_size=CSV_BLOCK_BYTES, column_names=self._names)
+            self._stream = pa_csv.open_csv(self._file, read_options=read, parse_options=_CSV_PARSE,
+                                           convert_options=_convert_options(self._types))
+            return None
+        read = pa_csv.ReadOptions(column_names=self._names)
+        return pa_csv.read_csv(pa.BufferReader(chunk), read_options=read, parse_options=_CSV_PARSE,
+                               convert_options=_convert_options(self._types))
+
+    def _read_and_parse(self) -> pa.Table | None:
+        """The next chunk's rows; no rows when the rest now streams; None at the end."""
+        if self._eof:
+            return None
+        table = self._parse(self._read_chunk())
+        return self._stream.schema.empty_table() if table is None else table
+
+    def _fix_types(self) -> None:
+        # Later chunks are read as the first one was, as a stream is: a value that does not fit is an error.
+        self._names = self.schema.names
+        self._types = {f.name: f.type for f in self.schema}
 
 
 def _csv_file_types(fs, path, header) -> dict[str, pa.DataType]:

@@ -52,6 +52,7 @@ def whole_file_csv(path: pathlib.Path) -> pa.Table:
 @pytest.fixture
 def small_blocks(monkeypatch):
     monkeypatch.setattr(parse, "CSV_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(parse, "CSV_CHUNK_BYTES", 1024)
     monkeypatch.setattr(parse, "JSON_CHUNK_BYTES", 1024)
 
 
@@ -95,6 +96,32 @@ def test_the_streamed_types_are_pyarrows_whole_file_types(tmp_path, small_blocks
     table, schema, _, _ = read(path)
     expected = whole_file_csv(path)
     assert schema == expected.schema and same(table, expected)
+
+
+@pytest.mark.parametrize("layout", ["quote after chunks", "quoted newline across a chunk's end",
+                                    "CRLF", "lone CR", "no newline at the end", "blank lines"])
+def test_chunks_cut_only_between_rows(tmp_path, small_blocks, layout):
+    # Chunks are cut after an LF while the text has no quote; from there on it streams.
+    rows = [f"{i},{i * 0.5},t{i % 7}" for i in range(3000)]
+    if layout == "quote after chunks":
+        rows[2500] = '2500,1.0,"a ""quoted"", text"'
+    elif layout == "quoted newline across a chunk's end":
+        rows[1500] = '1500,1.0,"' + "x" * 600 + "\n" + "y" * 600 + '"'
+    text = "id,x,s\n" + "\n".join(rows) + "\n"
+    if layout == "CRLF":
+        text = text.replace("\n", "\r\n")
+    elif layout == "lone CR":
+        text = text[:20_000] + text[20_000:].replace("5\n", "5\r")  # mixed with LFs
+    elif layout == "no newline at the end":
+        text = text[:-1]
+    elif layout == "blank lines":
+        text = text.replace("\n1000,", "\n\n\n1000,")
+    path = tmp_path / "c.csv"
+    path.write_bytes(text.encode())
+    table, schema, restarts, _ = read(path)
+    assert restarts == 0
+    expected = whole_file_csv(path)
+    assert table.num_rows == 3000 and schema == expected.schema and same(table, expected)
 
 
 def test_text_that_is_not_utf8_in_a_later_block(tmp_path, small_blocks):

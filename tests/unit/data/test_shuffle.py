@@ -120,6 +120,7 @@ def small_everything(monkeypatch) -> dict[str, int]:
         return real_split(*args, **kwargs)
 
     monkeypatch.setattr(parse, "CSV_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(parse, "CSV_CHUNK_BYTES", 4096)
     monkeypatch.setattr(parse, "JSON_CHUNK_BYTES", 3000)
     monkeypatch.setattr(parse, "PARQUET_BATCH_BYTES", 1)
     monkeypatch.setattr(shuffle, "bucket_bits", lambda files: 3)
@@ -147,7 +148,7 @@ def test_parallel_and_serial_give_the_same_shards(tmp_path, monkeypatch):
     make_source(tmp_path / "in")
     prepare(str(tmp_path / "in"), str(tmp_path / "serial"), label="label", seed=1, shard_rows=500)
     monkeypatch.setattr(shuffle, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(shuffle, "usable_cpus", lambda: 2)  # a pool even on one CPU
+    monkeypatch.setattr(shuffle, "usable_cpus", lambda: 4)  # a pool whatever the CPUs
     spill = shuffle.spill
     seen = []
     monkeypatch.setattr(shuffle, "spill", lambda *args: seen.append(args[-1]) or spill(*args))
@@ -162,7 +163,7 @@ def test_in_parallel_the_error_is_the_first_failing_files(tmp_path, monkeypatch)
     (tmp_path / "in" / "b.csv").write_text("a,label\n1,\n")          # a missing label
     (tmp_path / "in" / "c.csv").write_text("a,label\n1,0\n2,1,3\n")  # a field too many
     monkeypatch.setattr(shuffle, "PARALLEL_MIN_BYTES", 0)
-    monkeypatch.setattr(shuffle, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(shuffle, "usable_cpus", lambda: 4)
     for _ in range(2):
         with pytest.raises(DataError, match=r"b\.csv line 2, column 'label': the label is missing"):
             prepare(str(tmp_path / "in"), str(tmp_path / "out"), label="label")
@@ -173,6 +174,7 @@ def test_a_restarted_file_leaves_no_rows_behind(tmp_path, monkeypatch):
     # The first blocks say int64; a later one holds text: the file is read again as strings, and the
     # rows spilled as int64 before must go (in the bucket files of this process, which other files share).
     monkeypatch.setattr(parse, "CSV_BLOCK_BYTES", 1024)
+    monkeypatch.setattr(parse, "CSV_CHUNK_BYTES", 1024)
     monkeypatch.setattr(shuffle, "SPILL_BUFFER_BYTES", 1000)  # rows reach the files before the restart
     (tmp_path / "in").mkdir()
     for name, odd in (("a.csv", "x"), ("b.csv", "y")):  # b's rows are truncated after a's in each bucket file
