@@ -134,7 +134,7 @@ def test_the_package_version_is_pyprojects():
 # ---------------------------------------------------------------- pins
 def test_constraints_pin_what_pyproject_requires_within_its_ranges():
     pinned = pins()
-    deps = PYPROJECT["project"]["dependencies"] + PYPROJECT["project"]["optional-dependencies"]["test"]
+    deps = PYPROJECT["project"]["dependencies"] + sum(PYPROJECT["project"]["optional-dependencies"].values(), [])
     for dep in map(Requirement, deps):
         name = canonicalize_name(dep.name)
         assert name in pinned, f"{dep.name} is required but not pinned in constraints.txt"
