@@ -10,6 +10,7 @@ import pytest
 from kubernetes import client, watch
 
 from kube.harness import wait_for
+from kube.harness.pod import Image
 
 pytestmark = pytest.mark.kubernetes
 
@@ -142,6 +143,107 @@ def test_node_is_ready_and_renews_its_lease(control_plane, node):
     assert first.holder_identity == "node-1" and first.lease_duration_seconds == 40
     wait_for(lambda: coord.read_namespaced_lease("node-1", "kube-node-lease").spec.renew_time > first.renew_time,
              30, what="a lease renewal")
+
+
+# ------------------------------------------------------- init containers, containers, volumes
+
+SHARED = "/var/run/elastic-step-test/shared"  # a real path, seen only inside the pod's containers
+
+
+def test_init_containers_in_order_then_every_container_at_once_with_volumes_at_their_paths(core, node, namespace):
+    core.create_namespaced_config_map(namespace, {"metadata": {"name": "conf"}, "data": {"greeting": "hello"}})
+    shared = {"name": "shared", "mountPath": SHARED}
+    greeting = {"name": "conf", "mountPath": "/var/run/elastic-step-test/greeting.txt", "subPath": "greeting",
+                "readOnly": True}
+
+    def container(name, code, mounts=(shared,)):
+        return {"name": name, "image": "elastic-step:test", "command": py(code), "volumeMounts": list(mounts)}
+
+    append = "open(%r, 'a').write('{}\\n')" % (SHARED + "/order")
+    # main and side each wait for the other's file: both must run at once.
+    handshake = """
+        import os, pathlib, sys, time
+        pathlib.Path("{shared}/{me}").touch()
+        while not os.path.exists("{shared}/{other}"):
+            time.sleep(0.05)
+        print(open("{shared}/order").read().split(), open("/var/run/elastic-step-test/greeting.txt").read())
+        try:
+            open("/var/run/elastic-step-test/greeting.txt", "w")
+        except OSError as e:
+            print("read-only:", e.errno)
+        sys.exit({code})
+    """
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "multi"}, "spec": {
+        "restartPolicy": "Never",
+        "volumes": [{"name": "shared", "emptyDir": {}}, {"name": "conf", "configMap": {"name": "conf"}}],
+        "initContainers": [container("first", append.format("first")), container("second", append.format("second"))],
+        "containers": [
+            container("main", handshake.format(shared=SHARED, me="main", other="side", code=0), (shared, greeting)),
+            container("side", handshake.format(shared=SHARED, me="side", other="main", code=3), (shared, greeting))]}}
+    core.create_namespaced_pod(namespace, body)
+    pod = wait_phase(core, namespace, "multi", ("Succeeded", "Failed"))
+    logs = {c: node.log_path(namespace, "multi", c).read_text() for c in ("first", "second", "main", "side")}
+    assert pod.status.phase == "Failed", logs  # one container failed
+    assert [(c.name, c.state.terminated.exit_code) for c in pod.status.init_container_statuses] == \
+        [("first", 0), ("second", 0)], logs
+    assert {c.name: c.state.terminated.exit_code for c in pod.status.container_statuses} == {"main": 0, "side": 3}
+    for c in ("main", "side"):
+        assert "['first', 'second'] hello" in logs[c] and "read-only: 30" in logs[c], logs[c]  # EROFS
+    assert node.log_path(namespace, "multi") == node.log_path(namespace, "multi", "main")
+    assert not os.path.exists(SHARED + "/order")  # the volume was never the host's
+
+
+def test_a_failed_init_container_fails_the_pod_and_no_container_starts(core, node, namespace):
+    body = pod_body("init-fails", py("print('main ran')"))
+    body["spec"]["initContainers"] = [{"name": "setup", "image": "elastic-step:test", "command": py("raise SystemExit(4)")}]
+    core.create_namespaced_pod(namespace, body)
+    pod = wait_phase(core, namespace, "init-fails", ("Succeeded", "Failed"))
+    assert pod.status.phase == "Failed"
+    assert pod.status.init_container_statuses[0].state.terminated.exit_code == 4
+    assert pod.status.container_statuses[0].state.waiting.reason == "PodInitializing"
+    assert not node.log_path(namespace, "init-fails", "main").exists()
+
+
+def test_a_failed_containers_last_lines_are_its_termination_message_when_asked(core, node, namespace):
+    """terminationMessagePolicy FallbackToLogsOnError: a failed container's status message is its
+    output's tail (what Argo shows as a failed step's message); a container that succeeded, or one
+    with the default policy, gets none."""
+    fail = py("""
+        import sys
+        print("noise " * 20)
+        print("line", 1)
+        sys.exit("the cause, named")
+    """)
+    for name, policy, command in (("fails", "FallbackToLogsOnError", fail), ("default", None, fail),
+                                  ("succeeds", "FallbackToLogsOnError", py("print('fine')"))):
+        body = pod_body(name, command)
+        if policy:
+            body["spec"]["containers"][0]["terminationMessagePolicy"] = policy
+        core.create_namespaced_pod(namespace, body)
+    terminated = {name: wait_phase(core, namespace, name, ("Succeeded", "Failed")).status.container_statuses[0]
+                  .state.terminated for name in ("fails", "default", "succeeds")}
+    assert terminated["fails"].exit_code == 1
+    assert terminated["fails"].message.endswith("line 1\nthe cause, named"), terminated["fails"].message
+    assert terminated["default"].message is None and terminated["succeeds"].message is None
+
+
+def test_an_image_runs_the_programs_the_kubelet_maps_it_to(core, node, namespace, tmp_path):
+    tool = tmp_path / "bin" / "greet"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\necho greeted from the image\n")
+    tool.chmod(0o755)
+    node.images["example.org/tools"] = Image((tool.parent,))
+    try:
+        for name, image in (("mapped", "example.org/tools:1.0"), ("unmapped", "example.org/other:1.0")):
+            body = pod_body(name, ["greet"])
+            body["spec"]["containers"][0]["image"] = image
+            core.create_namespaced_pod(namespace, body)
+        assert wait_phase(core, namespace, "mapped", ("Succeeded", "Failed")).status.phase == "Succeeded"
+        assert "greeted from the image" in node.log_path(namespace, "mapped").read_text()
+        unmapped = wait_phase(core, namespace, "unmapped", ("Succeeded", "Failed"))
+        assert unmapped.status.container_statuses[0].state.terminated.reason == "StartError"
+    finally:
+        del node.images["example.org/tools"]
 
 
 # ---------------------------------------------------------------------------- deletion
@@ -345,7 +447,7 @@ def test_pod_uses_its_service_account_token(control_plane, core, node, namespace
         "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
     core.create_namespaced_pod(namespace, pod_body("sa", py("""
         import json, os, ssl, sys, urllib.error, urllib.request
-        sa = os.environ["PROCESS_KUBELET_ROOT"] + "/var/run/secrets/kubernetes.io/serviceaccount"
+        sa = "/var/run/secrets/kubernetes.io/serviceaccount"  # at its real path
         token, ns = open(sa + "/token").read(), open(sa + "/namespace").read()
         ctx = ssl.create_default_context(cafile=sa + "/ca.crt")
         url = "https://%s:%s/api/v1/namespaces/%s/pods/%s" % (os.environ["KUBERNETES_SERVICE_HOST"],

@@ -44,14 +44,9 @@ def owner_refs(owner: Owner | None) -> list[dict]:
     return [owner.ref()] if owner else []
 
 
-def _sa_root() -> str:
-    # The test control plane's process kubelet materialises volumes under this prefix.
-    return os.environ.get("PROCESS_KUBELET_ROOT", "")
-
-
 def in_cluster() -> bool:
     """This process runs in a pod: the API's address and a service-account token are there."""
-    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.isfile(_sa_root() + SA_DIR + "/token")
+    return bool(os.environ.get("KUBERNETES_SERVICE_HOST")) and os.path.isfile(SA_DIR + "/token")
 
 
 def load_api_client(kubeconfig: str | None = None, context: str | None = None):
@@ -61,15 +56,14 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None):
 
     kubeconfig = kubeconfig or os.environ.get("KUBECONFIG") or None
     if kubeconfig is None and in_cluster():
-        root = _sa_root()
         cfg = kubernetes.client.Configuration()
         kubernetes.config.incluster_config.InClusterConfigLoader(
-            token_filename=root + kubernetes.config.incluster_config.SERVICE_TOKEN_FILENAME,
-            cert_filename=root + kubernetes.config.incluster_config.SERVICE_CERT_FILENAME,
+            token_filename=kubernetes.config.incluster_config.SERVICE_TOKEN_FILENAME,
+            cert_filename=kubernetes.config.incluster_config.SERVICE_CERT_FILENAME,
         ).load_and_set(cfg)
         ns = None
         with contextlib.suppress(OSError):
-            ns = pathlib.Path(root + SA_DIR + "/namespace").read_text().strip() or None
+            ns = pathlib.Path(SA_DIR + "/namespace").read_text().strip() or None
         return kubernetes.client.ApiClient(cfg), ns, True
     path = os.path.expanduser(kubeconfig or "~/.kube/config")
     if not os.path.isfile(path):
