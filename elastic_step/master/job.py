@@ -31,6 +31,7 @@ from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
 from elastic_step.master.scaler import Scaler
 from elastic_step.master.service import MasterService, serve
+from elastic_step.master.shard_server import ShardServer
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
@@ -109,13 +110,14 @@ class TrainingJob:
         self.terminated_at: float | None = None   # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
+        self._shard_server: ShardServer | None = None
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
         c = self.cfg
-        argv = instance_argv(inst.role, self.master_address, inst.index, c.model_def, c.num_ps, c.seed,
-                             c.minibatch_size, strategy=c.strategy, global_batch=c.global_batch)
+        argv = instance_argv(inst.role, self.master_address, inst.index, self.locate(c.model_def), c.num_ps,
+                             c.seed, c.minibatch_size, strategy=c.strategy, global_batch=c.global_batch)
         if inst.role == "worker":
             return InstanceSpec(inst, argv, cpu=c.worker_cpu, memory=c.worker_memory,
                                 priority_class=c.worker_priority_class)
@@ -129,6 +131,24 @@ class TrainingJob:
         self.coord.membership.launched(inst, relaunch)
         self.backend.start(self._spec(inst))
 
+    def locate(self, uri: str) -> str:
+        """A URI as instances open it: a local file's URL when the master serves it."""
+        return self._shard_server.url(uri) if self._shard_server else uri
+
+    def _serve_local_inputs(self, host: str) -> None:
+        """Instances that do not share this step's filesystem (pods) read its local inputs (the
+        prepared data and model file a pipeline hands the step as files) from the master."""
+        c, local = self.cfg, []
+        if local_path(c.train_data) is not None:
+            local.append("training data")
+        if c.model_def.endswith(".py") and local_path(c.model_def) is not None:
+            local.append("model file")
+        if self.backend.shares_files or not local:
+            return
+        self._shard_server = ShardServer(host).start(self.backend.master_address)
+        log.info("the %s: local to this step, so the job's pods read it from the master (HTTP, port %d)",
+                 " and ".join(local), self._shard_server.port)
+
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
         cfg = self.cfg
@@ -138,6 +158,8 @@ class TrainingJob:
         host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)
+        self._serve_local_inputs(host)
+        service.locate = self.locate
         previous = signal.getsignal(signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():
             # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
@@ -176,6 +198,8 @@ class TrainingJob:
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)
+            if self._shard_server is not None:
+                self._shard_server.stop()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
         return self._finish(model, ps_stats, evidence)

@@ -4,6 +4,8 @@ Every call checks the per-job token, so another pod in the namespace cannot join
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import grpc
 
 from elastic_step.backends.api import InstanceId
@@ -51,12 +53,14 @@ class MasterService(pb_grpc.MasterServicer):
         # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
         # None (see master/checkpoint.py).
         self.checkpoint_state = lambda: None
+        # A URI as instances open it: a file local to the step, served by the master (shard_server.py).
+        self.locate: Callable[[str], str] = lambda uri: uri
 
     def Register(self, request, context):
         check_token(context, self.token, request.token)
         addrs = self.c.register(_instance(context, request.instance), request.address)
         return pb.RegisterResponse(job_id=self.job_id, ps_addresses=addrs,
-                                   minibatch_size=self.minibatch_size, model_def=self.model_def,
+                                   minibatch_size=self.minibatch_size, model_def=self.locate(self.model_def),
                                    report_interval_s=self.report_interval_s,
                                    pushes_in_flight=self.pushes_in_flight, ps_generation=self.c.ps_generation)
 
@@ -77,7 +81,7 @@ class MasterService(pb_grpc.MasterServicer):
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=WAIT_S)
         t = lease.task
         return pb.GetTaskResponse(kind=pb.GetTaskResponse.TASK, task=pb.Task(
-            task_id=t.task_id, epoch=t.epoch, shard=t.shard, start=lease.watermark, end=t.end,
+            task_id=t.task_id, epoch=t.epoch, shard=self.locate(t.shard), start=lease.watermark, end=t.end,
             task_start=t.start, shard_index=self.c.ledger.shard_index[t.shard]))
 
     def ReportProgress(self, request, context):

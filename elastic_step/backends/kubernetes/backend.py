@@ -32,6 +32,8 @@ log = logging.getLogger("elastic_step.backends.kubernetes")
 
 
 class KubernetesBackend(Backend):
+    shares_files = False   # pods on other nodes: a step's local inputs are served to them
+
     def __init__(self, job_id: str, token: str, *, namespace: str | None = None, kubeconfig: str | None = None,
                  context: str | None = None, api_client=None, image: str | None = None,
                  owner: Owner | None | str = "env", pod_spec: dict | None = None, master_ip: str | None = None,
