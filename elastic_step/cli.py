@@ -12,13 +12,15 @@ import json
 import logging
 import sys
 
-from elastic_step.errors import ElasticStepError
+from elastic_step.errors import ElasticStepError, write_termination_message
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-def", required=True, help="module path (pkg.module) or path/URI of a .py file")
-    p.add_argument("--train-data", required=True, help="train manifest.json (or its folder)")
+    p.add_argument("--train-data", help="train manifest.json (or its folder)")
     p.add_argument("--eval-data", help="eval manifest.json (or its folder)")
+    p.add_argument("--prepared", metavar="DIR", help="the folder `data prep` wrote: the same as --train-data "
+                   "DIR/train --eval-data DIR/eval")
     p.add_argument("--output", required=True, help="folder for model.keras, saved_model/, summary.json")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--minibatch-size", type=int, default=64)
@@ -87,10 +89,27 @@ def _train_epilog() -> str:
 """
 
 
+def _prepared(args, *names: str) -> None:
+    """--prepared DIR stands for DIR/train and DIR/eval where --train-data / --eval-data are not given:
+    a pipeline editor (Elyra) passes one folder from the data prep node as it is."""
+    from elastic_step.errors import ConfigError
+
+    for name in names:
+        if getattr(args, f"{name}_data") is None and args.prepared:
+            setattr(args, f"{name}_data", args.prepared.rstrip("/") + "/" + name)
+    if "train" in names and args.train_data is None:
+        raise ConfigError("No training data: pass --train-data (a train manifest or its folder) or --prepared "
+                          "(the folder `elastic-step data prep` wrote).")
+    if "train" not in names and args.eval_data is None:
+        raise ConfigError("No eval data: pass --eval-data (an eval manifest or its folder) or --prepared "
+                          "(the folder `elastic-step data prep` wrote).")
+
+
 def _train(args) -> dict:
     from elastic_step.master.api import TrainConfig
     from elastic_step.master.job import train
 
+    _prepared(args, "train", "eval")
     cfg = TrainConfig(
         model_def=args.model_def, train_data=args.train_data, eval_data=args.eval_data, output=args.output,
         epochs=args.epochs, minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
@@ -150,6 +169,7 @@ def _pipeline_text(result: dict) -> str:
 def _evaluate(args) -> dict:
     from elastic_step.steps import evaluate_step, write_json
 
+    _prepared(args, "eval")
     r = evaluate_step(args.model, args.eval_data, args.model_def, metric=args.metric, threshold=args.threshold)
     if args.metrics_out:
         write_json(args.metrics_out, r)
@@ -210,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("evaluate", help="evaluate a trained model and decide the gate")
     ev.add_argument("--model", required=True, help="model.keras or the folder holding it (any fsspec URI)")
-    ev.add_argument("--eval-data", required=True)
+    ev.add_argument("--eval-data", help="eval manifest.json (or its folder)")
+    ev.add_argument("--prepared", metavar="DIR", help="the folder `data prep` wrote: the same as --eval-data DIR/eval")
     ev.add_argument("--model-def", required=True)
     ev.add_argument("--metric", default="accuracy")
     ev.add_argument("--threshold", type=float, default=0.9)
@@ -301,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             result = args.func(args)
     except ElasticStepError as e:
         print(f"elastic-step: error: {e}", file=sys.stderr)
+        write_termination_message(str(e))
         return e.exit_code
     except KeyboardInterrupt:
         print("elastic-step: interrupted", file=sys.stderr)

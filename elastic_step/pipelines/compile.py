@@ -48,13 +48,19 @@ def _v1(image: str) -> dict[str, dict]:
          "description": "ps (async SGD with parameter servers) or allreduce (synchronous, no PS)"},
         {"name": "global_batch", "type": "String", "default": "scaled",
          "description": "allreduce: scaled (lr follows the world size) or fixed (gradient accumulation)"},
-        {"name": "backend", "type": "String", "default": "local", "description": "local or kubernetes"},
+        {"name": "backend", "type": "String", "default": "auto",
+         "description": "auto (pods when the step's service account may run them, else local processes), "
+                        "kubernetes or local"},
         {"name": "seed", "type": "Integer", "default": "0"},
         {"name": "worker_image", "type": "String", "optional": True},
         {"name": "worker_cpu", "type": "String", "optional": True},
         {"name": "worker_memory", "type": "String", "optional": True},
         {"name": "worker_priority_class", "type": "String", "optional": True},
         {"name": "ps_priority_class", "type": "String", "optional": True},
+        {"name": "checkpoint_uri", "type": "String", "optional": True,
+         "description": "a bucket URI for the job's checkpoints, so a retried step resumes"},
+        {"name": "checkpoint_every", "type": "String", "default": "60s",
+         "description": "a time (60s, 5m) or a number of records; 0: no checkpoints"},
     ]
     return {
         "data_prep": {
@@ -82,8 +88,7 @@ def _v1(image: str) -> dict[str, dict]:
             "outputs": [{"name": "model", "type": "Model"}],
             "implementation": {"container": {"image": image, "command": [
                 "elastic-step", "train", "--model-def", {"inputValue": "model_def"},
-                "--train-data", {"concat": [{"inputPath": "prepared"}, "/train"]},
-                "--eval-data", {"concat": [{"inputPath": "prepared"}, "/eval"]},
+                "--prepared", {"inputPath": "prepared"},   # alone: Elyra offers only a parent's output
                 "--epochs", {"inputValue": "epochs"}, "--minibatch-size", {"inputValue": "minibatch_size"},
                 "--records-per-task", {"inputValue": "records_per_task"},
                 "--min-workers", {"inputValue": "min_workers"}, "--max-workers", {"inputValue": "max_workers"},
@@ -94,6 +99,7 @@ def _v1(image: str) -> dict[str, dict]:
                 _optional("worker_memory", "--worker-memory"),
                 _optional("worker_priority_class", "--worker-priority-class"),
                 _optional("ps_priority_class", "--ps-priority-class"),
+                _optional("checkpoint_uri", "--checkpoint-dir"), "--checkpoint-every", {"inputValue": "checkpoint_every"},
                 "--progress", "lines", "--output", {"outputPath": "model"}]}}},
         "evaluate": {
             "name": "elastic-step evaluate",
@@ -106,7 +112,7 @@ def _v1(image: str) -> dict[str, dict]:
             "outputs": [{"name": "result", "type": "JsonObject"}, {"name": "passed", "type": "String"}],
             "implementation": {"container": {"image": image, "command": [
                 "elastic-step", "evaluate", "--model", {"inputPath": "model"},
-                "--eval-data", {"concat": [{"inputPath": "prepared"}, "/eval"]},
+                "--prepared", {"inputPath": "prepared"},
                 "--model-def", {"inputValue": "model_def"}, "--threshold", {"inputValue": "threshold"},
                 "--metric", {"inputValue": "metric"}, "--metrics-out", {"outputPath": "result"},
                 "--passed-out", {"outputPath": "passed"}]}}},

@@ -194,12 +194,12 @@ def test_what_a_user_sees_in_the_properties_panels(elyra):
     required = c["panel"]["properties"]["component_parameters"]["required"]
     assert "epochs" in required and "model_def" in required and "worker_cpu" not in required
     assert list(panel["outputs"]) == ["output_model"]
-    # `prepared` is read through `concat` (prepared/train, prepared/eval), which Elyra's path check does
-    # not look into, and "Dataset" types as a list: the user gets a text field pre-filled with "[]" and
-    # must switch it to the data prep node's output. Pinned so a change to either side shows up here.
+    # `prepared` stands alone as an inputPath (`--prepared DIR`), so Elyra offers only the data prep
+    # node's output for it: no text field to type a path into. (Inside a `concat`, which Elyra's path
+    # check does not look into, it was a text field pre-filled with "[]", "Dataset" typing as a list.)
     prepared = panel["inputs"]["prepared"]
-    assert value_entry(prepared)["properties"]["value"] == {"type": "string", "default": "[]"}
-    assert [o["title"] for o in prepared["oneOf"]][1] == "Please select an output from a parent:"
+    assert prepared["properties"]["widget"]["default"] == "inputpath" and "oneOf" not in prepared
+    assert prepared["uihints"]["value"] == {"inputpath": True}
     # evaluate's `model` is a top-level inputPath: only a parent node's output can feed it
     model = panel_sections(elyra["components"]["components/evaluate/component.yaml"]["panel"])["inputs"]["model"]
     assert model["properties"]["widget"]["default"] == "inputpath" and model["uihints"]["value"] == {"inputpath": True}
