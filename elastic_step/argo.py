@@ -71,11 +71,13 @@ PARAMETERS: dict[str, tuple[str | None, str]] = {
     "publish-uri": ("", "where a model that passes the gate is copied (folder URI)"),
     "checkpoint-uri": ("", "where the training job's checkpoints go (a bucket URI), so a retried training "
                            "step resumes; empty: inside the step's pod, gone with it"),
+    "checkpoint-every": ("60s", "how often the training job cuts a checkpoint: a time (60s, 5m) or a number of "
+                                "records; 0: never"),
 }
 PREP_PARAMS = ("source-uri", "label", "eval-fraction", "seed")
 TRAIN_PARAMS = ("model-def", "epochs", "minibatch-size", "records-per-task", "min-workers", "max-workers", "num-ps",
                 "strategy", "global-batch", "backend", "seed", "worker-image", "worker-cpu", "worker-memory",
-                "worker-priority-class", "ps-priority-class", "checkpoint-uri")
+                "worker-priority-class", "ps-priority-class", "checkpoint-uri", "checkpoint-every")
 EVAL_PARAMS = ("model-def", "threshold", "metric")
 PUBLISH_PARAMS = ("publish-uri",)
 
@@ -98,8 +100,12 @@ def _field(path: str) -> m.EnvVarSource:
 
 
 def _step(name: str, args: list[str], inputs: list, outputs: list = (), **kwargs) -> Container:
+    # A failed step's last lines (the CLI's one-paragraph error) become its message in the workflow's
+    # status, where the Argo UI shows why it failed; the CLI also writes the error to
+    # /dev/termination-log, which wins where the runtime provides it.
     return Container(name=name, image=IMAGE, command=["elastic-step"], args=args, inputs=inputs,
-                     outputs=list(outputs), volumes=[EmptyDirVolume(name="work", mount_path=WORK)], **kwargs)
+                     outputs=list(outputs), volumes=[EmptyDirVolume(name="work", mount_path=WORK)],
+                     termination_message_policy="FallbackToLogsOnError", **kwargs)
 
 
 def workflow_template() -> WorkflowTemplate:

@@ -49,13 +49,15 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                      global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
                      worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
                      ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
-                     pipeline_task_name: str = "", checkpoint_uri: str = ""):
+                     pipeline_task_name: str = "", checkpoint_uri: str = "",
+                     checkpoint_every: str = "60s"):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods.
 
     The job's id is `job_id` when given; else derived from `pipeline_run_id` and `pipeline_task_name`
     (pass dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER), else from the model
     artifact's URI: the same in every retry of this step, so a retried step resumes its own job from
-    its checkpoints under `checkpoint_uri` (a bucket URI: the step's own folders go with its pod)."""
+    its checkpoints under `checkpoint_uri` (a bucket URI: the step's own folders go with its pod), cut
+    every `checkpoint_every` (a time such as 60s or 5m, or a number of records; 0: none)."""
     from elastic_step.components.outputs import record_training
     from elastic_step.steps import step_job_id, train_step
 
@@ -65,7 +67,7 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
                    global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
                    ps_priority_class=ps_priority_class, seed=seed,
-                   checkpoint_dir=checkpoint_uri,
+                   checkpoint_dir=checkpoint_uri, checkpoint_every=checkpoint_every,
                    job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 
@@ -78,7 +80,8 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                          global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
                          worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
                          ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
-                         pipeline_task_name: str = "", checkpoint_uri: str = ""):
+                         pipeline_task_name: str = "", checkpoint_uri: str = "",
+                         checkpoint_every: str = "60s"):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
     manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI).
     The job's id: as in elastic_train_op."""
@@ -91,7 +94,7 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
                    global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
                    ps_priority_class=ps_priority_class, seed=seed,
-                   checkpoint_dir=checkpoint_uri,
+                   checkpoint_dir=checkpoint_uri, checkpoint_every=checkpoint_every,
                    job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 

@@ -41,7 +41,8 @@ def build(caching: bool = True):
                    worker_image: str = "", worker_cpu: str = "1", worker_memory: str = "2Gi",
                    worker_priority_class: str = "", ps_priority_class: str = "",
                    threshold: float = 0.9, metric: str = "accuracy", publish_uri: str = "",
-                   eval_fraction: float = 0.2, seed: int = 0):
+                   eval_fraction: float = 0.2, seed: int = 0, checkpoint_uri: str = "",
+                   checkpoint_every: str = "60s"):
         prep = data_prep_op(source_uri=source_uri, label=label, eval_fraction=eval_fraction, seed=seed)
         prep.set_caching_options(False)
         train = no_cache_unless(elastic_train_op(
@@ -51,6 +52,7 @@ def build(caching: bool = True):
             global_batch=global_batch, backend=backend,
             worker_image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
             worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed,
+            checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
             pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, pipeline_task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER),
             caching)
         train.set_retry(**TRAIN_RETRY)
