@@ -16,7 +16,9 @@
     spec.serviceAccountName, status.podIP, status.hostIP), ``secretKeyRef`` and
     ``configMapKeyRef`` read from the API; and ``PROCESS_KUBELET_POD_IP`` (the pod's address);
   - its own loopback address 127.0.0.N (``status.podIP``; Linux routes all of 127/8 to lo);
-  - a mount namespace of its own (mounts.py: ``unshare --mount``, private propagation) in which
+  - a PID namespace of its own under a small init that passes SIGTERM on (so a kill(-1) from inside,
+    as Argo's executor sends, stays in the container), and a mount namespace of its own
+    (mounts.py: ``unshare --mount --pid``, private propagation) in which
     a fresh 64 MiB tmpfs, mounted as container runtimes mount it, covers ``/dev/shm``, and the
     pod's volumes are bind-mounted at their real ``mountPath``: emptyDir, secret, configMap,
     downwardAPI, hostPath and projected ones, so

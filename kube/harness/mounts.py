@@ -1,5 +1,7 @@
-"""A mount namespace per container, as a container runtime gives one: the process kubelet's pods see
-their own /dev/shm and their volumes at their real paths, and nothing they mount reaches the host."""
+"""Namespaces per container, as a container runtime gives them: the process kubelet's pods see their own
+/dev/shm and their volumes at their real paths, nothing they mount reaches the host (a mount namespace),
+and what they signal stays inside (a PID namespace: Argo's executor forwards a SIGTERM with kill(-1),
+which on a shared PID namespace ends every process of the machine)."""
 from __future__ import annotations
 
 import shlex
@@ -43,26 +45,56 @@ def private_dev_shm() -> Mount:
     return Mount("/dev/shm", "tmpfs", "shm", DEV_SHM_OPTIONS)
 
 
-def in_mount_namespace(argv: list[str], mounts: list[Mount], *, map_root_user: bool = False,
-                       cwd: str | None = None) -> list[str]:
-    """``argv`` wrapped to run in a mount namespace of its own, after ``mounts``, in ``cwd`` (a
+# PID 1 of the container's namespace, as `docker run --init` gives one: it runs the command as its child
+# and passes SIGTERM and SIGINT on, so the command is not PID 1 (which the kernel shields from the
+# signals it has no handler for, its own SIGKILL included) and kill(-1) from inside spares the init.
+# Its exit status is the command's (128 + N for a signal).
+INIT = """
+set +e
+"$@" &
+child=$!
+trap 'kill -TERM $child 2>/dev/null' TERM
+trap 'kill -INT $child 2>/dev/null' INT
+while :; do
+  wait $child; rc=$?
+  kill -0 $child 2>/dev/null || exit $rc
+done
+"""
+
+
+def in_namespaces(argv: list[str], mounts: list[Mount], *, map_root_user: bool = False,
+                  cwd: str | None = None) -> list[str]:
+    """``argv`` wrapped to run in mount and PID namespaces of its own, after ``mounts``, in ``cwd`` (a
     path as the container sees it) when given.
 
-    Propagation is private, so nothing mounted inside reaches the host's namespace, and the
-    mounts go away with the last process in it. The wrapper execs (no fork), so the process the
-    kubelet started, signals and waits for is the container's command itself. A failed mount
-    fails the container (exit code of mount, message in its log)."""
+    Propagation is private, so nothing mounted inside reaches the host's namespace, and the mounts go
+    away with the last process in it. The PID namespace has its own /proc; its PID 1 is INIT, and
+    everything in it dies with it (and INIT with the wrapper: --kill-child). The wrapper (unshare)
+    ignores SIGTERM and SIGINT: send those to its child, INIT (``namespace_init``); SIGKILL its process
+    group to kill the container. A failed mount fails the container (exit code of mount, message in its
+    log)."""
     fds = {i: FIRST_FD + i for i, m in enumerate(mounts) if m.fstype == "bind"}
     script = "set -e\n" + "".join(f"exec {fd}<{shlex.quote(mounts[i].source)}\n" for i, fd in fds.items())
     script += "".join(m.shell(fds.get(i)) + "\n" for i, m in enumerate(mounts))
     script += "".join(f"exec {fd}<&-\n" for fd in fds.values())
     if cwd:
         script += f"mkdir -p {shlex.quote(cwd)}\ncd {shlex.quote(cwd)}\n"   # as runtimes make a missing workingDir
-    script += 'exec "$@"'
-    unshare = [_tool("unshare"), "--mount", "--propagation", "private"]
+    script += INIT
+    unshare = [_tool("unshare"), "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
+               "--mount-proc"]
     if map_root_user:
         unshare.append("--map-root-user")
     return [*unshare, "--", _tool("bash"), "-c", script, "container", *argv]
+
+
+def namespace_init(wrapper_pid: int) -> int | None:
+    """The PID (as the host sees it) of INIT, the wrapper's one child; None before it has forked."""
+    try:
+        with open(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
 
 
 def _tool(name: str) -> str:
@@ -89,7 +121,7 @@ def mount_namespace_mode() -> bool:
         if _ns_mode is None:
             errors = []
             for map_root_user in (False, True):
-                argv = in_mount_namespace(["true"], [private_dev_shm()], map_root_user=map_root_user)
+                argv = in_namespaces(["true"], [private_dev_shm()], map_root_user=map_root_user)
                 p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
                 if p.returncode == 0:
                     _ns_mode = map_root_user

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .controlplane import _die_with_parent
-from .mounts import Mount, in_mount_namespace, private_dev_shm
+from .mounts import Mount, in_namespaces, namespace_init, private_dev_shm
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -125,7 +125,7 @@ class Container:
                 with open(self.log_file, "ab") as out:
                     log_start = out.tell()
                     self.proc = subprocess.Popen(
-                        in_mount_namespace(argv, mounts, map_root_user=k.map_root_user,
+                        in_namespaces(argv, mounts, map_root_user=k.map_root_user,
                                            cwd=self.spec.get("workingDir")),
                         env=env, cwd=k.cwd, stdin=subprocess.DEVNULL, stdout=out,
                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
@@ -183,11 +183,11 @@ class Container:
             except subprocess.TimeoutExpired:
                 pass
             deleting, deadline = pod.deletion()
-            if deleting and not self.term_sent:
-                self.term_sent = True
+            if deleting and not self.term_sent and (init := namespace_init(p.pid)) is not None:
+                self.term_sent = True   # to the container's init, which passes it on (the wrapper ignores it)
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(signal.SIGTERM)
-                pod.k.log.info("%s: %s: SIGTERM pid %d", pod.ref, self.name, p.pid)
+                    os.kill(init, signal.SIGTERM)
+                pod.k.log.info("%s: %s: SIGTERM pid %d", pod.ref, self.name, init)
             if deleting and deadline is not None and time.monotonic() >= deadline:
                 pod.k.log.info("%s: %s: grace period over, SIGKILL", pod.ref, self.name)
                 with contextlib.suppress(ProcessLookupError, PermissionError):

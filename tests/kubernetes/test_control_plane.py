@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import sys
 import textwrap
 
@@ -202,6 +204,21 @@ def test_a_failed_init_container_fails_the_pod_and_no_container_starts(core, nod
     assert pod.status.init_container_statuses[0].state.terminated.exit_code == 4
     assert pod.status.container_statuses[0].state.waiting.reason == "PodInitializing"
     assert not node.log_path(namespace, "init-fails", "main").exists()
+
+
+def test_each_container_has_its_own_pid_namespace_under_an_init(core, node, namespace):
+    """As in a real pod, a container sees only its own processes: a signal to every process it may
+    signal (kill(-1), as Argo's executor sends one) stays inside it. Its command is not PID 1 (an init
+    is, as with `docker run --init`), so it can still signal itself."""
+    core.create_namespaced_pod(namespace, pod_body("pids", py("""
+        import os
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        print("pid", os.getpid(), "sees", pids, "init", open("/proc/1/cmdline").read().split("\\0")[0])
+    """)))
+    assert wait_phase(core, namespace, "pids", ("Succeeded", "Failed")).status.phase == "Succeeded"
+    out = node.log_path(namespace, "pids").read_text()
+    pid = re.search(r"pid (\d+) sees", out).group(1)
+    assert pid != "1" and f"pid {pid} sees [1, {pid}] init {shutil.which('bash')}" in out, out
 
 
 def test_a_failed_containers_last_lines_are_its_termination_message_when_asked(core, node, namespace):
