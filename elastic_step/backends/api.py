@@ -67,7 +67,7 @@ class Backend(abc.ABC):
     """Starts/stops instances and reports what happens to them, as soon as it happens."""
 
     # Whether instances open the master's local files at their paths (processes of one machine);
-    # if not (pods), the master serves the ones they need (master/shard_server.py).
+    # if not (pods), the master serves the ones they need (master/input_server.py).
     shares_files = True
 
     def __init__(self) -> None:

@@ -31,7 +31,7 @@ from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
 from elastic_step.master.scaler import Scaler
 from elastic_step.master.service import MasterService, serve
-from elastic_step.master.shard_server import ShardServer
+from elastic_step.master.input_server import InputServer
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
@@ -110,7 +110,7 @@ class TrainingJob:
         self.terminated_at: float | None = None   # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
-        self._shard_server: ShardServer | None = None
+        self._input_server: InputServer | None = None
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
 
     # ------------------------------------------------------------------ launching
@@ -133,7 +133,7 @@ class TrainingJob:
 
     def locate(self, uri: str) -> str:
         """A URI as instances open it: a local file's URL when the master serves it."""
-        return self._shard_server.url(uri) if self._shard_server else uri
+        return self._input_server.url(uri) if self._input_server else uri
 
     def _serve_local_inputs(self, host: str) -> None:
         """Instances that do not share this step's filesystem (pods) read its local inputs (the
@@ -145,9 +145,9 @@ class TrainingJob:
             local.append("model file")
         if self.backend.shares_files or not local:
             return
-        self._shard_server = ShardServer(host).start(self.backend.master_address)
+        self._input_server = InputServer(host).start(self.backend.master_address)
         log.info("the %s: local to this step, so the job's pods read it from the master (HTTP, port %d)",
-                 " and ".join(local), self._shard_server.port)
+                 " and ".join(local), self._input_server.port)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
@@ -198,8 +198,8 @@ class TrainingJob:
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)
-            if self._shard_server is not None:
-                self._shard_server.stop()
+            if self._input_server is not None:
+                self._input_server.stop()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
         return self._finish(model, ps_stats, evidence)

@@ -53,7 +53,7 @@ class MasterService(pb_grpc.MasterServicer):
         # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
         # None (see master/checkpoint.py).
         self.checkpoint_state = lambda: None
-        # A URI as instances open it: a file local to the step, served by the master (shard_server.py).
+        # A URI as instances open it: a file local to the step, served by the master (input_server.py).
         self.locate: Callable[[str], str] = lambda uri: uri
 
     def Register(self, request, context):

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic_step.data.reader import ShardReader
-from elastic_step.master.shard_server import ShardServer
+from elastic_step.master.input_server import InputServer
 
 
 @pytest.fixture
 def server():
-    s = ShardServer("127.0.0.1").start(lambda port: f"127.0.0.1:{port}")
+    s = InputServer("127.0.0.1").start(lambda port: f"127.0.0.1:{port}")
     yield s
     s.stop()
 

@@ -24,7 +24,7 @@ _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 CHUNK = 1 << 20
 
 
-class ShardServer:
+class InputServer:
     """Serves the local files among ``uris`` at URLs under ``address`` (``host:port`` as instances
     reach the master; the port is given by ``start``)."""
 
@@ -39,10 +39,10 @@ class ShardServer:
         self.port = self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
 
-    def start(self, address: Callable[[int], str]) -> "ShardServer":
+    def start(self, address: Callable[[int], str]) -> "InputServer":
         """Serve from now on; ``address(port)`` is ``host:port`` as instances reach the master."""
         self._base = f"http://{address(self.port)}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), name="shard-server", daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), name="input-server", daemon=True)
         self._thread.start()
         return self
 
