@@ -26,13 +26,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 import signal
 import threading
 
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
+from elastic_step.instance import kill_self
 from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
@@ -150,7 +150,7 @@ class Chaos:
         """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""
         if ckpt_id == self.kill_at_checkpoint:
             log.warning("chaos: SIGKILL the master between checkpoint %d's parts and its manifest", ckpt_id)
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_self(signal.SIGKILL)
 
     def tick(self, committed: int, backend: Backend, coord) -> None:
         """Fire the next signal whose threshold has passed, if its target is ready (one per tick)."""
@@ -163,7 +163,7 @@ class Chaos:
             self._fire(sig, MASTER, committed)
             number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
             log.warning("chaos: %s the master at %d committed records", number.name, committed)
-            os.kill(os.getpid(), number)
+            kill_self(number)
             return
         alive = backend.alive()
         leased = {w for w in coord.ledger.leases}

@@ -27,6 +27,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
+from elastic_step.instance import kill_self
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
@@ -216,7 +217,7 @@ class Ring:
                 if self.chaos_step == step and phase == 0 and rnd == 0:
                     settle(pending)
                     log.warning("chaos: SIGKILL myself in the middle of step %d's collective", step)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    kill_self(signal.SIGKILL)
                 receive(phase, rnd, chunk[recv_i], add=phase == 0)
         settle(pending)
         return out
