@@ -16,12 +16,17 @@ import os
 import pathlib
 import time
 
+import elastic_step
+
 STEP_MS_ENV = "SIMULATED_STEP_MS"
 DEFAULT_STEP_MS = 40.0
 RECORDS_PER_STEP = 32
 
+# The digits sample of the checkout whose elastic_step runs this (an editable install), not the one beside
+# this file: a model file may be served alone to the job's pods (master/input_server.py), away from its folder.
 _spec = importlib.util.spec_from_file_location(
-    "elastic_step_slow_digits", pathlib.Path(__file__).resolve().parents[2] / "samples" / "digits" / "model.py")
+    "elastic_step_slow_digits",
+    pathlib.Path(elastic_step.__file__).resolve().parents[1] / "samples" / "digits" / "model.py")
 _digits = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_digits)
 
