@@ -216,7 +216,7 @@ def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller
     the Kubernetes backend; they read the step's local data from it) -> evaluation -> publishing,
     gated on it. Argo's controller decides every step; the published model's weights say that every
     record was applied exactly once."""
-    from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
+    from tests.models.witness import assert_each_record_applied_exactly, assert_exactly_once
 
     namespace = pipeline_ns
     params = tally_params(tmp_path)
@@ -247,7 +247,7 @@ def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller
     # Published where the parameters say, and the weights count each record exactly once per epoch.
     summary = json.loads((published / "summary.json").read_text())
     assert summary["backend"] == "kubernetes" and summary["epochs"] == EPOCHS
-    assert_audit_exact(summary)
+    assert_exactly_once(summary)
     prepared = s3_artifact(s3_server, "artifacts", nodes["data-prep"], "prepared", tmp_path / "prepared")
     assert_each_record_applied_exactly(published, {"train": str(prepared / "prepared" / "train")}, EPOCHS)
     submitted = _time(done["metadata"]["creationTimestamp"])
@@ -282,7 +282,7 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     step's pod is deleted at once (grace 0, as when a node is lost). Argo retries the step under the
     shipped retry policy, the retried master resumes the job from its checkpoint, and the workflow
     succeeds with every record applied exactly once in the published model."""
-    from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
+    from tests.models.witness import assert_each_record_applied_exactly, assert_exactly_once
 
     namespace, core = pipeline_ns, client.CoreV1Api(control_plane.api_client())
     epochs = 80   # ~40 s of training: the master's progress lines (every 5 s) see each stage of it
@@ -356,7 +356,7 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     summary = json.loads((published / "summary.json").read_text())
     restart, = summary["checkpoints"]["restarts"]
     assert 0 < restart["records_committed_at_checkpoint"] <= killed_at, (restart, killed_at)
-    assert_audit_exact(summary)
+    assert_exactly_once(summary)   # the audit exact, and the ledger agreeing with it
     prep = next(n for n in done["status"]["nodes"].values() if n["displayName"] == "data-prep")
     prepared = s3_artifact(s3_server, "artifacts", prep, "prepared", tmp_path / "prepared")
     assert_each_record_applied_exactly(published, {"train": str(prepared / "prepared" / "train")}, epochs)
