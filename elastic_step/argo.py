@@ -38,10 +38,11 @@ TRAIN_JOB_ID = f"{{{{workflow.uid}}}}-{TRAIN_STEP}"
 # OOM; an Error: pod deleted, node lost, artifacts not loaded), never a job that failed on its own (1:
 # the model's error, a crash loop) or bad input (2): those fail again. The retried master resumes the
 # job from its last checkpoint. No backoff maxDuration: it counts from the first attempt's start, and a
-# training step runs longer than any such cap.
+# training step runs longer than any such cap. A short backoff: Argo waits it out before it evaluates
+# the expression, so even a failure it will not retry (bad input) is reported only after the backoff.
 TRAIN_RETRY = RetryStrategy(limit="2", retry_policy="Always",
                             expression='lastRetry.status == "Error" || asInt(lastRetry.exitCode) not in [1, 2]',
-                            backoff=m.Backoff(duration="1m", factor="2"))
+                            backoff=m.Backoff(duration="15s", factor="2"))
 
 # The workflow's parameters: (default or None when required, description). The names are the KFP
 # pipeline's, with dashes; all are strings, as Argo passes them.

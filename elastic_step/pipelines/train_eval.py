@@ -23,7 +23,7 @@ GATE_NAME = "gate-passed"
 # preempted step. KFP (as Argo's maxDuration) retries only within backoff_max_duration of the first
 # attempt's start, 1 h by default: it must outlast the longest training, or a step preempted after
 # an hour would not be retried.
-TRAIN_RETRY = {"num_retries": 2, "backoff_duration": "60s", "backoff_factor": 2.0, "backoff_max_duration": "168h"}
+TRAIN_RETRY = {"num_retries": 2, "backoff_duration": "15s", "backoff_factor": 2.0, "backoff_max_duration": "168h"}
 
 
 def build(caching: bool = True):

@@ -144,14 +144,8 @@ def s3_artifact(s3, bucket: str, node: dict, name: str, into: Path) -> Path:
     return into
 
 
-def shipped_template(**retry_backoff) -> dict:
-    """The shipped WorkflowTemplate; ``retry_backoff`` replaces fields of the training step's retry
-    backoff (a test need not wait the shipped minute before a retry)."""
-    doc = yaml.safe_load(TEMPLATE.read_text())
-    if retry_backoff:
-        train = next(t for t in doc["spec"]["templates"] if t["name"] == "elastic-train")
-        train["retryStrategy"]["backoff"].update(retry_backoff)
-    return doc
+def shipped_template() -> dict:
+    return yaml.safe_load(TEMPLATE.read_text())
 
 
 @pytest.fixture
@@ -293,7 +287,7 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     # platform team steers a workflow's placement (README: "Placement").
     placement = {"nodeSelector": {POOL_LABEL: "yes"}, "tolerations": [{**POOL_TAINT, "operator": "Equal"}]}
     patch = {"containers": [{"name": "main", "env": [{"name": "ELASTIC_STEP_POD_SPEC", "value": json.dumps(placement)}]}]}
-    submit(workflows, namespace, "chaos", params, template=shipped_template(duration="2s"),
+    submit(workflows, namespace, "chaos", params, template=shipped_template(),
            podSpecPatch=json.dumps(patch), **placement)
 
     def master_pod():

@@ -315,7 +315,7 @@ def test_a_retried_training_step_keeps_its_job_id():
 def test_the_training_step_retries_what_took_it_away_not_a_failed_job():
     retry = templates()["elastic-train"]["retryStrategy"]
     assert retry["limit"] == "2" and retry["retryPolicy"] == "Always"   # IntOrString: the schema wants a string
-    assert retry["backoff"] == {"duration": "1m", "factor": "2"}
+    assert retry["backoff"] == {"duration": "15s", "factor": "2"}
     assert "maxDuration" not in retry["backoff"]   # counted from the first attempt: training outlasts any cap
     assert retry["expression"] == 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) not in [1, 2]'
     # the exit codes it tells apart are the CLI's: a failed job, bad input, a terminated step

@@ -169,7 +169,7 @@ JOB_ID_INPUTS = {"job_id", "pipeline_run_id", "pipeline_task_name"}
 def test_the_pipelines_training_task_is_retried_with_a_job_id_from_the_placeholders():
     spec = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
     train = spec["root"]["dag"]["tasks"]["elastic-train-op"]
-    assert train["retryPolicy"] == {"maxRetryCount": 2, "backoffDuration": "60s", "backoffFactor": 2.0,
+    assert train["retryPolicy"] == {"maxRetryCount": 2, "backoffDuration": "15s", "backoffFactor": 2.0,
                                     "backoffMaxDuration": "604800s"}   # outlasts the training (1 h by default)
     # Each placeholder is an argument's whole value: KFP substitutes nothing else.
     inputs = train["inputs"]["parameters"]
