@@ -19,8 +19,8 @@ from elastic_step.components import data_prep_op, elastic_train_op, evaluate_op,
 PIPELINE_NAME = "elastic-step-train-eval"
 GATE_NAME = "gate-passed"
 # KFP's set_retry has no condition: every failure is retried, so a model error costs two more quick
-# failures, and few retries are worth it. The back-off leaves the scheduler time to find room for a
-# preempted step. KFP (as Argo's maxDuration) retries only within backoff_max_duration of the first
+# failures, and few retries are worth it. The back-off is short: a retried step's pod waits, Pending,
+# until the scheduler finds room anyway, and a model error is reported sooner. KFP (as Argo's maxDuration) retries only within backoff_max_duration of the first
 # attempt's start, 1 h by default: it must outlast the longest training, or a step preempted after
 # an hour would not be retried.
 TRAIN_RETRY = {"num_retries": 2, "backoff_duration": "15s", "backoff_factor": 2.0, "backoff_max_duration": "168h"}
