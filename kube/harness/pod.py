@@ -526,20 +526,12 @@ class PodWorker(threading.Thread):
     def _read(self, kind: str, name: str, optional: bool):
         """Secret or ConfigMap data (decoded to str), None if optional and missing."""
         read = self.k.core.read_namespaced_secret if kind == "secret" else self.k.core.read_namespaced_config_map
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                obj = read(name, self.namespace, _preload_content=False)
-                data = json.loads(obj.data)
-                break
-            except self.k.ApiException as e:
-                # 403 right after binding: the Node authorizer's graph has not seen the pod yet
-                if e.status == 403 and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    continue
-                if e.status == 404 and optional:
-                    return None
-                raise PodConfigError(f"{kind} {self.namespace}/{name}: {e.status} {e.reason}") from e
+        try:
+            data = json.loads(self._as_node(lambda: read(name, self.namespace, _preload_content=False)).data)
+        except self.k.ApiException as e:
+            if e.status == 404 and optional:
+                return None
+            raise PodConfigError(f"{kind} {self.namespace}/{name}: {e.status} {e.reason}") from e
         out = {}
         for key, value in (data.get("data") or {}).items():
             out[key] = base64.b64decode(value) if kind == "secret" else value.encode()
@@ -563,17 +555,24 @@ class PodWorker(threading.Thread):
                 "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.pod_name, "uid": self.uid}}
         if audience:
             spec["audiences"] = [audience]
-        deadline = time.monotonic() + 5.0
+        try:
+            resp = self._as_node(lambda: self.k.core.create_namespaced_service_account_token(
+                sa, self.namespace, {"spec": spec}, _preload_content=False))
+        except self.k.ApiException as e:
+            raise PodConfigError(f"token for service account {self.namespace}/{sa}: {e.status} {e.reason}") from e
+        return json.loads(resp.data)["status"]["token"]
+
+    def _as_node(self, call, within: float = 5.0):
+        """``call()``, retried on 403 for ``within`` seconds: right after binding, the Node authorizer's
+        graph may not have seen the pod yet, so the node may not read what the pod references."""
+        deadline = time.monotonic() + within
         while True:
             try:
-                resp = self.k.core.create_namespaced_service_account_token(
-                    sa, self.namespace, {"spec": spec}, _preload_content=False)
-                return json.loads(resp.data)["status"]["token"]
+                return call()
             except self.k.ApiException as e:
-                if e.status == 403 and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    continue
-                raise PodConfigError(f"token for service account {self.namespace}/{sa}: {e.status} {e.reason}") from e
+                if e.status != 403 or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
 
 def log_files(workdir: Path, namespace: str, name: str, container: str | None) -> list[Path]:

@@ -109,13 +109,18 @@ CRON = REPO / "pipelines" / "argo" / "train-eval-cron.yaml"
 EPOCHS = 3
 
 
+def _s3(s3):
+    """A client of moto's server, with the keys the artifact repository's Secret holds."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3.url, aws_access_key_id="testing", aws_secret_access_key="testing",
+                        region_name="us-east-1")
+
+
 def artifact_repository(control_plane, namespace, s3, bucket):
     """The namespace's default artifact repository, as a platform team sets one up: S3 (moto's
     server) with its keys in a Secret, named by the `artifact-repositories` ConfigMap."""
-    import boto3
-
-    boto3.client("s3", endpoint_url=s3.url, aws_access_key_id="testing", aws_secret_access_key="testing",
-                 region_name="us-east-1").create_bucket(Bucket=bucket)
+    _s3(s3).create_bucket(Bucket=bucket)
     core = client.CoreV1Api(control_plane.api_client())
     core.create_namespaced_secret(namespace, {"metadata": {"name": "artifacts-s3"},
                                               "stringData": {"accesskey": "testing", "secretkey": "testing"}})
@@ -134,11 +139,8 @@ def s3_artifact(s3, bucket: str, node: dict, name: str, into: Path) -> Path:
     import io
     import tarfile
 
-    import boto3
-
     art = next(a for a in node["outputs"]["artifacts"] if a["name"] == name)
-    body = boto3.client("s3", endpoint_url=s3.url, aws_access_key_id="testing", aws_secret_access_key="testing",
-                        region_name="us-east-1").get_object(Bucket=bucket, Key=art["s3"]["key"])["Body"].read()
+    body = _s3(s3).get_object(Bucket=bucket, Key=art["s3"]["key"])["Body"].read()
     with tarfile.open(fileobj=io.BytesIO(body), mode="r:gz") as tar:
         tar.extractall(into, filter="data")
     return into
