@@ -47,7 +47,12 @@ class InputServer:
         return self
 
     def url(self, uri: str) -> str:
-        """What an instance opens for ``uri``: its URL if ``uri`` is a local file, else ``uri``."""
+        """What an instance opens for ``uri``: its URL if ``uri`` is a local file, else ``uri``. Called for
+        every lease: a URI already served is a dict lookup, not a stat."""
+        with self._lock:
+            rel = self._urls.get(uri)
+        if rel is not None:
+            return self._base + rel
         path = local_path(uri)
         if path is None or not os.path.isfile(path):
             return uri
