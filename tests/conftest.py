@@ -10,6 +10,18 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
+# Tests that need the control plane or Argo run last: on a machine without them, scripts/test builds
+# them in the background while the rest of the suite runs, and these wait on the build's lock.
+NEEDS_GO_BUILDS = ("tests/kubernetes/", "tests/pipeline/test_argo.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def needs_builds(item) -> bool:
+        path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
+        return path.startswith(NEEDS_GO_BUILDS)
+
+    items.sort(key=needs_builds)      # stable: the order within each group stays as collected
+
 
 @pytest.fixture(scope="session")
 def tally_data(tmp_path_factory):
