@@ -11,8 +11,11 @@ if ROOT not in sys.path:
 import pytest  # noqa: E402
 
 # Tests that need the control plane or Argo run last: on a machine without them, scripts/test builds
-# them in the background while the rest of the suite runs, and these wait on the build's lock.
+# them in the background while the rest of the suite runs, and these wait on the builds' locks. The
+# first of them may wait for a whole cold build (about 12 minutes alone, more on a busy machine):
+# its timeout allows for that.
 NEEDS_GO_BUILDS = ("tests/kubernetes/", "tests/pipeline/test_argo.py")
+BUILD_WAIT_S = 2700
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -21,6 +24,11 @@ def pytest_collection_modifyitems(session, config, items):
         return path.startswith(NEEDS_GO_BUILDS)
 
     items.sort(key=needs_builds)      # stable: the order within each group stays as collected
+    first = next((item for item in items if needs_builds(item)), None)
+    if first is not None:
+        own = first.get_closest_marker("timeout")
+        base = own.args[0] if own and own.args else config.getini("timeout")
+        first.add_marker(pytest.mark.timeout(float(base or 0) + BUILD_WAIT_S), append=False)
 
 
 @pytest.fixture(scope="session")

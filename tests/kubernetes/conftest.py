@@ -14,7 +14,6 @@ Every test under tests/kubernetes gets the ``kubernetes`` marker.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -24,7 +23,7 @@ from pathlib import Path
 import pytest
 
 kubernetes = pytest.importorskip("kubernetes")
-from kube.harness import ControlPlane, build_control_plane, wait_for  # noqa: E402,F401
+from kube.harness import ControlPlane, wait_for  # noqa: E402,F401
 
 HERE = Path(__file__).resolve().parent
 log = logging.getLogger("tests.kubernetes")
@@ -38,21 +37,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _ours(item):
             item.add_marker(pytest.mark.kubernetes)
-
-
-def pytest_collection_finish(session):
-    """Build the control plane here, once, when a test of ours is selected: outside any
-    test's timeout (the first build takes minutes), with its progress on the terminal."""
-    if session.config.option.collectonly or not any(_ours(item) for item in session.items):
-        return
-    capture = session.config.pluginmanager.getplugin("capturemanager")
-    ctx = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
-    t0 = time.monotonic()
-    with ctx:
-        bin_dir = build_control_plane()
-    took = time.monotonic() - t0
-    if took > 5:
-        session.config.get_terminal_writer().line(f"control plane built in {took:.0f}s into {bin_dir}")
 
 
 @pytest.fixture(scope="session")
