@@ -10,25 +10,28 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
-# Tests that need the control plane or Argo run last: on a machine without them, scripts/test builds
-# them in the background while the rest of the suite runs, and these wait on the builds' locks. The
-# first of them may wait for a whole cold build (about 12 minutes alone, more on a busy machine):
-# its timeout allows for that.
-NEEDS_GO_BUILDS = ("tests/kubernetes/", "tests/pipeline/test_argo.py")
+# Tests that need Go-built servers run last, in the order scripts/test builds them: on a machine without
+# them, it builds them in the background while the rest of the suite runs, and these wait on the builds'
+# locks. The first test of each group may wait for a whole cold build (minutes alone, more on a busy
+# machine): its timeout allows for that.
+NEEDS_GO_BUILDS = (("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
+                   ("tests/kubernetes/",))                                                     # control plane
 BUILD_WAIT_S = 2700
 
 
 def pytest_collection_modifyitems(session, config, items):
-    def needs_builds(item) -> bool:
+    def builds_needed(item) -> int:
         path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
-        return path.startswith(NEEDS_GO_BUILDS)
+        return next((len(NEEDS_GO_BUILDS) - i for i, paths in enumerate(NEEDS_GO_BUILDS)
+                     if path.startswith(paths)), 0)
 
-    items.sort(key=needs_builds)      # stable: the order within each group stays as collected
-    first = next((item for item in items if needs_builds(item)), None)
-    if first is not None:
-        own = first.get_closest_marker("timeout")
-        base = own.args[0] if own and own.args else config.getini("timeout")
-        first.add_marker(pytest.mark.timeout(float(base or 0) + BUILD_WAIT_S), append=False)
+    items.sort(key=builds_needed)     # stable: the order within each group stays as collected
+    for group in range(1, len(NEEDS_GO_BUILDS) + 1):
+        first = next((item for item in items if builds_needed(item) == group), None)
+        if first is not None:
+            own = first.get_closest_marker("timeout")
+            base = own.args[0] if own and own.args else config.getini("timeout")
+            first.add_marker(pytest.mark.timeout(float(base or 0) + BUILD_WAIT_S), append=False)
 
 
 @pytest.fixture(scope="session")
