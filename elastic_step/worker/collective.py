@@ -157,9 +157,10 @@ class Ring:
                   abort_check: Callable[[], None]) -> np.ndarray:
         """The element-wise SUM of every member's `buf` (float32, same size everywhere)."""
         n = len(members)
-        out = np.array(buf, dtype=np.float32, copy=True)
         if n == 1:
-            return out
+            return np.array(buf, dtype=np.float32, copy=True)
+        mine = np.ascontiguousarray(buf, dtype=np.float32)   # only read, until this returns
+        out = np.empty_like(mine)
         key = (version, step)
         if key <= self._begun:
             self._await_new_version(key, abort_check)
@@ -180,13 +181,15 @@ class Ring:
         from_left = self.listener.link_from(left, waiting_on(left[0], lambda: started))
         receiving = waiting_on(left[0], lambda: from_left.last_progress)
         bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
-        chunk = [out[bounds[i]:bounds[i + 1]] for i in range(n)]       # views into `out`
 
-        def pieces(i: int) -> list[tuple[int, np.ndarray]]:
-            return [(o, chunk[i][o:o + PIECE_VALUES]) for o in range(0, chunk[i].size, PIECE_VALUES)]
+        def pieces(a: np.ndarray, i: int) -> list[tuple[int, np.ndarray]]:
+            chunk = a[bounds[i]:bounds[i + 1]]
+            return [(o, chunk[o:o + PIECE_VALUES]) for o in range(0, chunk.size, PIECE_VALUES)]
 
         try:
-            for offset, piece in pieces(rank):
+            # Chunk `rank` goes out as it is and comes back summed; each other one is received once in the
+            # reduce-scatter, added to this member's values into `out`: `out` needs no copy of `buf` first.
+            for offset, piece in pieces(mine, rank):
                 right.send(key, 0, 0, offset, piece)
             if self.chaos_step == step:
                 right.drain(waiting_on(right.peer, lambda: right.last_progress))
@@ -196,8 +199,8 @@ class Ring:
             # round, the reduce-scatter's last into the all-gather's first; the all-gather's last stays.
             rounds = [(0, r, (rank - r - 1) % n) for r in range(n - 1)] + [(1, r, (rank - r) % n) for r in range(n - 1)]
             for (phase, rnd, i), following in zip(rounds, rounds[1:] + [None]):
-                for offset, piece in pieces(i):
-                    self._take(from_left, key, phase, rnd, offset, piece, receiving)
+                for (offset, piece), (_, own) in zip(pieces(out, i), pieces(mine, i)):
+                    self._take(from_left, key, phase, rnd, offset, piece, own, receiving)
                     if following is not None:
                         right.send(key, following[0], following[1], offset, piece)
             right.drain(waiting_on(right.peer, lambda: right.last_progress))
@@ -207,8 +210,9 @@ class Ring:
         return out
 
     def _take(self, link: InLink, key: tuple[int, int], phase: int, rnd: int, offset: int, piece: np.ndarray,
-              wait: Callable[[], None]) -> None:
-        """The left neighbour's frame for this piece, added to it (reduce-scatter) or copied (all-gather)."""
+              own: np.ndarray, wait: Callable[[], None]) -> None:
+        """The left neighbour's frame for this piece of `out`: added to this member's `own` values into it
+        (reduce-scatter), or read into it as it is (all-gather)."""
         while True:
             version, step, *where = link.next_header(wait)
             if (version, step) < key:
@@ -224,7 +228,7 @@ class Ring:
         if phase == 0:
             incoming = self._scratch[:piece.size]
             link.payload(incoming, wait)
-            np.add(piece, incoming, out=piece)
+            np.add(own, incoming, out=piece)
         else:
             link.payload(piece, wait)
 

@@ -72,6 +72,15 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)   # an idle link to a vanished host errs
 
 
+def _stream(sock: socket.socket) -> None:
+    """Blocking calls that give up after POLL_S: one system call moves a whole piece (MSG_WAITALL, a
+    blocking sendmsg) instead of a poll and a partial read or write each time."""
+    sock.settimeout(None)
+    poll = struct.pack("ll", 0, int(POLL_S * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, poll)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, poll)
+
+
 class InLink:
     """A left neighbour's connection, read only by the allreduce's own thread."""
 
@@ -87,8 +96,8 @@ class InLink:
     def _recv(self, view: memoryview, wait: Callable[[], None]) -> int:
         while True:
             try:
-                n = self.sock.recv_into(view)
-            except socket.timeout:
+                n = self.sock.recv_into(view, 0, socket.MSG_WAITALL)
+            except (BlockingIOError, socket.timeout):    # nothing for POLL_S
                 wait()
                 continue
             except OSError as e:
@@ -209,7 +218,7 @@ class OutLink:
                 raise OSError("link closed")
             try:
                 n = self.sock.sendmsg(views)
-            except socket.timeout:
+            except (BlockingIOError, socket.timeout):    # the peer took nothing for POLL_S
                 continue
             self.last_progress = time.monotonic()
             while n and n >= len(views[0]):
@@ -239,7 +248,7 @@ def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str]) ->
     except PeerFailed:
         sock.close()
         raise
-    sock.settimeout(POLL_S)
+    _stream(sock)
     return OutLink(sock, peer)
 
 
@@ -279,7 +288,7 @@ class RingListener:
         except (OSError, ConnectionError, struct.error):
             conn.close()
             return
-        conn.settimeout(POLL_S)
+        _stream(conn)
         with self.cv:
             old = self.links.get((name, address))
             if old is not None:
