@@ -36,8 +36,8 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.worker.ring_transport import (PEER_TIMEOUT_S, POLL_S, Aborted, InLink, PeerFailed, RingListener,
-                                               connect)
+from elastic_step.worker.ring_transport import (PEER_TIMEOUT_S, POLL_S, Aborted, InLink, OutLink, PeerFailed,
+                                               RingListener, connect)
 
 __all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve", "pull_state", "Ring"]
 
@@ -114,27 +114,28 @@ def chaos_target(me: str) -> int | None:
 
 
 class Ring:
-    """This member's side of the ring: its ring listener, the link to its right neighbour, and the
+    """This member's side of the ring: its ring listener, its links to right neighbours, and the
     ports of its peers' listeners (asked once per peer)."""
 
     def __init__(self, token: str, me: str, host: str):
         self.token, self.me = token, me
         self.listener = RingListener(token, host)
         self.port = self.listener.port
-        self._right = None                       # OutLink to the right neighbour
-        self._right_is: tuple[str, str] | None = None   # its (name, gRPC address)
+        # (name, gRPC address) -> OutLink. A link to a peer that is no longer the right neighbour stays
+        # open: closing it would read, on that peer's side, like this member's death (its listener may
+        # hand the closed connection to a later version in which this member is its left neighbour).
+        self._links: dict[tuple[str, str], OutLink] = {}
         self._ports: dict[str, int] = {}         # gRPC address -> ring port
         self._begun = (-1, -1)                   # the newest (version, step) attempted
         self._scratch = np.empty(PIECE_VALUES, np.float32)
         self.chaos_step = chaos_target(me)
 
-    def _link_to(self, peer: str, address: str, me: tuple[str, str]):
-        link = self._right
-        if link is not None and self._right_is == (peer, address) and link.failure is None:
+    def _link_to(self, peer: str, address: str, me: tuple[str, str]) -> OutLink:
+        link = self._links.get((peer, address))
+        if link is not None and link.failure is None:
             return link
-        if link is not None:
-            link.close()
-        self._right = None
+        for key in [k for k in self._links if k[0] == peer]:   # failed, or an earlier incarnation's
+            self._links.pop(key).close()
         if address not in self._ports:
             ch = rpc.channel(address)
             try:
@@ -146,12 +147,12 @@ class Ring:
                 ch.close()
         host = address.rsplit(":", 1)[0].strip("[]")
         try:
-            self._right = connect(peer, host, self._ports[address], self.token, me)
+            link = connect(peer, host, self._ports[address], self.token, me)
         except PeerFailed:
             del self._ports[address]     # a relaunched peer at the same address listens elsewhere
             raise
-        self._right_is = (peer, address)
-        return self._right
+        self._links[(peer, address)] = link
+        return link
 
     def allreduce(self, buf: np.ndarray, members: list[tuple[str, str]], version: int, step: int,
                   abort_check: Callable[[], None]) -> np.ndarray:
@@ -243,6 +244,6 @@ class Ring:
         raise Aborted(f"version {key[0]} step {key[1]} was interrupted and the membership has not moved on")
 
     def close(self) -> None:
-        if self._right is not None:
-            self._right.close()
+        for link in self._links.values():
+            link.close()
         self.listener.close()

@@ -319,6 +319,10 @@ class RingListener:
             wait()
 
     def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread: close alone would not
+        except OSError:
+            pass
         self.sock.close()
         with self.cv:
             for link in [*self.links.values(), *self.replaced]:

@@ -116,6 +116,16 @@ def test_a_ring_re_forms_without_a_lost_member_and_with_a_newcomer(members):
         newcomer.close()
 
 
+def test_a_neighbour_that_sent_to_another_member_meanwhile_is_not_taken_for_dead(members):
+    a, c, b = members(3)
+    ones = [np.full(1000, float(i + 1), np.float32) for i in range(3)]
+    assert all(np.all(r == 3) for r in allreduce_all([a, c], ones[:2], 1, 0))          # c sends to a
+    assert all(np.all(r == 6) for r in allreduce_all([a, c, b], ones, 2, 1))           # c sends to b
+    b.close()
+    results = allreduce_all([a, c], ones[:2], 3, 1)                                    # c sends to a again
+    assert all(isinstance(r, np.ndarray) and np.all(r == 3) for r in results), results
+
+
 def aborts_after(calls: int):
     """An abort_check that finds the membership changed on its `calls`-th call."""
     seen = [0]
