@@ -9,12 +9,17 @@ each running every contender in turn for `--steps` timed steps (after one warm-u
   * TF: N processes, `tf.distribute.MultiWorkerMirroredStrategy` with CommunicationImplementation.RING
     (TF_CONFIG on 127.0.0.1 ports), `strategy.extended.reduce_to(SUM)` of the buffer in a tf.function;
   * raw loopback: one process sends the buffer's bytes to another over a plain TCP socket
-    (sendall/recv_into, 4 MB writes): the ceiling any transport on this machine can reach.
+    (sendall/recv_into, 4 MB writes): the ceiling any transport on this machine can reach;
+  * raw both ways: two processes send the buffer's bytes to each other at once (per direction), as a
+    ring member sends to one neighbour while it receives from the other. With 2 members each sends and
+    receives the whole buffer per step, so this, not one-way loopback, bounds a ring's bus bandwidth
+    on a machine whose cores do the kernel's copies for both directions (on 2 cores, about half of
+    one-way); with 3 members on 2 cores, lower still.
 Each contender's processes start once per member count and stay up for every size and round. A step's
 time is the slowest member's; a round's figure is the median over its steps. Bus bandwidth is the
-bytes each member sends per step, 2(N-1)/N x buffer, over the step time (raw: buffer / transfer
-time). Printed: min/median/max over the rounds, and the ratios best against best. Every result is
-checked against numpy's sum (max |error|).
+bytes each member sends per step, 2(N-1)/N x buffer, over the step time (raw: buffer / transfer time,
+per direction for both ways). Printed: min/median/max over the rounds, and the ratios best against
+best. Every result is checked against numpy's sum (max |error|).
 
 torch is a bench-only extra: `.venv/bin/pip install -c constraints.txt -e ".[bench]"`. PyPI's Linux
 torch wheel links CUDA libraries, so this pulls the nvidia-* wheels (~2.8 GB) although gloo runs on the
@@ -81,6 +86,47 @@ def raw_loopback(nbytes: int, reps: int = 5) -> float:
         s.recv(1)
         best = min(best, time.perf_counter() - t)
     s.close()
+    p.join(10)
+    return nbytes / best
+
+
+def _both_ways(conn: socket.socket, nbytes: int) -> None:
+    """Send `nbytes` on `conn` from a thread while receiving as many."""
+    import threading
+
+    data = memoryview(np.ones(nbytes, np.uint8))
+    sink = memoryview(bytearray(4 << 20))
+    sender = threading.Thread(target=lambda: [conn.sendall(data[i:i + (4 << 20)]) for i in range(0, nbytes, 4 << 20)])
+    sender.start()
+    left = nbytes
+    while left:
+        left -= conn.recv_into(sink[:min(left, len(sink))])
+    sender.join()
+
+
+def _duplex_peer(port: int, nbytes: int, reps: int) -> None:
+    conn = socket.create_connection(("127.0.0.1", port))
+    for _ in range(reps):
+        _both_ways(conn, nbytes)
+    conn.close()
+
+
+def raw_duplex(nbytes: int, reps: int = 5) -> float:
+    """Bytes/s each way of two processes sending `nbytes` to each other at once over 127.0.0.1 (best of
+    `reps`): what a ring member does, sending to one neighbour while receiving from the other."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    p = mp.get_context("spawn").Process(target=_duplex_peer, args=(srv.getsockname()[1], nbytes, reps))
+    p.start()
+    conn, _ = srv.accept()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        _both_ways(conn, nbytes)
+        best = min(best, time.perf_counter() - t)
+    conn.close()
+    srv.close()
     p.join(10)
     return nbytes / best
 
@@ -233,6 +279,7 @@ def spread(xs: list[float]) -> dict:
 def compare(sizes: list[int], members: list[int], repeats: int, steps: int, contenders=CONTENDERS) -> list[dict]:
     rows = []
     raw: dict[int, list[float]] = {p: [] for p in sizes}
+    duplex: dict[int, list[float]] = {p: [] for p in sizes}
     for n in members:
         groups = {c: Group(c, n) for c in contenders}
         try:
@@ -243,18 +290,20 @@ def compare(sizes: list[int], members: list[int], repeats: int, steps: int, cont
                 for _ in range(repeats):
                     if len(raw[params]) < repeats:
                         raw[params].append(raw_loopback(nbytes))
+                        duplex[params].append(raw_duplex(nbytes))
                     for c, g in groups.items():
                         if g.error is None and (result := g.run(params, steps)) is not None:
                             bus[c].append(2 * (n - 1) / n * nbytes / result[0])
                             error[c] = max(error[c], result[1])
                 row = {"members": n, "params": params, "buffer_bytes": nbytes, "steps": steps, "repeats": repeats,
-                       "raw_bytes_per_s": spread(raw[params])}
+                       "raw_bytes_per_s": spread(raw[params]), "duplex_bytes_per_s": spread(duplex[params])}
                 for c, g in groups.items():
                     row[c] = {"error": g.error} if g.error else {"bus_bytes_per_s": spread(bus[c]),
                                                                  "max_abs_error": error[c]}
                 best = {c: row[c]["bus_bytes_per_s"]["max"] for c in contenders if "bus_bytes_per_s" in row[c]}
                 row["ratios_best"] = {f"ours/{c}": best["ours"] / best[c] for c in best if c != "ours"}
                 row["ratios_best"]["ours/raw"] = best["ours"] / row["raw_bytes_per_s"]["max"]
+                row["ratios_best"]["ours/duplex"] = best["ours"] / row["duplex_bytes_per_s"]["max"]
                 rows.append(row)
                 print_row(row)
         finally:
@@ -268,9 +317,10 @@ def _mbs(s: dict) -> str:
 
 
 HEADER = (f"{'N':>2} {'values':>6} {'MB':>5} | {'ours bus MB/s':^17} | {'gloo bus MB/s':^17} | "
-          f"{'TF ring bus MB/s':^17} | {'raw loopback MB/s':^17} | ours/gloo ours/TF ours/raw | max|err| ours/gloo/TF\n"
+          f"{'TF ring bus MB/s':^17} | {'raw loopback MB/s':^17} | {'raw both ways MB/s':^17} | "
+          f"ours/gloo ours/TF ours/raw ours/both | max|err| ours/gloo/TF\n"
           f"{'':>16} | {'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | "
-          f"{'min   med   max':^17} | {'(best against best)':^26} |")
+          f"{'min   med   max':^17} | {'min   med   max':^17} | {'(best against best)':^36} |")
 
 
 def print_row(row: dict) -> None:
@@ -278,10 +328,11 @@ def print_row(row: dict) -> None:
              for c in CONTENDERS]
     r = row["ratios_best"]
     ratio = " ".join(f"{r[k]:>{w}.2f}" if k in r else f"{'n/a':>{w}}"
-                     for k, w in (("ours/gloo", 9), ("ours/tf", 7), ("ours/raw", 8)))
+                     for k, w in (("ours/gloo", 9), ("ours/tf", 7), ("ours/raw", 8), ("ours/duplex", 9)))
     errs = "/".join(f"{row[c]['max_abs_error']:.1g}" if "max_abs_error" in row.get(c, {}) else "-" for c in CONTENDERS)
     print(f"{row['members']:>2} {row['params'] / 1e6:>5.0f}M {row['buffer_bytes'] / 1e6:>5.1f} | {cells[0]} | "
-          f"{cells[1]} | {cells[2]} | {_mbs(row['raw_bytes_per_s'])} | {ratio}  | {errs}", flush=True)
+          f"{cells[1]} | {cells[2]} | {_mbs(row['raw_bytes_per_s'])} | {_mbs(row['duplex_bytes_per_s'])} | {ratio}  | "
+          f"{errs}", flush=True)
     for c in CONTENDERS:
         if "error" in row.get(c, {}):
             print(f"   {c}: could not run: {row[c]['error']}", flush=True)
