@@ -540,10 +540,10 @@ class CollectiveStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.SendChunk = channel.unary_unary(
-                '/elastic_step.Collective/SendChunk',
-                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.ChunkRequest.SerializeToString,
-                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+        self.RingEndpoint = channel.unary_unary(
+                '/elastic_step.Collective/RingEndpoint',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.RingEndpointRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.RingEndpointReply.FromString,
                 _registered_method=True)
         self.PullState = channel.unary_unary(
                 '/elastic_step.Collective/PullState',
@@ -555,7 +555,7 @@ class CollectiveStub:
 class CollectiveServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def SendChunk(self, request, context):
+    def RingEndpoint(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -570,10 +570,10 @@ class CollectiveServicer:
 
 def add_CollectiveServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'SendChunk': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendChunk,
-                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.ChunkRequest.FromString,
-                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
+            'RingEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RingEndpoint,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.RingEndpointRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.RingEndpointReply.SerializeToString,
             ),
             'PullState': grpc.unary_unary_rpc_method_handler(
                     servicer.PullState,
@@ -592,7 +592,7 @@ class Collective:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def SendChunk(request,
+    def RingEndpoint(request,
             target,
             options=(),
             channel_credentials=None,
@@ -605,9 +605,9 @@ class Collective:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/elastic_step.Collective/SendChunk',
-            elastic__step_dot_proto_dot_elastic__pb2.ChunkRequest.SerializeToString,
-            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            '/elastic_step.Collective/RingEndpoint',
+            elastic__step_dot_proto_dot_elastic__pb2.RingEndpointRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.RingEndpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,10 +30,9 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     trainer = AllReduceTrainer(model_def, model_def.model())
     state = collective.StateProvider()
     state.snapshot = trainer.state
-    mailbox = collective.Mailbox()
-    server, port = collective.serve(collective.CollectiveService(args.token, mailbox, state), args.host)
     me = f"worker-{args.index}"
-    ring = collective.Ring(args.token, mailbox, me)
+    ring = collective.Ring(args.token, me, args.host)
+    server, port = collective.serve(collective.CollectiveService(args.token, state, ring.port), args.host)
     readers = ReaderPool()
     try:
         worker = AllReduceWorker(master, args.token, trainer, readers, ring, state, f"{args.host}:{port}",

@@ -1,22 +1,26 @@
-"""Ring AllReduce between workers over gRPC, and the worker's Collective service.
+"""Ring AllReduce between workers, and the worker's Collective service.
 
 N members, one flat float32 buffer split into N chunks: N-1 reduce-scatter rounds, then N-1
-all-gather rounds. In each round a member sends one chunk to its right neighbour
-(`Collective.SendChunk`, a unary RPC) and waits for its left neighbour's chunk in a mailbox keyed
-(version, step, phase, round, sub). A chunk travels as sub-chunks of ~1 MB sent back to back,
-several in flight, so bandwidth rather than per-message overhead bounds a large buffer.
+all-gather rounds. A member sends to its right neighbour and receives from its left one over plain
+TCP (ring_transport.py: raw float32 frames keyed (version, step, phase, round, offset), read straight
+into numpy memory). Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
+piece as soon as it has added its own values to it (reduce-scatter) or copied it (all-gather),
+while its sender thread writes the previous ones. Bandwidth, not per-message overhead, bounds a
+large buffer.
 
 Every member ends with bitwise the same sum: each chunk is reduced once, by one member, then
 copied around the ring. A wait polls for an abort every ~50 ms (`abort_check`: the master's
-membership version changed); a send the peer does not answer raises `PeerFailed`. Either way the
-caller discards the partial result: nothing of an aborted step is applied.
+membership version changed); a neighbour whose connection fails, or that neither sends nor takes
+data for PEER_TIMEOUT_S, raises `PeerFailed`. Either way the caller discards the partial result:
+nothing of an aborted step is applied, and an interrupted (version, step) is never resumed (its
+frames may still be in flight): the retry waits for the next membership version.
 
-The same server answers `PullState`: a newcomer asks a live peer for every model weight and
-optimizer variable once that peer has applied a given step.
+The gRPC server answers `RingEndpoint` (the port of the member's ring listener, asked once per
+peer) and `PullState`: a newcomer asks a live peer for every model weight and optimizer variable
+once that peer has applied a given step.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import os
 import signal
@@ -32,50 +36,15 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
+from elastic_step.worker.ring_transport import (PEER_TIMEOUT_S, POLL_S, Aborted, InLink, OutLink, PeerFailed,
+                                               RingListener, connect)
+
+__all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve", "pull_state", "Ring"]
 
 log = logging.getLogger("elastic_step.worker")
 
-SUB_CHUNK_BYTES = 1 << 20
-POLL_S = 0.05
-SEND_TIMEOUT_S = 10.0
+PIECE_VALUES = 1 << 15      # float32 values per frame (128 KB: a piece and its sum stay in cache while added)
 CHAOS_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"   # tests: "worker-1@step=25" SIGKILLs worker-1 mid-collective
-
-
-class Aborted(Exception):
-    """The step's membership changed while it ran: discard the partial result and retry."""
-
-
-class PeerFailed(Exception):
-    def __init__(self, peer: str, detail: str):
-        super().__init__(f"{peer}: {detail}")
-        self.peer, self.detail = peer, detail
-
-
-class Mailbox:
-    def __init__(self) -> None:
-        self.cv = threading.Condition()
-        self.items: dict[tuple, bytes] = {}
-
-    def put(self, key: tuple, data: bytes) -> None:
-        with self.cv:
-            self.items[key] = data
-            self.cv.notify_all()
-
-    def take(self, key: tuple, abort_check: Callable[[], None], timeout_s: float = 120.0) -> bytes:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self.cv:
-                if self.cv.wait_for(lambda: key in self.items, POLL_S):
-                    return self.items.pop(key)
-            abort_check()       # outside the lock: it may call the master
-            if time.monotonic() > deadline:
-                raise Aborted(f"no chunk {key} from the left neighbour in {timeout_s:.0f} s")
-
-    def purge(self, version: int, step: int) -> None:
-        """Drop chunks of attempts older than (version, step)."""
-        with self.cv:
-            for k in [k for k in self.items if (k[0], k[1]) < (version, step)]:
-                del self.items[k]
 
 
 class StateProvider:
@@ -94,14 +63,12 @@ class StateProvider:
 
 
 class CollectiveService(pb_grpc.CollectiveServicer):
-    def __init__(self, token: str, mailbox: Mailbox, state: StateProvider):
-        self.token, self.mailbox, self.state = token, mailbox, state
+    def __init__(self, token: str, state: StateProvider, ring_port: int):
+        self.token, self.state, self.ring_port = token, state, ring_port
 
-    def SendChunk(self, request, context):
+    def RingEndpoint(self, request, context):
         check_token(context, self.token, request.token)
-        self.mailbox.put((request.version, request.step, request.phase, request.round, request.sub),
-                         request.data)
-        return pb.Ack()
+        return pb.RingEndpointReply(port=self.ring_port)
 
     def PullState(self, request, context):
         check_token(context, self.token, request.token)
@@ -147,82 +114,136 @@ def chaos_target(me: str) -> int | None:
 
 
 class Ring:
-    """This member's side of the ring: channels to peers, a pool of in-flight sends."""
+    """This member's side of the ring: its ring listener, its links to right neighbours, and the
+    ports of its peers' listeners (asked once per peer)."""
 
-    def __init__(self, token: str, mailbox: Mailbox, me: str, sends_in_flight: int = 4):
-        self.token = token
-        self.mailbox = mailbox
-        self.me = me
-        self._channels: dict[str, tuple[grpc.Channel, pb_grpc.CollectiveStub]] = {}
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=sends_in_flight,
-                                                           thread_name_prefix="ring-send")
+    def __init__(self, token: str, me: str, host: str):
+        self.token, self.me = token, me
+        self.listener = RingListener(token, host)
+        self.port = self.listener.port
+        # (name, gRPC address) -> OutLink. A link to a peer that is no longer the right neighbour stays
+        # open: closing it would read, on that peer's side, like this member's death (its listener may
+        # hand the closed connection to a later version in which this member is its left neighbour).
+        self._links: dict[tuple[str, str], OutLink] = {}
+        self._ports: dict[str, int] = {}         # gRPC address -> ring port
+        self._begun = (-1, -1)                   # the newest (version, step) attempted
+        self._scratch = np.empty(PIECE_VALUES, np.float32)
         self.chaos_step = chaos_target(me)
 
-    def _stub(self, address: str) -> pb_grpc.CollectiveStub:
-        if address not in self._channels:
+    def _link_to(self, peer: str, address: str, me: tuple[str, str]) -> OutLink:
+        link = self._links.get((peer, address))
+        if link is not None and link.failure is None:
+            return link
+        for key in [k for k in self._links if k[0] == peer]:   # failed, or an earlier incarnation's
+            self._links.pop(key).close()
+        if address not in self._ports:
             ch = rpc.channel(address)
-            self._channels[address] = (ch, pb_grpc.CollectiveStub(ch))
-        return self._channels[address][1]
+            try:
+                self._ports[address] = pb_grpc.CollectiveStub(ch).RingEndpoint(
+                    pb.RingEndpointRequest(token=self.token), timeout=10).port
+            except grpc.RpcError as e:
+                raise PeerFailed(peer, f"RingEndpoint: {e.code().name}: {e.details()}") from e
+            finally:
+                ch.close()
+        host = address.rsplit(":", 1)[0].strip("[]")
+        try:
+            link = connect(peer, host, self._ports[address], self.token, me)
+        except PeerFailed:
+            del self._ports[address]     # a relaunched peer at the same address listens elsewhere
+            raise
+        self._links[(peer, address)] = link
+        return link
 
     def allreduce(self, buf: np.ndarray, members: list[tuple[str, str]], version: int, step: int,
                   abort_check: Callable[[], None]) -> np.ndarray:
         """The element-wise SUM of every member's `buf` (float32, same size everywhere)."""
         n = len(members)
-        out = np.array(buf, dtype=np.float32, copy=True)
         if n == 1:
-            return out
-        self.mailbox.purge(version, step)
+            return np.array(buf, dtype=np.float32, copy=True)
+        mine = np.ascontiguousarray(buf, dtype=np.float32)   # only read, until this returns
+        out = np.empty_like(mine)
+        key = (version, step)
+        if key <= self._begun:
+            self._await_new_version(key, abort_check)
+        self._begun = key
         rank = [name for name, _ in members].index(self.me)
-        right_name, right_addr = members[(rank + 1) % n]
-        stub = self._stub(right_addr)
+        left = members[rank - 1]
+        right = self._link_to(*members[(rank + 1) % n], members[rank])
+        started = time.monotonic()
+
+        def waiting_on(peer: str, last_progress: Callable[[], float]) -> Callable[[], None]:
+            def wait() -> None:
+                right.check()
+                abort_check()
+                if time.monotonic() - max(started, last_progress()) > PEER_TIMEOUT_S:
+                    raise PeerFailed(peer, f"neither sent nor took ring data for {PEER_TIMEOUT_S:.0f} s")
+            return wait
+
+        from_left = self.listener.link_from(left, waiting_on(left[0], lambda: started))
+        receiving = waiting_on(left[0], lambda: from_left.last_progress)
         bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
-        chunk = [out[bounds[i]:bounds[i + 1]] for i in range(n)]       # views into `out`
-        per_sub = max(1, SUB_CHUNK_BYTES // 4)
 
-        def subs(a: np.ndarray) -> list[np.ndarray]:
-            return [a[i:i + per_sub] for i in range(0, max(a.size, 1), per_sub)]
+        def pieces(a: np.ndarray, i: int) -> list[tuple[int, np.ndarray]]:
+            chunk = a[bounds[i]:bounds[i + 1]]
+            return [(o, chunk[o:o + PIECE_VALUES]) for o in range(0, chunk.size, PIECE_VALUES)]
 
-        def send(phase: int, rnd: int, a: np.ndarray) -> list:
-            return [self._pool.submit(stub.SendChunk, pb.ChunkRequest(
-                token=self.token, version=version, step=step, phase=phase, round=rnd, sub=i,
-                data=part.tobytes()), timeout=SEND_TIMEOUT_S) for i, part in enumerate(subs(a))]
-
-        def settle(futures: list) -> None:
-            for f in futures:
-                try:
-                    f.result()
-                except grpc.RpcError as e:
-                    raise PeerFailed(right_name, f"{e.code().name}: {e.details()}") from e
-
-        def receive(phase: int, rnd: int, into: np.ndarray, add: bool) -> None:
-            for i, part in enumerate(subs(into)):
-                data = np.frombuffer(self.mailbox.take((version, step, phase, rnd, i), abort_check),
-                                     dtype="<f4")
-                if data.size != part.size:
-                    raise Aborted(f"chunk of {data.size} values, expected {part.size}")
-                if add:
-                    part += data
-                else:
-                    part[:] = data
-
-        pending: list = []
-        for phase in (0, 1):
-            for rnd in range(n - 1):
-                if phase == 0:
-                    send_i, recv_i = (rank - rnd) % n, (rank - rnd - 1) % n
-                else:
-                    send_i, recv_i = (rank + 1 - rnd) % n, (rank - rnd) % n
-                settle(pending)
-                pending = send(phase, rnd, chunk[send_i])
-                if self.chaos_step == step and phase == 0 and rnd == 0:
-                    settle(pending)
-                    log.warning("chaos: SIGKILL myself in the middle of step %d's collective", step)
-                    kill_self(signal.SIGKILL)
-                receive(phase, rnd, chunk[recv_i], add=phase == 0)
-        settle(pending)
+        try:
+            # Chunk `rank` goes out as it is and comes back summed; each other one is received once in the
+            # reduce-scatter, added to this member's values into `out`: `out` needs no copy of `buf` first.
+            for offset, piece in pieces(mine, rank):
+                right.send(key, 0, 0, offset, piece)
+            if self.chaos_step == step:
+                right.drain(waiting_on(right.peer, lambda: right.last_progress))
+                log.warning("chaos: SIGKILL myself in the middle of step %d's collective", step)
+                kill_self(signal.SIGKILL)
+            # (phase, round, chunk received); each received piece goes on to the right in the next
+            # round, the reduce-scatter's last into the all-gather's first; the all-gather's last stays.
+            rounds = [(0, r, (rank - r - 1) % n) for r in range(n - 1)] + [(1, r, (rank - r) % n) for r in range(n - 1)]
+            for (phase, rnd, i), following in zip(rounds, rounds[1:] + [None]):
+                for (offset, piece), (_, own) in zip(pieces(out, i), pieces(mine, i)):
+                    self._take(from_left, key, phase, rnd, offset, piece, own, receiving)
+                    if following is not None:
+                        right.send(key, following[0], following[1], offset, piece)
+            right.drain(waiting_on(right.peer, lambda: right.last_progress))
+        except BaseException:
+            right.cancel()
+            raise
         return out
 
+    def _take(self, link: InLink, key: tuple[int, int], phase: int, rnd: int, offset: int, piece: np.ndarray,
+              own: np.ndarray, wait: Callable[[], None]) -> None:
+        """The left neighbour's frame for this piece of `out`: added to this member's `own` values into it
+        (reduce-scatter), or read into it as it is (all-gather)."""
+        while True:
+            version, step, *where = link.next_header(wait)
+            if (version, step) < key:
+                link.skip(wait)          # an aborted attempt's, still in the connection
+                continue
+            if (version, step) > key:
+                raise Aborted(f"{link.peer} has moved on to version {version}, step {step}")
+            if where != [phase, rnd, offset, piece.size]:
+                raise PeerFailed(link.peer, f"sent (phase, round, offset, count) {tuple(where)} where "
+                                            f"{(phase, rnd, offset, piece.size)} was expected: do the members "
+                                            "have the same model?")
+            break
+        if phase == 0:
+            incoming = self._scratch[:piece.size]
+            link.payload(incoming, wait)
+            np.add(own, incoming, out=piece)
+        else:
+            link.payload(piece, wait)
+
+    def _await_new_version(self, key: tuple[int, int], abort_check: Callable[[], None]) -> None:
+        # An interrupted attempt is never resumed: frames of it may still be in flight, and could not be
+        # told from the retry's. The membership moves on after any interruption (an abort, or a reported
+        # peer failure), and abort_check raises Aborted once it has.
+        deadline = time.monotonic() + PEER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            abort_check()
+            time.sleep(POLL_S)
+        raise Aborted(f"version {key[0]} step {key[1]} was interrupted and the membership has not moved on")
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for ch, _ in self._channels.values():
-            ch.close()
+        for link in self._links.values():
+            link.close()
+        self.listener.close()

@@ -1,4 +1,4 @@
-"""`--strategy allreduce` on the local backend: real worker processes, a real ring AllReduce over gRPC.
+"""`--strategy allreduce` on the local backend: real worker processes, a real ring AllReduce over TCP.
 
 An undisturbed run; a SIGKILL mid-epoch with a replacement joining (ledger exact, survivors never
 restarted, same accuracy, the pause after the loss in the summary); a SIGKILL in the middle of a

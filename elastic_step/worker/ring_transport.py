@@ -1,0 +1,336 @@
+"""The ring AllReduce's data path: plain TCP between ring neighbours.
+
+Each worker listens on a port of its own for ring data (`RingListener`, beside its Collective gRPC
+server, which tells peers the port: `Collective.RingEndpoint`). A member writes to its right
+neighbour over one connection (`OutLink`, with a sender thread) and reads its left neighbour's
+connection itself (`InLink`), so sending, receiving and reducing overlap.
+
+A connection opens with a hello: magic, the job token, the sender's name and gRPC address (a peer
+relaunched under the same name is another peer). The listener answers
+ACCEPTED, or REFUSED with a reason and closes: a connection without the job's token carries no data.
+Then frames: a header (version, step, phase, round, offset, count) and `count` raw little-endian
+float32 values, which the receiver reads with recv_into straight into numpy memory.
+
+Frames of one attempt arrive in the order the receiver expects them. A frame of an older
+(version, step) is read and dropped, so stale data is never mixed into a newer step; a frame of a
+newer one is left unread for the attempt it belongs to, and the attempt in hand is `Aborted` (the
+left neighbour has moved on: the membership changed). An attempt interrupted halfway leaves its
+connections usable: the rest of a half-read frame is dropped first thing next time, and a frame half
+written is finished by the sender thread.
+
+Nothing blocks for long: sockets time out every POLL_S and a wait then runs the caller's check
+(`abort_check`, the sender thread's failure). A closed or reset connection is `PeerFailed`, and so is
+a neighbour that sends or takes nothing for PEER_TIMEOUT_S.
+"""
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger("elastic_step.worker")
+
+POLL_S = 0.05
+PEER_TIMEOUT_S = 120.0
+HELLO_TIMEOUT_S = 10.0
+MAGIC = b"ESR1"
+HELLO = struct.Struct("<4sHHH")           # magic; lengths of the token, the sender's name and address
+FRAME = struct.Struct("<qqiiqq")          # version, step, phase, round, offset, count (float32 values)
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
+WRITE_FRAMES = 64                         # most frames in one write (well under IOV_MAX)
+
+
+class Aborted(Exception):
+    """The step's membership changed while it ran: discard the partial result and retry."""
+
+
+class PeerFailed(Exception):
+    def __init__(self, peer: str, detail: str):
+        super().__init__(f"{peer}: {detail}")
+        self.peer, self.detail = peer, detail
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        if not part:
+            raise ConnectionError("closed during the hello")
+        data += part
+    return bytes(data)
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a frame's header must not wait
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)   # an idle link to a vanished host errs
+
+
+def _stream(sock: socket.socket) -> None:
+    """Blocking calls that give up after POLL_S: one system call moves a whole piece (MSG_WAITALL, a
+    blocking sendmsg) instead of a poll and a partial read or write each time."""
+    sock.settimeout(None)
+    poll = struct.pack("ll", 0, int(POLL_S * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, poll)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, poll)
+
+
+class InLink:
+    """A left neighbour's connection, read only by the allreduce's own thread."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock, self.peer = sock, peer
+        self.header = bytearray(FRAME.size)
+        self.header_got = 0                  # bytes of `header` read so far
+        self.pending: tuple | None = None    # a header read whose payload is not
+        self.payload_left = 0                # bytes of an abandoned frame's payload still to drop
+        self.last_progress = time.monotonic()
+        self._drop = bytearray(DROP_BYTES)
+
+    def _recv(self, view: memoryview, wait: Callable[[], None]) -> int:
+        while True:
+            try:
+                n = self.sock.recv_into(view, 0, socket.MSG_WAITALL)
+            except (BlockingIOError, socket.timeout):    # nothing for POLL_S
+                wait()
+                continue
+            except OSError as e:
+                raise PeerFailed(self.peer, f"ring connection failed: {e}") from e
+            if n == 0:
+                raise PeerFailed(self.peer, "closed the ring connection")
+            self.last_progress = time.monotonic()
+            return n
+
+    def next_header(self, wait: Callable[[], None]) -> tuple:
+        """(version, step, phase, round, offset, count) of the next frame; `payload` or `skip` takes it."""
+        if self.pending is None:
+            self._drain_payload(None, wait)
+            view = memoryview(self.header)
+            while self.header_got < FRAME.size:
+                self.header_got += self._recv(view[self.header_got:], wait)
+            self.header_got = 0
+            self.pending = FRAME.unpack(self.header)
+            self.payload_left = 4 * self.pending[5]
+        return self.pending
+
+    def payload(self, into: np.ndarray, wait: Callable[[], None]) -> None:
+        """The pending frame's values, into `into` (float32, exactly the frame's count)."""
+        self.pending = None
+        self._drain_payload(memoryview(into).cast("B"), wait)
+
+    def skip(self, wait: Callable[[], None]) -> None:
+        self.pending = None
+        self._drain_payload(None, wait)
+
+    def _drain_payload(self, into: memoryview | None, wait: Callable[[], None]) -> None:
+        # If interrupted, `payload_left` keeps what is still unread: the next call drops it.
+        while self.payload_left:
+            if into is None:
+                view = memoryview(self._drop)[:min(self.payload_left, DROP_BYTES)]
+            else:
+                view = into[len(into) - self.payload_left:]
+            self.payload_left -= self._recv(view, wait)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class OutLink:
+    """The connection to the right neighbour and its sender thread: frames go out in the order they
+    are queued while the allreduce's thread receives and reduces. The payloads are views of the
+    caller's buffer: it must not change them before `drain` returns."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock, self.peer = sock, peer
+        self.cv = threading.Condition()
+        self.queue: collections.deque = collections.deque()
+        self.busy = False                # the thread is writing a frame
+        self.failure: str | None = None
+        self.closed = False
+        self.last_progress = time.monotonic()
+        threading.Thread(target=self._run, name=f"ring-send-{peer}", daemon=True).start()
+
+    def send(self, key: tuple[int, int], phase: int, rnd: int, offset: int, values: np.ndarray) -> None:
+        frame = (FRAME.pack(*key, phase, rnd, offset, values.size), memoryview(values).cast("B"))
+        with self.cv:
+            self.queue.append(frame)
+            self.cv.notify_all()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise PeerFailed(self.peer, self.failure)
+
+    def drain(self, wait: Callable[[], None]) -> None:
+        """Until every queued frame is written (to the kernel): the caller's buffer is free again."""
+        while True:
+            with self.cv:
+                if self.queue or self.busy:
+                    self.cv.wait(POLL_S)
+                done = self.failure is not None or not (self.queue or self.busy)
+            self.check()
+            if done:
+                return
+            if time.monotonic() - self.last_progress >= POLL_S:   # stalled: is the step still on?
+                wait()
+
+    def cancel(self) -> None:
+        """An aborted attempt: drop its frames not yet started (the one being written is finished)."""
+        with self.cv:
+            self.queue.clear()
+
+    def close(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.queue.clear()
+            self.cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.queue or self.closed):
+                    self.cv.wait()
+                if self.closed:
+                    break
+                # Every frame queued so far in one write: fewer system calls and wake-ups on a busy machine.
+                views = []
+                while self.queue and len(views) < WRITE_FRAMES * 2:
+                    header, payload = self.queue.popleft()
+                    views += [memoryview(header), payload]
+                self.busy = True
+            try:
+                self._write(views)
+            except OSError as e:
+                with self.cv:
+                    self.failure = f"ring connection failed: {e}"
+                    self.busy = False
+                    self.cv.notify_all()
+                break
+            with self.cv:
+                self.busy = False
+                self.cv.notify_all()
+        self.sock.close()
+
+    def _write(self, views: list[memoryview]) -> None:
+        while views:
+            if self.closed:
+                raise OSError("link closed")
+            try:
+                n = self.sock.sendmsg(views)
+            except (BlockingIOError, socket.timeout):    # the peer took nothing for POLL_S
+                continue
+            self.last_progress = time.monotonic()
+            while n and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
+
+
+def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str]) -> OutLink:
+    """A connection to `peer`'s ring listener, admitted with the job token, from `me` (name, gRPC
+    address). Raises PeerFailed."""
+    try:
+        sock = socket.create_connection((host, port), timeout=HELLO_TIMEOUT_S)
+    except OSError as e:
+        raise PeerFailed(peer, f"cannot open a ring connection to {host}:{port}: {e}") from e
+    try:
+        _tune(sock)
+        token_b, name_b, address_b = token.encode(), me[0].encode(), me[1].encode()
+        sock.sendall(HELLO.pack(MAGIC, len(token_b), len(name_b), len(address_b)) + token_b + name_b + address_b)
+        answer = _recv_exact(sock, 1)
+        if answer != ACCEPTED:
+            reason = sock.recv(500).decode(errors="replace")
+            raise PeerFailed(peer, f"{host}:{port} refused the ring connection: {reason}")
+    except (OSError, ConnectionError) as e:
+        sock.close()
+        raise PeerFailed(peer, f"ring connection to {host}:{port} failed during the hello: {e}") from e
+    except PeerFailed:
+        sock.close()
+        raise
+    _stream(sock)
+    return OutLink(sock, peer)
+
+
+class RingListener:
+    """Accepts left neighbours' connections; keeps the newest one from each peer (name, gRPC address)."""
+
+    def __init__(self, token: str, host: str):
+        self.token = token.encode()
+        self.sock = socket.create_server((host, 0))
+        self.port = self.sock.getsockname()[1]
+        self.cv = threading.Condition()
+        self.links: dict[tuple[str, str], InLink] = {}
+        self.replaced: list[InLink] = []
+        threading.Thread(target=self._accept, name="ring-listener", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return     # closed
+            threading.Thread(target=self._admit, args=(conn,), name="ring-hello", daemon=True).start()
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            magic, token_len, name_len, address_len = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            if magic != MAGIC:
+                return self._refuse(conn, "not an elastic-step ring connection")
+            token, name, address = (_recv_exact(conn, token_len), _recv_exact(conn, name_len).decode(errors="replace"),
+                                    _recv_exact(conn, address_len).decode(errors="replace"))
+            if not hmac.compare_digest(token, self.token):
+                log.warning("refused a ring connection from %s (%s): wrong job token", name, conn.getpeername())
+                return self._refuse(conn, "wrong job token")
+            _tune(conn)
+            conn.sendall(ACCEPTED)
+        except (OSError, ConnectionError, struct.error):
+            conn.close()
+            return
+        _stream(conn)
+        with self.cv:
+            old = self.links.get((name, address))
+            if old is not None:
+                self.replaced.append(old)    # closed by the reader's thread, which may be reading it
+            self.links[(name, address)] = InLink(conn, name)
+            self.cv.notify_all()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, reason: str) -> None:
+        try:
+            conn.sendall(REFUSED + reason.encode())
+        finally:
+            conn.close()
+
+    def link_from(self, peer: tuple[str, str], wait: Callable[[], None]) -> InLink:
+        """The newest connection from `peer` (name, gRPC address), once it has connected."""
+        while True:
+            with self.cv:
+                for old in self.replaced:
+                    old.close()
+                self.replaced.clear()
+                link = self.links.get(peer)
+                if link is None:
+                    self.cv.wait(POLL_S)
+                    link = self.links.get(peer)
+            if link is not None:
+                return link
+            wait()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread: close alone would not
+        except OSError:
+            pass
+        self.sock.close()
+        with self.cv:
+            for link in [*self.links.values(), *self.replaced]:
+                link.close()
+            self.links.clear()
+            self.replaced.clear()

@@ -1,0 +1,242 @@
+"""The ring AllReduce over its TCP transport: exact sums, the same bits on every member, and the ways an
+attempt ends early (a version change, a dead peer, a wrong token, stale frames of an older step)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from elastic_step.worker import collective, ring_transport
+from elastic_step.worker.collective import PIECE_VALUES, Aborted, PeerFailed
+
+TOKEN = "test-token"
+
+
+class Member:
+    """A worker's ring side in this process: its Ring, and the gRPC server that tells peers its port."""
+
+    def __init__(self, name: str, token: str = TOKEN):
+        self.name = name
+        self.ring = collective.Ring(token, name, "127.0.0.1")
+        self.server, port = collective.serve(
+            collective.CollectiveService(token, collective.StateProvider(), self.ring.port), "127.0.0.1")
+        self.address = f"127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.ring.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def members():
+    made: list[Member] = []
+
+    def make(n: int, prefix: str = "worker") -> list[Member]:
+        new = [Member(f"{prefix}-{len(made) + i}") for i in range(n)]
+        made.extend(new)
+        return new
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def never_abort() -> None:
+    pass
+
+
+def allreduce_all(ms: list[Member], bufs: list[np.ndarray], version: int, step: int,
+                  checks: list | None = None) -> list:
+    """Every member's allreduce at once, each on its own thread: its result, or the exception it raised."""
+    ring = [(m.name, m.address) for m in ms]
+    results: list = [None] * len(ms)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = ms[i].ring.allreduce(bufs[i], ring, version, step, checks[i] if checks else never_abort)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ms))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an allreduce hung"
+    return results
+
+
+def ring_order_sum(bufs: list[np.ndarray]) -> np.ndarray:
+    """The ring's sum to the bit: chunk c is accumulated starting at member c, then c+1, ... around."""
+    n, size = len(bufs), bufs[0].size
+    bounds = np.linspace(0, size, n + 1).astype(np.int64)
+    out = np.empty(size, np.float32)
+    for c in range(n):
+        lo, hi = bounds[c], bounds[c + 1]
+        acc = bufs[c][lo:hi].copy()
+        for k in range(1, n):
+            acc = bufs[(c + k) % n][lo:hi] + acc
+        out[lo:hi] = acc
+    return out
+
+
+@pytest.mark.parametrize("n, size", [(2, 1000), (3, 3 * PIECE_VALUES + 17), (4, 5 * PIECE_VALUES // 2), (3, 2)])
+def test_every_member_ends_with_the_same_bits_of_the_sum(members, n, size):
+    ms = members(n)
+    rng = np.random.default_rng(n * size)
+    bufs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+    results = allreduce_all(ms, bufs, 1, 0)
+    expected = ring_order_sum(bufs)
+    for r in results:
+        assert isinstance(r, np.ndarray), r
+        assert r.tobytes() == expected.tobytes()
+    np.testing.assert_allclose(results[0], np.sum(bufs, axis=0), rtol=1e-5, atol=1e-5)
+    # Integers stay exact whatever the order of the additions: the sum is numpy's, exactly.
+    ints = [rng.integers(-1000, 1000, size).astype(np.float32) for _ in range(n)]
+    for r in allreduce_all(ms, ints, 1, 1):
+        assert np.array_equal(r, np.sum(ints, axis=0))
+
+
+def test_a_ring_re_forms_without_a_lost_member_and_with_a_newcomer(members):
+    a, b, c = members(3)
+    ones = [np.full(PIECE_VALUES + 5, float(i + 1), np.float32) for i in range(3)]
+    assert all(np.all(r == 6) for r in allreduce_all([a, b, c], ones, 1, 0))
+    c.close()
+    assert all(np.all(r == 3) for r in allreduce_all([a, b], ones[:2], 2, 0))
+    newcomer = Member("worker-2")            # c relaunched: same name, another address
+    try:
+        assert all(np.all(r == 6) for r in allreduce_all([b, newcomer, a], [ones[1], ones[2], ones[0]], 3, 1))
+    finally:
+        newcomer.close()
+
+
+def test_a_neighbour_that_sent_to_another_member_meanwhile_is_not_taken_for_dead(members):
+    a, c, b = members(3)
+    ones = [np.full(1000, float(i + 1), np.float32) for i in range(3)]
+    assert all(np.all(r == 3) for r in allreduce_all([a, c], ones[:2], 1, 0))          # c sends to a
+    assert all(np.all(r == 6) for r in allreduce_all([a, c, b], ones, 2, 1))           # c sends to b
+    b.close()
+    results = allreduce_all([a, c], ones[:2], 3, 1)                                    # c sends to a again
+    assert all(isinstance(r, np.ndarray) and np.all(r == 3) for r in results), results
+
+
+def aborts_after(calls: int):
+    """An abort_check that finds the membership changed on its `calls`-th call."""
+    seen = [0]
+
+    def check() -> None:
+        seen[0] += 1
+        if seen[0] >= calls:
+            raise Aborted("membership is now version 2")
+    check.seen = seen
+    return check
+
+
+def test_a_version_change_aborts_a_member_waiting_for_its_neighbour(members):
+    a, b = members(2)
+    check = aborts_after(3)
+    buf = np.ones(10, np.float32)
+    # b never takes part: a sends, then waits for b's frames and polls abort_check meanwhile.
+    with pytest.raises(Aborted):
+        a.ring.allreduce(buf, [(a.name, a.address), (b.name, b.address)], 1, 0, check)
+    assert check.seen[0] == 3
+
+
+def test_frames_of_an_aborted_step_are_never_mixed_into_the_next(members):
+    a, b = members(2)
+    ring = [(a.name, a.address), (b.name, b.address)]
+    stale = np.full(3 * PIECE_VALUES, 1e6, np.float32)
+    # a's attempt at (1, 5) sends its chunk to b, then is aborted: b never took part in version 1.
+    with pytest.raises(Aborted):
+        a.ring.allreduce(stale, ring, 1, 5, aborts_after(2))
+    # Version 2 retries step 5 with other values; b's connection still holds a's stale frames.
+    bufs = [np.full(3 * PIECE_VALUES, 1.0, np.float32), np.full(3 * PIECE_VALUES, 2.0, np.float32)]
+    results = allreduce_all([a, b], bufs, 2, 5)
+    for r in results:
+        assert isinstance(r, np.ndarray), r
+        assert np.all(r == 3.0)
+
+
+def test_a_left_neighbour_ahead_aborts_the_attempt_and_its_frames_wait_for_the_next(members):
+    a, b = members(2)
+    ring = [(a.name, a.address), (b.name, b.address)]
+    results: list = []
+    # b is already at version 2 while a still runs version 1: a aborts, then retries at version 2.
+    t = threading.Thread(target=lambda: results.append(b.ring.allreduce(np.full(7, 2.0, np.float32), ring, 2, 0,
+                                                                        never_abort)))
+    t.start()
+    with pytest.raises(Aborted, match="moved on to version 2"):
+        a.ring.allreduce(np.full(7, 1.0, np.float32), ring, 1, 0, never_abort)
+    mine = a.ring.allreduce(np.full(7, 1.0, np.float32), ring, 2, 0, never_abort)
+    t.join(30)
+    assert np.all(mine == 3.0) and np.all(results[0] == 3.0)
+
+
+def test_an_interrupted_attempt_is_not_resumed_before_the_membership_moves_on(members):
+    a, b = members(2)
+    ring = [(a.name, a.address), (b.name, b.address)]
+    with pytest.raises(Aborted):
+        a.ring.allreduce(np.ones(10, np.float32), ring, 1, 0, aborts_after(2))
+    check = aborts_after(4)
+    with pytest.raises(Aborted, match="version 2"):
+        a.ring.allreduce(np.ones(10, np.float32), ring, 1, 0, check)
+    assert check.seen[0] == 4          # it waited for abort_check to say so, and took no frame meanwhile
+
+
+def test_a_connection_without_the_job_token_is_refused(members):
+    (a,) = members(1)
+    with pytest.raises(PeerFailed, match="wrong job token"):
+        ring_transport.connect(a.name, "127.0.0.1", a.ring.port, "not-the-token", ("intruder", "127.0.0.1:1"))
+    with socket.create_connection(("127.0.0.1", a.ring.port), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert s.recv(100).startswith(ring_transport.REFUSED)
+    assert a.ring.listener.links == {}     # nothing from either is read as ring data
+    # A member of another job (another token) is refused by the gRPC service already.
+    other = Member("worker-9", token="another-job")
+    try:
+        with pytest.raises(PeerFailed, match="UNAUTHENTICATED"):
+            other.ring.allreduce(np.ones(4, np.float32), [(other.name, other.address), (a.name, a.address)], 1, 0,
+                                 never_abort)
+    finally:
+        other.close()
+
+
+PEER = """
+import sys, numpy as np
+from elastic_step.worker import collective
+me, address_file, ring_file = sys.argv[1:]
+ring = collective.Ring("test-token", me, "127.0.0.1")
+server, port = collective.serve(collective.CollectiveService("test-token", collective.StateProvider(), ring.port),
+                                "127.0.0.1")
+open(address_file, "w").write(f"127.0.0.1:{port}")
+import time, os
+while not os.path.exists(ring_file):
+    time.sleep(0.05)
+members = [tuple(line.split()) for line in open(ring_file).read().splitlines()]
+ring.allreduce(np.ones(4 * collective.PIECE_VALUES, np.float32), members, 1, 7, lambda: None)
+"""
+
+
+def test_a_peer_killed_in_the_middle_of_a_collective_is_a_peer_failure_not_a_hang(members, tmp_path):
+    (a,) = members(1)
+    address_file, ring_file = tmp_path / "address", tmp_path / "ring"
+    env = dict(os.environ, ELASTIC_STEP_COLLECTIVE_CHAOS="worker-1@step=7")   # SIGKILL after its first chunk
+    peer = subprocess.Popen([sys.executable, "-c", PEER, "worker-1", str(address_file), str(ring_file)], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (address_file.exists() and address_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ring_file.write_text(f"{a.name} {a.address}\nworker-1 {address_file.read_text()}\n")
+        members_ = [(a.name, a.address), ("worker-1", address_file.read_text())]
+        with pytest.raises(PeerFailed) as failed:
+            a.ring.allreduce(np.ones(4 * PIECE_VALUES, np.float32), members_, 1, 7, never_abort)
+        assert failed.value.peer == "worker-1"
+        assert peer.wait(30) == -9
+    finally:
+        peer.kill()
