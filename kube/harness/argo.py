@@ -115,7 +115,8 @@ class ArgoController:
     def __init__(self, control_plane, namespace: str = "argo", config: dict | None = None):
         self.cp, self.namespace, self.config = control_plane, namespace, config
         self.bin = build_argo("workflow-controller", "argoexec")
-        self.images = {EXECUTOR_IMAGE.rsplit(":", 1)[0]: Image((self.bin,))}
+        # Its files too: the wait container mounts an emptyDir on /tmp, which hides a cache under /tmp.
+        self.images = {EXECUTOR_IMAGE.rsplit(":", 1)[0]: Image((self.bin,), (self.bin,))}
         self.log_path = control_plane.workdir / "argo-controller.log"
         self.proc: subprocess.Popen | None = None
 
