@@ -26,6 +26,8 @@ workers run.
   Running / slot-seconds). Then the elastic/gang makespan ratio.
   With max W, the best elastic makespan is (3W-S)/(2W) of gang's and its utilization 2W^2/(S(3W-S))
   (B ends alone on W of the S slots); both are printed as the ideal.
+  * elastic-all (--modes elastic,elastic-all): min 1, max S. A takes the whole cluster, and B (whose
+    workers never preempt) waits for A's workers to go, then takes it all in turn.
 
 colocation: one elastic job (min 1, max S) and an "online service" Deployment whose pods (1 cpu each)
 have a high PriorityClass; its replicas follow --service-schedule (seconds after the job's first
@@ -194,7 +196,7 @@ class PodSampler(threading.Thread):
 # ---------------------------------------------------------------- two jobs
 def two_jobs(mode: str, args, core, custom, data, work, env: dict) -> dict:
     W = args.workers
-    min_w, max_w = (W, W) if mode == "gang" else (1, args.elastic_max or W)
+    min_w, max_w = {"gang": (W, W), "elastic": (1, args.elastic_max or W), "elastic-all": (1, args.slots)}[mode]
     sampler = PodSampler(core, "elastic-step/role=worker")
     t_start = time.time()
 
@@ -317,6 +319,8 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=100,
                    help="simulated device time per minibatch of 32 in a worker pod")
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--modes", default="elastic",
+                   help="what gang is compared with: elastic (min 1, max --workers), elastic-all (min 1, max --slots)")
     p.add_argument("--scenarios", default="two_jobs,colocation")
     p.add_argument("--service-schedule", default="30:4,60:7,90:2,120:0",
                    help="seconds after the co-located job's first step : service replicas, comma-separated")
@@ -374,9 +378,12 @@ def main() -> None:
                     if "two_jobs" in scenarios:
                         g = two_jobs("gang", args, core, custom, data, work / f"r{run}", env)
                         rate = g["rate_per_slot"]
-                        e = two_jobs("elastic", args, core, custom, data, work / f"r{run}", env)
-                        out["gang"], out["elastic"] = with_utilization(g, rate), with_utilization(e, rate)
-                        out["ratio"] = round(e["makespan_s"] / g["makespan_s"], 3)
+                        out["gang"] = with_utilization(g, rate)
+                        for mode in args.modes.split(","):
+                            e = two_jobs(mode, args, core, custom, data, work / f"r{run}", env)
+                            out[mode] = with_utilization(e, rate)
+                            out[f"ratio_{mode}"] = round(e["makespan_s"] / g["makespan_s"], 3)
+                        out["ratio"] = out.get("ratio_elastic")
                         report_two_jobs(out, args)
                     if "colocation" in scenarios:
                         out["colocation"] = c = colocation(args, core, apps, data, work / f"r{run}",
@@ -385,6 +392,9 @@ def main() -> None:
                 finally:
                     if gang:
                         gang.stop()
+                    if args.json:   # as it goes: a later failure keeps what was measured
+                        pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs + [out]},
+                                                                      indent=2))
             runs.append(out)
     summarize(runs, args, time.time() - t_all)
     if args.json:
@@ -393,9 +403,9 @@ def main() -> None:
 
 def report_two_jobs(out: dict, args) -> None:
     S, W = args.slots, args.workers
-    for mode in ("gang", "elastic"):
+    for mode in ["gang"] + args.modes.split(","):
         r = out[mode]
-        print(f"run {out['run']} {mode:8s} makespan {r['makespan_s']:6.1f}s  utilization {r['utilization'] * 100:5.1f}%  "
+        print(f"run {out['run']} {mode:8s} (min {r['min_workers']}, max {r['max_workers']}) makespan {r['makespan_s']:6.1f}s  utilization {r['utilization'] * 100:5.1f}%  "
               f"allocation {r['allocation'] * 100:5.1f}%  " + "  ".join(
                   f"{n}: submitted {j['submitted_s']}s, first worker bound {j['first_worker_bound_s']}s, "
                   f"first step {j['first_step_s']}s (start-up {j['startup_s']}s), ends {j['end_s']}s, "
@@ -403,9 +413,11 @@ def report_two_jobs(out: dict, args) -> None:
                   for n, j in r["jobs"].items()), flush=True)
     Wm = args.elastic_max or W
     ideal = (3 * W - S) / (2 * W) if Wm == W else None
-    print(f"run {out['run']} elastic/gang makespan = {out['ratio']:.3f}"
-          + (f" (ideal with max {W} of {S}: {ideal:.3f}, utilization {2 * W * W / (S * (3 * W - S)) * 100:.1f}%)"
-             if ideal else "") + f"; records/s per slot {out['gang']['rate_per_slot']}", flush=True)
+    for mode in args.modes.split(","):
+        print(f"run {out['run']} {mode}/gang makespan = {out[f'ratio_{mode}']:.3f}"
+              + (f" (ideal with max {W} of {S}: {ideal:.3f}, utilization {2 * W * W / (S * (3 * W - S)) * 100:.1f}%)"
+                 if ideal and mode == "elastic" else "") + f"; records/s per slot {out['gang']['rate_per_slot']}",
+              flush=True)
 
 
 def report_colocation(c: dict) -> None:
@@ -427,13 +439,14 @@ def summarize(runs: list[dict], args, took: float) -> None:
     two = [r for r in runs if "gang" in r]
     if two:
         print(f"{'':10s}{'makespan s':>22s}{'utilization %':>24s}{'allocation %':>24s}   first steps A, B (s)")
-        for mode in ("gang", "elastic"):
+        for mode in ["gang"] + args.modes.split(","):
             rs = [r[mode] for r in two]
             firsts = "; ".join(", ".join(str(j["first_step_s"]) for j in r["jobs"].values()) for r in rs)
             print(f"{mode:10s}{spread([r['makespan_s'] for r in rs]):>22s}"
                   f"{spread([r['utilization'] * 100 for r in rs]):>24s}"
                   f"{spread([r['allocation'] * 100 for r in rs]):>24s}   {firsts}")
-        print(f"elastic/gang makespan ratio: {spread([r['ratio'] for r in two], '{:.3f}')}")
+        for mode in args.modes.split(","):
+            print(f"{mode}/gang makespan ratio: {spread([r[f'ratio_{mode}'] for r in two], '{:.3f}')}")
     colo = [r["colocation"] for r in runs if "colocation" in r]
     if colo:
         print(f"colocation: service pods bound (median per run) {spread([c['bind_s']['median'] for c in colo], '{:.2f}')} s,"
