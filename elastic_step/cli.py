@@ -79,6 +79,7 @@ def _train_epilog() -> str:
     {k8s.NAMESPACE_ENV}   namespace (default: the service account's, or the kubeconfig context's)
     KUBECONFIG               credentials from outside the cluster
     {k8s.POD_SPEC_ENV}    JSON merged into every pod's spec (nodeSelector, tolerations, ...)
+    {k8s.POD_LABELS_ENV}  JSON labels added to the pods, by role: {{"worker": {{"k": "v"}}, "ps": ..., "*": ...}}
     KFP_POD_NAME/KFP_POD_UID or POD_NAME/POD_UID (downward API)
                              the pod that owns the job's pods: deleting it deletes them
     POD_IP (downward API)    the address the pods reach the master at

@@ -19,7 +19,7 @@ import time
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
 from elastic_step.backends.kubernetes.config import (DEFAULT_IMAGE, NAMESPACE_ENV, Owner, load_api_client,
-                                                     load_pod_spec, master_host, owner_refs)
+                                                     load_pod_labels, load_pod_spec, master_host, owner_refs)
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
 from elastic_step.backends.kubernetes.permissions import check_permissions, translate
 from elastic_step.backends.kubernetes.pods import (_JOB_ID, DEFAULT_PRIORITY, LABEL_JOB, PRIORITY_FILE, TERMINAL,
@@ -36,7 +36,8 @@ class KubernetesBackend(Backend):
 
     def __init__(self, job_id: str, token: str, *, namespace: str | None = None, kubeconfig: str | None = None,
                  context: str | None = None, api_client=None, image: str | None = None,
-                 owner: Owner | None | str = "env", pod_spec: dict | None = None, master_ip: str | None = None,
+                 owner: Owner | None | str = "env", pod_spec: dict | None = None,
+                 pod_labels: dict | None = None, master_ip: str | None = None,
                  grace_s: int = 30, watch_timeout_s: int = 240, preflight: bool = True,
                  reuse_token: bool = True):
         super().__init__()
@@ -59,6 +60,7 @@ class KubernetesBackend(Backend):
         self.image = image or DEFAULT_IMAGE
         self.owner = Owner.from_env() if owner == "env" else owner
         self.pod_spec = load_pod_spec(pod_spec)
+        self.pod_labels = load_pod_labels(pod_labels)
         self.master_ip = master_ip or master_host(in_cluster)
         self.grace_s = int(grace_s)
         self.watch_timeout_s = int(watch_timeout_s)
@@ -292,7 +294,7 @@ class KubernetesBackend(Backend):
             body = pod_body(launch, job_id=self.job_id, namespace=self.namespace, image=self.image,
                             secret_name=self.secret_name, grace_s=self.grace_s, pod_spec=self.pod_spec,
                             default_priority=self._default_priority.get(inst.role),
-                            owner_refs=owner_refs(self.owner))
+                            owner_refs=owner_refs(self.owner), pod_labels=self.pod_labels)
             try:
                 r = self._call("create", "pods", self.core.create_namespaced_pod, self.namespace, body, ok=(409,),
                                _preload_content=False)

@@ -1,5 +1,5 @@
 """Configuration: the cluster's credentials and namespace, the pod that owns the job's pods, the
-address the master listens at, and the pod spec fields the environment adds to every pod."""
+address the master listens at, and the pod spec fields and labels the environment adds to the pods."""
 from __future__ import annotations
 
 import contextlib
@@ -16,6 +16,7 @@ from elastic_step.errors import ConfigError
 DEFAULT_IMAGE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
 POD_IP_ENV = "ELASTIC_STEP_POD_IP"
 POD_SPEC_ENV = "ELASTIC_STEP_POD_SPEC"
+POD_LABELS_ENV = "ELASTIC_STEP_POD_LABELS"
 NAMESPACE_ENV = "ELASTIC_STEP_NAMESPACE"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -110,3 +111,31 @@ def load_pod_spec(pod_spec: dict | None) -> dict:
     if "containers" in pod_spec:
         raise ConfigError(f"{POD_SPEC_ENV} may not set containers: the backend builds the container.")
     return pod_spec
+
+
+def load_pod_labels(pod_labels: dict | None) -> dict[str, dict[str, str]]:
+    """Extra labels for the job's pods, by role: `pod_labels`, else `ELASTIC_STEP_POD_LABELS` (JSON),
+    else none. Keys are a role (`worker`, `ps`) or `*` (every pod); values are label maps, e.g.
+    `{"worker": {"scheduling.x-k8s.io/pod-group": "job-a"}}` puts the workers in a coscheduling
+    PodGroup (with `{"schedulerName": ...}` in ELASTIC_STEP_POD_SPEC). The backend's own
+    `elastic-step/...` and managed-by labels cannot be overridden: the master finds its pods by them."""
+    labels_env = os.environ.get(POD_LABELS_ENV)
+    example = '{"worker": {"scheduling.x-k8s.io/pod-group": "job-a"}}'
+    try:
+        pod_labels = pod_labels if pod_labels is not None else json.loads(labels_env) if labels_env else {}
+    except ValueError as e:
+        raise ConfigError(f"{POD_LABELS_ENV} is not valid JSON ({e}): give labels by role, e.g. {example}.") from None
+    if not isinstance(pod_labels, dict):
+        raise ConfigError(f"{POD_LABELS_ENV} must be a JSON object of labels by role, e.g. {example}.")
+    out: dict[str, dict[str, str]] = {}
+    for role, labels in pod_labels.items():
+        if role not in ("worker", "ps", "*"):
+            raise ConfigError(f"{POD_LABELS_ENV}: {role!r} is not a role: use 'worker', 'ps' or '*', e.g. {example}.")
+        if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in labels.items()):
+            raise ConfigError(f"{POD_LABELS_ENV}: the labels of {role!r} must be an object of strings, e.g. {example}.")
+        for k in labels:
+            if k.startswith("elastic-step/") or k == "app.kubernetes.io/managed-by":
+                raise ConfigError(f"{POD_LABELS_ENV} may not set {k}: the backend sets it and finds its pods by it.")
+        out[role] = dict(labels)
+    return out

@@ -10,7 +10,9 @@
     no service-account token; terminationGracePeriodSeconds 30; an ownerReference
     (blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
     own pod (`POD_NAME`/`POD_UID` from the downward API), else none. `ELASTIC_STEP_POD_SPEC`
-    (JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets...
+    (JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets,
+    schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
+    PodGroup's `scheduling.x-k8s.io/pod-group` on the workers.
 """
 from __future__ import annotations
 
@@ -132,9 +134,10 @@ def _deletion_cause(obj: dict) -> str:
 
 
 def pod_body(launch: _Launch, *, job_id: str, namespace: str, image: str, secret_name: str, grace_s: int,
-             pod_spec: dict, default_priority: str | None, owner_refs: list[dict]) -> dict:
+             pod_spec: dict, default_priority: str | None, owner_refs: list[dict],
+             pod_labels: dict[str, dict[str, str]] | None = None) -> dict:
     """The pod of `launch` (named already); `default_priority`: the role's PriorityClass when the
-    instance names none."""
+    instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win."""
     spec, inst = launch.spec, launch.spec.id
     env = [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
            {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -153,6 +156,7 @@ def pod_body(launch: _Launch, *, job_id: str, namespace: str, image: str, secret
         body_spec["priorityClassName"] = priority
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": launch.name, "namespace": namespace,
-                         "labels": job_labels(job_id, inst, launch.number),
+                         "labels": {**(pod_labels or {}).get("*", {}), **(pod_labels or {}).get(inst.role, {}),
+                                    **job_labels(job_id, inst, launch.number)},
                          "ownerReferences": owner_refs},
             "spec": body_spec}
