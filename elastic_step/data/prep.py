@@ -73,9 +73,9 @@ def prepare(source: str, output: str, label: str | None = None, eval_fraction: f
         check_writable(output, "write the prepared data to", DataError)
 
     sized = [(path, sizes[path]) for path, _ in files]
-    bits = shuffle.bucket_bits(sized)
+    bits, unit = shuffle.bucket_bits(sized), shuffle.unit_bytes(sized)
     with tempfile.TemporaryDirectory(prefix="elastic-step-prep-") as spill_dir:
-        spilled = shuffle.spill(fs, files, declared, label, on_bad_rows == "skip", seed, spill_dir, bits,
+        spilled = shuffle.spill(fs, files, declared, label, on_bad_rows == "skip", seed, spill_dir, bits, unit,
                                 shuffle.processes_for(sized, fs))
         data_schema = combine([(s.name, s.schema) for s in spilled], declared)
         skipped = sum(s.skipped for s in spilled)
@@ -97,7 +97,7 @@ def prepare(source: str, output: str, label: str | None = None, eval_fraction: f
                                      skipped_rows=skipped, bad_rows=list(bad_rows))
                      for split in SPLITS}
         rows = shuffle.in_key_order(spill_dir, bits, np.sum([s.bucket_bytes for s in spilled], axis=0),
-                                    data_schema)
+                                    data_schema, unit)
         _write(output, rows, n_eval, manifests, shard_rows, row_group_rows)
     return PrepResult(train=manifests["train"], eval=manifests["eval"],
                       train_uri=manifests["train"].uri, eval_uri=manifests["eval"].uri)

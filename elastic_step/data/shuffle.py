@@ -30,14 +30,13 @@ from elastic_step.data.parse import RESTART, BadRows, SourceFile, conform, file_
 from elastic_step.errors import DataError
 from elastic_step.util.storage import protocols
 
-# Pass 2 sorts this much at once (held twice: as read and sorted); pass 1 buffers this much per
-# process before appending to the bucket files. Together with pyarrow's read-ahead they bound memory.
-# Every flush appends a batch to every bucket, so their count grows with (source / spill buffer) x
-# (source / sort unit): at 8 MB each, a 2 GB source took 150,000 appends and prep ran at 0.41x a
-# plain read; at 32 MB, 9,000 (0.54x; peak RSS +70 MB).
+# Pass 2 sorts a unit of at most this much at once (held twice: as read and sorted); pass 1 buffers
+# as much per process before appending to the bucket files. Together with pyarrow's read-ahead they
+# bound memory. The unit is about a 64th of the source, at least MIN_UNIT_BYTES (`unit_bytes`).
 SORT_BYTES = 32 << 20
 SPILL_BUFFER_BYTES = 32 << 20
-MAX_BUCKET_BITS = 10  # <= 1024 buckets; a bucket past SORT_BYTES is split again in pass 2
+MIN_UNIT_BYTES = 8 << 20
+MAX_BUCKET_BITS = 10  # <= 1024 buckets; a bucket past the unit is split again in pass 2
 # Below this much source, starting processes (~0.5 s each) costs more than it saves.
 PARALLEL_MIN_BYTES = 32 << 20
 ROW_BITS, FILE_BITS = 40, 24
@@ -69,15 +68,28 @@ def row_keys(seed: int, file_index: int, start: int, count: int) -> np.ndarray:
         return _mix(z)
 
 
+def _in_memory(files: list[tuple[str, int]]) -> int:
+    """A guess of the size in memory of [(path, size)]: a CSV's numbers take up to ~2x their text,
+    compressed Parquet ~4x. Pass 2 sorts small buckets together and splits big ones, so a wrong guess
+    costs time, not memory."""
+    return sum(size * (4 if file_format(path) == "parquet" else 2) for path, size in files)
+
+
+def unit_bytes(files: list[tuple[str, int]]) -> int:
+    """The sort unit (and spill buffer) for [(path, size)]: a 64th of the source in memory, between
+    MIN_UNIT_BYTES and SORT_BYTES. Every flush appends a batch to every bucket, so the appends grow
+    as (source / unit)^2: at 8 MB a 2 GB source made 150,000 and prep ran at 0.41x a plain read; at
+    32 MB 9,000, and 0.54x (peak RSS +70 MB). A small source keeps small units: parsing, sorting and
+    writing then overlap more (100 MB: 2.1 s at 8 MB, 2.5 s at 32 MB)."""
+    return int(min(SORT_BYTES, max(MIN_UNIT_BYTES, _in_memory(files) // 64)))
+
+
 def bucket_bits(files: list[tuple[str, int]]) -> int:
-    """log2 of the bucket count for [(path, size)]: a bucket about SORT_BYTES in memory. A guess
-    (a CSV's numbers take up to ~2x their text in memory, compressed Parquet ~4x); pass 2 sorts
-    small buckets together and splits big ones, so a wrong guess costs time, not memory."""
-    estimate = sum(size * (4 if file_format(path) == "parquet" else 2) for path, size in files)
+    """log2 of the bucket count for [(path, size)]: a bucket about a sort unit in memory."""
     # A process keeps a file open per bucket: stay within a quarter of its limit on open files.
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     most = MAX_BUCKET_BITS if limit == resource.RLIM_INFINITY else min(MAX_BUCKET_BITS, int(math.log2(max(limit, 4) / 4)))
-    return min(most, max(0, math.ceil(math.log2(max(estimate, 1) / SORT_BYTES))))
+    return min(most, max(0, math.ceil(math.log2(max(_in_memory(files), 1) / unit_bytes(files)))))
 
 
 def _bucket_of(keys: np.ndarray, used: int, bits: int) -> np.ndarray:
@@ -96,8 +108,8 @@ class _Buckets:
     stream where a JSON file's chunk changes the schema. `forget` truncates the files back to where
     this source file began; `close` ends the streams."""
 
-    def __init__(self, folder: str, used: int, bits: int):
-        self.folder, self.used, self.bits = folder, used, bits
+    def __init__(self, folder: str, used: int, bits: int, buffer_bytes: int):
+        self.folder, self.used, self.bits, self.buffer_bytes = folder, used, bits, buffer_bytes
         n = 1 << bits
         self.rows = np.zeros(n, dtype=np.int64)
         self.bytes = np.zeros(n, dtype=np.int64)
@@ -114,7 +126,7 @@ class _Buckets:
                                      names=["key"] + table.column_names)
         self._pending.append((table, _bucket_of(keys, self.used, self.bits)))
         self._pending_bytes += table.nbytes
-        if self._pending_bytes > SPILL_BUFFER_BYTES:
+        if self._pending_bytes > self.buffer_bytes:
             self.flush()
 
     def flush(self) -> None:
@@ -198,12 +210,13 @@ class _Task:
     seed: int
     folder: str
     bits: int
+    buffer_bytes: int
 
 
 def _spill_file(task: _Task) -> Spilled:
     bad = BadRows(task.skip)
     source = SourceFile(task.fs, task.path, task.name, task.declared, task.label, bad)
-    out = _Buckets(task.folder, 0, task.bits)
+    out = _Buckets(task.folder, 0, task.bits, task.buffer_bytes)
     rows = 0
     try:
         for item in source.batches():
@@ -220,14 +233,15 @@ def _spill_file(task: _Task) -> Spilled:
 
 
 def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: int, folder: str, bits: int,
-          processes: int) -> list[Spilled]:
-    """Pass 1: every file's rows into the buckets under `folder`; the files' accounts in file order.
+          unit: int, processes: int) -> list[Spilled]:
+    """Pass 1: every file's rows into the buckets under `folder`, each process buffering up to
+    `unit` bytes (at most SPILL_BUFFER_BYTES) between appends; the files' accounts in file order.
 
     With several processes the error raised is the one of the first file (in order) that fails,
     as when they are read one after another."""
     for b in range(1 << bits):
         os.makedirs(os.path.join(folder, f"{b:04d}"), exist_ok=True)
-    tasks = [_Task(fs, path, name, i, declared, label, skip, seed, folder, bits)
+    tasks = [_Task(fs, path, name, i, declared, label, skip, seed, folder, bits, min(unit, SPILL_BUFFER_BYTES))
              for i, (path, name) in enumerate(files)]
     if processes <= 1:
         return [_spill_file(t) for t in tasks]
@@ -294,34 +308,35 @@ def usable_cpus() -> int:
 
 # ---------------------------------------------------------------- pass 2
 
-def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema) -> Iterator[pa.Table]:
+def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema,
+                 unit: int) -> Iterator[pa.Table]:
     """Pass 2: every row under `folder` in key order, key dropped, as tables of `schema`'s columns.
 
-    Neighbouring buckets are sorted together up to SORT_BYTES; a bucket bigger than that (the
+    Neighbouring buckets are sorted together up to `unit` bytes; a bucket bigger than that (the
     guess of bucket_bits was low) is split by the next bits of its keys first. A bucket's files are
     removed once read, on a thread of their own: unlinking the spill took seconds at the end (0.7 s
     of a 2 GB prep), and frees the disk as pass 2 goes."""
     pa.default_memory_pool().release_unused()  # what pass 1 freed, so that the two do not add up
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prep-unlink") as remover:
-        yield from _in_key_order(folder, bits, bucket_bytes, schema, 0, remover)
+        yield from _in_key_order(folder, bits, bucket_bytes, schema, 0, unit, remover)
 
 
-def _in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema, used: int,
+def _in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema, used: int, unit: int,
                   remover: concurrent.futures.Executor) -> Iterator[pa.Table]:
-    unit: list[int] = []
-    unit_bytes = 0
+    group: list[int] = []   # neighbouring buckets sorted together
+    group_bytes = 0
     for b in range(1 << bits):
         size = int(bucket_bytes[b])
-        if unit and unit_bytes + size > SORT_BYTES:
-            yield _sorted(folder, unit, schema, remover)
-            unit, unit_bytes = [], 0
-        if size > SORT_BYTES and used + bits < 64:
-            yield from _split(folder, b, size, schema, used + bits, remover)
+        if group and group_bytes + size > unit:
+            yield _sorted(folder, group, schema, remover)
+            group, group_bytes = [], 0
+        if size > unit and used + bits < 64:
+            yield from _split(folder, b, size, schema, used + bits, unit, remover)
             continue
-        unit.append(b)
-        unit_bytes += size
-    if unit:
-        yield _sorted(folder, unit, schema, remover)
+        group.append(b)
+        group_bytes += size
+    if group:
+        yield _sorted(folder, group, schema, remover)
 
 
 def _read_bucket(folder: str, bucket: int, whole_streams: bool,
@@ -360,14 +375,14 @@ def _sorted(folder: str, buckets: list[int], schema: pa.Schema, remover: concurr
     return table.take(pa.array(np.argsort(keys)))  # Arrow indices: see _Buckets.flush
 
 
-def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int,
+def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int, unit: int,
            remover: concurrent.futures.Executor) -> Iterator[pa.Table]:
     sub = os.path.join(folder, f"{bucket:04d}", "split")
-    bits = min(MAX_BUCKET_BITS, 64 - used, max(1, math.ceil(math.log2(size / SORT_BYTES)) + 1))
+    bits = min(MAX_BUCKET_BITS, 64 - used, max(1, math.ceil(math.log2(size / unit)) + 1))
     for b in range(1 << bits):
         os.makedirs(os.path.join(sub, f"{b:04d}"), exist_ok=True)
-    out = _Buckets(sub, used, bits)
+    out = _Buckets(sub, used, bits, min(unit, SPILL_BUFFER_BYTES))
     for t in _read_bucket(folder, bucket, False, remover):
         out.add(pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:]), t.column(0).to_numpy())
     out.close()
-    yield from _in_key_order(sub, bits, out.bytes, schema, used, remover)
+    yield from _in_key_order(sub, bits, out.bytes, schema, used, unit, remover)

@@ -80,6 +80,16 @@ def test_bucket_bits_grow_with_the_source_and_are_capped():
     assert shuffle.bucket_bits([("a.csv", 1 << 50)]) == shuffle.MAX_BUCKET_BITS
 
 
+def test_the_sort_unit_grows_with_the_source_between_its_bounds():
+    # Small units for a small source (more overlap), big ones for a big source (fewer appends).
+    assert shuffle.unit_bytes([("a.csv", 100 << 20)]) == shuffle.MIN_UNIT_BYTES
+    assert shuffle.unit_bytes([("a.csv", 512 << 20)]) == 16 << 20          # 1 GB in memory / 64
+    assert shuffle.unit_bytes([("a.parquet", 512 << 20)]) == shuffle.SORT_BYTES
+    assert shuffle.unit_bytes([("a.csv", 1 << 40)]) == shuffle.SORT_BYTES
+    # Between the bounds the bucket count stays at 64: a unit per bucket.
+    assert shuffle.bucket_bits([("a.csv", 512 << 20)]) == shuffle.bucket_bits([("a.csv", 700 << 20)]) == 6
+
+
 # ---------------------------------------------------------------- the passes
 
 def make_source(folder: pathlib.Path, rows: int = 3000) -> list[dict]:
