@@ -300,8 +300,14 @@ def colocation(args, core, apps, data, work, env: dict, rate_per_slot: float | N
                     "max_workers_alive": job.summary["workers"]["max_alive"]},
             "rate_per_slot": round(rate_per_slot, 1),
             "service_pods": len(pods), "service_unbound": len(pods) - len(bind),
-            "bind_s": {"median": round(statistics.median(bind), 2), "max": round(max(bind), 2)} if bind else None,
-            "running_s": {"median": round(statistics.median(run), 2), "max": round(max(run), 2)} if run else None,
+            "bind_s": {"min": round(min(bind), 2), "median": round(statistics.median(bind), 2),
+                       "max": round(max(bind), 2)} if bind else None,
+            "running_s": {"min": round(min(run), 2), "median": round(statistics.median(run), 2),
+                          "max": round(max(run), 2)} if run else None,
+            "pods": [{"created_s": round(p["seen"] - t_start, 1),
+                      "bound_after_s": round(p["bound"] - p["seen"], 2) if p["bound"] else None,
+                      "running_after_s": round(p["running"] - p["seen"], 2) if p["running"] else None}
+                     for p in pods],
             "leftover_slot_s": round(leftover, 1), "used_slot_s": round(used, 1),
             "leftover_used": round(used / leftover, 3) if leftover > 0 else None,
             "worker_pods_running_of_leftover": round(workers.integral(t0, t1, 2) / leftover, 3) if leftover else None}
