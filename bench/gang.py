@@ -1,7 +1,8 @@
 """Gang scheduling (real Coscheduling) against elastic workers, and an online service co-located with training.
 
-    .venv/bin/python bench/gang.py                          # 8 slots, two jobs of 5 workers; ~10 min a run
-    .venv/bin/python bench/gang.py --runs 3 --json /tmp/gang.json
+    .venv/bin/python bench/gang.py                          # 8 slots, two jobs of 5 workers; ~30 min a run
+    .venv/bin/python bench/gang.py --modes elastic,elastic-all --json /tmp/gang.json   # ~37 min
+    .venv/bin/python bench/gang.py --rows 120000            # jobs of ~200 s: start-up is then 15-20 % of one
     .venv/bin/python bench/gang.py --scenarios colocation   # only the service + training case
 
 A real control plane (kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
@@ -319,7 +320,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8, help="worker slots (cpus of the node; a worker requests 1)")
     p.add_argument("--workers", type=int, default=5, help="workers each job wants (a bit more than half)")
     p.add_argument("--elastic-max", type=int, default=None, help="elastic jobs' max workers (default --workers)")
-    p.add_argument("--rows", type=int, default=120_000, help="records of the train split (digits repeated)")
+    p.add_argument("--rows", type=int, default=300_000,
+                   help="records of the train split (digits repeated); 300 000 x 2 epochs: jobs of ~400 s alone")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--records-per-task", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=100,
@@ -330,7 +332,7 @@ def main() -> None:
     p.add_argument("--scenarios", default="two_jobs,colocation")
     p.add_argument("--service-schedule", default="30:4,60:7,90:2,120:0",
                    help="seconds after the co-located job's first step : service replicas, comma-separated")
-    p.add_argument("--colocation-epochs", type=int, default=3, help="epochs of the co-located job")
+    p.add_argument("--colocation-epochs", type=int, default=1, help="epochs of the co-located job")
     p.add_argument("--budget", type=float, default=1200, help="seconds a job may take before the bench gives up")
     p.add_argument("--gang-scheduler", default="gang-scheduler", help="schedulerName of the Coscheduling scheduler")
     p.add_argument("--json", help="also write the figures here")
