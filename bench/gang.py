@@ -1,7 +1,8 @@
 """Gang scheduling (real Coscheduling) against elastic workers, and an online service co-located with training.
 
-    .venv/bin/python bench/gang.py                          # 8 slots, two jobs of 5 workers; ~10 min a run
-    .venv/bin/python bench/gang.py --runs 3 --json /tmp/gang.json
+    .venv/bin/python bench/gang.py                          # 8 slots, two jobs of 5 workers; ~30 min a run
+    .venv/bin/python bench/gang.py --modes elastic,elastic-all --json /tmp/gang.json   # ~37 min
+    .venv/bin/python bench/gang.py --rows 120000            # jobs of ~200 s: start-up is then 15-20 % of one
     .venv/bin/python bench/gang.py --scenarios colocation   # only the service + training case
 
 A real control plane (kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
@@ -300,8 +301,14 @@ def colocation(args, core, apps, data, work, env: dict, rate_per_slot: float | N
                     "max_workers_alive": job.summary["workers"]["max_alive"]},
             "rate_per_slot": round(rate_per_slot, 1),
             "service_pods": len(pods), "service_unbound": len(pods) - len(bind),
-            "bind_s": {"median": round(statistics.median(bind), 2), "max": round(max(bind), 2)} if bind else None,
-            "running_s": {"median": round(statistics.median(run), 2), "max": round(max(run), 2)} if run else None,
+            "bind_s": {"min": round(min(bind), 2), "median": round(statistics.median(bind), 2),
+                       "max": round(max(bind), 2)} if bind else None,
+            "running_s": {"min": round(min(run), 2), "median": round(statistics.median(run), 2),
+                          "max": round(max(run), 2)} if run else None,
+            "pods": [{"created_s": round(p["seen"] - t_start, 1),
+                      "bound_after_s": round(p["bound"] - p["seen"], 2) if p["bound"] else None,
+                      "running_after_s": round(p["running"] - p["seen"], 2) if p["running"] else None}
+                     for p in pods],
             "leftover_slot_s": round(leftover, 1), "used_slot_s": round(used, 1),
             "leftover_used": round(used / leftover, 3) if leftover > 0 else None,
             "worker_pods_running_of_leftover": round(workers.integral(t0, t1, 2) / leftover, 3) if leftover else None}
@@ -313,7 +320,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8, help="worker slots (cpus of the node; a worker requests 1)")
     p.add_argument("--workers", type=int, default=5, help="workers each job wants (a bit more than half)")
     p.add_argument("--elastic-max", type=int, default=None, help="elastic jobs' max workers (default --workers)")
-    p.add_argument("--rows", type=int, default=120_000, help="records of the train split (digits repeated)")
+    p.add_argument("--rows", type=int, default=300_000,
+                   help="records of the train split (digits repeated); 300 000 x 2 epochs: jobs of ~400 s alone")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--records-per-task", type=int, default=256)
     p.add_argument("--step-ms", type=float, default=100,
@@ -324,7 +332,7 @@ def main() -> None:
     p.add_argument("--scenarios", default="two_jobs,colocation")
     p.add_argument("--service-schedule", default="30:4,60:7,90:2,120:0",
                    help="seconds after the co-located job's first step : service replicas, comma-separated")
-    p.add_argument("--colocation-epochs", type=int, default=3, help="epochs of the co-located job")
+    p.add_argument("--colocation-epochs", type=int, default=1, help="epochs of the co-located job")
     p.add_argument("--budget", type=float, default=1200, help="seconds a job may take before the bench gives up")
     p.add_argument("--gang-scheduler", default="gang-scheduler", help="schedulerName of the Coscheduling scheduler")
     p.add_argument("--json", help="also write the figures here")
