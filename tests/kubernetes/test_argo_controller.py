@@ -366,8 +366,15 @@ def test_deleting_the_workflow_removes_every_pod_of_the_job(control_plane, argo,
     workflow lets the garbage collector remove them all."""
     namespace, core = pipeline_ns, client.CoreV1Api(control_plane.api_client())
     submit(workflows, namespace, "doomed", tally_params(tmp_path, epochs="200"), template=shipped_template())
-    wait_for(lambda: len([p for p in job_pods(core, namespace) if p.status.phase == "Running"]) >= 3, 300,
-             interval=0.5, what="the job's PS and workers running")
+    try:
+        wait_for(lambda: len([p for p in job_pods(core, namespace) if p.status.phase == "Running"]) >= 3, 300,
+                 interval=0.5, what="the job's PS and workers running")
+    except AssertionError:   # once in a full cold run: what the workflow and its pods were doing
+        wf = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", "doomed")
+        print({k: wf.get("status", {}).get(k) for k in ("phase", "message")},
+              [(p.metadata.name, p.status.phase, p.spec.node_name) for p in core.list_namespaced_pod(namespace).items])
+        print(pod_logs(control_plane, namespace, "doomed", tail=6000))
+        raise
     wf_uid = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows",
                                                     "doomed")["metadata"]["uid"]
     step, = step_pods(core, namespace, "doomed", "elastic-train")
