@@ -27,11 +27,9 @@ allocation (worker pods Running, sampled) / (S x makespan); then the gang/elasti
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,50 +37,17 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# The model: digits with a simulated accelerator (a sleep per minibatch in worker pods).
-MODEL = ROOT / "bench" / "models" / "slow_digits.py"
-_spec = importlib.util.spec_from_file_location("slow_digits", MODEL)
-slow_digits = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(slow_digits)
-MINIBATCH = slow_digits.RECORDS_PER_STEP
+sys.path.insert(0, str(ROOT))   # kube.harness and bench.*, when run as `python bench/two_jobs.py`
+from bench.kube_job import MINIBATCH, slow_digits  # noqa: E402
+from bench.kube_job import Master as KubeJob  # noqa: E402
 
 
 # ---------------------------------------------------------------- the experiment
-class Master:
-    """One `elastic-step train` subprocess; its stderr lines are timestamped as they arrive."""
+class Master(KubeJob):
+    """A job of this experiment: W workers at most, of which `min_workers` to train."""
 
     def __init__(self, name: str, args, data: pathlib.Path, out: pathlib.Path, env: dict, min_workers: int):
-        self.name, self.out = name, out
-        self.submitted = time.time()
-        self.trained_at: float | None = None
-        self.lines: list[tuple[float, str]] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", name,
-             "--model-def", str(MODEL), "--train-data", str(data / "train"),
-             "--output", str(out), "--epochs", str(args.epochs), "--minibatch-size", str(MINIBATCH),
-             "--records-per-task", "256", "--min-workers", str(min_workers), "--max-workers", str(args.workers),
-             "--worker-cpu", "1", "--worker-priority-class", "elastic-low", "--ps-priority-class", "elastic-high",
-             "--progress", "off"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stderr:
-            now = time.time()
-            self.lines.append((now, line.rstrip()))
-            if self.trained_at is None and "training starts" in line:
-                self.trained_at = now
-
-    def wait(self, timeout: float) -> float:
-        self.proc.wait(timeout)
-        self.ended = time.time()
-        self.reader.join(5)
-        if self.proc.returncode != 0:
-            tail = "\n".join(l for _, l in self.lines[-30:])
-            raise SystemExit(f"job {self.name} failed ({self.proc.returncode}):\n{tail}")
-        self.summary = json.loads((self.out / "summary.json").read_text())
-        return self.ended
+        super().__init__(name, args, data / "train", out, env, min_workers, args.workers)
 
     def training_worker_seconds(self) -> float:
         """Registered workers integrated over the job's training (its first to its last commit)."""
@@ -165,6 +130,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=4, help="worker slots (cpus of the node; a worker requests 1)")
     p.add_argument("--workers", type=int, default=3, help="workers each job wants (default: a bit more than half)")
     p.add_argument("--epochs", type=int, default=25, help="epochs of digits (1437 records) per job")
+    p.add_argument("--records-per-task", type=int, default=256)
     p.add_argument("--budget", type=float, default=600, help="seconds a job may take before the bench gives up")
     p.add_argument("--step-ms", type=float, default=50,
                    help="simulated device time per minibatch of 32 in a worker pod")

@@ -1,0 +1,82 @@
+"""What the Kubernetes benches (two_jobs.py, gang.py) share: the model with a simulated accelerator, and a
+master run as `elastic-step train --backend kubernetes` in a subprocess, its stderr lines timestamped."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The model: digits with a simulated accelerator (a sleep per minibatch in worker pods).
+MODEL = ROOT / "bench" / "models" / "slow_digits.py"
+_spec = importlib.util.spec_from_file_location("slow_digits", MODEL)
+slow_digits = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(slow_digits)
+MINIBATCH = slow_digits.RECORDS_PER_STEP
+
+
+class Master:
+    """One `elastic-step train` subprocess; its stderr lines are timestamped as they arrive."""
+
+    def __init__(self, name: str, args, data: pathlib.Path, out: pathlib.Path, env: dict, min_workers: int,
+                 max_workers: int, epochs: int | None = None):
+        self.name, self.out = name, out
+        self.submitted = time.time()
+        self.trained_at: float | None = None
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", name,
+             "--model-def", str(MODEL), "--train-data", str(data), "--output", str(out),
+             "--epochs", str(epochs or args.epochs), "--minibatch-size", str(MINIBATCH),
+             "--records-per-task", str(args.records_per_task), "--min-workers", str(min_workers),
+             "--max-workers", str(max_workers), "--worker-cpu", "1", "--worker-priority-class", "elastic-low",
+             "--ps-priority-class", "elastic-high", "--progress", "off"],
+            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            now = time.time()
+            self.lines.append((now, line.rstrip()))
+            if self.trained_at is None and "training starts" in line:
+                self.trained_at = now
+
+    def wait(self, timeout: float) -> float:
+        self.proc.wait(timeout)
+        self.ended = time.time()
+        self.reader.join(5)
+        if self.proc.returncode != 0:
+            tail = "\n".join(l for _, l in self.lines[-30:])
+            raise SystemExit(f"job {self.name} failed ({self.proc.returncode}):\n{tail}")
+        self.summary = json.loads((self.out / "summary.json").read_text())
+        return self.ended
+
+    @property
+    def records(self) -> int:
+        return self.summary["ledger"]["records_committed"]
+
+    def t0(self) -> float:
+        """The master's clock origin (summary times are relative to it), from its first step's line."""
+        started = next(e["t"] for e in self.summary["events"] if e["kind"] == "training_started")
+        return (self.trained_at or self.ended) - started
+
+    def records_between(self, t_from: float, t_to: float) -> float:
+        """Records committed between two wall-clock times (progress samples every 0.5 s, interpolated)."""
+        base = self.t0()
+        pts = [(base + s["t"], s["records"]) for s in self.summary["timeseries"]]
+        pts = [(self.submitted, 0)] + pts + [(self.ended, self.records)]
+
+        def at(t):
+            for (ta, ra), (tb, rb) in zip(pts, pts[1:]):
+                if ta <= t <= tb:
+                    return ra + (rb - ra) * ((t - ta) / (tb - ta) if tb > ta else 1)
+            return 0 if t < pts[0][0] else pts[-1][1]
+        return at(t_to) - at(t_from)
+
+    def exact(self) -> bool:
+        return all(e["lost"] == 0 and e["double_applied"] == 0 for e in self.summary["ledger"]["epochs"])
