@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from .controlplane import REPO, popen, stop_process, wait_for
+from .controlplane import REPO, popen, run_build, stop_process, wait_for
 from .pod import Image
 
 BUILD_SCRIPT = REPO / "scripts" / "build-argo"
@@ -36,13 +36,7 @@ class ArgoBuildError(RuntimeError):
 
 def build_argo(*cmds: str) -> Path:
     """The bin directory holding `cmds` (all of Argo's if none), built when missing."""
-    override = os.environ.get("ELASTIC_STEP_ARGO_BIN")
-    if override:
-        return Path(override)
-    proc = subprocess.run([str(BUILD_SCRIPT), *cmds], stdout=subprocess.PIPE, stderr=None, text=True)
-    if proc.returncode != 0:
-        raise ArgoBuildError(f"{BUILD_SCRIPT} failed with exit code {proc.returncode}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return run_build(BUILD_SCRIPT, *cmds, override_env="ELASTIC_STEP_ARGO_BIN", error=ArgoBuildError)
 
 
 def lint(files: list[str | Path]) -> tuple[bool, str]:

@@ -61,16 +61,23 @@ class ControlPlaneError(RuntimeError):
 
 # --------------------------------------------------------------------------- utilities
 
-def build_control_plane(env: dict | None = None) -> Path:
-    """Run scripts/build-control-plane (a no-op when the binaries exist); returns bin dir."""
-    override = os.environ.get("ELASTIC_STEP_KUBE_BIN")
+def run_build(script: Path, *args: str, override_env: str, error: type[Exception] = RuntimeError,
+              env: dict | None = None) -> Path:
+    """The bin directory a scripts/build-* prints last on stdout (each is a no-op when its binaries
+    exist; its progress goes to our stderr), or `override_env`'s directory when that is set."""
+    override = os.environ.get(override_env)
     if override:
         return Path(override)
-    proc = subprocess.run([str(BUILD_SCRIPT)], stdout=subprocess.PIPE, stderr=None, text=True,
+    proc = subprocess.run([str(script), *args], stdout=subprocess.PIPE, stderr=None, text=True,
                           env={**os.environ, **(env or {})})
     if proc.returncode != 0:
-        raise ControlPlaneError(f"{BUILD_SCRIPT} failed with exit code {proc.returncode}")
+        raise error(f"{script} failed with exit code {proc.returncode}")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def build_control_plane(env: dict | None = None) -> Path:
+    """Run scripts/build-control-plane (a no-op when the binaries exist); returns bin dir."""
+    return run_build(BUILD_SCRIPT, override_env="ELASTIC_STEP_KUBE_BIN", error=ControlPlaneError, env=env)
 
 
 def free_port() -> int:

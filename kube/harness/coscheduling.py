@@ -37,7 +37,7 @@ from pathlib import Path
 
 import yaml
 
-from .controlplane import REPO, _http_ok, free_port, popen, stop_process, wait_for
+from .controlplane import REPO, _http_ok, free_port, popen, run_build, stop_process, wait_for
 
 BUILD_SCRIPT = REPO / "scripts" / "build-scheduler-plugins"
 VERSION = (REPO / "kube" / "scheduler-plugins" / "VERSION").read_text().strip()
@@ -51,13 +51,8 @@ class SchedulerPluginsBuildError(RuntimeError):
 
 def build_scheduler_plugins(*cmds: str) -> Path:
     """The bin directory holding `cmds` (the scheduler if none), built when missing."""
-    override = os.environ.get("ELASTIC_STEP_SCHEDULER_PLUGINS_BIN")
-    if override:
-        return Path(override)
-    proc = subprocess.run([str(BUILD_SCRIPT), *cmds], stdout=subprocess.PIPE, stderr=None, text=True)
-    if proc.returncode != 0:
-        raise SchedulerPluginsBuildError(f"{BUILD_SCRIPT} failed with exit code {proc.returncode}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+    return run_build(BUILD_SCRIPT, *cmds, override_env="ELASTIC_STEP_SCHEDULER_PLUGINS_BIN",
+                     error=SchedulerPluginsBuildError)
 
 
 def pod_group(name: str, min_member: int, *, schedule_timeout_s: int | None = None) -> dict:
