@@ -108,8 +108,9 @@ class _Buckets:
     stream where a JSON file's chunk changes the schema. `forget` truncates the files back to where
     this source file began; `close` ends the streams."""
 
-    def __init__(self, folder: str, used: int, bits: int, buffer_bytes: int):
-        self.folder, self.used, self.bits, self.buffer_bytes = folder, used, bits, buffer_bytes
+    def __init__(self, folder: str, used: int, bits: int, unit: int):
+        self.folder, self.used, self.bits = folder, used, bits
+        self.buffer_bytes = min(unit, SPILL_BUFFER_BYTES)   # rows held before they are appended
         n = 1 << bits
         self.rows = np.zeros(n, dtype=np.int64)
         self.bytes = np.zeros(n, dtype=np.int64)
@@ -210,13 +211,13 @@ class _Task:
     seed: int
     folder: str
     bits: int
-    buffer_bytes: int
+    unit: int
 
 
 def _spill_file(task: _Task) -> Spilled:
     bad = BadRows(task.skip)
     source = SourceFile(task.fs, task.path, task.name, task.declared, task.label, bad)
-    out = _Buckets(task.folder, 0, task.bits, task.buffer_bytes)
+    out = _Buckets(task.folder, 0, task.bits, task.unit)
     rows = 0
     try:
         for item in source.batches():
@@ -241,7 +242,7 @@ def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: i
     as when they are read one after another."""
     for b in range(1 << bits):
         os.makedirs(os.path.join(folder, f"{b:04d}"), exist_ok=True)
-    tasks = [_Task(fs, path, name, i, declared, label, skip, seed, folder, bits, min(unit, SPILL_BUFFER_BYTES))
+    tasks = [_Task(fs, path, name, i, declared, label, skip, seed, folder, bits, unit)
              for i, (path, name) in enumerate(files)]
     if processes <= 1:
         return [_spill_file(t) for t in tasks]
@@ -381,7 +382,7 @@ def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int, un
     bits = min(MAX_BUCKET_BITS, 64 - used, max(1, math.ceil(math.log2(size / unit)) + 1))
     for b in range(1 << bits):
         os.makedirs(os.path.join(sub, f"{b:04d}"), exist_ok=True)
-    out = _Buckets(sub, used, bits, min(unit, SPILL_BUFFER_BYTES))
+    out = _Buckets(sub, used, bits, unit)
     for t in _read_bucket(folder, bucket, False, remover):
         out.add(pa.Table.from_arrays(t.columns[1:], names=t.column_names[1:]), t.column(0).to_numpy())
     out.close()
