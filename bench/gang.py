@@ -48,13 +48,12 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # kube.harness and bench.*, when run as `python bench/gang.py`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-from bench.kube_job import MINIBATCH, Master, slow_digits  # noqa: E402
+from bench.kube_job import MINIBATCH, Master, PodSampler, slow_digits  # noqa: E402
 NS = "bench"
 SERVICE = "online"
 SERVICE_PRIORITY = "online-service"
@@ -85,52 +84,11 @@ def make_data(rows: int, out: pathlib.Path) -> pathlib.Path:
 
 
 # ---------------------------------------------------------------- one job
-class PodSampler(threading.Thread):
-    """Pods of the namespace, every `interval` s: per pod, when first seen, bound and Running."""
-
-    def __init__(self, core, selector: str, interval: float = 0.1):
-        super().__init__(daemon=True)
-        self.core, self.selector, self.interval = core, selector, interval
-        self.samples: list[tuple[float, int, int]] = []     # (t, bound and not deleting, Running)
-        self.pods: dict[str, dict] = {}                      # name -> {"seen", "bound", "running", "gone"}
-        self.stopped = threading.Event()
-        self.start()
-
-    def run(self):
-        while not self.stopped.wait(self.interval):
-            try:
-                items = self.core.list_namespaced_pod(NS, label_selector=self.selector).items
-            except Exception:  # noqa: BLE001
-                continue
-            now, bound, running = time.time(), 0, 0
-            names = set()
-            for p in items:
-                names.add(p.metadata.name)
-                rec = self.pods.setdefault(p.metadata.name, {"seen": now, "bound": None, "running": None,
-                                                             "gone": None})
-                if p.spec.node_name and rec["bound"] is None:
-                    rec["bound"] = now
-                if p.status.phase == "Running" and rec["running"] is None:
-                    rec["running"] = now
-                if p.spec.node_name and p.status.phase not in ("Succeeded", "Failed"):
-                    bound += 1
-                    running += p.status.phase == "Running" and not p.metadata.deletion_timestamp
-            for name, rec in self.pods.items():
-                if name not in names and rec["gone"] is None:
-                    rec["gone"] = now
-            self.samples.append((now, bound, running))
-
-    def integral(self, t0: float, t1: float, idx: int) -> float:
-        """slot-seconds of samples[idx] (1: bound, 2: Running) between t0 and t1."""
-        pts = [(s[0], s[idx]) for s in self.samples if t0 <= s[0] <= t1]
-        return sum(n * (tb - ta) for (ta, n), (tb, _) in zip(pts, pts[1:]))
-
-
 # ---------------------------------------------------------------- two jobs
 def two_jobs(mode: str, args, core, custom, data, work, env: dict) -> dict:
     W = args.workers
     min_w, max_w = {"gang": (W, W), "elastic": (1, args.elastic_max or W), "elastic-all": (1, args.slots)}[mode]
-    sampler = PodSampler(core, "elastic-step/role=worker")
+    sampler = PodSampler(core, NS, "elastic-step/role=worker")
     t_start = time.time()
 
     def submit(job: str) -> Master:
@@ -194,8 +152,8 @@ def colocation(args, core, apps, data, work, env: dict, rate_per_slot: float | N
                                                        "command": ["sleep", "100000"],
                                                        "resources": {"requests": {"cpu": "1"},
                                                                      "limits": {"cpu": "1"}}}]}}}})
-    service = PodSampler(core, f"app={SERVICE}")
-    workers = PodSampler(core, "elastic-step/role=worker")
+    service = PodSampler(core, NS, f"app={SERVICE}")
+    workers = PodSampler(core, NS, "elastic-step/role=worker")
     t_start = time.time()
     job = Master("colo", args, data, work / "colo", env, 1, S, args.colocation_epochs)
     while job.trained_at is None:

@@ -1,5 +1,6 @@
 """What the Kubernetes benches (two_jobs.py, gang.py) share: the model with a simulated accelerator, and a
-master run as `elastic-step train --backend kubernetes` in a subprocess, its stderr lines timestamped."""
+master run as `elastic-step train --backend kubernetes` in a subprocess, its stderr lines timestamped, and
+a sampler of the pods the jobs run."""
 from __future__ import annotations
 
 import importlib.util
@@ -80,3 +81,44 @@ class Master:
 
     def exact(self) -> bool:
         return all(e["lost"] == 0 and e["double_applied"] == 0 for e in self.summary["ledger"]["epochs"])
+
+
+class PodSampler(threading.Thread):
+    """Pods of the namespace, every `interval` s: per pod, when first seen, bound and Running."""
+
+    def __init__(self, core, namespace: str, selector: str, interval: float = 0.1):
+        super().__init__(daemon=True)
+        self.core, self.namespace, self.selector, self.interval = core, namespace, selector, interval
+        self.samples: list[tuple[float, int, int]] = []     # (t, bound and not deleting, Running)
+        self.pods: dict[str, dict] = {}                      # name -> {"seen", "bound", "running", "gone"}
+        self.stopped = threading.Event()
+        self.start()
+
+    def run(self):
+        while not self.stopped.wait(self.interval):
+            try:
+                items = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector).items
+            except Exception:  # noqa: BLE001
+                continue
+            now, bound, running = time.time(), 0, 0
+            names = set()
+            for p in items:
+                names.add(p.metadata.name)
+                rec = self.pods.setdefault(p.metadata.name, {"seen": now, "bound": None, "running": None,
+                                                             "gone": None})
+                if p.spec.node_name and rec["bound"] is None:
+                    rec["bound"] = now
+                if p.status.phase == "Running" and rec["running"] is None:
+                    rec["running"] = now
+                if p.spec.node_name and p.status.phase not in ("Succeeded", "Failed"):
+                    bound += 1
+                    running += p.status.phase == "Running" and not p.metadata.deletion_timestamp
+            for name, rec in self.pods.items():
+                if name not in names and rec["gone"] is None:
+                    rec["gone"] = now
+            self.samples.append((now, bound, running))
+
+    def integral(self, t0: float, t1: float, idx: int) -> float:
+        """slot-seconds of samples[idx] (1: bound, 2: Running) between t0 and t1."""
+        pts = [(s[0], s[idx]) for s in self.samples if t0 <= s[0] <= t1]
+        return sum(n * (tb - ta) for (ta, n), (tb, _) in zip(pts, pts[1:]))

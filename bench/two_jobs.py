@@ -32,13 +32,12 @@ import os
 import pathlib
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(ROOT))   # kube.harness and bench.*, when run as `python bench/two_jobs.py`
-from bench.kube_job import MINIBATCH, slow_digits  # noqa: E402
+from bench.kube_job import MINIBATCH, PodSampler, slow_digits  # noqa: E402
 from bench.kube_job import Master as KubeJob  # noqa: E402
 
 
@@ -66,33 +65,9 @@ class Master(KubeJob):
         return total + alive * max(0.0, end - t_prev)
 
 
-class Sampler(threading.Thread):
-    """Worker pods Running (slots allocated), sampled every 0.25 s."""
-
-    def __init__(self, core, namespace: str):
-        super().__init__(daemon=True)
-        self.core, self.namespace = core, namespace
-        self.samples: list[tuple[float, int]] = []
-        self.stopped = threading.Event()
-        self.start()
-
-    def run(self):
-        while not self.stopped.wait(0.25):
-            try:
-                pods = self.core.list_namespaced_pod(self.namespace, label_selector="elastic-step/role=worker").items
-            except Exception:  # noqa: BLE001
-                continue
-            self.samples.append((time.time(), sum(1 for p in pods if p.status.phase == "Running"
-                                                  and not p.metadata.deletion_timestamp)))
-
-    def slot_seconds(self, t0: float, t1: float) -> float:
-        pts = [(t, n) for t, n in self.samples if t0 <= t <= t1]
-        return sum(n * (t_next - t) for (t, n), (t_next, _) in zip(pts, pts[1:]))
-
-
 def scenario(mode: str, args, cp, core, data: pathlib.Path, work: pathlib.Path, env: dict) -> dict:
     min_workers = args.workers if mode == "gang" else 1
-    sampler = Sampler(core, "bench")
+    sampler = PodSampler(core, "bench", "elastic-step/role=worker", interval=0.25)
     a = Master(f"{mode}-a", args, data, work / f"{mode}-a", env, min_workers)
     # B is submitted once A's workers all run, so A is the one that got its W slots.
     deadline = time.time() + 300
@@ -109,7 +84,7 @@ def scenario(mode: str, args, cp, core, data: pathlib.Path, work: pathlib.Path, 
     sampler.stopped.set()
     makespan = end - a.submitted
     busy = a.training_worker_seconds() + b.training_worker_seconds()
-    allocated = sampler.slot_seconds(a.submitted, end)
+    allocated = sampler.integral(a.submitted, end, 2)   # worker pods Running
     out = {"mode": mode, "min_workers": min_workers, "max_workers": args.workers, "slots": args.slots,
            "makespan_s": round(makespan, 1),
            "utilization": round(busy / (args.slots * makespan), 3),
