@@ -183,6 +183,10 @@ def colocation(args, core, apps, data, work, env: dict, rate_per_slot: float | N
     pods = sorted(service.pods.values(), key=lambda p: p["seen"])
     bind = [p["bound"] - p["seen"] for p in pods if p["bound"]]
     run = [p["running"] - p["seen"] for p in pods if p["running"]]
+    if not bind:
+        raise SystemExit(f"colocation: no service pod was bound ({len(pods)} created; the service scaled at "
+                         f"{[(round(t, 1), n) for t, n in scaled]}): the job ended at {job.ended - t_start:.0f} s, "
+                         "before the service's schedule. Give it more --rows or --colocation-epochs.")
     return {"mode": "colocation", "slots": S, "schedule": schedule,
             "scaled_at_s": [(round(t, 1), n) for t, n in scaled],
             "job": {"first_step_s": round(job.trained_at - t_start, 1), "end_s": round(job.ended - t_start, 1),
