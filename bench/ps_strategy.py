@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import prepare  # noqa: E402
+from bench.common import digits_prepared, prepare  # noqa: E402
 
 SAMPLES = {  # name -> (model module, metric, minibatch)
     "digits": ("samples/digits/model.py", "accuracy", 64),
@@ -52,23 +52,7 @@ def make_data(sample: str, rows: int, out: pathlib.Path) -> pathlib.Path:
         out.mkdir(parents=True, exist_ok=True)
         generate(str(out / "ctr.csv"), rows=rows, seed=0)
         return prepare(str(out / "ctr.csv"), out / "prepared", label="clicked")
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from elastic_step.data.api import Manifest, Shard, load_manifest
-    prepared = prepare(str(ROOT / "samples" / "digits" / "digits.csv"), out / "prepared")
-    train = load_manifest(str(prepared / "train"))
-    table = pa.concat_tables([pq.read_table(train.shard_uri(s)) for s in train.shards])
-    table = pa.concat_tables([table] * -(-rows // table.num_rows)).slice(0, rows)
-    table = table.take(np.random.default_rng(0).permutation(rows))
-    big = out / "prepared" / "train"
-    for s in train.shards:
-        os.remove(train.shard_uri(s))
-    pq.write_table(table, big / "part-00000.parquet", row_group_size=1024)
-    Manifest(split="train", label=train.label, shards=[Shard("part-00000.parquet", rows)],
-             schema=train.schema).save(str(big / "manifest.json"))
-    return prepared
+    return digits_prepared(rows, out / "prepared")
 
 
 def free_ports(n: int) -> list[int]:

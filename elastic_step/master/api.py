@@ -33,6 +33,9 @@ class TrainConfig:
     # ps: pushes each worker keeps in flight. One is the algorithm fit runs when the job has one worker;
     # two overlap a worker's step with the PS's update (faster), at one more update of staleness.
     pushes_in_flight: int = 1
+    # ps: minibatches whose mean gradient one push carries (Keras's gradient_accumulation_steps, done on
+    # the worker): fewer round trips per record for a small model, fewer updates per epoch.
+    minibatches_per_push: int = 1
     job_id: str = dataclasses.field(default_factory=lambda: "es-" + uuid.uuid4().hex[:8])
     token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
     worker_cpu: str | None = None
@@ -57,12 +60,15 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
         for name in ("epochs", "minibatch_size", "records_per_task", "min_workers", "max_workers", "num_ps",
-                     "pushes_in_flight"):
+                     "pushes_in_flight", "minibatches_per_push"):
             positive(name)
         if self.pushes_in_flight > MAX_PUSHES_IN_FLIGHT:
             raise ConfigError(f"--pushes-in-flight {self.pushes_in_flight} is more than {MAX_PUSHES_IN_FLIGHT}: "
                               "each one adds an update of staleness to every gradient and gains no speed "
                               f"past the worker's and the PS's overlap. Use 1 (the default) or 2.")
+        if self.minibatches_per_push > 1 and self.strategy != "ps":
+            raise ConfigError(f"--minibatches-per-push {self.minibatches_per_push} is for --strategy ps; "
+                              "with allreduce, --global-batch fixed accumulates minibatches instead.")
         if self.min_workers > self.max_workers:
             raise ConfigError(f"--min-workers ({self.min_workers}) is larger than --max-workers "
                               f"({self.max_workers}); the job could never start training.")

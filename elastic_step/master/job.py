@@ -153,7 +153,7 @@ class TrainingJob:
     def run(self) -> dict:
         cfg = self.cfg
         service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def,
-                                cfg.max_workers, cfg.pushes_in_flight)
+                                cfg.max_workers, cfg.pushes_in_flight, cfg.minibatches_per_push)
         service.checkpoint_state = lambda: self.durable.member_state   # allreduce, resumed
         host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)

@@ -42,7 +42,7 @@ def report_interval_s(max_workers: int) -> float:
 
 class MasterService(pb_grpc.MasterServicer):
     def __init__(self, coordinator: Coordinator, token: str, job_id: str, minibatch_size: int,
-                 model_def: str, max_workers: int = 1, pushes_in_flight: int = 1):
+                 model_def: str, max_workers: int = 1, pushes_in_flight: int = 1, minibatches_per_push: int = 1):
         self.c = coordinator
         self.token = token
         self.job_id = job_id
@@ -50,6 +50,7 @@ class MasterService(pb_grpc.MasterServicer):
         self.model_def = model_def
         self.report_interval_s = report_interval_s(max_workers)
         self.pushes_in_flight = pushes_in_flight
+        self.minibatches_per_push = minibatches_per_push
         # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
         # None (see master/checkpoint.py).
         self.checkpoint_state = lambda: None
@@ -62,7 +63,8 @@ class MasterService(pb_grpc.MasterServicer):
         return pb.RegisterResponse(job_id=self.job_id, ps_addresses=addrs,
                                    minibatch_size=self.minibatch_size, model_def=self.locate(self.model_def),
                                    report_interval_s=self.report_interval_s,
-                                   pushes_in_flight=self.pushes_in_flight, ps_generation=self.c.ps_generation)
+                                   pushes_in_flight=self.pushes_in_flight, ps_generation=self.c.ps_generation,
+                                   minibatches_per_push=self.minibatches_per_push)
 
     def Heartbeat(self, request, context):
         check_token(context, self.token, request.token)

@@ -84,7 +84,9 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         return 0
     depth = info.pushes_in_flight or PUSH_DEPTH
     ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
-    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth, generation=info.ps_generation)
+    per_push = info.minibatches_per_push or 1
+    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth, generation=info.ps_generation,
+                        minibatch_size=info.minibatch_size, minibatches_per_push=per_push)
     trainer.refresh_dense()
     readers = ReaderPool()
 
@@ -98,7 +100,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
             log.info("the PS shards are back at generation %d: training on", info.ps_generation)
 
     try:
-        why = train_tasks(master, trainer, readers, info.minibatch_size, stop,
+        why = train_tasks(master, trainer, readers, info.minibatch_size * per_push, stop,
                           report_interval_s=info.report_interval_s or REPORT_INTERVAL_S, pushes_in_flight=depth,
                           rejoin=rejoin)
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")

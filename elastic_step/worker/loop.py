@@ -116,18 +116,19 @@ def coalesce(items: list[tuple]) -> list[tuple]:
     return out
 
 
-def minibatches(task, minibatch_size: int) -> list[tuple[int, int]]:
-    """[seq, hi) of each minibatch of a lease. Boundaries are fixed by the task's own start, so a
-    remainder leased after a loss pushes the same (task, seq) keys the lost worker did."""
+def minibatches(task, size: int) -> list[tuple[int, int]]:
+    """[seq, hi) of each push of a lease: `size` records (a minibatch, or --minibatches-per-push of
+    them). Boundaries are fixed by the task's own start, so a remainder leased after a loss pushes
+    the same (task, seq) keys the lost worker did."""
     out, seq = [], task.start
     while seq < task.end:
-        hi = min(task.end, task.task_start + ((seq - task.task_start) // minibatch_size + 1) * minibatch_size)
+        hi = min(task.end, task.task_start + ((seq - task.task_start) // size + 1) * size)
         out.append((seq, hi))
         seq = hi
     return out
 
 
-def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, stop: threading.Event,
+def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, stop: threading.Event,
                 report_interval_s: float = REPORT_INTERVAL_S, pushes_in_flight: int = PUSH_DEPTH,
                 rejoin=None) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended. When the shards move
@@ -203,7 +204,7 @@ def train_tasks(master: MasterClient, trainer, readers, minibatch_size: int, sto
                         continue
                     t = reply.task
                     fed = feed_lease(t)
-                bounds = minibatches(t, minibatch_size)   # never empty: the ledger cuts no empty task
+                bounds = minibatches(t, records_per_push)   # never empty: the ledger cuts no empty task
                 if waited:
                     trainer.refresh_dense()
                     waited = False

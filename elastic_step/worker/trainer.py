@@ -27,7 +27,7 @@ log = logging.getLogger("elastic_step.worker")
 
 class PSTrainer:
     def __init__(self, model_def, model, ps: PSClient, placement: Placement, pushes_in_flight: int = 2,
-                 generation: int = 0):
+                 generation: int = 0, minibatch_size: int = 64, minibatches_per_push: int = 1):
         import keras
         import tensorflow as tf
 
@@ -60,11 +60,8 @@ class PSTrainer:
 
         part_sizes = [[int(var(*at).shape.num_elements()) for at in layout] for layout in layouts]
 
-        @tf.function(reduce_retracing=True)
-        def step(features, labels, begin, end, flats):
-            # The minibatch is sliced from its lease's tensors here, in the graph: no Python per step.
-            # (One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.)
-            features, labels = tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), (features, labels))
+        def unpack(flats):
+            """Each trainable's value and each pushed state's, from the shards' flat buffers."""
             values, state = [None] * len(trainable), {}
             for layout, sizes_, buf in zip(layouts, part_sizes, flats):
                 for (kind, i), part in zip(layout, tf.split(buf, sizes_) if layout else []):
@@ -76,33 +73,83 @@ class PSTrainer:
                         state[i] = value
             for i in table_pos:   # tables stay variables: the rows a minibatch needs are pulled into them
                 values[i] = tf.convert_to_tensor(trainable[i].value)
+            return values, state
+
+        def dense_grad(g, i):
+            return tf.zeros_like(trainable[i]) if g is None else tf.convert_to_tensor(g)
+
+        def table_grad(g, i):
+            """A table's gradient as (ids, rows): only the rows it touched."""
+            if g is None:
+                return tf.zeros([0], tf.int64), tf.zeros([0, trainable[i].shape[1]], trainable[i].dtype)
+            if not isinstance(g, tf.IndexedSlices):  # a dense gradient of a table: keep touched rows
+                rows = tf.where(tf.reduce_any(tf.not_equal(g, 0), axis=1))[:, 0]
+                return rows, tf.gather(g, rows)
+            return tf.cast(g.indices, tf.int64), g.values
+
+        def pack(grads, state_delta, tables):
+            """One flat buffer per PS shard (one tensor on the wire instead of one per variable), and
+            each table's unique ids with their summed rows."""
+            dense = [flat([state_delta[i] if kind == "state" else dense_grad(grads[i], i) for kind, i in layout])
+                     for layout in layouts]
+            sparse = []
+            for ids, rows in tables:
+                ids, pos = tf.unique(ids)
+                sparse.append((ids, tf.math.unsorted_segment_sum(rows, pos, tf.size(ids))))
+            return dense, sparse
+
+        def gradients(features, labels, lo, hi, values, state):
+            """Loss, gradients and new state of records [lo, hi) of the lease's tensors."""
+            # The minibatch is sliced from its lease's tensors here, in the graph: no Python per step.
+            # (One op per tensor: `lo`/`hi` are [lo]/[hi], the other dimensions taken whole.)
+            features, labels = tf.nest.map_structure(lambda t: tf.strided_slice(t, lo, hi), (features, labels))
             with tf.GradientTape() as tape:
                 tape.watch(values)
                 loss, new_state = model_def.training_loss(model, features, labels, trainable_values=values,
                                                           state_values=state)
-            grads = tape.gradient(loss, values)
+            return loss, tape.gradient(loss, values), new_state
 
-            def pushed(kind, i):
-                if kind == "state":
-                    return new_state[i] - state[i]
-                return tf.zeros_like(trainable[i]) if grads[i] is None else tf.convert_to_tensor(grads[i])
+        @tf.function(reduce_retracing=True)
+        def step(features, labels, begin, end, flats):
+            values, state = unpack(flats)
+            loss, grads, new_state = gradients(features, labels, begin, end, values, state)
+            return (loss, *pack(grads, {i: new_state[i] - state[i] for i in state},
+                                [table_grad(grads[i], i) for i in table_pos]))
 
-            # One flat buffer per PS shard: one tensor on the wire instead of one per variable.
-            dense = [flat([pushed(*at) for at in layout]) for layout in layouts]
-            sparse = []
-            for i in table_pos:
-                g = grads[i]
-                if g is None:
-                    g = tf.IndexedSlices(tf.zeros([0, trainable[i].shape[1]], trainable[i].dtype),
-                                         tf.zeros([0], tf.int64))
-                elif not isinstance(g, tf.IndexedSlices):  # a dense gradient of a table: keep touched rows
-                    rows = tf.where(tf.reduce_any(tf.not_equal(g, 0), axis=1))[:, 0]
-                    g = tf.IndexedSlices(tf.gather(g, rows), rows)
-                ids, pos = tf.unique(tf.cast(g.indices, tf.int64))
-                sparse.append((ids, tf.math.unsorted_segment_sum(g.values, pos, tf.size(ids))))
-            return loss, dense, sparse
+        @tf.function(reduce_retracing=True)
+        def group_step(features, labels, begin, end, flats):
+            # Several minibatches at the same values, one after another (each minibatch_size records,
+            # the last maybe fewer), in one call: the mean of their gradients is pushed once, as Keras's
+            # gradient_accumulation_steps applies it. The state (batch norm's statistics) runs on from
+            # one minibatch to the next.
+            values, state = unpack(flats)
+            n = tf.cast((end[0] - begin[0] + minibatch_size - 1) // minibatch_size, tf.int32)
+            dense_pos = [i for i in range(len(trainable)) if i not in table_pos]
+            tas = [(tf.TensorArray(tf.int64, size=n, infer_shape=False),
+                    tf.TensorArray(trainable[i].dtype, size=n, infer_shape=False)) for i in table_pos]
 
-        self._step = step
+            def body(k, loss_sum, sums, state_k, tas):
+                lo = begin + tf.cast(k, tf.int64) * minibatch_size
+                loss, grads, new_state = gradients(features, labels, lo, tf.minimum(lo + minibatch_size, end),
+                                                   values, state_k)
+                sums = [s + dense_grad(grads[i], i) for s, i in zip(sums, dense_pos)]
+                tas = [(ids_ta.write(k, ids), rows_ta.write(k, rows))
+                       for (ids_ta, rows_ta), (ids, rows) in zip(tas, (table_grad(grads[i], i) for i in table_pos))]
+                return k + 1, loss_sum + tf.cast(loss, tf.float32), sums, new_state, tas
+
+            _, loss_sum, sums, last_state, tas = tf.while_loop(
+                lambda k, *_: k < n, body,
+                (tf.constant(0), tf.constant(0.0), [tf.zeros_like(trainable[i]) for i in dense_pos],
+                 state, tas))
+            count = tf.cast(n, tf.float32)
+            grads = [None] * len(trainable)
+            for s, i in zip(sums, dense_pos):
+                grads[i] = s / tf.cast(count, s.dtype)
+            tables = [(ids_ta.concat(), rows_ta.concat() / tf.cast(count, trainable[i].dtype))
+                      for (ids_ta, rows_ta), i in zip(tas, table_pos)]
+            return (loss_sum / count, *pack(grads, {i: last_state[i] - state[i] for i in state}, tables))
+
+        self._step = step if minibatches_per_push == 1 else group_step
         self._traced = None                   # (input specs, concrete step)
         self._flat_specs = [tf.TensorSpec([sum(sizes_)], tf.float32) for sizes_ in part_sizes]
         self._bound_spec = tf.TensorSpec([1], tf.int64)

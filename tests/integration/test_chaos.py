@@ -37,3 +37,22 @@ def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data,
     assert {f["action"] for f in fired} <= {"kill", "term"}
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)
+
+
+def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally_data, tmp_path):
+    """--minibatches-per-push 4: a push's key spans four minibatches. A killed worker's remainder is pushed
+    again under the same keys by whoever leases it, and a killed PS's shards are restored to the last
+    checkpoint: each record is still applied once per epoch, by the weights and by the shards' audit."""
+    total = tally_data["rows"] * EPOCHS
+    proc, summary = train(
+        tally_data, tmp_path, "--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "2", "--minibatch-size",
+        "32", "--records-per-task", "256", "--minibatches-per-push", "4", "--checkpoint-every", "2000",
+        "--chaos", f"kill:worker-0@{total * 3 // 10}", "--chaos", f"kill:ps-1@{total * 6 // 10}", model=TALLY_MODEL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_chaos_fired(summary, 2)
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary, "ps")
+    # One push per four minibatches of 32: the shard that was never lost applied about total / 128
+    # pushes (a few more: a task's last push may be short, and re-pushes after the losses), not total / 32.
+    survivor = next(p for p in summary["ps"] if p["shard"] == 0)
+    assert 0 < survivor["pushes_applied"] <= total / 128 * 1.25, survivor

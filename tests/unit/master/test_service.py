@@ -20,12 +20,13 @@ TASK = pb.GetTaskResponse
 
 
 class Master:
-    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1, pushes_in_flight=1, num_ps=0):
+    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1, pushes_in_flight=1, num_ps=0,
+                 minibatches_per_push=1):
         self.ledger = Ledger([ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task,
                              epochs, minibatch_size=MINIBATCH)
         self.coord = Coordinator(self.ledger, num_ps=num_ps)
         self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers,
-                                                         pushes_in_flight))
+                                                         pushes_in_flight, minibatches_per_push))
         self.address = f"127.0.0.1:{self.port}"
         self.clients: list[MasterClient] = []
 
@@ -251,6 +252,15 @@ def test_workers_keep_the_jobs_pushes_in_flight_whatever_its_size(max_workers, d
     m = Master(max_workers=max_workers, pushes_in_flight=depth)
     try:
         assert m.client(0).register().pushes_in_flight == depth
+    finally:
+        m.close()
+
+
+def test_workers_get_the_jobs_minibatches_per_push():
+    m = Master(minibatches_per_push=8)
+    try:
+        reply = m.client(0).register()
+        assert (reply.minibatches_per_push, reply.minibatch_size) == (8, MINIBATCH)
     finally:
         m.close()
 

@@ -13,7 +13,7 @@ tf = pytest.importorskip("tensorflow")
 from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.proto import rpc  # noqa: E402
-from elastic_step.ps.api import Placement, PushKey, load_named  # noqa: E402
+from elastic_step.ps.api import Placement, PushKey, load_named, named_variables  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
 from elastic_step.worker.trainer import PSTrainer  # noqa: E402
@@ -73,7 +73,7 @@ def batchnorm_trainer(tmp_path):
     yield from serve(tmp_path, BATCHNORM)
 
 
-def serve(tmp_path, source: str):
+def serve(tmp_path, source: str, **trainer_options):
     """A PSTrainer on a model defined by `source`, against one real shard on loopback gRPC."""
     (tmp_path / "model_def.py").write_text(source)
     model_def = load_model_def(str(tmp_path / "model_def.py"))
@@ -88,7 +88,7 @@ def serve(tmp_path, source: str):
     keras.utils.set_random_seed(2)   # the worker's own initial values differ from the PS's
     model = model_def.model()
     ps = PSClient([f"127.0.0.1:{port}"], TOKEN, placement)
-    t = PSTrainer(model_def, model, ps, placement)
+    t = PSTrainer(model_def, model, ps, placement, **trainer_options)
     t.set_dense(ps.pull_dense())
     yield t, ps, ps_model
     t.close()
@@ -180,3 +180,33 @@ def test_the_step_moves_the_ps_held_batchnorm_statistics_as_keras_moves_them(bat
     # The same push again changes nothing: the state is applied once, with its key.
     assert not t.push_finish(t.push_start(result, PushKey(5, 0, 32, 0, 0)))[0]
     np.testing.assert_array_equal(ps.pull_dense_named()[next(n for n in after if n.endswith("moving_mean"))], mean)
+
+
+@pytest.mark.parametrize("source", [MODEL, BATCHNORM], ids=["embedding", "batchnorm"])
+def test_a_push_of_several_minibatches_updates_as_kerass_gradient_accumulation(tmp_path, source):
+    """--minibatches-per-push 3 on 20 records of minibatch 8: one push of the mean of three minibatches'
+    gradients (8, 8 and 4 records), each taken at the same values, with batch norm's statistics moved
+    once per minibatch. The witness is Keras's own fit of the same records with
+    gradient_accumulation_steps=3 from the same values: the shard's values must be what it leaves."""
+    for t, ps, ps_model in serve(tmp_path, source, minibatch_size=8, minibatches_per_push=3):
+        witness = keras.models.clone_model(ps_model)
+        before = ps.pull_dense_named()
+        tables = {n: ps.pull_rows({n: np.arange(ROWS)})[n] for n in t.table_names}
+        load_named(witness, {**before, **tables})
+
+        rows = lease_rows(20, seed=4)
+        rows["a"] = rows["a"] * 4 + 10   # batch norm's statistics move visibly
+        result = t.compute(t.minibatch(t.feed_lease(rows), 0, 20))
+        assert t.push_finish(t.push_start(result, PushKey(7, 0, 20, 0, 0)))[0]
+
+        witness.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=3), loss=t.model_def.loss_fn)
+        x, y = t.model_def.feed(rows)
+        witness.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert int(witness.optimizer.iterations.numpy()) == 1   # three minibatches, one update
+
+        expected = {n: v.numpy() for n, v in named_variables(witness).items()}
+        after = {**ps.pull_dense_named(), **{n: ps.pull_rows({n: np.arange(ROWS)})[n] for n in t.table_names}}
+        assert after.keys() == expected.keys()
+        for name, value in after.items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+            assert not np.allclose(value, {**before, **tables}[name]), name   # the push moved it
