@@ -41,9 +41,12 @@ SKIP_HINT = ("Fix or delete that row, or set on_bad_rows to 'skip' (CLI: --on-ba
 RESTART = "restart"
 
 # CSV is read in chunks of whole rows parsed on all CPUs, or, once a quote is seen, by pyarrow's
-# streaming reader, which reads up to 32 blocks ahead: 512 KB blocks keep that to ~20 MB of Arrow memory. JSON is cut into chunks of whole lines; Parquet is read by batches.
+# streaming reader, which reads up to 32 blocks ahead: 512 KB blocks keep that to ~20 MB of Arrow memory.
+# CSV_CHUNKS_AHEAD parsed chunks wait ahead of the reader: ~70 MB. JSON is cut into chunks of whole lines;
+# Parquet is read by batches.
 CSV_CHUNK_BYTES = 8 << 20
 CSV_BLOCK_BYTES = 512 << 10
+CSV_CHUNKS_AHEAD = 6
 JSON_CHUNK_BYTES = 4 << 20
 PARQUET_BATCH_BYTES = 4 << 20
 PRECISE_BATCH_ROWS = 16_384
@@ -380,8 +383,8 @@ class _CsvReader:
     """A file's CSV record batches, in order; types from the first part read (`schema`) unless given.
 
     In text without a quote, every LF ends a row, so the file is read in chunks of CSV_CHUNK_BYTES
-    cut after an LF, each parsed by pyarrow.csv.read_csv on all CPUs, the next chunk
-    on a thread while this one is used. From the first chunk holding a quote (a quoted value may
+    cut after an LF, each parsed by pyarrow.csv.read_csv on all CPUs, up to CSV_CHUNKS_AHEAD chunks
+    ahead on a thread while this one is used. From the first chunk holding a quote (a quoted value may
     hold a newline) the rest streams through pyarrow.csv.open_csv, which parses on one CPU.
     (pyarrow's dataset scanner parses faster, but buffers parsed blocks without bound when its
     reader is slower than it: 750 MB for 400 blocks of 512 KB, measured.)"""
@@ -392,7 +395,7 @@ class _CsvReader:
         self._stream = None
         self._batches: collections.deque = collections.deque()
         self._ahead = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="csv-chunk")
-        self._next = None
+        self._queue: collections.deque = collections.deque()  # chunks read and parsed ahead, in order
         self._offset = 0  # where the next chunk starts: a row's start
         self._eof = False
         try:
@@ -403,24 +406,29 @@ class _CsvReader:
                 self.schema = first.schema
                 self._batches.extend(first.to_batches())
                 self._fix_types()
-                self._next = self._ahead.submit(self._read_and_parse)
+                self._read_ahead()
         except BaseException:
             self.close()
             raise
 
     def read_next_batch(self) -> pa.RecordBatch:
         while not self._batches:
-            if self._stream is not None:
-                return self._stream.read_next_batch()
-            if self._next is None:
+            if not self._queue:
+                if self._stream is not None:
+                    return self._stream.read_next_batch()
                 raise StopIteration
-            table, self._next = self._next.result(), None
+            table = self._queue.popleft().result()
             if table is None:
                 raise StopIteration
-            if self._stream is None:
-                self._next = self._ahead.submit(self._read_and_parse)
+            self._read_ahead()
             self._batches.extend(table.to_batches())
         return self._batches.popleft()
+
+    def _read_ahead(self) -> None:
+        # Several chunks, not one: bucketing a batch (a spill buffer's flush) takes longer than
+        # parsing the next chunk, and one chunk ahead left a CPU idle meanwhile.
+        while len(self._queue) < CSV_CHUNKS_AHEAD and self._stream is None:
+            self._queue.append(self._ahead.submit(self._read_and_parse))
 
     def __iter__(self):
         while True:
@@ -430,12 +438,14 @@ class _CsvReader:
                 return
 
     def close(self) -> None:
-        if self._next is not None:
-            self._next.cancel()
+        for future in self._queue:
+            future.cancel()
+        for future in self._queue:
             try:
-                self._next.result()
+                future.result()
             except BaseException:
                 pass  # the chunk's error is read (or not) anew by whoever reads the file again
+        self._queue.clear()
         self._ahead.shutdown(wait=True)
         if self._stream is not None:
             try:
@@ -469,6 +479,8 @@ class _CsvReader:
 
     def _read_and_parse(self) -> pa.Table | None:
         """The next chunk's rows; no rows when the rest now streams; None at the end."""
+        if self._stream is not None:
+            return self._stream.schema.empty_table()  # a chunk before switched to streaming
         if self._eof:
             return None
         table = self._parse(self._read_chunk())

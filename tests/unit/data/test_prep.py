@@ -456,8 +456,8 @@ def test_dictionary_pages_only_where_values_repeat(tmp_path):
     assert dictionary == {"id": False, "x": False, "cat": True, "label": True}
 
 
-# Peak RSS of the whole prep (one file: one process), imports (80 MB) included: measured 250-280 MB with
-# 32 MB sort units and spill buffers (shuffle.py), flat from 1 to 2 GB of source.
+# Peak RSS of the whole prep (one file: one process), imports (80 MB) included: measured 280-290 MB with
+# 32 MB sort units and spill buffers (shuffle.py) and 6 CSV chunks parsed ahead (parse.py); flat with size.
 BOUND_MB = 400
 SOURCE_MB = 1250  # three times the bound as CSV text; more in memory (~1.3 GB as Arrow columns)
 
