@@ -53,6 +53,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))   # kube.harness and bench.*, when run as `python bench/gang.py`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+from bench.common import digits_prepared  # noqa: E402
 from bench.kube_job import MINIBATCH, Master, PodSampler, slow_digits  # noqa: E402
 NS = "bench"
 SERVICE = "online"
@@ -62,25 +63,7 @@ SERVICE_PRIORITY = "online-service"
 # ---------------------------------------------------------------- data
 def make_data(rows: int, out: pathlib.Path) -> pathlib.Path:
     """The digits train split repeated to `rows` records, shuffled, as one prepared train split."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from elastic_step.data.api import Manifest, Shard, load_manifest
-    from elastic_step.data.prep import prepare
-
-    prepare(str(ROOT / "samples" / "digits" / "digits.csv"), str(out), label="label", seed=0)
-    prepared = out
-    train = load_manifest(str(prepared / "train"))
-    table = pa.concat_tables([pq.read_table(train.shard_uri(s)) for s in train.shards])
-    table = pa.concat_tables([table] * -(-rows // table.num_rows)).slice(0, rows)
-    table = table.take(np.random.default_rng(0).permutation(rows))
-    for s in train.shards:
-        os.remove(train.shard_uri(s))
-    pq.write_table(table, prepared / "train" / "part-00000.parquet", row_group_size=1024)
-    Manifest(split="train", label=train.label, shards=[Shard("part-00000.parquet", rows)],
-             schema=train.schema).save(str(prepared / "train" / "manifest.json"))
-    return prepared / "train"
+    return digits_prepared(rows, out) / "train"
 
 
 # ---------------------------------------------------------------- one job
