@@ -334,6 +334,12 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
         killed = master_pod()
         killed_at = records()
         core.delete_namespaced_pod(killed, namespace, grace_period_seconds=0)
+        wait_for(lambda: f"{namespace}/{killed}" not in argo_pool.running()
+                 and killed not in {p.metadata.name for p in core.list_namespaced_pod(namespace).items},
+                 120, what="the killed step's master exited and its pod gone")
+        # The last checkpoint the killed master committed (it may have cut one after its last progress
+        # line): the one the retry must resume from.
+        last_before_kill, = (json.loads(m.read_text()) for m in ckpt.glob("*/checkpoint.json"))
         done = finished(workflows, namespace, "chaos", timeout=900)
     except Exception:
         print(pod_logs(control_plane, namespace, "chaos", "elastic-train", tail=6000))
@@ -351,7 +357,9 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     published = Path(params["publish-uri"])
     summary = json.loads((published / "summary.json").read_text())
     restart, = summary["checkpoints"]["restarts"]
-    assert 0 < restart["records_committed_at_checkpoint"] <= killed_at, (restart, killed_at)
+    assert restart["from_checkpoint"] == last_before_kill["id"], (restart, last_before_kill)
+    assert 0 < restart["records_committed_at_checkpoint"] == last_before_kill["records_committed"], \
+        (restart, last_before_kill)
     assert_exactly_once(summary)   # the audit exact, and the ledger agreeing with it
     prep = next(n for n in done["status"]["nodes"].values() if n["displayName"] == "data-prep")
     prepared = s3_artifact(s3_server, "artifacts", prep, "prepared", tmp_path / "prepared")
