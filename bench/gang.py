@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/gang.py                          # 8 slots, two jobs of 5 workers; ~30 min a run
     .venv/bin/python bench/gang.py --modes elastic,elastic-all --json /tmp/gang.json   # ~37 min
+    .venv/bin/python bench/gang.py --rows 450000 --modes elastic-all --scenarios two_jobs --runs 3
+                                                            # the README's figures: jobs of ~400 s; ~33 min a run
     .venv/bin/python bench/gang.py --rows 120000            # jobs of ~200 s: start-up is then 15-20 % of one
     .venv/bin/python bench/gang.py --scenarios colocation   # only the service + training case
 
