@@ -48,7 +48,9 @@ def test_allreduce_digits_trains_to_090(undisturbed):
 def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tmp_path):
     _, base = undisturbed
     total = digits_data["rows"] * EPOCHS
-    proc, summary = train(digits_data, tmp_path, *SETTINGS, "--chaos", f"kill:worker-1@{int(total * 0.1)}")
+    # Leases of 16 steps: a 4-step lease could be all committed when the kill lands, leaving nothing to requeue.
+    proc, summary = train(digits_data, tmp_path, *SETTINGS, "--records-per-task", "512",
+                          "--chaos", f"kill:worker-1@{int(total * 0.1)}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in summary["events"]]
