@@ -9,6 +9,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGITS_MODEL = os.path.join(ROOT, "samples", "digits", "model.py")
 CTR_MODEL = os.path.join(ROOT, "samples", "ctr", "model.py")
+# For a test that kills a worker and requires part of its lease to be requeued: leases of 16 minibatches of
+# 32. A lease of 4 lasts about as long as a kill takes to be seen (~13 ms), so the reports already on their
+# way could end it and leave nothing to requeue. Passed after a test's settings: the last flag counts.
+LEASES_OUTLAST_A_KILL = ("--records-per-task", "512")
 
 
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import train
+from tests.integration.harness import LEASES_OUTLAST_A_KILL, train
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,7 @@ def test_allreduce_digits_trains_to_090(undisturbed):
 def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tmp_path):
     _, base = undisturbed
     total = digits_data["rows"] * EPOCHS
-    # Leases of 16 steps: a 4-step lease could be all committed when the kill lands, leaving nothing to requeue.
-    proc, summary = train(digits_data, tmp_path, *SETTINGS, "--records-per-task", "512",
+    proc, summary = train(digits_data, tmp_path, *SETTINGS, *LEASES_OUTLAST_A_KILL,
                           "--chaos", f"kill:worker-1@{int(total * 0.1)}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)

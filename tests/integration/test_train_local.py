@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.integration.harness import CTR_MODEL, train
+from tests.integration.harness import CTR_MODEL, LEASES_OUTLAST_A_KILL, train
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
@@ -46,9 +46,7 @@ def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
     total = digits_data["rows"] * EPOCHS
     # Chaos fires only while both workers train and the target holds a lease: the SIGTERM comes as
     # soon as worker-0's replacement has joined, whatever this machine's speed.
-    # Leases of 16 minibatches, not 4: a lease of 4 here lasts about as long as a kill takes to be seen
-    # (~13 ms), so the reports already on their way could end it and leave nothing to requeue.
-    proc, summary = train(digits_data, tmp_path, *SETTINGS, "--records-per-task", "512",  # the last one counts
+    proc, summary = train(digits_data, tmp_path, *SETTINGS, *LEASES_OUTLAST_A_KILL,
                           "--chaos", f"kill:worker-0@{int(total * 0.1)}",
                           "--chaos", f"term:worker-1@{int(total * 0.1) + 1}")
     assert proc.returncode == 0, proc.stderr[-3000:]
