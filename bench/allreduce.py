@@ -3,7 +3,10 @@ loopback TCP, all measured in the same run; and the pause after a loss in a real
 
 For each buffer size (`--params` float32 values) and member count (`--members`), `--repeats` rounds,
 each running every contender in turn for `--steps` timed steps (after one warm-up step):
-  * ours: N spawned processes, each with its Collective gRPC server and `Ring` (TCP transport);
+  * ours: N spawned processes, each with its Collective gRPC server and `Ring`; on one host, as here,
+    payloads go through shared-memory lanes between neighbours (the TCP connections carry headers);
+  * ours-tcp: the same with payloads over TCP too (`Ring(shared_memory=False)`), as between hosts or
+    pods: what a job spread over nodes gets;
   * gloo: N processes, `torch.distributed` with backend "gloo", initialised over a TCP store on
     127.0.0.1 (GLOO_SOCKET_IFNAME=lo), `dist.all_reduce` of a copy of the buffer;
   * TF: N processes, `tf.distribute.MultiWorkerMirroredStrategy` with CommunicationImplementation.RING
@@ -34,6 +37,7 @@ CPU, so the figures are a lower bound of what separate hosts would see, for ever
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -50,7 +54,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 TOKEN = "bench-token"
-CONTENDERS = ("ours", "gloo", "tf")
+CONTENDERS = ("ours", "ours-tcp", "gloo", "tf")
 
 
 # ---------------------------------------------------------------- raw loopback
@@ -142,11 +146,11 @@ def free_ports(k: int) -> list[int]:
     return ports
 
 
-def _ours(rank: int, n: int, rendezvous):
+def _ours(rank: int, n: int, rendezvous, shared_memory: bool = True):
     from elastic_step.worker import collective
 
     name = f"worker-{rank}"
-    ring = collective.Ring(TOKEN, name, "127.0.0.1")
+    ring = collective.Ring(TOKEN, name, "127.0.0.1", shared_memory)
     server, port = collective.serve(collective.CollectiveService(TOKEN, collective.StateProvider(), ring.port),
                                     "127.0.0.1")
     addr_q, peers_q = rendezvous
@@ -197,7 +201,7 @@ def _tf(rank: int, n: int, rendezvous):
     return allreduce, lambda: None
 
 
-SETUP = {"ours": _ours, "gloo": _gloo, "tf": _tf}
+SETUP = {"ours": _ours, "ours-tcp": functools.partial(_ours, shared_memory=False), "gloo": _gloo, "tf": _tf}
 
 
 def _member(contender: str, rank: int, n: int, rendezvous, cmd_q, out_q) -> None:
@@ -233,7 +237,7 @@ class Group:
         ctx = mp.get_context("spawn")
         self.contender, self.n, self.error = contender, n, None
         self.out_q, self.cmd_qs = ctx.Queue(), [ctx.Queue() for _ in range(n)]
-        if contender == "ours":
+        if contender.startswith("ours"):
             addr_q, peers_qs = ctx.Queue(), [ctx.Queue() for _ in range(n)]
             rendezvous = [(addr_q, q) for q in peers_qs]
         elif contender == "gloo":
@@ -244,7 +248,7 @@ class Group:
                       for r in range(n)]
         for p in self.procs:
             p.start()
-        if contender == "ours":
+        if contender.startswith("ours"):
             addrs = dict(addr_q.get(timeout=120) for _ in range(n))
             for q in peers_qs:
                 q.put([(f"worker-{r}", addrs[r]) for r in range(n)])
@@ -301,9 +305,10 @@ def compare(sizes: list[int], members: list[int], repeats: int, steps: int, cont
                     row[c] = {"error": g.error} if g.error else {"bus_bytes_per_s": spread(bus[c]),
                                                                  "max_abs_error": error[c]}
                 best = {c: row[c]["bus_bytes_per_s"]["max"] for c in contenders if "bus_bytes_per_s" in row[c]}
-                row["ratios_best"] = {f"ours/{c}": best["ours"] / best[c] for c in best if c != "ours"}
-                row["ratios_best"]["ours/raw"] = best["ours"] / row["raw_bytes_per_s"]["max"]
-                row["ratios_best"]["ours/duplex"] = best["ours"] / row["duplex_bytes_per_s"]["max"]
+                peers = {**{c: b for c, b in best.items() if not c.startswith("ours")},
+                         "raw": row["raw_bytes_per_s"]["max"], "duplex": row["duplex_bytes_per_s"]["max"]}
+                row["ratios_best"] = {f"{ours}/{c}": best[ours] / b for ours in ("ours", "ours-tcp") if ours in best
+                                      for c, b in peers.items()}
                 rows.append(row)
                 print_row(row)
         finally:
@@ -316,11 +321,12 @@ def _mbs(s: dict) -> str:
     return f"{s['min'] / 1e6:5.0f} {s['median'] / 1e6:5.0f} {s['max'] / 1e6:5.0f}"
 
 
-HEADER = (f"{'N':>2} {'values':>6} {'MB':>5} | {'ours bus MB/s':^17} | {'gloo bus MB/s':^17} | "
-          f"{'TF ring bus MB/s':^17} | {'raw loopback MB/s':^17} | {'raw both ways MB/s':^17} | "
-          f"ours/gloo ours/TF ours/raw ours/both | max|err| ours/gloo/TF\n"
+HEADER = (f"{'N':>2} {'values':>6} {'MB':>5} | {'ours bus MB/s':^17} | {'ours-tcp bus MB/s':^17} | "
+          f"{'gloo bus MB/s':^17} | {'TF ring bus MB/s':^17} | {'raw loopback MB/s':^17} | "
+          f"{'raw both ways MB/s':^17} | ours/gloo ours/TF ours/raw ours/both tcp/gloo tcp/both | "
+          f"max|err| ours/tcp/gloo/TF\n"
           f"{'':>16} | {'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | "
-          f"{'min   med   max':^17} | {'min   med   max':^17} | {'(best against best)':^36} |")
+          f"{'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | {'(best against best)':^54} |")
 
 
 def print_row(row: dict) -> None:
@@ -328,10 +334,11 @@ def print_row(row: dict) -> None:
              for c in CONTENDERS]
     r = row["ratios_best"]
     ratio = " ".join(f"{r[k]:>{w}.2f}" if k in r else f"{'n/a':>{w}}"
-                     for k, w in (("ours/gloo", 9), ("ours/tf", 7), ("ours/raw", 8), ("ours/duplex", 9)))
+                     for k, w in (("ours/gloo", 9), ("ours/tf", 7), ("ours/raw", 8), ("ours/duplex", 9),
+                                  ("ours-tcp/gloo", 8), ("ours-tcp/duplex", 8)))
     errs = "/".join(f"{row[c]['max_abs_error']:.1g}" if "max_abs_error" in row.get(c, {}) else "-" for c in CONTENDERS)
-    print(f"{row['members']:>2} {row['params'] / 1e6:>5.0f}M {row['buffer_bytes'] / 1e6:>5.1f} | {cells[0]} | "
-          f"{cells[1]} | {cells[2]} | {_mbs(row['raw_bytes_per_s'])} | {_mbs(row['duplex_bytes_per_s'])} | {ratio}  | "
+    print(f"{row['members']:>2} {row['params'] / 1e6:>5.0f}M {row['buffer_bytes'] / 1e6:>5.1f} | "
+          f"{' | '.join(cells)} | {_mbs(row['raw_bytes_per_s'])} | {_mbs(row['duplex_bytes_per_s'])} | {ratio}  | "
           f"{errs}", flush=True)
     for c in CONTENDERS:
         if "error" in row.get(c, {}):

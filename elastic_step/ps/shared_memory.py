@@ -7,29 +7,28 @@ a segment the shard has mapped too, the shard writes its fresh values back into 
 only the small keyed PushRequest crosses the socket. Exactly-once is unchanged: the key still
 travels in the request and the shard still applies it at most once.
 
-The segment is a file under /dev/shm that the worker creates and unlinks as soon as the shard has
-mapped it, so nothing is left behind when either process dies. A shard that cannot map it (another
-host, another pod's /dev/shm) refuses, and that worker's pushes carry their bytes in the message.
+The segment is a file under /dev/shm (util/shared_memory.py) that the worker creates and unlinks as
+soon as the shard has mapped it, so nothing is left behind when either process dies. A shard that
+cannot map it (another host, another pod's /dev/shm) refuses, and that worker's pushes carry their
+bytes in the message.
 """
 from __future__ import annotations
 
 import collections
-import mmap
-import os
 import hmac
+import mmap
 import secrets
 import threading
 
 import numpy as np
 
-SHM_DIR = "/dev/shm"
+from elastic_step.util.shared_memory import SHM_DIR, SharedMemoryUnavailable, create, open_segment, unlink
+
+__all__ = ["SHM_DIR", "SharedMemoryUnavailable", "PushSlots", "SharedSegments"]
+
 HEADER = 64                     # bytes before the first slot: the nonce that proves it is our segment
 NONCE = 16
 MAX_SEGMENTS = 64               # per shard; the least recently used is dropped (a lost worker's)
-
-
-class SharedMemoryUnavailable(Exception):
-    """This host gives no shared memory for push slots (no /dev/shm, or it is full)."""
 
 
 def _layout(floats: int, slots: int) -> int:
@@ -43,21 +42,7 @@ class PushSlots:
         self.floats = floats
         self.size = _layout(floats, slots)
         self.nonce = secrets.token_bytes(NONCE)
-        self.path = os.path.join(SHM_DIR, f"elastic-step-{tag}-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as e:
-            raise SharedMemoryUnavailable(f"cannot create {self.path}: {e.strerror}") from e
-        try:
-            # Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of a SIGBUS
-            # on the first write into the mapping.
-            os.posix_fallocate(fd, 0, self.size)
-            self._map = mmap.mmap(fd, self.size)
-        except OSError as e:
-            self.unlink()
-            raise SharedMemoryUnavailable(f"cannot reserve {self.size} bytes in {SHM_DIR}: {e.strerror}") from e
-        finally:
-            os.close(fd)
+        self._map, self.path = create(tag, self.size)
         self._map[:NONCE] = self.nonce
 
     def gradient(self, slot: int) -> np.ndarray:
@@ -68,10 +53,7 @@ class PushSlots:
 
     def unlink(self) -> None:
         """Drop the name (the mappings stay): called once the shard has mapped it, and on close."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink(self.path)
 
     def close(self) -> None:
         self.unlink()
@@ -93,19 +75,7 @@ class SharedSegments:
 
     def attach(self, path: str, nonce: bytes, floats: int, slots: int) -> int:
         """Map a worker's segment; raises ValueError (the reason) when it is not one we can use."""
-        if os.path.dirname(os.path.abspath(path)) != SHM_DIR or not os.path.basename(path).startswith("elastic-step-"):
-            raise ValueError(f"{path!r} is not an elastic-step segment under {SHM_DIR}")
-        size = _layout(floats, slots)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)   # the worker made a file, not a link
-        except OSError as e:   # another host or pod: its /dev/shm is not ours
-            raise ValueError(f"cannot open {path}: {e.strerror}") from e
-        try:
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"{path} holds {os.fstat(fd).st_size} bytes, {slots} slots of {floats} need {size}")
-            seg = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        seg = open_segment(path, _layout(floats, slots))
         if seg[:NONCE] != nonce:
             seg.close()
             raise ValueError(f"{path} is not the segment the worker created (nonce differs)")

@@ -1,9 +1,10 @@
 """Ring AllReduce between workers, and the worker's Collective service.
 
 N members, one flat float32 buffer split into N chunks: N-1 reduce-scatter rounds, then N-1
-all-gather rounds. A member sends to its right neighbour and receives from its left one over plain
-TCP (ring_transport.py: raw float32 frames keyed (version, step, phase, round, offset), read straight
-into numpy memory). Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
+all-gather rounds. A member sends to its right neighbour and receives from its left one over TCP
+(ring_transport.py: raw float32 frames keyed (version, step, phase, round, offset), read straight
+into numpy memory), or, between neighbours on one host, through a shared-memory lane that the TCP
+connection signals (ring_lane.py). Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
 piece as soon as it has added its own values to it (reduce-scatter) or copied it (all-gather),
 while its sender thread writes the previous ones. Bandwidth, not per-message overhead, bounds a
 large buffer.
@@ -43,7 +44,7 @@ __all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve
 
 log = logging.getLogger("elastic_step.worker")
 
-PIECE_VALUES = 1 << 16      # float32 values per frame (256 KB: fewer Python steps per MB; see README's AllReduce)
+PIECE_VALUES = 1 << 18      # float32 values per frame (1 MB: fewer Python steps and wake-ups per MB; see README)
 CHAOS_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"   # tests: "worker-1@step=25" SIGKILLs worker-1 mid-collective
 
 
@@ -115,10 +116,11 @@ def chaos_target(me: str) -> int | None:
 
 class Ring:
     """This member's side of the ring: its ring listener, its links to right neighbours, and the
-    ports of its peers' listeners (asked once per peer)."""
+    ports of its peers' listeners (asked once per peer). `shared_memory`: offer each right neighbour
+    a shared-memory lane (used if it is on this host)."""
 
-    def __init__(self, token: str, me: str, host: str):
-        self.token, self.me = token, me
+    def __init__(self, token: str, me: str, host: str, shared_memory: bool = True):
+        self.token, self.me, self.shared_memory = token, me, shared_memory
         self.listener = RingListener(token, host)
         self.port = self.listener.port
         # (name, gRPC address) -> OutLink. A link to a peer that is no longer the right neighbour stays
@@ -127,7 +129,6 @@ class Ring:
         self._links: dict[tuple[str, str], OutLink] = {}
         self._ports: dict[str, int] = {}         # gRPC address -> ring port
         self._begun = (-1, -1)                   # the newest (version, step) attempted
-        self._scratch = np.empty(PIECE_VALUES, np.float32)
         self.chaos_step = chaos_target(me)
 
     def _link_to(self, peer: str, address: str, me: tuple[str, str]) -> OutLink:
@@ -147,7 +148,7 @@ class Ring:
                 ch.close()
         host = address.rsplit(":", 1)[0].strip("[]")
         try:
-            link = connect(peer, host, self._ports[address], self.token, me)
+            link = connect(peer, host, self._ports[address], self.token, me, self.shared_memory)
         except PeerFailed:
             del self._ports[address]     # a relaunched peer at the same address listens elsewhere
             raise
@@ -227,9 +228,7 @@ class Ring:
                                             "have the same model?")
             break
         if phase == 0:
-            incoming = self._scratch[:piece.size]
-            link.payload(incoming, wait)
-            np.add(own, incoming, out=piece)
+            link.add(own, piece, wait)
         else:
             link.payload(piece, wait)
 

@@ -1,4 +1,4 @@
-"""The ring AllReduce's data path: plain TCP between ring neighbours.
+"""The ring AllReduce's data path: TCP between ring neighbours, payloads through shared memory on one host.
 
 Each worker listens on a port of its own for ring data (`RingListener`, beside its Collective gRPC
 server, which tells peers the port: `Collective.RingEndpoint`). A member writes to its right
@@ -6,10 +6,11 @@ neighbour over one connection (`OutLink`, with a sender thread) and reads its le
 connection itself (`InLink`), so sending, receiving and reducing overlap.
 
 A connection opens with a hello: magic, the job token, the sender's name and gRPC address (a peer
-relaunched under the same name is another peer). The listener answers
-ACCEPTED, or REFUSED with a reason and closes: a connection without the job's token carries no data.
-Then frames: a header (version, step, phase, round, offset, count) and `count` raw little-endian
-float32 values, which the receiver reads with recv_into straight into numpy memory.
+relaunched under the same name is another peer), and the name of a shared-memory lane (ring_lane.py)
+or nothing. The listener answers ACCEPTED and whether it mapped the lane, or REFUSED with a reason and
+closes: a connection without the job's token carries no data. Then frames: a header (version, step,
+phase, round, offset, count), and `count` raw little-endian float32 values that follow it over TCP,
+read with recv_into straight into numpy memory, or that the sender put in the lane before the header.
 
 Frames of one attempt arrive in the order the receiver expects them. A frame of an older
 (version, step) is read and dropped, so stale data is never mixed into a newer step; a frame of a
@@ -35,13 +36,15 @@ from typing import Callable
 
 import numpy as np
 
+from elastic_step.worker.ring_lane import Lane, LaneReader, LaneWriter
+
 log = logging.getLogger("elastic_step.worker")
 
 POLL_S = 0.05
 PEER_TIMEOUT_S = 120.0
 HELLO_TIMEOUT_S = 10.0
-MAGIC = b"ESR1"
-HELLO = struct.Struct("<4sHHH")           # magic; lengths of the token, the sender's name and address
+MAGIC = b"ESR2"
+HELLO = struct.Struct("<4sHHHH")          # magic; lengths of the token, the sender's name and address, the lane's name
 FRAME = struct.Struct("<qqiiqq")          # version, step, phase, round, offset, count (float32 values)
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
@@ -83,10 +86,12 @@ def _stream(sock: socket.socket) -> None:
 
 
 class InLink:
-    """A left neighbour's connection, read only by the allreduce's own thread."""
+    """A left neighbour's connection (and lane, if any), used only by the allreduce's own thread."""
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, lane: Lane | None = None):
         self.sock, self.peer = sock, peer
+        self.lane = LaneReader(lane, sock) if lane is not None else None
+        self._scratch = np.empty(0, np.float32)   # a TCP payload, before it is added
         self.header = bytearray(FRAME.size)
         self.header_got = 0                  # bytes of `header` read so far
         self.pending: tuple | None = None    # a header read whose payload is not
@@ -117,17 +122,49 @@ class InLink:
                 self.header_got += self._recv(view[self.header_got:], wait)
             self.header_got = 0
             self.pending = FRAME.unpack(self.header)
-            self.payload_left = 4 * self.pending[5]
+            self.payload_left = 4 * self.pending[5] if self.lane is None else 0
         return self.pending
 
     def payload(self, into: np.ndarray, wait: Callable[[], None]) -> None:
         """The pending frame's values, into `into` (float32, exactly the frame's count)."""
-        self.pending = None
-        self._drain_payload(memoryview(into).cast("B"), wait)
+        if self.lane is None:
+            self.pending = None
+            self._drain_payload(memoryview(into).cast("B"), wait)
+        else:
+            np.copyto(into, self._in_lane())
+            self._credit()
+
+    def add(self, own: np.ndarray, into: np.ndarray, wait: Callable[[], None]) -> None:
+        """The pending frame's values plus `own`, into `into` (both float32, exactly the frame's count)."""
+        if self.lane is None:
+            if self._scratch.size < into.size:
+                self._scratch = np.empty(into.size, np.float32)
+            incoming = self._scratch[:into.size]
+            self.payload(incoming, wait)
+            np.add(own, incoming, out=into)
+        else:
+            np.add(own, self._in_lane(), out=into)
+            self._credit()
 
     def skip(self, wait: Callable[[], None]) -> None:
+        if self.lane is None:
+            self.pending = None
+            self._drain_payload(None, wait)
+        else:
+            self._in_lane()
+            self._credit()
+
+    def _in_lane(self) -> np.ndarray:
+        count = self.pending[5]
         self.pending = None
-        self._drain_payload(None, wait)
+        self.last_progress = time.monotonic()
+        return self.lane.take(count)
+
+    def _credit(self) -> None:
+        try:
+            self.lane.credit()
+        except OSError as e:
+            raise PeerFailed(self.peer, f"ring connection failed: {e}") from e
 
     def _drain_payload(self, into: memoryview | None, wait: Callable[[], None]) -> None:
         # If interrupted, `payload_left` keeps what is still unread: the next call drops it.
@@ -139,16 +176,17 @@ class InLink:
             self.payload_left -= self._recv(view, wait)
 
     def close(self) -> None:
-        self.sock.close()
+        self.sock.close()     # the lane is unmapped with the last reference to this link
 
 
 class OutLink:
-    """The connection to the right neighbour and its sender thread: frames go out in the order they
-    are queued while the allreduce's thread receives and reduces. The payloads are views of the
-    caller's buffer: it must not change them before `drain` returns."""
+    """The connection to the right neighbour (and lane, if any) and its sender thread: frames go out in
+    the order they are queued while the allreduce's thread receives and reduces. The payloads are views
+    of the caller's buffer: it must not change them before `drain` returns."""
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, lane: Lane | None = None):
         self.sock, self.peer = sock, peer
+        self.lane = LaneWriter(lane, sock) if lane is not None else None
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
         self.busy = False                # the thread is writing a frame
@@ -158,7 +196,7 @@ class OutLink:
         threading.Thread(target=self._run, name=f"ring-send-{peer}", daemon=True).start()
 
     def send(self, key: tuple[int, int], phase: int, rnd: int, offset: int, values: np.ndarray) -> None:
-        frame = (FRAME.pack(*key, phase, rnd, offset, values.size), memoryview(values).cast("B"))
+        frame = (FRAME.pack(*key, phase, rnd, offset, values.size), values)
         with self.cv:
             self.queue.append(frame)
             self.cv.notify_all()
@@ -199,13 +237,20 @@ class OutLink:
                 if self.closed:
                     break
                 # Every frame queued so far in one write: fewer system calls and wake-ups on a busy machine.
-                views = []
-                while self.queue and len(views) < WRITE_FRAMES * 2:
-                    header, payload = self.queue.popleft()
-                    views += [memoryview(header), payload]
+                # Through a lane, one at a time: its header goes as soon as its payload is in place.
+                frames = []
+                while self.queue and len(frames) < (WRITE_FRAMES if self.lane is None else 1):
+                    frames.append(self.queue.popleft())
                 self.busy = True
             try:
-                self._write(views)
+                if self.lane is None:
+                    self._write([v for header, values in frames for v in (memoryview(header),
+                                                                           memoryview(values).cast("B"))])
+                else:
+                    for header, values in frames:
+                        self.lane.put(values, lambda: self.closed)
+                        self.last_progress = time.monotonic()
+                        self._write([memoryview(header)])
             except OSError as e:
                 with self.cv:
                     self.failure = f"ring connection failed: {e}"
@@ -216,6 +261,7 @@ class OutLink:
                 self.busy = False
                 self.cv.notify_all()
         self.sock.close()
+        self.lane = None      # unmapped once no view of it is left
 
     def _write(self, views: list[memoryview]) -> None:
         while views:
@@ -232,29 +278,38 @@ class OutLink:
                 views[0] = views[0][n:]
 
 
-def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str]) -> OutLink:
+def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str], shared: bool = True) -> OutLink:
     """A connection to `peer`'s ring listener, admitted with the job token, from `me` (name, gRPC
-    address). Raises PeerFailed."""
+    address); with a shared-memory lane if `shared` and the peer can map it. Raises PeerFailed."""
     try:
         sock = socket.create_connection((host, port), timeout=HELLO_TIMEOUT_S)
     except OSError as e:
         raise PeerFailed(peer, f"cannot open a ring connection to {host}:{port}: {e}") from e
+    offered = lane = Lane.create() if shared else None
     try:
         _tune(sock)
         token_b, name_b, address_b = token.encode(), me[0].encode(), me[1].encode()
-        sock.sendall(HELLO.pack(MAGIC, len(token_b), len(name_b), len(address_b)) + token_b + name_b + address_b)
+        lane_b = lane.name.encode() if lane is not None else b""
+        sock.sendall(HELLO.pack(MAGIC, len(token_b), len(name_b), len(address_b), len(lane_b))
+                     + token_b + name_b + address_b + lane_b)
         answer = _recv_exact(sock, 1)
         if answer != ACCEPTED:
             reason = sock.recv(500).decode(errors="replace")
             raise PeerFailed(peer, f"{host}:{port} refused the ring connection: {reason}")
+        if _recv_exact(sock, 1) != ACCEPTED:
+            lane = None                  # the peer cannot see it: payloads over TCP
     except (OSError, ConnectionError) as e:
         sock.close()
         raise PeerFailed(peer, f"ring connection to {host}:{port} failed during the hello: {e}") from e
     except PeerFailed:
         sock.close()
         raise
+    finally:
+        if offered is not None:
+            offered.unlink()             # mapped by both sides now, or by this one only until it lets go
+    log.info("ring link to %s: payloads %s", peer, "through shared memory" if lane is not None else "over TCP")
     _stream(sock)
-    return OutLink(sock, peer)
+    return OutLink(sock, peer, lane)
 
 
 class RingListener:
@@ -280,16 +335,19 @@ class RingListener:
     def _admit(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
-            magic, token_len, name_len, address_len = HELLO.unpack(_recv_exact(conn, HELLO.size))
+            magic, token_len, name_len, address_len, lane_len = HELLO.unpack(_recv_exact(conn, HELLO.size))
             if magic != MAGIC:
                 return self._refuse(conn, "not an elastic-step ring connection")
-            token, name, address = (_recv_exact(conn, token_len), _recv_exact(conn, name_len).decode(errors="replace"),
-                                    _recv_exact(conn, address_len).decode(errors="replace"))
+            token, name, address, lane_name = (
+                _recv_exact(conn, token_len), _recv_exact(conn, name_len).decode(errors="replace"),
+                _recv_exact(conn, address_len).decode(errors="replace"),
+                _recv_exact(conn, lane_len).decode(errors="replace"))
             if not hmac.compare_digest(token, self.token):
                 log.warning("refused a ring connection from %s (%s): wrong job token", name, conn.getpeername())
                 return self._refuse(conn, "wrong job token")
+            lane = Lane.attach(lane_name) if lane_name else None
             _tune(conn)
-            conn.sendall(ACCEPTED)
+            conn.sendall(ACCEPTED + (ACCEPTED if lane is not None else REFUSED))
         except (OSError, ConnectionError, struct.error):
             conn.close()
             return
@@ -298,7 +356,7 @@ class RingListener:
             old = self.links.get((name, address))
             if old is not None:
                 self.replaced.append(old)    # closed by the reader's thread, which may be reading it
-            self.links[(name, address)] = InLink(conn, name)
+            self.links[(name, address)] = InLink(conn, name, lane)
             self.cv.notify_all()
 
     @staticmethod

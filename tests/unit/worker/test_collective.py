@@ -1,7 +1,9 @@
-"""The ring AllReduce over its TCP transport: exact sums, the same bits on every member, and the ways an
-attempt ends early (a version change, a dead peer, a wrong token, stale frames of an older step)."""
+"""The ring AllReduce over its transport, with payloads through shared-memory lanes and over TCP: exact sums,
+the same bits on every member, and the ways an attempt ends early (a version change, a dead peer, a wrong
+token, stale frames of an older step)."""
 from __future__ import annotations
 
+import glob
 import os
 import socket
 import subprocess
@@ -12,18 +14,21 @@ import time
 import numpy as np
 import pytest
 
-from elastic_step.worker import collective, ring_transport
+from elastic_step.ps.shared_memory import PushSlots
+from elastic_step.util import shared_memory
+from elastic_step.worker import collective, ring_lane, ring_transport
 from elastic_step.worker.collective import PIECE_VALUES, Aborted, PeerFailed
 
 TOKEN = "test-token"
+LANE_VALUES = ring_lane.LANE_BYTES // 4
 
 
 class Member:
     """A worker's ring side in this process: its Ring, and the gRPC server that tells peers its port."""
 
-    def __init__(self, name: str, token: str = TOKEN):
+    def __init__(self, name: str, token: str = TOKEN, shared_memory: bool = True):
         self.name = name
-        self.ring = collective.Ring(token, name, "127.0.0.1")
+        self.ring = collective.Ring(token, name, "127.0.0.1", shared_memory)
         self.server, port = collective.serve(
             collective.CollectiveService(token, collective.StateProvider(), self.ring.port), "127.0.0.1")
         self.address = f"127.0.0.1:{port}"
@@ -33,18 +38,32 @@ class Member:
         self.server.stop(0)
 
 
-@pytest.fixture
-def members():
+def lane_files() -> set[str]:
+    return set(glob.glob(os.path.join(shared_memory.SHM_DIR, "elastic-step-ring-*")))
+
+
+def mapped_lanes() -> list[str]:
+    """This process's mappings of lane files, as the kernel lists them."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if "elastic-step-ring-" in line]
+
+
+@pytest.fixture(params=[True, False], ids=["lane", "tcp"])
+def members(request):
+    """Members whose links offer a shared-memory lane (all on this host, so they use it), or not."""
     made: list[Member] = []
+    files_before = lane_files()
 
     def make(n: int, prefix: str = "worker") -> list[Member]:
-        new = [Member(f"{prefix}-{len(made) + i}") for i in range(n)]
+        new = [Member(f"{prefix}-{len(made) + i}", shared_memory=request.param) for i in range(n)]
         made.extend(new)
         return new
 
+    make.shared = request.param
     yield make
     for m in made:
         m.close()
+    assert lane_files() <= files_before, "a lane's file outlived the hello"
 
 
 def never_abort() -> None:
@@ -86,7 +105,9 @@ def ring_order_sum(bufs: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("n, size", [(2, 1000), (3, 3 * PIECE_VALUES + 17), (4, 5 * PIECE_VALUES // 2), (3, 2)])
+# The last two outgrow a lane several times over, with pieces that leave a tail at its end.
+@pytest.mark.parametrize("n, size", [(2, 1000), (3, 3 * PIECE_VALUES + 17), (4, 5 * PIECE_VALUES // 2), (3, 2),
+                                     (2, 3 * LANE_VALUES + 123), (3, 2 * LANE_VALUES + 7)])
 def test_every_member_ends_with_the_same_bits_of_the_sum(members, n, size):
     ms = members(n)
     rng = np.random.default_rng(n * size)
@@ -148,15 +169,17 @@ def test_a_version_change_aborts_a_member_waiting_for_its_neighbour(members):
     assert check.seen[0] == 3
 
 
-def test_frames_of_an_aborted_step_are_never_mixed_into_the_next(members):
+@pytest.mark.parametrize("size", [3 * PIECE_VALUES, 3 * LANE_VALUES + 5])
+def test_frames_of_an_aborted_step_are_never_mixed_into_the_next(members, size):
     a, b = members(2)
     ring = [(a.name, a.address), (b.name, b.address)]
-    stale = np.full(3 * PIECE_VALUES, 1e6, np.float32)
-    # a's attempt at (1, 5) sends its chunk to b, then is aborted: b never took part in version 1.
+    stale = np.full(size, 1e6, np.float32)
+    # a's attempt at (1, 5) sends its chunk to b, then is aborted: b never took part in version 1. The larger
+    # size's chunk fills b's lane, and a's sender waits for room that only b's skipping of them gives back.
     with pytest.raises(Aborted):
         a.ring.allreduce(stale, ring, 1, 5, aborts_after(2))
     # Version 2 retries step 5 with other values; b's connection still holds a's stale frames.
-    bufs = [np.full(3 * PIECE_VALUES, 1.0, np.float32), np.full(3 * PIECE_VALUES, 2.0, np.float32)]
+    bufs = [np.full(size, 1.0, np.float32), np.full(size, 2.0, np.float32)]
     results = allreduce_all([a, b], bufs, 2, 5)
     for r in results:
         assert isinstance(r, np.ndarray), r
@@ -240,3 +263,47 @@ def test_a_peer_killed_in_the_middle_of_a_collective_is_a_peer_failure_not_a_han
         assert peer.wait(30) == -9
     finally:
         peer.kill()
+
+
+def test_members_on_one_host_move_payloads_through_shared_memory_that_dies_with_them(members):
+    before = set(mapped_lanes())
+    a, b, c = members(3)
+    bufs = [np.full(3 * PIECE_VALUES, float(i + 1), np.float32) for i in range(3)]
+    assert all(np.all(r == 6) for r in allreduce_all([a, b, c], bufs, 1, 0))
+    links = [m.ring._links[key] for m in (a, b, c) for key in m.ring._links]
+    # The kernel's list of this process's mappings: both ends of the 3 links, their files already unlinked.
+    maps = [line for line in mapped_lanes() if line not in before]
+    if members.shared:
+        assert all(link.lane is not None for link in links)
+        assert len(maps) == 6 and all(line.rstrip().endswith("(deleted)") for line in maps), maps
+    else:
+        assert all(link.lane is None for link in links) and maps == []
+    for m in (a, b, c):
+        m.close()
+    deadline = time.monotonic() + 10
+    while set(mapped_lanes()) - before and time.monotonic() < deadline:    # the sender threads let go as they end
+        time.sleep(0.05)
+    assert set(mapped_lanes()) - before == set()
+
+
+def test_a_neighbour_that_cannot_see_the_lane_gets_payloads_over_tcp(members, tmp_path, monkeypatch):
+    # A lane made where the receiver does not look, as on another host or in another pod: the hello's
+    # answer says so, the link sends payloads over TCP, and the sender's file is gone.
+    create = ring_lane.Lane.create
+    monkeypatch.setattr(ring_lane.Lane, "create", classmethod(lambda cls: create.__func__(cls, str(tmp_path))))
+    a, b = members(2)
+    bufs = [np.arange(2 * PIECE_VALUES + 3, dtype=np.float32) * (i + 1) for i in range(2)]
+    assert all(np.array_equal(r, bufs[0] * 3) for r in allreduce_all([a, b], bufs, 1, 0))
+    assert all(link.lane is None for m in (a, b) for link in m.ring._links.values())
+    assert list(tmp_path.iterdir()) == [] and mapped_lanes() == []
+
+
+def test_a_lane_name_is_only_ever_looked_up_among_our_segments_in_shared_memory():
+    for name in ("../etc/passwd", "/etc/passwd", "elastic-step-ring-gone"):
+        assert ring_lane.Lane.attach(name) is None
+    # Another of our segments (a PS's push slots) is neither mapped as a lane nor unlinked.
+    slots = PushSlots(4, 1, tag="ps0")
+    try:
+        assert ring_lane.Lane.attach(os.path.basename(slots.path)) is None and os.path.exists(slots.path)
+    finally:
+        slots.close()
