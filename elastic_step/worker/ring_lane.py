@@ -32,9 +32,9 @@ from elastic_step.util import shared_memory
 
 log = logging.getLogger("elastic_step.worker")
 
-LANE_BYTES = 8 << 20
-CREDIT_BYTES = LANE_BYTES // 8
-MAX_FRAME_BYTES = LANE_BYTES // 4
+LANE_BYTES = 16 << 20
+CREDIT_BYTES = LANE_BYTES // 4      # a credit is a loopback send, which wakes the sender: not one per frame
+MAX_FRAME_BYTES = LANE_BYTES // 8
 CREDIT = struct.Struct("<q")        # the receiver's running total of bytes taken
 
 

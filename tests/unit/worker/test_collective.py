@@ -3,6 +3,7 @@ the same bits on every member, and the ways an attempt ends early (a version cha
 token, stale frames of an older step)."""
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import socket
@@ -282,6 +283,7 @@ def test_members_on_one_host_move_payloads_through_shared_memory_that_dies_with_
         m.close()
     deadline = time.monotonic() + 10
     while set(mapped_lanes()) - before and time.monotonic() < deadline:    # the sender threads let go as they end
+        gc.collect()
         time.sleep(0.05)
     assert set(mapped_lanes()) - before == set()
 
@@ -291,11 +293,12 @@ def test_a_neighbour_that_cannot_see_the_lane_gets_payloads_over_tcp(members, tm
     # answer says so, the link sends payloads over TCP, and the sender's file is gone.
     create = ring_lane.Lane.create
     monkeypatch.setattr(ring_lane.Lane, "create", classmethod(lambda cls: create.__func__(cls, str(tmp_path))))
+    before = set(mapped_lanes())
     a, b = members(2)
     bufs = [np.arange(2 * PIECE_VALUES + 3, dtype=np.float32) * (i + 1) for i in range(2)]
     assert all(np.array_equal(r, bufs[0] * 3) for r in allreduce_all([a, b], bufs, 1, 0))
     assert all(link.lane is None for m in (a, b) for link in m.ring._links.values())
-    assert list(tmp_path.iterdir()) == [] and mapped_lanes() == []
+    assert list(tmp_path.iterdir()) == [] and set(mapped_lanes()) <= before
 
 
 def test_a_lane_name_is_only_ever_looked_up_among_our_segments_in_shared_memory():
