@@ -114,10 +114,14 @@ def chaos_target(me: str) -> int | None:
     return None
 
 
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 class Ring:
     """This member's side of the ring: its ring listener, its links to right neighbours, and the
-    ports of its peers' listeners (asked once per peer). `shared_memory`: offer each right neighbour
-    a shared-memory lane (used if it is on this host)."""
+    ports of its peers' listeners (asked once per peer). `shared_memory`: offer a right neighbour at
+    this member's own host address a shared-memory lane (used if it is on this host)."""
 
     def __init__(self, token: str, me: str, host: str, shared_memory: bool = True):
         self.token, self.me, self.shared_memory = token, me, shared_memory
@@ -146,9 +150,12 @@ class Ring:
                 raise PeerFailed(peer, f"RingEndpoint: {e.code().name}: {e.details()}") from e
             finally:
                 ch.close()
-        host = address.rsplit(":", 1)[0].strip("[]")
+        host = _host(address)
+        # A lane is offered only to a peer at this member's own address: pods each have an address (and a
+        # /dev/shm) of their own, and would only make and drop one.
+        shared = self.shared_memory and host == _host(me[1])
         try:
-            link = connect(peer, host, self._ports[address], self.token, me, self.shared_memory)
+            link = connect(peer, host, self._ports[address], self.token, me, shared)
         except PeerFailed:
             del self._ports[address]     # a relaunched peer at the same address listens elsewhere
             raise

@@ -27,12 +27,12 @@ LANE_VALUES = ring_lane.LANE_BYTES // 4
 class Member:
     """A worker's ring side in this process: its Ring, and the gRPC server that tells peers its port."""
 
-    def __init__(self, name: str, token: str = TOKEN, shared_memory: bool = True):
+    def __init__(self, name: str, token: str = TOKEN, shared_memory: bool = True, host: str = "127.0.0.1"):
         self.name = name
-        self.ring = collective.Ring(token, name, "127.0.0.1", shared_memory)
+        self.ring = collective.Ring(token, name, host, shared_memory)
         self.server, port = collective.serve(
-            collective.CollectiveService(token, collective.StateProvider(), self.ring.port), "127.0.0.1")
-        self.address = f"127.0.0.1:{port}"
+            collective.CollectiveService(token, collective.StateProvider(), self.ring.port), host)
+        self.address = f"{host}:{port}"
 
     def close(self) -> None:
         self.ring.close()
@@ -310,3 +310,17 @@ def test_a_lane_name_is_only_ever_looked_up_among_our_segments_in_shared_memory(
         assert ring_lane.Lane.attach(os.path.basename(slots.path)) is None and os.path.exists(slots.path)
     finally:
         slots.close()
+
+
+def test_a_peer_at_another_address_is_not_offered_a_lane():
+    # As pods are, each at an address of its own: the link sends payloads over TCP and makes no segment.
+    before = set(mapped_lanes())
+    a, b = Member("worker-0"), Member("worker-1", host="127.0.0.2")
+    try:
+        bufs = [np.full(PIECE_VALUES + 9, float(i + 1), np.float32) for i in range(2)]
+        assert all(np.all(r == 3) for r in allreduce_all([a, b], bufs, 1, 0))
+        assert all(link.lane is None for m in (a, b) for link in m.ring._links.values())
+        assert set(mapped_lanes()) <= before
+    finally:
+        a.close()
+        b.close()
