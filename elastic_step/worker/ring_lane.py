@@ -94,13 +94,17 @@ class LaneWriter:
         self.freed = 0                   # the receiver's last credit
         self._credits = bytearray()
 
-    def put(self, values: np.ndarray, closed: Callable[[], bool]) -> None:
-        """Copies `values` into the lane once there is room. Raises OSError if the receiver is gone or
-        `closed()` says the link is closing."""
-        data = values.view(np.uint8)
-        if data.size > MAX_FRAME_BYTES:
-            raise ValueError(f"a ring frame of {data.size} bytes is larger than the lane's "
+    @staticmethod
+    def check(values: np.ndarray) -> None:
+        """Raises ValueError for a frame the lane cannot take (before it is queued)."""
+        if values.nbytes > MAX_FRAME_BYTES:
+            raise ValueError(f"a ring frame of {values.nbytes} bytes is larger than a lane's "
                              f"{MAX_FRAME_BYTES}: send smaller pieces")
+
+    def put(self, values: np.ndarray, closed: Callable[[], bool]) -> None:
+        """Copies `values` (`check`ed) into the lane once there is room. Raises OSError if the receiver is
+        gone or `closed()` says the link is closing."""
+        data = values.view(np.uint8)
         pos, after = _place(self.placed, data.size)
         while after - self.freed > LANE_BYTES:
             if closed():

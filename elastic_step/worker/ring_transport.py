@@ -196,6 +196,8 @@ class OutLink:
         threading.Thread(target=self._run, name=f"ring-send-{peer}", daemon=True).start()
 
     def send(self, key: tuple[int, int], phase: int, rnd: int, offset: int, values: np.ndarray) -> None:
+        if self.lane is not None:
+            LaneWriter.check(values)
         frame = (FRAME.pack(*key, phase, rnd, offset, values.size), values)
         with self.cv:
             self.queue.append(frame)
