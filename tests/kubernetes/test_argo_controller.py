@@ -162,12 +162,33 @@ def pipeline_ns(control_plane, namespace, s3_server, priority_classes):
 def submit(workflows, namespace: str, name: str, params: dict, template: dict | None = None, **spec) -> None:
     """A Workflow from the WorkflowTemplate (created first when ``template`` is given), with ``params``
     and further workflow ``spec`` fields (placement, service account)."""
+    group = ("argoproj.io", "v1alpha1", namespace)
     if template is not None:
-        workflows.create_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflowtemplates", template)
-    workflows.create_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", {
-        "apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": name},
-        "spec": {"workflowTemplateRef": {"name": "elastic-step-train-eval"},
-                 "arguments": {"parameters": [{"name": k, "value": v} for k, v in params.items()]}, **spec}})
+        workflows.create_namespaced_custom_object(*group, "workflowtemplates", template)
+    workflow = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": name},
+                "spec": {"workflowTemplateRef": {"name": "elastic-step-train-eval"},
+                         "arguments": {"parameters": [{"name": k, "value": v} for k, v in params.items()]}, **spec}}
+    for _ in range(5):
+        workflows.create_namespaced_custom_object(*group, "workflows", workflow)
+        if template is None:
+            return
+        # The controller looks the template up in its informer's cache, which may not hold the one created
+        # a moment ago: it then ends the workflow at once in Error, "... not found" (seen once in CI;
+        # argoproj/argo-workflows#14615). Only then is the workflow submitted again; any other start stands.
+        status = wait_for(lambda: _started(workflows, group, name), 120, interval=0.2,
+                          what=f"Argo's controller to take up workflow {namespace}/{name}")
+        if status["phase"] != "Error" or "workflowtemplates.argoproj.io" not in status.get("message", ""):
+            return
+        workflows.delete_namespaced_custom_object(*group, "workflows", name)
+        wait_for(lambda: not any(w["metadata"]["name"] == name for w in
+                                 workflows.list_namespaced_custom_object(*group, "workflows")["items"]),
+                 60, what=f"workflow {namespace}/{name} deleted")
+    raise AssertionError(f"Argo's controller never found the WorkflowTemplate for {namespace}/{name}")
+
+
+def _started(workflows, group: tuple, name: str) -> dict | None:
+    status = workflows.get_namespaced_custom_object(*group, "workflows", name).get("status") or {}
+    return status if status.get("phase") else None
 
 
 def tally_params(tmp_path: Path, **over) -> dict:

@@ -4,10 +4,12 @@ fired on training progress, with the master as the real CLI holding only the shi
 A killed or terminated master's step is run again with the same job id and output, as a retry policy
 does: the new master takes over the job's pods and resumes from the last checkpoint. Every record is still
 applied exactly once, by the witnesses of tests/models/witness.py, not by the ledger. In `ps` mode,
-pushes carry their bytes over gRPC, as between nodes (each pod has its own /dev/shm)."""
+pushes carry their bytes over gRPC, and in `allreduce` mode ring links their payloads over TCP, as between
+nodes (each pod has its own /dev/shm)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -48,4 +50,8 @@ def test_random_pod_kills_and_terms_lose_nothing(control_plane, core, node, name
     assert_audit_exact(summary, strategy)
     if strategy == "ps":   # a worker killed before its first push met no shard: the job as a whole did
         assert_pushes_carried_bytes(worker_logs(node, namespace, job), dense_shards(summary), every_worker=False)
+    else:
+        logs = "\n".join(worker_logs(node, namespace, job).values())
+        assert re.search(r"ring link to worker-\d+: payloads over TCP", logs), logs[-3000:]
+        assert "payloads through shared memory" not in logs
     assert job_pods(core, namespace, job) == []
