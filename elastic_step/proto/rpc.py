@@ -24,6 +24,11 @@ def server(max_workers: int = 16) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=GRPC_OPTIONS)
 
 
+def host_of(address: str) -> str:
+    """The host of a "host:port" address (an IPv6 one without its brackets)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=GRPC_OPTIONS)
 

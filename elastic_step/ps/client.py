@@ -60,7 +60,7 @@ class SharedPath(NamedTuple):
 
 def on_this_host(address: str) -> bool:
     """A loopback address (127.0.0.0/8, ::1, localhost): the shard shares this host."""
-    host = address.rsplit(":", 1)[0].strip("[]")
+    host = rpc.host_of(address)
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:

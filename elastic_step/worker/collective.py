@@ -114,10 +114,6 @@ def chaos_target(me: str) -> int | None:
     return None
 
 
-def _host(address: str) -> str:
-    return address.rsplit(":", 1)[0].strip("[]")
-
-
 class Ring:
     """This member's side of the ring: its ring listener, its links to right neighbours, and the
     ports of its peers' listeners (asked once per peer). `shared_memory`: offer a right neighbour at
@@ -150,10 +146,10 @@ class Ring:
                 raise PeerFailed(peer, f"RingEndpoint: {e.code().name}: {e.details()}") from e
             finally:
                 ch.close()
-        host = _host(address)
+        host = rpc.host_of(address)
         # A lane is offered only to a peer at this member's own address: pods each have an address (and a
         # /dev/shm) of their own, and would only make and drop one.
-        shared = self.shared_memory and host == _host(me[1])
+        shared = self.shared_memory and host == rpc.host_of(me[1])
         try:
             link = connect(peer, host, self._ports[address], self.token, me, shared)
         except PeerFailed:
