@@ -44,7 +44,7 @@ __all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve
 
 log = logging.getLogger("elastic_step.worker")
 
-PIECE_VALUES = 1 << 18      # float32 values per frame (1 MB: fewer Python steps and wake-ups per MB; see README)
+PIECE_VALUES = 1 << 20      # float32 values per frame (4 MB: fewer frames, system calls and wake-ups per step; see README)
 CHAOS_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"   # tests: "worker-1@step=25" SIGKILLs worker-1 mid-collective
 
 
@@ -160,12 +160,14 @@ class Ring:
 
     def allreduce(self, buf: np.ndarray, members: list[tuple[str, str]], version: int, step: int,
                   abort_check: Callable[[], None]) -> np.ndarray:
-        """The element-wise SUM of every member's `buf` (float32, same size everywhere)."""
+        """The element-wise SUM of every member's `buf` (float32, same size everywhere), read-only. It
+        holds until this Ring's next allreduce (through a lane it is the lane: copy it to keep it).
+        A result counts only if every member's attempt succeeded (the master's commit): a member that
+        aborted may already be writing its lane for its next attempt while a neighbour still reads it."""
         n = len(members)
         if n == 1:
             return np.array(buf, dtype=np.float32, copy=True)
         mine = np.ascontiguousarray(buf, dtype=np.float32)   # only read, until this returns
-        out = np.empty_like(mine)
         key = (version, step)
         if key <= self._begun:
             self._await_new_version(key, abort_check)
@@ -173,6 +175,7 @@ class Ring:
         rank = [name for name, _ in members].index(self.me)
         left = members[rank - 1]
         right = self._link_to(*members[(rank + 1) % n], members[rank])
+        out = right.output(mine.size)
         started = time.monotonic()
 
         def waiting_on(peer: str, last_progress: Callable[[], float]) -> Callable[[], None]:
@@ -188,16 +191,20 @@ class Ring:
         bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
 
         def pieces(a: np.ndarray, i: int) -> list[tuple[int, np.ndarray]]:
-            chunk = a[bounds[i]:bounds[i + 1]]
-            return [(o, chunk[o:o + PIECE_VALUES]) for o in range(0, chunk.size, PIECE_VALUES)]
+            """Chunk i of `a` in pieces, each with the place of its first value in the buffer."""
+            return [(o, a[o:min(o + PIECE_VALUES, bounds[i + 1])]) for o in range(bounds[i], bounds[i + 1], PIECE_VALUES)]
 
         try:
             # Chunk `rank` goes out as it is and comes back summed; each other one is received once in the
             # reduce-scatter, added to this member's values into `out`: `out` needs no copy of `buf` first.
-            for offset, piece in pieces(mine, rank):
-                right.send(key, 0, 0, offset, piece)
+            # Through a lane, what the right neighbour reads is `out`: this chunk is put there first.
+            through_lane = right.lane is not None
+            for (offset, piece), (_, own) in zip(pieces(out, rank), pieces(mine, rank)):
+                if through_lane:
+                    np.copyto(piece, own)
+                right.send(key, 0, 0, offset, piece if through_lane else own)
             if self.chaos_step == step:
-                right.drain(waiting_on(right.peer, lambda: right.last_progress))
+                right.flush(waiting_on(right.peer, lambda: right.last_progress))
                 log.warning("chaos: SIGKILL myself in the middle of step %d's collective", step)
                 kill_self(signal.SIGKILL)
             # (phase, round, chunk received); each received piece goes on to the right in the next
@@ -208,10 +215,13 @@ class Ring:
                     self._take(from_left, key, phase, rnd, offset, piece, own, receiving)
                     if following is not None:
                         right.send(key, following[0], following[1], offset, piece)
+            from_left.acknowledge()
             right.drain(waiting_on(right.peer, lambda: right.last_progress))
         except BaseException:
             right.cancel()
             raise
+        out = out.view()
+        out.flags.writeable = False      # through a lane, it is also what the right neighbour read
         return out
 
     def _take(self, link: InLink, key: tuple[int, int], phase: int, rnd: int, offset: int, piece: np.ndarray,

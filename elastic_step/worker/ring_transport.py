@@ -2,15 +2,18 @@
 
 Each worker listens on a port of its own for ring data (`RingListener`, beside its Collective gRPC
 server, which tells peers the port: `Collective.RingEndpoint`). A member writes to its right
-neighbour over one connection (`OutLink`, with a sender thread) and reads its left neighbour's
-connection itself (`InLink`), so sending, receiving and reducing overlap.
+neighbour over one connection (`OutLink`: over TCP, with a sender thread) and reads its left
+neighbour's connection itself (`InLink`), so sending, receiving and reducing overlap.
 
 A connection opens with a hello: magic, the job token, the sender's name and gRPC address (a peer
 relaunched under the same name is another peer), and the name of a shared-memory lane (ring_lane.py)
 or nothing. The listener answers ACCEPTED and whether it mapped the lane, or REFUSED with a reason and
 closes: a connection without the job's token carries no data. Then frames: a header (version, step,
-phase, round, offset, count), and `count` raw little-endian float32 values that follow it over TCP,
-read with recv_into straight into numpy memory, or that the sender put in the lane before the header.
+phase, round, offset, count), and `count` raw little-endian float32 values, the step's values from
+`offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or that lie at
+`offset` in the sender's lane. Through a lane, the receiver sends back its count of frames taken
+(ring_lane.ACK) at the end of each step, and the sender announces the lane's growth (a LANE_GROWN frame),
+or that it could not grow it and goes on over TCP (LANE_DROPPED).
 
 Frames of one attempt arrive in the order the receiver expects them. A frame of an older
 (version, step) is read and dropped, so stale data is never mixed into a newer step; a frame of a
@@ -36,7 +39,8 @@ from typing import Callable
 
 import numpy as np
 
-from elastic_step.worker.ring_lane import Lane, LaneReader, LaneWriter
+from elastic_step.util.shared_memory import SharedMemoryUnavailable
+from elastic_step.worker.ring_lane import ACK, Lane
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -46,6 +50,8 @@ HELLO_TIMEOUT_S = 10.0
 MAGIC = b"ESR2"
 HELLO = struct.Struct("<4sHHHH")          # magic; lengths of the token, the sender's name and address, the lane's name
 FRAME = struct.Struct("<qqiiqq")          # version, step, phase, round, offset, count (float32 values)
+LANE_GROWN = -1                           # a frame's phase: the lane is now `offset` bytes long
+LANE_DROPPED = -2                         # a frame's phase: payloads follow over TCP from now on
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
 WRITE_FRAMES = 64                         # most frames in one write (well under IOV_MAX)
@@ -89,13 +95,13 @@ class InLink:
     """A left neighbour's connection (and lane, if any), used only by the allreduce's own thread."""
 
     def __init__(self, sock: socket.socket, peer: str, lane: Lane | None = None):
-        self.sock, self.peer = sock, peer
-        self.lane = LaneReader(lane, sock) if lane is not None else None
+        self.sock, self.peer, self.lane = sock, peer, lane
         self._scratch = np.empty(0, np.float32)   # a TCP payload, before it is added
         self.header = bytearray(FRAME.size)
         self.header_got = 0                  # bytes of `header` read so far
         self.pending: tuple | None = None    # a header read whose payload is not
         self.payload_left = 0                # bytes of an abandoned frame's payload still to drop
+        self.taken = self.acknowledged = 0   # frames taken from the lane, and told the sender so
         self.last_progress = time.monotonic()
         self._drop = bytearray(DROP_BYTES)
 
@@ -114,15 +120,20 @@ class InLink:
             return n
 
     def next_header(self, wait: Callable[[], None]) -> tuple:
-        """(version, step, phase, round, offset, count) of the next frame; `payload` or `skip` takes it."""
-        if self.pending is None:
+        """(version, step, phase, round, offset, count) of the next frame; `payload`, `add` or `skip` takes
+        it. A lane's growth, announced in between, is taken care of here."""
+        while self.pending is None:
             self._drain_payload(None, wait)
             view = memoryview(self.header)
             while self.header_got < FRAME.size:
                 self.header_got += self._recv(view[self.header_got:], wait)
             self.header_got = 0
-            self.pending = FRAME.unpack(self.header)
-            self.payload_left = 4 * self.pending[5] if self.lane is None else 0
+            frame = FRAME.unpack(self.header)
+            if frame[2] in (LANE_GROWN, LANE_DROPPED):
+                self._lane_changed(frame[2], frame[4])
+                continue
+            self.pending = frame
+            self.payload_left = 4 * frame[5] if self.lane is None else 0
         return self.pending
 
     def payload(self, into: np.ndarray, wait: Callable[[], None]) -> None:
@@ -132,7 +143,6 @@ class InLink:
             self._drain_payload(memoryview(into).cast("B"), wait)
         else:
             np.copyto(into, self._in_lane())
-            self._credit()
 
     def add(self, own: np.ndarray, into: np.ndarray, wait: Callable[[], None]) -> None:
         """The pending frame's values plus `own`, into `into` (both float32, exactly the frame's count)."""
@@ -144,27 +154,43 @@ class InLink:
             np.add(own, incoming, out=into)
         else:
             np.add(own, self._in_lane(), out=into)
-            self._credit()
 
     def skip(self, wait: Callable[[], None]) -> None:
+        self.pending = None
         if self.lane is None:
-            self.pending = None
             self._drain_payload(None, wait)
         else:
-            self._in_lane()
-            self._credit()
+            self.taken += 1              # not read: the sender may be writing there for a later step
+
+    def acknowledge(self) -> None:
+        """Tells the sender every frame so far is taken: it may write its lane again. Raises PeerFailed."""
+        if self.lane is not None and self.taken > self.acknowledged:
+            try:
+                self.sock.sendall(ACK.pack(self.taken))
+            except OSError as e:
+                raise PeerFailed(self.peer, f"ring connection failed: {e}") from e
+            self.acknowledged = self.taken
 
     def _in_lane(self) -> np.ndarray:
-        count = self.pending[5]
+        *_, offset, count = self.pending
         self.pending = None
-        self.last_progress = time.monotonic()
-        return self.lane.take(count)
-
-    def _credit(self) -> None:
+        self.taken += 1
         try:
-            self.lane.credit()
-        except OSError as e:
-            raise PeerFailed(self.peer, f"ring connection failed: {e}") from e
+            return self.lane.piece(offset, count)
+        except ValueError as e:
+            raise PeerFailed(self.peer, f"sent a frame whose {e}") from e
+
+    def _lane_changed(self, change: int, nbytes: int) -> None:
+        if self.lane is None:
+            raise PeerFailed(self.peer, "changed a shared-memory lane that this connection does not have")
+        if change == LANE_DROPPED:
+            self.lane.close()
+            self.lane = None
+            return
+        try:
+            self.lane.grown(nbytes)
+        except (OSError, ValueError) as e:
+            raise PeerFailed(self.peer, f"announced a lane of {nbytes} bytes: {e}") from e
 
     def _drain_payload(self, into: memoryview | None, wait: Callable[[], None]) -> None:
         # If interrupted, `payload_left` keeps what is still unread: the next call drops it.
@@ -176,39 +202,80 @@ class InLink:
             self.payload_left -= self._recv(view, wait)
 
     def close(self) -> None:
-        self.sock.close()     # the lane is unmapped with the last reference to this link
+        self.sock.close()
+        lane, self.lane = self.lane, None
+        if lane is not None:
+            lane.close()          # unmapped once no view of it is left
 
 
 class OutLink:
-    """The connection to the right neighbour (and lane, if any) and its sender thread: frames go out in
-    the order they are queued while the allreduce's thread receives and reduces. The payloads are views
-    of the caller's buffer: it must not change them before `drain` returns."""
+    """The connection to the right neighbour, and its lane if any.
+
+    Through a lane, the step's output is the lane (`output`): a piece is sent once it is in place there,
+    by writing its header, and `drain` waits for the receiver's acknowledgement of every frame. Over TCP,
+    a sender thread writes the frames in the order they are queued while the allreduce's thread receives
+    and reduces; the payloads are views of the caller's buffers, which must not change before `drain`
+    returns (every frame written to the kernel)."""
 
     def __init__(self, sock: socket.socket, peer: str, lane: Lane | None = None):
-        self.sock, self.peer = sock, peer
-        self.lane = LaneWriter(lane, sock) if lane is not None else None
+        self.sock, self.peer, self.lane = sock, peer, lane
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
         self.busy = False                # the thread is writing a frame
         self.failure: str | None = None
         self.closed = False
+        self.sent = self.acknowledged = 0   # frames sent through the lane, and the receiver's count of them
+        self._acks = bytearray()
         self.last_progress = time.monotonic()
-        threading.Thread(target=self._run, name=f"ring-send-{peer}", daemon=True).start()
+        if lane is None:
+            self._start_sender()
+
+    def _start_sender(self) -> None:
+        threading.Thread(target=self._run, name=f"ring-send-{self.peer}", daemon=True).start()
+
+    def output(self, size: int) -> np.ndarray:
+        """Where a step's result of `size` values is made: the lane, grown if need be, or new memory."""
+        if self.lane is not None:
+            try:
+                if self.lane.reserve(size):
+                    self._send_now(FRAME.pack(0, 0, LANE_GROWN, 0, self.lane.nbytes, 0))
+                return self.lane.values[:size]
+            except SharedMemoryUnavailable as e:
+                # Not the neighbour's fault: this link goes on over TCP (the receiver is told in the stream).
+                log.warning("ring link to %s: %s: payloads go over TCP from now on", self.peer, e)
+                self._send_now(FRAME.pack(0, 0, LANE_DROPPED, 0, 0, 0))
+                self.lane.close()
+                self.lane = None
+                self._start_sender()
+        return np.empty(size, np.float32)
 
     def send(self, key: tuple[int, int], phase: int, rnd: int, offset: int, values: np.ndarray) -> None:
+        """The frame of `values`, the step's values from `offset` on: through a lane, already in place
+        there (`output`); over TCP, a view that stays as it is until `drain` returns."""
+        frame = FRAME.pack(*key, phase, rnd, offset, values.size)
         if self.lane is not None:
-            LaneWriter.check(values)
-        frame = (FRAME.pack(*key, phase, rnd, offset, values.size), values)
+            if values.ctypes.data != self.lane.values.ctypes.data + 4 * offset:
+                raise ValueError(f"a frame for {self.peer}'s lane must be its output's values at {offset}")
+            self._send_now(frame)
+            self.sent += 1
+            return
         with self.cv:
-            self.queue.append(frame)
+            self.queue.append((frame, values))
             self.cv.notify_all()
 
     def check(self) -> None:
         if self.failure is not None:
             raise PeerFailed(self.peer, self.failure)
 
+    def flush(self, wait: Callable[[], None]) -> None:
+        """Until every frame sent is handed to the kernel."""
+        if self.lane is None:
+            self.drain(wait)
+
     def drain(self, wait: Callable[[], None]) -> None:
-        """Until every queued frame is written (to the kernel): the caller's buffer is free again."""
+        """Until the step's buffers are free again: every frame written (TCP), or taken (a lane)."""
+        if self.lane is not None:
+            return self._await_acknowledgement(wait)
         while True:
             with self.cv:
                 if self.queue or self.busy:
@@ -220,6 +287,27 @@ class OutLink:
             if time.monotonic() - self.last_progress >= POLL_S:   # stalled: is the step still on?
                 wait()
 
+    def _await_acknowledgement(self, wait: Callable[[], None]) -> None:
+        buf = bytearray(64 * ACK.size)
+        while self.acknowledged < self.sent:
+            try:
+                n = self.sock.recv_into(buf)
+            except (BlockingIOError, socket.timeout):    # none for POLL_S: is the step still on?
+                wait()
+                continue
+            except OSError as e:
+                self.failure = f"ring connection failed: {e}"
+                raise PeerFailed(self.peer, self.failure) from e
+            if n == 0:
+                self.failure = "closed the ring connection"
+                raise PeerFailed(self.peer, self.failure)
+            self._acks += buf[:n]
+            whole = len(self._acks) - len(self._acks) % ACK.size
+            if whole:
+                self.acknowledged = ACK.unpack_from(self._acks, whole - ACK.size)[0]
+                del self._acks[:whole]
+            self.last_progress = time.monotonic()
+
     def cancel(self) -> None:
         """An aborted attempt: drop its frames not yet started (the one being written is finished)."""
         with self.cv:
@@ -230,6 +318,19 @@ class OutLink:
             self.closed = True
             self.queue.clear()
             self.cv.notify_all()
+        lane, self.lane = self.lane, None
+        if lane is not None:             # no sender thread to close the connection
+            self.sock.close()
+            lane.close()                 # unmapped once no view of it is left
+
+    def _send_now(self, header: bytes) -> None:
+        """A header through a lane's connection, from the allreduce's thread."""
+        self.check()
+        try:
+            self._write([memoryview(header)])
+        except OSError as e:
+            self.failure = f"ring connection failed: {e}"
+            self.check()
 
     def _run(self) -> None:
         while True:
@@ -239,20 +340,13 @@ class OutLink:
                 if self.closed:
                     break
                 # Every frame queued so far in one write: fewer system calls and wake-ups on a busy machine.
-                # Through a lane, one at a time: its header goes as soon as its payload is in place.
                 frames = []
-                while self.queue and len(frames) < (WRITE_FRAMES if self.lane is None else 1):
+                while self.queue and len(frames) < WRITE_FRAMES:
                     frames.append(self.queue.popleft())
                 self.busy = True
             try:
-                if self.lane is None:
-                    self._write([v for header, values in frames for v in (memoryview(header),
-                                                                           memoryview(values).cast("B"))])
-                else:
-                    for header, values in frames:
-                        self.lane.put(values, lambda: self.closed)
-                        self.last_progress = time.monotonic()
-                        self._write([memoryview(header)])
+                self._write([v for header, values in frames for v in (memoryview(header),
+                                                                       memoryview(values).cast("B"))])
             except OSError as e:
                 with self.cv:
                     self.failure = f"ring connection failed: {e}"
@@ -263,7 +357,6 @@ class OutLink:
                 self.busy = False
                 self.cv.notify_all()
         self.sock.close()
-        self.lane = None      # unmapped once no view of it is left
 
     def _write(self, views: list[memoryview]) -> None:
         while views:
@@ -272,6 +365,8 @@ class OutLink:
             try:
                 n = self.sock.sendmsg(views)
             except (BlockingIOError, socket.timeout):    # the peer took nothing for POLL_S
+                if time.monotonic() - self.last_progress > PEER_TIMEOUT_S:
+                    raise OSError(f"the peer took nothing for {PEER_TIMEOUT_S:.0f} s") from None
                 continue
             self.last_progress = time.monotonic()
             while n and n >= len(views[0]):
@@ -302,13 +397,17 @@ def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str], sh
             lane = None                  # the peer cannot see it: payloads over TCP
     except (OSError, ConnectionError) as e:
         sock.close()
+        lane = None
         raise PeerFailed(peer, f"ring connection to {host}:{port} failed during the hello: {e}") from e
     except PeerFailed:
         sock.close()
+        lane = None
         raise
     finally:
         if offered is not None:
-            offered.unlink()             # mapped by both sides now, or by this one only until it lets go
+            offered.unlink()             # open on both sides now, or on this one only until it lets go
+            if lane is None:
+                offered.close()
     log.info("ring link to %s: payloads %s", peer, "through shared memory" if lane is not None else "over TCP")
     _stream(sock)
     return OutLink(sock, peer, lane)
@@ -335,6 +434,7 @@ class RingListener:
             threading.Thread(target=self._admit, args=(conn,), name="ring-hello", daemon=True).start()
 
     def _admit(self, conn: socket.socket) -> None:
+        lane = None
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
             magic, token_len, name_len, address_len, lane_len = HELLO.unpack(_recv_exact(conn, HELLO.size))
@@ -352,6 +452,8 @@ class RingListener:
             conn.sendall(ACCEPTED + (ACCEPTED if lane is not None else REFUSED))
         except (OSError, ConnectionError, struct.error):
             conn.close()
+            if lane is not None:
+                lane.close()
             return
         _stream(conn)
         with self.cv:
