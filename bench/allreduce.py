@@ -4,11 +4,13 @@ loopback TCP, all measured in the same run; and the pause after a loss in a real
 For each buffer size (`--params` float32 values) and member count (`--members`), `--repeats` rounds,
 each running every contender in turn for `--steps` timed steps (after one warm-up step):
   * ours: N spawned processes, each with its Collective gRPC server and `Ring`; on one host, as here,
-    payloads go through shared-memory lanes between neighbours (the TCP connections carry headers);
+    each member's output is a shared-memory lane that its right neighbour reads in place (the TCP
+    connections carry headers);
   * ours-tcp: the same with payloads over TCP too (`Ring(shared_memory=False)`), as between hosts or
     pods: what a job spread over nodes gets;
   * gloo: N processes, `torch.distributed` with backend "gloo", initialised over a TCP store on
-    127.0.0.1 (GLOO_SOCKET_IFNAME=lo), `dist.all_reduce` of a copy of the buffer;
+    127.0.0.1 (GLOO_SOCKET_IFNAME=lo), the buffer copied into a tensor kept from step to step, then
+    `dist.all_reduce` of it in place;
   * TF: N processes, `tf.distribute.MultiWorkerMirroredStrategy` with CommunicationImplementation.RING
     (TF_CONFIG on 127.0.0.1 ports), `strategy.extended.reduce_to(SUM)` of the buffer in a tf.function;
   * raw loopback: one process sends the buffer's bytes to another over a plain TCP socket
@@ -174,8 +176,15 @@ def _gloo(rank: int, n: int, rendezvous):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rendezvous}", rank=rank, world_size=n)
 
+    held = {}
+
     def allreduce(buf: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(buf.copy())      # as ours: the caller's buffer stays as it was
+        # As ours: the caller's buffer stays as it was, so its values go into a tensor kept from step to
+        # step (as ours keeps its lanes), and all_reduce works in place there.
+        t = held.get(buf.size)
+        if t is None:
+            t = held[buf.size] = torch.empty(buf.size, dtype=torch.float32)
+        t.copy_(torch.from_numpy(buf))
         dist.all_reduce(t)
         return t.numpy()
     return allreduce, dist.destroy_process_group

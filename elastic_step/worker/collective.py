@@ -3,11 +3,11 @@
 N members, one flat float32 buffer split into N chunks: N-1 reduce-scatter rounds, then N-1
 all-gather rounds. A member sends to its right neighbour and receives from its left one over TCP
 (ring_transport.py: raw float32 frames keyed (version, step, phase, round, offset), read straight
-into numpy memory), or, between neighbours on one host, through a shared-memory lane that the TCP
-connection signals (ring_lane.py). Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
-piece as soon as it has added its own values to it (reduce-scatter) or copied it (all-gather),
-while its sender thread writes the previous ones. Bandwidth, not per-message overhead, bounds a
-large buffer.
+into numpy memory), or, between neighbours on one host, through a shared-memory lane (ring_lane.py):
+there the member's output buffer is the lane, and its right neighbour reads each piece where it lies,
+told by a header over TCP. Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
+piece as soon as it has added its own values to it (reduce-scatter) or copied it (all-gather), while
+its left neighbour computes the next. Bandwidth, not per-message overhead, bounds a large buffer.
 
 Every member ends with bitwise the same sum: each chunk is reduced once, by one member, then
 copied around the ring. A wait polls for an abort every ~50 ms (`abort_check`: the master's
@@ -188,7 +188,7 @@ class Ring:
 
         from_left = self.listener.link_from(left, waiting_on(left[0], lambda: started))
         receiving = waiting_on(left[0], lambda: from_left.last_progress)
-        bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
+        bounds = [out.size * i // n for i in range(n + 1)]
 
         def pieces(a: np.ndarray, i: int) -> list[tuple[int, np.ndarray]]:
             """Chunk i of `a` in pieces, each with the place of its first value in the buffer."""

@@ -106,7 +106,7 @@ def ring_order_sum(bufs: list[np.ndarray]) -> np.ndarray:
     return out
 
 
-# The last two outgrow a lane several times over, with pieces that leave a tail at its end.
+# The last two grow each lane past its first size.
 @pytest.mark.parametrize("n, size", [(2, 1000), (3, 3 * PIECE_VALUES + 17), (4, 5 * PIECE_VALUES // 2), (3, 2),
                                      (2, 3 * LANE_VALUES + 123), (3, 2 * LANE_VALUES + 7)])
 def test_every_member_ends_with_the_same_bits_of_the_sum(members, n, size):
@@ -175,8 +175,8 @@ def test_frames_of_an_aborted_step_are_never_mixed_into_the_next(members, size):
     a, b = members(2)
     ring = [(a.name, a.address), (b.name, b.address)]
     stale = np.full(size, 1e6, np.float32)
-    # a's attempt at (1, 5) sends its chunk to b, then is aborted: b never took part in version 1. The larger
-    # size's chunk fills b's lane, and a's sender waits for room that only b's skipping of them gives back.
+    # a's attempt at (1, 5) sends its chunk to b, then is aborted: b never took part in version 1. Through a
+    # lane, a writes its retry's values where the stale frames point: b must skip them, never read them.
     with pytest.raises(Aborted):
         a.ring.allreduce(stale, ring, 1, 5, aborts_after(2))
     # Version 2 retries step 5 with other values; b's connection still holds a's stale frames.
@@ -324,3 +324,61 @@ def test_a_peer_at_another_address_is_not_offered_a_lane():
     finally:
         a.close()
         b.close()
+
+
+def test_a_result_is_read_only_and_holds_until_the_next_allreduce(members):
+    # Through a lane the result is the lane, which the right neighbour reads: no caller may write it, and
+    # every step's result is whole although the senders reuse their lanes at once (they wait for the
+    # receivers' acknowledgement first), with values that change every step.
+    ms = members(3)
+    for step in range(12):
+        bufs = [np.full(2 * PIECE_VALUES + 3, float(step * 10 + i), np.float32) for i in range(3)]
+        results = allreduce_all(ms, bufs, 1, step)
+        for r in results:
+            assert isinstance(r, np.ndarray), r
+            assert np.all(r == 30 * step + 3), (step, np.unique(r))
+            assert not r.flags.writeable
+            with pytest.raises(ValueError):
+                r[0] = 0
+
+
+def test_a_lane_grows_with_the_buffer_and_its_receiver_follows(members):
+    ms = members(2)
+    for step, size in enumerate([1000, LANE_VALUES + 1, 3 * LANE_VALUES + 5, 1000]):
+        bufs = [np.arange(size, dtype=np.float32) * (i + 1) for i in range(2)]
+        assert all(np.array_equal(r, bufs[0] * 3) for r in allreduce_all(ms, bufs, 1, step))
+    if members.shared:
+        for m in ms:
+            (out,) = m.ring._links.values()
+            (into,) = m.ring.listener.links.values()
+            assert out.lane.nbytes >= 4 * (3 * LANE_VALUES + 5) and into.lane.nbytes == out.lane.nbytes
+
+
+def test_a_lane_that_cannot_grow_hands_its_link_over_to_tcp(members, monkeypatch, caplog):
+    # A full /dev/shm when a larger buffer comes: the sender says so in the stream and both sides go on
+    # over TCP, with nobody taken for dead.
+    ms = members(2)
+    small = [np.full(1000, float(i + 1), np.float32) for i in range(2)]
+    assert all(np.all(r == 3) for r in allreduce_all(ms, small, 1, 0))
+
+    def full(fd: int, size: int, directory: str = shared_memory.SHM_DIR) -> None:
+        raise shared_memory.SharedMemoryUnavailable(f"cannot reserve {size} bytes in {directory}: No space left")
+    monkeypatch.setattr(shared_memory, "reserve", full)
+    big = [np.arange(2 * LANE_VALUES, dtype=np.float32) * (i + 1) for i in range(2)]
+    assert all(np.array_equal(r, big[0] * 3) for r in allreduce_all(ms, big, 1, 1))
+    assert all(np.all(r == 3) for r in allreduce_all(ms, small, 1, 2))
+    assert all(link.lane is None for m in ms for link in [*m.ring._links.values(), *m.ring.listener.links.values()])
+    if members.shared:
+        assert "payloads go over TCP from now on" in caplog.text
+
+
+def test_a_frame_outside_the_lane_is_refused():
+    lane = ring_lane.Lane.create()
+    try:
+        assert lane.piece(0, 8).size == 8
+        for offset, count in ((LANE_VALUES - 4, 8), (-1, 2), (LANE_VALUES, 1)):
+            with pytest.raises(ValueError, match="outside the lane"):
+                lane.piece(offset, count)
+    finally:
+        lane.unlink()
+        lane.close()
