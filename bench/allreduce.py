@@ -9,8 +9,8 @@ each running every contender in turn for `--steps` timed steps (after one warm-u
   * ours-tcp: the same with payloads over TCP too (`Ring(shared_memory=False)`), as between hosts or
     pods: what a job spread over nodes gets;
   * gloo: N processes, `torch.distributed` with backend "gloo", initialised over a TCP store on
-    127.0.0.1 (GLOO_SOCKET_IFNAME=lo), the buffer copied into a tensor kept from step to step, then
-    `dist.all_reduce` of it in place;
+    127.0.0.1 (GLOO_SOCKET_IFNAME=lo), one intra-op thread per process (what torchrun sets), the
+    buffer copied into a tensor kept from step to step, then `dist.all_reduce` of it in place;
   * TF: N processes, `tf.distribute.MultiWorkerMirroredStrategy` with CommunicationImplementation.RING
     (TF_CONFIG on 127.0.0.1 ports), `strategy.extended.reduce_to(SUM)` of the buffer in a tf.function;
   * raw loopback: one process sends the buffer's bytes to another over a plain TCP socket
@@ -174,6 +174,7 @@ def _gloo(rank: int, n: int, rendezvous):
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)     # as torchrun sets OMP_NUM_THREADS=1 per process: N processes share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rendezvous}", rank=rank, world_size=n)
 
     held = {}
@@ -184,7 +185,7 @@ def _gloo(rank: int, n: int, rendezvous):
         t = held.get(buf.size)
         if t is None:
             t = held[buf.size] = torch.empty(buf.size, dtype=torch.float32)
-        t.copy_(torch.from_numpy(buf))
+        np.copyto(t.numpy(), buf)
         dist.all_reduce(t)
         return t.numpy()
     return allreduce, dist.destroy_process_group

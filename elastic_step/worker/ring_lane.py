@@ -14,12 +14,12 @@ buffer comes, the sender grows it and says so in the stream (a frame ring_transp
 any frame that lies beyond the old end, and the receiver maps it again. A receiver that cannot open it
 (another host, another pod) answers so, and the link carries its payloads over TCP.
 
-A piece must stay as it is until the receiver has taken it. Within a step every place of the buffer is
-written at most once after the right neighbour may have read it, and only after that neighbour has
-moved on (the ring's order makes it so); across steps, the sender's allreduce returns only once the
-receiver has acknowledged every frame (`ACK`: the running count of frames taken), so the next step
-cannot overwrite a piece still being read. The buffer the allreduce returns is this segment: it holds
-until the link's next allreduce.
+A piece must stay as it is until the receiver has taken it. Within a step the one place written again
+after the right neighbour may have read it is the member's own chunk: sent first as it is, it comes
+back summed only after that neighbour has added to it (the ring's order makes it so). Across steps, the
+sender's allreduce returns only once the receiver has acknowledged every frame (`ACK`: the running
+count of frames taken), so the next step cannot overwrite a piece still being read. The buffer the
+allreduce returns is this segment: it holds until the link's next allreduce.
 """
 from __future__ import annotations
 
