@@ -166,7 +166,9 @@ class Ring:
         aborted may already be writing its lane for its next attempt while a neighbour still reads it."""
         n = len(members)
         if n == 1:
-            return np.array(buf, dtype=np.float32, copy=True)
+            alone = np.array(buf, dtype=np.float32, copy=True)
+            alone.flags.writeable = False
+            return alone
         mine = np.ascontiguousarray(buf, dtype=np.float32)   # only read, until this returns
         key = (version, step)
         if key <= self._begun:
@@ -192,7 +194,8 @@ class Ring:
 
         def pieces(a: np.ndarray, i: int) -> list[tuple[int, np.ndarray]]:
             """Chunk i of `a` in pieces, each with the place of its first value in the buffer."""
-            return [(o, a[o:min(o + PIECE_VALUES, bounds[i + 1])]) for o in range(bounds[i], bounds[i + 1], PIECE_VALUES)]
+            end = bounds[i + 1]
+            return [(o, a[o:min(o + PIECE_VALUES, end)]) for o in range(bounds[i], end, PIECE_VALUES)]
 
         try:
             # Chunk `rank` goes out as it is and comes back summed; each other one is received once in the
