@@ -17,7 +17,7 @@ any frame that lies beyond the old end, and the receiver maps it again. A receiv
 A piece must stay as it is until the receiver has taken it. Within a step the one place written again
 after the right neighbour may have read it is the member's own chunk: sent first as it is, it comes
 back summed only after that neighbour has added to it (the ring's order makes it so). Across steps, the
-sender's allreduce returns only once the receiver has acknowledged every frame (`ACK`: the running
+sender's allreduce returns only once the receiver has acknowledged every frame (ring_transport.ACK: the running
 count of frames taken), so the next step cannot overwrite a piece still being read. The buffer the
 allreduce returns is this segment: it holds until the link's next allreduce.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import struct
 
 import numpy as np
 
@@ -36,7 +35,6 @@ log = logging.getLogger("elastic_step.worker")
 
 INITIAL_BYTES = 4 << 20
 GROW_BYTES = 4 << 20                # a lane grows in whole steps of this
-ACK = struct.Struct("<q")           # the receiver's running count of frames taken
 
 
 class Lane:

@@ -12,7 +12,7 @@ closes: a connection without the job's token carries no data. Then frames: a hea
 phase, round, offset, count), and `count` raw little-endian float32 values, the step's values from
 `offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or that lie at
 `offset` in the sender's lane. Through a lane, the receiver sends back its count of frames taken
-(ring_lane.ACK) at the end of each step, and the sender announces the lane's growth (a LANE_GROWN frame),
+(ACK) at the end of each step, and the sender announces the lane's growth (a LANE_GROWN frame),
 or that it could not grow it and goes on over TCP (LANE_DROPPED).
 
 Frames of one attempt arrive in the order the receiver expects them. A frame of an older
@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 from elastic_step.util.shared_memory import SharedMemoryUnavailable
-from elastic_step.worker.ring_lane import ACK, Lane
+from elastic_step.worker.ring_lane import Lane
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -52,6 +52,7 @@ HELLO = struct.Struct("<4sHHHH")          # magic; lengths of the token, the sen
 FRAME = struct.Struct("<qqiiqq")          # version, step, phase, round, offset, count (float32 values)
 LANE_GROWN = -1                           # a frame's phase: the lane is now `offset` bytes long
 LANE_DROPPED = -2                         # a frame's phase: payloads follow over TCP from now on
+ACK = struct.Struct("<q")                 # back through a lane's connection: the receiver's count of frames taken
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
 WRITE_FRAMES = 64                         # most frames in one write (well under IOV_MAX)
@@ -294,11 +295,9 @@ class OutLink:
                 wait()
                 continue
             except OSError as e:
-                self.failure = f"ring connection failed: {e}"
-                raise PeerFailed(self.peer, self.failure) from e
+                raise self._failed(f"ring connection failed: {e}") from e
             if n == 0:
-                self.failure = "closed the ring connection"
-                raise PeerFailed(self.peer, self.failure)
+                raise self._failed("closed the ring connection")
             self._acks += buf[:n]
             whole = len(self._acks) - len(self._acks) % ACK.size
             if whole:
@@ -327,8 +326,12 @@ class OutLink:
         try:
             self._write([memoryview(header)])
         except OSError as e:
-            self.failure = f"ring connection failed: {e}"
-            self.check()
+            raise self._failed(f"ring connection failed: {e}") from e
+
+    def _failed(self, failure: str) -> PeerFailed:
+        """The link is broken for good (`check` says so from now on): the error to raise."""
+        self.failure = failure
+        return PeerFailed(self.peer, failure)
 
     def _run(self) -> None:
         while True:

@@ -282,7 +282,7 @@ def test_members_on_one_host_move_payloads_through_shared_memory_that_dies_with_
     for m in (a, b, c):
         m.close()
     deadline = time.monotonic() + 10
-    while set(mapped_lanes()) - before and time.monotonic() < deadline:    # the sender threads let go as they end
+    while set(mapped_lanes()) - before and time.monotonic() < deadline:    # unmapped as their last views go
         gc.collect()
         time.sleep(0.05)
     assert set(mapped_lanes()) - before == set()
