@@ -21,9 +21,10 @@ each running every contender in turn for `--steps` timed steps (after one warm-u
     on a machine whose cores do the kernel's copies for both directions (on 2 cores, about half of
     one-way); with 3 members on 2 cores, lower still.
 Each contender's processes start once per member count and stay up for every size and round. A step's
-time is the slowest member's; a round's figure is the median over its steps. Bus bandwidth is the
-bytes each member sends per step, 2(N-1)/N x buffer, over the step time (raw: buffer / transfer time,
-per direction for both ways). Printed: min/median/max over the rounds, and the ratios best against
+time is the slowest member's; a round's figure is the median over its steps, and raw loopback's round
+is measured alike: one warm-up transfer, then the median of as many transfers as steps. Bus bandwidth is
+the bytes each member sends per step, 2(N-1)/N x buffer, over the step time (raw: buffer / transfer
+time, per direction for both ways). Printed: min/median/max over the rounds, and the ratios best against
 best. Every result is checked against numpy's sum (max |error|).
 
 torch is a bench-only extra: `.venv/bin/pip install -c constraints.txt -e ".[bench]"`. PyPI's Linux
@@ -60,7 +61,7 @@ CONTENDERS = ("ours", "ours-tcp", "gloo", "tf")
 
 
 # ---------------------------------------------------------------- raw loopback
-def _sink(port_q, nbytes: int, reps: int) -> None:
+def _sink(port_q, nbytes: int, transfers: int) -> None:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -68,7 +69,7 @@ def _sink(port_q, nbytes: int, reps: int) -> None:
     conn, _ = srv.accept()
     buf = bytearray(4 << 20)
     view = memoryview(buf)
-    for _ in range(reps):
+    for _ in range(transfers):
         left = nbytes
         while left:
             left -= conn.recv_into(view[:min(left, len(buf))])
@@ -76,24 +77,25 @@ def _sink(port_q, nbytes: int, reps: int) -> None:
     conn.close()
 
 
-def raw_loopback(nbytes: int, reps: int = 5) -> float:
-    """Bytes/s of a plain TCP transfer between two processes on 127.0.0.1 (best of `reps`)."""
+def raw_loopback(nbytes: int, steps: int) -> float:
+    """Bytes/s of a plain TCP transfer between two processes on 127.0.0.1, measured as a contender's
+    round is: one warm-up transfer, then the median of `steps`."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_sink, args=(q, nbytes, reps))
+    p = ctx.Process(target=_sink, args=(q, nbytes, 1 + steps))
     p.start()
     s = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
     data = memoryview(np.ones(nbytes, np.uint8))
-    best = float("inf")
-    for _ in range(reps):
+    times = []
+    for _ in range(1 + steps):
         t = time.perf_counter()
         for i in range(0, nbytes, 4 << 20):
             s.sendall(data[i:i + (4 << 20)])
         s.recv(1)
-        best = min(best, time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
     s.close()
     p.join(10)
-    return nbytes / best
+    return nbytes / float(np.median(times[1:]))
 
 
 def _both_ways(conn: socket.socket, nbytes: int) -> None:
@@ -110,31 +112,32 @@ def _both_ways(conn: socket.socket, nbytes: int) -> None:
     sender.join()
 
 
-def _duplex_peer(port: int, nbytes: int, reps: int) -> None:
+def _duplex_peer(port: int, nbytes: int, transfers: int) -> None:
     conn = socket.create_connection(("127.0.0.1", port))
-    for _ in range(reps):
+    for _ in range(transfers):
         _both_ways(conn, nbytes)
     conn.close()
 
 
-def raw_duplex(nbytes: int, reps: int = 5) -> float:
-    """Bytes/s each way of two processes sending `nbytes` to each other at once over 127.0.0.1 (best of
-    `reps`): what a ring member does, sending to one neighbour while receiving from the other."""
+def raw_duplex(nbytes: int, steps: int) -> float:
+    """Bytes/s each way of two processes sending `nbytes` to each other at once over 127.0.0.1 (as
+    `raw_loopback`, the median of `steps` after a warm-up): what a ring member does, sending to one
+    neighbour while receiving from the other."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
-    p = mp.get_context("spawn").Process(target=_duplex_peer, args=(srv.getsockname()[1], nbytes, reps))
+    p = mp.get_context("spawn").Process(target=_duplex_peer, args=(srv.getsockname()[1], nbytes, 1 + steps))
     p.start()
     conn, _ = srv.accept()
-    best = float("inf")
-    for _ in range(reps):
+    times = []
+    for _ in range(1 + steps):
         t = time.perf_counter()
         _both_ways(conn, nbytes)
-        best = min(best, time.perf_counter() - t)
+        times.append(time.perf_counter() - t)
     conn.close()
     srv.close()
     p.join(10)
-    return nbytes / best
+    return nbytes / float(np.median(times[1:]))
 
 
 # ---------------------------------------------------------------- the contenders' members
@@ -303,8 +306,8 @@ def compare(sizes: list[int], members: list[int], repeats: int, steps: int, cont
                 error = {c: 0.0 for c in contenders}
                 for _ in range(repeats):
                     if len(raw[params]) < repeats:
-                        raw[params].append(raw_loopback(nbytes))
-                        duplex[params].append(raw_duplex(nbytes))
+                        raw[params].append(raw_loopback(nbytes, steps))
+                        duplex[params].append(raw_duplex(nbytes, steps))
                     for c, g in groups.items():
                         if g.error is None and (result := g.run(params, steps)) is not None:
                             bus[c].append(2 * (n - 1) / n * nbytes / result[0])
@@ -389,7 +392,7 @@ def main() -> None:
                     help="float32 values in the buffer (one comparison each)")
     ap.add_argument("--members", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--repeats", type=int, default=3, help="rounds per size: the spread is over these")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per contender and round")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per contender and round")
     ap.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     ap.add_argument("--no-loss", action="store_true", help="skip the job with a SIGKILL")
     ap.add_argument("--json", help="also write the figures here")

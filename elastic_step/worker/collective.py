@@ -161,9 +161,7 @@ class Ring:
     def allreduce(self, buf: np.ndarray, members: list[tuple[str, str]], version: int, step: int,
                   abort_check: Callable[[], None]) -> np.ndarray:
         """The element-wise SUM of every member's `buf` (float32, same size everywhere), read-only. It
-        holds until this Ring's next allreduce (through a lane it is the lane: copy it to keep it).
-        A result counts only if every member's attempt succeeded (the master's commit): a member that
-        aborted may already be writing its lane for its next attempt while a neighbour still reads it."""
+        holds until this Ring's next allreduce (through a lane it is in the lane: copy it to keep it)."""
         n = len(members)
         if n == 1:
             alone = np.array(buf, dtype=np.float32, copy=True)
@@ -218,8 +216,7 @@ class Ring:
                     self._take(from_left, key, phase, rnd, offset, piece, own, receiving)
                     if following is not None:
                         right.send(key, following[0], following[1], offset, piece)
-            from_left.acknowledge()
-            right.drain(waiting_on(right.peer, lambda: right.last_progress))
+            right.finish(waiting_on(right.peer, lambda: right.last_progress))
         except BaseException:
             right.cancel()
             raise

@@ -5,7 +5,7 @@ small machine memory traffic, not the ring, bounds the AllReduce. When both neig
 /dev/shm (local processes; not pods, each of which has its own), the sender's allreduce output lives in a
 shared segment, and the receiver reads each piece where the sender left it: it adds the piece to its own
 values (reduce-scatter) or copies it (all-gather). Moving a piece copies nothing. The TCP connection
-stays: it carries each frame's header, the receiver's acknowledgement back, and either side's death.
+stays: it carries each frame's header, the lane's growth, and either side's death.
 
 The sender creates the segment (util/shared_memory.py) and names it in its hello; the receiver opens
 it, maps it and unlinks it at once, and the sender unlinks it too once answered: the memory lives only
@@ -16,10 +16,12 @@ any frame that lies beyond the old end, and the receiver maps it again. A receiv
 
 A piece must stay as it is until the receiver has taken it. Within a step the one place written again
 after the right neighbour may have read it is the member's own chunk: sent first as it is, it comes
-back summed only after that neighbour has added to it (the ring's order makes it so). Across steps, the
-sender's allreduce returns only once the receiver has acknowledged every frame (ring_transport.ACK: the running
-count of frames taken), so the next step cannot overwrite a piece still being read. The buffer the
-allreduce returns is this segment: it holds until the link's next allreduce.
+back summed only after that neighbour has added to it (the ring's order makes it so). Across steps, no
+acknowledgement is needed: each step's buffer is placed clear of wherever the receiver may still be
+reading (`claim`), and a step that succeeds proves the receiver is done with every earlier one, since
+the ring brings back values the receiver could only send once it had finished reading them. So two
+buffers' worth of lane do, plus one per attempt aborted since the last success. The buffer the allreduce returns is in
+this segment: it holds at least until the link's next allreduce.
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Lane:
     def __init__(self, fd: int, path: str, nbytes: int):
         self.fd, self.path = fd, path
         self.values = np.empty(0, np.float32)
+        self._read: list[tuple[int, int]] = []    # the sender's: the places the receiver may still read
         self._map(nbytes)
 
     def _map(self, nbytes: int) -> None:
@@ -85,9 +88,25 @@ class Lane:
         lane.unlink()
         return lane
 
-    def reserve(self, values: int) -> bool:
-        """The sender's side: room for `values` float32 values, growing the segment if need be. True if it
-        grew (the receiver must be told). Raises SharedMemoryUnavailable (a full /dev/shm)."""
+    def claim(self, values: int) -> tuple[int, bool]:
+        """The sender's side: where a step's `values` float32 values go, clear of every place the receiver
+        may still be reading (the earlier attempts' since the last that succeeded), growing the segment if
+        need be. (origin, whether it grew: the receiver must be told). Raises SharedMemoryUnavailable (a
+        full /dev/shm)."""
+        origin = 0
+        for start, end in sorted(self._read):
+            if origin + values <= start:
+                break
+            origin = max(origin, end)
+        grew = self._reserve(origin + values)
+        self._read.append((origin, origin + values))
+        return origin, grew
+
+    def settled(self) -> None:
+        """The sender's side: the step last claimed succeeded, so the receiver is done with every earlier one."""
+        del self._read[:-1]
+
+    def _reserve(self, values: int) -> bool:
         if 4 * values <= self.nbytes:
             return False
         nbytes = -(-4 * values // GROW_BYTES) * GROW_BYTES

@@ -9,11 +9,11 @@ A connection opens with a hello: magic, the job token, the sender's name and gRP
 relaunched under the same name is another peer), and the name of a shared-memory lane (ring_lane.py)
 or nothing. The listener answers ACCEPTED and whether it mapped the lane, or REFUSED with a reason and
 closes: a connection without the job's token carries no data. Then frames: a header (version, step,
-phase, round, offset, count), and `count` raw little-endian float32 values, the step's values from
-`offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or that lie at
-`offset` in the sender's lane. Through a lane, the receiver sends back its count of frames taken
-(ACK) at the end of each step, and the sender announces the lane's growth (a LANE_GROWN frame),
-or that it could not grow it and goes on over TCP (LANE_DROPPED).
+phase, round, offset, count, origin), and `count` raw little-endian float32 values, the step's values
+from `offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or that lie
+at `origin + offset` in the sender's lane (`origin`: where the step's buffer begins there). Through a
+lane, the sender announces the lane's growth (a LANE_GROWN frame), or that it could not grow it and
+goes on over TCP (LANE_DROPPED); nothing comes back (ring_lane.py says why none is needed).
 
 Frames of one attempt arrive in the order the receiver expects them. A frame of an older
 (version, step) is read and dropped, so stale data is never mixed into a newer step; a frame of a
@@ -47,12 +47,11 @@ log = logging.getLogger("elastic_step.worker")
 POLL_S = 0.05
 PEER_TIMEOUT_S = 120.0
 HELLO_TIMEOUT_S = 10.0
-MAGIC = b"ESR3"                           # 3: offsets in the buffer, lanes read in place, acknowledgements
+MAGIC = b"ESR4"                           # 4: lanes read in place, each step's buffer at an origin of its own
 HELLO = struct.Struct("<4sHHHH")          # magic; lengths of the token, the sender's name and address, the lane's name
-FRAME = struct.Struct("<qqiiqq")          # version, step, phase, round, offset, count (float32 values)
+FRAME = struct.Struct("<qqiiqqq")         # version, step, phase, round, offset, count (float32 values), origin
 LANE_GROWN = -1                           # a frame's phase: the lane is now `offset` bytes long
 LANE_DROPPED = -2                         # a frame's phase: payloads follow over TCP from now on
-ACK = struct.Struct("<q")                 # back through a lane's connection: the receiver's count of frames taken
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
 WRITE_FRAMES = 64                         # most frames in one write (well under IOV_MAX)
@@ -101,8 +100,8 @@ class InLink:
         self.header = bytearray(FRAME.size)
         self.header_got = 0                  # bytes of `header` read so far
         self.pending: tuple | None = None    # a header read whose payload is not
+        self.origin = 0                      # the pending frame's: where its step's buffer begins in the lane
         self.payload_left = 0                # bytes of an abandoned frame's payload still to drop
-        self.taken = self.acknowledged = 0   # frames taken from the lane, and told the sender so
         self.last_progress = time.monotonic()
         self._drop = bytearray(DROP_BYTES)
 
@@ -133,7 +132,7 @@ class InLink:
             if frame[2] in (LANE_GROWN, LANE_DROPPED):
                 self._lane_changed(frame[2], frame[4])
                 continue
-            self.pending = frame
+            self.pending, self.origin = frame[:-1], frame[-1]
             self.payload_left = 4 * frame[5] if self.lane is None else 0
         return self.pending
 
@@ -160,24 +159,13 @@ class InLink:
         self.pending = None
         if self.lane is None:
             self._drain_payload(None, wait)
-        else:
-            self.taken += 1              # not read: the sender may be writing there for a later step
-
-    def acknowledge(self) -> None:
-        """Tells the sender every frame so far is taken: it may write its lane again. Raises PeerFailed."""
-        if self.lane is not None and self.taken > self.acknowledged:
-            try:
-                self.sock.sendall(ACK.pack(self.taken))
-            except OSError as e:
-                raise PeerFailed(self.peer, f"ring connection failed: {e}") from e
-            self.acknowledged = self.taken
+        # Through a lane, not read: the sender may be writing there for a later step.
 
     def _in_lane(self) -> np.ndarray:
         *_, offset, count = self.pending
         self.pending = None
-        self.taken += 1
         try:
-            return self.lane.piece(offset, count)
+            return self.lane.piece(self.origin + offset, count)
         except ValueError as e:
             raise PeerFailed(self.peer, f"sent a frame whose {e}") from e
 
@@ -212,11 +200,10 @@ class InLink:
 class OutLink:
     """The connection to the right neighbour, and its lane if any.
 
-    Through a lane, the step's output is the lane (`output`): a piece is sent once it is in place there,
-    by writing its header, and `drain` waits for the receiver's acknowledgement of every frame. Over TCP,
-    a sender thread writes the frames in the order they are queued while the allreduce's thread receives
-    and reduces; the payloads are views of the caller's buffers, which must not change before `drain`
-    returns (every frame written to the kernel)."""
+    Through a lane, the step's output is in the lane (`output`): a piece is sent once it is in place
+    there, by writing its header. Over TCP, a sender thread writes the frames in the order they are
+    queued while the allreduce's thread receives and reduces; the payloads are views of the caller's
+    buffers, which must not change before `finish` returns (every frame written to the kernel)."""
 
     def __init__(self, sock: socket.socket, peer: str, lane: Lane | None = None):
         self.sock, self.peer, self.lane = sock, peer, lane
@@ -225,8 +212,7 @@ class OutLink:
         self.busy = False                # the thread is writing a frame
         self.failure: str | None = None
         self.closed = False
-        self.sent = self.acknowledged = 0   # frames sent through the lane, and the receiver's count of them
-        self._acks = bytearray()
+        self.origin = 0                  # where the step's output begins in the lane
         self.last_progress = time.monotonic()
         if lane is None:
             self._start_sender()
@@ -235,16 +221,17 @@ class OutLink:
         threading.Thread(target=self._run, name=f"ring-send-{self.peer}", daemon=True).start()
 
     def output(self, size: int) -> np.ndarray:
-        """Where a step's result of `size` values is made: the lane, grown if need be, or new memory."""
+        """Where a step's result of `size` values is made: in the lane, grown if need be, or new memory."""
         if self.lane is not None:
             try:
-                if self.lane.reserve(size):
-                    self._send_now(FRAME.pack(0, 0, LANE_GROWN, 0, self.lane.nbytes, 0))
-                return self.lane.values[:size]
+                self.origin, grew = self.lane.claim(size)
+                if grew:
+                    self._send_now(FRAME.pack(0, 0, LANE_GROWN, 0, self.lane.nbytes, 0, 0))
+                return self.lane.values[self.origin:self.origin + size]
             except SharedMemoryUnavailable as e:
                 # Not the neighbour's fault: this link goes on over TCP (the receiver is told in the stream).
                 log.warning("ring link to %s: %s: payloads go over TCP from now on", self.peer, e)
-                self._send_now(FRAME.pack(0, 0, LANE_DROPPED, 0, 0, 0))
+                self._send_now(FRAME.pack(0, 0, LANE_DROPPED, 0, 0, 0, 0))
                 self.lane.close()
                 self.lane = None
                 self._start_sender()
@@ -252,12 +239,11 @@ class OutLink:
 
     def send(self, key: tuple[int, int], phase: int, rnd: int, offset: int, values: np.ndarray) -> None:
         """The frame of `values`, the step's values from `offset` on: through a lane, `output`'s own values
-        there, already in place; over TCP, a view that stays as it is until `drain` returns."""
-        frame = FRAME.pack(*key, phase, rnd, offset, values.size)
+        there, already in place; over TCP, a view that stays as it is until `finish` returns."""
         if self.lane is not None:
-            self._send_now(frame)
-            self.sent += 1
+            self._send_now(FRAME.pack(*key, phase, rnd, offset, values.size, self.origin))
             return
+        frame = FRAME.pack(*key, phase, rnd, offset, values.size, 0)
         with self.cv:
             self.queue.append((frame, values))
             self.cv.notify_all()
@@ -266,16 +252,17 @@ class OutLink:
         if self.failure is not None:
             raise PeerFailed(self.peer, self.failure)
 
-    def flush(self, wait: Callable[[], None]) -> None:
-        """Until every frame sent is handed to the kernel."""
-        if self.lane is None:
-            self.drain(wait)
-
-    def drain(self, wait: Callable[[], None]) -> None:
-        """Until the step's buffers are free again: every frame written (TCP), or taken (a lane)."""
+    def finish(self, wait: Callable[[], None]) -> None:
+        """The step succeeded: until its buffers are free again. Over TCP, every frame written; through a
+        lane, at once (the receiver took part in the step: it is done with the earlier ones)."""
         if self.lane is not None:
-            return self._await_acknowledgement(wait)
-        while True:
+            self.lane.settled()
+        else:
+            self.flush(wait)
+
+    def flush(self, wait: Callable[[], None]) -> None:
+        """Until every frame sent is handed to the kernel (through a lane, each is as it is sent)."""
+        while self.lane is None:
             with self.cv:
                 if self.queue or self.busy:
                     self.cv.wait(POLL_S)
@@ -285,25 +272,6 @@ class OutLink:
                 return
             if time.monotonic() - self.last_progress >= POLL_S:   # stalled: is the step still on?
                 wait()
-
-    def _await_acknowledgement(self, wait: Callable[[], None]) -> None:
-        buf = bytearray(64 * ACK.size)
-        while self.acknowledged < self.sent:
-            try:
-                n = self.sock.recv_into(buf)
-            except (BlockingIOError, socket.timeout):    # none for POLL_S: is the step still on?
-                wait()
-                continue
-            except OSError as e:
-                raise self._failed(f"ring connection failed: {e}") from e
-            if n == 0:
-                raise self._failed("closed the ring connection")
-            self._acks += buf[:n]
-            whole = len(self._acks) - len(self._acks) % ACK.size
-            if whole:
-                self.acknowledged = ACK.unpack_from(self._acks, whole - ACK.size)[0]
-                del self._acks[:whole]
-            self.last_progress = time.monotonic()
 
     def cancel(self) -> None:
         """An aborted attempt: drop its frames not yet started (the one being written is finished)."""

@@ -327,9 +327,8 @@ def test_a_peer_at_another_address_is_not_offered_a_lane():
 
 
 def test_a_result_is_read_only_and_holds_until_the_next_allreduce(members):
-    # Through a lane the result is the lane, which the right neighbour reads: no caller may write it, and
-    # every step's result is whole although the senders reuse their lanes at once (they wait for the
-    # receivers' acknowledgement first), with values that change every step.
+    # Through a lane the result is in the lane, which the right neighbour reads: no caller may write it,
+    # and every step's result is whole although the values change every step.
     ms = members(3)
     for step in range(12):
         bufs = [np.full(2 * PIECE_VALUES + 3, float(step * 10 + i), np.float32) for i in range(3)]
@@ -340,6 +339,63 @@ def test_a_result_is_read_only_and_holds_until_the_next_allreduce(members):
             assert not r.flags.writeable
             with pytest.raises(ValueError):
                 r[0] = 0
+
+
+def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members, monkeypatch):
+    # Each member runs its steps back to back on a thread of its own, as in a process of its own, and
+    # worker-1 reads worker-0's all-gather pieces late: worker-0, in its next step by then, writes its
+    # lane first where its own chunk goes, the piece worker-1 reads last. It must write elsewhere.
+    ms = members(3)
+    payload = ring_transport.InLink.payload
+
+    def late(link: ring_transport.InLink, into: np.ndarray, wait) -> None:
+        if link.peer == ms[0].name:
+            time.sleep(0.02)
+        payload(link, into, wait)
+    monkeypatch.setattr(ring_transport.InLink, "payload", late)
+    ring = [(m.name, m.address) for m in ms]
+    outcomes: list = []
+
+    def run(i: int) -> None:
+        try:
+            for step in range(8):
+                buf = np.full(2 * PIECE_VALUES + 3, float(step * 10 + i), np.float32)
+                r = ms[i].ring.allreduce(buf, ring, 1, step, never_abort)
+                outcomes.append((i, step, np.unique(r).tolist()))
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            outcomes.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an allreduce hung"
+    assert sorted(outcomes) == [(i, step, [30 * step + 3.0]) for i in range(3) for step in range(8)]
+
+
+def test_a_lane_places_each_step_clear_of_what_its_receiver_may_still_read():
+    lane = ring_lane.Lane.create()
+    try:
+        size = LANE_VALUES // 2
+        # Steps that succeed take turns between two places: two buffers' worth of lane.
+        origins = []
+        for _ in range(4):
+            origins.append(lane.claim(size)[0])
+            lane.settled()
+        assert origins == [0, size, 0, size] and lane.nbytes == 4 * 2 * size
+        # Aborted attempts keep their places until one succeeds: the receiver may still read any of them.
+        assert lane.claim(size) == (0, False)                 # aborted
+        assert lane.claim(size) == (2 * size, True)           # aborted too: clear of both, the lane grew
+        assert lane.claim(size)[0] == 3 * size                # succeeds
+        lane.settled()
+        assert lane.claim(size)[0] == 0
+        lane.settled()
+        # A larger buffer goes past the place still read, if need be.
+        assert lane.claim(3 * size) == (size, False) and lane.nbytes == 4 * 4 * size
+    finally:
+        lane.unlink()
+        lane.close()
 
 
 def test_a_lane_grows_with_the_buffer_and_its_receiver_follows(members):
