@@ -157,9 +157,8 @@ class InLink:
 
     def skip(self, wait: Callable[[], None]) -> None:
         self.pending = None
-        if self.lane is None:
+        if self.lane is None:             # through a lane there is nothing to drop
             self._drain_payload(None, wait)
-        # Through a lane, not read: the sender may be writing there for a later step.
 
     def _in_lane(self) -> np.ndarray:
         *_, offset, count = self.pending
@@ -254,7 +253,7 @@ class OutLink:
 
     def finish(self, wait: Callable[[], None]) -> None:
         """The step succeeded: until its buffers are free again. Over TCP, every frame written; through a
-        lane, at once (the receiver took part in the step: it is done with the earlier ones)."""
+        lane, at once (the step's success shows the receiver is done with every earlier one)."""
         if self.lane is not None:
             self.lane.settled()
         else:
