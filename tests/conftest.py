@@ -10,22 +10,34 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
-# Tests that need Go-built servers run last, in the order scripts/test builds them: on a machine without
-# them, it builds them in the background while the rest of the suite runs, and these wait on the builds'
-# locks. The first test of each group may wait for a whole cold build (minutes alone, more on a busy
-# machine): its timeout allows for that.
+# Tests that need Go-built servers run in the order scripts/test builds them: on a machine without them,
+# it builds them in the background while the rest of the suite runs, and these wait on the builds' locks.
+# The first test of each group may wait for a whole cold build (minutes alone, more on a busy machine):
+# its timeout allows for that.
 NEEDS_GO_BUILDS = (("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
                    ("tests/kubernetes/",))                                                     # control plane
 BUILD_WAIT_S = 2700
 
 
+@pytest.hookimpl(tryfirst=True)        # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     def builds_needed(item) -> int:
         path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
         return next((len(NEEDS_GO_BUILDS) - i for i, paths in enumerate(NEEDS_GO_BUILDS)
                      if path.startswith(paths)), 0)
 
-    items.sort(key=builds_needed)     # stable: the order within each group stays as collected
+    # Under xdist (scripts/test: `--dist loadgroup`, groups handed out as queued), the tests that need
+    # Go-built servers are one group, queued first and run in the builds' order on one worker: one control
+    # plane, and on a cold machine that worker waits for the builds while the other runs the rest. Every
+    # other module is a group, so that its module-scoped fixtures (a parity model trained, a job run) are
+    # made once. In one process they run last instead, while the builds run.
+    if config.getoption("dist", default="no") == "loadgroup":
+        items.sort(key=lambda item: (builds_needed(item) == 0, builds_needed(item)))
+    else:
+        items.sort(key=builds_needed)     # stable: the order within each group stays as collected
+    for item in items:
+        group = "go-built" if builds_needed(item) else os.path.relpath(str(item.fspath), ROOT)
+        item.add_marker(pytest.mark.xdist_group(group))
     for group in range(1, len(NEEDS_GO_BUILDS) + 1):
         first = next((item for item in items if builds_needed(item) == group), None)
         if first is not None:
