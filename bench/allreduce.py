@@ -61,6 +61,16 @@ CONTENDERS = ("ours", "ours-tcp", "gloo", "tf")
 
 
 # ---------------------------------------------------------------- raw loopback
+def _round_seconds(transfer, steps: int) -> float:
+    """A transfer's seconds, measured as a contender's round is: one warm-up, then the median of `steps`."""
+    times = []
+    for _ in range(1 + steps):
+        t = time.perf_counter()
+        transfer()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[1:]))
+
+
 def _sink(port_q, nbytes: int, transfers: int) -> None:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -79,23 +89,22 @@ def _sink(port_q, nbytes: int, transfers: int) -> None:
 
 def raw_loopback(nbytes: int, steps: int) -> float:
     """Bytes/s of a plain TCP transfer between two processes on 127.0.0.1, measured as a contender's
-    round is: one warm-up transfer, then the median of `steps`."""
+    round is (`_round_seconds`)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_sink, args=(q, nbytes, 1 + steps))
     p.start()
     s = socket.create_connection(("127.0.0.1", q.get(timeout=30)))
     data = memoryview(np.ones(nbytes, np.uint8))
-    times = []
-    for _ in range(1 + steps):
-        t = time.perf_counter()
+
+    def transfer() -> None:
         for i in range(0, nbytes, 4 << 20):
             s.sendall(data[i:i + (4 << 20)])
         s.recv(1)
-        times.append(time.perf_counter() - t)
+    seconds = _round_seconds(transfer, steps)
     s.close()
     p.join(10)
-    return nbytes / float(np.median(times[1:]))
+    return nbytes / seconds
 
 
 def _both_ways(conn: socket.socket, nbytes: int) -> None:
@@ -129,15 +138,11 @@ def raw_duplex(nbytes: int, steps: int) -> float:
     p = mp.get_context("spawn").Process(target=_duplex_peer, args=(srv.getsockname()[1], nbytes, 1 + steps))
     p.start()
     conn, _ = srv.accept()
-    times = []
-    for _ in range(1 + steps):
-        t = time.perf_counter()
-        _both_ways(conn, nbytes)
-        times.append(time.perf_counter() - t)
+    seconds = _round_seconds(lambda: _both_ways(conn, nbytes), steps)
     conn.close()
     srv.close()
     p.join(10)
-    return nbytes / float(np.median(times[1:]))
+    return nbytes / seconds
 
 
 # ---------------------------------------------------------------- the contenders' members
