@@ -261,7 +261,9 @@ class OutLink:
 
     def flush(self, wait: Callable[[], None]) -> None:
         """Until every frame sent is handed to the kernel (through a lane, each is as it is sent)."""
-        while self.lane is None:
+        if self.lane is not None:
+            return
+        while True:
             with self.cv:
                 if self.queue or self.busy:
                     self.cv.wait(POLL_S)

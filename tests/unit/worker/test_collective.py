@@ -71,6 +71,16 @@ def never_abort() -> None:
     pass
 
 
+def on_threads(n: int, run) -> None:
+    """run(i) for i in range(n), each on a thread of its own, as each member in a process of its own."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "an allreduce hung"
+
+
 def allreduce_all(ms: list[Member], bufs: list[np.ndarray], version: int, step: int,
                   checks: list | None = None) -> list:
     """Every member's allreduce at once, each on its own thread: its result, or the exception it raised."""
@@ -83,12 +93,7 @@ def allreduce_all(ms: list[Member], bufs: list[np.ndarray], version: int, step: 
         except Exception as e:  # noqa: BLE001 - the test looks at it
             results[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "an allreduce hung"
+    on_threads(len(ms), run)
     return results
 
 
@@ -342,9 +347,9 @@ def test_a_result_is_read_only_and_holds_until_the_next_allreduce(members):
 
 
 def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members, monkeypatch):
-    # Each member runs its steps back to back on a thread of its own, as in a process of its own, and
-    # worker-1 reads worker-0's all-gather pieces late: worker-0, in its next step by then, writes its
-    # lane first where its own chunk goes, the piece worker-1 reads last. It must write elsewhere.
+    # Each member runs its steps back to back (`on_threads`), and worker-1 reads worker-0's all-gather
+    # pieces late: worker-0, in its next step by then, writes its lane first where its own chunk goes,
+    # the piece worker-1 reads last. It must write elsewhere.
     ms = members(3)
     payload = ring_transport.InLink.payload
 
@@ -365,12 +370,7 @@ def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members
         except Exception as e:  # noqa: BLE001 - the test looks at it
             outcomes.append((i, e))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "an allreduce hung"
+    on_threads(3, run)
     assert sorted(outcomes) == [(i, step, [30 * step + 3.0]) for i in range(3) for step in range(8)]
 
 
