@@ -40,7 +40,8 @@ class Member:
 
 
 def lane_files() -> set[str]:
-    return set(glob.glob(os.path.join(shared_memory.SHM_DIR, "elastic-step-ring-*")))
+    """This process's lane files: the suite runs on several workers, whose rings make lanes of their own."""
+    return set(glob.glob(os.path.join(shared_memory.SHM_DIR, f"elastic-step-ring-{os.getpid()}-*")))
 
 
 def mapped_lanes() -> list[str]:
