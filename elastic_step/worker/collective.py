@@ -5,7 +5,8 @@ all-gather rounds. A member sends to its right neighbour and receives from its l
 (ring_transport.py: raw float32 frames keyed (version, step, phase, round, offset), read straight
 into numpy memory), or, between neighbours on one host, through a shared-memory lane (ring_lane.py):
 there the member's output buffer is the lane, and its right neighbour reads each piece where it lies,
-told by a header over TCP. Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
+told by a header over TCP. When every link is a lane, the members share one result (ring_result.py):
+chunks are reduced in place there and the all-gather copies nothing. Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
 piece as soon as it has added its own values to it (reduce-scatter) or copied it (all-gather), while
 its left neighbour computes the next. Bandwidth, not per-message overhead, bounds a large buffer.
 
@@ -37,6 +38,7 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
+from elastic_step.worker.ring_result import SharedResult
 from elastic_step.worker.ring_transport import (PEER_TIMEOUT_S, POLL_S, Aborted, InLink, OutLink, PeerFailed,
                                                RingListener, connect)
 
@@ -129,6 +131,8 @@ class Ring:
         self._links: dict[tuple[str, str], OutLink] = {}
         self._ports: dict[str, int] = {}         # gRPC address -> ring port
         self._begun = (-1, -1)                   # the newest (version, step) attempted
+        self._succeeded = (-1, -1)               # the newest (version, step) that succeeded
+        self._shared: SharedResult | None = None # the ring's shared result, for one version
         self.chaos_step = chaos_target(me)
 
     def _link_to(self, peer: str, address: str, me: tuple[str, str]) -> OutLink:
@@ -175,7 +179,7 @@ class Ring:
         rank = [name for name, _ in members].index(self.me)
         left = members[rank - 1]
         right = self._link_to(*members[(rank + 1) % n], members[rank])
-        out = right.output(mine.size)
+        out = right.output(mine.size, self._shared_buffer(key, rank, right, mine.size))
         started = time.monotonic()
 
         def waiting_on(peer: str, last_progress: Callable[[], float]) -> Callable[[], None]:
@@ -214,15 +218,52 @@ class Ring:
             for (phase, rnd, i), following in zip(rounds, rounds[1:] + [None]):
                 for (offset, piece), (_, own) in zip(pieces(out, i), pieces(mine, i)):
                     self._take(from_left, key, phase, rnd, offset, piece, own, receiving)
+                    self._adopt(from_left, right, version)
                     if following is not None:
                         right.send(key, following[0], following[1], offset, piece)
             right.finish(waiting_on(right.peer, lambda: right.last_progress))
         except BaseException:
             right.cancel()
             raise
+        self._succeeded = key
         out = out.view()
         out.flags.writeable = False      # through a lane, it is also what the right neighbour read
         return out
+
+    def _shared_buffer(self, key: tuple[int, int], rank: int, right: OutLink,
+                       size: int) -> tuple[np.ndarray, int] | None:
+        """Where this step's result goes in the ring's shared result (view, origin), or None: in the lane.
+        The ring's first member makes the segment at a version's first step, if its right link is a lane."""
+        version = key[0]
+        if self._shared is not None and self._shared.version != version:
+            self._shared.close()
+            self._shared = None
+        if self._shared is None and rank == 0 and right.lane is not None and self._succeeded[0] != version:
+            self._shared = SharedResult.create(version, size)
+            if self._shared is not None:
+                right.name_result(version, size, self._shared.name)
+                self._shared.named_to = right
+        if self._shared is None or self._shared.values != size:
+            return None
+        return self._shared.buffer(key, self._succeeded, right)
+
+    def _adopt(self, link: InLink, right: OutLink, version: int) -> None:
+        """The ring's shared result, as the left neighbour named it in this version: mapped, and named on
+        to the right neighbour if that link is a lane; or, back at the member that made it, unlinked."""
+        named = link.result
+        if named is None or link.result_version != version or (self._shared and self._shared.segment is named):
+            return
+        if self._shared is not None and self._shared.name == named.name:   # made here: round the ring
+            named.close()
+            link.result = self._shared.segment
+            self._shared.unlink()
+            return
+        if self._shared is not None:
+            self._shared.close()
+        self._shared = SharedResult(named, version, named.nbytes // 8, created=False)
+        if right.lane is not None:
+            right.name_result(version, self._shared.values, named.name)
+            self._shared.named_to = right
 
     def _take(self, link: InLink, key: tuple[int, int], phase: int, rnd: int, offset: int, piece: np.ndarray,
               own: np.ndarray, wait: Callable[[], None]) -> None:
@@ -256,6 +297,9 @@ class Ring:
         raise Aborted(f"version {key[0]} step {key[1]} was interrupted and the membership has not moved on")
 
     def close(self) -> None:
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            shared.close()
         for link in self._links.values():
             link.close()
         self.listener.close()

@@ -61,18 +61,19 @@ class Lane:
         return self.values.nbytes
 
     @classmethod
-    def create(cls, directory: str = shared_memory.SHM_DIR) -> Lane | None:
-        """A new lane, or None where this host gives no shared memory (then the link uses TCP)."""
+    def create(cls, directory: str = shared_memory.SHM_DIR, nbytes: int = INITIAL_BYTES) -> Lane | None:
+        """A new segment, or None where this host gives no shared memory (then the link uses TCP)."""
         try:
-            return cls(*shared_memory.create_file("ring", INITIAL_BYTES, directory), INITIAL_BYTES)
+            return cls(*shared_memory.create_file("ring", nbytes, directory), nbytes)
         except shared_memory.SharedMemoryUnavailable as e:
             log.info("ring lane: %s: payloads go over TCP", e)
             return None
 
     @classmethod
-    def attach(cls, name: str) -> Lane | None:
-        """The sender's lane named `name` under /dev/shm, opened, mapped and unlinked; None if this side
-        cannot see it (the sender is on another host or in another pod)."""
+    def attach(cls, name: str, keep_name: bool = False) -> Lane | None:
+        """The sender's lane named `name` under /dev/shm, opened, mapped and unlinked (unless `keep_name`:
+        ring_result.py's segment, which more members open); None if this side cannot see it (the sender
+        is on another host or in another pod)."""
         if not name.startswith(f"{shared_memory.PREFIX}ring-"):
             return None                 # another of our segments, or not ours
         path = os.path.join(shared_memory.SHM_DIR, name)
@@ -85,7 +86,8 @@ class Lane:
         except (OSError, ValueError):
             os.close(fd)
             return None
-        lane.unlink()
+        if not keep_name:
+            lane.unlink()
         return lane
 
     def claim(self, values: int) -> tuple[int, bool]:

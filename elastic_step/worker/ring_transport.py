@@ -9,11 +9,13 @@ A connection opens with a hello: magic, the job token, the sender's name and gRP
 relaunched under the same name is another peer), and the name of a shared-memory lane (ring_lane.py)
 or nothing. The listener answers ACCEPTED and whether it mapped the lane, or REFUSED with a reason and
 closes: a connection without the job's token carries no data. Then frames: a header (version, step,
-phase, round, offset, count, origin), and `count` raw little-endian float32 values, the step's values
-from `offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or that lie
-at `origin + offset` in the sender's lane (`origin`: where the step's buffer begins there). Through a
-lane, the sender announces the lane's growth (a LANE_GROWN frame), or that it could not grow it and
-goes on over TCP (LANE_DROPPED); nothing comes back (ring_lane.py says why none is needed).
+phase, round, offset, count, origin, where), and `count` raw little-endian float32 values, the step's
+values from `offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or
+that lie at `origin + offset` in the sender's lane or in the ring's shared result (`where`; `origin`:
+where the step's buffer begins there). Through a lane, the sender announces the lane's growth (a
+LANE_GROWN frame), or that it could not grow it and goes on over TCP (LANE_DROPPED), and names the
+ring's shared result (RESULT_SHARED, ring_result.py); nothing comes back (ring_lane.py says why none
+is needed).
 
 Frames of one attempt arrive in the order the receiver expects them. A frame of an older
 (version, step) is read and dropped, so stale data is never mixed into a newer step; a frame of a
@@ -47,11 +49,14 @@ log = logging.getLogger("elastic_step.worker")
 POLL_S = 0.05
 PEER_TIMEOUT_S = 120.0
 HELLO_TIMEOUT_S = 10.0
-MAGIC = b"ESR4"                           # 4: lanes read in place, each step's buffer at an origin of its own
+MAGIC = b"ESR5"                           # 5: frames may lie in the ring's shared result
 HELLO = struct.Struct("<4sHHHH")          # magic; lengths of the token, the sender's name and address, the lane's name
-FRAME = struct.Struct("<qqiiqqq")         # version, step, phase, round, offset, count (float32 values), origin
+FRAME = struct.Struct("<qqiiqqqi")        # version, step, phase, round, offset, count (float32 values), origin, where
 LANE_GROWN = -1                           # a frame's phase: the lane is now `offset` bytes long
 LANE_DROPPED = -2                         # a frame's phase: payloads follow over TCP from now on
+RESULT_SHARED = -3                        # a frame's phase: the ring's shared result, `offset` values a buffer;
+                                          # its name, `count` bytes, follows over TCP
+IN_LANE, IN_RESULT = 0, 1                 # where: a piece through a lane lies in it, or in the shared result
 ACCEPTED, REFUSED = b"\x01", b"\x00"
 DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
 WRITE_FRAMES = 64                         # most frames in one write (well under IOV_MAX)
@@ -101,6 +106,9 @@ class InLink:
         self.header_got = 0                  # bytes of `header` read so far
         self.pending: tuple | None = None    # a header read whose payload is not
         self.origin = 0                      # the pending frame's: where its step's buffer begins in the lane
+        self.where = IN_LANE                 # the pending frame's: the segment it lies in
+        self.result: Lane | None = None      # the ring's shared result, as the left neighbour named it
+        self.result_version = -1             # the version it was named in
         self.payload_left = 0                # bytes of an abandoned frame's payload still to drop
         self.last_progress = time.monotonic()
         self._drop = bytearray(DROP_BYTES)
@@ -132,7 +140,10 @@ class InLink:
             if frame[2] in (LANE_GROWN, LANE_DROPPED):
                 self._lane_changed(frame[2], frame[4])
                 continue
-            self.pending, self.origin = frame[:-1], frame[-1]
+            if frame[2] == RESULT_SHARED:
+                self._result_named(frame[0], frame[4], frame[5], wait)
+                continue
+            self.pending, self.origin, self.where = frame[:6], frame[6], frame[7]
             self.payload_left = 4 * frame[5] if self.lane is None else 0
         return self.pending
 
@@ -141,8 +152,10 @@ class InLink:
         if self.lane is None:
             self.pending = None
             self._drain_payload(memoryview(into).cast("B"), wait)
-        else:
-            np.copyto(into, self._in_lane())
+            return
+        piece = self._in_lane()
+        if piece.__array_interface__["data"] != into.__array_interface__["data"]:
+            np.copyto(into, piece)    # (in the shared result, the left neighbour's piece is this one's)
 
     def add(self, own: np.ndarray, into: np.ndarray, wait: Callable[[], None]) -> None:
         """The pending frame's values plus `own`, into `into` (both float32, exactly the frame's count)."""
@@ -163,8 +176,11 @@ class InLink:
     def _in_lane(self) -> np.ndarray:
         *_, offset, count = self.pending
         self.pending = None
+        segment = self.lane if self.where == IN_LANE else self.result
+        if segment is None:
+            raise PeerFailed(self.peer, "sent a frame in a shared result that this side has not mapped")
         try:
-            return self.lane.piece(self.origin + offset, count)
+            return segment.piece(self.origin + offset, count)
         except ValueError as e:
             raise PeerFailed(self.peer, f"sent a frame whose {e}") from e
 
@@ -180,6 +196,22 @@ class InLink:
         except (OSError, ValueError) as e:
             raise PeerFailed(self.peer, f"announced a lane of {nbytes} bytes: {e}") from e
 
+    def _result_named(self, version: int, values: int, name_bytes: int, wait: Callable[[], None]) -> None:
+        name = bytearray(name_bytes)
+        self.payload_left = name_bytes
+        self._drain_payload(memoryview(name), wait)
+        if self.lane is None:
+            raise PeerFailed(self.peer, "named a shared result over a link without a lane")
+        # None if it is gone: named in an attempt since aborted, whose version its creator has let go of.
+        segment = Lane.attach(name.decode(errors="replace"), keep_name=True)
+        if segment is not None and segment.nbytes != 2 * 4 * values:
+            segment.close()
+            raise PeerFailed(self.peer, f"named a shared result, {name.decode(errors='replace')!r}, that is not "
+                                        f"two buffers of {values} values")
+        if self.result is not None:
+            self.result.close()       # unmapped once no view of it is left
+        self.result, self.result_version = segment, version
+
     def _drain_payload(self, into: memoryview | None, wait: Callable[[], None]) -> None:
         # If interrupted, `payload_left` keeps what is still unread: the next call drops it.
         while self.payload_left:
@@ -191,9 +223,10 @@ class InLink:
 
     def close(self) -> None:
         self.sock.close()
-        lane, self.lane = self.lane, None
-        if lane is not None:
-            lane.close()          # unmapped once no view of it is left
+        for segment in (self.lane, self.result):
+            if segment is not None:
+                segment.close()          # unmapped once no view of it is left
+        self.lane = self.result = None
 
 
 class OutLink:
@@ -211,7 +244,8 @@ class OutLink:
         self.busy = False                # the thread is writing a frame
         self.failure: str | None = None
         self.closed = False
-        self.origin = 0                  # where the step's output begins in the lane
+        self.origin = 0                  # where the step's output begins in the lane or shared result
+        self.where = IN_LANE             # which of the two it is in
         self.last_progress = time.monotonic()
         if lane is None:
             self._start_sender()
@@ -219,18 +253,23 @@ class OutLink:
     def _start_sender(self) -> None:
         threading.Thread(target=self._run, name=f"ring-send-{self.peer}", daemon=True).start()
 
-    def output(self, size: int) -> np.ndarray:
-        """Where a step's result of `size` values is made: in the lane, grown if need be, or new memory."""
+    def output(self, size: int, shared: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+        """Where a step's result of `size` values is made: in the ring's `shared` result (view, origin),
+        if given (the right neighbour has it); else in the lane, grown if need be, or new memory."""
+        self.where = IN_LANE
+        if shared is not None and self.lane is not None:
+            self.where, (out, self.origin) = IN_RESULT, shared
+            return out
         if self.lane is not None:
             try:
                 self.origin, grew = self.lane.claim(size)
                 if grew:
-                    self._send_now(FRAME.pack(0, 0, LANE_GROWN, 0, self.lane.nbytes, 0, 0))
+                    self._send_now(FRAME.pack(0, 0, LANE_GROWN, 0, self.lane.nbytes, 0, 0, 0))
                 return self.lane.values[self.origin:self.origin + size]
             except SharedMemoryUnavailable as e:
                 # Not the neighbour's fault: this link goes on over TCP (the receiver is told in the stream).
                 log.warning("ring link to %s: %s: payloads go over TCP from now on", self.peer, e)
-                self._send_now(FRAME.pack(0, 0, LANE_DROPPED, 0, 0, 0, 0))
+                self._send_now(FRAME.pack(0, 0, LANE_DROPPED, 0, 0, 0, 0, 0))
                 self.lane.close()
                 self.lane = None
                 self._start_sender()
@@ -240,12 +279,18 @@ class OutLink:
         """The frame of `values`, the step's values from `offset` on: through a lane, `output`'s own values
         there, already in place; over TCP, a view that stays as it is until `finish` returns."""
         if self.lane is not None:
-            self._send_now(FRAME.pack(*key, phase, rnd, offset, values.size, self.origin))
+            self._send_now(FRAME.pack(*key, phase, rnd, offset, values.size, self.origin, self.where))
             return
-        frame = FRAME.pack(*key, phase, rnd, offset, values.size, 0)
+        frame = FRAME.pack(*key, phase, rnd, offset, values.size, 0, IN_LANE)
         with self.cv:
             self.queue.append((frame, values))
             self.cv.notify_all()
+
+    def name_result(self, version: int, values: int, name: str) -> None:
+        """Names the ring's shared result (ring_result.py) to the right neighbour, through a lane's link:
+        frames after this one may lie in it."""
+        name_b = name.encode()
+        self._send_now(FRAME.pack(version, 0, RESULT_SHARED, 0, values, len(name_b), 0, 0), name_b)
 
     def check(self) -> None:
         if self.failure is not None:
@@ -289,11 +334,11 @@ class OutLink:
             self.sock.close()
             lane.close()                 # unmapped once no view of it is left
 
-    def _send_now(self, header: bytes) -> None:
-        """A header through a lane's connection, from the allreduce's thread."""
+    def _send_now(self, header: bytes, payload: bytes = b"") -> None:
+        """A header (and a short payload) through a lane's connection, from the allreduce's thread."""
         self.check()
         try:
-            self._write([memoryview(header)])
+            self._write([memoryview(header + payload)])
         except OSError as e:
             raise self._failed(f"ring connection failed: {e}") from e
 

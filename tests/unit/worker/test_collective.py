@@ -272,19 +272,37 @@ def test_a_peer_killed_in_the_middle_of_a_collective_is_a_peer_failure_not_a_han
         peer.kill()
 
 
+def mapped_file(a: np.ndarray) -> int:
+    """The inode of the file mapped where `a` lies, as the kernel lists this process's mappings."""
+    address = a.__array_interface__["data"][0]
+    for line in mapped_lanes():
+        span, _, _, _, inode, *_ = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return int(inode)
+    raise AssertionError(f"{address:#x} lies in no lane's file")
+
+
 def test_members_on_one_host_move_payloads_through_shared_memory_that_dies_with_them(members):
     before = set(mapped_lanes())
     a, b, c = members(3)
-    bufs = [np.full(3 * PIECE_VALUES, float(i + 1), np.float32) for i in range(3)]
-    assert all(np.all(r == 6) for r in allreduce_all([a, b, c], bufs, 1, 0))
+    for step in range(2):
+        bufs = [np.full(3 * PIECE_VALUES, float(i + 1 + step), np.float32) for i in range(3)]
+        results = allreduce_all([a, b, c], bufs, 1, step)
+        assert all(np.all(r == 6 + 3 * step) for r in results)
     links = [m.ring._links[key] for m in (a, b, c) for key in m.ring._links]
-    # The kernel's list of this process's mappings: both ends of the 3 links, their files already unlinked.
+    # The kernel's list of this process's mappings: both ends of the 3 links, and the ring's shared
+    # result once per member, their files already unlinked.
     maps = [line for line in mapped_lanes() if line not in before]
     if members.shared:
         assert all(link.lane is not None for link in links)
-        assert len(maps) == 6 and all(line.rstrip().endswith("(deleted)") for line in maps), maps
+        assert len(maps) == 9 and all(line.rstrip().endswith("(deleted)") for line in maps), maps
+        # From the second step on the members' results are one and the same memory: all three map it.
+        (shared,) = {mapped_file(r) for r in results}
+        assert sum(int(line.split()[4]) == shared for line in maps) == 3
     else:
         assert all(link.lane is None for link in links) and maps == []
+    del results                  # a result keeps its mapping
     for m in (a, b, c):
         m.close()
     deadline = time.monotonic() + 10
@@ -292,6 +310,25 @@ def test_members_on_one_host_move_payloads_through_shared_memory_that_dies_with_
         gc.collect()
         time.sleep(0.05)
     assert set(mapped_lanes()) - before == set()
+
+
+def test_a_ring_partly_over_tcp_shares_its_result_only_where_it_can_and_leaves_no_file():
+    # worker-1 offers no lane, as if worker-2 were on another host: the shared result named by worker-0
+    # stops at worker-1, and a member working in it and one working in its lane agree on every bit.
+    files_before = lane_files()
+    ms = [Member("worker-0"), Member("worker-1", shared_memory=False), Member("worker-2")]
+    try:
+        for step in range(4):
+            bufs = [np.arange(2 * PIECE_VALUES + 7, dtype=np.float32) * (i + 1 + step) for i in range(3)]
+            results = allreduce_all(ms, bufs, 1, step)
+            expected = bufs[0] + bufs[1] + bufs[2]
+            assert all(np.array_equal(r, results[0]) for r in results) and np.allclose(results[0], expected)
+        assert ms[0].ring._shared is not None and ms[1].ring._shared is not None and ms[2].ring._shared is None
+        assert ms[0].ring._shared.segment.path in lane_files()     # its name never came back
+    finally:
+        for m in ms:
+            m.close()
+    assert lane_files() <= files_before, "the shared result's file outlived the ring"
 
 
 def test_a_neighbour_that_cannot_see_the_lane_gets_payloads_over_tcp(members, tmp_path, monkeypatch):
@@ -347,10 +384,12 @@ def test_a_result_is_read_only_and_holds_until_the_next_allreduce(members):
                 r[0] = 0
 
 
-def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members, monkeypatch):
+@pytest.mark.parametrize("steps", [range(8), (0, 1, 3, 5, 6, 8, 9, 11)], ids=["consecutive", "with-gaps"])
+def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members, monkeypatch, steps):
     # Each member runs its steps back to back (`on_threads`), and worker-1 reads worker-0's all-gather
     # pieces late: worker-0, in its next step by then, writes its lane first where its own chunk goes,
-    # the piece worker-1 reads last. It must write elsewhere.
+    # the piece worker-1 reads last. It must write elsewhere. In the ring's shared result too, where
+    # steps s and s + 2 with none between them would take the same buffer.
     ms = members(3)
     payload = ring_transport.InLink.payload
 
@@ -364,7 +403,7 @@ def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members
 
     def run(i: int) -> None:
         try:
-            for step in range(8):
+            for step in steps:
                 buf = np.full(2 * PIECE_VALUES + 3, float(step * 10 + i), np.float32)
                 r = ms[i].ring.allreduce(buf, ring, 1, step, never_abort)
                 outcomes.append((i, step, np.unique(r).tolist()))
@@ -372,7 +411,7 @@ def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members
             outcomes.append((i, e))
 
     on_threads(3, run)
-    assert sorted(outcomes) == [(i, step, [30 * step + 3.0]) for i in range(3) for step in range(8)]
+    assert sorted(outcomes) == [(i, step, [30 * step + 3.0]) for i in range(3) for step in steps]
 
 
 def test_a_lane_places_each_step_clear_of_what_its_receiver_may_still_read():
