@@ -21,7 +21,8 @@ acknowledgement is needed: each step's buffer is placed clear of wherever the re
 reading (`claim`), and a step that succeeds proves the receiver is done with every earlier one, since
 the ring brings back values the receiver could only send once it had finished reading them. So two
 buffers' worth of lane do, plus one per attempt aborted since the last success. The buffer the
-allreduce returns is in this segment: it holds at least until the link's next allreduce.
+allreduce returns is in this segment (or in the ring's shared result, ring_result.py, when every link
+of the ring is a lane): it holds at least until the link's next allreduce.
 """
 from __future__ import annotations
 
