@@ -4,8 +4,8 @@ loopback TCP, all measured in the same run; and the pause after a loss in a real
 For each buffer size (`--params` float32 values) and member count (`--members`), `--repeats` rounds,
 each running every contender in turn for `--steps` timed steps (after one warm-up step):
   * ours: N spawned processes, each with its Collective gRPC server and `Ring`; on one host, as here,
-    each member's output is a shared-memory lane that its right neighbour reads in place (the TCP
-    connections carry headers);
+    each member's output is a shared-memory lane that its right neighbour reads in place, the whole
+    ring shares one result reduced in place (ring_result.py), and the TCP connections carry headers;
   * ours-tcp: the same with payloads over TCP too (`Ring(shared_memory=False)`), as between hosts or
     pods: what a job spread over nodes gets;
   * gloo: N processes, `torch.distributed` with backend "gloo", initialised over a TCP store on
