@@ -6,9 +6,9 @@ all-gather rounds. A member sends to its right neighbour and receives from its l
 into numpy memory), or, between neighbours on one host, through a shared-memory lane (ring_lane.py):
 there the member's output buffer is the lane, and its right neighbour reads each piece where it lies,
 told by a header over TCP. When every link is a lane, the members share one result (ring_result.py):
-chunks are reduced in place there and the all-gather copies nothing. Chunks travel as pieces of PIECE_VALUES, pipelined: a member forwards each
-piece as soon as it has added its own values to it (reduce-scatter) or copied it (all-gather), while
-its left neighbour computes the next. Bandwidth, not per-message overhead, bounds a large buffer.
+chunks are reduced in place there and the all-gather copies nothing. Chunks travel as pieces of
+PIECE_VALUES, pipelined: a member forwards each piece as soon as it has added its own values to it
+(reduce-scatter) or copied it (all-gather), while its left neighbour computes the next. Bandwidth, not per-message overhead, bounds a large buffer.
 
 Every member ends with bitwise the same sum: each chunk is reduced once, by one member, then
 copied around the ring. A wait polls for an abort every ~50 ms (`abort_check`: the master's

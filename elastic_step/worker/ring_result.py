@@ -11,8 +11,9 @@ all-gather's frames only say that it is.
 How the segment goes round. At a version's first step the ring's first member creates it and names it
 to its right neighbour in the stream (ring_transport.RESULT_SHARED). Each member that receives the
 name maps the segment and names it on, if its own right link is a lane. When the name comes back to
-its creator, every member has the segment open and the creator unlinks it: it lives while a member
-holds it. A member whose right link is TCP keeps it to itself, and so do those after it: they work in
+its creator, every member has the segment open and the creator unlinks it: from then on it lives while
+a member holds it. (A creator killed in between, within a version's first step, leaves the file under
+/dev/shm; a lane, unlinked once its hello is answered, has no such window.) A member whose right link is TCP keeps it to itself, and so do those after it: they work in
 their lanes as before. A member in the segment and one in its lane work together, since each frame
 says where its piece lies. A new version (a member lost or added) starts again with a new segment.
 
