@@ -8,7 +8,8 @@ there the member's output buffer is the lane, and its right neighbour reads each
 told by a header over TCP. When every link is a lane, the members share one result (ring_result.py):
 chunks are reduced in place there and the all-gather copies nothing. Chunks travel as pieces of
 PIECE_VALUES, pipelined: a member forwards each piece as soon as it has added its own values to it
-(reduce-scatter) or copied it (all-gather), while its left neighbour computes the next. Bandwidth, not per-message overhead, bounds a large buffer.
+(reduce-scatter) or copied it (all-gather), while its left neighbour computes the next. Bandwidth, not
+per-message overhead, bounds a large buffer.
 
 Every member ends with bitwise the same sum: each chunk is reduced once, by one member, then
 copied around the ring. A wait polls for an abort every ~50 ms (`abort_check`: the master's
@@ -241,11 +242,8 @@ class Ring:
         if self._shared is None and rank == 0 and right.lane is not None and self._succeeded[0] != version:
             self._shared = SharedResult.create(version, size)
             if self._shared is not None:
-                right.name_result(version, size, self._shared.name)
-                self._shared.named_to = right
-        if self._shared is None or self._shared.values != size:
-            return None
-        return self._shared.buffer(key, self._succeeded, right)
+                self._shared.name_to(right)
+        return None if self._shared is None else self._shared.buffer(key, self._succeeded, right, size)
 
     def _adopt(self, link: InLink, right: OutLink, version: int) -> None:
         """The ring's shared result, as the left neighbour named it in this version: mapped, and named on
@@ -262,8 +260,7 @@ class Ring:
             self._shared.close()
         self._shared = SharedResult(named, version, named.nbytes // 8, created=False)
         if right.lane is not None:
-            right.name_result(version, self._shared.values, named.name)
-            self._shared.named_to = right
+            self._shared.name_to(right)
 
     def _take(self, link: InLink, key: tuple[int, int], phase: int, rnd: int, offset: int, piece: np.ndarray,
               own: np.ndarray, wait: Callable[[], None]) -> None:

@@ -13,9 +13,10 @@ to its right neighbour in the stream (ring_transport.RESULT_SHARED). Each member
 name maps the segment and names it on, if its own right link is a lane. When the name comes back to
 its creator, every member has the segment open and the creator unlinks it: from then on it lives while
 a member holds it. (A creator killed in between, within a version's first step, leaves the file under
-/dev/shm; a lane, unlinked once its hello is answered, has no such window.) A member whose right link is TCP keeps it to itself, and so do those after it: they work in
-their lanes as before. A member in the segment and one in its lane work together, since each frame
-says where its piece lies. A new version (a member lost or added) starts again with a new segment.
+/dev/shm; a lane, unlinked once its hello is answered, has no such window.) A member whose right link
+is TCP keeps it to itself, and so do those after it: they work in their lanes as before. A member in
+the segment and one in its lane work together, since each frame says where its piece lies. A new
+version (a member lost or added) starts again with a new segment.
 
 Where a step's result lies. Members that use the segment must all put a step at the same place, and
 never where a member may still be reading the previous step's result. So the segment holds two
@@ -49,12 +50,21 @@ class SharedResult:
         segment = Lane.create(nbytes=2 * 4 * values)
         return None if segment is None else cls(segment, version, values, created=True)
 
-    def buffer(self, key: tuple[int, int], succeeded: tuple[int, int], right) -> tuple[np.ndarray, int] | None:
-        """Step `key`'s result buffer of `self.values` values (view, origin), if this step may use the
-        segment: `succeeded`, this member's last step that succeeded, is the one before it, and the right
-        neighbour, `right`, was told of the segment. None: the step works in the lane."""
+    def name_to(self, right) -> None:
+        """Names the segment to the right neighbour (an OutLink through a lane): from the next step on,
+        this member's result may lie in it."""
+        right.name_result(self.version, self.values, self.name)
+        self.named_to = right
+
+    def buffer(self, key: tuple[int, int], succeeded: tuple[int, int], right,
+               size: int) -> tuple[np.ndarray, int] | None:
+        """Step `key`'s result buffer of `size` values (view, origin), if this step may use the segment:
+        its buffers hold `size` values, `succeeded`, this member's last step that succeeded, is the one
+        before it, and the right neighbour, `right`, was told of the segment. None: the step works in the
+        lane."""
         version, step = key
-        if self.named_to is not right or version != self.version or succeeded != (version, step - 1):
+        if (size != self.values or self.named_to is not right or version != self.version
+                or succeeded != (version, step - 1)):
             return None
         origin = (step % 2) * self.values
         return self.segment.values[origin:origin + self.values], origin

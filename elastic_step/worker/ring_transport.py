@@ -197,17 +197,17 @@ class InLink:
             raise PeerFailed(self.peer, f"announced a lane of {nbytes} bytes: {e}") from e
 
     def _result_named(self, version: int, values: int, name_bytes: int, wait: Callable[[], None]) -> None:
-        name = bytearray(name_bytes)
+        received = bytearray(name_bytes)
         self.payload_left = name_bytes
-        self._drain_payload(memoryview(name), wait)
+        self._drain_payload(memoryview(received), wait)
         if self.lane is None:
             raise PeerFailed(self.peer, "named a shared result over a link without a lane")
+        name = received.decode(errors="replace")
         # None if it is gone: named in an attempt since aborted, whose version its creator has let go of.
-        segment = Lane.attach(name.decode(errors="replace"), keep_name=True)
+        segment = Lane.attach(name, keep_name=True)
         if segment is not None and segment.nbytes != 2 * 4 * values:
             segment.close()
-            raise PeerFailed(self.peer, f"named a shared result, {name.decode(errors='replace')!r}, that is not "
-                                        f"two buffers of {values} values")
+            raise PeerFailed(self.peer, f"named a shared result, {name!r}, that is not two buffers of {values} values")
         if self.result is not None:
             self.result.close()       # unmapped once no view of it is left
         self.result, self.result_version = segment, version
