@@ -7,9 +7,9 @@
     .venv/bin/python bench/gang.py --rows 120000            # jobs of ~200 s: start-up is then 15-20 % of one
     .venv/bin/python bench/gang.py --scenarios colocation   # only the service + training case
 
-A real control plane (kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
+A real control plane (tests.infra.kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
 process-kubelet node with S cpus = S worker *slots*; a worker requests 1 cpu, a PS none), plus the
-Coscheduling scheduler of sigs.k8s.io/scheduler-plugins (kube.harness.coscheduling, built by
+Coscheduling scheduler of sigs.k8s.io/scheduler-plugins (tests.infra.kube.harness.coscheduling, built by
 scripts/build-scheduler-plugins) running as a second scheduler. Each job's master is the real
 `elastic-step train --backend kubernetes` outside the cluster with the shipped Role's rights only.
 The model is the digits MLP with a simulated accelerator (bench/models/slow_digits.py: --step-ms per
@@ -53,7 +53,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))   # kube.harness and bench.*, when run as `python bench/gang.py`
+sys.path.insert(0, str(ROOT))   # tests.infra.kube.harness and bench.*, when run as `python bench/gang.py`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from bench.common import digits_prepared  # noqa: E402
 from bench.kube_job import MINIBATCH, Master, PodSampler, slow_digits  # noqa: E402
@@ -79,7 +79,7 @@ def two_jobs(mode: str, args, core, custom, data, work, env: dict) -> dict:
     def submit(job: str) -> Master:
         job_env = dict(env)
         if mode == "gang":
-            from kube.harness.coscheduling import PODGROUPS, POD_GROUP_LABEL, pod_group
+            from tests.infra.kube.harness.coscheduling import PODGROUPS, POD_GROUP_LABEL, pod_group
             custom.create_namespaced_custom_object(*PODGROUPS, NS, "podgroups", pod_group(job, W))
             job_env["ELASTIC_STEP_POD_SPEC"] = json.dumps({"schedulerName": args.gang_scheduler})
             job_env["ELASTIC_STEP_POD_LABELS"] = json.dumps({"worker": {POD_GROUP_LABEL: job}})
@@ -224,8 +224,8 @@ def main() -> None:
     from kubernetes import client
 
     from elastic_step.backends.kubernetes import load_manifests
-    from kube.harness import ControlPlane
-    from kube.harness.coscheduling import GangScheduler
+    from tests.infra.kube.harness import ControlPlane
+    from tests.infra.kube.harness.coscheduling import GangScheduler
 
     t_all = time.time()
     runs = []

@@ -3,7 +3,7 @@
     .venv/bin/python bench/two_jobs.py                    # 4 slots, two jobs of 3 workers; ~2.5 min here
     .venv/bin/python bench/two_jobs.py --slots 6 --workers 4 --epochs 20 --json /tmp/two_jobs.json
 
-A real control plane (kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
+A real control plane (tests.infra.kube.harness: kube-apiserver, kube-scheduler, kube-controller-manager, one
 process-kubelet node) with S worker *slots* (the node has S cpus; a worker requests 1 cpu, a PS
 none). Two jobs each want W workers, a little more than half of the cluster (default S=4, W=3).
 Job A is submitted first; job B once A's workers run. Each master is the real
@@ -36,7 +36,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(ROOT))   # kube.harness and bench.*, when run as `python bench/two_jobs.py`
+sys.path.insert(0, str(ROOT))   # tests.infra.kube.harness and bench.*, when run as `python bench/two_jobs.py`
 from bench.kube_job import MINIBATCH, PodSampler, slow_digits  # noqa: E402
 from bench.kube_job import Master as KubeJob  # noqa: E402
 
@@ -119,7 +119,7 @@ def main() -> None:
 
     from elastic_step.backends.kubernetes import load_manifests
     from elastic_step.data.prep import prepare
-    from kube.harness import ControlPlane
+    from tests.infra.kube.harness import ControlPlane
 
     t_all = time.time()
     results = []

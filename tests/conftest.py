@@ -79,7 +79,7 @@ def ctr_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def gcs_server():
     """fake-gcs-server on loopback (built by scripts/build-fake-gcs when missing)."""
-    from stores.harness import GcsServer
+    from tests.infra.stores.harness import GcsServer
 
     with GcsServer() as server:
         yield server
@@ -88,7 +88,7 @@ def gcs_server():
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on loopback."""
-    from stores.harness import S3Server
+    from tests.infra.stores.harness import S3Server
 
     with S3Server() as server:
         yield server

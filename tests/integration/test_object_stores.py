@@ -1,5 +1,5 @@
 """The whole step on real object stores: gs:// on fake-gcs-server (through gcsfs), s3:// on moto's S3
-server (through s3fs), both started by the suite on loopback (stores/harness.py).
+server (through s3fs), both started by the suite on loopback (tests/infra/stores/harness.py).
 
 Data prep reads the source from the bucket and writes shards and manifests there; the training step
 reads its leases from the bucket and writes its checkpoints, model, summary and report there; a killed
@@ -141,7 +141,7 @@ def test_missing_s3_credentials_are_one_paragraph_naming_the_uri_and_the_standar
 
 @pytest.fixture(scope="module")
 def s3_with_iam():
-    from stores.harness import S3ServerWithIam
+    from tests.infra.stores.harness import S3ServerWithIam
 
     with S3ServerWithIam("t-iam") as server:
         yield server

@@ -1,4 +1,4 @@
-"""Fixtures for tests against a real control plane (kube.harness).
+"""Fixtures for tests against a real control plane (tests.infra.kube.harness).
 
 * ``control_plane`` (session): builds the binaries when missing (scripts/build-control-plane,
   minutes the first time, then instant) and starts etcd, kube-apiserver, kube-scheduler and
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 kubernetes = pytest.importorskip("kubernetes")
-from kube.harness import ControlPlane, wait_for  # noqa: E402,F401
+from tests.infra.kube.harness import ControlPlane, wait_for  # noqa: E402,F401
 
 HERE = Path(__file__).resolve().parent
 log = logging.getLogger("tests.kubernetes")

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from kube.harness import wait_for
-from kube.harness.argo import ArgoController
-from kube.harness.pod import Image
+from tests.infra.kube.harness import wait_for
+from tests.infra.kube.harness.argo import ArgoController
+from tests.infra.kube.harness.pod import Image
 from tests.kubernetes.test_backend import PodRecorder, priority_classes  # noqa: F401
 
 pytestmark = pytest.mark.kubernetes

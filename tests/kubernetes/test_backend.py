@@ -26,7 +26,7 @@ from elastic_step.backends.api import BackendError, EventKind, InstanceId, Insta
 from elastic_step.backends.kubernetes import (NEEDED, KubernetesBackend, KubernetesBackendError,
                                               KubernetesPermissionError, Owner, load_manifests)
 from elastic_step.errors import ElasticStepError
-from kube.harness import ControlPlane, wait_for
+from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes

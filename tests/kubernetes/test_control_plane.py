@@ -11,8 +11,8 @@ import textwrap
 import pytest
 from kubernetes import client, watch
 
-from kube.harness import wait_for
-from kube.harness.pod import Image
+from tests.infra.kube.harness import wait_for
+from tests.infra.kube.harness.pod import Image
 
 pytestmark = pytest.mark.kubernetes
 

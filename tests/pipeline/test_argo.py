@@ -25,7 +25,7 @@ from hera.workflows import models
 from elastic_step.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
 from elastic_step.backends.kubernetes import _JOB_ID
 from elastic_step.cli import build_parser
-from kube.harness.argo import lint
+from tests.infra.kube.harness.argo import lint
 from elastic_step.errors import ConfigError, JobFailed, StepTerminated
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_a_workflow_submitted_from_the_template_is_valid():
 
 # ---------------------------------------------------------------- Argo's own lint
 def test_argos_own_lint_passes_the_shipped_files():
-    """`argo lint --offline --strict`, Argo's own code (kube/argo/lint, built by scripts/build-argo): the
+    """`argo lint --offline --strict`, Argo's own code (tests/infra/kube/argo/lint, built by scripts/build-argo): the
     CronWorkflow's reference to the WorkflowTemplate is resolved between the two files."""
     ok, out = lint([ROOT / "pipelines" / "argo" / name for name in FILES])
     assert ok, out

@@ -1,6 +1,6 @@
 """A real Kubernetes control plane for tests, plus a *process kubelet*.
 
-    from kube.harness import ControlPlane
+    from tests.infra.kube.harness import ControlPlane
 
     with ControlPlane() as cp:                      # builds once (scripts/build-control-plane), starts
         cp.add_node("node-a", cpu="2", memory="4Gi") # a ProcessKubelet: pods run as local processes
@@ -11,7 +11,8 @@
 
 See controlplane.py and kubelet.py for details.
 """
-from .controlplane import ControlPlane, ControlPlaneError, build_control_plane, wait_for
+from .controlplane import ControlPlane, ControlPlaneError, build_control_plane
 from .kubelet import ProcessKubelet
+from .process import wait_for
 
 __all__ = ["ControlPlane", "ControlPlaneError", "ProcessKubelet", "build_control_plane", "wait_for"]

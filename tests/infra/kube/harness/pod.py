@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .controlplane import _die_with_parent
 from .mounts import Mount, in_namespaces, namespace_init, private_dev_shm
+from .process import die_with_parent
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -128,7 +128,7 @@ class Container:
                         in_namespaces(argv, mounts, map_root_user=k.map_root_user,
                                            cwd=self.spec.get("workingDir")),
                         env=env, cwd=k.cwd, stdin=subprocess.DEVNULL, stdout=out,
-                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
             except OSError as e:
                 with open(self.log_file, "ab") as out:
                     out.write(f"[process kubelet] cannot start {argv}: {e}\n".encode())

@@ -1,7 +1,7 @@
 """Real object-store servers for tests, on loopback: fake-gcs-server (the emulator gcsfs's own CI runs
 against) for gs://, moto's S3 server (the one s3fs's own suite uses) for s3://.
 
-    from stores.harness import GcsServer, S3Server
+    from tests.infra.stores.harness import GcsServer, S3Server
 
     with GcsServer() as gcs:                 # built by scripts/build-fake-gcs when missing
         os.environ.update(gcs.env)           # what a step's process needs to reach it
@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 BUILD_FAKE_GCS = REPO / "scripts" / "build-fake-gcs"
 
 

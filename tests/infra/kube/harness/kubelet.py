@@ -122,7 +122,7 @@ class ProcessKubelet:
         self.lease_duration = lease_duration
         self.node_status_period = node_status_period
         self.ips = ips or IPS
-        self.log = logging.getLogger(f"kube.harness.kubelet.{name}")
+        self.log = logging.getLogger(f"tests.infra.kube.harness.kubelet.{name}")
         self._handler = logging.FileHandler(self.workdir / "kubelet.log")
         self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(threadName)s %(message)s"))
         self.log.addHandler(self._handler)

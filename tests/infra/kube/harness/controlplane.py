@@ -5,7 +5,7 @@ authorization, the ``Priority`` and ``ServiceAccount`` admission plugins, servic
 token signing), kube-scheduler and kube-controller-manager (garbage collector, token and
 service-account controllers, node lifecycle) on 127.0.0.1 with free ports, in a temporary
 directory; writes an admin kubeconfig; and stops everything on exit. Nodes are added with
-:meth:`ControlPlane.add_node`, which starts a :class:`~kube.harness.kubelet.ProcessKubelet`.
+:meth:`ControlPlane.add_node`, which starts a :class:`~tests.infra.kube.harness.kubelet.ProcessKubelet`.
 
 Binaries come from ``scripts/build-control-plane`` (built once per Kubernetes version into
 ``${ELASTIC_STEP_CACHE:-~/.cache/elastic-step}/kube-<version>/bin``).
@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import base64
 import contextlib
-import ctypes
 import datetime as _dt
 import http.server
 import ipaddress
@@ -33,8 +32,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -46,9 +43,10 @@ import weakref
 from pathlib import Path
 from typing import Iterable
 
-log = logging.getLogger("kube.harness")
+from .process import REPO, free_port, http_ok, popen, run_build, stop_process
 
-REPO = Path(__file__).resolve().parents[2]
+log = logging.getLogger("tests.infra.kube.harness")
+
 BUILD_SCRIPT = REPO / "scripts" / "build-control-plane"
 SERVICE_CIDR = "10.0.0.0/24"
 SERVICE_IP = "10.0.0.1"
@@ -59,75 +57,9 @@ class ControlPlaneError(RuntimeError):
     pass
 
 
-# --------------------------------------------------------------------------- utilities
-
-def run_build(script: Path, *args: str, override_env: str, error: type[Exception] = RuntimeError,
-              env: dict | None = None) -> Path:
-    """The bin directory a scripts/build-* prints last on stdout (each is a no-op when its binaries
-    exist; its progress goes to our stderr), or `override_env`'s directory when that is set."""
-    override = os.environ.get(override_env)
-    if override:
-        return Path(override)
-    proc = subprocess.run([str(script), *args], stdout=subprocess.PIPE, stderr=None, text=True,
-                          env={**os.environ, **(env or {})})
-    if proc.returncode != 0:
-        raise error(f"{script} failed with exit code {proc.returncode}")
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
 def build_control_plane(env: dict | None = None) -> Path:
     """Run scripts/build-control-plane (a no-op when the binaries exist); returns bin dir."""
     return run_build(BUILD_SCRIPT, override_env="ELASTIC_STEP_KUBE_BIN", error=ControlPlaneError, env=env)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_libc = None
-with contextlib.suppress(OSError):
-    _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _die_with_parent() -> None:  # preexec_fn: SIGKILL the child when its parent thread dies
-    if _libc is not None:
-        _libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-def popen(argv: list[str], *, log_path: Path, env=None, cwd=None) -> subprocess.Popen:
-    """Start a child in its own process group, logging to a file; killed if we die."""
-    with open(log_path, "ab") as out:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True, preexec_fn=_die_with_parent)
-
-
-def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL the whole process group after ``timeout``."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-
-
-def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
-    """Poll ``predicate`` until it returns something truthy; return that value."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -374,7 +306,7 @@ class ControlPlane:
             # one member: campaign after 0.25s instead of 1s
             "--heartbeat-interval=50", "--election-timeout=250",
             "--quota-backend-bytes=2147483648", *self.extra_args.get("etcd", [])])
-        self._wait("etcd", lambda: _http_ok(f"{self.etcd_url}/health"))
+        self._wait("etcd", lambda: http_ok(f"{self.etcd_url}/health"))
         self.timings["etcd"] = time.monotonic() - t
 
         # kube-apiserver
@@ -424,8 +356,8 @@ class ControlPlane:
             "--use-service-account-credentials=false", "--cluster-name=elastic-step-test",
             "--enable-garbage-collector=true", "--node-monitor-period=2s",
             *self.extra_args.get("kube-controller-manager", [])])
-        self._wait("kube-scheduler", lambda: _http_ok(f"https://127.0.0.1:{sport}/healthz", insecure=True))
-        self._wait("kube-controller-manager", lambda: _http_ok(f"https://127.0.0.1:{cport}/healthz", insecure=True))
+        self._wait("kube-scheduler", lambda: http_ok(f"https://127.0.0.1:{sport}/healthz", insecure=True))
+        self._wait("kube-controller-manager", lambda: http_ok(f"https://127.0.0.1:{cport}/healthz", insecure=True))
         # ready for pods: the service-account and root-CA controllers have done the default namespace
         self._wait("kube-controller-manager (default service account)", lambda: self._namespace_ready("default"))
         self.timings["scheduler+controller-manager"] = time.monotonic() - t
@@ -675,17 +607,3 @@ def _write_kubeconfig(path: Path, server: str, ca: Path, token: str | None, user
     }
     path.write_text(json.dumps(cfg, indent=2))
     os.chmod(path, 0o600)
-
-
-def _http_ok(url: str, insecure: bool = False) -> bool:
-    ctx = None
-    if url.startswith("https"):
-        ctx = ssl.create_default_context()
-        if insecure:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-    try:
-        with urllib.request.urlopen(url, context=ctx, timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ssl.SSLError):
-        return False

@@ -1,7 +1,7 @@
 """Argo Workflows for tests, built from the Go module proxy by scripts/build-argo (once per version,
 into ``${ELASTIC_STEP_CACHE:-~/.cache/elastic-step}/argo-<version>/bin``).
 
-    from kube.harness.argo import ArgoController, lint
+    from tests.infra.kube.harness.argo import ArgoController, lint
 
     lint(["pipelines/argo/train-eval-template.yaml"])   # Argo's offline, strict lint: (ok, its output)
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from .controlplane import REPO, popen, run_build, stop_process, wait_for
 from .pod import Image
+from .process import KUBE, REPO, popen, run_build, stop_process, wait_for
 
 BUILD_SCRIPT = REPO / "scripts" / "build-argo"
-VERSION = (REPO / "kube" / "argo" / "VERSION").read_text().strip()
+VERSION = (KUBE / "argo" / "VERSION").read_text().strip()
 EXECUTOR_IMAGE = f"quay.io/argoproj/argoexec:{VERSION}"
 CONTROLLER_CONFIGMAP = "workflow-controller-configmap"
 

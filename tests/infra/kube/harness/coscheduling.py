@@ -1,9 +1,9 @@
 """Gang scheduling for the bench: the Coscheduling plugin of sigs.k8s.io/scheduler-plugins, built from
-the Go module proxy by scripts/build-scheduler-plugins (once per version, kube/scheduler-plugins/VERSION,
+the Go module proxy by scripts/build-scheduler-plugins (once per version, tests/infra/kube/scheduler-plugins/VERSION,
 into ``${ELASTIC_STEP_CACHE:-~/.cache/elastic-step}/scheduler-plugins-<version>/bin``). Bench only: the
 tests do not use it.
 
-    from kube.harness.coscheduling import GangScheduler, pod_group
+    from tests.infra.kube.harness.coscheduling import GangScheduler, pod_group
 
     with GangScheduler(control_plane) as gang:       # CRDs installed, then the scheduler and controller running
         custom.create_namespaced_custom_object(*gang.PODGROUPS, "ns", pod_group("job-a", min_member=4))
@@ -37,10 +37,10 @@ from pathlib import Path
 
 import yaml
 
-from .controlplane import REPO, _http_ok, free_port, popen, run_build, stop_process, wait_for
+from .process import KUBE, REPO, free_port, http_ok, popen, run_build, stop_process, wait_for
 
 BUILD_SCRIPT = REPO / "scripts" / "build-scheduler-plugins"
-VERSION = (REPO / "kube" / "scheduler-plugins" / "VERSION").read_text().strip()
+VERSION = (KUBE / "scheduler-plugins" / "VERSION").read_text().strip()
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
 PODGROUPS = ("scheduling.x-k8s.io", "v1alpha1")   # group, version; plural "podgroups"
 
@@ -139,7 +139,7 @@ class GangScheduler:
                                     log_path=self.controller_log_path,
                                     env=dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig_path)))
             try:
-                wait_for(lambda: self.controller.poll() is not None or _http_ok(f"http://127.0.0.1:{probe}/healthz"),
+                wait_for(lambda: self.controller.poll() is not None or http_ok(f"http://127.0.0.1:{probe}/healthz"),
                          60, what="scheduler-plugins' controller healthy")
             except AssertionError:
                 self.stop()
@@ -159,7 +159,7 @@ class GangScheduler:
                            # then waits for the queue's flush of old unschedulable pods (every 30 s), not 5 min
                            f"--pod-max-in-unschedulable-pods-duration={self.unschedulable_max_s}s"],
                           log_path=self.log_path)
-        wait_for(lambda: self.proc.poll() is not None or _http_ok(f"https://127.0.0.1:{port}/healthz", insecure=True),
+        wait_for(lambda: self.proc.poll() is not None or http_ok(f"https://127.0.0.1:{port}/healthz", insecure=True),
                  60, what=f"{self.name} healthy")
         if self.proc.poll() is not None:
             self.stop()
@@ -179,7 +179,7 @@ class GangScheduler:
 
 
 def _self_check() -> None:
-    """`python -m kube.harness.coscheduling`: all-or-nothing placement on a real control plane. Group a
+    """`python -m tests.infra.kube.harness.coscheduling`: all-or-nothing placement on a real control plane. Group a
     (3 pods of 1 cpu) fills 3 of 4 cpus; group b (3 pods) must then place none, and all 3 once a is gone."""
     import time
 

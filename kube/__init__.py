@@ -1,1 +1,0 @@
-"""Test infrastructure around a real Kubernetes control plane (see kube/harness)."""

@@ -1,0 +1,1 @@
+"""Test infrastructure around a real Kubernetes control plane (see tests/infra/kube/harness)."""
