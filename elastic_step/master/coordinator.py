@@ -1,7 +1,7 @@
 """The master's state machine: ledger + membership + timeline behind one lock.
 
 The gRPC service and the job loop both call into it; it decides nothing about processes
-(that is the scaler's job) and never blocks on I/O while holding its lock.
+(that is the relaunch policy's job) and never blocks on I/O while holding its lock.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.progress import Progress
-from elastic_step.master.scaler import Scaler
+from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.tensorboard import TensorBoardLog
@@ -96,7 +96,7 @@ class TrainingJob:
         self.allreduce = cfg.strategy == "allreduce"
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
-        self.scaler = Scaler(cfg.max_relaunches)
+        self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
                            0 if self.allreduce else cfg.num_ps)
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
@@ -237,8 +237,8 @@ class TrainingJob:
             return
         over = self.coord.finished.is_set()
         member = self.coord.membership.members[ev.instance]
-        decision = self.scaler.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress,
-                                      checkpoint=self.durable.can_restore())
+        decision = self.relaunch.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress,
+                                        checkpoint=self.durable.can_restore())
         if decision.action == "none":
             return
         if ev.instance.role == "worker":

@@ -17,7 +17,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.ps.api import Placement, PushKey
 from elastic_step.ps.doorbell import REFUSED, Bell, Dropped, PushFailed
-from elastic_step.ps.shared_memory import PushSlots, SharedMemoryUnavailable
+from elastic_step.ps.push_slots import PushSlots, SharedMemoryUnavailable
 
 log = logging.getLogger("elastic_step.ps")
 

@@ -1,6 +1,6 @@
 """The doorbell: how a worker on a shard's host asks for a shared-memory push without a gRPC call.
 
-With push slots in shared memory (shared_memory.py) a push's gRPC call carries only its key, yet for
+With push slots in shared memory (push_slots.py) a push's gRPC call carries only its key, yet for
 a small model that call is most of the push: Python's gRPC costs a few hundred µs of CPU on each side
 and about a millisecond of latency, next to a training step of about one. So the worker keeps one
 connection per slot to the shard's doorbell, a Unix socket in the abstract namespace (no file to

@@ -20,7 +20,7 @@ from elastic_step.proto.rpc import check_token
 from elastic_step.data.api import AppliedRecords
 from elastic_step.ps.api import Placement, PushKey, named_variables
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
-from elastic_step.ps.shared_memory import SharedSegments
+from elastic_step.ps.push_slots import SharedSegments
 
 log = logging.getLogger("elastic_step.ps")
 

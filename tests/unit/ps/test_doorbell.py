@@ -8,7 +8,7 @@ import pytest
 
 from tests.unit.ps.keys import key
 
-from elastic_step.ps import doorbell, shared_memory
+from elastic_step.ps import doorbell, push_slots
 
 NONCE = b"n" * 16
 
@@ -87,8 +87,8 @@ def test_the_address_is_abstract_so_nothing_is_left_on_disk(server):
 
 
 def test_a_segments_nonce_admits_only_its_own_slots():
-    segments = shared_memory.SharedSegments()
-    slots = shared_memory.PushSlots(4, 2, tag="ps0")
+    segments = push_slots.SharedSegments()
+    slots = push_slots.PushSlots(4, 2, tag="ps0")
     try:
         seg = segments.attach(slots.path, slots.nonce, 4, 2)
         assert segments.admits(seg, 0, slots.nonce) and segments.admits(seg, 1, slots.nonce)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from elastic_step.ps.shared_memory import PushSlots
+from elastic_step.ps.push_slots import PushSlots
 from elastic_step.util import shared_memory
 from elastic_step.worker import collective, ring_lane, ring_transport
 from elastic_step.worker.collective import PIECE_VALUES, Aborted, PeerFailed

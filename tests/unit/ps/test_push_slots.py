@@ -14,12 +14,12 @@ keras = pytest.importorskip("keras")
 
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.proto import rpc  # noqa: E402
-from elastic_step.ps import shared_memory  # noqa: E402
+from elastic_step.ps import push_slots  # noqa: E402
 from elastic_step.ps.api import Placement  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(shared_memory.SHM_DIR), reason="no /dev/shm on this host")
+pytestmark = pytest.mark.skipif(not os.path.isdir(push_slots.SHM_DIR), reason="no /dev/shm on this host")
 TOKEN = "t0ken"
 
 
@@ -69,7 +69,7 @@ def serve():
 
 
 def ours() -> set[str]:
-    return {f for f in os.listdir(shared_memory.SHM_DIR) if f.startswith(f"elastic-step-ps0-{os.getpid()}-")}
+    return {f for f in os.listdir(push_slots.SHM_DIR) if f.startswith(f"elastic-step-ps0-{os.getpid()}-")}
 
 
 def test_shared_pushes_apply_what_pushes_with_bytes_apply(serve):
@@ -136,12 +136,12 @@ def test_a_dropped_segment_is_resent_with_bytes_and_applied_once(serve):
 
 def test_a_segment_the_shard_cannot_verify_is_refused_and_bytes_are_sent(serve, monkeypatch, caplog):
     # What another host (or another pod's /dev/shm) looks like to the shard: not the worker's segment.
-    created = shared_memory.PushSlots.__init__
+    created = push_slots.PushSlots.__init__
 
     def namesake(self, *args, **kwargs):
         created(self, *args, **kwargs)
         self.nonce = bytes(len(self.nonce))
-    monkeypatch.setattr(shared_memory.PushSlots, "__init__", namesake)
+    monkeypatch.setattr(push_slots.PushSlots, "__init__", namesake)
     service, client = serve(keras.optimizers.SGD(0.1))
     c = client()
     g = np.ones(service.shard.dense_size, np.float32)
@@ -153,8 +153,8 @@ def test_a_segment_the_shard_cannot_verify_is_refused_and_bytes_are_sent(serve, 
 
 
 def test_the_shard_drops_its_least_recently_used_segment_beyond_its_bound():
-    segments = shared_memory.SharedSegments(max_segments=2)
-    made = [shared_memory.PushSlots(4, 1, tag="ps0") for _ in range(3)]
+    segments = push_slots.SharedSegments(max_segments=2)
+    made = [push_slots.PushSlots(4, 1, tag="ps0") for _ in range(3)]
     try:
         first, second = (segments.attach(s.path, s.nonce, 4, 1) for s in made[:2])
         segments.slot(first, 0)                  # used: the second is now the least recent
@@ -170,14 +170,14 @@ def test_the_shard_drops_its_least_recently_used_segment_beyond_its_bound():
 
 
 def test_only_our_segments_under_dev_shm_are_mapped(tmp_path):
-    segments = shared_memory.SharedSegments()
+    segments = push_slots.SharedSegments()
     with pytest.raises(ValueError, match="not an elastic-step segment"):
         segments.attach("/etc/passwd", b"x" * 16, 4, 1)
     with pytest.raises(ValueError, match="cannot open"):
-        segments.attach(os.path.join(shared_memory.SHM_DIR, "elastic-step-gone"), b"x" * 16, 4, 1)
+        segments.attach(os.path.join(push_slots.SHM_DIR, "elastic-step-gone"), b"x" * 16, 4, 1)
     target = tmp_path / "elsewhere"
-    target.write_bytes(bytes(shared_memory.HEADER + 32))
-    link = os.path.join(shared_memory.SHM_DIR, f"elastic-step-link-{os.getpid()}")
+    target.write_bytes(bytes(push_slots.HEADER + 32))
+    link = os.path.join(push_slots.SHM_DIR, f"elastic-step-link-{os.getpid()}")
     os.symlink(target, link)
     try:
         with pytest.raises(ValueError, match="cannot open"):   # a link is never followed

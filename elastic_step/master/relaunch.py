@@ -1,4 +1,5 @@
-"""What the master does when an instance ends: relaunch it, or fail the job, and why.
+"""What the master does when an instance ends: relaunch it, restore the job from its checkpoint, or fail
+the job, and why.
 
 A worker that was killed, preempted or scaled in is relaunched (the job keeps asking for
 max_workers; a pending one starts when there is room). A worker that failed through the
@@ -17,11 +18,14 @@ log = logging.getLogger("elastic_step.master")
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    action: str          # "relaunch" | "fail" | "none"
+    action: str          # "relaunch" | "restore" | "fail" | "none"
     reason: str
 
 
-class Scaler:
+class RelaunchPolicy:
+    """Decides, for each instance that ends, to relaunch it, restore the job from its checkpoint (a lost PS)
+    or fail the job; relaunches count against the job's budget (`max_relaunches`)."""
+
     def __init__(self, max_relaunches: int):
         self.max_relaunches = max_relaunches
         self.relaunches = 0
