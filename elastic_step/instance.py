@@ -1,4 +1,4 @@
-"""What every worker and PS process shares: its command line, and its client of the master.
+"""An instance's command line: what the master starts a worker or PS with, and how the instance reads it.
 
 The backend starts `python -m elastic_step.worker|ps --master ADDR --index I ...`; the job token
 comes from the environment (ELASTIC_STEP_TOKEN: a Secret on Kubernetes), never the command line.
@@ -9,34 +9,13 @@ import argparse
 import logging
 import os
 import sys
-import traceback
 
-from elastic_step.proto import elastic_pb2 as pb
-from elastic_step.proto import elastic_pb2_grpc as pb_grpc
-from elastic_step.proto import rpc
+from elastic_step.util.process import die_with_parent
 
 TOKEN_ENV = "ELASTIC_STEP_TOKEN"
 # Exit code of an instance that failed through the user's model or data: the master does not
 # relaunch it, it fails the job with the reported error.
 EXIT_USER_ERROR = 3
-
-
-# Set by the local backend: the master's pid. Its instances die with it, as pods go with their owner
-# on Kubernetes, so a SIGKILLed master leaves no process behind to push into shards nobody will read.
-PARENT_ENV = "ELASTIC_STEP_PARENT_PID"
-
-
-def die_with_parent() -> None:
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(parent):   # it died before we asked
-        os._exit(1)
 
 
 def kill_self(sig: int) -> None:
@@ -48,10 +27,6 @@ def kill_self(sig: int) -> None:
     os.kill(os.getpid(), sig)
     if sig == signal.SIGKILL:
         os._exit(128 + sig)
-
-
-def quiet_tensorflow() -> None:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
 def instance_argv(role: str, master: str, index: int, model_def: str, num_ps: int, seed: int,
@@ -85,47 +60,3 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {role}-{args.index} %(levelname)s %(message)s")
     return args
-
-
-class MasterClient:
-    def __init__(self, address: str, token: str, role: str, index: int):
-        self.token = token
-        self.me = pb.Instance(role=role, index=index)
-        self._channel = rpc.channel(address)
-        self.stub = pb_grpc.MasterStub(self._channel)
-
-    def register(self, address: str = "") -> pb.RegisterResponse:
-        return rpc.call(self.stub.Register, pb.RegisterRequest(token=self.token, instance=self.me,
-                                                               address=address))
-
-    def get_task(self, ahead_of: int | None = None) -> pb.GetTaskResponse:
-        return rpc.call(self.stub.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me, ahead_of=ahead_of))
-
-    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> pb.ProgressResponse:
-        """`stop`: the master refused the report (the lease is no longer ours); `hold`: a checkpoint is cut."""
-        return rpc.call(self.stub.ReportProgress, pb.ProgressReport(
-            token=self.token, instance=self.me, task_id=task_id, watermark=watermark,
-            records=records, loss=loss, duplicate=duplicate))
-
-    def hold(self, stop) -> None:
-        """Wait while the master cuts a checkpoint (this worker has nothing in flight), or until `stop`."""
-        while not stop.is_set():
-            if rpc.call(self.stub.Hold, pb.HoldRequest(token=self.token, instance=self.me, wait_s=1.0),
-                        timeout=10).released:
-                return
-
-    def heartbeat(self) -> bool:
-        """True when the master asks this instance to stop."""
-        return rpc.call(self.stub.Heartbeat, pb.HeartbeatRequest(token=self.token, instance=self.me),
-                        timeout=10, retry_for=10).stop
-
-    def fail(self, kind: str, error: BaseException) -> None:
-        try:
-            rpc.call(self.stub.ReportFailure, pb.FailureReport(
-                token=self.token, instance=self.me, kind=kind, message=str(error),
-                traceback="".join(traceback.format_exception(error))), timeout=10, retry_for=10)
-        except Exception:  # noqa: BLE001 - the exit code still tells the master
-            logging.exception("could not report the failure to the master")
-
-    def close(self) -> None:
-        self._channel.close()

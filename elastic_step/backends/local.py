@@ -15,7 +15,7 @@ import threading
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.preloaded import Preloader, PreloadedProcess, preloadable
-from elastic_step.instance import PARENT_ENV
+from elastic_step.util.process import PARENT_ENV
 
 
 class LocalBackend(Backend):

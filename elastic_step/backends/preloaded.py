@@ -11,7 +11,7 @@ wakes its loop through a pipe): that is what makes forking it safe.
 Each instance is still a process of its own: its own session, environment, log file and exit status,
 reported the moment the preloader reaps it. It dies with the master as before: the preloader exits when
 the master's end of its pipe closes (and is killed with it, PR_SET_PDEATHSIG), and each instance dies
-with the preloader (instance.die_with_parent, through PARENT_ENV).
+with the preloader (util/process.py's die_with_parent, through PARENT_ENV).
 
 Protocol, one JSON object per line: the master writes {"id", "module", "args", "env", "log"}; the
 preloader answers {"id", "pid"} at the fork and {"pid", "returncode"} when that child ends.
@@ -25,10 +25,11 @@ import subprocess
 import sys
 import threading
 
-from elastic_step.instance import PARENT_ENV
+from elastic_step.util.process import PARENT_ENV
 
 # What every worker and PS imports before its first line of work.
-PRELOAD = ("tensorflow", "keras", "numpy", "grpc", "elastic_step.instance", "elastic_step.model_def")
+PRELOAD = ("tensorflow", "keras", "numpy", "grpc", "elastic_step.instance", "elastic_step.master.client",
+           "elastic_step.model_def")
 
 
 def preloadable(argv: list[str]) -> bool:
@@ -132,7 +133,7 @@ def _serve() -> None:
     import selectors
     import signal
 
-    from elastic_step.instance import die_with_parent, quiet_tensorflow
+    from elastic_step.util.process import die_with_parent, quiet_tensorflow
 
     die_with_parent()
     quiet_tensorflow()
@@ -188,7 +189,7 @@ def _run_instance(req: dict) -> None:
     import runpy
     import traceback
 
-    from elastic_step.instance import die_with_parent
+    from elastic_step.util.process import die_with_parent
 
     os.setsid()
     log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)

@@ -29,7 +29,8 @@ from elastic_step.data.api import MANIFEST_NAME, Field, Manifest, Shard
 from elastic_step.data.parse import FORMATS, MAX_BAD_ROWS, TYPE_NAMES, TYPES, combine, file_format
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.util.atomic import atomic_directory
-from elastic_step.util.storage import check_writable, explain, local_path, on_disk
+from elastic_step.util.storage import check_writable, explain, on_disk
+from elastic_step.util.uri import local_path
 
 __all__ = ["MAX_BAD_ROWS", "PrepResult", "prepare"]
 

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 from urllib.parse import quote
 
-from elastic_step.util.storage import local_path
+from elastic_step.util.uri import local_path
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
 CHUNK = 1 << 20

@@ -35,7 +35,8 @@ from elastic_step.master.input_server import InputServer
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
-from elastic_step.util.storage import check_writable, copy_folder, explain, local_path
+from elastic_step.util.storage import check_writable, copy_folder, explain
+from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
 

@@ -13,7 +13,7 @@ import uuid
 
 import fsspec
 
-from elastic_step.util.storage import local_path
+from elastic_step.util.uri import local_path
 
 
 def _current_umask() -> int:

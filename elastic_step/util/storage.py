@@ -14,6 +14,9 @@ import shutil
 
 import fsspec
 
+from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.uri import local_path, scheme
+
 FIXES = {
     "gs": {
         "credentials": "Give the step Google credentials: GOOGLE_APPLICATION_CREDENTIALS naming a service-account "
@@ -45,13 +48,6 @@ _DENIED = ("AccessDenied", "Forbidden", "403", "Permission denied", "does not ha
 _NO_BUCKET = ("NoSuchBucket", "bucket does not exist", "The specified bucket does not exist")
 
 
-def local_path(uri: str) -> str | None:
-    """The local path a URI names, or None for a remote one (gs://, s3://, memory://, ...)."""
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    return None if "://" in uri else uri
-
-
 def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
 
@@ -59,10 +55,6 @@ def protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
 def on_disk(fs: fsspec.AbstractFileSystem) -> bool:
     """A filesystem of local files (paths that open() and pyarrow can use as they are)."""
     return bool({"file", "local"} & set(protocols(fs)))
-
-
-def scheme(uri: str) -> str:
-    return uri.split("://", 1)[0] if "://" in uri else "file"
 
 
 def explain(uri: str, e: BaseException, doing: str) -> str:
@@ -109,8 +101,6 @@ def explain(uri: str, e: BaseException, doing: str) -> str:
 def check_writable(uri: str, doing: str, error: type[Exception], alternative: str = "") -> None:
     """At a job's start, not at its end: write and delete a probe under `uri` (a folder). `alternative`
     ends the error's paragraph: a way to run without writing there, if there is one."""
-    from elastic_step.util.atomic import atomic_write_text
-
     probe = f"{uri.rstrip('/')}/.elastic-step-probe"
     try:
         atomic_write_text(probe, "elastic-step probe\n")

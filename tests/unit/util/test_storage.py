@@ -5,7 +5,7 @@ import botocore.exceptions
 import google.auth.exceptions
 import pytest
 
-from elastic_step.util.storage import copy_folder, explain, local_path
+from elastic_step.util.storage import copy_folder, explain
 
 # The exceptions gcsfs and s3fs raise, as they raise them (see gcsfs.retry.validate_response and
 # s3fs.errors.translate_boto_error).
@@ -41,11 +41,6 @@ def test_a_missing_key_file_is_named_not_taken_for_a_permission(monkeypatch, tmp
     message = explain("gs://b/x", OSError("Forbidden: Anonymous caller does not have storage.objects.get access"),
                       "read")
     assert str(tmp_path / "key.json") in message and "does not exist" in message
-
-
-def test_local_paths_and_uris():
-    assert local_path("/data/x") == "/data/x" and local_path("file:///data/x") == "/data/x"
-    assert local_path("gs://b/x") is None and local_path("memory://x") is None
 
 
 def test_a_folder_is_copied_with_its_marker_last_and_the_old_marker_gone_first(tmp_path):
