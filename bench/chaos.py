@@ -42,7 +42,7 @@ def run(out: pathlib.Path, data: pathlib.Path, model: str, strategy: str, epochs
     cmd += ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
     if chaos:
         cmd += ["--chaos", chaos]
-    for masters in range(1, 6):   # a retry policy: the master killed or terminated, the step runs again
+    for masters in range(1, 6):  # noqa: B007 - read after it; a retry policy: the master killed or terminated, the step runs again
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode not in (-9, 143):
             break

@@ -292,7 +292,8 @@ def report_two_jobs(out: dict, args) -> None:
     S, W = args.slots, args.workers
     for mode in ["gang"] + args.modes.split(","):
         r = out[mode]
-        print(f"run {out['run']} {mode:8s} (min {r['min_workers']}, max {r['max_workers']}) makespan {r['makespan_s']:6.1f}s  utilization {r['utilization'] * 100:5.1f}%  "
+        print(f"run {out['run']} {mode:8s} (min {r['min_workers']}, max {r['max_workers']}) "
+              f"makespan {r['makespan_s']:6.1f}s  utilization {r['utilization'] * 100:5.1f}%  "
               f"allocation {r['allocation'] * 100:5.1f}%  " + "  ".join(
                   f"{n}: submitted {j['submitted_s']}s, first worker bound {j['first_worker_bound_s']}s, "
                   f"first step {j['first_step_s']}s (start-up {j['startup_s']}s), ends {j['end_s']}s, "
@@ -336,8 +337,10 @@ def summarize(runs: list[dict], args, took: float) -> None:
             print(f"{mode}/gang makespan ratio: {spread([r[f'ratio_{mode}'] for r in two], '{:.3f}')}")
     colo = [r["colocation"] for r in runs if "colocation" in r]
     if colo:
-        print(f"colocation: service pods bound (median per run) {spread([c['bind_s']['median'] for c in colo], '{:.2f}')} s,"
-              f" max {max(c['bind_s']['max'] for c in colo):.2f} s; running {spread([c['running_s']['median'] for c in colo], '{:.2f}')} s;"
+        bound = spread([c["bind_s"]["median"] for c in colo], "{:.2f}")
+        running = spread([c["running_s"]["median"] for c in colo], "{:.2f}")
+        print(f"colocation: service pods bound (median per run) {bound} s,"
+              f" max {max(c['bind_s']['max'] for c in colo):.2f} s; running {running} s;"
               f" leftover capacity used {spread([c['leftover_used'] * 100 for c in colo])} %")
 
 

@@ -9,9 +9,9 @@ and a pyarrow.dataset scan to one table, both on all CPUs) and `prepare(source, 
 with its defaults. MB/s is the source's bytes over the call's wall time (imports excluded); the
 best run, with the spread (slowest/best) as this VM's speed drifts. CPU is each side's least CPU
 time (user + system, the interpreter's start and imports included) over the runs, per GB: steadier
-than MB/s on a shared machine; its ratio says what prep costs next to a read whatever the cores. Peak RSS is sampled from /proc every 20 ms over
-the process and its descendants (pass 1's process pool): the largest process's VmHWM, and the
-largest sum over the processes alive at one sample. The spill files go to --tmp.
+than MB/s on a shared machine; its ratio says what prep costs next to a read whatever the cores.
+Peak RSS is sampled from /proc every 20 ms over the process and its descendants (pass 1's process pool): the largest
+process's VmHWM, and the largest sum over the processes alive at one sample. The spill files go to --tmp.
 """
 from __future__ import annotations
 

@@ -476,7 +476,8 @@ def _audit(summary: dict) -> str:
     rows = _rows(audit, "epochs")
     verdict = str(audit.get("verdict"))
     if verdict == "exact":
-        head = f"<b>Exact</b>: every record of all {len(rows)} epochs was applied exactly once, {esc(audit.get('where', ''))}."
+        head = (f"<b>Exact</b>: every record of all {len(rows)} epochs was applied exactly once, "
+                f"{esc(audit.get('where', ''))}.")
     elif verdict == "violated":
         head = '<b class="bad">VIOLATED</b>: see the epochs marked below.'
         if _int(audit.get("records_outside_the_data")):
@@ -576,7 +577,8 @@ def render_report(summary: dict) -> str:
     charts = [
         time_chart("chart-loss", "Training loss (moving average over reported minibatches)", axis,
                    [("loss", LOSS, _series(samples, "loss"))], "loss", startup=startup),
-        time_chart("chart-eval", "Evaluation on held-out data before training, after each epoch, and the final evaluation", axis,
+        time_chart("chart-eval",
+                   "Evaluation on held-out data before training, after each epoch, and the final evaluation", axis,
                    eval_series, " / ".join(names), dots=dots, startup=startup, y_max=1.0 if bounded else None,
                    legend=len(names) > 1, points=True),
         time_chart("chart-throughput", "Throughput: records committed per second", axis,

@@ -443,8 +443,8 @@ class _CsvReader:
         for future in self._queue:
             try:
                 future.result()
-            except BaseException:
-                pass  # the chunk's error is read (or not) anew by whoever reads the file again
+            except BaseException:  # noqa: BLE001 - the chunk's error is read (or not) anew by whoever reads the file again
+                pass
         self._queue.clear()
         self._ahead.shutdown(wait=True)
         if self._stream is not None:

@@ -172,7 +172,7 @@ def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str,
                             "a folder or a glob of CSV, Parquet or JSON-lines files).")
     except DataError:
         raise
-    except Exception as e:  # missing fsspec plugin (gcsfs/s3fs), credentials, permissions, bad URI
+    except Exception as e:  # noqa: BLE001 - missing fsspec plugin (gcsfs/s3fs), credentials, permissions, bad URI
         raise DataError(explain(source, e, "read the source")) from None
     paths = sorted(found)
     local = on_disk(fs)
@@ -191,7 +191,7 @@ def _check_output_outside_source(source: str, output: str, fs, files) -> None:
     # An output inside a source folder would be read back as input by the next run.
     try:
         out_fs, out_path = fsspec.core.url_to_fs(output)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - as reading the source: any of fsspec's, said as the output's
         raise ConfigError(f"Cannot use the output {output}: {type(e).__name__}: {e}.") from None
     if type(out_fs) is not type(fs):
         return
@@ -309,9 +309,9 @@ class _ShardWriter:
     """One split's rows, in order, as shards of shard_rows rows in row groups of row_group_rows.
 
     What is written is copied into one contiguous table first, so a shard's bytes depend on its rows
-    only, and a shard waiting for a writer thread holds no more memory than its own. A shard that fits in SHARD_BUFFER_BYTES is written whole by
-    pq.write_table, on a writer thread; a bigger one (wide rows, large shard_rows) streams to its
-    file here, whole row groups at a time. Both give the same bytes."""
+    only, and a shard waiting for a writer thread holds no more memory than its own. A shard that fits
+    in SHARD_BUFFER_BYTES is written whole by pq.write_table, on a writer thread; a bigger one (wide rows, large
+    shard_rows) streams to its file here, whole row groups at a time. Both give the same bytes."""
 
     def __init__(self, fs, folder: str, manifest: Manifest, shard_rows: int, row_group_rows: int,
                  writers: _Writers, options: dict):

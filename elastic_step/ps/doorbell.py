@@ -106,7 +106,7 @@ class DoorbellServer:
                 except Refused as e:
                     conn.send(ANSWER.pack(FAILED, False, 0) + f"{REFUSED}{e}".encode()[:MAX_REASON])
                     continue
-                except Exception as e:  # noqa: BLE001 - the worker gets the reason, as from gRPC
+                except Exception as e:  # the worker gets the reason, as from gRPC
                     log.exception("push through the doorbell failed")
                     conn.send(ANSWER.pack(FAILED, False, 0) + f"{type(e).__name__}: {e}".encode()[:MAX_REASON])
                     continue

@@ -37,10 +37,10 @@ The tolerance is about 1.5 x the largest observed difference (three seeds show t
 not its extreme; the margin is for unseen seeds), rounded: digits accuracy 0.04 (~3 standard
 errors of a difference), digits loss 0.07; CTR auc 0.04, loss 0.06, accuracy 0.08. What it catches
 (measured): BatchNormalization statistics never reaching the model (accuracy 0.67 against 0.99,
-loss 3.4 against 0.09: what ps mode did before the PS held the model's state); the L2 penalty dropped from the training loss (eval
-loss 0.70 against 0.52, off by 0.17); the penalty dropped from the evaluation's loss (the fast check
-fails: elastic_step/evaluation.py did just that before this test). A summed instead of averaged loss
-would be off by orders of magnitude.
+loss 3.4 against 0.09: what ps mode did before the PS held the model's state); the L2 penalty
+dropped from the training loss (eval loss 0.70 against 0.52, off by 0.17); the penalty dropped from the
+evaluation's loss (the fast check fails: elastic_step/evaluation.py did just that before this test). A summed instead of
+averaged loss would be off by orders of magnitude.
 
 The ps side runs one push in flight (the default), so a lone worker's SGD is fit's, in sequence: the
 worker waits for its push before the next step. Before that wait moved ahead of the step, one in flight

@@ -77,7 +77,7 @@ def test_digits_sample(tmp_path):
 
 
 def test_jsonl_in(tmp_path):
-    lines = [json.dumps({"a": i, "b": f"s{i}", "ok": i % 3 == 0, "when": "2024-01-0%d" % (i % 9 + 1)})
+    lines = [json.dumps({"a": i, "b": f"s{i}", "ok": i % 3 == 0, "when": f"2024-01-0{i % 9 + 1}"})
              for i in range(20)]
     src = write(tmp_path / "d.jsonl", "\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
     r = prepare(src, str(tmp_path / "out"), label="ok")

@@ -55,7 +55,7 @@ def test_digits_trains_with_plain_keras():
     net.fit(x, y, epochs=8, batch_size=64, verbose=0)
 
     x, y = md.feed(take(batch, held_out))
-    metrics = {name: m for name, m in md.eval_metrics().items()}
+    metrics = dict(md.eval_metrics())
     metrics["accuracy"].update_state(y, net.predict(x, verbose=0))
     assert float(metrics["accuracy"].result()) >= 0.9
 
