@@ -39,17 +39,6 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def kill_self(sig: int) -> None:
-    """Send ``sig`` to this process (fault injection). As PID 1 of a container (no init in the image) the
-    kernel ignores every signal the process has no handler for, its own SIGKILL included: still alive
-    after one, it exits as the signal would have made it."""
-    import signal
-
-    os.kill(os.getpid(), sig)
-    if sig == signal.SIGKILL:
-        os._exit(128 + sig)
-
-
 def quiet_tensorflow() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
