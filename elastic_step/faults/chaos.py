@@ -25,7 +25,7 @@ job, the same specs) skips what its predecessors fired, and reports it with its 
 
 A worker's spec (ELASTIC_STEP_COLLECTIVE_CHAOS, comma-separated; read by `install_worker_faults` as
 the worker starts): `worker-1@step=25` SIGKILLs worker-1 in the middle of step 25's ring all-reduce,
-once its own chunk has left and before it received anything (its peers see a peer failure, not a hang).
+once its own chunk of the step has left (its peers see a peer failure, not a hang).
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def install_worker_faults(me: str) -> None:
 def _collective_kill(at_step: int):
     def fault(step: int, flush) -> None:
         if step == at_step:
-            flush()   # its chunk on its way: the neighbour is in the step when the peer dies
+            flush()   # its chunk gone: the neighbour is into the step when its peer dies
             logging.getLogger("elastic_step.worker").warning(
                 "chaos: SIGKILL myself in the middle of step %d's collective", step)
             kill_self(signal.SIGKILL)
