@@ -126,7 +126,7 @@ def _train(args) -> dict:
         worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
         ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
         checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-        **({"chaos": args.chaos} if args.chaos else {}))  # else TrainConfig reads ELASTIC_STEP_CHAOS
+        chaos=tuple(args.chaos))
     if args.job_id:
         cfg.job_id = args.job_id
     s = train(cfg)
@@ -147,7 +147,7 @@ def _prep(args) -> dict:
 
 
 def _pipeline_run(args) -> dict:
-    from elastic_step.master.chaos import Chaos
+    from elastic_step.faults.chaos import Chaos
     from elastic_step.pipelines.local_run import print_run, run_local
 
     # A bad spec is an error now, not in the training step's log.

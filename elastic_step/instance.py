@@ -18,17 +18,6 @@ TOKEN_ENV = "ELASTIC_STEP_TOKEN"
 EXIT_USER_ERROR = 3
 
 
-def kill_self(sig: int) -> None:
-    """Send ``sig`` to this process (fault injection). As PID 1 of a container (no init in the image) the
-    kernel ignores every signal the process has no handler for, its own SIGKILL included: still alive
-    after one, it exits as the signal would have made it."""
-    import signal
-
-    os.kill(os.getpid(), sig)
-    if sig == signal.SIGKILL:
-        os._exit(128 + sig)
-
-
 def instance_argv(role: str, master: str, index: int, model_def: str, num_ps: int, seed: int,
                   minibatch_size: int, host: str = "", strategy: str = "ps",
                   global_batch: str = "scaled") -> list[str]:

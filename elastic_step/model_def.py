@@ -137,10 +137,6 @@ class ModelDef:
             return loss
         return loss, {i: new_state[i] for i in state_values}
 
-    @property
-    def feed_fn(self) -> Callable:
-        return self.module.feed
-
 
 def _import_file(spec: str) -> types.ModuleType:
     if "://" in spec and not spec.startswith("file://"):

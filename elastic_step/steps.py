@@ -86,16 +86,6 @@ def step_job_id(job_id: str = "", run_id: str = "", task_name: str = "", anchor:
     return f"{readable or 'es'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def train_metrics(summary: dict) -> dict[str, float]:
-    """The figures a KFP Metrics artifact shows for a training run."""
-    m = {f"eval_{k}": float(v) for k, v in summary.get("eval", {}).items() if isinstance(v, (int, float))}
-    w = summary.get("workers", {})
-    m.update(throughput_records_per_s=float(summary.get("throughput_records_per_s", 0.0)),
-             workers_lost=float(w.get("lost", 0)), workers_relaunched=float(w.get("relaunched", 0)),
-             records_committed=float(summary.get("ledger", {}).get("records_committed", 0)))
-    return m
-
-
 def evaluate_step(model_uri: str, eval_data: str, model_def: str, metric: str = "accuracy",
                   threshold: float = 0.9) -> dict:
     """Evaluate a trained model and decide the gate: {"score", "passed", "metrics", "confusion"}."""

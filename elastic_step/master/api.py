@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 import uuid
 
@@ -50,10 +49,9 @@ class TrainConfig:
     # pod finds them; empty: <output>/checkpoints, which lasts only as long as the output does.
     checkpoint_dir: str = ""
     resume: str = "auto"               # auto: from this job's last checkpoint when there is one | never
-    # Chaos hooks for tests and benchmarks: kill a worker after N committed records. Also read
-    # from ELASTIC_STEP_CHAOS (comma-separated), so a pipeline step can be disturbed from outside.
-    chaos: list[str] = dataclasses.field(
-        default_factory=lambda: [c for c in os.environ.get("ELASTIC_STEP_CHAOS", "").split(",") if c])
+    # Fault injection for tests and benchmarks, e.g. kill a worker after N committed records (see
+    # faults/chaos.py). None given: the job reads ELASTIC_STEP_CHAOS at its start.
+    chaos: tuple[str, ...] = ()
 
     def validate(self) -> "TrainConfig":
         def positive(name: str) -> None:

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 
+from elastic_step.faults.api import NO_FAULTS, JobFaults
 from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
 
@@ -29,19 +30,19 @@ class Checkpointer:
     shards' parts and returns their names (the PS Save RPCs); `state()` is the ledger's cut and the
     job's counters, taken under the coordinator's lock. `parts_lost(error)` says whether an error of
     `parts` means the state's holder was lost (a PS shard by default): then the checkpoint is
-    abandoned and tried again an interval later."""
+    abandoned and tried again an interval later. `faults`: the job's hook points (a kill mid-checkpoint)."""
 
     HOLD_TIMEOUT_S = 60.0
 
     def __init__(self, store: CheckpointStore, every: tuple[str, float], coord, parts, state,
-                 first_id: int = 1, before_commit=None, parts_lost=None):
+                 first_id: int = 1, faults: JobFaults = NO_FAULTS, parts_lost=None):
         from elastic_step.ps.client import shards_moved
 
         self.store, self.every, self.coord = store, every, coord
         self._parts, self._state = parts, state
         self.parts_lost = parts_lost or shards_moved
         self.next_id = first_id
-        self.before_commit = before_commit or (lambda ckpt_id: None)   # chaos: a kill mid-checkpoint
+        self.faults = faults
         self._holding_since: float | None = None
         self._last_at = time.time()
         self._last_records = 0
@@ -109,7 +110,7 @@ class Checkpointer:
         files = self._parts(ckpt_id)
         state = self._state()
         atomic_write_text(self.store.part(ckpt_id, "ledger.json"), json.dumps(state))
-        self.before_commit(ckpt_id)
+        self.faults.checkpoint_written(ckpt_id)
         records = state["ledger_records_committed"]
         self.store.commit(ckpt_id, [*files, "ledger.json"], records_committed=records, epoch=state["ledger"]["epoch"])
         took = time.time() - t0
@@ -140,7 +141,7 @@ class JobCheckpoints:
     checkpoint's step, and serves the checkpoint's state (`member_state`) to the members of its first
     version, which all load it."""
 
-    def __init__(self, cfg, model_def, coord, before_commit=None):
+    def __init__(self, cfg, model_def, coord, faults: JobFaults = NO_FAULTS):
         self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
         root = (f"{cfg.checkpoint_dir.rstrip('/')}/{cfg.job_id}" if cfg.checkpoint_dir
                 else f"{cfg.output.rstrip('/')}/checkpoints")
@@ -182,7 +183,7 @@ class JobCheckpoints:
                 self._last_members = (self.resumed["id"], self.state, self.member_state)
         self.cutter = Checkpointer(
             self.store, every, coord, self._save_members if self.allreduce else self._save_shards, self._cut,
-            first_id=(self.resumed or {}).get("id", 0) + 1, before_commit=before_commit,
+            first_id=(self.resumed or {}).get("id", 0) + 1, faults=faults,
             parts_lost=self._rank0_unreachable if self.allreduce else None) if every else None
         if self.cutter:
             self.cutter.restart_from(self.ledger.records_committed_total(), time.time())

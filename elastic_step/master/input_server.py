@@ -63,9 +63,6 @@ class InputServer:
                 self._files[rel] = os.path.abspath(path)
         return self._base + rel
 
-    def served(self) -> int:
-        return len(self._files)
-
     def _lookup(self, rel: str) -> str | None:
         with self._lock:
             return self._files.get(rel)

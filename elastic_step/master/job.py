@@ -21,10 +21,10 @@ import time
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
+from elastic_step.faults import chaos
 from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
-from elastic_step.master.chaos import Chaos
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
@@ -98,13 +98,14 @@ class TrainingJob:
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
-        self.chaos = Chaos(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
-                           0 if self.allreduce else cfg.num_ps)
+        # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
+        self.faults = chaos.for_job(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
+                                    0 if self.allreduce else cfg.num_ps)
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
-        self.durable = JobCheckpoints(cfg, self.model_def, self.coord, before_commit=self.chaos.checkpoint_written)
+        self.durable = JobCheckpoints(cfg, self.model_def, self.coord, self.faults)
         self.backend = backend or make_backend(cfg, self.output / "logs")   # starts processes: after every check
         if self.durable.cutter is not None:   # a retried step goes on with the schedule, not over it
-            self.chaos.resume(self.durable.store.uri("chaos.json"), cfg.job_id, cfg.resume == "auto")
+            self.faults.resume(self.durable.store.uri("chaos.json"), cfg.job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.tensorboard = TensorBoardLog.for_job(cfg.output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0
@@ -218,7 +219,7 @@ class TrainingJob:
                 if self.durable.last_cut(committed, now):
                     self.coord.report_failure("master", "terminated", "the master received SIGTERM", "")
                 continue
-            self.chaos.tick(committed, self.backend, self.coord)
+            self.faults.tick(committed, self.backend, self.coord)
             self.durable.tick(committed, now)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
             # so a point's weights are those of the epoch it is labelled with.
@@ -406,6 +407,7 @@ class TrainingJob:
     def _write_summary(self, status: str, **extra) -> dict:
         c, coord = self.cfg, self.coord
         rdv_summary = self.rendezvous.summary() if self.rendezvous else None
+        chaos_summary = self.faults.summary()
         with coord.lock:
             committed = self.ledger.records_committed_total()
             summary = {
@@ -439,7 +441,7 @@ class TrainingJob:
                 "timeseries": list(coord.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
-                **({"chaos": self.chaos.summary()} if self.chaos.schedule else {}),
+                **({"chaos": chaos_summary} if chaos_summary else {}),
                 "checkpoints": self.durable.summary(),
             }
         summary.update(extra)

@@ -188,10 +188,6 @@ class Rendezvous:
         self.record("peer_failure", peer, f"reported by {reporter}: {detail}")
         return self.remove_locked(peer, f"unreachable from {reporter}")
 
-    def peer_failed(self, reporter: str, version: int, peer: str, detail: str) -> bool:
-        with self.cv:
-            return self.peer_failed_locked(reporter, version, peer, detail)
-
     def release_commits(self) -> None:
         """The checkpoint is cut (lock held): members waiting in step_ready commit the next step."""
         self.hold_commits = False

@@ -102,14 +102,6 @@ class MasterService(pb_grpc.MasterServicer):
                               request.traceback)
         return pb.Ack()
 
-    def GetJobState(self, request, context):
-        check_token(context, self.token, request.token)
-        with self.c.lock:
-            status = "failed" if self.c.failure else ("succeeded" if self.c.ledger.done else "running")
-            return pb.JobState(status=status, epoch=min(self.c.ledger.epoch, self.c.ledger.epochs - 1),
-                               records_committed=self.c.ledger.records_committed_total(),
-                               workers_alive=len(self.c.membership.training()))
-
 
     # ------------------------------------------------------------ --strategy allreduce
     def _rendezvous(self, context):

@@ -20,9 +20,9 @@ import sys
 import time
 
 from elastic_step.errors import ConfigError
+from elastic_step.faults.chaos import ENV as CHAOS_ENV
+from elastic_step.faults.chaos import specs as chaos_specs
 from elastic_step.master.tensorboard import VERTEX_LOG_DIR_ENV
-
-CHAOS_ENV = "ELASTIC_STEP_CHAOS"   # read by the training runtime (master/api.py TrainConfig.chaos)
 
 # task names in the compiled pipeline (KFP derives them from the component names)
 PREP, TRAIN, EVALUATE, PUBLISH = "data-prep-op", "elastic-train-op", "evaluate-op", "publish-model-op"
@@ -70,7 +70,7 @@ def _tensorboard_dir(output: str) -> str:
 
 
 def run_local(source_uri: str, model_def: str, output: str, chaos: list[str] | None = None, **params) -> dict:
-    """Run the pipeline; `chaos`: fault-injection specs for the training step (see master/chaos.py),
+    """Run the pipeline; `chaos`: fault-injection specs for the training step (see faults/chaos.py),
     e.g. ["kill:worker-0@300000"]. Returns what describe_run finds, plus the gate, the chaos asked for
     and the TensorBoard folder."""
     from kfp import local
@@ -91,7 +91,7 @@ def run_local(source_uri: str, model_def: str, output: str, chaos: list[str] | N
     env = {VERTEX_LOG_DIR_ENV: os.environ.get(VERTEX_LOG_DIR_ENV) or _tensorboard_dir(output)}
     if chaos:
         env[CHAOS_ENV] = ",".join(chaos)
-    requested_chaos = [c for c in env.get(CHAOS_ENV, os.environ.get(CHAOS_ENV, "")).split(",") if c]
+    requested_chaos = list(chaos_specs(chaos or ()))
     try:
         with _environment(env):
             train_eval(source_uri=_absolute_if_local(source_uri), model_def=_absolute_if_local(model_def), **args)

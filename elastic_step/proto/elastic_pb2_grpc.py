@@ -59,11 +59,6 @@ class MasterStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.FailureReport.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
                 _registered_method=True)
-        self.GetJobState = channel.unary_unary(
-                '/elastic_step.Master/GetJobState',
-                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.SerializeToString,
-                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.JobState.FromString,
-                _registered_method=True)
         self.Hold = channel.unary_unary(
                 '/elastic_step.Master/Hold',
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.HoldRequest.SerializeToString,
@@ -119,12 +114,6 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportFailure(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetJobState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -191,11 +180,6 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.ReportFailure,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.FailureReport.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
-            ),
-            'GetJobState': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetJobState,
-                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.FromString,
-                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.JobState.SerializeToString,
             ),
             'Hold': grpc.unary_unary_rpc_method_handler(
                     servicer.Hold,
@@ -358,33 +342,6 @@ class Master:
             '/elastic_step.Master/ReportFailure',
             elastic__step_dot_proto_dot_elastic__pb2.FailureReport.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetJobState(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/elastic_step.Master/GetJobState',
-            elastic__step_dot_proto_dot_elastic__pb2.JobStateRequest.SerializeToString,
-            elastic__step_dot_proto_dot_elastic__pb2.JobState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,6 +25,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     import keras
 
     from elastic_step.data.reader import ReaderPool
+    from elastic_step.faults.chaos import install_worker_faults
     from elastic_step.worker import collective
     from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
 
@@ -33,6 +34,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
+    install_worker_faults(me)   # tests: ELASTIC_STEP_COLLECTIVE_CHAOS
     ring = collective.Ring(args.token, me, args.host)
     server, port = collective.serve(collective.CollectiveService(args.token, state, ring.port), args.host)
     readers = ReaderPool()

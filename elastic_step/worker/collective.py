@@ -25,8 +25,6 @@ once that peer has applied a given step.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from typing import Callable
@@ -34,7 +32,7 @@ from typing import Callable
 import grpc
 import numpy as np
 
-from elastic_step.instance import kill_self
+from elastic_step.faults import api as faults
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
@@ -48,7 +46,6 @@ __all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve
 log = logging.getLogger("elastic_step.worker")
 
 PIECE_VALUES = 1 << 20      # float32 values per frame (4 MB: fewer frames, system calls and wake-ups per step; see README)
-CHAOS_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"   # tests: "worker-1@step=25" SIGKILLs worker-1 mid-collective
 
 
 class StateProvider:
@@ -108,15 +105,6 @@ def pull_state(address: str, token: str, step: int, timeout: float = 60.0) -> te
         ch.close()
 
 
-def chaos_target(me: str) -> int | None:
-    """The step at which this worker SIGKILLs itself mid-collective (tests), or None."""
-    for spec in filter(None, os.environ.get(CHAOS_ENV, "").split(",")):
-        name, _, at = spec.partition("@step=")
-        if name == me and at.isdigit():
-            return int(at)
-    return None
-
-
 class Ring:
     """This member's side of the ring: its ring listener, its links to right neighbours, and the
     ports of its peers' listeners (asked once per peer). `shared_memory`: offer a right neighbour at
@@ -134,7 +122,6 @@ class Ring:
         self._begun = (-1, -1)                   # the newest (version, step) attempted
         self._succeeded = (-1, -1)               # the newest (version, step) that succeeded
         self._shared: SharedResult | None = None # the ring's shared result, for one version
-        self.chaos_step = chaos_target(me)
 
     def _link_to(self, peer: str, address: str, me: tuple[str, str]) -> OutLink:
         link = self._links.get((peer, address))
@@ -209,10 +196,7 @@ class Ring:
                 if through_lane:
                     np.copyto(piece, own)
                 right.send(key, 0, 0, offset, piece if through_lane else own)
-            if self.chaos_step == step:
-                right.flush(waiting_on(right.peer, lambda: right.last_progress))
-                log.warning("chaos: SIGKILL myself in the middle of step %d's collective", step)
-                kill_self(signal.SIGKILL)
+            faults.COLLECTIVE_UNDER_WAY(step, lambda: right.flush(waiting_on(right.peer, lambda: right.last_progress)))
             # (phase, round, chunk received); each received piece goes on to the right in the next
             # round, the reduce-scatter's last into the all-gather's first; the all-gather's last stays.
             rounds = [(0, r, (rank - r - 1) % n) for r in range(n - 1)] + [(1, r, (rank - r) % n) for r in range(n - 1)]

@@ -26,6 +26,7 @@ from elastic_step.backends.api import BackendError, EventKind, InstanceId, Insta
 from elastic_step.backends.kubernetes import (NEEDED, KubernetesBackend, KubernetesBackendError,
                                               KubernetesPermissionError, Owner, load_manifests)
 from elastic_step.errors import ElasticStepError
+from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.models.witness import assert_exactly_once
 
@@ -685,6 +686,33 @@ def test_adopted_pod_with_the_same_command_is_kept_and_reowned(control_plane, co
 
 # ------------------------------------------------------------------------------ watch: 410 Gone
 
+class WatchHold:
+    """Holds one backend's pod watch at its hook point (faults.WATCH_REQUEST): from `hold` until `release`
+    it opens no request, and what the job's pods do meanwhile goes unseen."""
+
+    def __init__(self, backend: KubernetesBackend):
+        self.watch = backend._watch
+        self._holding, self._held = threading.Event(), threading.Event()
+
+    def _at_request(self, watch) -> None:
+        if watch is not self.watch or not self._holding.is_set():
+            return
+        self._held.set()
+        while self._holding.is_set() and not watch.closed.is_set():
+            time.sleep(0.05)
+
+    def hold(self) -> None:
+        faults.WATCH_REQUEST.install(self._at_request)
+        self._holding.set()
+        self.watch.wake()
+        if not self._held.wait(10):
+            raise RuntimeError("the watch did not pause")
+
+    def release(self) -> None:
+        self._holding.clear()
+        faults.WATCH_REQUEST.install(None)
+
+
 def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
     """The watch is held while pods change, etcd is compacted past its resourceVersion, and on
     resuming the apiserver answers 410 Gone: the backend re-lists and reports what it missed.
@@ -698,6 +726,7 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
         b = KubernetesBackend("job-410", "t", kubeconfig=str(kubeconfig), namespace=ns, owner=None,
                               watch_timeout_s=2)
         ev = Events(b)
+        held = WatchHold(b)
         w0, w1, w2 = (InstanceId("worker", i) for i in range(3))
         quits = [sys.executable, "-c", "import os, pathlib, sys, time\n"
                  "while not (pathlib.Path(sys.argv[1]) / os.environ['HOSTNAME']).exists(): time.sleep(0.1)\n"
@@ -710,7 +739,7 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
             # a few watch timeouts (2 s each): each resumed from the last resourceVersion, no re-list
             wait_for(lambda: b.stats["watches"] >= 3, 60, what="three watches")
             assert b.stats["relists"] == 0 and b.stats["gone_410"] == 0, b.stats
-            b._hold_watch()
+            held.hold()
             b.start(InstanceSpec(w2, SLEEPER))           # created while nobody watches
             core.delete_namespaced_pod("job-410-worker-0", ns, grace_period_seconds=0)
             (tmp_path / "job-410-worker-1").touch()
@@ -724,13 +753,14 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
             urllib.request.urlopen(urllib.request.Request(
                 etcd + "/v3/kv/compaction", data=json.dumps({"revision": rv, "physical": True}).encode()))
             assert ev.kinds(w0) == ["started", "running"]
-            b._resume_watch()
+            held.release()
             assert "deleted" in ev.wait(EventKind.LOST, w0, 30).detail
             assert ev.wait(EventKind.EXITED, w1, 30).exit_code == 7
             ev.wait(EventKind.RUNNING, w2, 30)
             assert b.stats["gone_410"] == 1 and b.stats["relists"] == 1, b.stats
             assert b.alive() == {w2}
         finally:
+            held.release()
             b.close()
         assert job_pods(core, ns, "job-410") == []
 

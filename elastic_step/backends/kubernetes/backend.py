@@ -401,12 +401,3 @@ class KubernetesBackend(Backend):
             event = overdue_loss(launch, name, self._pods)
         if event is not None:
             self.emit(event)
-
-    # test hooks --------------------------------------------------------------
-    def _hold_watch(self) -> None:
-        """Stop watching (events happen unseen) until `_resume_watch`."""
-        self._watch.hold()
-
-    def _resume_watch(self, resource_version: str | None = None) -> None:
-        """Resume, from `resource_version` if given (e.g. one long compacted: 410 Gone)."""
-        self._watch.resume(resource_version)

@@ -28,6 +28,7 @@ from typing import Callable
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.kubernetes.permissions import translate
 from elastic_step.backends.kubernetes.pods import TERMINAL, _deletion_cause, _Launch, _Pod, _terminated, track
+from elastic_step.faults import api as faults
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
@@ -120,7 +121,8 @@ def overdue_loss(launch: _Launch, name: str, pods: dict[str, _Pod]) -> InstanceE
 class PodWatch:
     """The watch of the job's pods: every version goes to `on_pod(obj, deleted)`. `pods` (guarded
     by `lock`) is what the backend tracks, so a re-list can tell which pods went unseen;
-    `list_pods` lists the job's pods; `run` (the watch thread) returns once `closed` is set."""
+    `list_pods` lists the job's pods; `run` (the watch thread) returns once `closed` is set. Before each
+    request it passes the hook point faults.WATCH_REQUEST, where a test may hold it."""
 
     def __init__(self, core, namespace: str, selector: str, job_id: str, *, timeout_s: int, rv: str | None,
                  closed: threading.Event, lock: threading.Lock, pods: dict[str, _Pod],
@@ -138,9 +140,6 @@ class PodWatch:
         self.on_pod = on_pod
         self.stats = {"relists": 0, "gone_410": 0, "watches": 0}
         self._resp = None
-        self._hold = threading.Event()        # test hooks: hold the watch, resume from a stale version
-        self._held = threading.Event()
-        self._stale_rv: str | None = None
 
     def relist(self) -> None:
         t0 = time.monotonic()
@@ -156,7 +155,7 @@ class PodWatch:
         self.stats["relists"] += 1
 
     def wake(self) -> None:
-        """Cut the open watch request short (closing, or holding)."""
+        """Cut the open watch request short (closing, or a fault holding the watch)."""
         resp = self._resp
         if resp is not None:
             with contextlib.suppress(Exception):
@@ -169,14 +168,9 @@ class PodWatch:
         from kubernetes.watch.watch import iter_resp_lines
 
         while not self.closed.is_set():
-            if self._hold.is_set():
-                self._held.set()
-                while self._hold.is_set() and not self.closed.is_set():
-                    time.sleep(0.05)
-                self._held.clear()
-                if self._stale_rv is not None:
-                    self.rv, self._stale_rv = self._stale_rv, None
-                continue
+            faults.WATCH_REQUEST(self)
+            if self.closed.is_set():
+                break
             try:
                 if self.rv is None:
                     self.relist()
@@ -188,7 +182,7 @@ class PodWatch:
                 self._resp = resp
                 try:
                     for line in iter_resp_lines(resp):
-                        if self.closed.is_set() or self._hold.is_set():
+                        if self.closed.is_set():
                             break
                         ev = json.loads(line)
                         kind, obj = ev.get("type"), ev.get("object") or {}
@@ -220,19 +214,6 @@ class PodWatch:
                                                                                      self.namespace))
                     self.closed.wait(1.0)
             except Exception as e:  # noqa: BLE001 - connection trouble: resume from the last version
-                if not self.closed.is_set() and not self._hold.is_set():
+                if not self.closed.is_set():
                     log.warning("watch of job %s interrupted (%r); resuming", self.job_id, e)
                     self.closed.wait(0.5)
-
-    # test hooks --------------------------------------------------------------
-    def hold(self) -> None:
-        """Stop watching (events happen unseen) until `resume`."""
-        self._hold.set()
-        self.wake()
-        if not self._held.wait(10):
-            raise RuntimeError("the watch did not pause")
-
-    def resume(self, resource_version: str | None = None) -> None:
-        """Resume, from `resource_version` if given (e.g. one long compacted: 410 Gone)."""
-        self._stale_rv = resource_version
-        self._hold.clear()

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from elastic_step.backends.api import InstanceId
+from elastic_step.faults.api import NO_FAULTS, JobFaults
 from elastic_step.master.checkpoint import Checkpointer
 from elastic_step.master.checkpoint_store import CheckpointStore
 from elastic_step.master.coordinator import Coordinator
@@ -49,13 +50,18 @@ def test_nothing_is_cut_before_every_shard_registered_nor_before_the_barrier_hol
     assert [lease.task.task_id, lease.watermark] in cut["queue"]           # the held lease goes back
 
 
+class MasterDiesMidCheckpoint(JobFaults):
+    def checkpoint_written(self, ckpt_id: int) -> None:
+        raise RuntimeError("the master dies here")
+
+
 def test_the_manifest_is_the_commit_point_and_the_previous_checkpoint_stays_until_it(tmp_path):
     written: list = []
     coord, store, c = cutter(tmp_path, written)
     coord.ps_ready.set()
     c.tick(16, 0.0)
     c.tick(16, 0.0)
-    c.before_commit = lambda ckpt_id: (_ for _ in ()).throw(RuntimeError("the master dies here"))
+    c.faults = MasterDiesMidCheckpoint()
     c.tick(32, 0.0)
     with pytest.raises(RuntimeError):
         c.tick(32, 0.0)
@@ -63,7 +69,7 @@ def test_the_manifest_is_the_commit_point_and_the_previous_checkpoint_stays_unti
     assert (tmp_path / "checkpoints" / "ckpt-000001" / "ps-0.npz").exists()
     assert json.loads((tmp_path / "checkpoints" / "checkpoint.json").read_text())["files"]["ps-0.npz"] == \
         "ckpt-000001/ps-0.npz"
-    c.before_commit = lambda ckpt_id: None
+    c.faults = NO_FAULTS
     c.tick(48, 0.0)
     c.tick(48, 0.0)
     assert store.latest()["id"] == 2

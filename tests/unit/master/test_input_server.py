@@ -71,4 +71,4 @@ def test_what_instances_can_open_themselves_is_left_alone(server, tmp_path):
     assert server.url("gs://bucket/train/shard-00000.parquet") == "gs://bucket/train/shard-00000.parquet"
     assert server.url("samples.digits.model") == "samples.digits.model"        # a module, not a file
     assert server.url(str(tmp_path)) == str(tmp_path)                          # a folder is not served
-    assert server.served() == 0
+    assert server._files == {}                                               # nothing to serve

@@ -96,10 +96,14 @@ def test_loss_bumps_the_version_and_aborts_the_step():
 
 def test_peer_failure_of_a_stale_version_is_ignored():
     r = started(3, min_workers=3)
-    assert not r.peer_failed("worker-0", 0, "worker-1", "x")
-    assert r.peer_failed("worker-0", 1, "worker-1", "UNAVAILABLE")
+
+    def peer_failed(reporter: str, version: int, peer: str, detail: str) -> bool:
+        with r.cv:   # as the coordinator calls it, under its lock
+            return r.peer_failed_locked(reporter, version, peer, detail)
+    assert not peer_failed("worker-0", 0, "worker-1", "x")
+    assert peer_failed("worker-0", 1, "worker-1", "UNAVAILABLE")
     assert r.version == 2
-    assert not r.peer_failed("worker-2", 1, "worker-0", "late")
+    assert not peer_failed("worker-2", 1, "worker-0", "late")
 
 
 def test_checksum_mismatch_is_counted():

@@ -1,6 +1,8 @@
-"""Fault injection for tests, benchmarks and the demo: signals to workers, fired on training progress.
+"""Chaos: fault injection for tests, benchmarks and the demo, fired on training progress through the
+runtime's hook points (faults/api.py).
 
-Specs (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated):
+Specs of a job (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated when the job has none; read at the
+job's start by `for_job`):
 - `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed and every worker is training
   (so each loss hits a job at full strength); `term:` sends SIGTERM instead (graceful scale-in). `@0`
   fires as soon as the job is at full strength.
@@ -20,22 +22,31 @@ Nothing fires on wall time: a slower machine sees the same schedule at the same 
 fired goes into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
 With checkpoints on, it also goes to `chaos.json` beside them as it fires: a retried step (the same
 job, the same specs) skips what its predecessors fired, and reports it with its own.
+
+A worker's spec (ELASTIC_STEP_COLLECTIVE_CHAOS, comma-separated; read by `install_worker_faults` as
+the worker starts): `worker-1@step=25` SIGKILLs worker-1 in the middle of step 25's ring all-reduce,
+once its own chunk of the step has left (its peers see a peer failure, not a hang).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import os
 import random
 import signal
 import threading
+from typing import Sequence
 
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
-from elastic_step.instance import kill_self
+from elastic_step.faults import api
 from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
+
+ENV = "ELASTIC_STEP_CHAOS"                          # a job's specs, when it is given none
+COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"    # a worker's: "worker-1@step=25"
 
 ACTIONS = ("kill", "term")
 MASTER = "master"   # a signal's target: the master itself
@@ -53,7 +64,50 @@ class Signal:
     index: int = 0                    # its place in the job's schedule
 
 
-class Chaos:
+def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
+    """A job's specs: those it was given (`--chaos`), else ELASTIC_STEP_CHAOS's, so that a pipeline's
+    training step can be disturbed from outside."""
+    return tuple(configured) or tuple(c for c in os.environ.get(ENV, "").split(",") if c)
+
+
+def for_job(configured: Sequence[str], records_total: int, max_workers: int, num_ps: int = 0) -> api.JobFaults:
+    """A job's hook points, at its start: its chaos, or none at all (a bad spec raises here, before
+    anything starts)."""
+    asked = specs(configured)
+    return Chaos(list(asked), records_total, max_workers, num_ps) if asked else api.NO_FAULTS
+
+
+def kill_self(sig: int) -> None:
+    """Send ``sig`` to this process. As PID 1 of a container (no init in the image) the kernel ignores
+    every signal the process has no handler for, its own SIGKILL included: still alive after one, it
+    exits as the signal would have made it."""
+    os.kill(os.getpid(), sig)
+    if sig == signal.SIGKILL:
+        os._exit(128 + sig)
+
+
+def install_worker_faults(me: str) -> None:
+    """A worker process at its start: the collective kill ELASTIC_STEP_COLLECTIVE_CHAOS asks of `me`, if any."""
+    for spec in filter(None, os.environ.get(COLLECTIVE_ENV, "").split(",")):
+        name, _, at = spec.partition("@step=")
+        if name == me and at.isdigit():
+            api.COLLECTIVE_UNDER_WAY.install(_collective_kill(int(at)))
+            return
+
+
+def _collective_kill(at_step: int):
+    def fault(step: int, flush) -> None:
+        if step == at_step:
+            flush()   # its chunk gone: the neighbour is into the step when its peer dies
+            logging.getLogger("elastic_step.worker").warning(
+                "chaos: SIGKILL myself in the middle of step %d's collective", step)
+            kill_self(signal.SIGKILL)
+    return fault
+
+
+class Chaos(api.JobFaults):
+    """A job's chaos: its schedule of signals, fired on the master's ticks (see the module)."""
+
     def __init__(self, specs: list[str], records_total: int, max_workers: int, num_ps: int = 0):
         self.max_workers = max_workers
         self.pending: list[Signal] = []
@@ -192,6 +246,8 @@ class Chaos:
         else:
             threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
 
-    def summary(self) -> dict:
+    def summary(self) -> dict | None:
+        if not self.schedule:
+            return None
         return {"schedule": self.schedule, "fired": list(self.fired),
                 "not_fired": [{"action": s.action, "at_records": s.at} for s in self.pending]}

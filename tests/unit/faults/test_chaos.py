@@ -9,7 +9,7 @@ import pytest
 
 from elastic_step.backends.api import InstanceId
 from elastic_step.errors import ElasticStepError
-from elastic_step.master.chaos import MASTER, Chaos
+from elastic_step.faults.chaos import MASTER, Chaos
 
 
 def test_a_random_schedule_over_roles_is_seeded_and_workers_only_by_default():
@@ -82,3 +82,13 @@ def test_a_resumed_master_skips_what_its_predecessor_fired(tmp_path, job):
     assert len(respecified.pending) == 1
     fired = second.summary()["fired"]
     assert [(f["instance"], f.get("by_previous_master", False)) for f in fired] == [("ps-0", True), ("worker-0", False)]
+
+
+def test_a_job_given_no_specs_takes_elastic_step_chaos_s(monkeypatch):
+    from elastic_step.faults import api, chaos
+
+    monkeypatch.setenv(chaos.ENV, "kill:worker-0@10,term:ps-0@20")
+    assert chaos.specs(()) == ("kill:worker-0@10", "term:ps-0@20")    # a pipeline's step, disturbed from outside
+    assert chaos.specs(["kill:worker-1@5"]) == ("kill:worker-1@5",)
+    monkeypatch.delenv(chaos.ENV)
+    assert chaos.for_job((), 1000, 2, num_ps=1) is api.NO_FAULTS and api.NO_FAULTS.summary() is None

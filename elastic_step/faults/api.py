@@ -1,0 +1,62 @@
+"""Fault injection's hook points: the few named places where the runtime lets a fault in.
+
+Each does nothing in production: a `JobFaults` method that returns at once, or a `Hook` whose call
+checks one attribute. What drives them lives beside this module: chaos.py, the specs of `--chaos`,
+ELASTIC_STEP_CHAOS and ELASTIC_STEP_COLLECTIVE_CHAOS (tests, benchmarks, the demo); the Kubernetes
+tests hold the pod watch through WATCH_REQUEST themselves.
+
+A job's hook points, on the object `faults.chaos.for_job` makes at the job's start (one per job, so
+that jobs in one process never share them):
+- `tick(committed, backend, coord)`: every turn of the master's pump;
+- `checkpoint_written(ckpt_id)`: between a checkpoint's parts and its manifest (its commit point);
+- `resume(journal, job_id, resumable)`: the job has checkpoints, and `journal` beside them keeps what fires;
+- `summary()`: summary.json's `chaos` section, or None for none.
+
+A process's hook points, installed by whoever drives them:
+- COLLECTIVE_UNDER_WAY(step, flush): a ring all-reduce member has sent its own chunk of `step` and
+  received nothing yet; `flush()` returns once what it sent has left.
+- WATCH_REQUEST(watch): the Kubernetes pod watch (a PodWatch) is about to open a request; held
+  there, it leaves what the pods do meanwhile unseen.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+class JobFaults:
+    """A job's hook points; this one injects nothing (see the module)."""
+
+    def tick(self, committed: int, backend, coord) -> None:
+        pass
+
+    def checkpoint_written(self, ckpt_id: int) -> None:
+        pass
+
+    def resume(self, journal: str, job_id: str, resumable: bool = True) -> None:
+        pass
+
+    def summary(self) -> dict | None:
+        return None
+
+
+NO_FAULTS = JobFaults()
+
+
+class Hook:
+    """A process's named hook point: calling it does nothing until a fault is installed."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.fault: Callable[..., None] | None = None
+
+    def __call__(self, *args) -> None:
+        if self.fault is not None:
+            self.fault(*args)
+
+    def install(self, fault: Callable[..., None] | None) -> None:
+        """Let `fault` in here (None: take it out again)."""
+        self.fault = fault
+
+
+COLLECTIVE_UNDER_WAY = Hook("a step's collective is under way")
+WATCH_REQUEST = Hook("the pod watch opens a request")
