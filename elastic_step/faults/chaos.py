@@ -23,9 +23,8 @@ fired goes into summary.json (`chaos.fired`), so a test can fail loudly when its
 With checkpoints on, it also goes to `chaos.json` beside them as it fires: a retried step (the same
 job, the same specs) skips what its predecessors fired, and reports it with its own.
 
-A worker's spec (ELASTIC_STEP_COLLECTIVE_CHAOS, comma-separated; read by `install_worker_faults` as
-the worker starts): `worker-1@step=25` SIGKILLs worker-1 in the middle of step 25's ring all-reduce,
-once its own chunk of the step has left (its peers see a peer failure, not a hang).
+A worker's own faults (ELASTIC_STEP_COLLECTIVE_CHAOS) are in process.py: a worker process installs
+them without the master's machinery.
 """
 from __future__ import annotations
 
@@ -41,12 +40,12 @@ from typing import Sequence
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api
+from elastic_step.faults.process import kill_self
 from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
 ENV = "ELASTIC_STEP_CHAOS"                          # a job's specs, when it is given none
-COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"    # a worker's: "worker-1@step=25"
 
 ACTIONS = ("kill", "term")
 MASTER = "master"   # a signal's target: the master itself
@@ -75,34 +74,6 @@ def for_job(configured: Sequence[str], records_total: int, max_workers: int, num
     anything starts)."""
     asked = specs(configured)
     return Chaos(list(asked), records_total, max_workers, num_ps) if asked else api.NO_FAULTS
-
-
-def kill_self(sig: int) -> None:
-    """Send ``sig`` to this process. As PID 1 of a container (no init in the image) the kernel ignores
-    every signal the process has no handler for, its own SIGKILL included: still alive after one, it
-    exits as the signal would have made it."""
-    os.kill(os.getpid(), sig)
-    if sig == signal.SIGKILL:
-        os._exit(128 + sig)
-
-
-def install_worker_faults(me: str) -> None:
-    """A worker process at its start: the collective kill ELASTIC_STEP_COLLECTIVE_CHAOS asks of `me`, if any."""
-    for spec in filter(None, os.environ.get(COLLECTIVE_ENV, "").split(",")):
-        name, _, at = spec.partition("@step=")
-        if name == me and at.isdigit():
-            api.COLLECTIVE_UNDER_WAY.install(_collective_kill(int(at)))
-            return
-
-
-def _collective_kill(at_step: int):
-    def fault(step: int, flush) -> None:
-        if step == at_step:
-            flush()   # its chunk gone: the neighbour is into the step when its peer dies
-            logging.getLogger("elastic_step.worker").warning(
-                "chaos: SIGKILL myself in the middle of step %d's collective", step)
-            kill_self(signal.SIGKILL)
-    return fault
 
 
 class Chaos(api.JobFaults):

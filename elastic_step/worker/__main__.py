@@ -25,7 +25,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     import keras
 
     from elastic_step.data.reader import ReaderPool
-    from elastic_step.faults.chaos import install_worker_faults
+    from elastic_step.faults.process import install_worker_faults
     from elastic_step.worker import collective
     from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
 

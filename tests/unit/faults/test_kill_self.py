@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-KILL = "from elastic_step.faults.chaos import kill_self; import signal; kill_self(signal.SIGKILL); print('survived')"
+KILL = "from elastic_step.faults.process import kill_self; import signal; kill_self(signal.SIGKILL); print('survived')"
 
 
 def test_a_process_dies_of_its_own_sigkill():

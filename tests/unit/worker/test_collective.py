@@ -239,7 +239,7 @@ def test_a_connection_without_the_job_token_is_refused(members):
 
 PEER = """
 import sys, numpy as np
-from elastic_step.faults.chaos import install_worker_faults
+from elastic_step.faults.process import install_worker_faults
 from elastic_step.worker import collective
 me, address_file, ring_file = sys.argv[1:]
 install_worker_faults(me)
