@@ -6,7 +6,7 @@ across PS shards by id hash, so the tables can grow far beyond one worker's memo
 
     python samples/ctr/generate.py data/ctr.csv --rows 200000
     elastic-step data prep data/ctr.csv --label clicked --output data/ctr-prepared
-    elastic-step train --model-def samples.ctr.model --data data/ctr-prepared ...
+    elastic-step train --model-def samples.ctr.model --prepared data/ctr-prepared --output out/ctr ...
 """
 from __future__ import annotations
 
