@@ -112,7 +112,7 @@ def losses(work: pathlib.Path, epochs: int, every: str, total: int) -> None:
         out = work / f"master-{signal}-{every}"
         got, _ = train(out, work / "data", epochs, every, "--chaos", f"{signal}:master@{at}")
         assert got == code, f"the master was not stopped by {signal} (exit {got})"
-        cut = json.loads((out / "checkpoints" / "checkpoint.json").read_text())["records_committed"]
+        cut = json.loads((out / "checkpoints" / "bench-durability" / "checkpoint.json").read_text())["records_committed"]
         _, s = train(out, work / "data", epochs, every)
         r = s["checkpoints"]["restarts"][0]
         print(f"master {'SIGKILL' if signal == 'kill' else 'SIGTERM'} (checkpoints every {every}): new master start "

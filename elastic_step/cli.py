@@ -12,61 +12,17 @@ import json
 import logging
 import sys
 
+from elastic_step import spec
 from elastic_step.errors import ElasticStepError, write_termination_message
+
+CHAOS_METAVAR = "ACTION:INSTANCE@RECORDS"
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-def", required=True, help="module path (pkg.module) or path/URI of a .py file")
-    p.add_argument("--train-data", help="train manifest.json (or its folder)")
-    p.add_argument("--eval-data", help="eval manifest.json (or its folder)")
+    spec.add_arguments(p, spec.TRAIN)
     p.add_argument("--prepared", metavar="DIR", help="the folder `data prep` wrote: the same as --train-data "
                    "DIR/train --eval-data DIR/eval")
-    p.add_argument("--output", required=True, help="folder for model.keras, saved_model/, summary.json")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--minibatch-size", type=int, default=64)
-    p.add_argument("--records-per-task", type=int, default=512)
-    p.add_argument("--min-workers", type=int, default=1)
-    p.add_argument("--max-workers", type=int, default=2)
-    p.add_argument("--num-ps", type=int, default=1)
-    p.add_argument("--strategy", default="ps", help="ps (async SGD with parameter servers) or allreduce "
-                   "(sync SGD, elastic ring AllReduce between workers, no parameter servers)")
-    p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"],
-                   help="allreduce: scaled (world x minibatch, learning rate scaled by world/max-workers) or "
-                        "fixed (max-workers x minibatch kept by gradient accumulation)")
-    p.add_argument("--pushes-in-flight", type=int, default=1,
-                   help="ps: pushes each worker keeps in flight. 1 (default): a lone worker trains as "
-                        "Keras fit does. 2: its step overlaps the PS's update (a lone digits-MLP worker ran "
-                        "about 25%% faster), each gradient one update stale")
-    p.add_argument("--minibatches-per-push", type=int, default=1, metavar="K",
-                   help="ps: each push carries the mean gradient of K minibatches computed at the same "
-                        "values, as Keras's gradient_accumulation_steps=K applies them: K times fewer updates "
-                        "of the PS per epoch, and fewer round trips for a small model (see the README for "
-                        "its speed and accuracy). 1 (default): one minibatch per push")
-    p.add_argument("--backend", default="auto", metavar="{auto,local,kubernetes}",
-                   help="auto (default): kubernetes when this runs in a pod whose service account holds the "
-                        "Role's verbs, else local (the log says which and why); local: workers and PS are "
-                        "subprocesses; kubernetes: they are pods in the step's namespace (see below)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--job-id", help="stable id of the job; names its pods, and a retried step that reuses it "
-                   "takes over the job's pods instead of duplicating them")
-    p.add_argument("--worker-cpu", help="kubernetes: cpu request = limit of each worker pod, e.g. 1 or 500m")
-    p.add_argument("--worker-memory", help="kubernetes: memory request = limit of each worker pod, e.g. 2Gi")
-    p.add_argument("--worker-priority-class", help="kubernetes: PriorityClass of worker pods (default elastic-low "
-                   "when it exists)")
-    p.add_argument("--ps-priority-class", help="kubernetes: PriorityClass of PS pods (default elastic-high when "
-                   "it exists)")
-    p.add_argument("--image", help="kubernetes: runtime image of worker and PS pods")
-    p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines", "off"])
-    p.add_argument("--checkpoint-every", default="60s", metavar="INTERVAL",
-                   help="cut a checkpoint of the PS shards and the ledger (under OUTPUT/checkpoints) every "
-                        "INTERVAL: a time (60s, 5m) or a number of committed records (50000); 0 for none")
-    p.add_argument("--checkpoint-dir", default="", metavar="URI",
-                   help="where checkpoints go, as URI/<job-id>/ (a bucket, so a step retried in a new pod "
-                        "finds them); default OUTPUT/checkpoints")
-    p.add_argument("--resume", default="auto", choices=["auto", "never"],
-                   help="auto: resume from this job's last checkpoint when there is one (a retried step); "
-                        "never: start over")
-    p.add_argument("--chaos", action="append", default=[], metavar="ACTION:INSTANCE@RECORDS",
+    p.add_argument("--chaos", action="append", default=[], metavar=CHAOS_METAVAR,
                    help="testing: kill:worker-0@400 SIGKILLs worker-0 after 400 committed records; "
                         "term: sends SIGTERM")
 
@@ -116,19 +72,7 @@ def _train(args) -> dict:
     from elastic_step.master.job import train
 
     _prepared(args, "train", "eval")
-    cfg = TrainConfig(
-        model_def=args.model_def, train_data=args.train_data, eval_data=args.eval_data, output=args.output,
-        epochs=args.epochs, minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
-        min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
-        strategy=args.strategy, global_batch=args.global_batch, backend=args.backend,
-        seed=args.seed, pushes_in_flight=args.pushes_in_flight,
-        minibatches_per_push=args.minibatches_per_push, worker_cpu=args.worker_cpu,
-        worker_memory=args.worker_memory, worker_priority_class=args.worker_priority_class,
-        ps_priority_class=args.ps_priority_class, image=args.image, progress=args.progress,
-        checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-        chaos=tuple(args.chaos))
-    if args.job_id:
-        cfg.job_id = args.job_id
+    cfg = TrainConfig(**spec.values(args, spec.TRAIN), chaos=tuple(args.chaos))
     s = train(cfg)
     return {"status": s["status"], "job_id": s["job_id"], "eval": s["eval"], "outputs": s.get("outputs", {}),
             "summary": f"{args.output.rstrip('/')}/summary.json",
@@ -156,12 +100,9 @@ def _pipeline_run(args) -> dict:
         logging.getLogger("elastic_step").warning(
             "chaos, on purpose: the training step will %s (--chaos), to show training going on through "
             "the loss", ", ".join(args.chaos))
-    result = run_local(args.source, args.model_def, args.output, label=args.label, epochs=args.epochs,
-                       minibatch_size=args.minibatch_size, records_per_task=args.records_per_task,
-                       min_workers=args.min_workers, max_workers=args.max_workers, num_ps=args.num_ps,
-                       strategy=args.strategy, global_batch=args.global_batch, threshold=args.threshold,
-                       metric=args.metric, publish_uri=args.publish_uri,
-                       eval_fraction=args.eval_fraction, seed=args.seed, chaos=args.chaos)
+    params = spec.values(args, spec.RUN)
+    result = run_local(params.pop("source_uri"), params.pop("model_def"), params.pop("output"), chaos=args.chaos,
+                       **params)
     if args.json:   # the person's summary (stdout) is not printed then: keep the essentials on stderr
         print_run(result)
     return result
@@ -195,14 +136,7 @@ def _publish(args) -> dict:
 def _schedule(args) -> dict:
     from elastic_step.pipelines.schedule import create_schedule
 
-    params = {"source_uri": args.source, "model_def": args.model_def, "label": args.label, "epochs": args.epochs,
-              "minibatch_size": args.minibatch_size, "min_workers": args.min_workers,
-              "max_workers": args.max_workers, "num_ps": args.num_ps, "backend": args.backend,
-              "worker_image": args.worker_image, "worker_cpu": args.worker_cpu,
-              "worker_memory": args.worker_memory, "worker_priority_class": args.worker_priority_class,
-              "ps_priority_class": args.ps_priority_class, "threshold": args.threshold,
-              "metric": args.metric, "publish_uri": args.publish_uri}
-    return create_schedule(args.host, args.cron, params, experiment=args.experiment, name=args.name,
+    return create_schedule(args.host, args.cron, spec.values(args, spec.PIPELINE), experiment=args.experiment, name=args.name,
                            namespace=args.namespace, service_account=args.service_account,
                            pipeline_root=args.pipeline_root)
 
@@ -254,24 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline = sub.add_parser("pipeline", help="the train→evaluate pipeline").add_subparsers(
         dest="pipeline_command", required=True)
     run = pipeline.add_parser("run", help="run it on this machine through kfp.local")
-    run.add_argument("--source", required=True)
-    run.add_argument("--model-def", required=True)
-    run.add_argument("--output", required=True)
-    run.add_argument("--label", default="label")
-    run.add_argument("--epochs", type=int, default=10)
-    run.add_argument("--minibatch-size", type=int, default=64)
-    run.add_argument("--records-per-task", type=int, default=512)
-    run.add_argument("--min-workers", type=int, default=1)
-    run.add_argument("--max-workers", type=int, default=2)
-    run.add_argument("--num-ps", type=int, default=1)
-    run.add_argument("--strategy", default="ps", help="ps or allreduce (see `elastic-step train --help`)")
-    run.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
-    run.add_argument("--threshold", type=float, default=0.9)
-    run.add_argument("--metric", default="accuracy")
-    run.add_argument("--eval-fraction", type=float, default=0.2)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--publish-uri", default="", help="where a model that passes the gate is copied")
-    run.add_argument("--chaos", action="append", default=[], metavar="ACTION:INSTANCE@RECORDS",
+    spec.add_arguments(run, spec.RUN)
+    run.add_argument("--chaos", action="append", default=[], metavar=CHAOS_METAVAR,
                      help="testing and the demo: disturb the training step on purpose, e.g. kill:worker-0@300000 "
                           "SIGKILLs worker-0 once 300000 records are committed (as `elastic-step train --chaos`; "
                           "also read from ELASTIC_STEP_CHAOS)")
@@ -285,23 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     sc = schedule.add_parser("create", help="compile the pipeline and create a KFP recurring run")
     sc.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
     sc.add_argument("--cron", required=True, help='6 fields, seconds first: "0 0 2 * * *" is 02:00 daily')
-    sc.add_argument("--source", required=True)
-    sc.add_argument("--model-def", required=True)
-    sc.add_argument("--label", default="label")
-    sc.add_argument("--epochs", type=int, default=10)
-    sc.add_argument("--minibatch-size", type=int, default=64)
-    sc.add_argument("--min-workers", type=int, default=1)
-    sc.add_argument("--max-workers", type=int, default=4)
-    sc.add_argument("--num-ps", type=int, default=1)
-    sc.add_argument("--backend", default="kubernetes")
-    sc.add_argument("--worker-image", help="image of the worker/PS pods (default: the runtime image)")
-    sc.add_argument("--worker-cpu")
-    sc.add_argument("--worker-memory")
-    sc.add_argument("--worker-priority-class")
-    sc.add_argument("--ps-priority-class")
-    sc.add_argument("--threshold", type=float, default=0.9)
-    sc.add_argument("--metric", default="accuracy")
-    sc.add_argument("--publish-uri", default="")
+    spec.add_arguments(sc, spec.PIPELINE)
     sc.add_argument("--experiment", default="elastic-step")
     sc.add_argument("--name", default="elastic-step-train-eval-nightly")
     sc.add_argument("--namespace")
@@ -310,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--pipeline-root", help="where the runs' artifacts go (default: the cluster's)")
     sc.set_defaults(func=_schedule)
 
-    comp = sub.add_parser("compile", help="regenerate the compiled component and pipeline YAMLs")
-    comp.add_argument("--root", default=".", help="repository root (components/ and pipelines/ go there)")
+    comp = sub.add_parser("compile", help="regenerate the compiled component and pipeline YAMLs (KFP, v1, Argo) "
+                          "and docs/parameters.md")
+    comp.add_argument("--root", default=".", help="repository root (components/, pipelines/ and docs/ go there)")
     comp.set_defaults(func=_compile)
     return parser
 

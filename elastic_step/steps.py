@@ -40,8 +40,10 @@ def train_step(train_data: str, eval_data: str, model_def: str, model_dir: str, 
     from elastic_step.master.job import REPORT_FILE, SUMMARY_FILE, train
     from elastic_step.model_io import KERAS_FILE, SAVED_MODEL_DIR
 
-    # Empty strings are how pipeline UIs say "not set".
-    settings = {k: v for k, v in settings.items() if v not in ("", None)}
+    from elastic_step.spec import is_unset
+
+    # Empty strings are how pipeline UIs say "not set" (but an empty worker_cpu asks for no request).
+    settings = {k: v for k, v in settings.items() if not is_unset(k, v)}
     with tempfile.TemporaryDirectory(prefix="elastic-step-train-") as out:
         summary = train(TrainConfig(model_def=model_def, train_data=train_data, eval_data=eval_data, output=out,
                                     **settings))

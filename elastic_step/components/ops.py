@@ -3,6 +3,8 @@ into `elastic_step` (elastic_step.steps does the work, elastic_step.components.o
 KFP artifacts), so kfp.local's SubprocessRunner runs them here and a cluster runs them in the image.
 (No `from __future__ import annotations`: KFP reads the real types; and the return annotations
 are spelled inline, since a component's source runs in the step on its own, with only `typing`.)
+The parameters' names, types and defaults are the job spec's (elastic_step/spec.py, where each one's
+meaning is); tests/unit/test_spec.py keeps these signatures the same as the spec.
 
 Two shapes of the train and evaluate steps:
 - `elastic_train_op`, `evaluate_op` take `Dataset`/`Model` input artifacts: for pipelines (DSL).
@@ -30,9 +32,10 @@ BASE_IMAGE = os.environ.get("ELASTIC_STEP_IMAGE") or DEFAULT_IMAGE
 component = functools.partial(dsl.component, base_image=BASE_IMAGE, install_kfp_package=False)
 
 @component
-def data_prep_op(source_uri: str, train_data: Output[Dataset], eval_data: Output[Dataset], label: str = "",
+def data_prep_op(source_uri: str, train_data: Output[Dataset], eval_data: Output[Dataset], label: str = "label",
                  eval_fraction: float = 0.2, seed: int = 0, shard_rows: int = 50000):
-    """CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards + a manifest per split."""
+    """CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards + a manifest per split
+    (`label`: the label column; empty: none)."""
     from elastic_step.components.outputs import record_prep
     from elastic_step.steps import prep_step
 
@@ -44,7 +47,7 @@ def data_prep_op(source_uri: str, train_data: Output[Dataset], eval_data: Output
 @component
 def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], model_def: str,
                      model: Output[Model], metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
-                     epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
+                     epochs: int = 1, minibatch_size: int = 64, records_per_task: int = 512,
                      min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
                      global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
                      worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
@@ -64,10 +67,10 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
     s = train_step(train_data.path, eval_data.path, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-                   global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
+                   global_batch=global_batch, backend=backend, worker_image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
                    ps_priority_class=ps_priority_class, seed=seed,
-                   checkpoint_dir=checkpoint_uri, checkpoint_every=checkpoint_every,
+                   checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
                    job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 
@@ -75,7 +78,7 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
 @component
 def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: Output[Model],
                          metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
-                         epochs: int = 5, minibatch_size: int = 64, records_per_task: int = 512,
+                         epochs: int = 1, minibatch_size: int = 64, records_per_task: int = 512,
                          min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
                          global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
                          worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
@@ -91,10 +94,10 @@ def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: O
     s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path,
                    epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
                    min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-                   global_batch=global_batch, backend=backend, image=worker_image, worker_cpu=worker_cpu,
+                   global_batch=global_batch, backend=backend, worker_image=worker_image, worker_cpu=worker_cpu,
                    worker_memory=worker_memory, worker_priority_class=worker_priority_class,
                    ps_priority_class=ps_priority_class, seed=seed,
-                   checkpoint_dir=checkpoint_uri, checkpoint_every=checkpoint_every,
+                   checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
                    job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
     record_training(s, model, metrics, summary)
 

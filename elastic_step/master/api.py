@@ -2,53 +2,51 @@
 from __future__ import annotations
 
 import dataclasses
-import secrets
-import uuid
 
 from elastic_step.errors import ConfigError
+from elastic_step.spec import BY_NAME
+from elastic_step.spec import DEFAULTS as _D
 
-STRATEGIES = ("ps", "allreduce")
-GLOBAL_BATCH = ("scaled", "fixed")
-BACKENDS = ("auto", "local", "kubernetes")
+STRATEGIES = BY_NAME["strategy"].choices
+GLOBAL_BATCH = BY_NAME["global_batch"].choices
+BACKENDS = BY_NAME["backend"].choices
 MAX_PUSHES_IN_FLIGHT = 4
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
+    """What the user asked for, as given: immutable. What the master decides from it at start (the job id
+    when none is given, the backend --backend auto picks, the token, the checkpoint root) is its plan
+    (master/plan.py). The fields and their defaults are the spec's training parameters (elastic_step/spec.py,
+    where each one's meaning is; a test keeps the two the same)."""
     model_def: str
     train_data: str
-    eval_data: str | None
+    eval_data: str | None = _D["eval_data"]
     output: str
-    epochs: int = 1
-    minibatch_size: int = 64
-    records_per_task: int = 512
-    min_workers: int = 1
-    max_workers: int = 2
-    num_ps: int = 1
-    backend: str = "auto"                # auto | local | kubernetes (auto: see master/job.py make_backend)
-    strategy: str = "ps"
-    global_batch: str = "scaled"       # allreduce: "scaled" (lr follows world size) or "fixed" (accumulation)
-    seed: int = 0
-    # ps: pushes each worker keeps in flight. One is the algorithm fit runs when the job has one worker;
-    # two overlap a worker's step with the PS's update (faster), at one more update of staleness.
-    pushes_in_flight: int = 1
-    # ps: minibatches whose mean gradient one push carries (Keras's gradient_accumulation_steps, done on
-    # the worker): fewer round trips per record for a small model, fewer updates per epoch.
-    minibatches_per_push: int = 1
-    job_id: str = dataclasses.field(default_factory=lambda: "es-" + uuid.uuid4().hex[:8])
-    token: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
-    worker_cpu: str | None = None
-    worker_memory: str | None = None
-    worker_priority_class: str | None = None
-    ps_priority_class: str | None = None
-    image: str | None = None
-    max_relaunches: int = 20           # per job: a crash loop fails the job instead of spinning
-    progress: str = "auto"             # auto | bar | lines | off
-    checkpoint_every: str = "60s"      # a time (60s, 5m) or records (50000); 0: no checkpoints
-    # Where checkpoints go: <checkpoint_dir>/<job_id>/ (any fsspec URI), so that a retried step in a new
-    # pod finds them; empty: <output>/checkpoints, which lasts only as long as the output does.
-    checkpoint_dir: str = ""
-    resume: str = "auto"               # auto: from this job's last checkpoint when there is one | never
+    epochs: int = _D["epochs"]
+    minibatch_size: int = _D["minibatch_size"]
+    records_per_task: int = _D["records_per_task"]
+    min_workers: int = _D["min_workers"]
+    max_workers: int = _D["max_workers"]
+    num_ps: int = _D["num_ps"]
+    backend: str = _D["backend"]                  # auto | local | kubernetes (auto: see master/job.py make_backend)
+    strategy: str = _D["strategy"]
+    global_batch: str = _D["global_batch"]        # allreduce: "scaled" (lr follows world size) or "fixed"
+    seed: int = _D["seed"]
+    pushes_in_flight: int = _D["pushes_in_flight"]
+    minibatches_per_push: int = _D["minibatches_per_push"]
+    job_id: str = _D["job_id"]                    # empty: the plan makes one up
+    worker_image: str = _D["worker_image"]
+    worker_cpu: str = _D["worker_cpu"]            # empty: no request
+    worker_memory: str = _D["worker_memory"]
+    worker_priority_class: str = _D["worker_priority_class"]
+    ps_priority_class: str = _D["ps_priority_class"]
+    max_relaunches: int = _D["max_relaunches"]    # per job: a crash loop fails the job instead of spinning
+    progress: str = _D["progress"]
+    checkpoint_every: str = _D["checkpoint_every"]   # a time (60s, 5m) or records (50000); 0: no checkpoints
+    # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
+    checkpoint_uri: str = _D["checkpoint_uri"]
+    resume: str = _D["resume"]                    # auto: from this job's last checkpoint when there is one | never
     # Fault injection for tests and benchmarks, e.g. kill a worker after N committed records (see
     # faults/chaos.py). None given: the job reads ELASTIC_STEP_CHAOS at its start.
     chaos: tuple[str, ...] = ()
@@ -76,10 +74,10 @@ class TrainConfig:
             raise ConfigError(f"Unknown --strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}.")
         if self.global_batch not in GLOBAL_BATCH:
             raise ConfigError(f"Unknown --global-batch {self.global_batch!r}; choose one of {', '.join(GLOBAL_BATCH)}.")
-        if self.resume not in ("auto", "never"):
+        if self.resume not in BY_NAME["resume"].choices:
             raise ConfigError(f"Unknown --resume {self.resume!r}; choose auto or never.")
         from elastic_step.master.checkpoint_store import parse_interval
         parse_interval(self.checkpoint_every)
-        if self.progress not in ("auto", "bar", "lines", "off"):
+        if self.progress not in BY_NAME["progress"].choices:
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")
         return self

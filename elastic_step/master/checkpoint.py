@@ -141,11 +141,11 @@ class JobCheckpoints:
     checkpoint's step, and serves the checkpoint's state (`member_state`) to the members of its first
     version, which all load it."""
 
-    def __init__(self, cfg, model_def, coord, faults: JobFaults = NO_FAULTS):
+    def __init__(self, cfg, job_id: str, root: str, model_def, coord, faults: JobFaults = NO_FAULTS):
+        """`root`: the job's checkpoint folder (master/plan.py checkpoint_root)."""
         self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
-        root = (f"{cfg.checkpoint_dir.rstrip('/')}/{cfg.job_id}" if cfg.checkpoint_dir
-                else f"{cfg.output.rstrip('/')}/checkpoints")
-        self.store = CheckpointStore(root, fingerprint(cfg, model_def, coord.ledger))
+        self.token: str | None = None   # the job's, set once its backend is up (before any checkpoint is cut)
+        self.store = CheckpointStore(root, fingerprint(cfg, job_id, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
         self.allreduce = coord.rendezvous is not None
         self.member_state = None   # allreduce: the MemberState newcomers load (resumed, or every member lost)
@@ -170,7 +170,7 @@ class JobCheckpoints:
             entry = self.restarts[-1]
             coord.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
             log.info("resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
-                     "records the previous master committed after it are trained again", cfg.job_id,
+                     "records the previous master committed after it are trained again", job_id,
                      self.resumed["id"], self.store.root, self.resumed["records_committed"], self.ledger.epoch,
                      "(unknown number of)" if before is None else entry["records_trained_again"])
             coord.record("resumed", "", f"from checkpoint {self.resumed['id']} at "
@@ -219,13 +219,13 @@ class JobCheckpoints:
         rdv = self.coord.rendezvous
         with self.coord.lock:
             step, (_, address) = rdv.committed_step, rdv.members[0]
-        state = pull_state(address, self.cfg.token, step)
+        state = pull_state(address, self.token, step)
         self._cut_members = (ckpt_id, state)
         return [self.store.write_members(ckpt_id, state)]
 
     def _shards(self):
         from elastic_step.ps.client import PSClient
-        return PSClient(self.coord.ps_addresses, self.cfg.token)
+        return PSClient(self.coord.ps_addresses, self.token)
 
     def _save_shards(self, ckpt_id: int) -> list[str]:
         """Each shard's state, written by the master: a PS pod needs no access to the step's output."""

@@ -1,7 +1,7 @@
 """Where a job's checkpoints live and how they are laid out, through fsspec (a local path, gs://,
 s3://). What a checkpoint holds and when it is cut is master/checkpoint.py's.
 
-Under `<output>/checkpoints/` (or `<checkpoint-dir>/<job id>/`):
+Under `<checkpoint_uri or output/checkpoints>/<job id>/` (master/plan.py checkpoint_root):
 
     ckpt-000007/ps-0.npz ...    each shard's values, optimizer variables, applied keys and records
     ckpt-000007/members.npz     allreduce: the members' state, and the records it holds
@@ -179,7 +179,7 @@ def parse_interval(text: str) -> tuple[str, float] | None:
     return None if amount == 0 else (kind, amount)
 
 
-def fingerprint(cfg, model_def, ledger) -> dict:
+def fingerprint(cfg, job_id: str, model_def, ledger) -> dict:
     """What a checkpoint must share with the job resuming it."""
     import hashlib
     import inspect
@@ -188,7 +188,7 @@ def fingerprint(cfg, model_def, ledger) -> dict:
         source = open(inspect.getsourcefile(model_def.module), "rb").read()
     except (OSError, TypeError):
         source = cfg.model_def.encode()
-    return {"job_id": cfg.job_id, "model": hashlib.sha256(source).hexdigest()[:16],
+    return {"job_id": job_id, "model": hashlib.sha256(source).hexdigest()[:16],
             "data": [[s.uri.rsplit("/", 1)[-1], s.rows] for s in ledger.shards], "epochs": cfg.epochs,
             "minibatch_size": cfg.minibatch_size, "records_per_task": ledger.records_per_task,
             "num_ps": cfg.num_ps, "strategy": cfg.strategy, "seed": cfg.seed}

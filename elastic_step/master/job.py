@@ -7,7 +7,6 @@ end evaluates, exports the model and writes `summary.json`.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
@@ -45,49 +45,57 @@ SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 
 
-def make_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+def make_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
+    """The job's backend, started: (backend, its name, the job's token). --backend auto picks one."""
     if cfg.backend == "auto":
-        return _auto_backend(cfg, log_dir)
-    if cfg.backend == "local":
+        return _auto_backend(cfg, job_id, log_dir)
+    return _backend(cfg.backend, cfg, job_id, log_dir)
+
+
+def _backend(name: str, cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
+    if name == "local":
         from elastic_step.backends.local import LocalBackend
-        return LocalBackend(log_dir, env={TOKEN_ENV: cfg.token}, preload=True)
-    if cfg.backend == "kubernetes":
+        token = new_token()
+        return LocalBackend(log_dir, env={TOKEN_ENV: token}, preload=True), name, token
+    if name == "kubernetes":
         # Namespace, credentials, owner pod and pod-spec additions come from the environment (see the
-        # module). A restarted master finds the job's Secret and keeps its token: cfg.token is set to it.
+        # module). A restarted master finds the job's Secret and keeps its token.
         from elastic_step.backends.kubernetes import KubernetesBackend
-        return KubernetesBackend.from_train_config(cfg)
-    raise ConfigError(f"Unknown backend {cfg.backend!r}; use auto, local or kubernetes.")
+        backend = KubernetesBackend.from_train_config(cfg, job_id=job_id, token=new_token())
+        return backend, name, backend.token
+    raise ConfigError(f"Unknown backend {name!r}; use auto, local or kubernetes.")
 
 
-def _auto_backend(cfg: TrainConfig, log_dir: pathlib.Path) -> Backend:
+def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
     """--backend auto: pods when this step runs in a pod whose service account holds the Role's verbs
     (so a training component dragged into a cluster pipeline is an elastic job of pods), else processes
-    of this step. `cfg.backend` becomes the choice, and the log says why."""
+    of this step. The plan records the choice, and the log says why."""
     from elastic_step.backends.kubernetes.config import in_cluster
     from elastic_step.backends.kubernetes.errors import KubernetesPermissionError
 
     if in_cluster():
-        cfg.backend = "kubernetes"
         try:
-            backend = make_backend(cfg, log_dir)
+            started = _backend("kubernetes", cfg, job_id, log_dir)
         except KubernetesPermissionError as e:   # checked before the backend creates anything
             why = f"this step runs in a pod, but {e}"
         else:
             log.info("backend auto -> kubernetes: this step runs in a pod whose service account may run the "
-                     "job's pods in namespace %s", backend.namespace)
-            return backend
+                     "job's pods in namespace %s", started[0].namespace)
+            return started
     else:
         why = "this step does not run in a Kubernetes pod (no service-account token)"
-    cfg.backend = "local"
     log.info("backend auto -> local: workers and parameter servers run as processes of this step; %s", why)
-    return make_backend(cfg, log_dir)
+    return _backend("local", cfg, job_id, log_dir)
 
 
 class TrainingJob:
-    def __init__(self, cfg: TrainConfig, backend: Backend | None = None, output_uri: str | None = None):
+    def __init__(self, cfg: TrainConfig, backend: Backend | None = None, staging: str | None = None):
+        """`backend`: one already started (tests), else the config's; `staging`: a local folder the job
+        writes in, for an output in an object store that train() uploads at the end."""
         self.cfg = cfg.validate()
-        self.output = pathlib.Path(cfg.output)     # where this job writes
-        self.output_uri = output_uri or cfg.output  # where its outputs end up (an object store: uploaded)
+        job_id = cfg.job_id or new_job_id()
+        output = staging or cfg.output
+        self.output = pathlib.Path(output)     # where this job writes
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
         from elastic_step.model_def import load_model_def
@@ -102,12 +110,20 @@ class TrainingJob:
         self.faults = chaos.for_job(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
                                     0 if self.allreduce else cfg.num_ps)
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
-        self.durable = JobCheckpoints(cfg, self.model_def, self.coord, self.faults)
-        self.backend = backend or make_backend(cfg, self.output / "logs")   # starts processes: after every check
+        ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
+        self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
+        if backend is not None:
+            started = backend, cfg.backend, backend.token
+        else:   # starts processes: after every check
+            started = make_backend(cfg, job_id, self.output / "logs")
+        self.backend = started[0]
+        self.plan = JobPlan(job_id=job_id, output=output, output_uri=cfg.output, checkpoint_root=ckpt_root,
+                            backend=started[1], token=started[2])
+        self.durable.token = self.plan.token
         if self.durable.cutter is not None:   # a retried step goes on with the schedule, not over it
-            self.faults.resume(self.durable.store.uri("chaos.json"), cfg.job_id, cfg.resume == "auto")
+            self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
-        self.tensorboard = TensorBoardLog.for_job(cfg.output, self.ledger.records_per_epoch)
+        self.tensorboard = TensorBoardLog.for_job(output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0
         self.terminated_at: float | None = None   # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
@@ -126,7 +142,7 @@ class TrainingJob:
         # On the local backend every instance shares the step's cores: a shard's update is a few
         # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
         # would take cores from the workers' steps.
-        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"} if c.backend == "local" else {}
+        env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"} if self.plan.backend == "local" else {}
         return InstanceSpec(inst, argv, env=env, priority_class=c.ps_priority_class)
 
     def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
@@ -153,11 +169,11 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
-        cfg = self.cfg
-        service = MasterService(self.coord, cfg.token, cfg.job_id, cfg.minibatch_size, cfg.model_def,
+        cfg, plan = self.cfg, self.plan
+        service = MasterService(self.coord, plan.token, plan.job_id, cfg.minibatch_size, cfg.model_def,
                                 cfg.max_workers, cfg.pushes_in_flight, cfg.minibatches_per_push)
         service.checkpoint_state = lambda: self.durable.member_state   # allreduce, resumed
-        host = "127.0.0.1" if cfg.backend == "local" else "0.0.0.0"
+        host = "127.0.0.1" if plan.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)
         self._serve_local_inputs(host)
@@ -167,9 +183,9 @@ class TrainingJob:
             # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated_at", time.time()))
         log.info("job %s: %d records/epoch in %d tasks of <= %d records, %d epoch(s); %d PS, "
-                 "%d-%d workers on the %s backend", cfg.job_id, self.ledger.records_per_epoch,
+                 "%d-%d workers on the %s backend", plan.job_id, self.ledger.records_per_epoch,
                  len(self.ledger.queue), self.ledger.records_per_task, cfg.epochs, cfg.num_ps,
-                 cfg.min_workers, cfg.max_workers, cfg.backend)
+                 cfg.min_workers, cfg.max_workers, plan.backend)
         t_start = time.time()
         try:
             # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
@@ -296,7 +312,7 @@ class TrainingJob:
         from elastic_step.ps.api import Placement, load_named
         from elastic_step.ps.client import PSClient
 
-        ps = PSClient(self.coord.ps_addresses, self.cfg.token, Placement.of(model, self.cfg.num_ps))
+        ps = PSClient(self.coord.ps_addresses, self.plan.token, Placement.of(model, self.cfg.num_ps))
         try:
             values = ps.pull_dense_named()
             values.update(ps.all_rows())
@@ -340,7 +356,7 @@ class TrainingJob:
         errors = []
         for name, address in members:
             try:
-                state = pull_state(address, self.cfg.token, step if final else -1, timeout=30)
+                state = pull_state(address, self.plan.token, step if final else -1, timeout=30)
             except Exception as e:  # noqa: BLE001 - try the next member
                 errors.append(f"{name}: {e}")
                 continue
@@ -387,12 +403,12 @@ class TrainingJob:
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
-        outputs = {k: self.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output)
+        outputs = {k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output)
                    for k, v in outputs.items()}
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
-        log.info("job %s succeeded: %s", self.cfg.job_id,
+        log.info("job %s succeeded: %s", self.plan.job_id,
                  ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
         return summary
 
@@ -412,9 +428,9 @@ class TrainingJob:
             committed = self.ledger.records_committed_total()
             summary = {
                 "status": status,
-                "job_id": c.job_id,
+                "job_id": self.plan.job_id,
                 "strategy": c.strategy,
-                "backend": c.backend,
+                "backend": self.plan.backend,
                 "records_per_epoch": self.ledger.records_per_epoch,
                 "epochs": c.epochs,
                 "config": {"minibatch_size": c.minibatch_size, "records_per_task": self.ledger.records_per_task,
@@ -465,7 +481,7 @@ def train(cfg: TrainConfig) -> dict:
 
     An output in an object store (gs://, s3://) is checked writable before anything starts, written in a
     local staging folder, and uploaded at the end, summary.json last: a reader that finds the summary
-    finds the model, report and logs it names. Checkpoints go straight to OUTPUT/checkpoints there."""
+    finds the model, report and logs it names. Checkpoints go straight to OUTPUT/checkpoints/<job id> there."""
     if local_path(cfg.output) is not None:
         try:
             os.makedirs(local_path(cfg.output), exist_ok=True)
@@ -475,14 +491,13 @@ def train(cfg: TrainConfig) -> dict:
     check_writable(cfg.output, "write the training step's output to", ConfigError)
     if local_path(cfg.output) is not None:
         return TrainingJob(cfg).run()
-    staged = dataclasses.replace(cfg, output=tempfile.mkdtemp(prefix="elastic-step-output-"),
-                                 checkpoint_dir=cfg.checkpoint_dir or f"{cfg.output.rstrip('/')}/checkpoints")
+    staging = tempfile.mkdtemp(prefix="elastic-step-output-")
     try:
-        summary = TrainingJob(staged, output_uri=cfg.output).run()
+        summary = TrainingJob(cfg, staging=staging).run()
     except BaseException:
-        _upload(staged.output, cfg.output, failed=True)   # a failed job's summary, report and logs
+        _upload(staging, cfg.output, failed=True)   # a failed job's summary, report and logs
         raise
-    _upload(staged.output, cfg.output)
+    _upload(staging, cfg.output)
     return summary
 
 

@@ -1,6 +1,7 @@
 """The train→evaluate pipeline: prep → elastic train → evaluate → `dsl.If(passed)` → publish.
 
-Parameters are strings and numbers only, so the KFP UI can start it. The same pipeline runs on a
+Parameters are strings and numbers only, so the KFP UI can start it. They are the job spec's pipeline
+parameters (elastic_step/spec.py; tests/unit/test_spec.py keeps the signature the same). The same pipeline runs on a
 cluster and on this machine (`elastic-step pipeline run`, through kfp.local).
 
 Caching: the prep step never caches (its input is a URI whose content changes: a cached prep would
@@ -34,7 +35,7 @@ def build(caching: bool = True):
         return task if allowed else task.set_caching_options(False)
 
     @dsl.pipeline(name=PIPELINE_NAME, description="Elastic TensorFlow training, evaluation and a gated publish.")
-    def train_eval(source_uri: str, model_def: str, label: str = "label", epochs: int = 10,
+    def train_eval(source_uri: str, model_def: str, label: str = "label", epochs: int = 1,
                    minibatch_size: int = 64, records_per_task: int = 512, min_workers: int = 1,
                    max_workers: int = 2, num_ps: int = 1, strategy: str = "ps", global_batch: str = "scaled",
                    backend: str = "auto",

@@ -29,24 +29,24 @@ def tally_job(data, out, *extra):
 
 
 def manifest(out) -> dict:
-    return json.loads((out / "checkpoints" / "checkpoint.json").read_text())
+    return json.loads((out / "checkpoints" / "durable" / "checkpoint.json").read_text())
 
 
 def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_record_applied_once(tally_data,
                                                                                                   tmp_path):
     # As a pipeline step runs it: each attempt has an output of its own (gone with its pod), and the
-    # checkpoints are under --checkpoint-dir, by job id.
+    # checkpoints are under --checkpoint-uri, by job id.
     total = tally_data["rows"] * EPOCHS
     killed_at = int(total * 0.55)
     ckpts = tmp_path / "bucket"
-    proc, _ = tally_job(tally_data, tmp_path / "attempt-1", "--checkpoint-dir", str(ckpts),
+    proc, _ = tally_job(tally_data, tmp_path / "attempt-1", "--checkpoint-uri", str(ckpts),
                         "--chaos", f"kill:master@{killed_at}")
     assert proc.returncode == -9, proc.stderr[-3000:]          # the chaos fired: the master died mid-run
     assert not (tmp_path / "attempt-1" / "summary.json").exists()
     cut = json.loads((ckpts / "durable" / "checkpoint.json").read_text())
     assert 0 < cut["records_committed"] <= killed_at
     out = tmp_path / "attempt-2"
-    proc, summary = tally_job(tally_data, out, "--checkpoint-dir", str(ckpts))   # the retried step
+    proc, summary = tally_job(tally_data, out, "--checkpoint-uri", str(ckpts))   # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming job durable from checkpoint" in proc.stderr
     restarts = summary["checkpoints"]["restarts"]
@@ -117,7 +117,7 @@ def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
     proc, _ = tally_job(tally_data, tmp_path, "--chaos", "kill:master@checkpoint=2")
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert manifest(tmp_path)["id"] == 1                       # checkpoint 2's parts exist, its manifest not
-    assert (tmp_path / "checkpoints" / "ckpt-000002" / "ledger.json").exists()
+    assert (tmp_path / "checkpoints" / "durable" / "ckpt-000002" / "ledger.json").exists()
     # The same job with another configuration: refused, naming the difference; nothing is started.
     proc, _ = train(tally_data, tmp_path, "--job-id", "durable", "--epochs", str(EPOCHS + 1), "--max-workers", "2",
                     "--num-ps", "2", "--minibatch-size", "32", "--records-per-task", "128", model=TALLY)
@@ -130,11 +130,11 @@ def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
 
 
 def test_a_corrupt_checkpoint_is_a_clear_error(tally_data, tmp_path):
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "checkpoint.json").write_text("{not json")
+    (tmp_path / "checkpoints" / "durable").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "durable" / "checkpoint.json").write_text("{not json")
     proc, _ = tally_job(tally_data, tmp_path)
     assert_clean_error(proc, "checkpoint.json is corrupt", "--resume never")
-    assert (tmp_path / "checkpoints" / "checkpoint.json").read_text() == "{not json"   # nothing overwritten
+    assert (tmp_path / "checkpoints" / "durable" / "checkpoint.json").read_text() == "{not json"   # untouched
 
 
 def test_an_unwritable_checkpoint_location_is_an_error_at_the_start(tally_data, tmp_path):

@@ -394,8 +394,8 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(control_plane, core
                       epochs=25, minibatch_size=32, records_per_task=128, min_workers=1, max_workers=2, num_ps=1,
                       backend="kubernetes", job_id=job, worker_cpu="1", worker_memory="256Mi",
                       worker_priority_class="elastic-low", ps_priority_class="elastic-high", progress="off")
-    backend = KubernetesBackend.from_train_config(cfg, kubeconfig=str(sa_kubeconfig), namespace=namespace,
-                                                  pod_spec=PLACEMENT, owner=None)
+    backend = KubernetesBackend.from_train_config(cfg, job, "preempt-token", kubeconfig=str(sa_kubeconfig),
+                                                  namespace=namespace, pod_spec=PLACEMENT, owner=None)
     recorder = PodRecorder(core, namespace)
     thread, master, result = run_job(cfg, backend)
     coord, ledger = master.coord, master.ledger

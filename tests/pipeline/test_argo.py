@@ -22,7 +22,7 @@ import pytest
 import yaml
 from hera.workflows import models
 
-from elastic_step.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
+from elastic_step.pipelines.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
 from elastic_step.backends.kubernetes import _JOB_ID
 from elastic_step.cli import build_parser
 from tests.infra.kube.harness.argo import lint
@@ -91,7 +91,7 @@ def test_rendered_files_are_current(tmp_path):
     for path in render(str(tmp_path)):
         name = pathlib.Path(path).name
         assert (ROOT / "pipelines" / "argo" / name).read_text() == pathlib.Path(path).read_text(), \
-            f"pipelines/argo/{name} is stale: run `python -m elastic_step.argo` and commit"
+            f"pipelines/argo/{name} is stale: run `elastic-step compile` and commit"
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -277,9 +277,9 @@ def test_every_container_runs_a_real_cli_command(template):
     argv = [_substitute(a, values) for a in c["args"]]
     args = build_parser().parse_args(argv)
     if template == "elastic-train":
-        assert (args.epochs, args.minibatch_size, args.records_per_task) == (10, 64, 512)
+        assert (args.epochs, args.minibatch_size, args.records_per_task) == (1, 64, 512)
         assert (args.min_workers, args.max_workers, args.num_ps, args.backend) == (1, 2, 1, "auto")
-        assert args.image == "" and args.job_id == f"{WORKFLOW_UID}-elastic-train"
+        assert args.worker_image == "" and args.job_id == f"{WORKFLOW_UID}-elastic-train"
         assert args.output == "/work/model" and args.train_data == "/work/prepared/train"
         assert not args.chaos
     elif template == "data-prep":

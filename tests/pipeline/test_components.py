@@ -17,13 +17,13 @@ from kfp.components import load_component_from_file
 
 from elastic_step.cli import build_parser
 from elastic_step.components import DEFAULT_IMAGE
-from elastic_step.pipelines.compile import COMPONENTS, PIPELINES, compile_all
+from elastic_step.pipelines.compile import COMPONENTS, PARAMETERS_DOC, PIPELINES, compile_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VERSION = re.compile(r"(kfp-|elastic-step:)\d[\w.\-]*")
 IR_FILES = [f"components/{folder}/{stem}.yaml" for folder, stems in COMPONENTS.items() for stem in stems]
 V1_FILES = [f"components/{folder}/component.yaml" for folder in COMPONENTS]
-NOT_COMPILED = {"components/elastic_train/rbac.yaml"}  # hand-written, beside the compiled files
+NOT_COMPILED = {"components/elastic_train/rbac.yaml", "pipelines/argo/rbac.yaml"}  # hand-written, beside them
 
 
 def normalised(path: pathlib.Path):
@@ -47,22 +47,31 @@ def fresh(tmp_path_factory) -> pathlib.Path:
 
 
 def test_compiled_files_are_current(fresh):
-    generated = sorted(str(p.relative_to(fresh)) for p in fresh.rglob("*.yaml"))
+    """Every file `elastic-step compile` writes: the KFP and v1 components, the KFP pipeline, the Argo
+    workflows and docs/parameters.md."""
+    generated = sorted(str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file())
     assert set(IR_FILES + V1_FILES) <= set(generated)
-    assert f"pipelines/{next(iter(PIPELINES))}/train_eval.yaml" in generated
+    assert {f"pipelines/{next(iter(PIPELINES))}/train_eval.yaml", "pipelines/argo/train-eval-template.yaml",
+            "pipelines/argo/train-eval-cron.yaml", PARAMETERS_DOC} <= set(generated)
     for rel in generated:
         committed = ROOT / rel
         assert committed.exists(), f"{rel} is missing: run `elastic-step compile` and commit"
-        assert normalised(committed) == normalised(fresh / rel), f"{rel} is stale: run `elastic-step compile`"
+        if rel.endswith(".yaml"):
+            assert normalised(committed) == normalised(fresh / rel), f"{rel} is stale: run `elastic-step compile`"
+        else:
+            assert committed.read_text() == (fresh / rel).read_text(), f"{rel} is stale: run `elastic-step compile`"
+        # its header (a YAML's first line, the doc's comment) names the Python source it is compiled from
+        header = next(line for line in committed.read_text().splitlines() if line.startswith(("# ", "<!--")))
+        assert re.search(r"(compile|Generated).* from elastic_step/\S+\.py", header), (rel, header)
     # and nothing compiled is left over from an older layout
-    committed_yaml = {str(p.relative_to(ROOT)) for d in ("components", "pipelines/train_eval")
+    committed_yaml = {str(p.relative_to(ROOT)) for d in ("components", "pipelines")
                       for p in (ROOT / d).rglob("*.yaml")}
     assert committed_yaml - NOT_COMPILED - set(generated) == set(), "a committed YAML that compile no longer writes"
 
 
 def test_compile_is_deterministic(fresh, tmp_path):
     compile_all(str(tmp_path))
-    for p in fresh.rglob("*.yaml"):
+    for p in (p for p in fresh.rglob("*") if p.is_file()):
         assert (tmp_path / p.relative_to(fresh)).read_bytes() == p.read_bytes(), p
 
 
@@ -196,7 +205,7 @@ def test_training_components_derive_the_job_id_unless_given_one(stem):
 def test_the_kfp_training_components_and_the_argo_step_take_the_same_settings():
     """Both run one training job with the same knobs: the components' parameters are the Argo step's
     CLI flags (with dashes), the data and the job id's sources aside; and both pass a job id."""
-    from elastic_step.argo import TRAIN_PARAMS, workflow_template
+    from elastic_step.pipelines.argo import TRAIN_PARAMS, workflow_template
 
     for stem in TRAIN_STEMS:
         params = yaml.safe_load((ROOT / f"components/elastic_train/{stem}.yaml").read_text())["root"][

@@ -187,12 +187,12 @@ def test_what_a_user_sees_in_the_properties_panels(elyra):
     panel = panel_sections(c["panel"])
     assert c["name"] == "elastic-step train"
     epochs = panel["inputs"]["epochs"]
-    assert epochs["description"] == "(type: Integer)"
+    assert epochs["description"] == "passes over the training data (type: Integer)"
     assert value_entry(epochs)["title"] == "Please enter a number value:"
-    assert value_entry(epochs)["properties"]["value"] == {"type": "number", "default": 5}
+    assert value_entry(epochs)["properties"]["value"] == {"type": "number", "default": 1}
     assert value_entry(panel["inputs"]["strategy"])["properties"]["value"] == {"type": "string", "default": "ps"}
     required = c["panel"]["properties"]["component_parameters"]["required"]
-    assert "epochs" in required and "model_def" in required and "worker_cpu" not in required
+    assert "epochs" in required and "model_def" in required and "worker_image" not in required
     assert list(panel["outputs"]) == ["output_model"]
     # `prepared` stands alone as an inputPath (`--prepared DIR`), so Elyra offers only the data prep
     # node's output for it: no text field to type a path into. (Inside a `concat`, which Elyra's path

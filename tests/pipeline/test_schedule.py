@@ -121,7 +121,7 @@ def test_schedule_create_sends_a_six_field_cron_without_caching_or_catch_up(kfp_
     params = rr["runtime_config"]["parameters"]
     assert params["source_uri"] == "gs://bucket/data/" and params["model_def"] == "gs://bucket/model.py"
     assert params["publish_uri"] == "gs://bucket/published/"
-    assert params["epochs"] == 12 and params["max_workers"] == 6 and params["backend"] == "kubernetes"
+    assert params["epochs"] == 12 and params["max_workers"] == 6 and params["backend"] == "auto"
 
     spec = rr["pipeline_spec"]
     assert spec["pipelineInfo"]["name"] == "elastic-step-train-eval"

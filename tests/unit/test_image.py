@@ -118,7 +118,7 @@ def test_compiled_components_and_argo_templates_run_in_this_image():
             images.setdefault(image, []).append(str(f.relative_to(ROOT)))
     assert expected in images
     assert set(images) == {expected}, images
-    from elastic_step.argo import IMAGE as ARGO_IMAGE
+    from elastic_step.pipelines.argo import IMAGE as ARGO_IMAGE
     from elastic_step.components.ops import BASE_IMAGE
     assert ARGO_IMAGE == expected
     if "ELASTIC_STEP_IMAGE" not in __import__("os").environ:

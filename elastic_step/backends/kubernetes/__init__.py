@@ -1,6 +1,6 @@
 """Kubernetes backend: every instance is a pod in the step's namespace.
 
-    backend = KubernetesBackend.from_train_config(cfg)   # what `--backend kubernetes` does
+    backend = KubernetesBackend.from_train_config(cfg, job_id, token)   # what `--backend kubernetes` does
 
 One module per concern, each documenting its part of the semantics:
 

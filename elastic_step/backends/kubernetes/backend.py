@@ -91,12 +91,11 @@ class KubernetesBackend(Backend):
         self._watcher.start()
 
     @classmethod
-    def from_train_config(cls, cfg, **kwargs) -> "KubernetesBackend":
-        """The backend of `cfg` (namespace, credentials, owner, pod spec from the environment).
-        A restarted master reuses the job's Secret, so `cfg.token` becomes the stored token."""
-        backend = cls(cfg.job_id, cfg.token, image=cfg.image, **kwargs)
-        cfg.token = backend.token
-        return backend
+    def from_train_config(cls, cfg, job_id: str, token: str, **kwargs) -> "KubernetesBackend":
+        """The backend of `cfg` (namespace, credentials, owner, pod spec from the environment) for the job
+        `job_id` with a new `token`. A restarted master reuses the job's Secret: `backend.token` is then
+        the stored token, which the job's plan takes (master/plan.py)."""
+        return cls(job_id, token, image=cfg.worker_image or None, **kwargs)
 
     @property
     def stats(self) -> dict[str, int]:
