@@ -37,6 +37,7 @@ CPU. Without torch the gloo column says so and the rest still runs.
 Every process shares this machine's cores: on a 2-core box 3 members plus their threads compete for
 CPU, so the figures are a lower bound of what separate hosts would see, for every contender alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,7 +83,7 @@ def _sink(port_q, nbytes: int, transfers: int) -> None:
     for _ in range(transfers):
         left = nbytes
         while left:
-            left -= conn.recv_into(view[:min(left, len(buf))])
+            left -= conn.recv_into(view[: min(left, len(buf))])
         conn.sendall(b"k")
     conn.close()
 
@@ -99,8 +100,9 @@ def raw_loopback(nbytes: int, steps: int) -> float:
 
     def transfer() -> None:
         for i in range(0, nbytes, 4 << 20):
-            s.sendall(data[i:i + (4 << 20)])
+            s.sendall(data[i : i + (4 << 20)])
         s.recv(1)
+
     seconds = _round_seconds(transfer, steps)
     s.close()
     p.join(10)
@@ -113,11 +115,11 @@ def _both_ways(conn: socket.socket, nbytes: int) -> None:
 
     data = memoryview(np.ones(nbytes, np.uint8))
     sink = memoryview(bytearray(4 << 20))
-    sender = threading.Thread(target=lambda: [conn.sendall(data[i:i + (4 << 20)]) for i in range(0, nbytes, 4 << 20)])
+    sender = threading.Thread(target=lambda: [conn.sendall(data[i : i + (4 << 20)]) for i in range(0, nbytes, 4 << 20)])
     sender.start()
     left = nbytes
     while left:
-        left -= conn.recv_into(sink[:min(left, len(sink))])
+        left -= conn.recv_into(sink[: min(left, len(sink))])
     sender.join()
 
 
@@ -161,8 +163,9 @@ def _ours(rank: int, n: int, rendezvous, shared_memory: bool = True):
 
     name = f"worker-{rank}"
     ring = collective.Ring(TOKEN, name, "127.0.0.1", shared_memory)
-    server, port = collective.serve(collective.CollectiveService(TOKEN, collective.StateProvider(), ring.port),
-                                    "127.0.0.1")
+    server, port = collective.serve(
+        collective.CollectiveService(TOKEN, collective.StateProvider(), ring.port), "127.0.0.1"
+    )
     addr_q, peers_q = rendezvous
     addr_q.put((rank, f"127.0.0.1:{port}"))
     members = peers_q.get(timeout=120)
@@ -174,6 +177,7 @@ def _ours(rank: int, n: int, rendezvous, shared_memory: bool = True):
     def close() -> None:
         ring.close()
         server.stop(0)
+
     return allreduce, close
 
 
@@ -182,7 +186,7 @@ def _gloo(rank: int, n: int, rendezvous):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)     # as torchrun sets OMP_NUM_THREADS=1 per process: N processes share the cores
+    torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1 per process: N processes share the cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{rendezvous}", rank=rank, world_size=n)
 
     held = {}
@@ -196,26 +200,31 @@ def _gloo(rank: int, n: int, rendezvous):
         np.copyto(t.numpy(), buf)
         dist.all_reduce(t)
         return t.numpy()
+
     return allreduce, dist.destroy_process_group
 
 
 def _tf(rank: int, n: int, rendezvous):
-    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in rendezvous]},
-                                          "task": {"type": "worker", "index": rank}})
+    os.environ["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{p}" for p in rendezvous]}, "task": {"type": "worker", "index": rank}}
+    )
     import tensorflow as tf
 
     options = tf.distribute.experimental.CommunicationOptions(
-        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING
+    )
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
     # The strategy's cross-worker reduction (its CollectiveAllReduce, RING): each worker holds one replica.
     @tf.function
     def step(x):
-        return strategy.extended.reduce_to(tf.distribute.ReduceOp.SUM, x,
-                                           destinations=strategy.extended.worker_devices[0])
+        return strategy.extended.reduce_to(
+            tf.distribute.ReduceOp.SUM, x, destinations=strategy.extended.worker_devices[0]
+        )
 
     def allreduce(buf: np.ndarray) -> np.ndarray:
         return step(tf.constant(buf)).numpy()
+
     return allreduce, lambda: None
 
 
@@ -234,7 +243,7 @@ def _member(contender: str, rank: int, n: int, rendezvous, cmd_q, out_q) -> None
         params, steps = cmd
         buf = np.random.default_rng(rank).standard_normal(params).astype(np.float32)
         try:
-            allreduce(buf)    # warm-up: connections made, graphs traced
+            allreduce(buf)  # warm-up: connections made, graphs traced
             times = []
             for _ in range(steps):
                 t = time.perf_counter()
@@ -262,8 +271,10 @@ class Group:
             rendezvous = free_ports(1) * n
         else:
             rendezvous = [free_ports(n)] * n
-        self.procs = [ctx.Process(target=_member, args=(contender, r, n, rendezvous[r], self.cmd_qs[r], self.out_q))
-                      for r in range(n)]
+        self.procs = [
+            ctx.Process(target=_member, args=(contender, r, n, rendezvous[r], self.cmd_qs[r], self.out_q))
+            for r in range(n)
+        ]
         for p in self.procs:
             p.start()
         if contender.startswith("ours"):
@@ -308,7 +319,7 @@ def compare(sizes: list[int], members: list[int], repeats: int, steps: int, cont
             for params in sizes:
                 nbytes = 4 * params
                 bus = {c: [] for c in contenders}
-                error = {c: 0.0 for c in contenders}
+                error = dict.fromkeys(contenders, 0.0)
                 for _ in range(repeats):
                     if len(raw[params]) < repeats:
                         raw[params].append(raw_loopback(nbytes, steps))
@@ -317,16 +328,33 @@ def compare(sizes: list[int], members: list[int], repeats: int, steps: int, cont
                         if g.error is None and (result := g.run(params, steps)) is not None:
                             bus[c].append(2 * (n - 1) / n * nbytes / result[0])
                             error[c] = max(error[c], result[1])
-                row = {"members": n, "params": params, "buffer_bytes": nbytes, "steps": steps, "repeats": repeats,
-                       "raw_bytes_per_s": spread(raw[params]), "duplex_bytes_per_s": spread(duplex[params])}
+                row = {
+                    "members": n,
+                    "params": params,
+                    "buffer_bytes": nbytes,
+                    "steps": steps,
+                    "repeats": repeats,
+                    "raw_bytes_per_s": spread(raw[params]),
+                    "duplex_bytes_per_s": spread(duplex[params]),
+                }
                 for c, g in groups.items():
-                    row[c] = {"error": g.error} if g.error else {"bus_bytes_per_s": spread(bus[c]),
-                                                                 "max_abs_error": error[c]}
+                    row[c] = (
+                        {"error": g.error}
+                        if g.error
+                        else {"bus_bytes_per_s": spread(bus[c]), "max_abs_error": error[c]}
+                    )
                 best = {c: row[c]["bus_bytes_per_s"]["max"] for c in contenders if "bus_bytes_per_s" in row[c]}
-                peers = {**{c: b for c, b in best.items() if not c.startswith("ours")},
-                         "raw": row["raw_bytes_per_s"]["max"], "duplex": row["duplex_bytes_per_s"]["max"]}
-                row["ratios_best"] = {f"{ours}/{c}": best[ours] / b for ours in ("ours", "ours-tcp") if ours in best
-                                      for c, b in peers.items()}
+                peers = {
+                    **{c: b for c, b in best.items() if not c.startswith("ours")},
+                    "raw": row["raw_bytes_per_s"]["max"],
+                    "duplex": row["duplex_bytes_per_s"]["max"],
+                }
+                row["ratios_best"] = {
+                    f"{ours}/{c}": best[ours] / b
+                    for ours in ("ours", "ours-tcp")
+                    if ours in best
+                    for c, b in peers.items()
+                }
                 rows.append(row)
                 print_row(row)
         finally:
@@ -339,25 +367,39 @@ def _mbs(s: dict) -> str:
     return f"{s['min'] / 1e6:5.0f} {s['median'] / 1e6:5.0f} {s['max'] / 1e6:5.0f}"
 
 
-HEADER = (f"{'N':>2} {'values':>6} {'MB':>5} | {'ours bus MB/s':^17} | {'ours-tcp bus MB/s':^17} | "
-          f"{'gloo bus MB/s':^17} | {'TF ring bus MB/s':^17} | {'raw loopback MB/s':^17} | "
-          f"{'raw both ways MB/s':^17} | ours/gloo ours/TF ours/raw ours/both tcp/gloo tcp/both | "
-          f"max|err| ours/tcp/gloo/TF\n"
-          f"{'':>16} | {'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | "
-          f"{'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | {'(best against best)':^54} |")
+HEADER = (
+    f"{'N':>2} {'values':>6} {'MB':>5} | {'ours bus MB/s':^17} | {'ours-tcp bus MB/s':^17} | "
+    f"{'gloo bus MB/s':^17} | {'TF ring bus MB/s':^17} | {'raw loopback MB/s':^17} | "
+    f"{'raw both ways MB/s':^17} | ours/gloo ours/TF ours/raw ours/both tcp/gloo tcp/both | "
+    f"max|err| ours/tcp/gloo/TF\n"
+    f"{'':>16} | {'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | "
+    f"{'min   med   max':^17} | {'min   med   max':^17} | {'min   med   max':^17} | {'(best against best)':^54} |"
+)
 
 
 def print_row(row: dict) -> None:
-    cells = [_mbs(row[c]["bus_bytes_per_s"]) if "bus_bytes_per_s" in row.get(c, {}) else f"{'n/a':^17}"
-             for c in CONTENDERS]
+    cells = [
+        _mbs(row[c]["bus_bytes_per_s"]) if "bus_bytes_per_s" in row.get(c, {}) else f"{'n/a':^17}" for c in CONTENDERS
+    ]
     r = row["ratios_best"]
-    ratio = " ".join(f"{r[k]:>{w}.2f}" if k in r else f"{'n/a':>{w}}"
-                     for k, w in (("ours/gloo", 9), ("ours/tf", 7), ("ours/raw", 8), ("ours/duplex", 9),
-                                  ("ours-tcp/gloo", 8), ("ours-tcp/duplex", 8)))
+    ratio = " ".join(
+        f"{r[k]:>{w}.2f}" if k in r else f"{'n/a':>{w}}"
+        for k, w in (
+            ("ours/gloo", 9),
+            ("ours/tf", 7),
+            ("ours/raw", 8),
+            ("ours/duplex", 9),
+            ("ours-tcp/gloo", 8),
+            ("ours-tcp/duplex", 8),
+        )
+    )
     errs = "/".join(f"{row[c]['max_abs_error']:.1g}" if "max_abs_error" in row.get(c, {}) else "-" for c in CONTENDERS)
-    print(f"{row['members']:>2} {row['params'] / 1e6:>5.0f}M {row['buffer_bytes'] / 1e6:>5.1f} | "
-          f"{' | '.join(cells)} | {_mbs(row['raw_bytes_per_s'])} | {_mbs(row['duplex_bytes_per_s'])} | {ratio}  | "
-          f"{errs}", flush=True)
+    print(
+        f"{row['members']:>2} {row['params'] / 1e6:>5.0f}M {row['buffer_bytes'] / 1e6:>5.1f} | "
+        f"{' | '.join(cells)} | {_mbs(row['raw_bytes_per_s'])} | {_mbs(row['duplex_bytes_per_s'])} | {ratio}  | "
+        f"{errs}",
+        flush=True,
+    )
     for c in CONTENDERS:
         if "error" in row.get(c, {}):
             print(f"   {c}: could not run: {row[c]['error']}", flush=True)
@@ -368,33 +410,69 @@ def loss_pause() -> dict:
     from elastic_step.data.prep import prepare
 
     tmp = tempfile.mkdtemp(prefix="es-bench-ar-")
-    r = prepare(os.path.join(ROOT, "samples", "digits", "digits.csv"), os.path.join(tmp, "data"), label="label",
-                seed=0)
+    r = prepare(os.path.join(ROOT, "samples", "digits", "digits.csv"), os.path.join(tmp, "data"), label="label", seed=0)
     epochs = 25
     kill_at = int(r.train.total_rows * epochs * 0.1)
     out = os.path.join(tmp, "out")
-    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "train", "--strategy", "allreduce",
-                           "--model-def", os.path.join(ROOT, "samples", "digits", "model.py"),
-                           "--train-data", r.train_uri, "--eval-data", r.eval_uri, "--output", out,
-                           "--epochs", str(epochs), "--max-workers", "3", "--min-workers", "2",
-                           "--minibatch-size", "32", "--records-per-task", "128", "--progress", "off",
-                           "--chaos", f"kill:worker-1@{kill_at}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_step.cli",
+            "train",
+            "--strategy",
+            "allreduce",
+            "--model-def",
+            os.path.join(ROOT, "samples", "digits", "model.py"),
+            "--train-data",
+            r.train_uri,
+            "--eval-data",
+            r.eval_uri,
+            "--output",
+            out,
+            "--epochs",
+            str(epochs),
+            "--max-workers",
+            "3",
+            "--min-workers",
+            "2",
+            "--minibatch-size",
+            "32",
+            "--records-per-task",
+            "128",
+            "--progress",
+            "off",
+            "--chaos",
+            f"kill:worker-1@{kill_at}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
     s = json.load(open(os.path.join(out, "summary.json")))
-    return {"loss_to_next_commit_s": s["recovery"]["loss_to_next_commit_s"],
-            "join_to_first_commit_s": s["recovery"]["join_to_first_commit_s"],
-            "requeue_latency_s": s["recovery"]["requeue_latency_s"],
-            "aborted_steps": s["allreduce"]["aborted_steps"],
-            "checksum_mismatches": s["allreduce"]["checksum_mismatches"],
-            "accuracy": s["eval"].get("accuracy"), "throughput_records_per_s": s["throughput_records_per_s"]}
+    return {
+        "loss_to_next_commit_s": s["recovery"]["loss_to_next_commit_s"],
+        "join_to_first_commit_s": s["recovery"]["join_to_first_commit_s"],
+        "requeue_latency_s": s["recovery"]["requeue_latency_s"],
+        "aborted_steps": s["allreduce"]["aborted_steps"],
+        "checksum_mismatches": s["allreduce"]["checksum_mismatches"],
+        "accuracy": s["eval"].get("accuracy"),
+        "throughput_records_per_s": s["throughput_records_per_s"],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=int, nargs="+", default=[1_000_000, 4_000_000, 16_000_000],
-                    help="float32 values in the buffer (one comparison each)")
+    ap.add_argument(
+        "--params",
+        type=int,
+        nargs="+",
+        default=[1_000_000, 4_000_000, 16_000_000],
+        help="float32 values in the buffer (one comparison each)",
+    )
     ap.add_argument("--members", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--repeats", type=int, default=3, help="rounds per size: the spread is over these")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per contender and round")

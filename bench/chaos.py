@@ -15,6 +15,7 @@ and the accuracy; then the accuracy spread with chaos against without. The tally
 (tests/models/tally.py) are the other witness: pass `--tally` to train it instead of digits and
 check every record's weight against the epochs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,10 +36,34 @@ DIGITS = ("samples/digits/model.py", "samples/digits/digits.csv")
 
 
 def run(out: pathlib.Path, data: pathlib.Path, model: str, strategy: str, epochs: int, chaos: str | None) -> dict:
-    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model,
-           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
-           "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128",
-           "--max-workers", "2", "--strategy", strategy, "--progress", "off", "--job-id", f"chaos-{out.name}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_step.cli",
+        "train",
+        "--model-def",
+        model,
+        "--train-data",
+        str(data / "train"),
+        "--eval-data",
+        str(data / "eval"),
+        "--output",
+        str(out),
+        "--epochs",
+        str(epochs),
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+        "--max-workers",
+        "2",
+        "--strategy",
+        strategy,
+        "--progress",
+        "off",
+        "--job-id",
+        f"chaos-{out.name}",
+    ]
     cmd += ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
     if chaos:
         cmd += ["--chaos", chaos]
@@ -75,15 +100,20 @@ def main() -> None:
         work = pathlib.Path(tmp)
         if args.tally:
             from tests.models import tally
+
             model, source = "tests/models/tally.py", str(work / "tally.csv")
             tally.write_csv(source)
         else:
             model, source = DIGITS
         prepare(source, work / "data")
-        print(f"{'tally' if args.tally else 'digits'}, {args.epochs} epochs, 2 workers "
-              f"(ps: 2 PS shards; allreduce: --global-batch fixed), random:{args.signals}:seed=<run>:roles={args.roles}")
-        header = (f"{'strategy':<10}{'run':<6}{'signals':<9}{'kill/term':<11}{'losses':<8}{'masters':<9}{'audit':<13}"
-                  f"{'tally':<8}{'trained again':<15}{'accuracy':<9}")
+        print(
+            f"{'tally' if args.tally else 'digits'}, {args.epochs} epochs, 2 workers "
+            f"(ps: 2 PS shards; allreduce: --global-batch fixed), random:{args.signals}:seed=<run>:roles={args.roles}"
+        )
+        header = (
+            f"{'strategy':<10}{'run':<6}{'signals':<9}{'kill/term':<11}{'losses':<8}{'masters':<9}{'audit':<13}"
+            f"{'tally':<8}{'trained again':<15}{'accuracy':<9}"
+        )
         print(header)
         for strategy in args.strategies:
             base = run(work / f"{strategy}-base", work / "data", model, strategy, args.epochs, None)
@@ -91,22 +121,27 @@ def main() -> None:
             for i in range(args.runs):
                 out = work / f"{strategy}-{i}"
                 roles = ",".join(r for r in args.roles.split(",") if strategy == "ps" or r != "ps")
-                s = run(out, work / "data", model, strategy, args.epochs,
-                        f"random:{args.signals}:seed={i}:roles={roles}")
+                s = run(
+                    out, work / "data", model, strategy, args.epochs, f"random:{args.signals}:seed={i}:roles={roles}"
+                )
                 fired = s.get("chaos", {}).get("fired", [])
                 kinds = f"{sum(f['action'] == 'kill' for f in fired)}/{sum(f['action'] == 'term' for f in fired)}"
                 audit = s.get("audit", {}).get("verdict", "no PS")
                 tv = tally_verdict(out, work / "data", args.epochs) if args.tally else "-"
                 acc = s["eval"].get("accuracy")
                 accuracies.append(acc)
-                print(f"{strategy:<10}{i:<6}{len(fired):<9}{kinds:<11}{s['workers']['lost']:<8}{s['masters']:<9}"
-                      f"{audit:<13}{tv:<8}"
-                      f"{s['ledger']['records_trained_again']:<15}{acc if acc is None else f'{acc:.4f}':<9}")
+                print(
+                    f"{strategy:<10}{i:<6}{len(fired):<9}{kinds:<11}{s['workers']['lost']:<8}{s['masters']:<9}"
+                    f"{audit:<13}{tv:<8}"
+                    f"{s['ledger']['records_trained_again']:<15}{acc if acc is None else f'{acc:.4f}':<9}"
+                )
             if accuracies[0] is not None:
                 b = base["eval"]["accuracy"]
-                print(f"{strategy}: accuracy undisturbed {b:.4f}; with chaos {min(accuracies):.4f}-"
-                      f"{max(accuracies):.4f} (median {float(np.median(accuracies)):.4f}, "
-                      f"ratio to undisturbed {float(np.median(accuracies)) / b:.3f})")
+                print(
+                    f"{strategy}: accuracy undisturbed {b:.4f}; with chaos {min(accuracies):.4f}-"
+                    f"{max(accuracies):.4f} (median {float(np.median(accuracies)):.4f}, "
+                    f"ratio to undisturbed {float(np.median(accuracies)) / b:.3f})"
+                )
 
 
 if __name__ == "__main__":

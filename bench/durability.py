@@ -18,6 +18,7 @@ Parts 2 and 3 run for each interval (`--losses-only` skips part 1).
    kind's final accuracy and loss per seed, and their spreads.
 Every run's audit must be exact (the PS shards' accounting laid over the data set).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,37 @@ from elastic_step.data.api import load_manifest  # noqa: E402
 
 
 def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *extra: str) -> tuple[int, dict]:
-    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", "samples/digits/model.py",
-           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
-           "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128", "--max-workers", "2",
-           "--num-ps", "1", "--job-id", "bench-durability", "--checkpoint-every", every, "--progress", "off", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_step.cli",
+        "train",
+        "--model-def",
+        "samples/digits/model.py",
+        "--train-data",
+        str(data / "train"),
+        "--eval-data",
+        str(data / "eval"),
+        "--output",
+        str(out),
+        "--epochs",
+        str(epochs),
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+        "--max-workers",
+        "2",
+        "--num-ps",
+        "1",
+        "--job-id",
+        "bench-durability",
+        "--checkpoint-every",
+        every,
+        "--progress",
+        "off",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     summary = out / "summary.json"
     if proc.returncode not in (0, -9, 143) or (proc.returncode == 0 and not summary.exists()):
@@ -56,8 +84,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=600)
     p.add_argument("--intervals", nargs="+", default=["10s", "60s"])
     p.add_argument("--losses-only", action="store_true", help="skip the throughput runs (parts 2 and 3 only)")
-    p.add_argument("--quality", type=int, default=0, metavar="N",
-                   help="only part 4: N seeds of uninterrupted, PS-loss and master-loss runs, final accuracy")
+    p.add_argument(
+        "--quality",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only part 4: N seeds of uninterrupted, PS-loss and master-loss runs, final accuracy",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-durability-") as tmp:
         work = pathlib.Path(tmp)
@@ -77,7 +110,7 @@ def throughput(work: pathlib.Path, args, total: int) -> None:
     settings = ["0", *args.intervals]
     rates: dict[str, list[float]] = {s: [] for s in settings}
     checkpoints: dict[str, list[dict]] = {s: [] for s in settings}
-    accuracy: list[float] = []   # every uninterrupted run's: the spread a run after a loss must stay within
+    accuracy: list[float] = []  # every uninterrupted run's: the spread a run after a loss must stay within
     for run in range(args.runs):
         for every in settings:
             _, s = train(work / f"{every}-{run}", work / "data", args.epochs, every)
@@ -86,16 +119,20 @@ def throughput(work: pathlib.Path, args, total: int) -> None:
             accuracy.append(s["eval"]["accuracy"])
     print(f"digits, {args.epochs} epochs ({total} records), 2 workers + 1 PS, {args.runs} runs per setting")
     best_none = max(rates["0"])
-    print(f"{'checkpoints':<14}{'rec/s (runs)':<34}{'best/best':<11}{'cost':<8}{'barrier s (median)':<20}"
-          f"{'write s (median)':<18}{'per run':<8}")
+    print(
+        f"{'checkpoints':<14}{'rec/s (runs)':<34}{'best/best':<11}{'cost':<8}{'barrier s (median)':<20}"
+        f"{'write s (median)':<18}{'per run':<8}"
+    )
     for every in settings:
         best = max(rates[every])
         cks = checkpoints[every]
         hold = statistics.median(c["hold_s"] for c in cks) if cks else 0.0
         write = statistics.median(c["write_s"] for c in cks) if cks else 0.0
-        print(f"{'none' if every == '0' else 'every ' + every:<14}{' '.join(f'{r:,.0f}' for r in rates[every]):<34}"
-              f"{best / best_none:<11.3f}{(1 - best / best_none) * 100:<8.1f}{hold:<20.3f}{write:<18.3f}"
-              f"{len(cks) / args.runs:<8.1f}")
+        print(
+            f"{'none' if every == '0' else 'every ' + every:<14}{' '.join(f'{r:,.0f}' for r in rates[every]):<34}"
+            f"{best / best_none:<11.3f}{(1 - best / best_none) * 100:<8.1f}{hold:<20.3f}{write:<18.3f}"
+            f"{len(cks) / args.runs:<8.1f}"
+        )
 
     print(f"final accuracy of the {len(accuracy)} uninterrupted runs: {min(accuracy):.4f} - {max(accuracy):.4f}")
 
@@ -105,20 +142,26 @@ def losses(work: pathlib.Path, epochs: int, every: str, total: int) -> None:
     at = int(total * 0.6)
     _, s = train(work / f"ps-loss-{every}", work / "data", epochs, every, "--chaos", f"kill:ps-0@{at}")
     r = s["checkpoints"]["ps_restores"][0]
-    print(f"PS loss (checkpoints every {every}): loss -> training again {r.get('loss_to_first_commit_s')} s, "
-          f"{r['records_trained_again']} records trained again; audit {s['audit']['verdict']}, "
-          f"accuracy {s['eval']['accuracy']:.4f}")
+    print(
+        f"PS loss (checkpoints every {every}): loss -> training again {r.get('loss_to_first_commit_s')} s, "
+        f"{r['records_trained_again']} records trained again; audit {s['audit']['verdict']}, "
+        f"accuracy {s['eval']['accuracy']:.4f}"
+    )
     for signal, code in (("kill", -9), ("term", 143)):
         out = work / f"master-{signal}-{every}"
         got, _ = train(out, work / "data", epochs, every, "--chaos", f"{signal}:master@{at}")
         assert got == code, f"the master was not stopped by {signal} (exit {got})"
-        cut = json.loads((out / "checkpoints" / "bench-durability" / "checkpoint.json").read_text())["records_committed"]
+        cut = json.loads((out / "checkpoints" / "bench-durability" / "checkpoint.json").read_text())[
+            "records_committed"
+        ]
         _, s = train(out, work / "data", epochs, every)
         r = s["checkpoints"]["restarts"][0]
-        print(f"master {'SIGKILL' if signal == 'kill' else 'SIGTERM'} (checkpoints every {every}): new master start "
-              f"-> training again {r.get('start_to_first_commit_s')} s, {r['records_trained_again']} records "
-              f"trained again (stopped at {at}, checkpoint at {cut}); audit {s['audit']['verdict']}, accuracy "
-              f"{s['eval']['accuracy']:.4f}")
+        print(
+            f"master {'SIGKILL' if signal == 'kill' else 'SIGTERM'} (checkpoints every {every}): new master start "
+            f"-> training again {r.get('start_to_first_commit_s')} s, {r['records_trained_again']} records "
+            f"trained again (stopped at {at}, checkpoint at {cut}); audit {s['audit']['verdict']}, accuracy "
+            f"{s['eval']['accuracy']:.4f}"
+        )
 
 
 def quality(work: pathlib.Path, args, total: int) -> None:
@@ -128,21 +171,26 @@ def quality(work: pathlib.Path, args, total: int) -> None:
     for seed in range(args.quality):
         seeded = ("--seed", str(seed))
         runs["uninterrupted"].append(train(work / f"q-none-{seed}", work / "data", args.epochs, every, *seeded)[1])
-        runs["PS SIGKILL"].append(train(work / f"q-ps-{seed}", work / "data", args.epochs, every, *seeded,
-                                        "--chaos", f"kill:ps-0@{at}")[1])
+        runs["PS SIGKILL"].append(
+            train(work / f"q-ps-{seed}", work / "data", args.epochs, every, *seeded, "--chaos", f"kill:ps-0@{at}")[1]
+        )
         out = work / f"q-master-{seed}"
         got, _ = train(out, work / "data", args.epochs, every, *seeded, "--chaos", f"kill:master@{at}")
         assert got == -9, f"the master was not killed (exit {got})"
         runs["master SIGKILL"].append(train(out, work / "data", args.epochs, every, *seeded)[1])
-    print(f"digits, {args.epochs} epochs, 2 workers + 1 PS, checkpoints every {every}, losses at 60 %, "
-          f"seeds 0-{args.quality - 1}")
+    print(
+        f"digits, {args.epochs} epochs, 2 workers + 1 PS, checkpoints every {every}, losses at 60 %, "
+        f"seeds 0-{args.quality - 1}"
+    )
     base = [s["eval"]["accuracy"] for s in runs["uninterrupted"]]
     for kind, summaries in runs.items():
         acc = [s["eval"]["accuracy"] for s in summaries]
         loss = [s["eval"]["loss"] for s in summaries]
-        print(f"{kind:<16} accuracy {' '.join(f'{a:.4f}' for a in acc)} (spread {min(acc):.4f}-{max(acc):.4f}, "
-              f"median {statistics.median(acc):.4f}); loss {' '.join(f'{x:.4f}' for x in loss)}; "
-              f"|difference from the same seed uninterrupted| max {max(abs(a - b) for a, b in zip(acc, base)):.4f}")
+        print(
+            f"{kind:<16} accuracy {' '.join(f'{a:.4f}' for a in acc)} (spread {min(acc):.4f}-{max(acc):.4f}, "
+            f"median {statistics.median(acc):.4f}); loss {' '.join(f'{x:.4f}' for x in loss)}; "
+            f"|difference from the same seed uninterrupted| max {max(abs(a - b) for a, b in zip(acc, base)):.4f}"
+        )
 
 
 if __name__ == "__main__":

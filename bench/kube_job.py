@@ -1,6 +1,7 @@
 """What the Kubernetes benches (two_jobs.py, gang.py) share: the model with a simulated accelerator, and a
 master run as `elastic-step train --backend kubernetes` in a subprocess, its stderr lines timestamped, and
 a sampler of the pods the jobs run."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,20 +24,62 @@ MINIBATCH = slow_digits.RECORDS_PER_STEP
 class Master:
     """One `elastic-step train` subprocess; its stderr lines are timestamped as they arrive."""
 
-    def __init__(self, name: str, args, data: pathlib.Path, out: pathlib.Path, env: dict, min_workers: int,
-                 max_workers: int, epochs: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        args,
+        data: pathlib.Path,
+        out: pathlib.Path,
+        env: dict,
+        min_workers: int,
+        max_workers: int,
+        epochs: int | None = None,
+    ):
         self.name, self.out = name, out
         self.submitted = time.time()
         self.trained_at: float | None = None
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", name,
-             "--model-def", str(MODEL), "--train-data", str(data), "--output", str(out),
-             "--epochs", str(epochs or args.epochs), "--minibatch-size", str(MINIBATCH),
-             "--records-per-task", str(args.records_per_task), "--min-workers", str(min_workers),
-             "--max-workers", str(max_workers), "--worker-cpu", "1", "--worker-priority-class", "elastic-low",
-             "--ps-priority-class", "elastic-high", "--progress", "off"],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "elastic_step.cli",
+                "train",
+                "--backend",
+                "kubernetes",
+                "--job-id",
+                name,
+                "--model-def",
+                str(MODEL),
+                "--train-data",
+                str(data),
+                "--output",
+                str(out),
+                "--epochs",
+                str(epochs or args.epochs),
+                "--minibatch-size",
+                str(MINIBATCH),
+                "--records-per-task",
+                str(args.records_per_task),
+                "--min-workers",
+                str(min_workers),
+                "--max-workers",
+                str(max_workers),
+                "--worker-cpu",
+                "1",
+                "--worker-priority-class",
+                "elastic-low",
+                "--ps-priority-class",
+                "elastic-high",
+                "--progress",
+                "off",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
@@ -77,6 +120,7 @@ class Master:
                 if ta <= t <= tb:
                     return ra + (rb - ra) * ((t - ta) / (tb - ta) if tb > ta else 1)
             return 0 if t < pts[0][0] else pts[-1][1]
+
         return at(t_to) - at(t_from)
 
     def exact(self) -> bool:
@@ -89,8 +133,8 @@ class PodSampler(threading.Thread):
     def __init__(self, core, namespace: str, selector: str, interval: float = 0.1):
         super().__init__(daemon=True)
         self.core, self.namespace, self.selector, self.interval = core, namespace, selector, interval
-        self.samples: list[tuple[float, int, int]] = []     # (t, bound and not deleting, Running)
-        self.pods: dict[str, dict] = {}                      # name -> {"seen", "bound", "running", "gone"}
+        self.samples: list[tuple[float, int, int]] = []  # (t, bound and not deleting, Running)
+        self.pods: dict[str, dict] = {}  # name -> {"seen", "bound", "running", "gone"}
         self.stopped = threading.Event()
         self.start()
 
@@ -104,8 +148,7 @@ class PodSampler(threading.Thread):
             names = set()
             for p in items:
                 names.add(p.metadata.name)
-                rec = self.pods.setdefault(p.metadata.name, {"seen": now, "bound": None, "running": None,
-                                                             "gone": None})
+                rec = self.pods.setdefault(p.metadata.name, {"seen": now, "bound": None, "running": None, "gone": None})
                 if p.spec.node_name and rec["bound"] is None:
                     rec["bound"] = now
                 if p.status.phase == "Running" and rec["running"] is None:

@@ -16,6 +16,7 @@ of those, so the cost of the wire and the server's thread pool is visible in one
 Client processes share the machine with the master, so on a small box the figures are a lower
 bound of what the master alone sustains.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,10 +47,13 @@ def _ledger(args):
     from elastic_step.master.ledger import Ledger, ShardInfo
 
     per_shard = args.records // args.shards
-    shards = [ShardInfo(f"synthetic://{i}", per_shard + (1 if i < args.records % args.shards else 0))
-              for i in range(args.shards)]
-    return Ledger(shards, records_per_task=args.records_per_task, epochs=args.epochs,
-                  minibatch_size=args.minibatch, seed=0)
+    shards = [
+        ShardInfo(f"synthetic://{i}", per_shard + (1 if i < args.records % args.shards else 0))
+        for i in range(args.shards)
+    ]
+    return Ledger(
+        shards, records_per_task=args.records_per_task, epochs=args.epochs, minibatch_size=args.minibatch, seed=0
+    )
 
 
 def _next_watermark(task_start: int, seq: int, end: int, minibatch: int) -> int:
@@ -58,8 +62,8 @@ def _next_watermark(task_start: int, seq: int, end: int, minibatch: int) -> int:
 
 # ---------------------------------------------------------------------------- client processes
 
-def _client_process(address: str, indices: list[int], minibatch: int, think_s: float,
-                    ready, start, stop, out) -> None:
+
+def _client_process(address: str, indices: list[int], minibatch: int, think_s: float, ready, start, stop, out) -> None:
     """Run one thread per simulated worker; send back per-thread counts and latencies."""
     from elastic_step.master.client import MasterClient
     from elastic_step.proto import elastic_pb2 as pb
@@ -143,29 +147,34 @@ def run_grpc(args, workers: int, window_s: float) -> dict:
     coord = Coordinator(ledger, num_ps=0)
     server, port = serve(MasterService(coord, TOKEN, "bench", args.minibatch, "synthetic"))
     address = f"127.0.0.1:{port}"
-    ctx = mp.get_context("spawn")      # never fork a process that already runs gRPC
+    ctx = mp.get_context("spawn")  # never fork a process that already runs gRPC
     ready, out = ctx.Queue(), ctx.Queue()
     start, stop = ctx.Event(), ctx.Event()
     nproc = max(1, min(args.client_procs, workers))
     groups = [list(range(p, workers, nproc)) for p in range(nproc)]
-    procs = [ctx.Process(target=_client_process, daemon=True,
-                         args=(address, g, args.minibatch, args.think_ms / 1e3, ready, start, stop, out))
-             for g in groups]
+    procs = [
+        ctx.Process(
+            target=_client_process,
+            daemon=True,
+            args=(address, g, args.minibatch, args.think_ms / 1e3, ready, start, stop, out),
+        )
+        for g in groups
+    ]
     t_setup = time.perf_counter()
     for p in procs:
         p.start()
     for _ in procs:
-        ready.get(timeout=120)             # every simulated worker has registered
+        ready.get(timeout=120)  # every simulated worker has registered
     setup_s = time.perf_counter() - t_setup
 
     t0 = time.perf_counter()
-    cpu0 = time.process_time()         # this process is the master: its gRPC threads + coordinator
+    cpu0 = time.process_time()  # this process is the master: its gRPC threads + coordinator
     start.set()
     coord.finished.wait(timeout=window_s)
     elapsed = time.perf_counter() - t0
     master_cpu = time.process_time() - cpu0
     finished = coord.finished.is_set()
-    with coord.lock:                   # the figures at the end of the window
+    with coord.lock:  # the figures at the end of the window
         committed = ledger.records_committed_total()
     stop.set()
     parts = [out.get(timeout=120) for _ in procs]
@@ -177,16 +186,30 @@ def run_grpc(args, workers: int, window_s: float) -> dict:
     rpcs = counts["tasks"] + counts["waits"] + counts["done"] + counts["reports"]
     get_lat = np.concatenate([g for _, g, _ in parts])
     rep_lat = np.concatenate([r for _, _, r in parts])
-    return {"mode": "grpc", "workers": workers, "client_procs": nproc, "setup_s": round(setup_s, 2),
-            "elapsed_s": elapsed, "finished": finished, "records_committed": committed,
-            "leases": counts["tasks"], "reports": counts["reports"], "waits": counts["waits"],
-            "refused": counts["refused"], "errors": counts["errors"], "rpcs": rpcs,
-            "master_cpu_s": master_cpu, "master_cpu_us_per_rpc": master_cpu / max(1, rpcs) * 1e6,
-            "get_task_ms": _percentiles(get_lat), "report_ms": _percentiles(rep_lat),
-            "all_ms": _percentiles(np.concatenate([get_lat, rep_lat]))}
+    return {
+        "mode": "grpc",
+        "workers": workers,
+        "client_procs": nproc,
+        "setup_s": round(setup_s, 2),
+        "elapsed_s": elapsed,
+        "finished": finished,
+        "records_committed": committed,
+        "leases": counts["tasks"],
+        "reports": counts["reports"],
+        "waits": counts["waits"],
+        "refused": counts["refused"],
+        "errors": counts["errors"],
+        "rpcs": rpcs,
+        "master_cpu_s": master_cpu,
+        "master_cpu_us_per_rpc": master_cpu / max(1, rpcs) * 1e6,
+        "get_task_ms": _percentiles(get_lat),
+        "report_ms": _percentiles(rep_lat),
+        "all_ms": _percentiles(np.concatenate([get_lat, rep_lat])),
+    }
 
 
 # ---------------------------------------------------------------------------- in-process baselines
+
 
 def run_inprocess(args, workers: int, window_s: float, with_coordinator: bool) -> dict:
     """The same workload, round-robin over `workers` simulated workers, no gRPC."""
@@ -208,6 +231,7 @@ def run_inprocess(args, workers: int, window_s: float, with_coordinator: bool) -
         def report(i, task_id, hi, records):
             return coord.report_progress(ids[i], task_id, hi, 0.0, False)
     else:
+
         def get_task(i):
             return ledger.lease(names[i], 0.0)
 
@@ -217,7 +241,7 @@ def run_inprocess(args, workers: int, window_s: float, with_coordinator: bool) -
 
     clock = time.perf_counter
     get_lat, rep_lat = [], []
-    seq = [None] * workers             # per worker: (lease fields) or None
+    seq = [None] * workers  # per worker: (lease fields) or None
     leases = reports = 0
     t0 = clock()
     deadline = t0 + window_s
@@ -243,19 +267,30 @@ def run_inprocess(args, workers: int, window_s: float, with_coordinator: bool) -
                 seq[i] = None
     elapsed = clock() - t0
     get_lat, rep_lat = np.asarray(get_lat), np.asarray(rep_lat)
-    return {"mode": "coordinator" if with_coordinator else "ledger", "workers": workers,
-            "elapsed_s": elapsed, "finished": ledger.done,
-            "records_committed": ledger.records_committed_total(), "leases": leases, "reports": reports,
-            "get_task_ms": _percentiles(get_lat), "report_ms": _percentiles(rep_lat),
-            "all_ms": _percentiles(np.concatenate([get_lat, rep_lat]))}
+    return {
+        "mode": "coordinator" if with_coordinator else "ledger",
+        "workers": workers,
+        "elapsed_s": elapsed,
+        "finished": ledger.done,
+        "records_committed": ledger.records_committed_total(),
+        "leases": leases,
+        "reports": reports,
+        "get_task_ms": _percentiles(get_lat),
+        "report_ms": _percentiles(rep_lat),
+        "all_ms": _percentiles(np.concatenate([get_lat, rep_lat])),
+    }
 
 
 # ---------------------------------------------------------------------------- report
 
+
 def _rates(r: dict) -> dict:
     s = max(r["elapsed_s"], 1e-9)
-    return {"leases_per_s": r["leases"] / s, "reports_per_s": r["reports"] / s,
-            "records_per_s": r["records_committed"] / s}
+    return {
+        "leases_per_s": r["leases"] / s,
+        "reports_per_s": r["reports"] / s,
+        "records_per_s": r["records_committed"] / s,
+    }
 
 
 def _row(label: str, r: dict, base: dict | None) -> str:
@@ -264,11 +299,13 @@ def _row(label: str, r: dict, base: dict | None) -> str:
     if base is not None:
         b = _rates(base)
         ratio = f"{rt['reports_per_s'] / b['reports_per_s']:.4f}" if b["reports_per_s"] else "-"
-    return (f"{label:<24}{r['elapsed_s']:>8.1f}{'*' if not r['finished'] else ' '}"
-            f"{rt['leases_per_s']:>11.0f}{rt['reports_per_s']:>11.0f}{rt['records_per_s']:>12.0f}"
-            f"{r['get_task_ms'][0]:>9.3f}{r['get_task_ms'][1]:>9.3f}"
-            f"{r['report_ms'][0]:>9.3f}{r['report_ms'][1]:>9.3f}"
-            f"{r['all_ms'][0]:>9.3f}{r['all_ms'][1]:>9.3f}{ratio:>10}")
+    return (
+        f"{label:<24}{r['elapsed_s']:>8.1f}{'*' if not r['finished'] else ' '}"
+        f"{rt['leases_per_s']:>11.0f}{rt['reports_per_s']:>11.0f}{rt['records_per_s']:>12.0f}"
+        f"{r['get_task_ms'][0]:>9.3f}{r['get_task_ms'][1]:>9.3f}"
+        f"{r['report_ms'][0]:>9.3f}{r['report_ms'][1]:>9.3f}"
+        f"{r['all_ms'][0]:>9.3f}{r['all_ms'][1]:>9.3f}{ratio:>10}"
+    )
 
 
 def main(argv=None) -> int:
@@ -280,20 +317,24 @@ def main(argv=None) -> int:
     p.add_argument("--records-per-task", type=int, default=512)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--client-procs", type=int, default=2, help="processes the worker threads are spread over")
-    p.add_argument("--think-ms", type=float, default=0.0,
-                   help="simulated compute per minibatch (0: saturate the master)")
+    p.add_argument(
+        "--think-ms", type=float, default=0.0, help="simulated compute per minibatch (0: saturate the master)"
+    )
     p.add_argument("--budget", type=float, default=60.0, help="upper bound of the whole run, seconds")
     p.add_argument("--baseline-s", type=float, default=3.0, help="window of each in-process baseline")
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
-    print(f"master capacity: {args.records:,} records in {args.shards} shards, minibatch {args.minibatch}, "
-          f"{args.records_per_task} records/task, {args.epochs} epoch(s); {os.cpu_count()} CPUs; "
-          f"client procs {args.client_procs}; think {args.think_ms} ms; budget {args.budget:.0f} s", flush=True)
+    print(
+        f"master capacity: {args.records:,} records in {args.shards} shards, minibatch {args.minibatch}, "
+        f"{args.records_per_task} records/task, {args.epochs} epoch(s); {os.cpu_count()} CPUs; "
+        f"client procs {args.client_procs}; think {args.think_ms} ms; budget {args.budget:.0f} s",
+        flush=True,
+    )
     results = []
     n = len(args.workers)
-    overhead = 8.0                     # spawn + register + drain + teardown of a gRPC run; then measured
+    overhead = 8.0  # spawn + register + drain + teardown of a gRPC run; then measured
     for k, w in enumerate(args.workers):
         ledger_r = run_inprocess(args, w, args.baseline_s, with_coordinator=False)
         coord_r = run_inprocess(args, w, args.baseline_s, with_coordinator=True)
@@ -306,15 +347,20 @@ def main(argv=None) -> int:
         grpc_r = run_grpc(args, w, window)
         overhead = max(2.0, time.perf_counter() - t_run - grpc_r["elapsed_s"]) * 1.2
         results.append((w, ledger_r, coord_r, grpc_r))
-        print(f"  workers={w}: gRPC window {grpc_r['elapsed_s']:.1f} s (setup {grpc_r['setup_s']} s), "
-              f"{grpc_r['records_committed']:,} records committed, waits {grpc_r['waits']}, "
-              f"refused {grpc_r['refused']}, errors {grpc_r['errors']}; master process CPU "
-              f"{grpc_r['master_cpu_s']:.1f} s = {grpc_r['master_cpu_us_per_rpc']:.0f} us/RPC "
-              f"(one core: ~{1e6 / grpc_r['master_cpu_us_per_rpc']:.0f} RPC/s)", flush=True)
+        print(
+            f"  workers={w}: gRPC window {grpc_r['elapsed_s']:.1f} s (setup {grpc_r['setup_s']} s), "
+            f"{grpc_r['records_committed']:,} records committed, waits {grpc_r['waits']}, "
+            f"refused {grpc_r['refused']}, errors {grpc_r['errors']}; master process CPU "
+            f"{grpc_r['master_cpu_s']:.1f} s = {grpc_r['master_cpu_us_per_rpc']:.0f} us/RPC "
+            f"(one core: ~{1e6 / grpc_r['master_cpu_us_per_rpc']:.0f} RPC/s)",
+            flush=True,
+        )
 
-    hdr = (f"{'run':<24}{'secs':>9}{'leases/s':>11}{'reports/s':>11}{'records/s':>12}"
-           f"{'get p50':>9}{'get p99':>9}{'rep p50':>9}{'rep p99':>9}{'all p50':>9}{'all p99':>9}"
-           f"{'x ledger':>10}")
+    hdr = (
+        f"{'run':<24}{'secs':>9}{'leases/s':>11}{'reports/s':>11}{'records/s':>12}"
+        f"{'get p50':>9}{'get p99':>9}{'rep p50':>9}{'rep p99':>9}{'all p50':>9}{'all p99':>9}"
+        f"{'x ledger':>10}"
+    )
     print()
     print(hdr)
     print("-" * len(hdr))
@@ -322,13 +368,14 @@ def main(argv=None) -> int:
         print(_row(f"ledger      W={w}", ledger_r, None))
         print(_row(f"coordinator W={w}", coord_r, ledger_r))
         print(_row(f"gRPC        W={w}", grpc_r, ledger_r))
-    print("latencies in ms; '*' = window ended before the ledger was done; "
-          "'x ledger' = reports/s relative to the in-process Ledger alone")
+    print(
+        "latencies in ms; '*' = window ended before the ledger was done; "
+        "'x ledger' = reports/s relative to the in-process Ledger alone"
+    )
     print(f"total {time.perf_counter() - t_start:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"workers": w, "ledger": a, "coordinator": b, "grpc": c} for w, a, b, c in results],
-                      f, indent=1)
+            json.dump([{"workers": w, "ledger": a, "coordinator": b, "grpc": c} for w, a, b, c in results], f, indent=1)
     return 0
 
 

@@ -13,6 +13,7 @@ than MB/s on a shared machine; its ratio says what prep costs next to a read wha
 Peak RSS is sampled from /proc every 20 ms over the process and its descendants (pass 1's process pool): the largest
 process's VmHWM, and the largest sum over the processes alive at one sample. The spill files go to --tmp.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,7 @@ def make_source(folder: pathlib.Path, mb: float, file_mb: float) -> tuple[int, i
     cols["cat"] = pc.binary_join_element_wise("c", pc.cast(pa.array(rng.integers(0, 1000, n)), pa.string()), "")
     cols["label"] = rng.integers(0, 2, n)
     out = pa.BufferOutputStream()
-    pa_csv.write_csv(pa.table(cols), out, write_options=pa_csv.WriteOptions(include_header=False,
-                                                                            quoting_style="none"))
+    pa_csv.write_csv(pa.table(cols), out, write_options=pa_csv.WriteOptions(include_header=False, quoting_style="none"))
     rest = pa.array(out.getvalue().to_pybytes().split(b"\n")[:-1], pa.binary())
     rest = pc.binary_join_element_wise(rest, pa.scalar(b"\n"), b"")
     folder.mkdir(parents=True)
@@ -85,8 +85,8 @@ def make_source(folder: pathlib.Path, mb: float, file_mb: float) -> tuple[int, i
             part_bytes = len(HEADER)
         ids = pc.cast(pa.array(np.arange(rows, rows + n)), pa.string()).cast(pa.binary())
         lines = pc.binary_join_element_wise(ids, rest, b",")
-        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[:n + 1]
-        part.write(memoryview(lines.buffers()[2])[offsets[0]:offsets[-1]])
+        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[: n + 1]
+        part.write(memoryview(lines.buffers()[2])[offsets[0] : offsets[-1]])
         size = int(offsets[-1] - offsets[0])
         rows, total, part_bytes = rows + n, total + size, part_bytes + size
     part.close()
@@ -134,8 +134,14 @@ def _status_mb(pid: int, field: str) -> int:
 def run(code: str, args: list[str], env: dict) -> dict:
     """Run `code` in a new process; its printed JSON plus its tree's peak RSS (MB) and CPU time."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     hwm: dict[int, int] = {}
     cpu: dict[int, float] = {}  # descendants the process does not wait for (pass 1's pool): last seen
     total = [0]
@@ -161,7 +167,7 @@ def run(code: str, args: list[str], env: dict) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = json.loads(out.strip().splitlines()[-1])
     result["peak_mb"], result["total_mb"], result["processes"] = max(hwm.values(), default=0), total[0], len(hwm)
-    result["cpu_s"] = (after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime + sum(cpu.values()))
+    result["cpu_s"] = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime + sum(cpu.values())
     return result
 
 
@@ -172,11 +178,15 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--tmp", default=None, help="where the source, spill files and output go (default: TMPDIR)")
     args = p.parse_args()
-    print(f"CSV source as {'one file' if not args.file_mb else f'files of {args.file_mb:g} MB'}; "
-          f"{os.cpu_count()} CPUs; best of {args.repeat}, spread = slowest/best")
-    print(f"{'source MB':>9} {'files':>5} {'rows':>10} {'pyarrow MB/s':>12} {'spread':>6} {'prep MB/s':>9} "
-          f"{'spread':>6} {'ratio':>5} {'CPU s/GB pyarrow':>16} {'prep':>5} {'ratio':>5} "
-          f"{'prep peak RSS MB':>16} {'all procs MB':>12} {'pyarrow RSS MB':>14}")
+    print(
+        f"CSV source as {'one file' if not args.file_mb else f'files of {args.file_mb:g} MB'}; "
+        f"{os.cpu_count()} CPUs; best of {args.repeat}, spread = slowest/best"
+    )
+    print(
+        f"{'source MB':>9} {'files':>5} {'rows':>10} {'pyarrow MB/s':>12} {'spread':>6} {'prep MB/s':>9} "
+        f"{'spread':>6} {'ratio':>5} {'CPU s/GB pyarrow':>16} {'prep':>5} {'ratio':>5} "
+        f"{'prep peak RSS MB':>16} {'all procs MB':>12} {'pyarrow RSS MB':>14}"
+    )
     for mb in args.mb:
         with tempfile.TemporaryDirectory(prefix="bench-prep-", dir=args.tmp) as tmp:
             work = pathlib.Path(tmp)
@@ -191,14 +201,19 @@ def main() -> None:
             best_how = min(reads, key=lambda r: r["seconds"])["how"]
             read_s = sorted(r["seconds"] for r in reads if r["how"] == best_how)
             prep_s = sorted(r["seconds"] for r in preps)
-            read_cpu, prep_cpu = (min(r["cpu_s"] for r in runs) / (size / 1e9)
-                                  for runs in ([r for r in reads if r["how"] == best_how], preps))
-            print(f"{size / 1e6:>9.0f} {len(list((work / 'src').iterdir())):>5} {rows:>10} "
-                  f"{size / 1e6 / read_s[0]:>12.1f} {read_s[-1] / read_s[0]:>6.2f} {size / 1e6 / prep_s[0]:>9.1f} "
-                  f"{prep_s[-1] / prep_s[0]:>6.2f} {read_s[0] / prep_s[0]:>5.2f} "
-                  f"{read_cpu:>16.1f} {prep_cpu:>5.1f} {read_cpu / prep_cpu:>5.2f} "
-                  f"{max(r['peak_mb'] for r in preps):>16} {max(r['total_mb'] for r in preps):>12} "
-                  f"{max(r['peak_mb'] for r in reads):>14}", flush=True)
+            read_cpu, prep_cpu = (
+                min(r["cpu_s"] for r in runs) / (size / 1e9)
+                for runs in ([r for r in reads if r["how"] == best_how], preps)
+            )
+            print(
+                f"{size / 1e6:>9.0f} {len(list((work / 'src').iterdir())):>5} {rows:>10} "
+                f"{size / 1e6 / read_s[0]:>12.1f} {read_s[-1] / read_s[0]:>6.2f} {size / 1e6 / prep_s[0]:>9.1f} "
+                f"{prep_s[-1] / prep_s[0]:>6.2f} {read_s[0] / prep_s[0]:>5.2f} "
+                f"{read_cpu:>16.1f} {prep_cpu:>5.1f} {read_cpu / prep_cpu:>5.2f} "
+                f"{max(r['peak_mb'] for r in preps):>16} {max(r['total_mb'] for r in preps):>12} "
+                f"{max(r['peak_mb'] for r in reads):>14}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

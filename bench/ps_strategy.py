@@ -19,6 +19,7 @@ same way (elastic_step.evaluation on the held-out eval manifest).
 It prints, per sample, each side's best records/s and final eval metrics over `--runs` alternating runs,
 with their spread, and the ratio of the bests.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,6 +50,7 @@ def make_data(sample: str, rows: int, out: pathlib.Path) -> pathlib.Path:
     apart), or `rows` generated CTR records."""
     if sample == "ctr":
         from samples.ctr.generate import generate
+
         out.mkdir(parents=True, exist_ok=True)
         generate(str(out / "ctr.csv"), rows=rows, seed=0)
         return prepare(str(out / "ctr.csv"), out / "prepared", label="clicked")
@@ -73,13 +75,15 @@ def tf_server(cluster: dict, job: str, index: int) -> None:
     # The tutorial's advice when tasks share few cores: enough inter-op threads for every worker's calls.
     config = tf.compat.v1.ConfigProto()
     config.inter_op_parallelism_threads = NUM_WORKERS + 1
-    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index,
-                                  protocol="grpc", config=config, start=True)
+    server = tf.distribute.Server(
+        tf.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc", config=config, start=True
+    )
     server.join()
 
 
-def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int, steps_per_call: int,
-             seed: int) -> dict:
+def tf_chief(
+    cluster: dict, model_path: str, data: str, batch: int, epochs: int, steps_per_call: int, seed: int
+) -> dict:
     import keras
     import tensorflow as tf
 
@@ -92,7 +96,8 @@ def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int,
     md = load_model_def(model_path)
     x, y = md.feed(read_all(os.path.join(data, "train")))
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
+        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+    )
     strategy = tf.distribute.ParameterServerStrategy(resolver)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -106,7 +111,7 @@ def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int,
         return ds.shuffle(len(y) // NUM_WORKERS + 1, seed=seed).repeat().batch(batch).prefetch(2)
 
     @tf.function
-    def per_worker_dataset_fn():   # as TF's parameter-server tutorial builds it
+    def per_worker_dataset_fn():  # as TF's parameter-server tutorial builds it
         return strategy.distribute_datasets_from_function(dataset_fn)
 
     iterator = iter(coordinator.create_per_worker_dataset(per_worker_dataset_fn))
@@ -119,6 +124,7 @@ def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int,
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss
+
         loss = tf.constant(0.0)
         for _ in tf.range(steps_per_call):
             features, labels = next(it)
@@ -126,7 +132,7 @@ def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int,
         return loss
 
     calls = max(1, epochs * len(y) // (batch * steps_per_call))
-    for _ in range(NUM_WORKERS):     # warm-up: each worker traces the function
+    for _ in range(NUM_WORKERS):  # warm-up: each worker traces the function
         coordinator.schedule(train_steps, args=(iterator,))
     coordinator.join()
     t0 = time.perf_counter()
@@ -140,19 +146,40 @@ def tf_chief(cluster: dict, model_path: str, data: str, batch: int, epochs: int,
     return {"records_per_s": calls * steps_per_call * batch / seconds, "eval": metrics}
 
 
-def tensorflow(model_path: str, data: pathlib.Path, batch: int, epochs: int, steps_per_call: int,
-               seed: int) -> dict:
+def tensorflow(model_path: str, data: pathlib.Path, batch: int, epochs: int, steps_per_call: int, seed: int) -> dict:
     ports = free_ports(NUM_WORKERS + 2)
-    cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{ports[1]}"],
-               "worker": [f"127.0.0.1:{p}" for p in ports[2:]]}
+    cluster = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{ports[1]}"],
+        "worker": [f"127.0.0.1:{p}" for p in ports[2:]],
+    }
     me = [sys.executable, os.path.abspath(__file__)]
-    servers = [subprocess.Popen([*me, "--tf-server", json.dumps(cluster), job, str(i)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for job, i in [("ps", 0)] + [("worker", i) for i in range(NUM_WORKERS)]]
+    servers = [
+        subprocess.Popen(
+            [*me, "--tf-server", json.dumps(cluster), job, str(i)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for job, i in [("ps", 0)] + [("worker", i) for i in range(NUM_WORKERS)]
+    ]
     try:
-        proc = subprocess.run([*me, "--tf-chief", json.dumps(cluster), model_path, str(data), str(batch),
-                               str(epochs), str(steps_per_call), str(seed)], cwd=ROOT, capture_output=True,
-                              text=True)
+        proc = subprocess.run(
+            [
+                *me,
+                "--tf-chief",
+                json.dumps(cluster),
+                model_path,
+                str(data),
+                str(batch),
+                str(epochs),
+                str(steps_per_call),
+                str(seed),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"TensorFlow's ParameterServerStrategy run failed:\n{proc.stderr[-4000:]}")
         return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -164,11 +191,40 @@ def tensorflow(model_path: str, data: pathlib.Path, batch: int, epochs: int, ste
 
 # ---------------------------------------------------------------- elastic-step's side
 def elastic(model_path: str, data: pathlib.Path, batch: int, epochs: int, seed: int, out: pathlib.Path) -> dict:
-    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model_path,
-           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
-           "--epochs", str(epochs), "--minibatch-size", str(batch), "--records-per-task", str(batch * 32),
-           "--strategy", "ps", "--num-ps", "1", "--min-workers", str(NUM_WORKERS),
-           "--max-workers", str(NUM_WORKERS), "--seed", str(seed), "--checkpoint-every", "0", "--progress", "off"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_step.cli",
+        "train",
+        "--model-def",
+        model_path,
+        "--train-data",
+        str(data / "train"),
+        "--eval-data",
+        str(data / "eval"),
+        "--output",
+        str(out),
+        "--epochs",
+        str(epochs),
+        "--minibatch-size",
+        str(batch),
+        "--records-per-task",
+        str(batch * 32),
+        "--strategy",
+        "ps",
+        "--num-ps",
+        "1",
+        "--min-workers",
+        str(NUM_WORKERS),
+        "--max-workers",
+        str(NUM_WORKERS),
+        "--seed",
+        str(seed),
+        "--checkpoint-every",
+        "0",
+        "--progress",
+        "off",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
@@ -186,8 +242,13 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--rows", type=int, default=60_000)
-    p.add_argument("--tf-steps", type=int, nargs="+", default=[1, 16],
-                   help="minibatches per scheduled function on TensorFlow's side; the best is kept")
+    p.add_argument(
+        "--tf-steps",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="minibatches per scheduled function on TensorFlow's side; the best is kept",
+    )
     args = p.parse_args()
     print(f"2 workers + 1 PS, local processes, {args.epochs} epochs, {args.rows} records, {args.runs} runs each")
     print(f"{'sample':>7} {'side':>30} {'best rec/s':>11} {'rec/s spread':>16} {'metric':>8} {'spread':>12}")
@@ -199,20 +260,28 @@ def main() -> None:
             sides: dict[str, list[dict]] = {"elastic-step": []}
             sides.update({f"tf PS strategy, {k} steps/call": [] for k in args.tf_steps})
             for run in range(args.runs):
-                sides["elastic-step"].append(elastic(model_path, data, batch, args.epochs, run,
-                                                     work / f"out-{sample}-{run}"))
+                sides["elastic-step"].append(
+                    elastic(model_path, data, batch, args.epochs, run, work / f"out-{sample}-{run}")
+                )
                 for k in args.tf_steps:
                     sides[f"tf PS strategy, {k} steps/call"].append(
-                        tensorflow(model_path, data, batch, args.epochs, k, run))
+                        tensorflow(model_path, data, batch, args.epochs, k, run)
+                    )
             best = {}
             for side, runs in sides.items():
                 rates, scores = [r["records_per_s"] for r in runs], [r["eval"][metric] for r in runs]
                 best[side] = max(rates)
-                print(f"{sample:>7} {side:>30} {max(rates):>11.0f} {min(rates):>7.0f}-{max(rates):<8.0f} "
-                      f"{metric:>8} {spread(scores):>12}", flush=True)
+                print(
+                    f"{sample:>7} {side:>30} {max(rates):>11.0f} {min(rates):>7.0f}-{max(rates):<8.0f} "
+                    f"{metric:>8} {spread(scores):>12}",
+                    flush=True,
+                )
             tf_best = max(v for k, v in best.items() if k != "elastic-step")
-            print(f"{sample:>7} elastic-step / best TensorFlow PS strategy (best/best): "
-                  f"{best['elastic-step'] / tf_best:.2f}", flush=True)
+            print(
+                f"{sample:>7} elastic-step / best TensorFlow PS strategy (best/best): "
+                f"{best['elastic-step'] / tf_best:.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
@@ -220,7 +289,8 @@ if __name__ == "__main__":
         tf_server(json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
     elif len(sys.argv) > 1 and sys.argv[1] == "--tf-chief":
         cluster, model_path, data, batch, epochs, steps, seed = sys.argv[2:9]
-        print(json.dumps(tf_chief(json.loads(cluster), model_path, data, int(batch), int(epochs), int(steps),
-                                  int(seed))))
+        print(
+            json.dumps(tf_chief(json.loads(cluster), model_path, data, int(batch), int(epochs), int(steps), int(seed)))
+        )
     else:
         main()

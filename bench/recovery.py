@@ -6,6 +6,7 @@ kill → first commit of the replacement worker, against an undisturbed run in t
 The kill comes from the master's chaos hook (a real SIGKILL to the worker process); the
 figures are the master's own timeline (summary.json `recovery`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,30 @@ from bench.common import prepare  # noqa: E402
 
 
 def run(out: pathlib.Path, data: pathlib.Path, epochs: int, chaos: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", "samples/digits/model.py",
-           "--train-data", str(data / "train"), "--eval-data", str(data / "eval"), "--output", str(out),
-           "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128",
-           "--max-workers", "2", "--progress", "off"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_step.cli",
+        "train",
+        "--model-def",
+        "samples/digits/model.py",
+        "--train-data",
+        str(data / "train"),
+        "--eval-data",
+        str(data / "eval"),
+        "--output",
+        str(out),
+        "--epochs",
+        str(epochs),
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+        "--max-workers",
+        "2",
+        "--progress",
+        "off",
+    ]
     for c in chaos:
         cmd += ["--chaos", c]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -54,17 +75,23 @@ def main() -> None:
     first = hit["recovery"]["first_commit_after_loss_s"]
     killed = sum(e["kind"] == "lost" for e in hit["events"])
     if killed < len(chaos) or len(first) < killed:
-        print(f"NOTE: {killed} of {len(chaos)} kills happened and {len(first)} replacements committed before "
-              f"the job ended: raise --epochs for the full figures")
+        print(
+            f"NOTE: {killed} of {len(chaos)} kills happened and {len(first)} replacements committed before "
+            f"the job ended: raise --epochs for the full figures"
+        )
     exact = all(e["committed"] == e["records"] and e["double_applied"] == 0 for e in hit["ledger"]["epochs"])
     print(f"digits, {args.epochs} epochs, 2 workers + 1 PS, {len(chaos)} SIGKILLs: {', '.join(chaos)}")
     print(f"kill -> remainder leased again (s): {relase}  median {statistics.median(relase) if relase else '-'}")
     print(f"kill -> replacement's first commit (s): {first}  median {statistics.median(first) if first else '-'}")
-    print(f"throughput undisturbed {base['throughput_records_per_s']:.0f} rec/s, with kills "
-          f"{hit['throughput_records_per_s']:.0f} rec/s, ratio "
-          f"{hit['throughput_records_per_s'] / base['throughput_records_per_s']:.2f}")
-    print(f"eval accuracy undisturbed {base['eval']['accuracy']:.4f}, with kills {hit['eval']['accuracy']:.4f}; "
-          f"ledger exact: {exact}; duplicate pushes suppressed: {hit['ledger']['duplicate_pushes_suppressed']}")
+    print(
+        f"throughput undisturbed {base['throughput_records_per_s']:.0f} rec/s, with kills "
+        f"{hit['throughput_records_per_s']:.0f} rec/s, ratio "
+        f"{hit['throughput_records_per_s'] / base['throughput_records_per_s']:.2f}"
+    )
+    print(
+        f"eval accuracy undisturbed {base['eval']['accuracy']:.4f}, with kills {hit['eval']['accuracy']:.4f}; "
+        f"ledger exact: {exact}; duplicate pushes suppressed: {hit['ledger']['duplicate_pushes_suppressed']}"
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ in accuracy. elastic-step's figure is its steady state: committed records over t
 to the last commit (process start-up, ~5 s of TensorFlow import, is reported separately). Keras's is
 the median epoch of `fit` after a warm-up, so tracing is excluded from both. Both train 3 epochs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,20 +68,51 @@ def keras_fit(model_path: str, data: pathlib.Path, batch: int, steps_per_executi
     return {"records_per_s": len(y) / statistics.median(times), "accuracy": accuracy}
 
 
-def elastic(model_path: str, data: pathlib.Path, batch: int, workdir: pathlib.Path, pushes_in_flight: int,
-            per_push: int) -> dict:
+def elastic(
+    model_path: str, data: pathlib.Path, batch: int, workdir: pathlib.Path, pushes_in_flight: int, per_push: int
+) -> dict:
     out = workdir / f"elastic-{batch}-{per_push}"
-    cmd = [sys.executable, "-m", "elastic_step.cli", "train", "--model-def", model_path,
-           "--prepared", str(data), "--output", str(out), "--epochs", str(EPOCHS), "--minibatch-size", str(batch),
-           "--records-per-task", str(batch * 32), "--min-workers", "1", "--max-workers", "1", "--num-ps", "1",
-           "--progress", "off", "--checkpoint-every", "0", "--pushes-in-flight", str(pushes_in_flight),
-           "--minibatches-per-push", str(per_push)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "elastic_step.cli",
+        "train",
+        "--model-def",
+        model_path,
+        "--prepared",
+        str(data),
+        "--output",
+        str(out),
+        "--epochs",
+        str(EPOCHS),
+        "--minibatch-size",
+        str(batch),
+        "--records-per-task",
+        str(batch * 32),
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "1",
+        "--num-ps",
+        "1",
+        "--progress",
+        "off",
+        "--checkpoint-every",
+        "0",
+        "--pushes-in-flight",
+        str(pushes_in_flight),
+        "--minibatches-per-push",
+        str(per_push),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
     s = json.loads((out / "summary.json").read_text())
-    return {"records_per_s": s["throughput_records_per_s"], "accuracy": s["eval"]["accuracy"],
-            "startup_s": s["startup_seconds"]}
+    return {
+        "records_per_s": s["throughput_records_per_s"],
+        "accuracy": s["eval"]["accuracy"],
+        "startup_s": s["startup_seconds"],
+    }
 
 
 def main() -> None:
@@ -90,19 +122,33 @@ def main() -> None:
     p.add_argument("--model", default=str(ROOT / "samples" / "digits" / "model.py"))
     p.add_argument("--repeat", type=int, default=3, help="alternating runs of each side per batch size")
     p.add_argument("--pushes-in-flight", type=int, default=2, help="elastic-step's --pushes-in-flight")
-    p.add_argument("--minibatches-per-push", type=int, nargs="+", default=[1, 8],
-                   help="elastic-step's --minibatches-per-push: a side for each")
-    p.add_argument("--spe", type=int, nargs="+", default=[8, 32, 128],
-                   help="steps_per_execution values tried for tuned Keras (the best is kept)")
+    p.add_argument(
+        "--minibatches-per-push",
+        type=int,
+        nargs="+",
+        default=[1, 8],
+        help="elastic-step's --minibatches-per-push: a side for each",
+    )
+    p.add_argument(
+        "--spe",
+        type=int,
+        nargs="+",
+        default=[8, 32, 128],
+        help="steps_per_execution values tried for tuned Keras (the best is kept)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         work = pathlib.Path(tmp)
         data = digits_prepared(args.rows, work / "data")
-        print(f"model {os.path.relpath(args.model, ROOT)}, {args.rows} records, {EPOCHS} epochs, {args.repeat} "
-              f"alternating runs a side; elastic-step: 1 worker + 1 PS (local backend), {args.pushes_in_flight} "
-              "push(es) in flight; accuracy on the held-out eval split")
-        print(f"{'batch':>6} {'side':>34} {'best rec/s':>11} {'spread':>7} {'accuracy':>13} {'vs fit':>7} "
-              f"{'vs tuned':>8} {'startup s':>10}")
+        print(
+            f"model {os.path.relpath(args.model, ROOT)}, {args.rows} records, {EPOCHS} epochs, {args.repeat} "
+            f"alternating runs a side; elastic-step: 1 worker + 1 PS (local backend), {args.pushes_in_flight} "
+            "push(es) in flight; accuracy on the held-out eval split"
+        )
+        print(
+            f"{'batch':>6} {'side':>34} {'best rec/s':>11} {'spread':>7} {'accuracy':>13} {'vs fit':>7} "
+            f"{'vs tuned':>8} {'startup s':>10}"
+        )
         for batch in args.batch:
             # Alternate the sides, --repeat times each: this VM's speed drifts by tens of percent over a
             # minute, and a slow moment only ever slows a run. Ratios are best against best; the spread
@@ -112,18 +158,24 @@ def main() -> None:
             sides.update({f"elastic-step, {k} minibatch(es)/push": [] for k in args.minibatches_per_push})
             for _ in range(args.repeat):
                 sides["keras fit"].append(keras_fit(args.model, data, batch))
-                sides[f"keras fit, steps_per_execution={tuned_spe}"].append(keras_fit(args.model, data, batch, tuned_spe))
+                sides[f"keras fit, steps_per_execution={tuned_spe}"].append(
+                    keras_fit(args.model, data, batch, tuned_spe)
+                )
                 for k in args.minibatches_per_push:
                     sides[f"elastic-step, {k} minibatch(es)/push"].append(
-                        elastic(args.model, data, batch, work, args.pushes_in_flight, k))
+                        elastic(args.model, data, batch, work, args.pushes_in_flight, k)
+                    )
             best = {side: max(r["records_per_s"] for r in runs) for side, runs in sides.items()}
             fit, tuned = best["keras fit"], best[f"keras fit, steps_per_execution={tuned_spe}"]
             for side, runs in sides.items():
                 rates, accuracy = [r["records_per_s"] for r in runs], [r["accuracy"] for r in runs]
                 startup = f"{min(r['startup_s'] for r in runs):.1f}" if "startup_s" in runs[0] else ""
-                print(f"{batch:>6} {side:>34} {best[side]:>11.0f} {max(rates) / min(rates):>7.2f} "
-                      f"{min(accuracy):.3f}-{max(accuracy):.3f} {best[side] / fit:>7.2f} {best[side] / tuned:>8.2f} "
-                      f"{startup:>10}", flush=True)
+                print(
+                    f"{batch:>6} {side:>34} {best[side]:>11.0f} {max(rates) / min(rates):>7.2f} "
+                    f"{min(accuracy):.3f}-{max(accuracy):.3f} {best[side] / fit:>7.2f} {best[side] / tuned:>8.2f} "
+                    f"{startup:>10}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

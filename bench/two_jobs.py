@@ -24,6 +24,7 @@ Printed per scenario: makespan (A's submission to the last master's exit), each 
 (registered workers while the job trains, from each summary's timeline) / (S x makespan), and the
 allocation (worker pods Running, sampled) / (S x makespan); then the gang/elastic makespan ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, str(ROOT))   # tests.infra.kube.harness and bench.*, when run as `python bench/two_jobs.py`
+sys.path.insert(0, str(ROOT))  # tests.infra.kube.harness and bench.*, when run as `python bench/two_jobs.py`
 from bench.kube_job import MINIBATCH, PodSampler, slow_digits  # noqa: E402
 from bench.kube_job import Master as KubeJob  # noqa: E402
 
@@ -84,19 +85,27 @@ def scenario(mode: str, args, cp, core, data: pathlib.Path, work: pathlib.Path, 
     sampler.stopped.set()
     makespan = end - a.submitted
     busy = a.training_worker_seconds() + b.training_worker_seconds()
-    allocated = sampler.integral(a.submitted, end, 2)   # worker pods Running
-    out = {"mode": mode, "min_workers": min_workers, "max_workers": args.workers, "slots": args.slots,
-           "makespan_s": round(makespan, 1),
-           "utilization": round(busy / (args.slots * makespan), 3),
-           "allocation": round(allocated / (args.slots * makespan), 3),
-           "jobs": {}}
+    allocated = sampler.integral(a.submitted, end, 2)  # worker pods Running
+    out = {
+        "mode": mode,
+        "min_workers": min_workers,
+        "max_workers": args.workers,
+        "slots": args.slots,
+        "makespan_s": round(makespan, 1),
+        "utilization": round(busy / (args.slots * makespan), 3),
+        "allocation": round(allocated / (args.slots * makespan), 3),
+        "jobs": {},
+    }
     for m in (a, b):
         s = m.summary
         out["jobs"][m.name] = {
-            "wait_s": round((m.trained_at or m.ended) - m.submitted, 1), "run_s": round(m.ended - m.submitted, 1),
-            "training_worker_s": round(m.training_worker_seconds(), 1), "max_workers_alive": s["workers"]["max_alive"],
+            "wait_s": round((m.trained_at or m.ended) - m.submitted, 1),
+            "run_s": round(m.ended - m.submitted, 1),
+            "training_worker_s": round(m.training_worker_seconds(), 1),
+            "max_workers_alive": s["workers"]["max_alive"],
             "records": s["ledger"]["records_committed"],
-            "exact": all(e["lost"] == 0 and e["double_applied"] == 0 for e in s["ledger"]["epochs"])}
+            "exact": all(e["lost"] == 0 and e["double_applied"] == 0 for e in s["ledger"]["epochs"]),
+        }
     return out
 
 
@@ -107,11 +116,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=25, help="epochs of digits (1437 records) per job")
     p.add_argument("--records-per-task", type=int, default=256)
     p.add_argument("--budget", type=float, default=600, help="seconds a job may take before the bench gives up")
-    p.add_argument("--step-ms", type=float, default=50,
-                   help="simulated device time per minibatch of 32 in a worker pod")
+    p.add_argument(
+        "--step-ms", type=float, default=50, help="simulated device time per minibatch of 32 in a worker pod"
+    )
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
-    os.environ[slow_digits.STEP_MS_ENV] = str(args.step_ms)   # before the control plane starts its kubelet
+    os.environ[slow_digits.STEP_MS_ENV] = str(args.step_ms)  # before the control plane starts its kubelet
     if not args.slots / 2 < args.workers <= args.slots:
         raise SystemExit("--workers must be more than half of --slots (and fit in them)")
     sys.path.insert(0, str(ROOT))
@@ -133,30 +143,46 @@ def main() -> None:
         for d in load_manifests("priorityclasses"):
             sched.create_priority_class(d)
         for d in load_manifests("role", "bench"):
-            {"ServiceAccount": core.create_namespaced_service_account, "Role": rbac.create_namespaced_role,
-             "RoleBinding": rbac.create_namespaced_role_binding}[d["kind"]]("bench", d)
+            {
+                "ServiceAccount": core.create_namespaced_service_account,
+                "Role": rbac.create_namespaced_role,
+                "RoleBinding": rbac.create_namespaced_role_binding,
+            }[d["kind"]]("bench", d)
         token = cp.service_account_token("bench", "elastic-step")
         time.sleep(2)  # the RoleBinding reaches the authorizer
-        env = {**os.environ, "KUBECONFIG": str(cp.kubeconfig_for(token, user="elastic-step")),
-               "ELASTIC_STEP_NAMESPACE": "bench"}
+        env = {
+            **os.environ,
+            "KUBECONFIG": str(cp.kubeconfig_for(token, user="elastic-step")),
+            "ELASTIC_STEP_NAMESPACE": "bench",
+        }
         for k in ("KFP_POD_NAME", "KFP_POD_UID", "POD_NAME", "POD_UID", "POD_IP", "ELASTIC_STEP_POD_IP"):
             env.pop(k, None)
         for mode in ("gang", "elastic"):
             r = scenario(mode, args, cp, core, work / "data", work, env)
             results.append(r)
-            print(f"{mode:8s} makespan {r['makespan_s']:6.1f}s  utilization {r['utilization'] * 100:5.1f}%  "
-                  f"allocation {r['allocation'] * 100:5.1f}%  " + "  ".join(
-                      f"{n}: wait {j['wait_s']}s run {j['run_s']}s max {j['max_workers_alive']} workers"
-                      f"{'' if j['exact'] else ' LEDGER NOT EXACT'}" for n, j in r["jobs"].items()), flush=True)
+            print(
+                f"{mode:8s} makespan {r['makespan_s']:6.1f}s  utilization {r['utilization'] * 100:5.1f}%  "
+                f"allocation {r['allocation'] * 100:5.1f}%  "
+                + "  ".join(
+                    f"{n}: wait {j['wait_s']}s run {j['run_s']}s max {j['max_workers_alive']} workers"
+                    f"{'' if j['exact'] else ' LEDGER NOT EXACT'}"
+                    for n, j in r["jobs"].items()
+                ),
+                flush=True,
+            )
     gang, elastic = results
     ratio = gang["makespan_s"] / elastic["makespan_s"]
-    print(f"\n{args.slots} slots, two jobs of {args.workers} workers x {args.epochs} epochs of digits, "
-          f"{args.step_ms:.0f} ms simulated step per minibatch of {MINIBATCH}")
+    print(
+        f"\n{args.slots} slots, two jobs of {args.workers} workers x {args.epochs} epochs of digits, "
+        f"{args.step_ms:.0f} ms simulated step per minibatch of {MINIBATCH}"
+    )
     print(f"{'':10s}{'makespan':>10s}{'utilization':>13s}{'allocation':>12s}")
     for r in results:
         print(f"{r['mode']:10s}{r['makespan_s']:9.1f}s{r['utilization'] * 100:12.1f}%{r['allocation'] * 100:11.1f}%")
-    print(f"makespan gang / elastic = {ratio:.2f}; utilization elastic / gang = "
-          f"{elastic['utilization'] / gang['utilization']:.2f}  (bench {time.time() - t_all:.0f}s)")
+    print(
+        f"makespan gang / elastic = {ratio:.2f}; utilization elastic / gang = "
+        f"{elastic['utilization'] / gang['utilization']:.2f}  (bench {time.time() - t_all:.0f}s)"
+    )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"results": results, "ratio": ratio}, indent=2))
 

@@ -4,6 +4,7 @@ Progress and logs go to stderr; stdout carries one machine-readable JSON result 
 so `elastic-step train ... | jq .eval` works in scripts and pipeline steps. `pipeline run`, which
 people run by hand, prints a short summary for a person instead; its JSON result is behind `--json`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,11 +21,18 @@ CHAOS_METAVAR = "ACTION:INSTANCE@RECORDS"
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     spec.add_arguments(p, spec.TRAIN)
-    p.add_argument("--prepared", metavar="DIR", help="the folder `data prep` wrote: the same as --train-data "
-                   "DIR/train --eval-data DIR/eval")
-    p.add_argument("--chaos", action="append", default=[], metavar=CHAOS_METAVAR,
-                   help="testing: kill:worker-0@400 SIGKILLs worker-0 after 400 committed records; "
-                        "term: sends SIGTERM")
+    p.add_argument(
+        "--prepared",
+        metavar="DIR",
+        help="the folder `data prep` wrote: the same as --train-data DIR/train --eval-data DIR/eval",
+    )
+    p.add_argument(
+        "--chaos",
+        action="append",
+        default=[],
+        metavar=CHAOS_METAVAR,
+        help="testing: kill:worker-0@400 SIGKILLs worker-0 after 400 committed records; term: sends SIGTERM",
+    )
 
 
 def _train_epilog() -> str:
@@ -46,7 +54,7 @@ def _train_epilog() -> str:
     POD_IP (downward API)    the address the pods reach the master at
   Permissions: the namespaced Role in {k8s.ROLE_FILE}
   (also components/elastic_train/rbac.yaml); a missing verb stops the master at once, naming it.
-  Priority: workers {k8s.DEFAULT_PRIORITY['worker']}, PS {k8s.DEFAULT_PRIORITY['ps']} when they exist;
+  Priority: workers {k8s.DEFAULT_PRIORITY["worker"]}, PS {k8s.DEFAULT_PRIORITY["ps"]} when they exist;
   sample PriorityClasses in {k8s.PRIORITY_FILE}.
 """
 
@@ -60,11 +68,15 @@ def _prepared(args, *names: str) -> None:
         if getattr(args, f"{name}_data") is None and args.prepared:
             setattr(args, f"{name}_data", args.prepared.rstrip("/") + "/" + name)
     if "train" in names and args.train_data is None:
-        raise ConfigError("No training data: pass --train-data (a train manifest or its folder) or --prepared "
-                          "(the folder `elastic-step data prep` wrote).")
+        raise ConfigError(
+            "No training data: pass --train-data (a train manifest or its folder) or --prepared "
+            "(the folder `elastic-step data prep` wrote)."
+        )
     if "train" not in names and args.eval_data is None:
-        raise ConfigError("No eval data: pass --eval-data (an eval manifest or its folder) or --prepared "
-                          "(the folder `elastic-step data prep` wrote).")
+        raise ConfigError(
+            "No eval data: pass --eval-data (an eval manifest or its folder) or --prepared "
+            "(the folder `elastic-step data prep` wrote)."
+        )
 
 
 def _train(args) -> dict:
@@ -74,20 +86,42 @@ def _train(args) -> dict:
     _prepared(args, "train", "eval")
     cfg = TrainConfig(**spec.values(args, spec.TRAIN), chaos=tuple(args.chaos))
     s = train(cfg)
-    return {"status": s["status"], "job_id": s["job_id"], "eval": s["eval"], "outputs": s.get("outputs", {}),
-            "summary": f"{args.output.rstrip('/')}/summary.json",
-            "ledger": {"epochs": len(s["ledger"]["epochs"]), "records_committed": s["ledger"]["records_committed"],
-                       "exact": all(e["lost"] == 0 and e["double_applied"] == 0 for e in s["ledger"]["epochs"])},
-            "workers": s["workers"], "throughput_records_per_s": s["throughput_records_per_s"]}
+    return {
+        "status": s["status"],
+        "job_id": s["job_id"],
+        "eval": s["eval"],
+        "outputs": s.get("outputs", {}),
+        "summary": f"{args.output.rstrip('/')}/summary.json",
+        "ledger": {
+            "epochs": len(s["ledger"]["epochs"]),
+            "records_committed": s["ledger"]["records_committed"],
+            "exact": all(e["lost"] == 0 and e["double_applied"] == 0 for e in s["ledger"]["epochs"]),
+        },
+        "workers": s["workers"],
+        "throughput_records_per_s": s["throughput_records_per_s"],
+    }
 
 
 def _prep(args) -> dict:
     from elastic_step.data.prep import prepare
 
-    r = prepare(args.source, args.output, label=args.label, eval_fraction=args.eval_fraction,
-                shard_rows=args.shard_rows, schema=args.schema, on_bad_rows=args.on_bad_rows, seed=args.seed)
-    return {"train": r.train_uri, "eval": r.eval_uri, "train_rows": r.train.total_rows,
-            "eval_rows": r.eval.total_rows, "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows}
+    r = prepare(
+        args.source,
+        args.output,
+        label=args.label,
+        eval_fraction=args.eval_fraction,
+        shard_rows=args.shard_rows,
+        schema=args.schema,
+        on_bad_rows=args.on_bad_rows,
+        seed=args.seed,
+    )
+    return {
+        "train": r.train_uri,
+        "eval": r.eval_uri,
+        "train_rows": r.train.total_rows,
+        "eval_rows": r.eval.total_rows,
+        "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows,
+    }
 
 
 def _pipeline_run(args) -> dict:
@@ -98,12 +132,14 @@ def _pipeline_run(args) -> dict:
     Chaos(args.chaos, 1, args.max_workers, args.num_ps if args.strategy == "ps" else 0)
     if args.chaos:
         logging.getLogger("elastic_step").warning(
-            "chaos, on purpose: the training step will %s (--chaos), to show training going on through "
-            "the loss", ", ".join(args.chaos))
+            "chaos, on purpose: the training step will %s (--chaos), to show training going on through the loss",
+            ", ".join(args.chaos),
+        )
     params = spec.values(args, spec.RUN)
-    result = run_local(params.pop("source_uri"), params.pop("model_def"), params.pop("output"), chaos=args.chaos,
-                       **params)
-    if args.json:   # the person's summary (stdout) is not printed then: keep the essentials on stderr
+    result = run_local(
+        params.pop("source_uri"), params.pop("model_def"), params.pop("output"), chaos=args.chaos, **params
+    )
+    if args.json:  # the person's summary (stdout) is not printed then: keep the essentials on stderr
         print_run(result)
     return result
 
@@ -136,9 +172,16 @@ def _publish(args) -> dict:
 def _schedule(args) -> dict:
     from elastic_step.pipelines.schedule import create_schedule
 
-    return create_schedule(args.host, args.cron, spec.values(args, spec.PIPELINE), experiment=args.experiment, name=args.name,
-                           namespace=args.namespace, service_account=args.service_account,
-                           pipeline_root=args.pipeline_root)
+    return create_schedule(
+        args.host,
+        args.cron,
+        spec.values(args, spec.PIPELINE),
+        experiment=args.experiment,
+        name=args.name,
+        namespace=args.namespace,
+        service_account=args.service_account,
+        pipeline_root=args.pipeline_root,
+    )
 
 
 def _compile(args) -> dict:
@@ -159,13 +202,17 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--label")
     prep.add_argument("--eval-fraction", type=float, default=0.2)
     prep.add_argument("--shard-rows", type=int, default=50_000)
-    prep.add_argument("--schema", help="JSON schema file: {\"fields\": [{\"name\", \"type\"}]}")
+    prep.add_argument("--schema", help='JSON schema file: {"fields": [{"name", "type"}]}')
     prep.add_argument("--on-bad-rows", default="fail", choices=["fail", "skip"])
     prep.add_argument("--seed", type=int, default=0)
     prep.set_defaults(func=_prep)
 
-    train = sub.add_parser("train", help="elastic training: master + workers + parameter servers",
-                           epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = sub.add_parser(
+        "train",
+        help="elastic training: master + workers + parameter servers",
+        epilog=_train_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_train_args(train)
     train.set_defaults(func=_train)
 
@@ -186,20 +233,30 @@ def build_parser() -> argparse.ArgumentParser:
     pub.set_defaults(func=_publish)
 
     pipeline = sub.add_parser("pipeline", help="the train→evaluate pipeline").add_subparsers(
-        dest="pipeline_command", required=True)
+        dest="pipeline_command", required=True
+    )
     run = pipeline.add_parser("run", help="run it on this machine through kfp.local")
     spec.add_arguments(run, spec.RUN)
-    run.add_argument("--chaos", action="append", default=[], metavar=CHAOS_METAVAR,
-                     help="testing and the demo: disturb the training step on purpose, e.g. kill:worker-0@300000 "
-                          "SIGKILLs worker-0 once 300000 records are committed (as `elastic-step train --chaos`; "
-                          "also read from ELASTIC_STEP_CHAOS)")
-    run.add_argument("--json", action="store_true",
-                     help="print the whole result as JSON on stdout (artifacts, metrics, metadata) instead of "
-                          "the summary for a person")
+    run.add_argument(
+        "--chaos",
+        action="append",
+        default=[],
+        metavar=CHAOS_METAVAR,
+        help="testing and the demo: disturb the training step on purpose, e.g. kill:worker-0@300000 "
+        "SIGKILLs worker-0 once 300000 records are committed (as `elastic-step train --chaos`; "
+        "also read from ELASTIC_STEP_CHAOS)",
+    )
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print the whole result as JSON on stdout (artifacts, metrics, metadata) instead of "
+        "the summary for a person",
+    )
     run.set_defaults(func=_pipeline_run, text=_pipeline_text)
 
     schedule = sub.add_parser("schedule", help="recurring retraining on a KFP cluster").add_subparsers(
-        dest="schedule_command", required=True)
+        dest="schedule_command", required=True
+    )
     sc = schedule.add_parser("create", help="compile the pipeline and create a KFP recurring run")
     sc.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
     sc.add_argument("--cron", required=True, help='6 fields, seconds first: "0 0 2 * * *" is 02:00 daily')
@@ -207,13 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--experiment", default="elastic-step")
     sc.add_argument("--name", default="elastic-step-train-eval-nightly")
     sc.add_argument("--namespace")
-    sc.add_argument("--service-account", help="the runs' service account (it needs the Role in "
-                    "components/elastic_train/rbac.yaml for backend kubernetes)")
+    sc.add_argument(
+        "--service-account",
+        help="the runs' service account (it needs the Role in "
+        "components/elastic_train/rbac.yaml for backend kubernetes)",
+    )
     sc.add_argument("--pipeline-root", help="where the runs' artifacts go (default: the cluster's)")
     sc.set_defaults(func=_schedule)
 
-    comp = sub.add_parser("compile", help="regenerate the compiled component and pipeline YAMLs (KFP, v1, Argo) "
-                          "and docs/parameters.md")
+    comp = sub.add_parser(
+        "compile", help="regenerate the compiled component and pipeline YAMLs (KFP, v1, Argo) and docs/parameters.md"
+    )
     comp.add_argument("--root", default=".", help="repository root (components/, pipelines/ and docs/ go there)")
     comp.set_defaults(func=_compile)
     return parser
@@ -222,9 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from elastic_step.util.process import quiet_tensorflow
+
     quiet_tensorflow()
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     try:
         # Libraries print on stdout (kfp.local's logs, kfp.Client's links): send them to stderr,
         # so stdout carries only our JSON result.

@@ -2,6 +2,7 @@
 
 The CLI prints `str(error)` and exits non-zero; it never shows a traceback for these.
 """
+
 from __future__ import annotations
 
 import os

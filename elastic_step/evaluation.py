@@ -1,4 +1,5 @@
 """Evaluate a Keras model on a manifest's data with the model definition's feed, loss and metrics."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,8 +8,14 @@ from elastic_step.data.api import Manifest
 from elastic_step.data.reader import ShardReader
 
 
-def evaluate(model, model_def, manifest: Manifest, batch_size: int = 1024,
-             keep_predictions: bool = False, limit: int | None = None) -> dict:
+def evaluate(
+    model,
+    model_def,
+    manifest: Manifest,
+    batch_size: int = 1024,
+    keep_predictions: bool = False,
+    limit: int | None = None,
+) -> dict:
     """Returns {"loss", <each eval metric>, "records"} and, if asked, labels and predictions.
     "loss" is what Keras's evaluate() reports: loss() reduced as compile reduces it, plus the
     model's regularization losses.

@@ -3,6 +3,7 @@
 The backend starts `python -m elastic_step.worker|ps --master ADDR --index I ...`; the job token
 comes from the environment (ELASTIC_STEP_TOKEN: a Secret on Kubernetes), never the command line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,35 @@ TOKEN_ENV = "ELASTIC_STEP_TOKEN"
 EXIT_USER_ERROR = 3
 
 
-def instance_argv(role: str, master: str, index: int, model_def: str, num_ps: int, seed: int,
-                  minibatch_size: int, host: str = "", strategy: str = "ps",
-                  global_batch: str = "scaled") -> list[str]:
-    argv = [sys.executable, "-m", f"elastic_step.{role}", "--master", master, "--index", str(index),
-            "--model-def", model_def, "--num-ps", str(num_ps), "--seed", str(seed),
-            "--minibatch-size", str(minibatch_size)]
+def instance_argv(
+    role: str,
+    master: str,
+    index: int,
+    model_def: str,
+    num_ps: int,
+    seed: int,
+    minibatch_size: int,
+    host: str = "",
+    strategy: str = "ps",
+    global_batch: str = "scaled",
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        f"elastic_step.{role}",
+        "--master",
+        master,
+        "--index",
+        str(index),
+        "--model-def",
+        model_def,
+        "--num-ps",
+        str(num_ps),
+        "--seed",
+        str(seed),
+        "--minibatch-size",
+        str(minibatch_size),
+    ]
     if strategy != "ps":
         argv += ["--strategy", strategy, "--global-batch", global_batch]
     return argv + (["--host", host] if host else [])
@@ -39,13 +63,17 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minibatch-size", type=int, default=64)
     p.add_argument("--strategy", default="ps", choices=["ps", "allreduce"])
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
-    p.add_argument("--host", default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),
-                   help="address this instance serves on and advertises (PS)")
+    p.add_argument(
+        "--host",
+        default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),
+        help="address this instance serves on and advertises (PS)",
+    )
     args = p.parse_args(argv)
     die_with_parent()
     args.token = os.environ.get(TOKEN_ENV, "")
     if not args.token:
         p.error(f"{TOKEN_ENV} is not set: the master passes the job token in the environment")
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {role}-{args.index} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {role}-{args.index} %(levelname)s %(message)s"
+    )
     return args

@@ -4,20 +4,22 @@ eval_metrics(). The same module trains with plain Keras and elastically, unchang
 `spec` is an importable module path (`samples.digits.model`) or a path/URI to a `.py` file
 (any fsspec URI), so trying a model needs no image rebuild.
 """
+
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
-import functools
 import os
 import sys
 import tempfile
 import traceback
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from elastic_step.errors import ModelDefError
 
@@ -46,15 +48,20 @@ class ModelDef:
         frames = self._user_frames(error)
         function = frames[0].name if frames else function
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        if lines and lines[0] == "in user code:":   # tf.function's framing: the error itself is last
+        if lines and lines[0] == "in user code:":  # tf.function's framing: the error itself is last
             lines = [lines[-1].removeprefix(f"{type(error).__name__}: ")]
         first = lines[0] if lines else ""
-        what = f"{function}() in the model definition {self.spec!r}" if function else \
-            f"The model definition {self.spec!r}"
-        fix = f"Fix {function}() in that module" if function else \
-            "Check that feed() returns what model() and loss() expect"
-        text = f"{what} raised {type(error).__name__}: {first} (while {doing}). {fix}; it must run with " \
-               "plain Keras too."
+        what = (
+            f"{function}() in the model definition {self.spec!r}" if function else f"The model definition {self.spec!r}"
+        )
+        fix = (
+            f"Fix {function}() in that module"
+            if function
+            else "Check that feed() returns what model() and loss() expect"
+        )
+        text = (
+            f"{what} raised {type(error).__name__}: {first} (while {doing}). {fix}; it must run with plain Keras too."
+        )
         if frames:
             text += "\nYour code, innermost last:\n" + "".join(traceback.format_list(frames)).rstrip()
         return ModelDefError(text)
@@ -68,6 +75,7 @@ class ModelDef:
 
     def model(self):
         import keras
+
         m = self._call("model")
         if not isinstance(m, keras.Model):
             raise ModelDefError(f"model() in {self.spec!r} returned {type(m).__name__}, not a keras.Model.")
@@ -75,10 +83,12 @@ class ModelDef:
 
     def optimizer(self):
         import keras
+
         o = self._call("optimizer")
         if not isinstance(o, keras.optimizers.Optimizer):
-            raise ModelDefError(f"optimizer() in {self.spec!r} returned {type(o).__name__}, "
-                                "not a keras.optimizers.Optimizer.")
+            raise ModelDefError(
+                f"optimizer() in {self.spec!r} returned {type(o).__name__}, not a keras.optimizers.Optimizer."
+            )
         return o
 
     def eval_metrics(self) -> dict:
@@ -86,8 +96,10 @@ class ModelDef:
             return {}
         metrics = self._call("eval_metrics")
         if not isinstance(metrics, dict):
-            raise ModelDefError(f"eval_metrics() in {self.spec!r} must return a dict of name -> "
-                                f"keras.metrics.Metric, got {type(metrics).__name__}.")
+            raise ModelDefError(
+                f"eval_metrics() in {self.spec!r} must return a dict of name -> "
+                f"keras.metrics.Metric, got {type(metrics).__name__}."
+            )
         return metrics
 
     def feed(self, batch):
@@ -100,9 +112,11 @@ class ModelDef:
         as compile() wraps it (labels and predictions brought to one rank, then the mean over every
         element)."""
         import keras
+
         # The very wrapper compile() puts around a loss function (keras/src/trainers/compile_utils.py,
         # get_loss); Keras does not export it. The parity tests hold us to fit's results.
         from keras.src.losses.losses import LossFunctionWrapper
+
         loss = self.module.loss
         if isinstance(loss, keras.losses.Loss):
             return loss
@@ -125,8 +139,12 @@ class ModelDef:
             given = state_values or {}
             state = model.non_trainable_variables
             predictions, new_state, losses = model.stateless_call(
-                trainable_values, [given[i] if i in given else v.value for i, v in enumerate(state)], features,
-                training=True, return_losses=True)
+                trainable_values,
+                [given[i] if i in given else v.value for i, v in enumerate(state)],
+                features,
+                training=True,
+                return_losses=True,
+            )
             for i, (var, value) in enumerate(zip(state, new_state)):
                 if i not in given:
                     var.assign(value)
@@ -141,20 +159,24 @@ class ModelDef:
 def _import_file(spec: str) -> types.ModuleType:
     if "://" in spec and not spec.startswith("file://"):
         import fsspec
+
         try:
             with fsspec.open(spec, "rb") as f:
                 source = f.read()
         except (OSError, ValueError) as e:
-            raise ModelDefError(f"Cannot read the model definition {spec!r}: {e}. "
-                                "Check the URI and the credentials of the step.") from None
+            raise ModelDefError(
+                f"Cannot read the model definition {spec!r}: {e}. Check the URI and the credentials of the step."
+            ) from None
         path = os.path.join(tempfile.mkdtemp(prefix="elastic-step-model-"), os.path.basename(spec))
         with open(path, "wb") as f:
             f.write(source)
     else:
-        path = spec[len("file://"):] if spec.startswith("file://") else spec
+        path = spec[len("file://") :] if spec.startswith("file://") else spec
         if not os.path.isfile(path):
-            raise ModelDefError(f"The model definition file {spec!r} does not exist. Pass an importable "
-                                "module (pkg.module) or the path/URI of a .py file.")
+            raise ModelDefError(
+                f"The model definition file {spec!r} does not exist. Pass an importable "
+                "module (pkg.module) or the path/URI of a .py file."
+            )
     name = "elastic_step_user_model_" + hashlib.sha1(spec.encode()).hexdigest()[:10]
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -175,28 +197,36 @@ def load_model_def(spec: str) -> ModelDef:
         try:
             module = importlib.import_module(spec)
         except ModuleNotFoundError as e:
-            raise ModelDefError(f"Cannot import the model definition module {spec!r} ({e}). Pass an "
-                                "importable module path or the path/URI of a .py file.") from None
+            raise ModelDefError(
+                f"Cannot import the model definition module {spec!r} ({e}). Pass an "
+                "importable module path or the path/URI of a .py file."
+            ) from None
         except Exception as e:
             raise ModelDefError(f"Importing the model definition {spec!r} raised {type(e).__name__}: {e}.") from e
     for name in REQUIRED:
         fn = getattr(module, name, None)
         if fn is None:
-            raise ModelDefError(f"The model definition {spec!r} has no function {name}(). It must define "
-                                "model(), loss(labels, predictions), optimizer() and feed(batch).")
+            raise ModelDefError(
+                f"The model definition {spec!r} has no function {name}(). It must define "
+                "model(), loss(labels, predictions), optimizer() and feed(batch)."
+            )
         if not callable(fn):
-            raise ModelDefError(f"{name} in the model definition {spec!r} is a "
-                                f"{type(fn).__name__}, not a function.")
+            raise ModelDefError(f"{name} in the model definition {spec!r} is a {type(fn).__name__}, not a function.")
     arity = {"model": 0, "optimizer": 0, "loss": 2, "feed": 1}
     for name, n in arity.items():
         try:
-            params = [p for p in inspect.signature(getattr(module, name)).parameters.values()
-                      if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            params = [
+                p
+                for p in inspect.signature(getattr(module, name)).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
         except (TypeError, ValueError):
             continue
         if len(params) != n:
-            raise ModelDefError(f"{name}() in the model definition {spec!r} takes {len(params)} required "
-                                f"argument(s); the contract is {name}({', '.join(['...'] * n)}) with {n}.")
+            raise ModelDefError(
+                f"{name}() in the model definition {spec!r} takes {len(params)} required "
+                f"argument(s); the contract is {name}({', '.join(['...'] * n)}) with {n}."
+            )
     ev = getattr(module, "eval_metrics", None)
     if ev is not None and not callable(ev):
         raise ModelDefError(f"eval_metrics in {spec!r} must be a function returning a dict of metrics.")

@@ -1,4 +1,5 @@
 """Saving and loading trained models: Keras `.keras` plus a SavedModel export, written atomically."""
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ lines up with the loss, throughput and worker count around it in the others.
 The page must render for whatever summary a job leaves behind, a failed one included: every
 field is optional and anything that is not a finite number is skipped.
 """
+
 from __future__ import annotations
 
 import html
@@ -54,7 +55,7 @@ def _int(v) -> int:
 def nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
     """Round tick values covering [lo, hi] with about n intervals."""
     span = (hi - lo) / n
-    if not (hi > lo and math.isfinite(span) and span > 0):   # empty, overflowing or underflowing range
+    if not (hi > lo and math.isfinite(span) and span > 0):  # empty, overflowing or underflowing range
         return [lo]
     step = 10 ** math.floor(math.log10(span))
     for m in (1, 2, 2.5, 5, 10):
@@ -129,10 +130,21 @@ class TimeAxis:
 
 
 # ---------------------------------------------------------------- time charts
-def time_chart(chart_id: str, title: str, axis: TimeAxis, series: list[tuple[str, str, list[tuple[float, float]]]],
-               y_label: str, *, step: bool = False, hlines: list[tuple[float, str, str]] = (),
-               dots: list[tuple[float, float, str, str]] = (), startup: float | None = None,
-               y_max: float | None = None, legend: bool = False, points: bool = False) -> str:
+def time_chart(
+    chart_id: str,
+    title: str,
+    axis: TimeAxis,
+    series: list[tuple[str, str, list[tuple[float, float]]]],
+    y_label: str,
+    *,
+    step: bool = False,
+    hlines: list[tuple[float, str, str]] = (),
+    dots: list[tuple[float, float, str, str]] = (),
+    startup: float | None = None,
+    y_max: float | None = None,
+    legend: bool = False,
+    points: bool = False,
+) -> str:
     """An SVG chart over the shared time axis: series (name, colour, [(t, y)]), horizontal reference
     lines (y, colour, label), labelled dots (t, y, colour, label), the start-up band and the markers;
     `points` draws each sample as a dot too (sparse series such as one evaluation per epoch)."""
@@ -141,8 +153,10 @@ def time_chart(chart_id: str, title: str, axis: TimeAxis, series: list[tuple[str
     bottom = top + PLOT_H
     values = [v for _, _, pts in series for _, v in pts] + [h[0] for h in hlines] + [d[1] for d in dots]
     caption = f"<figcaption>{esc(title)}{_legend(series) if legend else ''}</figcaption>"
-    out = [f'<figure>{caption}<svg id="{chart_id}" class="chart" viewBox="0 0 {W} {height}" role="img" '
-           f'aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">']
+    out = [
+        f'<figure>{caption}<svg id="{chart_id}" class="chart" viewBox="0 0 {W} {height}" role="img" '
+        f'aria-label="{esc(title)}" xmlns="http://www.w3.org/2000/svg">'
+    ]
     y_lo = min([0.0] + values)
     y_hi = y_max if y_max is not None and values and max(values) <= y_max else _nice_max(max(values, default=0.0))
     if y_lo < 0:
@@ -153,31 +167,43 @@ def time_chart(chart_id: str, title: str, axis: TimeAxis, series: list[tuple[str
 
     x = axis.x
     if startup and startup > 0:
-        out.append(f'<rect x="{PAD_L}" y="{top}" width="{x(startup) - PAD_L:.1f}" height="{PLOT_H}" '
-                   f'class="startup"><title>start-up: parameter servers and workers starting</title></rect>'
-                   f'<text x="{(PAD_L + x(startup)) / 2:.1f}" y="{bottom - 6}" text-anchor="middle" '
-                   f'class="tick">start-up</text>')
+        out.append(
+            f'<rect x="{PAD_L}" y="{top}" width="{x(startup) - PAD_L:.1f}" height="{PLOT_H}" '
+            f'class="startup"><title>start-up: parameter servers and workers starting</title></rect>'
+            f'<text x="{(PAD_L + x(startup)) / 2:.1f}" y="{bottom - 6}" text-anchor="middle" '
+            f'class="tick">start-up</text>'
+        )
     for tv in nice_ticks(y_lo, y_hi):
-        out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(tv):.1f}" y2="{y(tv):.1f}" class="grid"/>'
-                   f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{fmt(tv)}</text>')
+        out.append(
+            f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(tv):.1f}" y2="{y(tv):.1f}" class="grid"/>'
+            f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{fmt(tv)}</text>'
+        )
     out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{bottom}" y2="{bottom}" class="axis"/>')
     for tv in nice_ticks(0.0, axis.t_end / axis.div, 8):
         px = x(tv * axis.div)
-        out.append(f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{bottom}" y2="{bottom + 4}" class="axis"/>'
-                   f'<text x="{px:.1f}" y="{bottom + 16}" text-anchor="middle" class="tick">{fmt(tv)}</text>')
-    out.append(f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">'
-               f'{axis.unit} since the step started</text>'
-               f'<text x="6" y="{top - 6}" class="tick">{esc(y_label)}</text>')
+        out.append(
+            f'<line x1="{px:.1f}" x2="{px:.1f}" y1="{bottom}" y2="{bottom + 4}" class="axis"/>'
+            f'<text x="{px:.1f}" y="{bottom + 16}" text-anchor="middle" class="tick">{fmt(tv)}</text>'
+        )
+    out.append(
+        f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">'
+        f"{axis.unit} since the step started</text>"
+        f'<text x="6" y="{top - 6}" class="tick">{esc(y_label)}</text>'
+    )
     for v, colour, label in hlines:
-        out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="{colour}" '
-                   f'stroke-dasharray="6 4" class="ref"/><text x="{PAD_L + 4}" y="{y(v) - 4:.1f}" '
-                   f'class="reflabel" fill="{colour}">{esc(label)}</text>')
+        out.append(
+            f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="{colour}" '
+            f'stroke-dasharray="6 4" class="ref"/><text x="{PAD_L + 4}" y="{y(v) - 4:.1f}" '
+            f'class="reflabel" fill="{colour}">{esc(label)}</text>'
+        )
     for t, colour, label, tx, anchor, row in axis.labels:
         ly = 10 + row * LABEL_ROW
-        out.append(f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{ly - 8}" y2="{bottom}" stroke="{colour}" '
-                   f'stroke-dasharray="4 3" class="marker"><title>{esc(label)}</title></line>'
-                   f'<text x="{tx:.1f}" y="{ly}" text-anchor="{anchor}" class="mlabel" fill="{colour}">'
-                   f'{esc(label)}</text>')
+        out.append(
+            f'<line x1="{x(t):.1f}" x2="{x(t):.1f}" y1="{ly - 8}" y2="{bottom}" stroke="{colour}" '
+            f'stroke-dasharray="4 3" class="marker"><title>{esc(label)}</title></line>'
+            f'<text x="{tx:.1f}" y="{ly}" text-anchor="{anchor}" class="mlabel" fill="{colour}">'
+            f"{esc(label)}</text>"
+        )
     for name, colour, pts in series:
         coords = []
         for i, (t, v) in enumerate(pts):
@@ -185,20 +211,29 @@ def time_chart(chart_id: str, title: str, axis: TimeAxis, series: list[tuple[str
                 coords.append(f"{x(t):.1f},{y(pts[i - 1][1]):.1f}")
             coords.append(f"{x(t):.1f},{y(v):.1f}")
         if len(pts) > 1:
-            out.append(f'<polyline points="{" ".join(coords)}" fill="none" stroke="{colour}" stroke-width="2" '
-                       f'stroke-linejoin="round" class="series" data-name="{esc(name)}"/>')
+            out.append(
+                f'<polyline points="{" ".join(coords)}" fill="none" stroke="{colour}" stroke-width="2" '
+                f'stroke-linejoin="round" class="series" data-name="{esc(name)}"/>'
+            )
         if (points and len(pts) <= 200) or len(pts) == 1:  # a single point has no line at all
-            out.extend(f'<circle cx="{x(t):.1f}" cy="{y(v):.1f}" r="2.5" fill="{colour}" class="point">'
-                       f'<title>{esc(name)} {v:.4g} at {t:.1f} s</title></circle>' for t, v in pts)
+            out.extend(
+                f'<circle cx="{x(t):.1f}" cy="{y(v):.1f}" r="2.5" fill="{colour}" class="point">'
+                f"<title>{esc(name)} {v:.4g} at {t:.1f} s</title></circle>"
+                for t, v in pts
+            )
     for t, v, colour, label in dots:
         anchor, dx = ("end", -8) if x(t) > W - PAD_R - 150 else ("start", 8)
-        out.append(f'<circle cx="{x(t):.1f}" cy="{y(v):.1f}" r="5" fill="#fff" stroke="{colour}" stroke-width="2.5" '
-                   f'class="final"><title>{esc(label)}</title></circle>'
-                   f'<text x="{x(t) + dx:.1f}" y="{y(v) + 19:.1f}" text-anchor="{anchor}" class="dotlabel" '
-                   f'fill="{colour}">{esc(label)}</text>')
+        out.append(
+            f'<circle cx="{x(t):.1f}" cy="{y(v):.1f}" r="5" fill="#fff" stroke="{colour}" stroke-width="2.5" '
+            f'class="final"><title>{esc(label)}</title></circle>'
+            f'<text x="{x(t) + dx:.1f}" y="{y(v) + 19:.1f}" text-anchor="{anchor}" class="dotlabel" '
+            f'fill="{colour}">{esc(label)}</text>'
+        )
     if not values:
-        out.append(f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{top + PLOT_H / 2}" text-anchor="middle" '
-                   f'class="nodata">no data</text>')
+        out.append(
+            f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{top + PLOT_H / 2}" text-anchor="middle" '
+            f'class="nodata">no data</text>'
+        )
     out.append("</svg></figure>")
     return "".join(out)
 
@@ -214,7 +249,7 @@ def markers(summary: dict) -> list[tuple[float, str, str]]:
     events = sorted((e for e in _rows(summary, "events") if num(e.get("t")) is not None), key=lambda e: num(e["t"]))
     out: list[tuple[float, str, str]] = []
     relaunched: set[str] = set()
-    ended: dict[str, tuple[float, str]] = {}   # instance -> (t, what) of its last loss or exit
+    ended: dict[str, tuple[float, str]] = {}  # instance -> (t, what) of its last loss or exit
     chaos: dict[str, float] = {}
     for e in events:
         kind, inst, detail, t = e.get("kind"), str(e.get("instance") or ""), str(e.get("detail") or ""), num(e["t"])
@@ -273,8 +308,9 @@ def eval_names(summary: dict) -> list[str]:
     skip = {"loss", "records", "t", "epoch"}
     names = [k for k, v in final.items() if k not in skip and num(v) is not None]
     if not names:
-        names = sorted({k for r in _rows(summary, "eval_history") for k, v in r.items()
-                        if k not in skip and num(v) is not None})
+        names = sorted(
+            {k for r in _rows(summary, "eval_history") for k, v in r.items() if k not in skip and num(v) is not None}
+        )
     return names or ["loss"]
 
 
@@ -286,8 +322,11 @@ def _startup(summary: dict) -> float | None:
 
 
 def _t_end(summary: dict) -> float:
-    ts = [num(r.get("t")) for key in ("timeseries", "workers_alive", "eval_history", "events")
-          for r in _rows(summary, key)]
+    ts = [
+        num(r.get("t"))
+        for key in ("timeseries", "workers_alive", "eval_history", "events")
+        for r in _rows(summary, key)
+    ]
     return max([t for t in ts if t is not None], default=0.0)
 
 
@@ -297,41 +336,76 @@ def _cards(summary: dict) -> str:
     ev, w = _dict(summary, "eval"), _dict(summary, "workers")
     epochs = _rows(_dict(summary, "ledger"), "epochs")
     n_eval = _int(ev.get("records"))
-    cards = [(f"eval {k}", f"{num(v):.4f}", f"on {n_eval:,} held-out records" if n_eval else "")
-             for k, v in ev.items() if k != "records" and num(v) is not None]
+    cards = [
+        (f"eval {k}", f"{num(v):.4f}", f"on {n_eval:,} held-out records" if n_eval else "")
+        for k, v in ev.items()
+        if k != "records" and num(v) is not None
+    ]
     rate = num(summary.get("throughput_records_per_s"))
     cards.append(("throughput", f"{rate:,.0f} rec/s" if rate else "–", "first to last commit"))
     train_s, start_s = num(summary.get("training_seconds")), num(summary.get("startup_seconds"))
     if train_s is not None:
         started = rate and start_s  # start-up ends at the first commit
         cards.append(("training time", f"{train_s:.1f} s", f"after {start_s:.1f} s start-up" if started else ""))
-    cards.append(("workers", f"{_int(w.get('lost'))} lost · {_int(w.get('relaunched'))} relaunched",
-                  f"{_int(w.get('started'))} started, at most {_int(w.get('max_alive'))} at once"))
+    cards.append(
+        (
+            "workers",
+            f"{_int(w.get('lost'))} lost · {_int(w.get('relaunched'))} relaunched",
+            f"{_int(w.get('started'))} started, at most {_int(w.get('max_alive'))} at once",
+        )
+    )
     if epochs:
         states = [epoch_state(r, _finished(summary)) for r in epochs]
         exact = states.count("exact")
         value = "NOT exact" if "NOT exact" in states else "incomplete" if "incomplete" in states else "exact"
-        cards.append(("data ledger", value,
-                      f"{exact} of {len(epochs)} epochs complete, no record applied twice"
-                      if "incomplete" in states and "NOT exact" not in states
-                      else f"{exact} of {len(epochs)} epochs committed exactly once"))
+        cards.append(
+            (
+                "data ledger",
+                value,
+                f"{exact} of {len(epochs)} epochs complete, no record applied twice"
+                if "incomplete" in states and "NOT exact" not in states
+                else f"{exact} of {len(epochs)} epochs committed exactly once",
+            )
+        )
     audit = _dict(summary, "audit")
     if audit.get("verdict"):
-        cards.append(("exactly-once audit", str(audit["verdict"]),
-                      "from what the model's state holds, not the ledger" if audit["verdict"] != "unavailable"
-                      else str(audit.get("reason", ""))))
-    return '<div class="cards" id="cards">' + "".join(
-        f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div>'
-        + (f'<div class="s">{esc(small)}</div>' if small else "") + "</div>" for k, v, small in cards) + "</div>"
+        cards.append(
+            (
+                "exactly-once audit",
+                str(audit["verdict"]),
+                "from what the model's state holds, not the ledger"
+                if audit["verdict"] != "unavailable"
+                else str(audit.get("reason", "")),
+            )
+        )
+    return (
+        '<div class="cards" id="cards">'
+        + "".join(
+            f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div>'
+            + (f'<div class="s">{esc(small)}</div>' if small else "")
+            + "</div>"
+            for k, v, small in cards
+        )
+        + "</div>"
+    )
 
 
 def _subtitle(summary: dict) -> str:
     cfg = _dict(summary, "config")
-    bits = [("job", summary.get("job_id")), ("strategy", summary.get("strategy")), ("backend", summary.get("backend")),
-            ("model", cfg.get("model_def")), ("epochs", summary.get("epochs")),
-            ("records per epoch", summary.get("records_per_epoch")), ("minibatch", cfg.get("minibatch_size")),
-            ("workers", f"{cfg['min_workers']}–{cfg['max_workers']}" if "min_workers" in cfg and "max_workers" in cfg
-             else None), ("parameter servers", cfg.get("num_ps"))]
+    bits = [
+        ("job", summary.get("job_id")),
+        ("strategy", summary.get("strategy")),
+        ("backend", summary.get("backend")),
+        ("model", cfg.get("model_def")),
+        ("epochs", summary.get("epochs")),
+        ("records per epoch", summary.get("records_per_epoch")),
+        ("minibatch", cfg.get("minibatch_size")),
+        (
+            "workers",
+            f"{cfg['min_workers']}–{cfg['max_workers']}" if "min_workers" in cfg and "max_workers" in cfg else None,
+        ),
+        ("parameter servers", cfg.get("num_ps")),
+    ]
     return '<p class="sub">' + " · ".join(f"{esc(k)} <b>{esc(v)}</b>" for k, v in bits if v not in (None, "")) + "</p>"
 
 
@@ -345,20 +419,26 @@ def _error(summary: dict) -> str:
         tail = err.get("traceback") or ""
     else:
         head, tail = str(err), ""
-    return (f'<div class="error" id="error"><b>The job failed.</b> {esc(head)}'
-            + (f"<details><summary>Traceback / last lines of its log</summary><pre>{esc(tail)}</pre></details>"
-               if tail else "") + "</div>")
+    return (
+        f'<div class="error" id="error"><b>The job failed.</b> {esc(head)}'
+        + (
+            f"<details><summary>Traceback / last lines of its log</summary><pre>{esc(tail)}</pre></details>"
+            if tail
+            else ""
+        )
+        + "</div>"
+    )
 
 
 def epoch_state(r: dict, finished: bool) -> str:
-    """"exact": every record committed once; "incomplete": the epoch a failed job stopped in (what was
+    """ "exact": every record committed once; "incomplete": the epoch a failed job stopped in (what was
     committed, was committed once); "NOT exact": records lost or applied twice."""
     committed, records = _int(r.get("committed")), _int(r.get("records"))
     if _int(r.get("double_applied")) or committed > records:
         return "NOT exact"
     if committed == records:
         return "exact"
-    return "NOT exact" if finished else "incomplete"   # the ledger's `lost` is records - committed
+    return "NOT exact" if finished else "incomplete"  # the ledger's `lost` is records - committed
 
 
 def _finished(summary: dict) -> bool:
@@ -380,15 +460,20 @@ def ledger_chart(rows: list[dict], finished: bool = True) -> str:
         keys.append((missing_colour, "not committed" if finished else "not committed (the job stopped)"))
     if any(_int(r.get("double_applied")) for r in rows):
         keys.append((FAILED, "applied twice"))
-    out = [f'<figure><figcaption>{title}{_legend([(n, c, None) for c, n in keys])}</figcaption>'
-           f'<svg id="chart-ledger" class="chart" viewBox="0 0 {W} {height}" role="img" aria-label="{title}" '
-           f'xmlns="http://www.w3.org/2000/svg">']
+    out = [
+        f"<figure><figcaption>{title}{_legend([(n, c, None) for c, n in keys])}</figcaption>"
+        f'<svg id="chart-ledger" class="chart" viewBox="0 0 {W} {height}" role="img" aria-label="{title}" '
+        f'xmlns="http://www.w3.org/2000/svg">'
+    ]
     if not rows:
-        out.append(f'<text x="{W / 2}" y="{top + plot_h / 2}" text-anchor="middle" class="nodata">no epoch was '
-                   f'committed</text></svg></figure>')
+        out.append(
+            f'<text x="{W / 2}" y="{top + plot_h / 2}" text-anchor="middle" class="nodata">no epoch was '
+            f"committed</text></svg></figure>"
+        )
         return "".join(out)
-    y_hi = _nice_max(max(max(_int(r.get("records")), _int(r.get("committed")) + _int(r.get("double_applied")))
-                         for r in rows) or 1)
+    y_hi = _nice_max(
+        max(max(_int(r.get("records")), _int(r.get("committed")) + _int(r.get("double_applied"))) for r in rows) or 1
+    )
 
     def y(v: float) -> float:
         return bottom - v / y_hi * plot_h
@@ -396,39 +481,57 @@ def ledger_chart(rows: list[dict], finished: bool = True) -> str:
     slot = (W - PAD_L - PAD_R) / len(rows)
     bar = max(1.0, min(slot * 0.72, 40.0))
     for tv in nice_ticks(0.0, y_hi, 2):
-        out.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(tv):.1f}" y2="{y(tv):.1f}" class="grid"/>'
-                   f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{fmt(tv)}</text>')
+        out.append(
+            f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(tv):.1f}" y2="{y(tv):.1f}" class="grid"/>'
+            f'<text x="{PAD_L - 6}" y="{y(tv) + 4:.1f}" text-anchor="end" class="tick">{fmt(tv)}</text>'
+        )
     every = max(1, math.ceil(len(rows) / 20))
     for i, r in enumerate(rows):
         records, committed = _int(r.get("records")), _int(r.get("committed"))
         lost, double, requeued = max(0, records - committed), _int(r.get("double_applied")), _int(r.get("requeued"))
         cx = PAD_L + slot * (i + 0.5)
         x0 = cx - bar / 2
-        tip = (f"epoch {r.get('epoch', i)}: {committed} of {records} records committed, "
-               f"{double} applied twice, {requeued} requeued after a loss")
-        out.append(f'<g class="epoch"><title>{esc(tip)}</title>'
-                   f'<rect x="{x0:.1f}" y="{y(committed):.1f}" width="{bar:.1f}" height="{y(0) - y(committed):.1f}" '
-                   f'fill="{JOINED}" opacity="0.75"/>')
+        tip = (
+            f"epoch {r.get('epoch', i)}: {committed} of {records} records committed, "
+            f"{double} applied twice, {requeued} requeued after a loss"
+        )
+        out.append(
+            f'<g class="epoch"><title>{esc(tip)}</title>'
+            f'<rect x="{x0:.1f}" y="{y(committed):.1f}" width="{bar:.1f}" height="{y(0) - y(committed):.1f}" '
+            f'fill="{JOINED}" opacity="0.75"/>'
+        )
         if requeued:
-            out.append(f'<rect x="{x0:.1f}" y="{y(requeued):.1f}" width="{bar:.1f}" '
-                       f'height="{y(0) - y(requeued):.1f}" fill="{RATE}"/>'
-                       f'<text x="{cx:.1f}" y="{y(max(records, committed)) - 3:.1f}" text-anchor="middle" '
-                       f'class="tick" fill="{RATE}">{requeued}</text>')
+            out.append(
+                f'<rect x="{x0:.1f}" y="{y(requeued):.1f}" width="{bar:.1f}" '
+                f'height="{y(0) - y(requeued):.1f}" fill="{RATE}"/>'
+                f'<text x="{cx:.1f}" y="{y(max(records, committed)) - 3:.1f}" text-anchor="middle" '
+                f'class="tick" fill="{RATE}">{requeued}</text>'
+            )
         if lost:
-            out.append(f'<rect x="{x0:.1f}" y="{y(committed + lost):.1f}" width="{bar:.1f}" '
-                       f'height="{y(committed) - y(committed + lost):.1f}" fill="{missing_colour}"/>')
+            out.append(
+                f'<rect x="{x0:.1f}" y="{y(committed + lost):.1f}" width="{bar:.1f}" '
+                f'height="{y(committed) - y(committed + lost):.1f}" fill="{missing_colour}"/>'
+            )
         if double:
             base = max(committed, records)
-            out.append(f'<rect x="{x0:.1f}" y="{y(base + double):.1f}" width="{bar:.1f}" '
-                       f'height="{y(base) - y(base + double):.1f}" fill="{FAILED}"/>')
-        out.append(f'<line x1="{x0 - 1:.1f}" x2="{x0 + bar + 1:.1f}" y1="{y(records):.1f}" y2="{y(records):.1f}" '
-                   f'stroke="#333" stroke-dasharray="2 2"/></g>')
+            out.append(
+                f'<rect x="{x0:.1f}" y="{y(base + double):.1f}" width="{bar:.1f}" '
+                f'height="{y(base) - y(base + double):.1f}" fill="{FAILED}"/>'
+            )
+        out.append(
+            f'<line x1="{x0 - 1:.1f}" x2="{x0 + bar + 1:.1f}" y1="{y(records):.1f}" y2="{y(records):.1f}" '
+            f'stroke="#333" stroke-dasharray="2 2"/></g>'
+        )
         if i % every == 0:
-            out.append(f'<text x="{cx:.1f}" y="{bottom + 14}" text-anchor="middle" class="tick">'
-                       f'{esc(r.get("epoch", i))}</text>')
-    out.append(f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">epoch (dashed: the '
-               f'epoch\'s records)</text><text x="{PAD_L - 6}" y="{top - 2}" text-anchor="end" class="tick">'
-               f'records</text></svg></figure>')
+            out.append(
+                f'<text x="{cx:.1f}" y="{bottom + 14}" text-anchor="middle" class="tick">'
+                f"{esc(r.get('epoch', i))}</text>"
+            )
+    out.append(
+        f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">epoch (dashed: the '
+        f'epoch\'s records)</text><text x="{PAD_L - 6}" y="{top - 2}" text-anchor="end" class="tick">'
+        f"records</text></svg></figure>"
+    )
     return "".join(out)
 
 
@@ -445,10 +548,15 @@ def _ledger(summary: dict) -> str:
         elif exact == len(rows):
             verdict = f"<b>All {len(rows)} epochs exact</b>: every record committed exactly once"
         else:
-            verdict = (f"<b>No record applied twice</b>: {exact} complete epoch{'s' if exact != 1 else ''} exact; "
-                       f"the job stopped in epoch {esc(rows[-1].get('epoch', len(rows) - 1))}, which is incomplete")
-        verdict += (f"; {requeued} records requeued after {lost_workers} worker loss{'es' if lost_workers != 1 else ''}"
-                    if requeued else "") + "."
+            verdict = (
+                f"<b>No record applied twice</b>: {exact} complete epoch{'s' if exact != 1 else ''} exact; "
+                f"the job stopped in epoch {esc(rows[-1].get('epoch', len(rows) - 1))}, which is incomplete"
+            )
+        verdict += (
+            f"; {requeued} records requeued after {lost_workers} worker loss{'es' if lost_workers != 1 else ''}"
+            if requeued
+            else ""
+        ) + "."
     else:
         verdict = "No epoch was committed."
     body = []
@@ -458,14 +566,20 @@ def _ledger(summary: dict) -> str:
         body.append(
             f'<tr class="{"bad" if state == "NOT exact" else "ok"}"><td>{esc(r.get("epoch", i))}</td><td>{records}</td>'
             f'<td><span class="bar"><span style="width:{width:.1f}%"></span></span> {committed}</td>'
-            f'<td>{max(0, records - committed)}</td><td>{_int(r.get("double_applied"))}</td>'
-            f'<td>{_int(r.get("requeued"))}</td><td>{state}</td></tr>')
-    table = ('<table id="ledger"><thead><tr><th>epoch</th><th>records</th><th>committed</th><th>not committed</th>'
-             '<th>applied twice</th><th>requeued after a loss</th><th></th></tr></thead><tbody>'
-             + "".join(body) + "</tbody></table>")
+            f"<td>{max(0, records - committed)}</td><td>{_int(r.get('double_applied'))}</td>"
+            f"<td>{_int(r.get('requeued'))}</td><td>{state}</td></tr>"
+        )
+    table = (
+        '<table id="ledger"><thead><tr><th>epoch</th><th>records</th><th>committed</th><th>not committed</th>'
+        "<th>applied twice</th><th>requeued after a loss</th><th></th></tr></thead><tbody>"
+        + "".join(body)
+        + "</tbody></table>"
+    )
     is_open = " open" if len(rows) <= 12 or bad else ""
-    return (f'<p id="ledger-verdict">{verdict}</p>{ledger_chart(rows, _finished(summary))}'
-            f'<details{is_open}><summary>Per-epoch table ({len(rows)} epochs)</summary>{table}</details>')
+    return (
+        f'<p id="ledger-verdict">{verdict}</p>{ledger_chart(rows, _finished(summary))}'
+        f"<details{is_open}><summary>Per-epoch table ({len(rows)} epochs)</summary>{table}</details>"
+    )
 
 
 def _audit(summary: dict) -> str:
@@ -476,8 +590,10 @@ def _audit(summary: dict) -> str:
     rows = _rows(audit, "epochs")
     verdict = str(audit.get("verdict"))
     if verdict == "exact":
-        head = (f"<b>Exact</b>: every record of all {len(rows)} epochs was applied exactly once, "
-                f"{esc(audit.get('where', ''))}.")
+        head = (
+            f"<b>Exact</b>: every record of all {len(rows)} epochs was applied exactly once, "
+            f"{esc(audit.get('where', ''))}."
+        )
     elif verdict == "violated":
         head = '<b class="bad">VIOLATED</b>: see the epochs marked below.'
         if _int(audit.get("records_outside_the_data")):
@@ -486,36 +602,47 @@ def _audit(summary: dict) -> str:
         head = f"Unavailable: {esc(audit.get('reason', ''))}."
     body = "".join(
         f'<tr class="{"ok" if _int(r.get("applied_once")) == _int(r.get("records")) else "bad"}">'
-        f'<td>{esc(r.get("epoch", i))}</td><td>{_int(r.get("records"))}</td><td>{_int(r.get("applied_once"))}</td>'
-        f'<td>{_int(r.get("never"))}</td><td>{_int(r.get("more_than_once"))}</td>'
-        f'<td>{_int(r.get("shards_disagree"))}</td></tr>' for i, r in enumerate(rows))
-    table = ('<table id="audit"><thead><tr><th>epoch</th><th>records</th><th>applied once</th><th>never</th>'
-             '<th>more than once</th><th>shards disagree</th></tr></thead><tbody>' + body + "</tbody></table>")
+        f"<td>{esc(r.get('epoch', i))}</td><td>{_int(r.get('records'))}</td><td>{_int(r.get('applied_once'))}</td>"
+        f"<td>{_int(r.get('never'))}</td><td>{_int(r.get('more_than_once'))}</td>"
+        f"<td>{_int(r.get('shards_disagree'))}</td></tr>"
+        for i, r in enumerate(rows)
+    )
+    table = (
+        '<table id="audit"><thead><tr><th>epoch</th><th>records</th><th>applied once</th><th>never</th>'
+        "<th>more than once</th><th>shards disagree</th></tr></thead><tbody>" + body + "</tbody></table>"
+    )
     is_open = " open" if len(rows) <= 12 or verdict != "exact" else ""
-    return (f'<p id="audit-verdict">{head}</p>'
-            f'<details{is_open}><summary>Per-epoch audit ({len(rows)} epochs)</summary>{table}</details>')
+    return (
+        f'<p id="audit-verdict">{head}</p>'
+        f"<details{is_open}><summary>Per-epoch audit ({len(rows)} epochs)</summary>{table}</details>"
+    )
 
 
 def _recovery(summary: dict) -> str:
     rec, w, ledger = _dict(summary, "recovery"), _dict(summary, "workers"), _dict(summary, "ledger")
     lat = [v for v in (num(x) for x in rec.get("requeue_latency_s", []) or []) if v is not None]
     first = [v for v in (num(x) for x in rec.get("first_commit_after_loss_s", []) or []) if v is not None]
-    facts = [("workers lost / relaunched", f"{_int(w.get('lost'))} / {_int(w.get('relaunched'))}"),
-             ("most workers training at once", str(_int(w.get("max_alive")))),
-             ("loss → its remainder requeued", ", ".join(f"{v * 1000:.1f} ms" for v in lat)
-              or "– (no lease was cut short)"),
-             ("loss → the replacement's first commit", ", ".join(f"{v:.2f} s" for v in first) or "–"),
-             ("records applied twice", str(sum(_int(r.get("double_applied")) for r in _rows(ledger, "epochs")))),
-             ("duplicate pushes suppressed by the parameter servers",
-              str(_int(ledger.get("duplicate_pushes_suppressed"))))]
+    facts = [
+        ("workers lost / relaunched", f"{_int(w.get('lost'))} / {_int(w.get('relaunched'))}"),
+        ("most workers training at once", str(_int(w.get("max_alive")))),
+        ("loss → its remainder requeued", ", ".join(f"{v * 1000:.1f} ms" for v in lat) or "– (no lease was cut short)"),
+        ("loss → the replacement's first commit", ", ".join(f"{v:.2f} s" for v in first) or "–"),
+        ("records applied twice", str(sum(_int(r.get("double_applied")) for r in _rows(ledger, "epochs")))),
+        ("duplicate pushes suppressed by the parameter servers", str(_int(ledger.get("duplicate_pushes_suppressed")))),
+    ]
     out = "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in facts) + "</dl>"
     ps = _rows(summary, "ps")
     if ps:
-        out += ('<table id="ps"><thead><tr><th>PS shard</th><th>pushes applied</th><th>duplicates skipped</th>'
-                '<th>dense parameters</th></tr></thead><tbody>' + "".join(
-                    f'<tr><td>{esc(p.get("shard", i))}</td><td>{_int(p.get("pushes_applied"))}</td>'
-                    f'<td>{_int(p.get("pushes_skipped"))}</td><td>{_int(p.get("dense_parameters")):,}</td></tr>'
-                    for i, p in enumerate(ps)) + "</tbody></table>")
+        out += (
+            '<table id="ps"><thead><tr><th>PS shard</th><th>pushes applied</th><th>duplicates skipped</th>'
+            "<th>dense parameters</th></tr></thead><tbody>"
+            + "".join(
+                f"<tr><td>{esc(p.get('shard', i))}</td><td>{_int(p.get('pushes_applied'))}</td>"
+                f"<td>{_int(p.get('pushes_skipped'))}</td><td>{_int(p.get('dense_parameters')):,}</td></tr>"
+                for i, p in enumerate(ps)
+            )
+            + "</tbody></table>"
+        )
     return out
 
 
@@ -563,8 +690,11 @@ def render_report(summary: dict) -> str:
     history = _rows(summary, "eval_history")
     final = _dict(summary, "eval")
     eval_series = [(n, EVAL_COLOURS[i % len(EVAL_COLOURS)], _series(history, n)) for i, n in enumerate(names)]
-    dots = [(axis.t_end, num(final[n]), EVAL_COLOURS[i % len(EVAL_COLOURS)], f"final {n} {num(final[n]):.4f}")
-            for i, n in enumerate(names) if num(final.get(n)) is not None]
+    dots = [
+        (axis.t_end, num(final[n]), EVAL_COLOURS[i % len(EVAL_COLOURS)], f"final {n} {num(final[n]):.4f}")
+        for i, n in enumerate(names)
+        if num(final.get(n)) is not None
+    ]
     bounded = all(0.0 <= v <= 1.0 for _, _, pts in eval_series for _, v in pts) and all(0 <= d[1] <= 1 for d in dots)
 
     rate = throughput_series(samples)
@@ -575,18 +705,45 @@ def render_report(summary: dict) -> str:
     max_workers = num(_dict(summary, "config").get("max_workers"))
 
     charts = [
-        time_chart("chart-loss", "Training loss (moving average over reported minibatches)", axis,
-                   [("loss", LOSS, _series(samples, "loss"))], "loss", startup=startup),
-        time_chart("chart-eval",
-                   "Evaluation on held-out data before training, after each epoch, and the final evaluation", axis,
-                   eval_series, " / ".join(names), dots=dots, startup=startup, y_max=1.0 if bounded else None,
-                   legend=len(names) > 1, points=True),
-        time_chart("chart-throughput", "Throughput: records committed per second", axis,
-                   [("records/s", RATE, rate)], "records/s", startup=startup,
-                   hlines=[(overall, "#a0522d", f"whole job: {overall:,.0f} records/s")] if overall else []),
-        time_chart("chart-workers", "Workers training (red: lost or ended early; green: relaunched worker rejoined)",
-                   axis, [("workers", ALIVE, alive)], "workers", step=True, startup=startup,
-                   hlines=[(max_workers, "#888", f"max_workers {max_workers:.0f}")] if max_workers else []),
+        time_chart(
+            "chart-loss",
+            "Training loss (moving average over reported minibatches)",
+            axis,
+            [("loss", LOSS, _series(samples, "loss"))],
+            "loss",
+            startup=startup,
+        ),
+        time_chart(
+            "chart-eval",
+            "Evaluation on held-out data before training, after each epoch, and the final evaluation",
+            axis,
+            eval_series,
+            " / ".join(names),
+            dots=dots,
+            startup=startup,
+            y_max=1.0 if bounded else None,
+            legend=len(names) > 1,
+            points=True,
+        ),
+        time_chart(
+            "chart-throughput",
+            "Throughput: records committed per second",
+            axis,
+            [("records/s", RATE, rate)],
+            "records/s",
+            startup=startup,
+            hlines=[(overall, "#a0522d", f"whole job: {overall:,.0f} records/s")] if overall else [],
+        ),
+        time_chart(
+            "chart-workers",
+            "Workers training (red: lost or ended early; green: relaunched worker rejoined)",
+            axis,
+            [("workers", ALIVE, alive)],
+            "workers",
+            step=True,
+            startup=startup,
+            hlines=[(max_workers, "#888", f"max_workers {max_workers:.0f}")] if max_workers else [],
+        ),
     ]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

@@ -12,18 +12,19 @@ Adding a parameter: one `Param` below (a training parameter also needs its Train
 the code that reads it; a KFP surface, its argument in the signature), then `elastic-step compile`,
 which regenerates the YAMLs and docs/parameters.md (a test fails while they are stale).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
 # Surfaces: where a parameter is exposed.
-CONFIG = "config"         # a field of TrainConfig, the master's validated configuration
-TRAIN = "train"           # `elastic-step train`
-RUN = "run"               # `elastic-step pipeline run` (the pipeline on this machine, through kfp.local)
-PIPELINE = "pipeline"     # the KFP pipeline train_eval, the Argo WorkflowTemplate and `elastic-step schedule create`
-COMPONENT = "component"   # the KFP component(s) of each of its steps (e.g. elastic_train_op, elastic_train_uri_op)
-V1 = "v1"                 # the v1 (Elyra) component of each of its steps, which runs the CLI
+CONFIG = "config"  # a field of TrainConfig, the master's validated configuration
+TRAIN = "train"  # `elastic-step train`
+RUN = "run"  # `elastic-step pipeline run` (the pipeline on this machine, through kfp.local)
+PIPELINE = "pipeline"  # the KFP pipeline train_eval, the Argo WorkflowTemplate and `elastic-step schedule create`
+COMPONENT = "component"  # the KFP component(s) of each of its steps (e.g. elastic_train_op, elastic_train_uri_op)
+V1 = "v1"  # the v1 (Elyra) component of each of its steps, which runs the CLI
 SURFACES = {TRAIN: "train", RUN: "run", PIPELINE: "pipeline", COMPONENT: "component", V1: "v1", CONFIG: "config"}
 
 # The pipeline's steps; each is a component folder (components/<step>/) and a step of the Argo template.
@@ -35,24 +36,24 @@ class _Required:
         return "REQUIRED"
 
 
-REQUIRED = _Required()   # the default of a parameter that has none: it must be given
+REQUIRED = _Required()  # the default of a parameter that has none: it must be given
 
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    name: str                   # Python, KFP and TrainConfig name; Argo's is the same with dashes
-    type: type                  # int, float or str
-    default: object             # REQUIRED, or a value of `type` (None: not given)
-    help: str                   # one text for every surface: the CLI's help, Argo's and v1's descriptions, the docs
-    on: frozenset[str]          # the surfaces (above)
-    steps: tuple[str, ...] = ()   # the pipeline steps that take it (their components, Argo step and v1 component)
-    flag: str = ""              # the CLI flag; empty: --<name with dashes>
-    aliases: tuple[str, ...] = ()   # other flags that still work
-    choices: tuple[str, ...] = ()   # the values it takes (checked by argparse, unless checked_by_config)
-    checked_by_config: bool = False   # TrainConfig.validate checks the value and words the error itself
+    name: str  # Python, KFP and TrainConfig name; Argo's is the same with dashes
+    type: type  # int, float or str
+    default: object  # REQUIRED, or a value of `type` (None: not given)
+    help: str  # one text for every surface: the CLI's help, Argo's and v1's descriptions, the docs
+    on: frozenset[str]  # the surfaces (above)
+    steps: tuple[str, ...] = ()  # the pipeline steps that take it (their components, Argo step and v1 component)
+    flag: str = ""  # the CLI flag; empty: --<name with dashes>
+    aliases: tuple[str, ...] = ()  # other flags that still work
+    choices: tuple[str, ...] = ()  # the values it takes (checked by argparse, unless checked_by_config)
+    checked_by_config: bool = False  # TrainConfig.validate checks the value and words the error itself
     metavar: str | None = None
-    empty_is_a_value: bool = False   # an empty string means something (not "unset"): see is_unset
-    cli_required: bool | None = None   # None: required on the CLI when it has no default
+    empty_is_a_value: bool = False  # an empty string means something (not "unset"): see is_unset
+    cli_required: bool | None = None  # None: required on the CLI when it has no default
 
     @property
     def cli_flag(self) -> str:
@@ -71,87 +72,242 @@ def _on(*surfaces: str) -> frozenset[str]:
     return frozenset(surfaces)
 
 
-# A training parameter everywhere: the master's config, `train`, the pipeline, its training component(s) and v1 component.
+# A training parameter everywhere: the master's config, `train`, the pipeline, its training component(s) and its
+# v1 component.
 _TRAINING = (CONFIG, TRAIN, PIPELINE, COMPONENT, V1)
 
 PARAMS: tuple[Param, ...] = (
     # ---------------------------------------------------------------- data
-    Param("source_uri", str, REQUIRED, "training data: CSV, Parquet or JSON lines; a file, folder or glob, any fsspec "
-          "URI", _on(RUN, PIPELINE, COMPONENT, V1), (DATA_PREP,), flag="--source"),
-    Param("model_def", str, REQUIRED, "the model: an importable module path (pkg.module), or a path/URI of a .py "
-          "file", _on(*_TRAINING, RUN), (ELASTIC_TRAIN, EVALUATE)),
+    Param(
+        "source_uri",
+        str,
+        REQUIRED,
+        "training data: CSV, Parquet or JSON lines; a file, folder or glob, any fsspec URI",
+        _on(RUN, PIPELINE, COMPONENT, V1),
+        (DATA_PREP,),
+        flag="--source",
+    ),
+    Param(
+        "model_def",
+        str,
+        REQUIRED,
+        "the model: an importable module path (pkg.module), or a path/URI of a .py file",
+        _on(*_TRAINING, RUN),
+        (ELASTIC_TRAIN, EVALUATE),
+    ),
     Param("train_data", str, REQUIRED, "train manifest.json (or its folder)", _on(CONFIG, TRAIN), cli_required=False),
     Param("eval_data", str, None, "eval manifest.json (or its folder)", _on(CONFIG, TRAIN)),
-    Param("output", str, REQUIRED, "`train`: the folder for model.keras, saved_model/, summary.json, report.html "
-          "(local, gs://, s3://); `pipeline run`: the folder whose pipeline_root/ gets every artifact",
-          _on(CONFIG, TRAIN, RUN)),
+    Param(
+        "output",
+        str,
+        REQUIRED,
+        "`train`: the folder for model.keras, saved_model/, summary.json, report.html "
+        "(local, gs://, s3://); `pipeline run`: the folder whose pipeline_root/ gets every artifact",
+        _on(CONFIG, TRAIN, RUN),
+    ),
     Param("label", str, "label", "the label column", _on(RUN, PIPELINE, COMPONENT, V1), (DATA_PREP,)),
-    Param("eval_fraction", float, 0.2, "share of the rows held out for evaluation", _on(RUN, PIPELINE, COMPONENT, V1),
-          (DATA_PREP,)),
+    Param(
+        "eval_fraction",
+        float,
+        0.2,
+        "share of the rows held out for evaluation",
+        _on(RUN, PIPELINE, COMPONENT, V1),
+        (DATA_PREP,),
+    ),
     Param("shard_rows", int, 50000, "rows per Parquet shard", _on(COMPONENT, V1), (DATA_PREP,)),
-    Param("on_bad_rows", str, "fail", "a row that does not parse: fail, or skip it (counted)", _on(V1), (DATA_PREP,),
-          choices=("fail", "skip")),
+    Param(
+        "on_bad_rows",
+        str,
+        "fail",
+        "a row that does not parse: fail, or skip it (counted)",
+        _on(V1),
+        (DATA_PREP,),
+        choices=("fail", "skip"),
+    ),
     Param("seed", int, 0, "seed of the split and of training", _on(*_TRAINING, RUN), (DATA_PREP, ELASTIC_TRAIN)),
     # ---------------------------------------------------------------- training
     Param("epochs", int, 1, "passes over the training data", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
     Param("minibatch_size", int, 64, "records per minibatch", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
     Param("records_per_task", int, 512, "records per task leased to a worker", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
-    Param("min_workers", int, 1, "training starts once this many workers run", _on(*_TRAINING, RUN),
-          (ELASTIC_TRAIN,)),
-    Param("max_workers", int, 2, "workers asked for; pending ones join when the scheduler finds room",
-          _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
+    Param("min_workers", int, 1, "training starts once this many workers run", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
+    Param(
+        "max_workers",
+        int,
+        2,
+        "workers asked for; pending ones join when the scheduler finds room",
+        _on(*_TRAINING, RUN),
+        (ELASTIC_TRAIN,),
+    ),
     Param("num_ps", int, 1, "parameter server shards (strategy ps)", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
-    Param("strategy", str, "ps", "ps: asynchronous SGD with parameter servers; allreduce: synchronous SGD, an elastic "
-          "ring AllReduce between the workers, no parameter servers", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,),
-          choices=("ps", "allreduce"), checked_by_config=True),
-    Param("global_batch", str, "scaled", "allreduce: scaled (world x minibatch, the learning rate scaled by "
-          "world/max-workers) or fixed (max-workers x minibatch, kept by gradient accumulation)",
-          _on(*_TRAINING, RUN), (ELASTIC_TRAIN,), choices=("scaled", "fixed")),
-    Param("pushes_in_flight", int, 1, "ps: pushes each worker keeps in flight. 1: a lone worker trains as Keras fit "
-          "does. 2: its step overlaps the PS's update (a lone digits-MLP worker ran about 25% faster), each gradient "
-          "one update stale", _on(CONFIG, TRAIN)),
-    Param("minibatches_per_push", int, 1, "ps: each push carries the mean gradient of K minibatches computed at the "
-          "same values, as Keras's gradient_accumulation_steps=K applies them: K times fewer updates of the PS per "
-          "epoch, and fewer round trips for a small model. 1: one minibatch per push", _on(CONFIG, TRAIN),
-          metavar="K"),
-    Param("backend", str, "auto", "auto: kubernetes when this step runs in a pod whose service account holds the "
-          "Role's verbs, else local (the log says which and why); local: workers and parameter servers are "
-          "processes of the step; kubernetes: they are pods in the step's namespace", _on(*_TRAINING),
-          (ELASTIC_TRAIN,), choices=("auto", "local", "kubernetes"), checked_by_config=True,
-          metavar="{auto,local,kubernetes}"),
-    Param("job_id", str, "", "stable id of the job: names its pods and its checkpoints' folder, and a retried step "
-          "that reuses it resumes the job and takes over its pods (empty: a new id)", _on(CONFIG, TRAIN, COMPONENT),
-          (ELASTIC_TRAIN,)),
-    Param("worker_image", str, "", "kubernetes: image of the worker and parameter server pods (empty: the runtime "
-          "image)", _on(*_TRAINING), (ELASTIC_TRAIN,), aliases=("--image",)),
-    Param("worker_cpu", str, "1", "kubernetes: CPU of each worker pod, requests = limits, e.g. 1 or 500m (empty: "
-          "none)", _on(*_TRAINING), (ELASTIC_TRAIN,), empty_is_a_value=True),
-    Param("worker_memory", str, "2Gi", "kubernetes: memory of each worker pod, requests = limits, e.g. 2Gi (empty: "
-          "none)", _on(*_TRAINING), (ELASTIC_TRAIN,), empty_is_a_value=True),
-    Param("worker_priority_class", str, "", "kubernetes: PriorityClass of the worker pods (empty: elastic-low when "
-          "it exists)", _on(*_TRAINING), (ELASTIC_TRAIN,)),
-    Param("ps_priority_class", str, "", "kubernetes: PriorityClass of the parameter server pods (empty: elastic-high "
-          "when it exists)", _on(*_TRAINING), (ELASTIC_TRAIN,)),
-    Param("max_relaunches", int, 20, "relaunches of lost workers and parameter servers per job: a crash loop fails "
-          "the job instead of spinning", _on(CONFIG)),
-    Param("progress", str, "auto", "how training shows its progress on stderr", _on(CONFIG, TRAIN),
-          choices=("auto", "bar", "lines", "off")),
+    Param(
+        "strategy",
+        str,
+        "ps",
+        "ps: asynchronous SGD with parameter servers; allreduce: synchronous SGD, an elastic "
+        "ring AllReduce between the workers, no parameter servers",
+        _on(*_TRAINING, RUN),
+        (ELASTIC_TRAIN,),
+        choices=("ps", "allreduce"),
+        checked_by_config=True,
+    ),
+    Param(
+        "global_batch",
+        str,
+        "scaled",
+        "allreduce: scaled (world x minibatch, the learning rate scaled by "
+        "world/max-workers) or fixed (max-workers x minibatch, kept by gradient accumulation)",
+        _on(*_TRAINING, RUN),
+        (ELASTIC_TRAIN,),
+        choices=("scaled", "fixed"),
+    ),
+    Param(
+        "pushes_in_flight",
+        int,
+        1,
+        "ps: pushes each worker keeps in flight. 1: a lone worker trains as Keras fit "
+        "does. 2: its step overlaps the PS's update (a lone digits-MLP worker ran about 25% faster), each gradient "
+        "one update stale",
+        _on(CONFIG, TRAIN),
+    ),
+    Param(
+        "minibatches_per_push",
+        int,
+        1,
+        "ps: each push carries the mean gradient of K minibatches computed at the "
+        "same values, as Keras's gradient_accumulation_steps=K applies them: K times fewer updates of the PS per "
+        "epoch, and fewer round trips for a small model. 1: one minibatch per push",
+        _on(CONFIG, TRAIN),
+        metavar="K",
+    ),
+    Param(
+        "backend",
+        str,
+        "auto",
+        "auto: kubernetes when this step runs in a pod whose service account holds the "
+        "Role's verbs, else local (the log says which and why); local: workers and parameter servers are "
+        "processes of the step; kubernetes: they are pods in the step's namespace",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        choices=("auto", "local", "kubernetes"),
+        checked_by_config=True,
+        metavar="{auto,local,kubernetes}",
+    ),
+    Param(
+        "job_id",
+        str,
+        "",
+        "stable id of the job: names its pods and its checkpoints' folder, and a retried step "
+        "that reuses it resumes the job and takes over its pods (empty: a new id)",
+        _on(CONFIG, TRAIN, COMPONENT),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "worker_image",
+        str,
+        "",
+        "kubernetes: image of the worker and parameter server pods (empty: the runtime image)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        aliases=("--image",),
+    ),
+    Param(
+        "worker_cpu",
+        str,
+        "1",
+        "kubernetes: CPU of each worker pod, requests = limits, e.g. 1 or 500m (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        empty_is_a_value=True,
+    ),
+    Param(
+        "worker_memory",
+        str,
+        "2Gi",
+        "kubernetes: memory of each worker pod, requests = limits, e.g. 2Gi (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        empty_is_a_value=True,
+    ),
+    Param(
+        "worker_priority_class",
+        str,
+        "",
+        "kubernetes: PriorityClass of the worker pods (empty: elastic-low when it exists)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "ps_priority_class",
+        str,
+        "",
+        "kubernetes: PriorityClass of the parameter server pods (empty: elastic-high when it exists)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "max_relaunches",
+        int,
+        20,
+        "relaunches of lost workers and parameter servers per job: a crash loop fails the job instead of spinning",
+        _on(CONFIG),
+    ),
+    Param(
+        "progress",
+        str,
+        "auto",
+        "how training shows its progress on stderr",
+        _on(CONFIG, TRAIN),
+        choices=("auto", "bar", "lines", "off"),
+    ),
     # ---------------------------------------------------------------- checkpoints
-    Param("checkpoint_uri", str, "", "where the job's checkpoints go, as CHECKPOINT_URI/<job id>/ (any fsspec URI: "
-          "a bucket, so that a step retried in a new pod resumes); empty: OUTPUT/checkpoints/<job id>/, which lasts "
-          "as long as the output does", _on(*_TRAINING), (ELASTIC_TRAIN,), metavar="URI"),
-    Param("checkpoint_every", str, "60s", "cut a checkpoint of the parameter servers (or the allreduce members) and "
-          "the ledger every INTERVAL: a time (60s, 5m) or a number of committed records (50000); 0: never",
-          _on(*_TRAINING), (ELASTIC_TRAIN,), metavar="INTERVAL"),
-    Param("resume", str, "auto", "auto: resume from this job's last checkpoint when there is one (a retried step); "
-          "never: start over", _on(CONFIG, TRAIN), choices=("auto", "never")),
+    Param(
+        "checkpoint_uri",
+        str,
+        "",
+        "where the job's checkpoints go, as CHECKPOINT_URI/<job id>/ (any fsspec URI: "
+        "a bucket, so that a step retried in a new pod resumes); empty: OUTPUT/checkpoints/<job id>/, which lasts "
+        "as long as the output does",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        metavar="URI",
+    ),
+    Param(
+        "checkpoint_every",
+        str,
+        "60s",
+        "cut a checkpoint of the parameter servers (or the allreduce members) and "
+        "the ledger every INTERVAL: a time (60s, 5m) or a number of committed records (50000); 0: never",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        metavar="INTERVAL",
+    ),
+    Param(
+        "resume",
+        str,
+        "auto",
+        "auto: resume from this job's last checkpoint when there is one (a retried step); never: start over",
+        _on(CONFIG, TRAIN),
+        choices=("auto", "never"),
+    ),
     # ---------------------------------------------------------------- evaluation and publishing
-    Param("threshold", float, 0.9, "the gate: the model is published only when its metric is at least this",
-          _on(RUN, PIPELINE, COMPONENT, V1), (EVALUATE,)),
-    Param("metric", str, "accuracy", "the eval metric the gate compares", _on(RUN, PIPELINE, COMPONENT, V1),
-          (EVALUATE,)),
-    Param("publish_uri", str, "", "where a model that passes the gate is copied (a folder URI; empty: nowhere)",
-          _on(RUN, PIPELINE)),
+    Param(
+        "threshold",
+        float,
+        0.9,
+        "the gate: the model is published only when its metric is at least this",
+        _on(RUN, PIPELINE, COMPONENT, V1),
+        (EVALUATE,),
+    ),
+    Param(
+        "metric", str, "accuracy", "the eval metric the gate compares", _on(RUN, PIPELINE, COMPONENT, V1), (EVALUATE,)
+    ),
+    Param(
+        "publish_uri",
+        str,
+        "",
+        "where a model that passes the gate is copied (a folder URI; empty: nowhere)",
+        _on(RUN, PIPELINE),
+    ),
 )
 
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
@@ -221,7 +377,7 @@ def reference_markdown() -> str:
         "(components/<step>/component.yaml) of the steps named;",
         "- **config**: the master's configuration, `elastic_step.master.api.TrainConfig`.",
         "",
-        "A default is the same on every surface. In a pipeline, an empty string is \"not set\" (the default), "
+        'A default is the same on every surface. In a pipeline, an empty string is "not set" (the default), '
         "except where the meaning says what empty does.",
         "",
         "| parameter | CLI flag | type | default | meaning | surfaces | steps |",
@@ -232,9 +388,15 @@ def reference_markdown() -> str:
         flags = ", ".join(f"`{f}`" for f in (p.cli_flag, *p.aliases)) if cli else ""
         surfaces = ", ".join(SURFACES[s] for s in SURFACES if s in p.on)
         choices = f" One of {', '.join(f'`{c}`' for c in p.choices)}." if p.choices else ""
-        lines.append(f"| `{p.name}` | {flags} | {p.type.__name__} | {_literal(p.default)} | "
-                     f"{p.help.replace('|', '/')}.{choices} | {surfaces} | {', '.join(p.steps)} |")
-    lines += ["", "Adding a parameter: one `Param` in elastic_step/spec.py (a training parameter also needs its "
-              "TrainConfig field, a KFP surface its argument in the signature), then `elastic-step compile`; "
-              "tests/unit/test_spec.py checks the signatures and TrainConfig against the spec.", ""]
+        lines.append(
+            f"| `{p.name}` | {flags} | {p.type.__name__} | {_literal(p.default)} | "
+            f"{p.help.replace('|', '/')}.{choices} | {surfaces} | {', '.join(p.steps)} |"
+        )
+    lines += [
+        "",
+        "Adding a parameter: one `Param` in elastic_step/spec.py (a training parameter also needs its "
+        "TrainConfig field, a KFP surface its argument in the signature), then `elastic-step compile`; "
+        "tests/unit/test_spec.py checks the signatures and TrainConfig against the spec.",
+        "",
+    ]
     return "\n".join(lines)

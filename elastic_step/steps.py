@@ -3,6 +3,7 @@
 The KFP components (components/ops.py), the Elyra/v1 components and the Argo templates (through the CLI)
 all call these, so a step behaves the same whichever orchestrator runs it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -18,39 +19,58 @@ import numpy as np
 from elastic_step.errors import ConfigError
 
 
-def prep_step(source_uri: str, train_dir: str, eval_dir: str, label: str = "", eval_fraction: float = 0.2,
-              seed: int = 0, shard_rows: int = 50_000) -> dict:
+def prep_step(
+    source_uri: str,
+    train_dir: str,
+    eval_dir: str,
+    label: str = "",
+    eval_fraction: float = 0.2,
+    seed: int = 0,
+    shard_rows: int = 50_000,
+) -> dict:
     """Prepare the source into two folders, each a manifest + its Parquet shards."""
     from elastic_step.data.prep import prepare
 
     with tempfile.TemporaryDirectory(prefix="elastic-step-prep-") as tmp:
-        r = prepare(source_uri, os.path.join(tmp, "out"), label=label or None, eval_fraction=eval_fraction,
-                    seed=seed, shard_rows=shard_rows)
+        r = prepare(
+            source_uri,
+            os.path.join(tmp, "out"),
+            label=label or None,
+            eval_fraction=eval_fraction,
+            seed=seed,
+            shard_rows=shard_rows,
+        )
         for split, dest in (("train", train_dir), ("eval", eval_dir)):
             shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(os.path.join(tmp, "out", split), dest)
-    return {"train_rows": r.train.total_rows, "eval_rows": r.eval.total_rows,
-            "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows, "columns": len(r.train.schema)}
+    return {
+        "train_rows": r.train.total_rows,
+        "eval_rows": r.eval.total_rows,
+        "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows,
+        "columns": len(r.train.schema),
+    }
 
 
-def train_step(train_data: str, eval_data: str, model_def: str, model_dir: str, report_path: str,
-               summary_path: str, **settings) -> dict:
+def train_step(
+    train_data: str, eval_data: str, model_def: str, model_dir: str, report_path: str, summary_path: str, **settings
+) -> dict:
     """Run the elastic training job; the model folder gets model.keras + saved_model/."""
     from elastic_step.master.api import TrainConfig
     from elastic_step.master.job import REPORT_FILE, SUMMARY_FILE, train
     from elastic_step.model_io import KERAS_FILE, SAVED_MODEL_DIR
-
     from elastic_step.spec import is_unset
 
     # Empty strings are how pipeline UIs say "not set" (but an empty worker_cpu asks for no request).
     settings = {k: v for k, v in settings.items() if not is_unset(k, v)}
     with tempfile.TemporaryDirectory(prefix="elastic-step-train-") as out:
-        summary = train(TrainConfig(model_def=model_def, train_data=train_data, eval_data=eval_data, output=out,
-                                    **settings))
+        summary = train(
+            TrainConfig(model_def=model_def, train_data=train_data, eval_data=eval_data, output=out, **settings)
+        )
         os.makedirs(model_dir, exist_ok=True)
         shutil.copy(os.path.join(out, KERAS_FILE), os.path.join(model_dir, KERAS_FILE))
-        shutil.copytree(os.path.join(out, SAVED_MODEL_DIR), os.path.join(model_dir, SAVED_MODEL_DIR),
-                        dirs_exist_ok=True)
+        shutil.copytree(
+            os.path.join(out, SAVED_MODEL_DIR), os.path.join(model_dir, SAVED_MODEL_DIR), dirs_exist_ok=True
+        )
         shutil.copy(os.path.join(out, REPORT_FILE), report_path)
         shutil.copy(os.path.join(out, SUMMARY_FILE), summary_path)
     return summary
@@ -88,8 +108,9 @@ def step_job_id(job_id: str = "", run_id: str = "", task_name: str = "", anchor:
     return f"{readable or 'es'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def evaluate_step(model_uri: str, eval_data: str, model_def: str, metric: str = "accuracy",
-                  threshold: float = 0.9) -> dict:
+def evaluate_step(
+    model_uri: str, eval_data: str, model_def: str, metric: str = "accuracy", threshold: float = 0.9
+) -> dict:
     """Evaluate a trained model and decide the gate: {"score", "passed", "metrics", "confusion"}."""
     from elastic_step.data.api import load_manifest
     from elastic_step.evaluation import evaluate
@@ -99,12 +120,18 @@ def evaluate_step(model_uri: str, eval_data: str, model_def: str, metric: str = 
     md = load_model_def(model_def)
     r = evaluate(load_model(model_uri), md, load_manifest(eval_data), keep_predictions=True)
     if metric not in r:
-        raise ConfigError(f"The gate metric {metric!r} is not computed: eval_metrics() of {model_def!r} gives "
-                          f"{sorted(k for k in r if k not in ('labels', 'predictions', 'records'))}.")
+        raise ConfigError(
+            f"The gate metric {metric!r} is not computed: eval_metrics() of {model_def!r} gives "
+            f"{sorted(k for k in r if k not in ('labels', 'predictions', 'records'))}."
+        )
     labels, preds = r.pop("labels"), r.pop("predictions")
     score = float(r[metric])
-    return {"score": score, "passed": bool(score >= threshold), "metrics": r,
-            "confusion": confusion_matrix(labels, preds)}
+    return {
+        "score": score,
+        "passed": bool(score >= threshold),
+        "metrics": r,
+        "confusion": confusion_matrix(labels, preds),
+    }
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray) -> dict | None:
@@ -141,8 +168,7 @@ def publish_step(model_dir: str, publish_uri: str, passed: bool) -> str:
     except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph
         raise ConfigError(explain(model_dir, e, "read the model to publish from")) from None
     if not found:
-        raise ConfigError(f"No {KERAS_FILE} in {model_dir}: pass the folder the training step wrote its "
-                          "model to.")
+        raise ConfigError(f"No {KERAS_FILE} in {model_dir}: pass the folder the training step wrote its model to.")
     try:
         copy_folder(model_dir, publish_uri, last=KERAS_FILE)
     except Exception as e:  # noqa: BLE001 - any storage error: one clear paragraph

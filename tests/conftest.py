@@ -1,5 +1,6 @@
 """Put the repository root on sys.path, so tests import `samples.*` (and the package) from the checkout;
 the prepared data sets the integration and parity tests share."""
+
 import os
 import sys
 
@@ -14,17 +15,18 @@ import pytest  # noqa: E402
 # it builds them in the background while the rest of the suite runs, and these wait on the builds' locks.
 # The first test of each group may wait for a whole cold build (minutes alone, more on a busy machine):
 # its timeout allows for that.
-NEEDS_GO_BUILDS = (("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
-                   ("tests/kubernetes/",))                                                     # control plane
+NEEDS_GO_BUILDS = (
+    ("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
+    ("tests/kubernetes/",),
+)  # control plane
 BUILD_WAIT_S = 2700
 
 
-@pytest.hookimpl(tryfirst=True)        # before xdist reads the groups
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
     def builds_needed(item) -> int:
         path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
-        return next((len(NEEDS_GO_BUILDS) - i for i, paths in enumerate(NEEDS_GO_BUILDS)
-                     if path.startswith(paths)), 0)
+        return next((len(NEEDS_GO_BUILDS) - i for i, paths in enumerate(NEEDS_GO_BUILDS) if path.startswith(paths)), 0)
 
     # Under xdist (scripts/test: `--dist loadgroup`, groups handed out as queued), the tests that need
     # Go-built servers are one group, queued first and run in the builds' order on one worker: one control
@@ -34,7 +36,7 @@ def pytest_collection_modifyitems(session, config, items):
     if config.getoption("dist", default="no") == "loadgroup":
         items.sort(key=lambda item: (builds_needed(item) == 0, builds_needed(item)))
     else:
-        items.sort(key=builds_needed)     # stable: the order within each group stays as collected
+        items.sort(key=builds_needed)  # stable: the order within each group stays as collected
     for item in items:
         group = "go-built" if builds_needed(item) else os.path.relpath(str(item.fspath), ROOT)
         item.add_marker(pytest.mark.xdist_group(group))
@@ -50,6 +52,7 @@ def pytest_collection_modifyitems(session, config, items):
 def tally_data(tmp_path_factory):
     """The tally model's data (tests/models/tally.py), for the exactly-once witnesses."""
     from tests.models.witness import prepare_tally_data
+
     return prepare_tally_data(tmp_path_factory.mktemp("tally"))
 
 

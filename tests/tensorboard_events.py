@@ -1,4 +1,5 @@
 """Reading TensorBoard event files back with TensorFlow's own reader, for the tests."""
+
 from __future__ import annotations
 
 import pathlib

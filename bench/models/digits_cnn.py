@@ -3,6 +3,7 @@
 Same data and contract as samples/digits/model.py, but most of a step is convolution, as in
 the image models elastic-step targets, rather than per-step overhead.
 """
+
 from __future__ import annotations
 
 import keras

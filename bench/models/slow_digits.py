@@ -9,6 +9,7 @@ Pods inherit the kubelet's environment, so SIMULATED_STEP_MS must be set before 
 starts. A worker feeds a whole lease at once (on its loader thread, ahead of its steps), hence a
 delay per record: a lease of 128 records costs 4 steps' time before its minibatches train.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -26,7 +27,8 @@ RECORDS_PER_STEP = 32
 # this file: a model file may be served alone to the job's pods (master/input_server.py), away from its folder.
 _spec = importlib.util.spec_from_file_location(
     "elastic_step_slow_digits",
-    pathlib.Path(elastic_step.__file__).resolve().parents[1] / "samples" / "digits" / "model.py")
+    pathlib.Path(elastic_step.__file__).resolve().parents[1] / "samples" / "digits" / "model.py",
+)
 _digits = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_digits)
 

@@ -3,6 +3,7 @@
 The master never knows whether an instance is a subprocess or a pod. Implementations:
 `local.LocalBackend` (subprocesses; the embedded default) and `kubernetes.KubernetesBackend`.
 """
+
 from __future__ import annotations
 
 import abc
@@ -10,7 +11,7 @@ import dataclasses
 import enum
 import queue
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from elastic_step.errors import ConfigError
 
@@ -35,19 +36,20 @@ class InstanceId:
 @dataclasses.dataclass(frozen=True)
 class InstanceSpec:
     """What to run: the same command line whatever the backend."""
+
     id: InstanceId
-    argv: list[str]                       # e.g. [python, -m, elastic_step.worker, ...]
+    argv: list[str]  # e.g. [python, -m, elastic_step.worker, ...]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    cpu: str | None = None                # Kubernetes quantities, e.g. "1", "500m"
+    cpu: str | None = None  # Kubernetes quantities, e.g. "1", "500m"
     memory: str | None = None
     priority_class: str | None = None
 
 
 class EventKind(str, enum.Enum):
-    STARTED = "started"      # accepted by the backend (a pod may still be Pending)
-    RUNNING = "running"      # the process runs
-    EXITED = "exited"        # ended by itself; exit_code says how
-    LOST = "lost"            # killed, preempted or deleted from outside
+    STARTED = "started"  # accepted by the backend (a pod may still be Pending)
+    RUNNING = "running"  # the process runs
+    EXITED = "exited"  # ended by itself; exit_code says how
+    LOST = "lost"  # killed, preempted or deleted from outside
 
 
 @dataclasses.dataclass(frozen=True)

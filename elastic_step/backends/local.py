@@ -5,6 +5,7 @@ not after a heartbeat timeout. Logs go to one file per launch under `log_dir`. W
 package's own instances are forked from a preloader that has imported TensorFlow once (preloaded.py):
 a launch or relaunch then costs milliseconds, not seconds of CPU.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import subprocess
 import threading
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
-from elastic_step.backends.preloaded import Preloader, PreloadedProcess, preloadable
+from elastic_step.backends.preloaded import PreloadedProcess, Preloader, preloadable
 from elastic_step.util.process import PARENT_ENV
 
 
@@ -41,14 +42,18 @@ class LocalBackend(Backend):
                 proc = self._preloader.start(spec.argv, env, log_path)
             else:
                 with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(spec.argv, env=env,
-                                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)  # a Ctrl-C reaches the master only
+                    proc = subprocess.Popen(
+                        spec.argv,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )  # a Ctrl-C reaches the master only
             self._procs[spec.id] = proc
         self.emit(InstanceEvent(EventKind.STARTED, spec.id, detail=f"pid {proc.pid}"))
         self.emit(InstanceEvent(EventKind.RUNNING, spec.id, detail=f"pid {proc.pid}"))
-        threading.Thread(target=self._wait, args=(spec.id, proc), daemon=True,
-                         name=f"wait-{spec.id}").start()
+        threading.Thread(target=self._wait, args=(spec.id, proc), daemon=True, name=f"wait-{spec.id}").start()
 
     def _wait(self, inst: InstanceId, proc: subprocess.Popen) -> None:
         code = proc.wait()

@@ -16,6 +16,7 @@ with the preloader (util/process.py's die_with_parent, through PARENT_ENV).
 Protocol, one JSON object per line: the master writes {"id", "module", "args", "env", "log"}; the
 preloader answers {"id", "pid"} at the fork and {"pid", "returncode"} when that child ends.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,8 +29,15 @@ import threading
 from elastic_step.util.process import PARENT_ENV
 
 # What every worker and PS imports before its first line of work.
-PRELOAD = ("tensorflow", "keras", "numpy", "grpc", "elastic_step.instance", "elastic_step.master.client",
-           "elastic_step.model_def")
+PRELOAD = (
+    "tensorflow",
+    "keras",
+    "numpy",
+    "grpc",
+    "elastic_step.instance",
+    "elastic_step.master.client",
+    "elastic_step.model_def",
+)
 
 
 def preloadable(argv: list[str]) -> bool:
@@ -68,28 +76,36 @@ class Preloader:
 
     def __init__(self, log_path: str | os.PathLike):
         self._log = open(log_path, "ab")
-        self._proc = subprocess.Popen([sys.executable, "-m", "elastic_step.backends.preloaded"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                      env={**os.environ, PARENT_ENV: str(os.getpid())}, start_new_session=True)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "elastic_step.backends.preloaded"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, PARENT_ENV: str(os.getpid())},
+            start_new_session=True,
+        )
         self._ids = itertools.count()
         self._lock = threading.Lock()
-        self._forked: dict[int, list] = {}                 # request id -> [event, pid]
+        self._forked: dict[int, list] = {}  # request id -> [event, pid]
         self._children: dict[int, PreloadedProcess] = {}
         threading.Thread(target=self._read, daemon=True, name="preloader").start()
 
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def start(self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike,
-              timeout: float = 300.0) -> PreloadedProcess:
+    def start(
+        self, argv: list[str], env: dict[str, str], log_path: str | os.PathLike, timeout: float = 300.0
+    ) -> PreloadedProcess:
         """Fork `python -m MODULE ARGS` with `env` (its whole environment), output to `log_path`.
         The first call waits for the preloader's imports (seconds)."""
         rid = next(self._ids)
         forked = [threading.Event(), None]
         with self._lock:
             self._forked[rid] = forked
-            self._proc.stdin.write(json.dumps({"id": rid, "module": argv[2], "args": argv[3:], "env": env,
-                                               "log": str(log_path)}).encode() + b"\n")
+            self._proc.stdin.write(
+                json.dumps({"id": rid, "module": argv[2], "args": argv[3:], "env": env, "log": str(log_path)}).encode()
+                + b"\n"
+            )
             self._proc.stdin.flush()
         if not forked[0].wait(timeout) or forked[1] is None:
             raise RuntimeError(f"the local backend's preloader did not start {argv[2]} (see {self._log.name})")
@@ -119,7 +135,7 @@ class Preloader:
 
     def close(self) -> None:
         if self._proc.poll() is None:
-            self._proc.stdin.close()   # EOF: the preloader exits
+            self._proc.stdin.close()  # EOF: the preloader exits
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -168,7 +184,7 @@ def _serve() -> None:
                 continue
             data = os.read(requests, 1 << 16)
             if not data:
-                return   # the master is gone, or closed the backend
+                return  # the master is gone, or closed the backend
             pending += data
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -177,7 +193,7 @@ def _serve() -> None:
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for fd in (replies, wake_r, wake_w):   # `requests` is stdin: replaced below
+                    for fd in (replies, wake_r, wake_w):  # `requests` is stdin: replaced below
                         os.close(fd)
                     _run_instance(req)
                 reply({"id": req["id"], "pid": pid})
@@ -201,7 +217,7 @@ def _run_instance(req: dict) -> None:
     os.close(null)
     os.environ.clear()
     os.environ.update(req["env"])
-    os.environ[PARENT_ENV] = str(os.getppid())   # the preloader, which dies with the master
+    os.environ[PARENT_ENV] = str(os.getppid())  # the preloader, which dies with the master
     die_with_parent()
     sys.argv = [req["module"], *req["args"]]
     code = 0

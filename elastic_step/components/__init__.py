@@ -4,10 +4,19 @@ The components are defined in `ops` and imported lazily: a component's body runs
 KFP's runtime-only `kfp.dsl` (`_KFP_RUNTIME=true`, no `dsl.component`), and imports
 `elastic_step.components.outputs` from there, which must not pull the definitions in.
 """
+
 import importlib
 
-__all__ = ["BASE_IMAGE", "DEFAULT_IMAGE", "data_prep_op", "elastic_train_op", "elastic_train_uri_op",
-           "evaluate_op", "evaluate_uri_op", "publish_model_op"]
+__all__ = [
+    "BASE_IMAGE",
+    "DEFAULT_IMAGE",
+    "data_prep_op",
+    "elastic_train_op",
+    "elastic_train_uri_op",
+    "evaluate_op",
+    "evaluate_uri_op",
+    "publish_model_op",
+]
 
 
 def __getattr__(name: str):

@@ -31,29 +31,64 @@ BASE_IMAGE = os.environ.get("ELASTIC_STEP_IMAGE") or DEFAULT_IMAGE
 
 component = functools.partial(dsl.component, base_image=BASE_IMAGE, install_kfp_package=False)
 
+
 @component
-def data_prep_op(source_uri: str, train_data: Output[Dataset], eval_data: Output[Dataset], label: str = "label",
-                 eval_fraction: float = 0.2, seed: int = 0, shard_rows: int = 50000):
+def data_prep_op(
+    source_uri: str,
+    train_data: Output[Dataset],
+    eval_data: Output[Dataset],
+    label: str = "label",
+    eval_fraction: float = 0.2,
+    seed: int = 0,
+    shard_rows: int = 50000,
+):
     """CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards + a manifest per split
     (`label`: the label column; empty: none)."""
     from elastic_step.components.outputs import record_prep
     from elastic_step.steps import prep_step
 
-    info = prep_step(source_uri, train_data.path, eval_data.path, label=label, eval_fraction=eval_fraction,
-                     seed=seed, shard_rows=shard_rows)
+    info = prep_step(
+        source_uri,
+        train_data.path,
+        eval_data.path,
+        label=label,
+        eval_fraction=eval_fraction,
+        seed=seed,
+        shard_rows=shard_rows,
+    )
     record_prep(info, train_data, eval_data)
 
 
 @component
-def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], model_def: str,
-                     model: Output[Model], metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
-                     epochs: int = 1, minibatch_size: int = 64, records_per_task: int = 512,
-                     min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
-                     global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
-                     worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
-                     ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
-                     pipeline_task_name: str = "", checkpoint_uri: str = "",
-                     checkpoint_every: str = "60s"):
+def elastic_train_op(
+    train_data: Input[Dataset],
+    eval_data: Input[Dataset],
+    model_def: str,
+    model: Output[Model],
+    metrics: Output[Metrics],
+    report: Output[HTML],
+    summary: Output[Artifact],
+    epochs: int = 1,
+    minibatch_size: int = 64,
+    records_per_task: int = 512,
+    min_workers: int = 1,
+    max_workers: int = 2,
+    num_ps: int = 1,
+    strategy: str = "ps",
+    global_batch: str = "scaled",
+    backend: str = "auto",
+    worker_image: str = "",
+    worker_cpu: str = "1",
+    worker_memory: str = "2Gi",
+    worker_priority_class: str = "",
+    ps_priority_class: str = "",
+    seed: int = 0,
+    job_id: str = "",
+    pipeline_run_id: str = "",
+    pipeline_task_name: str = "",
+    checkpoint_uri: str = "",
+    checkpoint_every: str = "60s",
+):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods.
 
     The job's id is `job_id` when given; else derived from `pipeline_run_id` and `pipeline_task_name`
@@ -64,48 +99,110 @@ def elastic_train_op(train_data: Input[Dataset], eval_data: Input[Dataset], mode
     from elastic_step.components.outputs import record_training
     from elastic_step.steps import step_job_id, train_step
 
-    s = train_step(train_data.path, eval_data.path, model_def, model.path, report.path, summary.path,
-                   epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
-                   min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-                   global_batch=global_batch, backend=backend, worker_image=worker_image, worker_cpu=worker_cpu,
-                   worker_memory=worker_memory, worker_priority_class=worker_priority_class,
-                   ps_priority_class=ps_priority_class, seed=seed,
-                   checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
-                   job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
+    s = train_step(
+        train_data.path,
+        eval_data.path,
+        model_def,
+        model.path,
+        report.path,
+        summary.path,
+        epochs=epochs,
+        minibatch_size=minibatch_size,
+        records_per_task=records_per_task,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        num_ps=num_ps,
+        strategy=strategy,
+        global_batch=global_batch,
+        backend=backend,
+        worker_image=worker_image,
+        worker_cpu=worker_cpu,
+        worker_memory=worker_memory,
+        worker_priority_class=worker_priority_class,
+        ps_priority_class=ps_priority_class,
+        seed=seed,
+        checkpoint_uri=checkpoint_uri,
+        checkpoint_every=checkpoint_every,
+        job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri),
+    )
     record_training(s, model, metrics, summary)
 
 
 @component
-def elastic_train_uri_op(train_uri: str, eval_uri: str, model_def: str, model: Output[Model],
-                         metrics: Output[Metrics], report: Output[HTML], summary: Output[Artifact],
-                         epochs: int = 1, minibatch_size: int = 64, records_per_task: int = 512,
-                         min_workers: int = 1, max_workers: int = 2, num_ps: int = 1, strategy: str = "ps",
-                         global_batch: str = "scaled", backend: str = "auto", worker_image: str = "",
-                         worker_cpu: str = "1", worker_memory: str = "2Gi", worker_priority_class: str = "",
-                         ps_priority_class: str = "", seed: int = 0, job_id: str = "", pipeline_run_id: str = "",
-                         pipeline_task_name: str = "", checkpoint_uri: str = "",
-                         checkpoint_every: str = "60s"):
+def elastic_train_uri_op(
+    train_uri: str,
+    eval_uri: str,
+    model_def: str,
+    model: Output[Model],
+    metrics: Output[Metrics],
+    report: Output[HTML],
+    summary: Output[Artifact],
+    epochs: int = 1,
+    minibatch_size: int = 64,
+    records_per_task: int = 512,
+    min_workers: int = 1,
+    max_workers: int = 2,
+    num_ps: int = 1,
+    strategy: str = "ps",
+    global_batch: str = "scaled",
+    backend: str = "auto",
+    worker_image: str = "",
+    worker_cpu: str = "1",
+    worker_memory: str = "2Gi",
+    worker_priority_class: str = "",
+    ps_priority_class: str = "",
+    seed: int = 0,
+    job_id: str = "",
+    pipeline_run_id: str = "",
+    pipeline_task_name: str = "",
+    checkpoint_uri: str = "",
+    checkpoint_every: str = "60s",
+):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
     manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI).
     The job's id: as in elastic_train_op."""
     from elastic_step.components.outputs import record_training
     from elastic_step.steps import step_job_id, train_step
 
-    s = train_step(train_uri, eval_uri, model_def, model.path, report.path, summary.path,
-                   epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
-                   min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-                   global_batch=global_batch, backend=backend, worker_image=worker_image, worker_cpu=worker_cpu,
-                   worker_memory=worker_memory, worker_priority_class=worker_priority_class,
-                   ps_priority_class=ps_priority_class, seed=seed,
-                   checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
-                   job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri))
+    s = train_step(
+        train_uri,
+        eval_uri,
+        model_def,
+        model.path,
+        report.path,
+        summary.path,
+        epochs=epochs,
+        minibatch_size=minibatch_size,
+        records_per_task=records_per_task,
+        min_workers=min_workers,
+        max_workers=max_workers,
+        num_ps=num_ps,
+        strategy=strategy,
+        global_batch=global_batch,
+        backend=backend,
+        worker_image=worker_image,
+        worker_cpu=worker_cpu,
+        worker_memory=worker_memory,
+        worker_priority_class=worker_priority_class,
+        ps_priority_class=ps_priority_class,
+        seed=seed,
+        checkpoint_uri=checkpoint_uri,
+        checkpoint_every=checkpoint_every,
+        job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri),
+    )
     record_training(s, model, metrics, summary)
 
 
 @component
-def evaluate_op(model: Input[Model], eval_data: Input[Dataset], model_def: str, metrics: Output[Metrics],
-                classification_metrics: Output[ClassificationMetrics], threshold: float = 0.9,
-                metric: str = "accuracy") -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
+def evaluate_op(
+    model: Input[Model],
+    eval_data: Input[Dataset],
+    model_def: str,
+    metrics: Output[Metrics],
+    classification_metrics: Output[ClassificationMetrics],
+    threshold: float = 0.9,
+    metric: str = "accuracy",
+) -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
     """Evaluate the model on the eval data; `passed` (score >= threshold) gates publishing."""
     from elastic_step.components.outputs import record_evaluation
     from elastic_step.steps import evaluate_step
@@ -115,10 +212,15 @@ def evaluate_op(model: Input[Model], eval_data: Input[Dataset], model_def: str, 
 
 
 @component
-def evaluate_uri_op(model_uri: str, eval_uri: str, model_def: str, metrics: Output[Metrics],
-                    classification_metrics: Output[ClassificationMetrics], threshold: float = 0.9,
-                    metric: str = "accuracy"
-                    ) -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
+def evaluate_uri_op(
+    model_uri: str,
+    eval_uri: str,
+    model_def: str,
+    metrics: Output[Metrics],
+    classification_metrics: Output[ClassificationMetrics],
+    threshold: float = 0.9,
+    metric: str = "accuracy",
+) -> NamedTuple("EvaluateOutputs", [("score", float), ("passed", bool)]):
     """evaluate_op for the KFP UI: the model folder (model.keras + saved_model/) and the eval
     manifest as URIs."""
     from elastic_step.components.outputs import record_evaluation

@@ -3,6 +3,7 @@
 The component bodies in ops.py call these, so the artifact-taking and the URI-taking variant of a
 step record exactly the same metadata and metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,25 +22,36 @@ def record_prep(info: dict, train_data, eval_data) -> None:
 def training_metrics(summary: dict) -> dict[str, float]:
     """The scalars a KFP Metrics artifact shows for a training job: the final evaluation, throughput,
     workers lost and relaunched, and what the ledger committed."""
-    m = {f"eval_{k}": float(v) for k, v in summary.get("eval", {}).items()
-         if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    m = {
+        f"eval_{k}": float(v)
+        for k, v in summary.get("eval", {}).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     w = summary.get("workers", {})
     ledger = summary.get("ledger", {})
-    m.update(throughput_records_per_s=float(summary.get("throughput_records_per_s") or 0.0),
-             training_seconds=float(summary.get("training_seconds") or 0.0),
-             workers_started=float(w.get("started", 0)), workers_lost=float(w.get("lost", 0)),
-             workers_relaunched=float(w.get("relaunched", 0)),
-             records_committed=float(ledger.get("records_committed", 0)),
-             epochs_exact=float(sum(1 for e in ledger.get("epochs", [])
-                                    if e.get("lost") == 0 and e.get("double_applied") == 0)))
+    m.update(
+        throughput_records_per_s=float(summary.get("throughput_records_per_s") or 0.0),
+        training_seconds=float(summary.get("training_seconds") or 0.0),
+        workers_started=float(w.get("started", 0)),
+        workers_lost=float(w.get("lost", 0)),
+        workers_relaunched=float(w.get("relaunched", 0)),
+        records_committed=float(ledger.get("records_committed", 0)),
+        epochs_exact=float(
+            sum(1 for e in ledger.get("epochs", []) if e.get("lost") == 0 and e.get("double_applied") == 0)
+        ),
+    )
     return m
 
 
 def record_training(summary: dict, model, metrics, summary_artifact) -> None:
     for name, value in training_metrics(summary).items():
         metrics.log_metric(name, value)
-    model.metadata.update(framework="keras", files=["model.keras", "saved_model/"], job_id=summary["job_id"],
-                          eval=json.dumps(summary.get("eval", {})))
+    model.metadata.update(
+        framework="keras",
+        files=["model.keras", "saved_model/"],
+        job_id=summary["job_id"],
+        eval=json.dumps(summary.get("eval", {})),
+    )
     summary_artifact.metadata.update(status=summary["status"], job_id=summary["job_id"])
 
 
@@ -51,6 +63,5 @@ def record_evaluation(result: dict, threshold: float, metrics, classification_me
     metrics.log_metric("threshold", float(threshold))
     metrics.log_metric("passed", 1.0 if result["passed"] else 0.0)
     if result.get("confusion"):
-        classification_metrics.log_confusion_matrix(result["confusion"]["categories"],
-                                                    result["confusion"]["matrix"])
+        classification_metrics.log_confusion_matrix(result["confusion"]["categories"], result["confusion"]["matrix"])
     return float(result["score"]), bool(result["passed"])

@@ -3,6 +3,7 @@
 A manifest lists Parquet shards (paths relative to the manifest, so a KFP artifact can be
 moved), their row counts and the schema. Training cuts shards into record-range tasks.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ class Field:
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    path: str   # relative to the manifest's folder, or an absolute URI
+    path: str  # relative to the manifest's folder, or an absolute URI
     rows: int
 
 
@@ -57,17 +58,20 @@ class Manifest:
         return posixpath.join(posixpath.dirname(self.uri), shard.path)
 
     def to_json(self) -> str:
-        return json.dumps({
-            "format": MANIFEST_FORMAT,
-            "split": self.split,
-            "label": self.label,
-            "source": self.source,
-            "total_rows": self.total_rows,
-            "skipped_rows": self.skipped_rows,
-            "bad_rows": self.bad_rows,
-            "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
-            "shards": [dataclasses.asdict(s) for s in self.shards],
-        }, indent=2)
+        return json.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "split": self.split,
+                "label": self.label,
+                "source": self.source,
+                "total_rows": self.total_rows,
+                "skipped_rows": self.skipped_rows,
+                "bad_rows": self.bad_rows,
+                "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
+                "shards": [dataclasses.asdict(s) for s in self.shards],
+            },
+            indent=2,
+        )
 
     def save(self, uri: str) -> None:
         atomic_write_text(uri, self.to_json())
@@ -88,22 +92,29 @@ def load_manifest(path_or_dir: str) -> Manifest:
         with fsspec.open(uri, "r") as f:
             raw = json.load(f)
     except FileNotFoundError:
-        raise DataError(f"No manifest at {uri}: pass the manifest.json (or its folder) "
-                        "written by `elastic-step data prep`.") from None
+        raise DataError(
+            f"No manifest at {uri}: pass the manifest.json (or its folder) written by `elastic-step data prep`."
+        ) from None
     except json.JSONDecodeError as e:
         raise DataError(f"The manifest {uri} is not valid JSON ({e}); re-run `elastic-step data prep`.") from None
     except OSError as e:
         raise DataError(f"Cannot read the manifest {uri}: {e}. Check the URI and credentials.") from None
     if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
-        raise DataError(f"{uri} is not an elastic-step manifest (expected format {MANIFEST_FORMAT!r}); "
-                        "re-run `elastic-step data prep` on the source data.")
+        raise DataError(
+            f"{uri} is not an elastic-step manifest (expected format {MANIFEST_FORMAT!r}); "
+            "re-run `elastic-step data prep` on the source data."
+        )
     try:
         return Manifest(
-            split=raw["split"], label=raw.get("label"), source=raw.get("source", ""),
-            skipped_rows=int(raw.get("skipped_rows", 0)), bad_rows=list(raw.get("bad_rows", [])),
+            split=raw["split"],
+            label=raw.get("label"),
+            source=raw.get("source", ""),
+            skipped_rows=int(raw.get("skipped_rows", 0)),
+            bad_rows=list(raw.get("bad_rows", [])),
             schema=[Field(**f) for f in raw["schema"]["fields"]],
             shards=[Shard(path=s["path"], rows=int(s["rows"])) for s in raw["shards"]],
-            uri=uri)
+            uri=uri,
+        )
     except (KeyError, TypeError) as e:
         raise DataError(f"The manifest {uri} lacks field {e}; re-run `elastic-step data prep`.") from None
 
@@ -129,7 +140,7 @@ class AppliedRecords:
         return {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in self.ranges.items()}
 
     @classmethod
-    def of(cls, arrays: dict[tuple[int, int], np.ndarray]) -> "AppliedRecords":
+    def of(cls, arrays: dict[tuple[int, int], np.ndarray]) -> AppliedRecords:
         out = cls()
         out.ranges = {k: [list(map(int, r)) for r in np.asarray(v).reshape(-1, 2)] for k, v in arrays.items()}
         return out
@@ -139,6 +150,7 @@ class AppliedRecords:
         return {f"records/{e}/{d}": r for (e, d), r in self.arrays().items()}
 
     @classmethod
-    def of_npz(cls, saved: dict[str, np.ndarray]) -> "AppliedRecords":
-        return cls.of({tuple(int(x) for x in k.split("/")[1:]): v for k, v in saved.items()
-                       if k.startswith("records/")})
+    def of_npz(cls, saved: dict[str, np.ndarray]) -> AppliedRecords:
+        return cls.of(
+            {tuple(int(x) for x in k.split("/")[1:]): v for k, v in saved.items() if k.startswith("records/")}
+        )

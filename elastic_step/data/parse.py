@@ -10,6 +10,7 @@ A file's stream may yield RESTART: everything it yielded before is void (a later
 types the first one suggested were too narrow, or the file needs the precise pass), and it starts
 again from its first row.
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,7 +20,8 @@ import io
 import json
 import posixpath
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,13 +33,20 @@ import pyarrow.parquet as pq
 from elastic_step.errors import DataError
 from elastic_step.util.storage import on_disk
 
-TYPES = {"int64": pa.int64(), "float32": pa.float32(), "float64": pa.float64(),
-         "string": pa.string(), "bool": pa.bool_()}
+TYPES = {
+    "int64": pa.int64(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+    "string": pa.string(),
+    "bool": pa.bool_(),
+}
 TYPE_NAMES = {t: name for name, t in TYPES.items()}
 FORMATS = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "json", ".json": "json"}
 MAX_BAD_ROWS = 20  # kept in the manifest; the count covers all of them
-SKIP_HINT = ("Fix or delete that row, or set on_bad_rows to 'skip' (CLI: --on-bad-rows skip) to skip "
-             "bad rows; skipped rows are counted in the manifest.")
+SKIP_HINT = (
+    "Fix or delete that row, or set on_bad_rows to 'skip' (CLI: --on-bad-rows skip) to skip "
+    "bad rows; skipped rows are counted in the manifest."
+)
 RESTART = "restart"
 
 # CSV is read in chunks of whole rows parsed on all CPUs, or, once a quote is seen, by pyarrow's
@@ -97,8 +106,9 @@ class SourceFile:
     have `schema`; a JSON-lines file's may lack a key or hold a narrower type (null, or int64 where
     the file turns out float64): `conform` makes them whole."""
 
-    def __init__(self, fs, path: str, name: str, declared: dict[str, pa.DataType] | None,
-                 label: str | None, bad: BadRows):
+    def __init__(
+        self, fs, path: str, name: str, declared: dict[str, pa.DataType] | None, label: str | None, bad: BadRows
+    ):
         self.fs, self.path, self.name, self.declared, self.label, self.bad = fs, path, name, declared, label, bad
         self.schema: pa.Schema | None = None
         self.rows = 0  # rows of the final attempt, after bad ones
@@ -106,7 +116,7 @@ class SourceFile:
     def batches(self) -> Iterator[pa.Table | str]:
         fmt = file_format(self.path)
         try:
-            for item in (self._parquet() if fmt == "parquet" else self._csv() if fmt == "csv" else self._json()):
+            for item in self._parquet() if fmt == "parquet" else self._csv() if fmt == "csv" else self._json():
                 if item is RESTART:
                     self.rows = 0
                 elif item.num_rows:
@@ -174,8 +184,7 @@ class SourceFile:
         except pa.ArrowInvalid:
             pass  # a bad row; the precise pass finds it
         yield RESTART
-        yield from self._precise(lambda: _csv_records(self.fs, self.path, self.name, header), header, types,
-                                 text=True)
+        yield from self._precise(lambda: _csv_records(self.fs, self.path, self.name, header), header, types, text=True)
 
     def _arrow_csv(self, types, header):
         """Yield the file's tables; return None, or the file's types when its label has gaps."""
@@ -244,8 +253,13 @@ class SourceFile:
             pass  # a bad row, or a key holding numbers here and text there; the precise pass finds it
         yield RESTART
         columns = list(types) if types is not None else None
-        yield from self._precise(lambda: _json_records(self.fs, self.path, self.name), columns, types, text=False,
-                                 declared=declared is not None)
+        yield from self._precise(
+            lambda: _json_records(self.fs, self.path, self.name),
+            columns,
+            types,
+            text=False,
+            declared=declared is not None,
+        )
 
     def _arrow_json(self):
         """Yield the file's tables; return None, or the file's types when its label has gaps."""
@@ -265,8 +279,11 @@ class SourceFile:
                     table = _arrow_json(chunk, pa.schema(temporal), "infer").select(table.column_names)
                 # As pyarrow's whole-file read: a key's type widens null -> any and int -> float;
                 # any other change (number here, text there) raises, for the precise pass.
-                schema = table.schema if schema is None else pa.unify_schemas(
-                    [schema, table.schema], promote_options="permissive")
+                schema = (
+                    table.schema
+                    if schema is None
+                    else pa.unify_schemas([schema, table.schema], promote_options="permissive")
+                )
             else:
                 schema = explicit
                 rows += table.num_rows
@@ -299,8 +316,9 @@ class SourceFile:
 
     # ------------------------------------------------------------ the precise pass
 
-    def _precise(self, open_records: Callable[[], Iterator[tuple[int, Any]]], columns, types, text: bool,
-                 declared: bool = False) -> Iterator[pa.Table]:
+    def _precise(
+        self, open_records: Callable[[], Iterator[tuple[int, Any]]], columns, types, text: bool, declared: bool = False
+    ) -> Iterator[pa.Table]:
         """Parse the records (from _csv_records / _json_records) value by value, naming each bad row.
         Inferring types needs every value first: then the file is read twice."""
         name, label, bad = self.name, self.label, self.bad
@@ -323,8 +341,10 @@ class SourceFile:
                 continue
             extra = [k for k in record if k not in types]
             if extra:  # only with a declared schema: an undeclared key is a schema mismatch, not a bad row
-                raise DataError(f"{name} line {line} has column {extra[0]!r}, which the schema does not "
-                                "declare. Add it to the schema or remove it from the data.")
+                raise DataError(
+                    f"{name} line {line} has column {extra[0]!r}, which the schema does not "
+                    "declare. Add it to the schema or remove it from the data."
+                )
             row, problem = {}, None
             for c in columns:
                 raw = record.get(c)
@@ -357,8 +377,9 @@ def schema_types(schema: pa.Schema) -> dict[str, pa.DataType]:
 
 
 def _not_parquet(name: str, e: Exception) -> DataError:
-    return DataError(f"{name} is not a readable Parquet file: {e}. Re-export it, or give it the "
-                     "extension of its real format.")
+    return DataError(
+        f"{name} is not a readable Parquet file: {e}. Re-export it, or give it the extension of its real format."
+    )
 
 
 def _local_path(fs, path: str) -> str | None:
@@ -372,8 +393,13 @@ def _open_binary(fs, path: str):
 
 
 def _convert_options(column_types) -> pa_csv.ConvertOptions:
-    return pa_csv.ConvertOptions(column_types=column_types, null_values=[""], strings_can_be_null=True,
-                                 true_values=list(_TRUE), false_values=list(_FALSE))
+    return pa_csv.ConvertOptions(
+        column_types=column_types,
+        null_values=[""],
+        strings_can_be_null=True,
+        true_values=list(_TRUE),
+        false_values=list(_FALSE),
+    )
 
 
 _CSV_PARSE = pa_csv.ParseOptions(newlines_in_values=True)
@@ -470,12 +496,17 @@ class _CsvReader:
     def _parse(self, chunk: pa.Buffer | None) -> pa.Table | None:
         if chunk is None:
             read = pa_csv.ReadOptions(block_size=CSV_BLOCK_BYTES, column_names=self._names)
-            self._stream = pa_csv.open_csv(self._file, read_options=read, parse_options=_CSV_PARSE,
-                                           convert_options=_convert_options(self._types))
+            self._stream = pa_csv.open_csv(
+                self._file, read_options=read, parse_options=_CSV_PARSE, convert_options=_convert_options(self._types)
+            )
             return None
         read = pa_csv.ReadOptions(column_names=self._names)
-        return pa_csv.read_csv(pa.BufferReader(chunk), read_options=read, parse_options=_CSV_PARSE,
-                               convert_options=_convert_options(self._types))
+        return pa_csv.read_csv(
+            pa.BufferReader(chunk),
+            read_options=read,
+            parse_options=_CSV_PARSE,
+            convert_options=_convert_options(self._types),
+        )
 
     def _read_and_parse(self) -> pa.Table | None:
         """The next chunk's rows; no rows when the rest now streams; None at the end."""
@@ -522,21 +553,27 @@ def _csv_file_types(fs, path, header) -> dict[str, pa.DataType]:
                     alive[c] = [t for t in alive[c] if _converts(text, t)]
     finally:
         reader.close()
-    return {c: (pa.null() if not has_value[c] else alive[c][0] if alive[c]
-                else pa.string() if utf8[c] else pa.binary()) for c in header}
+    return {
+        c: (pa.null() if not has_value[c] else alive[c][0] if alive[c] else pa.string() if utf8[c] else pa.binary())
+        for c in header
+    }
 
 
 def _one_column_csv(values: pa.Array) -> bytes:
     """`values` (binary) as the text of a CSV file with one column, each value quoted."""
     quoted = pc.binary_join_element_wise(b'"', pc.replace_substring(values, b'"', b'""'), b'"\n', b"")
-    offsets = np.frombuffer(quoted.buffers()[1], dtype=np.int32)[quoted.offset:quoted.offset + len(quoted) + 1]
-    return b"c\n" + memoryview(quoted.buffers()[2])[offsets[0]:offsets[-1]].tobytes()
+    offsets = np.frombuffer(quoted.buffers()[1], dtype=np.int32)[quoted.offset : quoted.offset + len(quoted) + 1]
+    return b"c\n" + memoryview(quoted.buffers()[2])[offsets[0] : offsets[-1]].tobytes()
 
 
 def _converts(text: bytes, t: pa.DataType) -> bool:
     try:
-        pa_csv.read_csv(pa.BufferReader(text), read_options=pa_csv.ReadOptions(use_threads=False),
-                        parse_options=_CSV_PARSE, convert_options=_convert_options({"c": t}))
+        pa_csv.read_csv(
+            pa.BufferReader(text),
+            read_options=pa_csv.ReadOptions(use_threads=False),
+            parse_options=_CSV_PARSE,
+            convert_options=_convert_options({"c": t}),
+        )
         return True
     except pa.ArrowInvalid:
         return False
@@ -606,8 +643,10 @@ def _line_chunks(fs, path) -> Iterator[bytes]:
 
 
 def _arrow_json(data: bytes, explicit, unexpected) -> pa.Table:
-    return pa_json.read_json(pa.BufferReader(data), parse_options=pa_json.ParseOptions(
-        explicit_schema=explicit, unexpected_field_behavior=unexpected))
+    return pa_json.read_json(
+        pa.BufferReader(data),
+        parse_options=pa_json.ParseOptions(explicit_schema=explicit, unexpected_field_behavior=unexpected),
+    )
 
 
 def _json_records(fs, path, name) -> Iterator[tuple[int, Any]]:
@@ -631,18 +670,21 @@ def _check_json_columns(rows: int, values: dict[str, int], declared, name) -> No
     if rows:
         for c in declared:
             if not values[c]:
-                raise DataError(f"Column {c!r} of the schema has no value in {name}. Fix the schema "
-                                "or the data so that they name the same columns.")
+                raise DataError(
+                    f"Column {c!r} of the schema has no value in {name}. Fix the schema "
+                    "or the data so that they name the same columns."
+                )
 
 
 # ---------------------------------------------------------------- the precise pass's conversions
+
 
 def _from_text(s: str, t: pa.DataType):
     if s == "":
         return None
     if t == pa.string():
         return s
-    if t == pa.int64() and _INT.fullmatch(s) and -2**63 <= int(s) < 2**63:
+    if t == pa.int64() and _INT.fullmatch(s) and -(2**63) <= int(s) < 2**63:
         return int(s)
     if pa.types.is_floating(t) and _FLOAT.fullmatch(s):
         return float(s)
@@ -658,7 +700,7 @@ def _from_json(v, t: pa.DataType):
     elif t == pa.bool_():
         ok = isinstance(v, bool)
     elif t == pa.int64():
-        ok = isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+        ok = isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
     else:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool)
     if not ok:
@@ -689,8 +731,15 @@ def _infer(records, columns, text: bool, name: str) -> tuple[list[str], dict[str
             elif isinstance(v, (dict, list)):
                 nested.add(c)
             else:
-                kinds[c]["bool" if isinstance(v, bool) else "str" if isinstance(v, str)
-                         else "int" if isinstance(v, int) else "float"] += 1
+                kinds[c][
+                    "bool"
+                    if isinstance(v, bool)
+                    else "str"
+                    if isinstance(v, str)
+                    else "int"
+                    if isinstance(v, int)
+                    else "float"
+                ] += 1
     columns = list(seen)
     types = {}
     for c in columns:
@@ -698,8 +747,10 @@ def _infer(records, columns, text: bool, name: str) -> tuple[list[str], dict[str
             types[c] = pa.null() if c not in fits else fits[c][0] if fits[c] else pa.string()
             continue
         if c in nested:
-            raise DataError(f"Column {c!r} of {name} holds nested JSON values; elastic-step reads flat "
-                            "records of numbers, strings and booleans. Flatten the data first.")
+            raise DataError(
+                f"Column {c!r} of {name} holds nested JSON values; elastic-step reads flat "
+                "records of numbers, strings and booleans. Flatten the data first."
+            )
         # pyarrow gives up on a column mixing kinds; the majority kind wins here, so that
         # the odd values become bad rows that name their line.
         k = kinds[c]
@@ -724,11 +775,14 @@ def _fits(s: str, t: pa.DataType) -> bool:
 def _check_not_all_bad(rows: int, name: str, bad: BadRows) -> None:
     # Skipping every row hides a wrong file or schema behind an empty data set.
     if rows == 0 and bad.last is not None and bad.last.file == name:
-        raise DataError(f"Every row of {name} is bad, e.g. {bad.last.unit} {bad.last.line}: "
-                        f"{bad.last.reason}. Check that the file matches the schema.")
+        raise DataError(
+            f"Every row of {name} is bad, e.g. {bad.last.unit} {bad.last.line}: "
+            f"{bad.last.reason}. Check that the file matches the schema."
+        )
 
 
 # ---------------------------------------------------------------- types and columns
+
 
 def _supported(table: pa.Table, name: str) -> pa.Table:
     """Narrow arrow's many types to the five a manifest holds, or say which column cannot be."""
@@ -741,12 +795,18 @@ def _supported(table: pa.Table, name: str) -> pa.Table:
             target = pa.float64() if t == pa.float64() else pa.float32()
         elif pa.types.is_boolean(t) or pa.types.is_null(t):
             target = t
-        elif pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_temporal(t) or (
-                pa.types.is_dictionary(t) and pa.types.is_string(t.value_type)):
+        elif (
+            pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+            or pa.types.is_temporal(t)
+            or (pa.types.is_dictionary(t) and pa.types.is_string(t.value_type))
+        ):
             target = pa.string()
         else:
-            raise DataError(f"Column {f.name!r} of {name} has type {t}, which elastic-step cannot train "
-                            f"on; convert it to one of {', '.join(TYPES)} (or drop it) first.")
+            raise DataError(
+                f"Column {f.name!r} of {name} has type {t}, which elastic-step cannot train "
+                f"on; convert it to one of {', '.join(TYPES)} (or drop it) first."
+            )
         column = table.column(f.name)
         try:
             cols[f.name] = column if t == target else column.cast(target)
@@ -758,22 +818,27 @@ def _supported(table: pa.Table, name: str) -> pa.Table:
 def _cast_declared(column: pa.ChunkedArray, declared: pa.DataType, c: str, name: str) -> pa.ChunkedArray:
     actual = column.type
     numeric = (pa.int64(), pa.float32(), pa.float64())
-    if actual == declared or pa.types.is_null(actual) or (
-            pa.types.is_floating(declared) and actual in numeric):
+    if actual == declared or pa.types.is_null(actual) or (pa.types.is_floating(declared) and actual in numeric):
         return column.cast(declared)
-    raise DataError(f"Column {c!r} of {name} holds {TYPE_NAMES.get(actual, actual)} values but the schema "
-                    f"declares {TYPE_NAMES[declared]}. Fix the schema or convert the column.")
+    raise DataError(
+        f"Column {c!r} of {name} holds {TYPE_NAMES.get(actual, actual)} values but the schema "
+        f"declares {TYPE_NAMES[declared]}. Fix the schema or convert the column."
+    )
 
 
 def _check_columns(columns: list[str], declared: dict, name: str) -> None:
     missing = [c for c in declared if c not in columns]
     extra = [c for c in columns if c not in declared]
     if missing:
-        raise DataError(f"Column {missing[0]!r} of the schema is missing from {name}. Fix the schema or "
-                        "the data so that they name the same columns.")
+        raise DataError(
+            f"Column {missing[0]!r} of the schema is missing from {name}. Fix the schema or "
+            "the data so that they name the same columns."
+        )
     if extra:
-        raise DataError(f"{name} has column {extra[0]!r}, which the schema does not declare. Add it to "
-                        "the schema or remove it from the data.")
+        raise DataError(
+            f"{name} has column {extra[0]!r}, which the schema does not declare. Add it to "
+            "the schema or remove it from the data."
+        )
 
 
 def combine(schemas: list[tuple[str, pa.Schema]], declared) -> pa.Schema:
@@ -785,8 +850,10 @@ def combine(schemas: list[tuple[str, pa.Schema]], declared) -> pa.Schema:
         if set(s.names) != set(columns):
             odd = sorted(set(s.names) ^ set(columns))[0]
             has, lacks = (name, first_name) if odd in s.names else (first_name, name)
-            raise DataError(f"{has} has column {odd!r} but {lacks} does not; all source files need the "
-                            "same columns (or pass --schema to check them).")
+            raise DataError(
+                f"{has} has column {odd!r} but {lacks} does not; all source files need the "
+                "same columns (or pass --schema to check them)."
+            )
         if declared is None:
             for c in columns:
                 types[c] = _widen(types[c], s.field(c).type, c, first_name, name)
@@ -823,5 +890,7 @@ def _widen(a: pa.DataType, b: pa.DataType, c: str, name_a: str, name_b: str) -> 
     numeric = (pa.int64(), pa.float32(), pa.float64())
     if a in numeric and b in numeric:
         return pa.float64()
-    raise DataError(f"Column {c!r} is {TYPE_NAMES[a]} in {name_a} but {TYPE_NAMES[b]} in {name_b}. "
-                    "Pass --schema to declare its type.")
+    raise DataError(
+        f"Column {c!r} is {TYPE_NAMES[a]} in {name_a} but {TYPE_NAMES[b]} in {name_b}. "
+        "Pass --schema to declare its type."
+    )

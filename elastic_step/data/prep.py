@@ -6,6 +6,7 @@ by a seeded key, and the buckets read back in key order (shuffle.py): an exact s
 which the first rows go to eval and the rest to train, written shard by shard (here). The spill
 files take about the data's size in Arrow form on local disk, in TMPDIR.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,7 +17,7 @@ import json
 import os
 import posixpath
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import fsspec
 import numpy as np
@@ -47,12 +48,20 @@ class PrepResult:
     train: Manifest
     eval: Manifest
     train_uri: str  # URI of OUTPUT/train/manifest.json
-    eval_uri: str   # URI of OUTPUT/eval/manifest.json
+    eval_uri: str  # URI of OUTPUT/eval/manifest.json
 
 
-def prepare(source: str, output: str, label: str | None = None, eval_fraction: float = 0.2,
-            shard_rows: int = 50_000, schema: str | None = None, on_bad_rows: str = "fail",
-            seed: int = 0, row_group_rows: int = 1024) -> PrepResult:
+def prepare(
+    source: str,
+    output: str,
+    label: str | None = None,
+    eval_fraction: float = 0.2,
+    shard_rows: int = 50_000,
+    schema: str | None = None,
+    on_bad_rows: str = "fail",
+    seed: int = 0,
+    row_group_rows: int = 1024,
+) -> PrepResult:
     """Read `source`, validate it, split it by `seed` and write OUTPUT/{train,eval}/ shards + manifest.json.
 
     A CSV file is parsed on all CPUs. With 4 CPUs or more, a source of several files (32 MB or more)
@@ -61,8 +70,10 @@ def prepare(source: str, output: str, label: str | None = None, eval_fraction: f
     _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows)
     declared = _load_schema(schema) if schema else None
     if declared is not None and label is not None and label not in declared:
-        raise DataError(f"The label column {label!r} is not in the schema {schema} (columns: "
-                        f"{', '.join(declared)}). Pass a label that the schema declares, or add it there.")
+        raise DataError(
+            f"The label column {label!r} is not in the schema {schema} (columns: "
+            f"{', '.join(declared)}). Pass a label that the schema declares, or add it there."
+        )
     fs, files, sizes = _list_files(source)
     _check_output_outside_source(source, output, fs, files)
     local = local_path(output)
@@ -76,35 +87,64 @@ def prepare(source: str, output: str, label: str | None = None, eval_fraction: f
     sized = [(path, sizes[path]) for path, _ in files]
     bits, unit = shuffle.bucket_bits(sized), shuffle.unit_bytes(sized)
     with tempfile.TemporaryDirectory(prefix="elastic-step-prep-") as spill_dir:
-        spilled = shuffle.spill(fs, files, declared, label, on_bad_rows == "skip", seed, spill_dir, bits, unit,
-                                shuffle.processes_for(sized, fs))
+        spilled = shuffle.spill(
+            fs,
+            files,
+            declared,
+            label,
+            on_bad_rows == "skip",
+            seed,
+            spill_dir,
+            bits,
+            unit,
+            shuffle.processes_for(sized, fs),
+        )
         data_schema = combine([(s.name, s.schema) for s in spilled], declared)
         skipped = sum(s.skipped for s in spilled)
         bad_rows = [b for s in spilled for b in s.bad_rows][:MAX_BAD_ROWS]
         if label is not None and label not in data_schema.names:
-            raise DataError(f"The label column {label!r} is not in the data ({files[0][1]} has columns "
-                            f"{', '.join(data_schema.names)}). Pass --label with one of them.")
+            raise DataError(
+                f"The label column {label!r} is not in the data ({files[0][1]} has columns "
+                f"{', '.join(data_schema.names)}). Pass --label with one of them."
+            )
         n = sum(s.rows for s in spilled)
         if n < 2:
-            raise DataError(f"{source} has {n} usable row(s) ({skipped} skipped); at least 2 are "
-                            "needed to split train and eval. Check the source URI and the data.")
+            raise DataError(
+                f"{source} has {n} usable row(s) ({skipped} skipped); at least 2 are "
+                "needed to split train and eval. Check the source URI and the data."
+            )
 
         # An exact, seeded shuffle: the same inputs and seed give the same shards, and shuffled
         # shards let workers read contiguous ranges without biasing minibatches by source order.
         # The rows with the smallest keys are the eval split.
         n_eval = min(max(round(n * eval_fraction), 1), n - 1)
         fields = [Field(f.name, TYPE_NAMES[f.type]) for f in data_schema]
-        manifests = {split: Manifest(split=split, shards=[], schema=fields, label=label, source=source,
-                                     skipped_rows=skipped, bad_rows=list(bad_rows))
-                     for split in SPLITS}
-        rows = shuffle.in_key_order(spill_dir, bits, np.sum([s.bucket_bytes for s in spilled], axis=0),
-                                    data_schema, unit)
+        manifests = {
+            split: Manifest(
+                split=split,
+                shards=[],
+                schema=fields,
+                label=label,
+                source=source,
+                skipped_rows=skipped,
+                bad_rows=list(bad_rows),
+            )
+            for split in SPLITS
+        }
+        rows = shuffle.in_key_order(
+            spill_dir, bits, np.sum([s.bucket_bytes for s in spilled], axis=0), data_schema, unit
+        )
         _write(output, rows, n_eval, manifests, shard_rows, row_group_rows)
-    return PrepResult(train=manifests["train"], eval=manifests["eval"],
-                      train_uri=manifests["train"].uri, eval_uri=manifests["eval"].uri)
+    return PrepResult(
+        train=manifests["train"],
+        eval=manifests["eval"],
+        train_uri=manifests["train"].uri,
+        eval_uri=manifests["eval"].uri,
+    )
 
 
 # ---------------------------------------------------------------- parameters, schema, files
+
 
 def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows):
     if not isinstance(source, str) or not source:
@@ -113,10 +153,11 @@ def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows,
         raise ConfigError("No output given: pass the folder (local path or URI) to write train/ and eval/ to.")
     if label is not None and (not isinstance(label, str) or not label):
         raise ConfigError(f"label must be a column name, got {label!r}.")
-    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) \
-            or not 0 < eval_fraction < 1:
-        raise ConfigError(f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}; "
-                          "e.g. 0.2 keeps a fifth of the rows for evaluation.")
+    if isinstance(eval_fraction, bool) or not isinstance(eval_fraction, (int, float)) or not 0 < eval_fraction < 1:
+        raise ConfigError(
+            f"eval_fraction must be between 0 and 1 (exclusive), got {eval_fraction!r}; "
+            "e.g. 0.2 keeps a fifth of the rows for evaluation."
+        )
     for name, value in (("shard_rows", shard_rows), ("row_group_rows", row_group_rows)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
@@ -126,31 +167,33 @@ def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows,
         raise ConfigError(f"seed must be an integer, got {seed!r}.")
 
 
-
 def _load_schema(uri: str) -> dict[str, pa.DataType]:
     try:
         with fsspec.open(uri, "r") as f:
             raw = json.load(f)
     except (OSError, ValueError) as e:  # ValueError covers JSON syntax and unknown protocols
-        raise ConfigError(f"Cannot read the schema file {uri}: {e}. Pass a JSON file like "
-                          '{"fields": [{"name": "x", "type": "float32"}]}.') from None
+        raise ConfigError(
+            f"Cannot read the schema file {uri}: {e}. Pass a JSON file like "
+            '{"fields": [{"name": "x", "type": "float32"}]}.'
+        ) from None
     fields = raw.get("fields") if isinstance(raw, dict) else None
     if not isinstance(fields, list) or not fields:
-        raise ConfigError(f"The schema file {uri} needs a non-empty \"fields\" list of "
-                          '{"name": ..., "type": ...} objects.')
+        raise ConfigError(
+            f'The schema file {uri} needs a non-empty "fields" list of {{"name": ..., "type": ...}} objects.'
+        )
     declared: dict[str, pa.DataType] = {}
     for f in fields:
         name, type_ = (f.get("name"), f.get("type")) if isinstance(f, dict) else (None, None)
         if not isinstance(name, str) or not name:
             raise ConfigError(f"The schema file {uri} has a field without a name: {f!r}.")
         if type_ not in TYPES:
-            raise ConfigError(f"Column {name!r} in the schema file {uri} has type {type_!r}; "
-                              f"use one of {', '.join(TYPES)}.")
+            raise ConfigError(
+                f"Column {name!r} in the schema file {uri} has type {type_!r}; use one of {', '.join(TYPES)}."
+            )
         if name in declared:
             raise ConfigError(f"Column {name!r} appears twice in the schema file {uri}.")
         declared[name] = TYPES[type_]
     return declared
-
 
 
 def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str, str]], dict[str, int]]:
@@ -163,13 +206,18 @@ def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str,
         elif fs.isdir(path):
             base = path.rstrip("/")
             # Hidden and underscore names (.tmp folders, _SUCCESS markers) are not data.
-            found = {p: i for p, i in fs.find(path, detail=True).items() if not any(
-                part.startswith((".", "_")) for part in posixpath.relpath(p, base).split("/"))}
+            found = {
+                p: i
+                for p, i in fs.find(path, detail=True).items()
+                if not any(part.startswith((".", "_")) for part in posixpath.relpath(p, base).split("/"))
+            }
         elif fs.isfile(path):
             found = {path: fs.info(path)}
         else:
-            raise DataError(f"Nothing exists at the source {source}. Check the path or URI (a file, "
-                            "a folder or a glob of CSV, Parquet or JSON-lines files).")
+            raise DataError(
+                f"Nothing exists at the source {source}. Check the path or URI (a file, "
+                "a folder or a glob of CSV, Parquet or JSON-lines files)."
+            )
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - missing fsspec plugin (gcsfs/s3fs), credentials, permissions, bad URI
@@ -180,11 +228,12 @@ def _list_files(source: str) -> tuple[fsspec.AbstractFileSystem, list[tuple[str,
     unknown = [name for p, name in named if file_format(p) is None]
     named = [(p, name) for p, name in named if file_format(p) is not None]
     if not named:
-        raise DataError(f"No data files at {source}" + (f" (found {', '.join(unknown[:5])})" if unknown else "")
-                        + f". Data files must end in {', '.join(FORMATS)}; rename them or point at others.")
+        raise DataError(
+            f"No data files at {source}"
+            + (f" (found {', '.join(unknown[:5])})" if unknown else "")
+            + f". Data files must end in {', '.join(FORMATS)}; rename them or point at others."
+        )
     return fs, named, {p: int(found[p].get("size") or 0) for p, _ in named}
-
-
 
 
 def _check_output_outside_source(source: str, output: str, fs, files) -> None:
@@ -198,21 +247,37 @@ def _check_output_outside_source(source: str, output: str, fs, files) -> None:
     out = out_fs._strip_protocol(out_path).rstrip("/") + "/"
     src = fs._strip_protocol(fsspec.core.url_to_fs(source)[1]).rstrip("/") + "/"
     if out.startswith(src) or any(fs._strip_protocol(p).startswith(out) for p, _ in files):
-        raise ConfigError(f"The output {output} is inside the source {source}; write it elsewhere so "
-                          "that prepared shards are not read back as input.")
+        raise ConfigError(
+            f"The output {output} is inside the source {source}; write it elsewhere so "
+            "that prepared shards are not read back as input."
+        )
 
 
 # ---------------------------------------------------------------- writing
 
-def _write(output: str, rows: Iterator[pa.Table], n_eval: int, manifests: dict[str, Manifest],
-           shard_rows: int, row_group_rows: int) -> None:
+
+def _write(
+    output: str,
+    rows: Iterator[pa.Table],
+    n_eval: int,
+    manifests: dict[str, Manifest],
+    shard_rows: int,
+    row_group_rows: int,
+) -> None:
     local = local_path(output)
     if local is not None:
         # Everything goes to a temporary sibling folder renamed into place at the end, so a
         # failure leaves either no output or the previous one intact.
         with atomic_directory(local) as tmp:
-            _write_splits(fsspec.filesystem("file"), {s: os.path.join(tmp, s) for s in SPLITS}, rows, n_eval,
-                          manifests, shard_rows, row_group_rows)
+            _write_splits(
+                fsspec.filesystem("file"),
+                {s: os.path.join(tmp, s) for s in SPLITS},
+                rows,
+                n_eval,
+                manifests,
+                shard_rows,
+                row_group_rows,
+            )
             for split, m in manifests.items():
                 m.save(os.path.join(tmp, split, MANIFEST_NAME))
         for split, m in manifests.items():
@@ -225,8 +290,7 @@ def _write(output: str, rows: Iterator[pa.Table], n_eval: int, manifests: dict[s
         old = posixpath.join(root, split, MANIFEST_NAME)
         if fs.exists(old):
             fs.rm(old)
-    _write_splits(fs, {s: posixpath.join(root, s) for s in SPLITS}, rows, n_eval, manifests, shard_rows,
-                  row_group_rows)
+    _write_splits(fs, {s: posixpath.join(root, s) for s in SPLITS}, rows, n_eval, manifests, shard_rows, row_group_rows)
     for split, m in manifests.items():
         m.save(posixpath.join(output.rstrip("/"), split, MANIFEST_NAME))
         folder = posixpath.join(root, split)
@@ -236,8 +300,15 @@ def _write(output: str, rows: Iterator[pa.Table], n_eval: int, manifests: dict[s
                 fs.rm(p)
 
 
-def _write_splits(fs, folders: dict[str, str], rows: Iterator[pa.Table], n_eval: int,
-                  manifests: dict[str, Manifest], shard_rows: int, row_group_rows: int) -> None:
+def _write_splits(
+    fs,
+    folders: dict[str, str],
+    rows: Iterator[pa.Table],
+    n_eval: int,
+    manifests: dict[str, Manifest],
+    shard_rows: int,
+    row_group_rows: int,
+) -> None:
     """The first n_eval rows to eval's shards, the rest to train's."""
     first: list[pa.Table] = []  # the first DICTIONARY_SAMPLE_ROWS rows, whatever the sort units' size
     for table in rows:
@@ -249,8 +320,7 @@ def _write_splits(fs, folders: dict[str, str], rows: Iterator[pa.Table], n_eval:
     del first  # or it would hold the first sort unit to the end
     threads = min(MAX_WRITER_THREADS, shuffle.usable_cpus())
     pool = _Writers(threads)
-    writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool, options)
-               for s in SPLITS}
+    writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool, options) for s in SPLITS}
     try:
         position = 0
         for table in rows:
@@ -313,10 +383,18 @@ class _ShardWriter:
     in SHARD_BUFFER_BYTES is written whole by pq.write_table, on a writer thread; a bigger one (wide rows, large
     shard_rows) streams to its file here, whole row groups at a time. Both give the same bytes."""
 
-    def __init__(self, fs, folder: str, manifest: Manifest, shard_rows: int, row_group_rows: int,
-                 writers: _Writers, options: dict):
+    def __init__(
+        self,
+        fs,
+        folder: str,
+        manifest: Manifest,
+        shard_rows: int,
+        row_group_rows: int,
+        writers: _Writers,
+        options: dict,
+    ):
         if on_disk(fs):
-            fs.makedirs(folder, exist_ok=True)   # an object store has no folders (s3fs's would create a bucket)
+            fs.makedirs(folder, exist_ok=True)  # an object store has no folders (s3fs's would create a bucket)
         self.fs, self.folder, self.manifest, self.writers, self.options = fs, folder, manifest, writers, options
         self.shard_rows, self.group_rows = shard_rows, row_group_rows
         self._pieces: list[pa.Table] = []  # the shard's rows not written yet
@@ -375,8 +453,9 @@ class _ShardWriter:
         path = self._path()
         table = _compact(pa.concat_tables(self._pieces))
         if self._writer is None:
-            self.writers.submit(_write_shard, self.fs, posixpath.join(self.folder, path), table, self.group_rows,
-                                self.options)
+            self.writers.submit(
+                _write_shard, self.fs, posixpath.join(self.folder, path), table, self.group_rows, self.options
+            )
         else:
             if table.num_rows:
                 self._writer.write_table(table, row_group_size=self.group_rows)
@@ -401,10 +480,15 @@ def _parquet_options(sample: pa.Table) -> dict:
     floats) trying a dictionary for every row group costs up to half the write speed, and snappy
     already shrinks plain pages as well (measured on the samples and bench data)."""
     sample = sample.slice(0, DICTIONARY_SAMPLE_ROWS)
-    return {"use_dictionary": [c for c in sample.column_names if pc.count_distinct(sample.column(c)).as_py()
-                               <= max(1, sample.num_rows // 8)],
-            # Min/max of shuffled rows prune no row group, and cost a sixth of the write.
-            "write_statistics": False}
+    return {
+        "use_dictionary": [
+            c
+            for c in sample.column_names
+            if pc.count_distinct(sample.column(c)).as_py() <= max(1, sample.num_rows // 8)
+        ],
+        # Min/max of shuffled rows prune no row group, and cost a sixth of the write.
+        "write_statistics": False,
+    }
 
 
 def _check_replaceable(path: str, output: str) -> None:
@@ -414,5 +498,7 @@ def _check_replaceable(path: str, output: str) -> None:
     if os.path.isdir(path):
         others = sorted(set(os.listdir(path)) - {"train", "eval"})
         if others:
-            raise ConfigError(f"The output folder {output} already holds {', '.join(others[:3])}; data prep "
-                              "replaces its output folder as a whole, so pass a new or empty folder.")
+            raise ConfigError(
+                f"The output folder {output} already holds {', '.join(others[:3])}; data prep "
+                "replaces its output folder as a whole, so pass a new or empty folder."
+            )

@@ -1,4 +1,5 @@
 """Read exactly a record range of a Parquet shard, touching only the row groups it spans."""
+
 from __future__ import annotations
 
 import bisect
@@ -28,8 +29,10 @@ class ShardReader:
             self._file = fs.open(path, "rb", cache_type="none")
             self._pq = pq.ParquetFile(self._file, pre_buffer=True)
         except (OSError, ValueError) as e:
-            raise DataError(f"Cannot open the data shard {uri}: {e}. Check that the manifest's shards "
-                            "are where the manifest says (re-run `elastic-step data prep`).") from None
+            raise DataError(
+                f"Cannot open the data shard {uri}: {e}. Check that the manifest's shards "
+                "are where the manifest says (re-run `elastic-step data prep`)."
+            ) from None
         md = self._pq.metadata
         self._starts = [0]
         for i in range(md.num_row_groups):
@@ -48,10 +51,8 @@ class ShardReader:
                 # clamp: an empty range at the very end still needs one row group for the columns
                 first = min(bisect.bisect_right(self._starts, start) - 1, len(self._starts) - 2)
                 last = bisect.bisect_left(self._starts, end)  # row groups [first, last)
-                table = self._pq.read_row_groups(list(range(first, max(last, first + 1))),
-                                                 columns=self.columns)
-                cols = {name: table.column(name).to_numpy(zero_copy_only=False)
-                        for name in table.column_names}
+                table = self._pq.read_row_groups(list(range(first, max(last, first + 1))), columns=self.columns)
+                cols = {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
                 c = self._cache = (self._starts[first], self._starts[first] + table.num_rows, cols)
             lo, hi = start - c[0], end - c[0]
             return {k: v[lo:hi] for k, v in c[2].items()}

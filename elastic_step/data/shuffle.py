@@ -12,6 +12,7 @@ first, to one of 2**bits buckets by the key's top bits: Arrow IPC streams in a l
 takes the buckets in key order, sorts each by key and yields the rows. The order, and so the shards,
 depend on the source and the seed only: not on the number of processes, batch sizes or buckets.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -20,7 +21,7 @@ import math
 import multiprocessing
 import os
 import resource
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -59,8 +60,10 @@ def _mix(z):
 def row_keys(seed: int, file_index: int, start: int, count: int) -> np.ndarray:
     """The keys of rows [start, start + count) of file `file_index`, as uint64."""
     if not 0 <= file_index < 1 << FILE_BITS or start + count > 1 << ROW_BITS:
-        raise DataError(f"A source of more than {1 << FILE_BITS} files or {1 << ROW_BITS} rows in one file is "
-                        "more than data prep handles; split it.")
+        raise DataError(
+            f"A source of more than {1 << FILE_BITS} files or {1 << ROW_BITS} rows in one file is "
+            "more than data prep handles; split it."
+        )
     # The seed is mixed first so that seeds a multiple of the gamma apart do not give shifted keys.
     first = (_mix(seed & _MASK) + ((file_index << ROW_BITS) + start + 1) * _GAMMA) & _MASK
     with np.errstate(over="ignore"):
@@ -88,7 +91,9 @@ def bucket_bits(files: list[tuple[str, int]]) -> int:
     """log2 of the bucket count for [(path, size)]: a bucket about a sort unit in memory."""
     # A process keeps a file open per bucket: stay within a quarter of its limit on open files.
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    most = MAX_BUCKET_BITS if limit == resource.RLIM_INFINITY else min(MAX_BUCKET_BITS, int(math.log2(max(limit, 4) / 4)))
+    most = (
+        MAX_BUCKET_BITS if limit == resource.RLIM_INFINITY else min(MAX_BUCKET_BITS, int(math.log2(max(limit, 4) / 4)))
+    )
     return min(most, max(0, math.ceil(math.log2(max(_in_memory(files), 1) / unit_bytes(files)))))
 
 
@@ -110,7 +115,7 @@ class _Buckets:
 
     def __init__(self, folder: str, used: int, bits: int, unit: int):
         self.folder, self.used, self.bits = folder, used, bits
-        self.buffer_bytes = min(unit, SPILL_BUFFER_BYTES)   # rows held before they are appended
+        self.buffer_bytes = min(unit, SPILL_BUFFER_BYTES)  # rows held before they are appended
         n = 1 << bits
         self.rows = np.zeros(n, dtype=np.int64)
         self.bytes = np.zeros(n, dtype=np.int64)
@@ -123,8 +128,7 @@ class _Buckets:
         return os.path.join(self.folder, f"{bucket:04d}", f"{os.getpid()}.arrow")
 
     def add(self, table: pa.Table, keys: np.ndarray) -> None:
-        table = pa.Table.from_arrays([pa.array(keys, pa.uint64())] + table.columns,
-                                     names=["key"] + table.column_names)
+        table = pa.Table.from_arrays([pa.array(keys, pa.uint64())] + table.columns, names=["key"] + table.column_names)
         self._pending.append((table, _bucket_of(keys, self.used, self.bits)))
         self._pending_bytes += table.nbytes
         if self._pending_bytes > self.buffer_bytes:
@@ -188,9 +192,11 @@ class _Buckets:
 
 # ---------------------------------------------------------------- pass 1
 
+
 @dataclasses.dataclass
 class Spilled:
     """Pass 1's account of one source file."""
+
     name: str
     schema: pa.Schema
     rows: int
@@ -233,8 +239,18 @@ def _spill_file(task: _Task) -> Spilled:
     return Spilled(task.name, source.schema, rows, out.bytes, bad.count, bad.first)
 
 
-def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: int, folder: str, bits: int,
-          unit: int, processes: int) -> list[Spilled]:
+def spill(
+    fs,
+    files: list[tuple[str, str]],
+    declared,
+    label,
+    skip: bool,
+    seed: int,
+    folder: str,
+    bits: int,
+    unit: int,
+    processes: int,
+) -> list[Spilled]:
     """Pass 1: every file's rows into the buckets under `folder`, each process buffering up to
     `unit` bytes (at most SPILL_BUFFER_BYTES) between appends; the files' accounts in file order.
 
@@ -242,8 +258,10 @@ def spill(fs, files: list[tuple[str, str]], declared, label, skip: bool, seed: i
     as when they are read one after another."""
     for b in range(1 << bits):
         os.makedirs(os.path.join(folder, f"{b:04d}"), exist_ok=True)
-    tasks = [_Task(fs, path, name, i, declared, label, skip, seed, folder, bits, unit)
-             for i, (path, name) in enumerate(files)]
+    tasks = [
+        _Task(fs, path, name, i, declared, label, skip, seed, folder, bits, unit)
+        for i, (path, name) in enumerate(files)
+    ]
     if processes <= 1:
         return [_spill_file(t) for t in tasks]
     # forkserver, not fork: the caller may hold threads (pyarrow's, gRPC's) that fork would copy
@@ -291,8 +309,10 @@ def usable_cpus() -> int:
     cpus = os.cpu_count() or 1
     if hasattr(os, "sched_getaffinity"):
         cpus = min(cpus, len(os.sched_getaffinity(0)))
-    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
-                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+    for quota_file, period_file in (
+        ("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period"
+        ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    ):
         try:
             with open(quota_file) as f:
                 values = f.read().split()
@@ -309,8 +329,8 @@ def usable_cpus() -> int:
 
 # ---------------------------------------------------------------- pass 2
 
-def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema,
-                 unit: int) -> Iterator[pa.Table]:
+
+def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema, unit: int) -> Iterator[pa.Table]:
     """Pass 2: every row under `folder` in key order, key dropped, as tables of `schema`'s columns.
 
     Neighbouring buckets are sorted together up to `unit` bytes; a bucket bigger than that (the
@@ -322,9 +342,16 @@ def in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Sc
         yield from _in_key_order(folder, bits, bucket_bytes, schema, 0, unit, remover)
 
 
-def _in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.Schema, used: int, unit: int,
-                  remover: concurrent.futures.Executor) -> Iterator[pa.Table]:
-    group: list[int] = []   # neighbouring buckets sorted together
+def _in_key_order(
+    folder: str,
+    bits: int,
+    bucket_bytes: np.ndarray,
+    schema: pa.Schema,
+    used: int,
+    unit: int,
+    remover: concurrent.futures.Executor,
+) -> Iterator[pa.Table]:
+    group: list[int] = []  # neighbouring buckets sorted together
     group_bytes = 0
     for b in range(1 << bits):
         size = int(bucket_bytes[b])
@@ -340,8 +367,9 @@ def _in_key_order(folder: str, bits: int, bucket_bytes: np.ndarray, schema: pa.S
         yield _sorted(folder, group, schema, remover)
 
 
-def _read_bucket(folder: str, bucket: int, whole_streams: bool,
-                 remover: concurrent.futures.Executor) -> Iterator[pa.Table]:
+def _read_bucket(
+    folder: str, bucket: int, whole_streams: bool, remover: concurrent.futures.Executor
+) -> Iterator[pa.Table]:
     """The tables appended to a bucket: each file holds one IPC stream or more, read whole (one
     Python step per stream, not per batch) or, for a bucket too big to hold, a batch at a time.
     Each file is handed to `remover` once read."""
@@ -376,8 +404,9 @@ def _sorted(folder: str, buckets: list[int], schema: pa.Schema, remover: concurr
     return table.take(pa.array(np.argsort(keys)))  # Arrow indices: see _Buckets.flush
 
 
-def _split(folder: str, bucket: int, size: int, schema: pa.Schema, used: int, unit: int,
-           remover: concurrent.futures.Executor) -> Iterator[pa.Table]:
+def _split(
+    folder: str, bucket: int, size: int, schema: pa.Schema, used: int, unit: int, remover: concurrent.futures.Executor
+) -> Iterator[pa.Table]:
     sub = os.path.join(folder, f"{bucket:04d}", "split")
     bits = min(MAX_BUCKET_BITS, 64 - used, max(1, math.ceil(math.log2(size / unit)) + 1))
     for b in range(1 << bits):

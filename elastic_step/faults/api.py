@@ -18,9 +18,10 @@ A process's hook points, installed by whoever drives them:
 - WATCH_REQUEST(watch): the Kubernetes pod watch (a PodWatch) is about to open a request; held
   there, it leaves what the pods do meanwhile unseen.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
 class JobFaults:

@@ -26,6 +26,7 @@ job, the same specs) skips what its predecessors fired, and reports it with its 
 A worker's own faults (ELASTIC_STEP_COLLECTIVE_CHAOS) are in process.py: a worker process installs
 them without the master's machinery.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,7 @@ import os
 import random
 import signal
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
@@ -45,22 +46,24 @@ from elastic_step.util.atomic import atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
-ENV = "ELASTIC_STEP_CHAOS"                          # a job's specs, when it is given none
+ENV = "ELASTIC_STEP_CHAOS"  # a job's specs, when it is given none
 
 ACTIONS = ("kill", "term")
-MASTER = "master"   # a signal's target: the master itself
+MASTER = "master"  # a signal's target: the master itself
 ROLES = ("worker", "ps", MASTER)
-SPEC_HELP = ("use kill:worker-0@400, term:worker-1@900, random:4:seed=7, random:4:seed=7:roles=worker,ps,master, "
-             "kill:master@900, term:master@900 or kill:master@checkpoint=2")
+SPEC_HELP = (
+    "use kill:worker-0@400, term:worker-1@900, random:4:seed=7, random:4:seed=7:roles=worker,ps,master, "
+    "kill:master@900, term:master@900 or kill:master@checkpoint=2"
+)
 
 
 @dataclasses.dataclass
 class Signal:
-    action: str                   # kill | term
-    at: int                       # records committed
-    target: InstanceId | str | None   # None: a worker holding a lease, ranked by `rank`; or MASTER
+    action: str  # kill | term
+    at: int  # records committed
+    target: InstanceId | str | None  # None: a worker holding a lease, ranked by `rank`; or MASTER
     rank: list[int] = dataclasses.field(default_factory=list)
-    index: int = 0                    # its place in the job's schedule
+    index: int = 0  # its place in the job's schedule
 
 
 def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
@@ -84,7 +87,7 @@ class Chaos(api.JobFaults):
         self.pending: list[Signal] = []
         self.fired: list[dict] = []
         self.kill_at_checkpoint: int | None = None
-        self.journal: str | None = None   # chaos.json beside the checkpoints (see resume)
+        self.journal: str | None = None  # chaos.json beside the checkpoints (see resume)
         self._job_id = ""
         for s in specs:
             if s.startswith("kill:master@checkpoint="):
@@ -94,9 +97,14 @@ class Chaos(api.JobFaults):
         self.pending.sort(key=lambda sig: sig.at)
         for i, sig in enumerate(self.pending):
             sig.index = i
-        self.schedule = [{"action": sig.action, "at_records": sig.at,
-                          "instance": str(sig.target) if sig.target else "any worker holding a lease"}
-                         for sig in self.pending]
+        self.schedule = [
+            {
+                "action": sig.action,
+                "at_records": sig.at,
+                "instance": str(sig.target) if sig.target else "any worker holding a lease",
+            }
+            for sig in self.pending
+        ]
         if self.kill_at_checkpoint is not None:
             self.schedule.append({"action": "kill", "instance": "master", "at_checkpoint": self.kill_at_checkpoint})
 
@@ -111,14 +119,20 @@ class Chaos(api.JobFaults):
                 if set(opts) - {"seed", "roles"} or int(count) < 1 or not roles or set(roles) - set(ROLES):
                     raise ValueError
                 if "ps" in roles and num_ps < 1:
-                    raise ElasticStepError(f"--chaos {spec!r} targets parameter servers, and this job has none "
-                                           "(--strategy allreduce): leave ps out of roles=.")
+                    raise ElasticStepError(
+                        f"--chaos {spec!r} targets parameter servers, and this job has none "
+                        "(--strategy allreduce): leave ps out of roles=."
+                    )
                 rng = random.Random(int(opts.get("seed", 0)))
                 signals = []
                 for _ in range(int(count)):
-                    sig = Signal(rng.choice(ACTIONS), rng.randint(1, max(1, int(records_total * 0.9))), None,
-                                 rng.sample(range(max_workers), max_workers))
-                    role = rng.choice(roles) if len(roles) > 1 else roles[0]   # workers only: seeds as before
+                    sig = Signal(
+                        rng.choice(ACTIONS),
+                        rng.randint(1, max(1, int(records_total * 0.9))),
+                        None,
+                        rng.sample(range(max_workers), max_workers),
+                    )
+                    role = rng.choice(roles) if len(roles) > 1 else roles[0]  # workers only: seeds as before
                     if role == MASTER:
                         sig.target = MASTER
                     elif role == "ps":
@@ -151,25 +165,30 @@ class Chaos(api.JobFaults):
             return
         try:
             import fsspec
+
             with fsspec.open(journal, "r") as f:
                 saved = json.load(f)
             same = saved.get("job_id") == job_id and saved.get("schedule") == self.schedule
-            before = saved["fired"] if same else []   # another job, or other specs: a schedule of its own
+            before = saved["fired"] if same else []  # another job, or other specs: a schedule of its own
         except (OSError, ValueError, KeyError, TypeError):
             return
         done = {f["index"] for f in before}
         self.fired = [{**f, "by_previous_master": True} for f in before]
         self.pending = [sig for sig in self.pending if sig.index not in done]
         if done:
-            log.info("chaos: %d signal(s) of the schedule were fired by a previous master; %d to go",
-                     len(done), len(self.pending))
+            log.info(
+                "chaos: %d signal(s) of the schedule were fired by a previous master; %d to go",
+                len(done),
+                len(self.pending),
+            )
 
     def _fire(self, sig: Signal, instance: str, committed: int) -> None:
         self.pending.remove(sig)
         self.fired.append({"action": sig.action, "instance": instance, "at_records": committed, "index": sig.index})
-        if self.journal is not None:   # before the signal: a master that kills itself must leave it written
-            atomic_write_text(self.journal, json.dumps({"job_id": self._job_id, "schedule": self.schedule,
-                                                        "fired": self.fired}))
+        if self.journal is not None:  # before the signal: a master that kills itself must leave it written
+            atomic_write_text(
+                self.journal, json.dumps({"job_id": self._job_id, "schedule": self.schedule, "fired": self.fired})
+            )
 
     def checkpoint_written(self, ckpt_id: int) -> None:
         """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""
@@ -191,21 +210,27 @@ class Chaos(api.JobFaults):
             kill_self(number)
             return
         alive = backend.alive()
-        leased = {w for w in coord.ledger.leases}
+        leased = set(coord.ledger.leases)
         if sig.target is not None and sig.target.role == "ps":
-            if sig.target not in alive or coord.rewinding:   # one loss at a time: not while restoring
+            if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
                 return
             target = sig.target
         elif sig.target is not None:
             # In threshold order, each at full strength and while its target holds a lease, so the
             # signal cuts a task short and leaves a remainder, whatever this machine's speed.
-            if len(coord.membership.training()) < self.max_workers or sig.target not in alive \
-                    or str(sig.target) not in leased:
+            if (
+                len(coord.membership.training()) < self.max_workers
+                or sig.target not in alive
+                or str(sig.target) not in leased
+            ):
                 return
             target = sig.target
         else:
-            ready = [InstanceId("worker", i) for i in sig.rank
-                     if InstanceId("worker", i) in alive and f"worker-{i}" in leased]
+            ready = [
+                InstanceId("worker", i)
+                for i in sig.rank
+                if InstanceId("worker", i) in alive and f"worker-{i}" in leased
+            ]
             if not ready:
                 return
             target = ready[0]
@@ -220,5 +245,8 @@ class Chaos(api.JobFaults):
     def summary(self) -> dict | None:
         if not self.schedule:
             return None
-        return {"schedule": self.schedule, "fired": list(self.fired),
-                "not_fired": [{"action": s.action, "at_records": s.at} for s in self.pending]}
+        return {
+            "schedule": self.schedule,
+            "fired": list(self.fired),
+            "not_fired": [{"action": s.action, "at_records": s.at} for s in self.pending],
+        }

@@ -5,6 +5,7 @@ the worker starts): `worker-1@step=25` SIGKILLs worker-1 in the middle of step 2
 once its own chunk of the step has left (its peers see a peer failure, not a hang). Apart from chaos.py,
 so that a worker process loads no more than the hook points it drives.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ import signal
 
 from elastic_step.faults import api
 
-COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"    # a worker's: "worker-1@step=25"
+COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"  # a worker's: "worker-1@step=25"
 
 
 def kill_self(sig: int) -> None:
@@ -37,8 +38,10 @@ def install_worker_faults(me: str) -> None:
 def _collective_kill(at_step: int):
     def fault(step: int, flush) -> None:
         if step == at_step:
-            flush()   # its chunk gone: the neighbour is into the step when its peer dies
+            flush()  # its chunk gone: the neighbour is into the step when its peer dies
             logging.getLogger("elastic_step.worker").warning(
-                "chaos: SIGKILL myself in the middle of step %d's collective", step)
+                "chaos: SIGKILL myself in the middle of step %d's collective", step
+            )
             kill_self(signal.SIGKILL)
+
     return fault

@@ -1,4 +1,5 @@
 """Master contract: the validated parameters of a training job and the job's outcome."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ class TrainConfig:
     when none is given, the backend --backend auto picks, the token, the checkpoint root) is its plan
     (master/plan.py). The fields and their defaults are the spec's training parameters (elastic_step/spec.py,
     where each one's meaning is; a test keeps the two the same)."""
+
     model_def: str
     train_data: str
     eval_data: str | None = _D["eval_data"]
@@ -29,45 +31,60 @@ class TrainConfig:
     min_workers: int = _D["min_workers"]
     max_workers: int = _D["max_workers"]
     num_ps: int = _D["num_ps"]
-    backend: str = _D["backend"]                  # auto | local | kubernetes (auto: see master/job.py make_backend)
+    backend: str = _D["backend"]  # auto | local | kubernetes (auto: see master/job.py make_backend)
     strategy: str = _D["strategy"]
-    global_batch: str = _D["global_batch"]        # allreduce: "scaled" (lr follows world size) or "fixed"
+    global_batch: str = _D["global_batch"]  # allreduce: "scaled" (lr follows world size) or "fixed"
     seed: int = _D["seed"]
     pushes_in_flight: int = _D["pushes_in_flight"]
     minibatches_per_push: int = _D["minibatches_per_push"]
-    job_id: str = _D["job_id"]                    # empty: the plan makes one up
+    job_id: str = _D["job_id"]  # empty: the plan makes one up
     worker_image: str = _D["worker_image"]
-    worker_cpu: str = _D["worker_cpu"]            # empty: no request
+    worker_cpu: str = _D["worker_cpu"]  # empty: no request
     worker_memory: str = _D["worker_memory"]
     worker_priority_class: str = _D["worker_priority_class"]
     ps_priority_class: str = _D["ps_priority_class"]
-    max_relaunches: int = _D["max_relaunches"]    # per job: a crash loop fails the job instead of spinning
+    max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
     progress: str = _D["progress"]
-    checkpoint_every: str = _D["checkpoint_every"]   # a time (60s, 5m) or records (50000); 0: no checkpoints
+    checkpoint_every: str = _D["checkpoint_every"]  # a time (60s, 5m) or records (50000); 0: no checkpoints
     # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
     checkpoint_uri: str = _D["checkpoint_uri"]
-    resume: str = _D["resume"]                    # auto: from this job's last checkpoint when there is one | never
+    resume: str = _D["resume"]  # auto: from this job's last checkpoint when there is one | never
     # Fault injection for tests and benchmarks, e.g. kill a worker after N committed records (see
     # faults/chaos.py). None given: the job reads ELASTIC_STEP_CHAOS at its start.
     chaos: tuple[str, ...] = ()
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         def positive(name: str) -> None:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
-        for name in ("epochs", "minibatch_size", "records_per_task", "min_workers", "max_workers", "num_ps",
-                     "pushes_in_flight", "minibatches_per_push"):
+
+        for name in (
+            "epochs",
+            "minibatch_size",
+            "records_per_task",
+            "min_workers",
+            "max_workers",
+            "num_ps",
+            "pushes_in_flight",
+            "minibatches_per_push",
+        ):
             positive(name)
         if self.pushes_in_flight > MAX_PUSHES_IN_FLIGHT:
-            raise ConfigError(f"--pushes-in-flight {self.pushes_in_flight} is more than {MAX_PUSHES_IN_FLIGHT}: "
-                              "each one adds an update of staleness to every gradient and gains no speed "
-                              f"past the worker's and the PS's overlap. Use 1 (the default) or 2.")
+            raise ConfigError(
+                f"--pushes-in-flight {self.pushes_in_flight} is more than {MAX_PUSHES_IN_FLIGHT}: "
+                "each one adds an update of staleness to every gradient and gains no speed "
+                f"past the worker's and the PS's overlap. Use 1 (the default) or 2."
+            )
         if self.minibatches_per_push > 1 and self.strategy != "ps":
-            raise ConfigError(f"--minibatches-per-push {self.minibatches_per_push} is for --strategy ps; "
-                              "with allreduce, --global-batch fixed accumulates minibatches instead.")
+            raise ConfigError(
+                f"--minibatches-per-push {self.minibatches_per_push} is for --strategy ps; "
+                "with allreduce, --global-batch fixed accumulates minibatches instead."
+            )
         if self.min_workers > self.max_workers:
-            raise ConfigError(f"--min-workers ({self.min_workers}) is larger than --max-workers "
-                              f"({self.max_workers}); the job could never start training.")
+            raise ConfigError(
+                f"--min-workers ({self.min_workers}) is larger than --max-workers "
+                f"({self.max_workers}); the job could never start training."
+            )
         if self.backend not in BACKENDS:
             raise ConfigError(f"Unknown --backend {self.backend!r}; choose one of {', '.join(BACKENDS)}.")
         if self.strategy not in STRATEGIES:
@@ -77,6 +94,7 @@ class TrainConfig:
         if self.resume not in BY_NAME["resume"].choices:
             raise ConfigError(f"Unknown --resume {self.resume!r}; choose auto or never.")
         from elastic_step.master.checkpoint_store import parse_interval
+
         parse_interval(self.checkpoint_every)
         if self.progress not in BY_NAME["progress"].choices:
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")

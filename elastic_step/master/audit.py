@@ -9,6 +9,7 @@ Here those ranges are laid over the training manifest: per epoch, how many recor
 every holder applied it exactly once: a push lost on one shard, or applied twice on one, leaves the
 shards' parameters out of step with the data, whatever the other shards hold.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,40 +27,57 @@ def coverage(rows: int, ranges: np.ndarray) -> np.ndarray:
     return np.cumsum(delta[:-1])
 
 
-def audit(shard_rows: list[int], epochs: int, evidence: list[dict[tuple[int, int], np.ndarray]],
-          source: str = "ps") -> dict:
+def audit(
+    shard_rows: list[int], epochs: int, evidence: list[dict[tuple[int, int], np.ndarray]], source: str = "ps"
+) -> dict:
     """`shard_rows`: records of each data shard of the training manifest, in manifest order.
     `evidence`: per holder of state (PS shard, or the allreduce member the model came from),
     (epoch, data shard) -> the [start, end) ranges it applied. `source`: "ps" or "allreduce".
     Returns the audit for summary.json: a verdict and, per epoch, records applied 0, 1, >1 times."""
     if not evidence:
-        return {"source": source, "verdict": UNAVAILABLE, "reason": "no evidence from the model's state",
-                "epochs": []}
+        return {"source": source, "verdict": UNAVAILABLE, "reason": "no evidence from the model's state", "epochs": []}
     records = int(sum(shard_rows))
     per_epoch, strays = [], 0
     for epoch in range(epochs):
         never = once = more = disagree = 0
         for index, rows in enumerate(shard_rows):
-            counts = np.stack([coverage(rows, shard.get((epoch, index), np.zeros((0, 2), np.int64)))
-                               for shard in evidence])
+            counts = np.stack(
+                [coverage(rows, shard.get((epoch, index), np.zeros((0, 2), np.int64))) for shard in evidence]
+            )
             lo, hi = counts.min(axis=0), counts.max(axis=0)
             agreed = lo == hi
             disagree += int((~agreed).sum())
             never += int((agreed & (lo == 0)).sum())
             once += int((agreed & (lo == 1)).sum())
             more += int((agreed & (lo > 1)).sum())
-        per_epoch.append({"epoch": epoch, "records": records, "applied_once": once, "never": never,
-                          "more_than_once": more, "shards_disagree": disagree})
+        per_epoch.append(
+            {
+                "epoch": epoch,
+                "records": records,
+                "applied_once": once,
+                "never": never,
+                "more_than_once": more,
+                "shards_disagree": disagree,
+            }
+        )
     # Anything applied that is not a record of an epoch and shard of this data set.
     for shard in evidence:
         for (epoch, index), ranges in shard.items():
             ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
             rows = shard_rows[index] if 0 <= index < len(shard_rows) and 0 <= epoch < epochs else 0
-            strays += int((np.clip(ranges[:, 1], rows, None) - np.clip(ranges[:, 0], rows, None)).sum()
-                          + (np.clip(ranges[:, 1], None, 0) - np.clip(ranges[:, 0], None, 0)).sum())
+            strays += int(
+                (np.clip(ranges[:, 1], rows, None) - np.clip(ranges[:, 0], rows, None)).sum()
+                + (np.clip(ranges[:, 1], None, 0) - np.clip(ranges[:, 0], None, 0)).sum()
+            )
     exact = strays == 0 and all(e["applied_once"] == records for e in per_epoch)
-    return {"source": source, "holders": len(evidence), "where": where(source, len(evidence)),
-            "verdict": EXACT if exact else VIOLATED, "records_outside_the_data": strays, "epochs": per_epoch}
+    return {
+        "source": source,
+        "holders": len(evidence),
+        "where": where(source, len(evidence)),
+        "verdict": EXACT if exact else VIOLATED,
+        "records_outside_the_data": strays,
+        "epochs": per_epoch,
+    }
 
 
 def describe(result: dict) -> str:
@@ -70,8 +88,11 @@ def describe(result: dict) -> str:
         n = len(result["epochs"])
         return f"audit exact: every record of {n} epoch(s) applied exactly once, {result['where']}"
     bad = [e for e in result["epochs"] if e["applied_once"] != e["records"]]
-    parts = [f"epoch {e['epoch']}: {e['never']} never, {e['more_than_once']} more than once, "
-             f"{e['shards_disagree']} differing between shards" for e in bad[:3]]
+    parts = [
+        f"epoch {e['epoch']}: {e['never']} never, {e['more_than_once']} more than once, "
+        f"{e['shards_disagree']} differing between shards"
+        for e in bad[:3]
+    ]
     if result.get("records_outside_the_data"):
         parts.append(f"{result['records_outside_the_data']} applied records outside the data set")
     return "audit VIOLATED: " + "; ".join(parts)

@@ -7,6 +7,7 @@ state, taken while no push is in flight (the barrier lives in the coordinator: w
 report their pushes, then hold). allreduce: one member's weights and optimizer variables (identical
 on every member) at the last committed step, taken while no further step may commit.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,8 @@ from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
 
 log = logging.getLogger("elastic_step.master")
 
-WATERMARK_EVERY_S = 5.0   # often enough to count what a lost master's successor trains again; cheap on object stores
-LAST_CUT_S = 15.0         # the last checkpoint of a terminated step: well inside Kubernetes's 30 s grace period
+WATERMARK_EVERY_S = 5.0  # often enough to count what a lost master's successor trains again; cheap on object stores
+LAST_CUT_S = 15.0  # the last checkpoint of a terminated step: well inside Kubernetes's 30 s grace period
 
 
 class Checkpointer:
@@ -34,8 +35,17 @@ class Checkpointer:
 
     HOLD_TIMEOUT_S = 60.0
 
-    def __init__(self, store: CheckpointStore, every: tuple[str, float], coord, parts, state,
-                 first_id: int = 1, faults: JobFaults = NO_FAULTS, parts_lost=None):
+    def __init__(
+        self,
+        store: CheckpointStore,
+        every: tuple[str, float],
+        coord,
+        parts,
+        state,
+        first_id: int = 1,
+        faults: JobFaults = NO_FAULTS,
+        parts_lost=None,
+    ):
         from elastic_step.ps.client import shards_moved
 
         self.store, self.every, self.coord = store, every, coord
@@ -46,9 +56,9 @@ class Checkpointer:
         self._holding_since: float | None = None
         self._last_at = time.time()
         self._last_records = 0
-        self.written: list[dict] = []      # per checkpoint: id, records, hold and write seconds
+        self.written: list[dict] = []  # per checkpoint: id, records, hold and write seconds
         self.abandoned = 0
-        self.last = False                  # the step is ending: cut now, and keep the workers held after
+        self.last = False  # the step is ending: cut now, and keep the workers held after
 
     def restart_from(self, records: int, now: float) -> None:
         """Count the next interval from here (a resumed job's start)."""
@@ -90,17 +100,24 @@ class Checkpointer:
                     raise
                 # The state's holder died before the master learned of it (its pod's end is reported
                 # later): that loss is handled first, then cuts go on.
-                log.warning("checkpoint %d abandoned: the model's state is unreachable (%s); trying again later",
-                            self.next_id, str(e.details() if hasattr(e, "details") else e)[:200])
-                self._last_at, self._last_records = now, committed   # the next one an interval later
+                log.warning(
+                    "checkpoint %d abandoned: the model's state is unreachable (%s); trying again later",
+                    self.next_id,
+                    str(e.details() if hasattr(e, "details") else e)[:200],
+                )
+                self._last_at, self._last_records = now, committed  # the next one an interval later
                 self.abandoned += 1
             finally:
-                if not self.last:   # the last cut keeps them held: whatever they trained after it would be lost
+                if not self.last:  # the last cut keeps them held: whatever they trained after it would be lost
                     self.coord.end_hold()
                 self._holding_since = None
         elif now - self._holding_since > self.HOLD_TIMEOUT_S:
-            log.warning("checkpoint %d abandoned: workers %s did not hold within %.0f s; trying again later",
-                        self.next_id, self.coord.waiting_for_hold(), self.HOLD_TIMEOUT_S)
+            log.warning(
+                "checkpoint %d abandoned: workers %s did not hold within %.0f s; trying again later",
+                self.next_id,
+                self.coord.waiting_for_hold(),
+                self.HOLD_TIMEOUT_S,
+            )
             self.coord.end_hold()
             self._holding_since, self._last_at = None, now
             self.abandoned += 1
@@ -114,18 +131,39 @@ class Checkpointer:
         records = state["ledger_records_committed"]
         self.store.commit(ckpt_id, [*files, "ledger.json"], records_committed=records, epoch=state["ledger"]["epoch"])
         took = time.time() - t0
-        self.written.append({"id": ckpt_id, "records_committed": records,
-                             "hold_s": round(hold_reached_at - self._holding_since, 4), "write_s": round(took, 4)})
-        self.coord.record("checkpoint", "", f"checkpoint {ckpt_id} at {records} records "
-                          f"(barrier {hold_reached_at - self._holding_since:.3f} s, write {took:.3f} s)")
-        log.info("checkpoint %d written at %d committed records (barrier %.3f s, write %.3f s) to %s", ckpt_id,
-                 records, hold_reached_at - self._holding_since, took, self.store.root)
+        self.written.append(
+            {
+                "id": ckpt_id,
+                "records_committed": records,
+                "hold_s": round(hold_reached_at - self._holding_since, 4),
+                "write_s": round(took, 4),
+            }
+        )
+        self.coord.record(
+            "checkpoint",
+            "",
+            f"checkpoint {ckpt_id} at {records} records "
+            f"(barrier {hold_reached_at - self._holding_since:.3f} s, write {took:.3f} s)",
+        )
+        log.info(
+            "checkpoint %d written at %d committed records (barrier %.3f s, write %.3f s) to %s",
+            ckpt_id,
+            records,
+            hold_reached_at - self._holding_since,
+            took,
+            self.store.root,
+        )
         self.next_id += 1
         self._last_at, self._last_records = time.time(), records
 
     def summary(self) -> dict:
-        return {"every": f"{self.every[1]:g} {self.every[0]}", "root": self.store.root, "written": len(self.written),
-                "abandoned": self.abandoned, "checkpoints": self.written[-20:]}
+        return {
+            "every": f"{self.every[1]:g} {self.every[0]}",
+            "root": self.store.root,
+            "written": len(self.written),
+            "abandoned": self.abandoned,
+            "checkpoints": self.written[-20:],
+        }
 
 
 class JobCheckpoints:
@@ -144,11 +182,11 @@ class JobCheckpoints:
     def __init__(self, cfg, job_id: str, root: str, model_def, coord, faults: JobFaults = NO_FAULTS):
         """`root`: the job's checkpoint folder (master/plan.py checkpoint_root)."""
         self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
-        self.token: str | None = None   # the job's, set once its backend is up (before any checkpoint is cut)
+        self.token: str | None = None  # the job's, set once its backend is up (before any checkpoint is cut)
         self.store = CheckpointStore(root, fingerprint(cfg, job_id, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
         self.allreduce = coord.rendezvous is not None
-        self.member_state = None   # allreduce: the MemberState newcomers load (resumed, or every member lost)
+        self.member_state = None  # allreduce: the MemberState newcomers load (resumed, or every member lost)
         if every:
             self.store.check_writable()
         self.resumed = self.store.latest() if cfg.resume == "auto" else None
@@ -162,40 +200,64 @@ class JobCheckpoints:
             coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
             started = time.time()
             before = self.store.watermark()
-            self.restarts.append({"at": started, "from_checkpoint": self.resumed["id"],
-                                  "records_committed_at_checkpoint": self.resumed["records_committed"],
-                                  # at least: the watermark is up to WATERMARK_EVERY_S behind the lost master
-                                  "records_trained_again": None if before is None
-                                  else max(0, before - self.resumed["records_committed"])})
+            self.restarts.append(
+                {
+                    "at": started,
+                    "from_checkpoint": self.resumed["id"],
+                    "records_committed_at_checkpoint": self.resumed["records_committed"],
+                    # at least: the watermark is up to WATERMARK_EVERY_S behind the lost master
+                    "records_trained_again": None
+                    if before is None
+                    else max(0, before - self.resumed["records_committed"]),
+                }
+            )
             entry = self.restarts[-1]
             coord.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
-            log.info("resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
-                     "records the previous master committed after it are trained again", job_id,
-                     self.resumed["id"], self.store.root, self.resumed["records_committed"], self.ledger.epoch,
-                     "(unknown number of)" if before is None else entry["records_trained_again"])
-            coord.record("resumed", "", f"from checkpoint {self.resumed['id']} at "
-                         f"{self.resumed['records_committed']} records")
-        self._last_members: tuple | None = None   # allreduce: (id, ledger cut, member state) of the last cut
-        self._cut_members: tuple | None = None    # allreduce: (id, member state) pulled for the cut in progress
+            log.info(
+                "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
+                "records the previous master committed after it are trained again",
+                job_id,
+                self.resumed["id"],
+                self.store.root,
+                self.resumed["records_committed"],
+                self.ledger.epoch,
+                "(unknown number of)" if before is None else entry["records_trained_again"],
+            )
+            coord.record(
+                "resumed", "", f"from checkpoint {self.resumed['id']} at {self.resumed['records_committed']} records"
+            )
+        self._last_members: tuple | None = None  # allreduce: (id, ledger cut, member state) of the last cut
+        self._cut_members: tuple | None = None  # allreduce: (id, member state) pulled for the cut in progress
         if self.allreduce and every:
             coord.members_lost = self._members_lost
             if self.resumed:
                 self._last_members = (self.resumed["id"], self.state, self.member_state)
-        self.cutter = Checkpointer(
-            self.store, every, coord, self._save_members if self.allreduce else self._save_shards, self._cut,
-            first_id=(self.resumed or {}).get("id", 0) + 1, faults=faults,
-            parts_lost=self._rank0_unreachable if self.allreduce else None) if every else None
+        self.cutter = (
+            Checkpointer(
+                self.store,
+                every,
+                coord,
+                self._save_members if self.allreduce else self._save_shards,
+                self._cut,
+                first_id=(self.resumed or {}).get("id", 0) + 1,
+                faults=faults,
+                parts_lost=self._rank0_unreachable if self.allreduce else None,
+            )
+            if every
+            else None
+        )
         if self.cutter:
             self.cutter.restart_from(self.ledger.records_committed_total(), time.time())
         self.eval_history: list[dict] = list(self.state.get("eval_history", []))
         self.ps_restores: list[dict] = []
-        self._watermark = (0.0, -1)          # (written at, records) of the last watermark
-        self._last_cut: tuple[float, int] | None = None   # (asked at, the id it must reach), once terminated
+        self._watermark = (0.0, -1)  # (written at, records) of the last watermark
+        self._last_cut: tuple[float, int] | None = None  # (asked at, the id it must reach), once terminated
 
     @staticmethod
     def _rank0_unreachable(error: Exception) -> bool:
         """allreduce: rank 0 lost, or a new version formed, while its state was being pulled."""
         import grpc
+
         return isinstance(error, grpc.RpcError)
 
     def _members_lost(self) -> bool:
@@ -208,14 +270,18 @@ class JobCheckpoints:
         self.member_state = member
         self.coord.rendezvous.restore_locked(member.step, ckpt_id)
         self.coord.record("rewound", "", f"every member lost: to checkpoint {ckpt_id}, {again} records to train again")
-        log.warning("every allreduce member was lost, and the trained weights with them: the ledger goes back to "
-                    "checkpoint %d, whose state the newcomers load; the %d records committed since are trained again",
-                    ckpt_id, again)
+        log.warning(
+            "every allreduce member was lost, and the trained weights with them: the ledger goes back to "
+            "checkpoint %d, whose state the newcomers load; the %d records committed since are trained again",
+            ckpt_id,
+            again,
+        )
         return True
 
     def _save_members(self, ckpt_id: int) -> list[str]:
         """Rank 0's state at the last committed step (no step commits meanwhile), written by the master."""
         from elastic_step.worker.collective import pull_state
+
         rdv = self.coord.rendezvous
         with self.coord.lock:
             step, (_, address) = rdv.committed_step, rdv.members[0]
@@ -225,6 +291,7 @@ class JobCheckpoints:
 
     def _shards(self):
         from elastic_step.ps.client import PSClient
+
         return PSClient(self.coord.ps_addresses, self.token)
 
     def _save_shards(self, ckpt_id: int) -> list[str]:
@@ -253,9 +320,11 @@ class JobCheckpoints:
             shards.restore(states, generation)
         except (grpc.RpcError, KeyError, OSError) as e:
             detail = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
-            raise CheckpointError(f"Cannot restore the parameter servers from checkpoint {manifest['id']} "
-                                  f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
-                                  "or pass --resume never.") from None
+            raise CheckpointError(
+                f"Cannot restore the parameter servers from checkpoint {manifest['id']} "
+                f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
+                "or pass --resume never."
+            ) from None
         finally:
             shards.close()
 
@@ -294,9 +363,14 @@ class JobCheckpoints:
         with coord.lock:
             coord.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
         coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
-        log.warning("ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
-                    "the %d records committed since are trained again", lost_ps, manifest["id"],
-                    manifest["records_committed"], again)
+        log.warning(
+            "ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
+            "the %d records committed since are trained again",
+            lost_ps,
+            manifest["id"],
+            manifest["records_committed"],
+            again,
+        )
         return manifest, generation
 
     def rewound(self, generation: int) -> None:
@@ -307,11 +381,15 @@ class JobCheckpoints:
     def _cut(self) -> dict:
         with self.coord.lock:
             rdv = self.coord.rendezvous
-            state = {"ledger": self.ledger.cut(), "ledger_records_committed": self.ledger.records_committed_total(),
-                     **({"allreduce_step": rdv.committed_step} if rdv is not None else {}),
-                     "duplicates_suppressed": self.coord.duplicates_suppressed, "restarts": self.restarts,
-                     "eval_history": list(self.eval_history)}
-            if rdv is not None:   # what every member lost goes back to (kept in memory: the state is in hand)
+            state = {
+                "ledger": self.ledger.cut(),
+                "ledger_records_committed": self.ledger.records_committed_total(),
+                **({"allreduce_step": rdv.committed_step} if rdv is not None else {}),
+                "duplicates_suppressed": self.coord.duplicates_suppressed,
+                "restarts": self.restarts,
+                "eval_history": list(self.eval_history),
+            }
+            if rdv is not None:  # what every member lost goes back to (kept in memory: the state is in hand)
                 ckpt_id, member = self._cut_members
                 self._last_members = (ckpt_id, state, member)
             return state
@@ -334,7 +412,7 @@ class JobCheckpoints:
         if c is None or not self.coord.state_to_cut():
             return True
         if self._last_cut is None:
-            self._last_cut = (now, c.next_id)   # the next checkpoint (a barrier already begun ends in it too)
+            self._last_cut = (now, c.next_id)  # the next checkpoint (a barrier already begun ends in it too)
             c.last = True
             log.info("terminated: cutting a last checkpoint so that a retried step resumes where this one stopped")
         asked_at, target = self._last_cut
@@ -342,8 +420,13 @@ class JobCheckpoints:
         if c.next_id > target:
             return True
         if now - asked_at > LAST_CUT_S:
-            log.warning("terminated: no last checkpoint within %.0f s (workers %s never held); the retried step "
-                        "resumes from checkpoint %d", LAST_CUT_S, self.coord.waiting_for_hold(), c.next_id - 1)
+            log.warning(
+                "terminated: no last checkpoint within %.0f s (workers %s never held); the retried step "
+                "resumes from checkpoint %d",
+                LAST_CUT_S,
+                self.coord.waiting_for_hold(),
+                c.next_id - 1,
+            )
             c.abandon()
             return True
         return False
@@ -353,10 +436,13 @@ class JobCheckpoints:
         last = self.cutter.written[-1] if self.cutter and self.cutter.written else None
         if last is None and not self.resumed:
             return "No checkpoint was written: a retried step starts over."
-        ckpt_id, records = (last["id"], last["records_committed"]) if last else \
-            (self.resumed["id"], self.resumed["records_committed"])
-        return (f"A retried step (same job id and output) resumes from checkpoint {ckpt_id} at {records} committed "
-                f"records, under {self.store.root}.")
+        ckpt_id, records = (
+            (last["id"], last["records_committed"]) if last else (self.resumed["id"], self.resumed["records_committed"])
+        )
+        return (
+            f"A retried step (same job id and output) resumes from checkpoint {ckpt_id} at {records} committed "
+            f"records, under {self.store.root}."
+        )
 
     def finished(self) -> None:
         """The job succeeded: its model is the output, and a rerun of this job id starts over."""
@@ -366,6 +452,9 @@ class JobCheckpoints:
             pass
 
     def summary(self) -> dict:
-        return {**(self.cutter.summary() if self.cutter else {"every": "never"}), "restarts": self.restarts,
-                "ps_restores": self.ps_restores,
-                **({"resumed_from": self.resumed["id"]} if self.resumed else {})}
+        return {
+            **(self.cutter.summary() if self.cutter else {"every": "never"}),
+            "restarts": self.restarts,
+            "ps_restores": self.ps_restores,
+            **({"resumed_from": self.resumed["id"]} if self.resumed else {}),
+        }

@@ -17,6 +17,7 @@ manifest is in place. The manifest also carries the job's fingerprint (job id, m
 configuration): a checkpoint of another job is not resumed, and one of the same job with another
 model, data set or configuration is refused, naming the difference.
 """
+
 from __future__ import annotations
 
 import io
@@ -54,9 +55,13 @@ class CheckpointStore:
 
     def check_writable(self) -> None:
         """At the job's start, not at its first checkpoint."""
-        check_writable(self.root, "write checkpoints under", CheckpointError,
-                       "Or pass --checkpoint-every 0 to train without checkpoints (a lost master or PS then "
-                       "loses the job's progress).")
+        check_writable(
+            self.root,
+            "write checkpoints under",
+            CheckpointError,
+            "Or pass --checkpoint-every 0 to train without checkpoints (a lost master or PS then "
+            "loses the job's progress).",
+        )
 
     def latest(self) -> dict | None:
         """The last complete checkpoint's manifest, or None. A corrupt manifest is an error; one of
@@ -77,32 +82,47 @@ class CheckpointStore:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(
                 f"The checkpoint manifest {self.uri(MANIFEST)} is corrupt ({e}). Delete {self.root} to start "
-                "over, or pass --resume never.") from None
+                "over, or pass --resume never."
+            ) from None
         if fingerprint.get("job_id") != self.fingerprint["job_id"]:
-            log.info("found a checkpoint of job %s under %s, not of this job (%s): not resuming; this job's "
-                     "checkpoints will replace it", fingerprint.get("job_id"), self.root, self.fingerprint["job_id"])
+            log.info(
+                "found a checkpoint of job %s under %s, not of this job (%s): not resuming; this job's "
+                "checkpoints will replace it",
+                fingerprint.get("job_id"),
+                self.root,
+                self.fingerprint["job_id"],
+            )
             return None
-        differences = [f"{k}: checkpoint {fingerprint.get(k)!r}, this job {v!r}"
-                       for k, v in self.fingerprint.items() if fingerprint.get(k) != v]
+        differences = [
+            f"{k}: checkpoint {fingerprint.get(k)!r}, this job {v!r}"
+            for k, v in self.fingerprint.items()
+            if fingerprint.get(k) != v
+        ]
         if differences:
             raise CheckpointError(
                 f"The checkpoint under {self.root} is of job {self.fingerprint['job_id']} but with another "
                 f"{', '.join(d.split(':')[0] for d in differences)} ({'; '.join(differences)}). Resume with "
-                "the same model, data and configuration, or pass --resume never to start over.")
+                "the same model, data and configuration, or pass --resume never to start over."
+            )
         return manifest
 
     def read_json(self, manifest: dict, name: str) -> dict:
         try:
             return json.loads(self.read_part(manifest, name))
         except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"The checkpoint {manifest.get('id')} under {self.root} is missing or has a "
-                                  f"corrupt {name} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
-                                  "or pass --resume never.") from None
+            raise CheckpointError(
+                f"The checkpoint {manifest.get('id')} under {self.root} is missing or has a "
+                f"corrupt {name} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
+                "or pass --resume never."
+            ) from None
 
     def write_watermark(self, records_committed: int) -> None:
-        atomic_write_text(self.uri(WATERMARK), json.dumps({"job_id": self.fingerprint["job_id"],
-                                                           "records_committed": records_committed,
-                                                           "at": time.time()}))
+        atomic_write_text(
+            self.uri(WATERMARK),
+            json.dumps(
+                {"job_id": self.fingerprint["job_id"], "records_committed": records_committed, "at": time.time()}
+            ),
+        )
 
     def watermark(self) -> int | None:
         """The records the job's last master had committed, as it last wrote them; None if unknown."""
@@ -122,9 +142,15 @@ class CheckpointStore:
         import numpy as np
 
         from elastic_step.data.api import AppliedRecords
+
         buf = io.BytesIO()
-        np.savez(buf, step=np.array(state.step, np.int64), num_model=np.array(state.num_model, np.int64),
-                 **{f"values/{i}": v for i, v in enumerate(state.values)}, **AppliedRecords.of(state.applied).npz())
+        np.savez(
+            buf,
+            step=np.array(state.step, np.int64),
+            num_model=np.array(state.num_model, np.int64),
+            **{f"values/{i}": v for i, v in enumerate(state.values)},
+            **AppliedRecords.of(state.applied).npz(),
+        )
         atomic_write_bytes(self.part(ckpt_id, MEMBERS), buf.getvalue())
         return MEMBERS
 
@@ -134,15 +160,19 @@ class CheckpointStore:
 
         from elastic_step.data.api import AppliedRecords
         from elastic_step.proto.tensors import MemberState
+
         try:
             saved = dict(np.load(io.BytesIO(self.read_part(manifest, MEMBERS)), allow_pickle=False))
             values = [saved[f"values/{i}"] for i in range(sum(k.startswith("values/") for k in saved))]
-            return MemberState(int(saved["step"]), int(saved["num_model"]), values,
-                               AppliedRecords.of_npz(saved).arrays())
+            return MemberState(
+                int(saved["step"]), int(saved["num_model"]), values, AppliedRecords.of_npz(saved).arrays()
+            )
         except (KeyError, OSError, ValueError) as e:
-            raise CheckpointError(f"Cannot read the allreduce members' state of checkpoint {manifest['id']} under "
-                                  f"{self.root} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
-                                  "or pass --resume never.") from None
+            raise CheckpointError(
+                f"Cannot read the allreduce members' state of checkpoint {manifest['id']} under "
+                f"{self.root} ({type(e).__name__}: {e}). Delete {self.root} to start over, "
+                "or pass --resume never."
+            ) from None
 
     def part(self, ckpt_id: int, name: str) -> str:
         """Where a part of checkpoint `ckpt_id` goes."""
@@ -150,8 +180,14 @@ class CheckpointStore:
 
     def commit(self, ckpt_id: int, files: list[str], **meta) -> dict:
         """The commit point: the manifest naming the complete checkpoint; then older ones go."""
-        manifest = {"format": FORMAT, "id": ckpt_id, "written_at": time.time(), "fingerprint": self.fingerprint,
-                    "files": {name: f"ckpt-{ckpt_id:06d}/{name}" for name in files}, **meta}
+        manifest = {
+            "format": FORMAT,
+            "id": ckpt_id,
+            "written_at": time.time(),
+            "fingerprint": self.fingerprint,
+            "files": {name: f"ckpt-{ckpt_id:06d}/{name}" for name in files},
+            **meta,
+        }
         atomic_write_text(self.uri(MANIFEST), json.dumps(manifest, indent=1))
         for old in self.fs.glob(posixpath.join(self.path, "ckpt-*")):
             if posixpath.basename(old) != f"ckpt-{ckpt_id:06d}":
@@ -166,14 +202,16 @@ def parse_interval(text: str) -> tuple[str, float] | None:
     units = {"s": 1, "m": 60, "h": 3600}
     try:
         if t.endswith("records"):
-            kind, amount = "records", float(t[:-len("records")])
+            kind, amount = "records", float(t[: -len("records")])
         elif t and t[-1] in units:
             kind, amount = "seconds", float(t[:-1]) * units[t[-1]]
         else:
             kind, amount = "records", float(t)
     except ValueError:
-        raise ConfigError(f"--checkpoint-every {text!r} is neither a time (60s, 5m, 1h) nor a number of "
-                          "records (50000): use one of those, or 0 for no checkpoints.") from None
+        raise ConfigError(
+            f"--checkpoint-every {text!r} is neither a time (60s, 5m, 1h) nor a number of "
+            "records (50000): use one of those, or 0 for no checkpoints."
+        ) from None
     if amount < 0:
         raise ConfigError(f"--checkpoint-every {text!r} is negative: use a time (60s), records (50000) or 0.")
     return None if amount == 0 else (kind, amount)
@@ -188,7 +226,14 @@ def fingerprint(cfg, job_id: str, model_def, ledger) -> dict:
         source = open(inspect.getsourcefile(model_def.module), "rb").read()
     except (OSError, TypeError):
         source = cfg.model_def.encode()
-    return {"job_id": job_id, "model": hashlib.sha256(source).hexdigest()[:16],
-            "data": [[s.uri.rsplit("/", 1)[-1], s.rows] for s in ledger.shards], "epochs": cfg.epochs,
-            "minibatch_size": cfg.minibatch_size, "records_per_task": ledger.records_per_task,
-            "num_ps": cfg.num_ps, "strategy": cfg.strategy, "seed": cfg.seed}
+    return {
+        "job_id": job_id,
+        "model": hashlib.sha256(source).hexdigest()[:16],
+        "data": [[s.uri.rsplit("/", 1)[-1], s.rows] for s in ledger.shards],
+        "epochs": cfg.epochs,
+        "minibatch_size": cfg.minibatch_size,
+        "records_per_task": ledger.records_per_task,
+        "num_ps": cfg.num_ps,
+        "strategy": cfg.strategy,
+        "seed": cfg.seed,
+    }

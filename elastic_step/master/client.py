@@ -1,5 +1,6 @@
 """The master's client, as workers and PS shards call it: register, leases and progress, holds for a
 checkpoint cut, heartbeats, failures. The service it calls is master/service.py."""
+
 from __future__ import annotations
 
 import logging
@@ -18,36 +19,55 @@ class MasterClient:
         self.stub = pb_grpc.MasterStub(self._channel)
 
     def register(self, address: str = "") -> pb.RegisterResponse:
-        return rpc.call(self.stub.Register, pb.RegisterRequest(token=self.token, instance=self.me,
-                                                               address=address))
+        return rpc.call(self.stub.Register, pb.RegisterRequest(token=self.token, instance=self.me, address=address))
 
     def get_task(self, ahead_of: int | None = None) -> pb.GetTaskResponse:
         return rpc.call(self.stub.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me, ahead_of=ahead_of))
 
     def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> pb.ProgressResponse:
         """`stop`: the master refused the report (the lease is no longer ours); `hold`: a checkpoint is cut."""
-        return rpc.call(self.stub.ReportProgress, pb.ProgressReport(
-            token=self.token, instance=self.me, task_id=task_id, watermark=watermark,
-            records=records, loss=loss, duplicate=duplicate))
+        return rpc.call(
+            self.stub.ReportProgress,
+            pb.ProgressReport(
+                token=self.token,
+                instance=self.me,
+                task_id=task_id,
+                watermark=watermark,
+                records=records,
+                loss=loss,
+                duplicate=duplicate,
+            ),
+        )
 
     def hold(self, stop) -> None:
         """Wait while the master cuts a checkpoint (this worker has nothing in flight), or until `stop`."""
         while not stop.is_set():
-            if rpc.call(self.stub.Hold, pb.HoldRequest(token=self.token, instance=self.me, wait_s=1.0),
-                        timeout=10).released:
+            if rpc.call(
+                self.stub.Hold, pb.HoldRequest(token=self.token, instance=self.me, wait_s=1.0), timeout=10
+            ).released:
                 return
 
     def heartbeat(self) -> bool:
         """True when the master asks this instance to stop."""
-        return rpc.call(self.stub.Heartbeat, pb.HeartbeatRequest(token=self.token, instance=self.me),
-                        timeout=10, retry_for=10).stop
+        return rpc.call(
+            self.stub.Heartbeat, pb.HeartbeatRequest(token=self.token, instance=self.me), timeout=10, retry_for=10
+        ).stop
 
     def fail(self, kind: str, error: BaseException) -> None:
         try:
-            rpc.call(self.stub.ReportFailure, pb.FailureReport(
-                token=self.token, instance=self.me, kind=kind, message=str(error),
-                traceback="".join(traceback.format_exception(error))), timeout=10, retry_for=10)
-        except Exception:  # noqa: BLE001 - the exit code still tells the master
+            rpc.call(
+                self.stub.ReportFailure,
+                pb.FailureReport(
+                    token=self.token,
+                    instance=self.me,
+                    kind=kind,
+                    message=str(error),
+                    traceback="".join(traceback.format_exception(error)),
+                ),
+                timeout=10,
+                retry_for=10,
+            )
+        except Exception:  # the exit code still tells the master
             logging.exception("could not report the failure to the master")
 
     def close(self) -> None:

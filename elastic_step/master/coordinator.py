@@ -3,6 +3,7 @@
 The gRPC service and the job loop both call into it; it decides nothing about processes
 (that is the relaunch policy's job) and never blocks on I/O while holding its lock.
 """
+
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,7 @@ import threading
 import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.ledger import Ledger, LedgerError, Lease
+from elastic_step.master.ledger import Lease, Ledger, LedgerError
 from elastic_step.master.membership import Membership
 
 log = logging.getLogger("elastic_step.master")
@@ -23,18 +24,18 @@ class Coordinator:
         self.membership = Membership()
         self.num_ps = num_ps
         self.min_workers = min_workers
-        self.training_started = False           # elastic, not gang: gated once, on min_workers
+        self.training_started = False  # elastic, not gang: gated once, on min_workers
         self.ps_addresses: list[str] = [""] * num_ps
         self.ps_ready = threading.Event()
         # Workers learn the shards' addresses only once every shard is up and, for a resumed job,
         # restored (see open_shards): workers start beside the shards, not after them.
         self.shards_open = num_ps == 0
         self.events: list[dict] = []
-        self.samples: list[dict] = []           # progress over time, for the report
-        self._alive_seen = 0                    # membership.alive_samples already folded into a sample
+        self.samples: list[dict] = []  # progress over time, for the report
+        self._alive_seen = 0  # membership.alive_samples already folded into a sample
         self.failure: dict | None = None
-        self.finished = threading.Event()       # training over (done or failed)
-        self.stop_all = threading.Event()       # the master no longer needs any instance (PS included)
+        self.finished = threading.Event()  # training over (done or failed)
+        self.stop_all = threading.Event()  # the master no longer needs any instance (PS included)
         self.loss_ema: float | None = None
         self.duplicates_suppressed = 0
         self.t0 = time.time()
@@ -42,7 +43,7 @@ class Coordinator:
         self.recovery_first_commit_s: list[float] = []
         self.first_commit_at: float | None = None  # throughput is measured between first and last commit
         self.last_commit_at: float | None = None
-        self.rendezvous = None                  # --strategy allreduce: see attach_rendezvous
+        self.rendezvous = None  # --strategy allreduce: see attach_rendezvous
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
         # its worker to hold, and the workers that finished their pushes wait in `hold`.
         self.holding = False
@@ -51,17 +52,22 @@ class Coordinator:
         # the shards' state. While `rewinding`, no lease is handed out and no report commits.
         self.rewinding = False
         self.ps_generation = 0
-        self.on_next_commit: list = []          # callables(now), each called once at the next commit
-        self.members_lost = lambda: False       # allreduce, lock held: True once back at a checkpoint
+        self.on_next_commit: list = []  # callables(now), each called once at the next commit
+        self.members_lost = lambda: False  # allreduce, lock held: True once back at a checkpoint
         self._released = threading.Condition(self.lock)
 
     def attach_rendezvous(self, max_workers: int):
         """--strategy allreduce: versioned membership and atomic step commits, under this lock."""
         from elastic_step.master.rendezvous import Rendezvous
 
-        self.rendezvous = Rendezvous(self.min_workers, max_workers, lock=self.lock,
-                                     commit_fn=self._commit_step, record=self.record,
-                                     state_lost_fn=self._state_lost)
+        self.rendezvous = Rendezvous(
+            self.min_workers,
+            max_workers,
+            lock=self.lock,
+            commit_fn=self._commit_step,
+            record=self.record,
+            state_lost_fn=self._state_lost,
+        )
         return self.rendezvous
 
     def _state_lost(self) -> None:
@@ -73,8 +79,11 @@ class Coordinator:
             return
         again = self.ledger.rewind()
         if again:
-            log.warning("every allreduce member was lost, and the trained weights with them: no checkpoint "
-                        "to restore, so training starts over; %d committed records will be trained again", again)
+            log.warning(
+                "every allreduce member was lost, and the trained weights with them: no checkpoint "
+                "to restore, so training starts over; %d committed records will be trained again",
+                again,
+            )
             self.record("rewound", "", f"every member lost: {again} committed records to train again")
 
     def _commit_step(self, ready: dict, now: float) -> bool:
@@ -106,13 +115,16 @@ class Coordinator:
         """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
         self.first_commit_at = self.first_commit_at or now
         self.last_commit_at = now
-        while self.on_next_commit:   # recovery figures: from a loss or a restart to training again
+        while self.on_next_commit:  # recovery figures: from a loss or a restart to training again
             self.on_next_commit.pop()(now)
         if loss == loss:  # not NaN
             self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
         if self.ledger.epoch != epoch_before:
-            self.record("epoch_end", "", f"epoch {epoch_before} committed "
-                        f"{self.ledger.accounts[epoch_before].committed} records")
+            self.record(
+                "epoch_end",
+                "",
+                f"epoch {epoch_before} committed {self.ledger.accounts[epoch_before].committed} records",
+            )
             log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
         if self.ledger.done:
             self.finished.set()
@@ -214,33 +226,41 @@ class Coordinator:
                 # lease: one it held was already requeued, and nobody would release another.
                 return "done"
             if self.rewinding or (self.holding and not self.ledger.held(str(inst))):
-                return None   # no new work while a checkpoint is cut; leases held are handed out again
+                return None  # no new work while a checkpoint is cut; leases held are handed out again
             self.membership.seen(inst)
             if not self.training_started:
                 if len(self.membership.training()) < self.min_workers:
                     return None
                 self.training_started = True
-                self.record("training_started", "", f"{len(self.membership.training())} workers registered "
-                            f"(min {self.min_workers})")
-                log.info("training starts: %d worker(s) registered, min_workers=%d",
-                         len(self.membership.training()), self.min_workers)
+                self.record(
+                    "training_started",
+                    "",
+                    f"{len(self.membership.training())} workers registered (min {self.min_workers})",
+                )
+                log.info(
+                    "training starts: %d worker(s) registered, min_workers=%d",
+                    len(self.membership.training()),
+                    self.min_workers,
+                )
             worker = str(inst)
             had = self.ledger.held(worker)
             lease = self.ledger.lease(worker, time.time(), after=after)
             if lease is not None and lease not in had and lease.start != lease.task.start:
                 # Only re-leases make the timeline: a lost worker's remainder finding a new home.
-                self.record("re-leased", worker, f"task {lease.task.task_id} records [{lease.start},"
-                            f"{lease.task.end}) epoch {lease.task.epoch}")
+                self.record(
+                    "re-leased",
+                    worker,
+                    f"task {lease.task.task_id} records [{lease.start},{lease.task.end}) epoch {lease.task.epoch}",
+                )
             return lease
 
-    def report_progress(self, inst: InstanceId, task_id: int, watermark: int, loss: float,
-                        duplicate: bool) -> bool:
+    def report_progress(self, inst: InstanceId, task_id: int, watermark: int, loss: float, duplicate: bool) -> bool:
         """Commit a minibatch. Returns False when the report is refused (the worker must stop)."""
         now = time.time()
         with self.lock:
             worker = str(inst)
             epoch_before = self.ledger.epoch
-            if self.rewinding:   # the ledger went back to a checkpoint: this lease is gone
+            if self.rewinding:  # the ledger went back to a checkpoint: this lease is gone
                 return False
             try:
                 self.ledger.report(worker, task_id, watermark)
@@ -279,8 +299,9 @@ class Coordinator:
             remainder = self.ledger.release(worker, ev.time)
             if remainder is not None:
                 self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})")
-                log.info("%s gone (%s): requeued its remainder [%d, %d) at once", worker,
-                         detail or ev.kind.value, *remainder)
+                log.info(
+                    "%s gone (%s): requeued its remainder [%d, %d) at once", worker, detail or ev.kind.value, *remainder
+                )
             if ahead is not None:
                 self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})")
             return remainder
@@ -298,11 +319,15 @@ class Coordinator:
         """Progress now. `workers_alive` is the fewest workers training since the previous sample, so that
         a worker lost and back within one interval still shows as a dip (a relaunch can take under a second)."""
         with self.lock:
-            changes = self.membership.alive_samples[self._alive_seen:]
+            changes = self.membership.alive_samples[self._alive_seen :]
             self._alive_seen += len(changes)
-            s = {"t": round(time.time() - self.t0, 3), "epoch": min(self.ledger.epoch, self.ledger.epochs - 1),
-                 "records": self.ledger.records_committed_total(), "records_per_s": round(records_per_s, 1),
-                 "loss": None if self.loss_ema is None else round(self.loss_ema, 5),
-                 "workers_alive": min([n for _, n in changes] + [len(self.membership.training())])}
+            s = {
+                "t": round(time.time() - self.t0, 3),
+                "epoch": min(self.ledger.epoch, self.ledger.epochs - 1),
+                "records": self.ledger.records_committed_total(),
+                "records_per_s": round(records_per_s, 1),
+                "loss": None if self.loss_ema is None else round(self.loss_ema, 5),
+                "workers_alive": min([n for _, n in changes] + [len(self.membership.training())]),
+            }
             self.samples.append(s)
             return s

@@ -8,14 +8,15 @@ group's column chunks). As with a presigned URL, each URL holds an unguessable p
 by every master: a file is readable by whoever was given its URL and by no one else. Files on an
 object store (gs://, s3://) are not served: instances read them directly.
 """
+
 from __future__ import annotations
 
 import os
 import re
 import secrets
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 from urllib.parse import quote
 
 from elastic_step.util.uri import local_path
@@ -30,8 +31,8 @@ class InputServer:
 
     def __init__(self, bind_host: str = "0.0.0.0"):
         self._prefix = secrets.token_urlsafe(24)
-        self._files: dict[str, str] = {}    # URL path -> local file
-        self._urls: dict[str, str] = {}     # URI as the job names it -> URL path
+        self._files: dict[str, str] = {}  # URL path -> local file
+        self._urls: dict[str, str] = {}  # URI as the job names it -> URL path
         self._base = ""
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer((bind_host, 0), _handler(self._lookup))
@@ -39,7 +40,7 @@ class InputServer:
         self.port = self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
 
-    def start(self, address: Callable[[int], str]) -> "InputServer":
+    def start(self, address: Callable[[int], str]) -> InputServer:
         """Serve from now on; ``address(port)`` is ``host:port`` as instances reach the master."""
         self._base = f"http://{address(self.port)}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), name="input-server", daemon=True)
@@ -74,7 +75,7 @@ class InputServer:
 
 def _handler(lookup: Callable[[str], str | None]):
     class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"   # keep-alive: a worker reads many ranges of one shard
+        protocol_version = "HTTP/1.1"  # keep-alive: a worker reads many ranges of one shard
 
         def do_HEAD(self):
             self._serve(body=False)
@@ -98,7 +99,7 @@ def _handler(lookup: Callable[[str], str | None]):
                     if m.group(1):
                         lo = int(m.group(1))
                         hi = min(size, int(m.group(2)) + 1) if m.group(2) else size
-                    else:   # bytes=-n: the last n bytes
+                    else:  # bytes=-n: the last n bytes
                         lo = max(0, size - int(m.group(2)))
                     if lo >= hi:
                         self.send_response(416)
@@ -129,8 +130,7 @@ def _handler(lookup: Callable[[str], str | None]):
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def log_message(self, fmt, *args):   # a request per read: too many for the step's log
+        def log_message(self, fmt, *args):  # a request per read: too many for the step's log
             pass
 
     return Handler
-

@@ -4,6 +4,7 @@ Cuts the data into tasks, starts PS shards and workers through a backend, reacts
 events (requeue a lost worker's remainder at once, relaunch it), shows progress, and at the
 end evaluates, exports the model and writes `summary.json`.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,12 +27,12 @@ from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.input_server import InputServer
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
-from elastic_step.master.input_server import InputServer
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
 from elastic_step.util.atomic import atomic_write_text
@@ -40,7 +41,7 @@ from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
 
-EPOCH_EVAL_RECORDS = 4096    # per-epoch eval curve on at most this many records; the final eval uses all
+EPOCH_EVAL_RECORDS = 4096  # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 
@@ -55,12 +56,14 @@ def make_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[
 def _backend(name: str, cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
     if name == "local":
         from elastic_step.backends.local import LocalBackend
+
         token = new_token()
         return LocalBackend(log_dir, env={TOKEN_ENV: token}, preload=True), name, token
     if name == "kubernetes":
         # Namespace, credentials, owner pod and pod-spec additions come from the environment (see the
         # module). A restarted master finds the job's Secret and keeps its token.
         from elastic_step.backends.kubernetes import KubernetesBackend
+
         backend = KubernetesBackend.from_train_config(cfg, job_id=job_id, token=new_token())
         return backend, name, backend.token
     raise ConfigError(f"Unknown backend {name!r}; use auto, local or kubernetes.")
@@ -76,11 +79,14 @@ def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple
     if in_cluster():
         try:
             started = _backend("kubernetes", cfg, job_id, log_dir)
-        except KubernetesPermissionError as e:   # checked before the backend creates anything
+        except KubernetesPermissionError as e:  # checked before the backend creates anything
             why = f"this step runs in a pod, but {e}"
         else:
-            log.info("backend auto -> kubernetes: this step runs in a pod whose service account may run the "
-                     "job's pods in namespace %s", started[0].namespace)
+            log.info(
+                "backend auto -> kubernetes: this step runs in a pod whose service account may run the "
+                "job's pods in namespace %s",
+                started[0].namespace,
+            )
             return started
     else:
         why = "this step does not run in a Kubernetes pod (no service-account token)"
@@ -95,37 +101,50 @@ class TrainingJob:
         self.cfg = cfg.validate()
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
-        self.output = pathlib.Path(output)     # where this job writes
+        self.output = pathlib.Path(output)  # where this job writes
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
         from elastic_step.model_def import load_model_def
+
         self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
-        self.ledger = Ledger([ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
-                             cfg.records_per_task, cfg.epochs, cfg.minibatch_size, cfg.seed)
+        self.ledger = Ledger(
+            [ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
+            cfg.records_per_task,
+            cfg.epochs,
+            cfg.minibatch_size,
+            cfg.seed,
+        )
         self.allreduce = cfg.strategy == "allreduce"
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
-        self.faults = chaos.for_job(cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers,
-                                    0 if self.allreduce else cfg.num_ps)
+        self.faults = chaos.for_job(
+            cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers, 0 if self.allreduce else cfg.num_ps
+        )
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
         self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
         if backend is not None:
             started = backend, cfg.backend, backend.token
-        else:   # starts processes: after every check
+        else:  # starts processes: after every check
             started = make_backend(cfg, job_id, self.output / "logs")
         self.backend = started[0]
-        self.plan = JobPlan(job_id=job_id, output=output, output_uri=cfg.output, checkpoint_root=ckpt_root,
-                            backend=started[1], token=started[2])
+        self.plan = JobPlan(
+            job_id=job_id,
+            output=output,
+            output_uri=cfg.output,
+            checkpoint_root=ckpt_root,
+            backend=started[1],
+            token=started[2],
+        )
         self.durable.token = self.plan.token
-        if self.durable.cutter is not None:   # a retried step goes on with the schedule, not over it
+        if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
             self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.tensorboard = TensorBoardLog.for_job(output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0
-        self.terminated_at: float | None = None   # SIGTERM: the step is being stopped
+        self.terminated_at: float | None = None  # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
         self._input_server: InputServer | None = None
@@ -134,11 +153,21 @@ class TrainingJob:
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
         c = self.cfg
-        argv = instance_argv(inst.role, self.master_address, inst.index, self.locate(c.model_def), c.num_ps,
-                             c.seed, c.minibatch_size, strategy=c.strategy, global_batch=c.global_batch)
+        argv = instance_argv(
+            inst.role,
+            self.master_address,
+            inst.index,
+            self.locate(c.model_def),
+            c.num_ps,
+            c.seed,
+            c.minibatch_size,
+            strategy=c.strategy,
+            global_batch=c.global_batch,
+        )
         if inst.role == "worker":
-            return InstanceSpec(inst, argv, cpu=c.worker_cpu, memory=c.worker_memory,
-                                priority_class=c.worker_priority_class)
+            return InstanceSpec(
+                inst, argv, cpu=c.worker_cpu, memory=c.worker_memory, priority_class=c.worker_priority_class
+            )
         # On the local backend every instance shares the step's cores: a shard's update is a few
         # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
         # would take cores from the workers' steps.
@@ -164,15 +193,26 @@ class TrainingJob:
         if self.backend.shares_files or not local:
             return
         self._input_server = InputServer(host).start(self.backend.master_address)
-        log.info("the %s: local to this step, so the job's pods read it from the master (HTTP, port %d)",
-                 " and ".join(local), self._input_server.port)
+        log.info(
+            "the %s: local to this step, so the job's pods read it from the master (HTTP, port %d)",
+            " and ".join(local),
+            self._input_server.port,
+        )
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
         cfg, plan = self.cfg, self.plan
-        service = MasterService(self.coord, plan.token, plan.job_id, cfg.minibatch_size, cfg.model_def,
-                                cfg.max_workers, cfg.pushes_in_flight, cfg.minibatches_per_push)
-        service.checkpoint_state = lambda: self.durable.member_state   # allreduce, resumed
+        service = MasterService(
+            self.coord,
+            plan.token,
+            plan.job_id,
+            cfg.minibatch_size,
+            cfg.model_def,
+            cfg.max_workers,
+            cfg.pushes_in_flight,
+            cfg.minibatches_per_push,
+        )
+        service.checkpoint_state = lambda: self.durable.member_state  # allreduce, resumed
         host = "127.0.0.1" if plan.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)
@@ -182,33 +222,41 @@ class TrainingJob:
         if threading.current_thread() is threading.main_thread():
             # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated_at", time.time()))
-        log.info("job %s: %d records/epoch in %d tasks of <= %d records, %d epoch(s); %d PS, "
-                 "%d-%d workers on the %s backend", plan.job_id, self.ledger.records_per_epoch,
-                 len(self.ledger.queue), self.ledger.records_per_task, cfg.epochs, cfg.num_ps,
-                 cfg.min_workers, cfg.max_workers, plan.backend)
+        log.info(
+            "job %s: %d records/epoch in %d tasks of <= %d records, %d epoch(s); %d PS, "
+            "%d-%d workers on the %s backend",
+            plan.job_id,
+            self.ledger.records_per_epoch,
+            len(self.ledger.queue),
+            self.ledger.records_per_task,
+            cfg.epochs,
+            cfg.num_ps,
+            cfg.min_workers,
+            cfg.max_workers,
+            plan.backend,
+        )
         t_start = time.time()
         try:
             # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
             # model's build) overlaps the shards'. The master withholds the shards' addresses until
             # every shard is up and restored, so no worker pushes before then.
-            for i in range(0 if self.allreduce else cfg.num_ps):   # allreduce: no parameter servers
+            for i in range(0 if self.allreduce else cfg.num_ps):  # allreduce: no parameter servers
                 self._launch(InstanceId("ps", i))
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
-                if self.coord.ps_ready.is_set():   # else a shard failed: the job fails below
+                if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
                     self.durable.shards_ready()
-                    if self.eval is not None and not self.eval_history:   # the curve starts at the initial weights
-                        self._load_weights()   # now: once the shards are open, workers push at once
+                    if self.eval is not None and not self.eval_history:  # the curve starts at the initial weights
+                        self._load_weights()  # now: once the shards are open, workers push at once
                         self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
                     self.coord.open_shards()
             self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
             if self.coord.failure:
                 raise self._failure()
-            self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())),
-                               final=True)
+            self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
             self._evaluator.shutdown(wait=True)  # no model is built in two threads at once
             model, ps_stats, evidence = self._final_model()
         finally:
@@ -239,8 +287,12 @@ class TrainingJob:
             self.durable.tick(committed, now)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
             # so a point's weights are those of the epoch it is labelled with.
-            if (self.eval is not None and self.ledger.epoch > evaluated and not self.ledger.done
-                    and (pending is None or pending.done())):
+            if (
+                self.eval is not None
+                and self.ledger.epoch > evaluated
+                and not self.ledger.done
+                and (pending is None or pending.done())
+            ):
                 evaluated = self.ledger.epoch
                 pending = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
             if now - last_tick >= 0.5:
@@ -255,14 +307,23 @@ class TrainingJob:
             return
         over = self.coord.finished.is_set()
         member = self.coord.membership.members[ev.instance]
-        decision = self.relaunch.on_end(ev, over, self.coord.failure is not None, member.crashes_without_progress,
-                                        checkpoint=self.durable.can_restore())
+        decision = self.relaunch.on_end(
+            ev,
+            over,
+            self.coord.failure is not None,
+            member.crashes_without_progress,
+            checkpoint=self.durable.can_restore(),
+        )
         if decision.action == "none":
             return
         if ev.instance.role == "worker":
             self.coord.count_worker_loss()
-        log.info("decision: %s — %s%s", decision.action, decision.reason,
-                 f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "")
+        log.info(
+            "decision: %s — %s%s",
+            decision.action,
+            decision.reason,
+            f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "",
+        )
         self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")
         if decision.action == "relaunch":
             self.coord.mark_replacement(ev.instance, ev.time)
@@ -297,8 +358,10 @@ class TrainingJob:
         self.tensorboard.close()
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
-            return StepTerminated("The training step was terminated (SIGTERM) before it finished; all its "
-                                  f"workers and parameter servers were stopped. {self.durable.resume_note()}")
+            return StepTerminated(
+                "The training step was terminated (SIGTERM) before it finished; all its "
+                f"workers and parameter servers were stopped. {self.durable.resume_note()}"
+            )
         where = f" ({f['instance']})" if f.get("instance") else ""
         detail = f["message"]
         if f["kind"] == "instance_failed" and f.get("traceback"):
@@ -383,15 +446,20 @@ class TrainingJob:
             if not loaded:
                 self._load_weights()
             r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
-        except ModelDefError as e:   # the user's loss or metrics: theirs, reported once, now
+        except ModelDefError as e:  # the user's loss or metrics: theirs, reported once, now
             self.coord.report_failure("master", "model_error", str(e), "")
             return
         except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
             log.warning("evaluation after epoch %d failed: %s", epoch, e)
             return
         with self.coord.lock:
-            self.eval_history.append({"t": round(time.time() - self.coord.t0, 3), "epoch": epoch,
-                                      **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)}})
+            self.eval_history.append(
+                {
+                    "t": round(time.time() - self.coord.t0, 3),
+                    "epoch": epoch,
+                    **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)},
+                }
+            )
         self.tensorboard.evaluation(self.eval_history[-1])
 
     def _finish(self, model, ps_stats, evidence) -> dict:
@@ -399,24 +467,32 @@ class TrainingJob:
         from elastic_step.model_io import save_model
 
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
-        self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})   # the curve's last point
+        self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})  # the curve's last point
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
-        outputs = {k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output)
-                   for k, v in outputs.items()}
+        outputs = {
+            k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output) for k, v in outputs.items()
+        }
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
-        log.info("job %s succeeded: %s", self.plan.job_id,
-                 ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
+        log.info(
+            "job %s succeeded: %s",
+            self.plan.job_id,
+            ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)),
+        )
         return summary
 
     def _audit(self, evidence: list[dict]) -> dict:
         """What the PS shards (or the allreduce member whose weights are the model) say they applied,
         laid over the training data, not over the ledger: see master/audit.py."""
-        result = audit([s.rows for s in self.train.shards], self.cfg.epochs, evidence,
-                       source="allreduce" if self.allreduce else "ps")
+        result = audit(
+            [s.rows for s in self.train.shards],
+            self.cfg.epochs,
+            evidence,
+            source="allreduce" if self.allreduce else "ps",
+        )
         (log.info if result["verdict"] == EXACT else log.error)("%s", describe(result))
         return result
 
@@ -433,18 +509,32 @@ class TrainingJob:
                 "backend": self.plan.backend,
                 "records_per_epoch": self.ledger.records_per_epoch,
                 "epochs": c.epochs,
-                "config": {"minibatch_size": c.minibatch_size, "records_per_task": self.ledger.records_per_task,
-                           "min_workers": c.min_workers, "max_workers": c.max_workers, "num_ps": c.num_ps,
-                           "model_def": c.model_def, "train_data": c.train_data, "eval_data": c.eval_data},
-                "ledger": {"epochs": [a.as_dict() for a in self.ledger.accounts],
-                           "records_committed": committed,
-                           "duplicate_pushes_suppressed": coord.duplicates_suppressed,
-                           "records_trained_again": self.ledger.trained_again},
+                "config": {
+                    "minibatch_size": c.minibatch_size,
+                    "records_per_task": self.ledger.records_per_task,
+                    "min_workers": c.min_workers,
+                    "max_workers": c.max_workers,
+                    "num_ps": c.num_ps,
+                    "model_def": c.model_def,
+                    "train_data": c.train_data,
+                    "eval_data": c.eval_data,
+                },
+                "ledger": {
+                    "epochs": [a.as_dict() for a in self.ledger.accounts],
+                    "records_committed": committed,
+                    "duplicate_pushes_suppressed": coord.duplicates_suppressed,
+                    "records_trained_again": self.ledger.trained_again,
+                },
                 "workers": coord.membership.summary(),
-                "recovery": {"requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
-                             "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s],
-                             **({k: rdv_summary.pop(k) for k in ("loss_to_next_commit_s", "join_to_first_commit_s")}
-                                if rdv_summary else {})},
+                "recovery": {
+                    "requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
+                    "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s],
+                    **(
+                        {k: rdv_summary.pop(k) for k in ("loss_to_next_commit_s", "join_to_first_commit_s")}
+                        if rdv_summary
+                        else {}
+                    ),
+                },
                 **({"allreduce": {**rdv_summary, "global_batch": c.global_batch}} if rdv_summary else {}),
                 "training_seconds": round(self.train_seconds, 3),
                 "startup_seconds": round((coord.first_commit_at or time.time()) - coord.t0, 3),
@@ -470,10 +560,14 @@ def ps_summary(stats) -> dict:
     """A PS shard's counters for summary.json."""
     from elastic_step.proto import tensors
 
-    return {"shard": stats.shard, "pushes_applied": stats.pushes_applied, "pushes_skipped": stats.pushes_skipped,
-            "dense_parameters": stats.dense_parameters,
-            "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
-            "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched}}
+    return {
+        "shard": stats.shard,
+        "pushes_applied": stats.pushes_applied,
+        "pushes_skipped": stats.pushes_skipped,
+        "dense_parameters": stats.dense_parameters,
+        "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
+        "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},
+    }
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -486,8 +580,10 @@ def train(cfg: TrainConfig) -> dict:
         try:
             os.makedirs(local_path(cfg.output), exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"Cannot create the training step's output folder {cfg.output}: {e.strerror}. "
-                              "Pass an --output the step may write to (a local folder, gs:// or s3://).") from None
+            raise ConfigError(
+                f"Cannot create the training step's output folder {cfg.output}: {e.strerror}. "
+                "Pass an --output the step may write to (a local folder, gs:// or s3://)."
+            ) from None
     check_writable(cfg.output, "write the training step's output to", ConfigError)
     if local_path(cfg.output) is not None:
         return TrainingJob(cfg).run()
@@ -495,7 +591,7 @@ def train(cfg: TrainConfig) -> dict:
     try:
         summary = TrainingJob(cfg, staging=staging).run()
     except BaseException:
-        _upload(staging, cfg.output, failed=True)   # a failed job's summary, report and logs
+        _upload(staging, cfg.output, failed=True)  # a failed job's summary, report and logs
         raise
     _upload(staging, cfg.output)
     return summary
@@ -506,7 +602,7 @@ def _upload(staging: str, uri: str, failed: bool = False) -> None:
     try:
         copy_folder(staging, uri, last=SUMMARY_FILE)
     except Exception as e:  # noqa: BLE001 - the store failed at the end: one clear paragraph
-        if not failed:   # else the job's own error is the one to report
+        if not failed:  # else the job's own error is the one to report
             raise ConfigError(explain(uri, e, "upload the training step's output to")) from None
         log.error("%s", explain(uri, e, "upload the failed step's output to"))
     finally:

@@ -11,12 +11,13 @@ cut only when every record of epoch e is committed.
 The ledger is plain data and deterministic (no clock, no threads): callers pass `now`,
 the service wraps it in a lock, and a property-based test drives it directly.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import random
-from typing import Iterable
+from collections.abc import Iterable
 
 from elastic_step.errors import ConfigError
 
@@ -39,8 +40,8 @@ class TaskDef:
 @dataclasses.dataclass
 class Lease:
     task: TaskDef
-    start: int          # first record of this lease
-    watermark: int      # records below this are committed
+    start: int  # first record of this lease
+    watermark: int  # records below this are committed
     worker: str
     leased_at: float
 
@@ -55,15 +56,21 @@ class EpochAccount:
     records: int
     committed: int = 0
     double_applied: int = 0
-    requeued: int = 0          # records put back in the queue by losses
+    requeued: int = 0  # records put back in the queue by losses
 
     @property
     def lost(self) -> int:
         return self.records - self.committed
 
     def as_dict(self) -> dict:
-        return {"epoch": self.epoch, "records": self.records, "committed": self.committed,
-                "lost": self.lost, "double_applied": self.double_applied, "requeued": self.requeued}
+        return {
+            "epoch": self.epoch,
+            "records": self.records,
+            "committed": self.committed,
+            "lost": self.lost,
+            "double_applied": self.double_applied,
+            "requeued": self.requeued,
+        }
 
 
 class LedgerError(Exception):
@@ -71,8 +78,9 @@ class LedgerError(Exception):
 
 
 class Ledger:
-    def __init__(self, shards: Iterable[ShardInfo], records_per_task: int, epochs: int,
-                 minibatch_size: int = 1, seed: int = 0):
+    def __init__(
+        self, shards: Iterable[ShardInfo], records_per_task: int, epochs: int, minibatch_size: int = 1, seed: int = 0
+    ):
         shards = list(shards)
         # A shard's position in the manifest names its records in pushes (see PushKey).
         self.shard_index = {s.uri: i for i, s in enumerate(shards)}
@@ -91,14 +99,14 @@ class Ledger:
         self.epoch = -1
         self.accounts: list[EpochAccount] = []
         self.queue: collections.deque[tuple[TaskDef, int]] = collections.deque()  # (task, start)
-        self.leases: dict[str, Lease] = {}              # worker -> its current lease
-        self.ahead: dict[str, Lease] = {}               # worker -> the lease it starts next
+        self.leases: dict[str, Lease] = {}  # worker -> its current lease
+        self.ahead: dict[str, Lease] = {}  # worker -> the lease it starts next
         self.committed: dict[int, list[list[int]]] = {}  # task_id -> merged committed intervals
         self.tasks: dict[int, TaskDef] = {}
         self._next_id = 0
-        self._lost_at: dict[int, float] = {}             # task_id -> when its remainder was requeued
+        self._lost_at: dict[int, float] = {}  # task_id -> when its remainder was requeued
         self.requeue_latencies: list[float] = []
-        self.trained_again = 0                           # records committed, then rewound (see rewind)
+        self.trained_again = 0  # records committed, then rewound (see rewind)
         self._advance_epoch()
 
     # ------------------------------------------------------------------ state
@@ -144,12 +152,13 @@ class Ledger:
         if lease is None or lease.task.task_id != task_id:
             raise LedgerError(f"{worker} reported task {task_id} it does not hold")
         if not lease.watermark <= watermark <= lease.task.end:
-            raise LedgerError(f"{worker} reported watermark {watermark} outside "
-                              f"[{lease.watermark}, {lease.task.end}] of task {task_id}")
+            raise LedgerError(
+                f"{worker} reported watermark {watermark} outside "
+                f"[{lease.watermark}, {lease.task.end}] of task {task_id}"
+            )
         if watermark != lease.task.end and (watermark - lease.task.start) % self.minibatch_size:
             # Watermarks sit on minibatch boundaries: they are the PS idempotency keys' seqs.
-            raise LedgerError(f"{worker} reported watermark {watermark} off the minibatch boundaries "
-                              f"of task {task_id}")
+            raise LedgerError(f"{worker} reported watermark {watermark} off the minibatch boundaries of task {task_id}")
         fresh = self._commit(lease.task, lease.watermark, watermark)
         lease.watermark = watermark
         if watermark == lease.task.end:
@@ -205,17 +214,25 @@ class Ledger:
         """The ledger as plain data, for a checkpoint. Leases are not carried over: a restored ledger
         puts their remainders (and leases ahead) back at the front of the queue, where whoever holds
         the job next takes them, under the same task ids and minibatch boundaries as before."""
-        held = [(lease.task.task_id, lease.watermark) for lease in [*self.leases.values(), *self.ahead.values()]
-                if lease.watermark < lease.task.end]
+        held = [
+            (lease.task.task_id, lease.watermark)
+            for lease in [*self.leases.values(), *self.ahead.values()]
+            if lease.watermark < lease.task.end
+        ]
         queue = held + [(task.task_id, start) for task, start in self.queue]
         live = {t for t, _ in queue} | {t for t, task in self.tasks.items() if task.epoch == self.epoch}
-        return {"epoch": self.epoch, "next_id": self._next_id, "trained_again": self.trained_again,
-                "shards": [[s.uri, s.rows] for s in self.shards],
-                "accounts": [dataclasses.asdict(a) for a in self.accounts],
-                "tasks": {str(t): [task.epoch, task.shard, task.start, task.end]
-                          for t, task in self.tasks.items() if t in live},
-                "committed": {str(t): [list(i) for i in iv] for t, iv in self.committed.items() if t in live},
-                "queue": queue}
+        return {
+            "epoch": self.epoch,
+            "next_id": self._next_id,
+            "trained_again": self.trained_again,
+            "shards": [[s.uri, s.rows] for s in self.shards],
+            "accounts": [dataclasses.asdict(a) for a in self.accounts],
+            "tasks": {
+                str(t): [task.epoch, task.shard, task.start, task.end] for t, task in self.tasks.items() if t in live
+            },
+            "committed": {str(t): [list(i) for i in iv] for t, iv in self.committed.items() if t in live},
+            "queue": queue,
+        }
 
     def restore(self, cut: dict) -> int:
         """Go back to a cut (see `cut`); returns how many records committed now were not then (they
@@ -255,8 +272,7 @@ class Ledger:
         return (hi - lo) - overlap
 
     def _maybe_finish_epoch(self) -> None:
-        if not self.done and not self.queue and not self.leases \
-                and self.account.committed >= self.account.records:
+        if not self.done and not self.queue and not self.leases and self.account.committed >= self.account.records:
             self._advance_epoch()
 
     def _advance_epoch(self) -> None:
@@ -276,6 +292,8 @@ class Ledger:
             self.queue.append((task, start))
 
     def summary(self) -> dict:
-        return {"records_per_epoch": self.records_per_epoch,
-                "records_per_task": self.records_per_task,
-                "epochs": [a.as_dict() for a in self.accounts]}
+        return {
+            "records_per_epoch": self.records_per_epoch,
+            "records_per_task": self.records_per_task,
+            "epochs": [a.as_dict() for a in self.accounts],
+        }

@@ -2,6 +2,7 @@
 
 Counts what the summary reports (started, lost, relaunched, max alive) and keeps the timeline.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,12 +14,12 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 @dataclasses.dataclass
 class Member:
     id: InstanceId
-    state: str = "pending"        # pending -> running -> registered -> gone
+    state: str = "pending"  # pending -> running -> registered -> gone
     address: str = ""
     last_seen: float = 0.0
     launches: int = 1
     progress_since_launch: bool = False
-    crashes_without_progress: int = 0   # consecutive launches that crashed before committing
+    crashes_without_progress: int = 0  # consecutive launches that crashed before committing
 
 
 class Membership:
@@ -47,8 +48,9 @@ class Membership:
         elif ev.kind in (EventKind.EXITED, EventKind.LOST):
             m.state = "gone"
             crashed = ev.kind == EventKind.EXITED and ev.exit_code not in (0, None)
-            m.crashes_without_progress = (m.crashes_without_progress + 1
-                                          if crashed and not m.progress_since_launch else 0)
+            m.crashes_without_progress = (
+                m.crashes_without_progress + 1 if crashed and not m.progress_since_launch else 0
+            )
         self._sample(ev.time)
 
     def registered(self, inst: InstanceId, address: str = "") -> bool:
@@ -78,5 +80,4 @@ class Membership:
         self.alive_samples.append((t, n))
 
     def summary(self) -> dict:
-        return {"started": self.started, "lost": self.lost, "relaunched": self.relaunched,
-                "max_alive": self.max_alive}
+        return {"started": self.started, "lost": self.lost, "relaunched": self.relaunched, "max_alive": self.max_alive}

@@ -10,6 +10,7 @@
 
 The job, the backend and the summary read the plan; nothing writes the config back.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,8 @@ def checkpoint_root(checkpoint_uri: str, output: str, job_id: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class JobPlan:
     job_id: str
-    output: str            # where this job writes: the output, or a local staging folder for an object store
-    output_uri: str        # where its outputs end up (uploaded from `output` at the end when they differ)
-    checkpoint_root: str   # checkpoint_root() of the output the user gave
-    backend: str           # the backend used: local or kubernetes
-    token: str = dataclasses.field(repr=False)   # the secret every RPC of the job carries
+    output: str  # where this job writes: the output, or a local staging folder for an object store
+    output_uri: str  # where its outputs end up (uploaded from `output` at the end when they differ)
+    checkpoint_root: str  # checkpoint_root() of the output the user gave
+    backend: str  # the backend used: local or kubernetes
+    token: str = dataclasses.field(repr=False)  # the secret every RPC of the job carries

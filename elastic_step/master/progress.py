@@ -1,4 +1,5 @@
 """Progress for people: a live line on a terminal, plain log lines otherwise."""
+
 from __future__ import annotations
 
 import sys
@@ -31,9 +32,11 @@ class Progress:
         now = time.time() if now is None else now
         frac = min(1.0, sample["records"] / self.total) if self.total else 1.0
         loss = "-" if sample["loss"] is None else f"{sample['loss']:.4f}"
-        text = (f"epoch {sample['epoch'] + 1}/{self.epochs} {frac * 100:5.1f}% "
-                f"{sample['records']}/{self.total} records  {sample['records_per_s']:.0f} rec/s  "
-                f"workers {sample['workers_alive']}  loss {loss}")
+        text = (
+            f"epoch {sample['epoch'] + 1}/{self.epochs} {frac * 100:5.1f}% "
+            f"{sample['records']}/{self.total} records  {sample['records_per_s']:.0f} rec/s  "
+            f"workers {sample['workers_alive']}  loss {loss}"
+        )
         if self.mode == "bar":
             width = 24
             bar = "#" * int(frac * width) + "-" * (width - int(frac * width))

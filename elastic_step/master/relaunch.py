@@ -5,6 +5,7 @@ A worker that was killed, preempted or scaled in is relaunched (the job keeps as
 max_workers; a pending one starts when there is room). A worker that failed through the
 user's model or data is not: relaunching it would fail the same way forever.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ log = logging.getLogger("elastic_step.master")
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    action: str          # "relaunch" | "restore" | "fail" | "none"
+    action: str  # "relaunch" | "restore" | "fail" | "none"
     reason: str
 
 
@@ -30,10 +31,16 @@ class RelaunchPolicy:
         self.max_relaunches = max_relaunches
         self.relaunches = 0
 
-    CRASH_LOOP = 3   # consecutive launches of one worker that crash before committing anything
+    CRASH_LOOP = 3  # consecutive launches of one worker that crash before committing anything
 
-    def on_end(self, ev: InstanceEvent, job_over: bool, reported_failure: bool,
-               crashes_without_progress: int = 0, checkpoint: bool = False) -> Decision:
+    def on_end(
+        self,
+        ev: InstanceEvent,
+        job_over: bool,
+        reported_failure: bool,
+        crashes_without_progress: int = 0,
+        checkpoint: bool = False,
+    ) -> Decision:
         """`checkpoint`: the job has one to go back to (a lost PS is survivable only then)."""
         inst = ev.instance
         if job_over:
@@ -42,16 +49,28 @@ class RelaunchPolicy:
             return Decision("fail", f"{inst} failed on the user's model or data (exit {ev.exit_code})")
         if inst.role == "ps":
             if not checkpoint:
-                return Decision("fail", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}) and the "
-                                        "job has no checkpoint to restore the shards from (--checkpoint-every 0)")
+                return Decision(
+                    "fail",
+                    f"parameter server {inst} was lost ({ev.detail or ev.exit_code}) and the "
+                    "job has no checkpoint to restore the shards from (--checkpoint-every 0)",
+                )
             if (over := self._over_budget(inst, ev)) is not None:
                 return over
-            return Decision("restore", f"parameter server {inst} was lost ({ev.detail or ev.exit_code}): it is "
-                                       "relaunched, and every shard and the ledger go back to the last checkpoint")
-        if ev.kind == EventKind.EXITED and ev.exit_code not in (0, None) \
-                and crashes_without_progress >= self.CRASH_LOOP:
-            return Decision("fail", f"{inst} crashed (exit {ev.exit_code}) {crashes_without_progress} times "
-                                    "in a row before committing any record: not relaunching a crash loop")
+            return Decision(
+                "restore",
+                f"parameter server {inst} was lost ({ev.detail or ev.exit_code}): it is "
+                "relaunched, and every shard and the ledger go back to the last checkpoint",
+            )
+        if (
+            ev.kind == EventKind.EXITED
+            and ev.exit_code not in (0, None)
+            and crashes_without_progress >= self.CRASH_LOOP
+        ):
+            return Decision(
+                "fail",
+                f"{inst} crashed (exit {ev.exit_code}) {crashes_without_progress} times "
+                "in a row before committing any record: not relaunching a crash loop",
+            )
         if (over := self._over_budget(inst, ev)) is not None:
             return over
         why = {EventKind.LOST: ev.detail or "lost"}.get(ev.kind, f"exited with code {ev.exit_code}")
@@ -60,7 +79,10 @@ class RelaunchPolicy:
     def _over_budget(self, inst, ev: InstanceEvent) -> Decision | None:
         """A relaunch counts against the job's budget; past it, the job fails instead of spinning."""
         if self.relaunches >= self.max_relaunches:
-            return Decision("fail", f"{inst} ended ({ev.detail or f'exit {ev.exit_code}'}) and the job already "
-                                    f"relaunched {self.relaunches} instances (limit {self.max_relaunches})")
+            return Decision(
+                "fail",
+                f"{inst} ended ({ev.detail or f'exit {ev.exit_code}'}) and the job already "
+                f"relaunched {self.relaunches} instances (limit {self.max_relaunches})",
+            )
         self.relaunches += 1
         return None

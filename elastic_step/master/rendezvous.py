@@ -25,13 +25,14 @@ the checkpoint's state from the master instead of pulling it from rank 0.
 The object shares the coordinator's lock (a Condition on it): ledger, membership and steps
 change together. `now` is injectable for tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("elastic_step.master")
 
@@ -50,36 +51,43 @@ class Ready:
 @dataclasses.dataclass
 class View:
     """What a worker is told about the membership."""
-    state: str                 # pending | member | evicted | done | waiting
+
+    state: str  # pending | member | evicted | done | waiting
     version: int
     members: list[tuple[str, str]]
     rank: int
     base_step: int
     committed_step: int
-    restore_checkpoint: int = 0    # nonzero: the base state is this checkpoint's, loaded from the master
+    restore_checkpoint: int = 0  # nonzero: the base state is this checkpoint's, loaded from the master
 
 
 class Rendezvous:
-    def __init__(self, min_workers: int, max_workers: int, lock: threading.Lock | None = None,
-                 commit_fn: Callable[[dict[str, Ready], float], bool] | None = None,
-                 record: Callable[..., None] | None = None, now: Callable[[], float] = time.time,
-                 state_lost_fn: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        min_workers: int,
+        max_workers: int,
+        lock: threading.Lock | None = None,
+        commit_fn: Callable[[dict[str, Ready], float], bool] | None = None,
+        record: Callable[..., None] | None = None,
+        now: Callable[[], float] = time.time,
+        state_lost_fn: Callable[[], None] | None = None,
+    ):
         self.min_workers = min_workers
         self.max_workers = max_workers
         self.cv = threading.Condition(lock or threading.Lock())
-        self.commit_fn = commit_fn or (lambda ready, now: False)   # True: training is complete
+        self.commit_fn = commit_fn or (lambda ready, now: False)  # True: training is complete
         self.record = record or (lambda *a, **k: None)
-        self.state_lost_fn = state_lost_fn or (lambda: None)   # every member gone: the weights with them
+        self.state_lost_fn = state_lost_fn or (lambda: None)  # every member gone: the weights with them
         self.now = now
         self.version = 0
-        self.members: list[tuple[str, str]] = []          # (name, address), rank order
+        self.members: list[tuple[str, str]] = []  # (name, address), rank order
         self.pending: list[tuple[str, str]] = []
         self.base_step = 0
         self.committed_step = 0
         self.ready: dict[str, Ready] = {}
-        self.hold_commits = False                          # a checkpoint is being cut
-        self.restore_checkpoint = 0                        # see View.restore_checkpoint
-        self.commits: dict[int, tuple[int, frozenset[str]]] = {}   # step -> (version, members)
+        self.hold_commits = False  # a checkpoint is being cut
+        self.restore_checkpoint = 0  # see View.restore_checkpoint
+        self.commits: dict[int, tuple[int, frozenset[str]]] = {}  # step -> (version, members)
         self.done = False
         # figures
         self.steps_committed = 0
@@ -88,8 +96,8 @@ class Rendezvous:
         self.versions: list[dict] = []
         self.loss_to_next_commit_s: list[float] = []
         self.join_to_first_commit_s: list[float] = []
-        self._lost_at: list[float] = []                    # losses not yet followed by a commit
-        self._registered_at: dict[str, float] = {}         # newcomer -> registration time
+        self._lost_at: list[float] = []  # losses not yet followed by a commit
+        self._registered_at: dict[str, float] = {}  # newcomer -> registration time
 
     # ------------------------------------------------------------------ helpers (lock held)
     def _names(self) -> list[str]:
@@ -110,9 +118,15 @@ class Rendezvous:
             self.aborted_steps += 1
             self.record("step_aborted", "", f"step {self.committed_step + 1} aborted: {why}")
         self.ready.clear()
-        self.versions.append({"version": self.version, "world": len(self.members),
-                              "base_step": self.base_step, "why": why,
-                              "members": self._names()})
+        self.versions.append(
+            {
+                "version": self.version,
+                "world": len(self.members),
+                "base_step": self.base_step,
+                "why": why,
+                "members": self._names(),
+            }
+        )
         self.record("membership", "", f"version {self.version}: {', '.join(self._names()) or '(none)'} ({why})")
         log.info("allreduce membership version %d: %s (%s)", self.version, self._names(), why)
         self.cv.notify_all()
@@ -127,8 +141,15 @@ class Rendezvous:
             state = "pending" if self.version else "waiting"
         else:
             state = "evicted"
-        return View(state, self.version, list(self.members), names.index(worker) if worker in names else -1,
-                    self.base_step, self.committed_step, self.restore_checkpoint)
+        return View(
+            state,
+            self.version,
+            list(self.members),
+            names.index(worker) if worker in names else -1,
+            self.base_step,
+            self.committed_step,
+            self.restore_checkpoint,
+        )
 
     def restore(self, step: int, checkpoint_id: int) -> None:
         """A resumed job (before any member joined): training goes on from a checkpoint's step, whose
@@ -153,7 +174,7 @@ class Rendezvous:
         if self.version == 0 and len(self.pending) >= self.min_workers:
             self.members, self.pending = self.pending, []
             for name in self._names():
-                self._registered_at.pop(name, None)   # the initial members are not newcomers
+                self._registered_at.pop(name, None)  # the initial members are not newcomers
             self._bump(f"training starts with {len(self.members)} workers")
         elif self.version and not self.members:
             self._admit_without_state()
@@ -202,14 +223,12 @@ class Rendezvous:
     def membership(self, worker: str, known_version: int = -1, wait_s: float = 0.0) -> View:
         deadline = time.monotonic() + wait_s
         with self.cv:
-            while (not self.done and self.version == known_version
-                   and (remaining := deadline - time.monotonic()) > 0):
+            while not self.done and self.version == known_version and (remaining := deadline - time.monotonic()) > 0:
                 self.cv.wait(remaining)
             return self.view(worker)
 
     # ------------------------------------------------------------------ steps
-    def step_ready(self, worker: str, version: int, step: int, ready: Ready,
-                   wait_s: float = 0.0) -> tuple[str, View]:
+    def step_ready(self, worker: str, version: int, step: int, ready: Ready, wait_s: float = 0.0) -> tuple[str, View]:
         deadline = time.monotonic() + wait_s
         with self.cv:
             while True:
@@ -246,7 +265,7 @@ class Rendezvous:
         self.commits[step] = (self.version, frozenset(ready))
         self.commits.pop(step - 64, None)
         self.committed_step = step
-        self.restore_checkpoint = 0      # the members hold the state now: newcomers pull it from rank 0
+        self.restore_checkpoint = 0  # the members hold the state now: newcomers pull it from rank 0
         self.steps_committed += 1
         self.ready.clear()
         if self._lost_at:
@@ -265,8 +284,13 @@ class Rendezvous:
 
     def summary(self) -> dict:
         with self.cv:
-            return {"steps_committed": self.steps_committed, "aborted_steps": self.aborted_steps,
-                    "checksum_mismatches": self.checksum_mismatches, "versions": list(self.versions),
-                    "final_version": self.version, "final_world": len(self.members),
-                    "loss_to_next_commit_s": [round(x, 3) for x in self.loss_to_next_commit_s],
-                    "join_to_first_commit_s": [round(x, 3) for x in self.join_to_first_commit_s]}
+            return {
+                "steps_committed": self.steps_committed,
+                "aborted_steps": self.aborted_steps,
+                "checksum_mismatches": self.checksum_mismatches,
+                "versions": list(self.versions),
+                "final_version": self.version,
+                "final_world": len(self.members),
+                "loss_to_next_commit_s": [round(x, 3) for x in self.loss_to_next_commit_s],
+                "join_to_first_commit_s": [round(x, 3) for x in self.join_to_first_commit_s],
+            }

@@ -2,9 +2,10 @@
 
 Every call checks the per-job token, so another pod in the namespace cannot join the job.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -16,7 +17,7 @@ from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
 
 WAIT_S = 0.05
-STEP_WAIT_S = 0.5   # allreduce long-polls: the worker asks again after this
+STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
 
 
 def _instance(context, msg: pb.Instance) -> InstanceId:
@@ -41,8 +42,17 @@ def report_interval_s(max_workers: int) -> float:
 
 
 class MasterService(pb_grpc.MasterServicer):
-    def __init__(self, coordinator: Coordinator, token: str, job_id: str, minibatch_size: int,
-                 model_def: str, max_workers: int = 1, pushes_in_flight: int = 1, minibatches_per_push: int = 1):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        token: str,
+        job_id: str,
+        minibatch_size: int,
+        model_def: str,
+        max_workers: int = 1,
+        pushes_in_flight: int = 1,
+        minibatches_per_push: int = 1,
+    ):
         self.c = coordinator
         self.token = token
         self.job_id = job_id
@@ -60,11 +70,16 @@ class MasterService(pb_grpc.MasterServicer):
     def Register(self, request, context):
         check_token(context, self.token, request.token)
         addrs = self.c.register(_instance(context, request.instance), request.address)
-        return pb.RegisterResponse(job_id=self.job_id, ps_addresses=addrs,
-                                   minibatch_size=self.minibatch_size, model_def=self.locate(self.model_def),
-                                   report_interval_s=self.report_interval_s,
-                                   pushes_in_flight=self.pushes_in_flight, ps_generation=self.c.ps_generation,
-                                   minibatches_per_push=self.minibatches_per_push)
+        return pb.RegisterResponse(
+            job_id=self.job_id,
+            ps_addresses=addrs,
+            minibatch_size=self.minibatch_size,
+            model_def=self.locate(self.model_def),
+            report_interval_s=self.report_interval_s,
+            pushes_in_flight=self.pushes_in_flight,
+            ps_generation=self.c.ps_generation,
+            minibatches_per_push=self.minibatches_per_push,
+        )
 
     def Heartbeat(self, request, context):
         check_token(context, self.token, request.token)
@@ -75,21 +90,32 @@ class MasterService(pb_grpc.MasterServicer):
 
     def GetTask(self, request, context):
         check_token(context, self.token, request.token)
-        lease = self.c.get_task(_instance(context, request.instance),
-                                after=request.ahead_of if request.HasField("ahead_of") else None)
+        lease = self.c.get_task(
+            _instance(context, request.instance), after=request.ahead_of if request.HasField("ahead_of") else None
+        )
         if lease == "done":
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
         if lease is None:
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=WAIT_S)
         t = lease.task
-        return pb.GetTaskResponse(kind=pb.GetTaskResponse.TASK, task=pb.Task(
-            task_id=t.task_id, epoch=t.epoch, shard=self.locate(t.shard), start=lease.watermark, end=t.end,
-            task_start=t.start, shard_index=self.c.ledger.shard_index[t.shard]))
+        return pb.GetTaskResponse(
+            kind=pb.GetTaskResponse.TASK,
+            task=pb.Task(
+                task_id=t.task_id,
+                epoch=t.epoch,
+                shard=self.locate(t.shard),
+                start=lease.watermark,
+                end=t.end,
+                task_start=t.start,
+                shard_index=self.c.ledger.shard_index[t.shard],
+            ),
+        )
 
     def ReportProgress(self, request, context):
         check_token(context, self.token, request.token)
-        ok = self.c.report_progress(_instance(context, request.instance), request.task_id,
-                                    request.watermark, request.loss, request.duplicate)
+        ok = self.c.report_progress(
+            _instance(context, request.instance), request.task_id, request.watermark, request.loss, request.duplicate
+        )
         return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
 
     def Hold(self, request, context):
@@ -98,10 +124,10 @@ class MasterService(pb_grpc.MasterServicer):
 
     def ReportFailure(self, request, context):
         check_token(context, self.token, request.token)
-        self.c.report_failure(str(_instance(context, request.instance)), request.kind, request.message,
-                              request.traceback)
+        self.c.report_failure(
+            str(_instance(context, request.instance)), request.kind, request.message, request.traceback
+        )
         return pb.Ack()
-
 
     # ------------------------------------------------------------ --strategy allreduce
     def _rendezvous(self, context):
@@ -111,10 +137,15 @@ class MasterService(pb_grpc.MasterServicer):
 
     def _view(self, view) -> pb.MembershipReply:
         return pb.MembershipReply(
-            state=getattr(pb.MembershipReply, view.state.upper()), version=view.version,
-            members=[pb.Peer(name=n, address=a) for n, a in view.members], rank=view.rank,
-            base_step=view.base_step, committed_step=view.committed_step,
-            max_workers=self.c.rendezvous.max_workers, restore_checkpoint=view.restore_checkpoint)
+            state=getattr(pb.MembershipReply, view.state.upper()),
+            version=view.version,
+            members=[pb.Peer(name=n, address=a) for n, a in view.members],
+            rank=view.rank,
+            base_step=view.base_step,
+            committed_step=view.committed_step,
+            max_workers=self.c.rendezvous.max_workers,
+            restore_checkpoint=view.restore_checkpoint,
+        )
 
     def GetMembership(self, request, context):
         check_token(context, self.token, request.token)
@@ -129,9 +160,13 @@ class MasterService(pb_grpc.MasterServicer):
         check_token(context, self.token, request.token)
         rdv = self._rendezvous(context)
         inst = _instance(context, request.instance)
-        kind, view = rdv.step_ready(str(inst), request.version, request.step,
-                                    Ready(request.task_id, request.watermark, request.records, request.loss,
-                                          request.checksum), wait_s=STEP_WAIT_S)
+        kind, view = rdv.step_ready(
+            str(inst),
+            request.version,
+            request.step,
+            Ready(request.task_id, request.watermark, request.records, request.loss, request.checksum),
+            wait_s=STEP_WAIT_S,
+        )
         k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)
         return pb.StepReadyReply(kind=k, membership=self._view(view), done=rdv.done)
 
@@ -140,9 +175,11 @@ class MasterService(pb_grpc.MasterServicer):
         self._rendezvous(context)
         state = self.checkpoint_state()
         if state is None or (request.step >= 0 and state.step != request.step):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"no checkpoint state of step {request.step} here (the job resumed from "
-                          f"{'none' if state is None else f'step {state.step}'})")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no checkpoint state of step {request.step} here (the job resumed from "
+                f"{'none' if state is None else f'step {state.step}'})",
+            )
         return tensors.state_reply(state)
 
     def ReportPeerFailure(self, request, context):

@@ -16,6 +16,7 @@ Written with TensorFlow's own summary writer (`tf.summary.write` with the scalar
 which is all `tf.summary.scalar` adds, and which needs no `tensorboard` package). A TensorBoard problem
 never fails the job: it is logged once, and that folder gets no more points.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,7 +27,7 @@ log = logging.getLogger("elastic_step.master")
 
 LOG_SUBDIR = "tensorboard"
 VERTEX_LOG_DIR_ENV = "AIP_TENSORBOARD_LOG_DIR"
-FLUSH_MILLIS = 2000      # live enough to watch, without a write to the (maybe remote) folder per point
+FLUSH_MILLIS = 2000  # live enough to watch, without a write to the (maybe remote) folder per point
 
 TRAIN_LOSS, RECORDS_PER_S, WORKERS_ALIVE = "train/loss", "train/records_per_s", "workers/alive"
 EVAL_PREFIX = "eval/"
@@ -35,7 +36,7 @@ DESCRIPTIONS = {
     RECORDS_PER_S: "Records committed per second, over the last ~5 s.",
     WORKERS_ALIVE: "Workers registered and training.",
 }
-NOT_METRICS = ("t", "epoch", "records")   # keys of an eval point that are not metrics
+NOT_METRICS = ("t", "epoch", "records")  # keys of an eval point that are not metrics
 
 
 def log_dirs(output: str, environ=None) -> list[str]:
@@ -52,26 +53,29 @@ class TensorBoardLog:
     def __init__(self, dirs: list[str], records_per_epoch: int):
         self.dirs = list(dirs)
         self.records_per_epoch = records_per_epoch
-        self._writers: dict[str, object] | None = None   # made at the first point: TensorFlow is loaded by then
-        self._lock = threading.Lock()                    # progress (master thread) and eval (evaluator thread)
+        self._writers: dict[str, object] | None = None  # made at the first point: TensorFlow is loaded by then
+        self._lock = threading.Lock()  # progress (master thread) and eval (evaluator thread)
         self._closed = False
 
     @classmethod
-    def for_job(cls, output: str, records_per_epoch: int, environ=None) -> "TensorBoardLog":
+    def for_job(cls, output: str, records_per_epoch: int, environ=None) -> TensorBoardLog:
         return cls(log_dirs(output, environ), records_per_epoch)
 
     # ------------------------------------------------------------------ points
     def progress(self, sample: dict) -> None:
         """A progress sample of the master (coordinator.sample(): records, loss, records_per_s, workers_alive)."""
-        scalars = {RECORDS_PER_S: sample.get("records_per_s"), WORKERS_ALIVE: sample.get("workers_alive"),
-                   TRAIN_LOSS: sample.get("loss")}
+        scalars = {
+            RECORDS_PER_S: sample.get("records_per_s"),
+            WORKERS_ALIVE: sample.get("workers_alive"),
+            TRAIN_LOSS: sample.get("loss"),
+        }
         self._write(int(sample["records"]), scalars)
 
     def evaluation(self, point: dict) -> None:
         """An evaluation after epoch `point["epoch"]` (-1: the initial weights), with its metrics."""
         step = (int(point["epoch"]) + 1) * self.records_per_epoch
         self._write(step, {EVAL_PREFIX + k: v for k, v in point.items() if k not in NOT_METRICS})
-        self.flush()   # an epoch's point is rare and worth seeing at once
+        self.flush()  # an epoch's point is rare and worth seeing at once
 
     def flush(self) -> None:
         with self._lock:
@@ -86,8 +90,11 @@ class TensorBoardLog:
 
     # ------------------------------------------------------------------ writing
     def _write(self, step: int, scalars: dict) -> None:
-        scalars = {k: float(v) for k, v in scalars.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v}   # no None, no NaN
+        scalars = {
+            k: float(v)
+            for k, v in scalars.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+        }  # no None, no NaN
         if not scalars:
             return
         with self._lock:
@@ -114,16 +121,18 @@ class TensorBoardLog:
             try:
                 self._writers[d] = tf.summary.create_file_writer(d, flush_millis=FLUSH_MILLIS)
             except Exception as e:  # noqa: BLE001 - no TensorBoard logs is not worth failing the job for
-                log.warning("TensorBoard: cannot write event files to %s (%s); training goes on without them",
-                            d, _first_line(e))
+                log.warning(
+                    "TensorBoard: cannot write event files to %s (%s); training goes on without them", d, _first_line(e)
+                )
 
     def _guard(self, d: str, action) -> None:
         """Run a write, flush or close; on an error, log it and stop writing to that folder (lock held)."""
         try:
             action()
         except Exception as e:  # noqa: BLE001 - see _open
-            log.warning("TensorBoard: writing to %s failed (%s); no more points go there, training goes on",
-                        d, _first_line(e))
+            log.warning(
+                "TensorBoard: writing to %s failed (%s); no more points go there, training goes on", d, _first_line(e)
+            )
             self._writers.pop(d, None)
 
 
@@ -133,7 +142,9 @@ def _scalar_metadata(tag: str):
 
     return summary_pb2.SummaryMetadata(
         plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars", content=b""),
-        summary_description=DESCRIPTIONS.get(tag, ""), data_class=summary_pb2.DATA_CLASS_SCALAR)
+        summary_description=DESCRIPTIONS.get(tag, ""),
+        data_class=summary_pb2.DATA_CLASS_SCALAR,
+    )
 
 
 def _first_line(e: Exception) -> str:

@@ -14,6 +14,7 @@ defers to kfp's own resolver for everything else. It is idempotent, only used by
 `elastic-step pipeline run`, and does nothing if kfp's internals moved (a test then fails loudly:
 tests/pipeline/test_local_gate.py runs the gate both ways).
 """
+
 from __future__ import annotations
 
 _MARK = "_elastic_step_named_output_fix"
@@ -22,7 +23,7 @@ PREFIX = "pipelinechannel--"
 
 def resolve_named_task_output(channel_ref: str, io_store):
     """The value of a `<task>-<key>` channel from the IOStore, or raise LookupError."""
-    ref = channel_ref[len(PREFIX):] if channel_ref.startswith(PREFIX) else channel_ref
+    ref = channel_ref[len(PREFIX) :] if channel_ref.startswith(PREFIX) else channel_ref
     task, sep, key = ref.rpartition("-")
     if not sep or not task or not key.isidentifier():
         raise LookupError(channel_ref)

@@ -10,6 +10,7 @@ the training step: ELASTIC_STEP_CHAOS (`--chaos`) disturbs it on purpose, and AI
 gets its TensorBoard event files out of it. That is Vertex AI's variable for the same thing; here the
 run plays Vertex's part, pointing it at OUTPUT/tensorboard/<run> unless the caller set it already.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,10 @@ def run_local(source_uri: str, model_def: str, output: str, chaos: list[str] | N
     from elastic_step.pipelines.train_eval import train_eval
 
     if not kfp_local_compat.install():
-        raise ConfigError("This kfp version's local runner cannot evaluate the pipeline's gate (dsl.If on "
-                          "evaluate's `passed`); elastic-step supports kfp 2.17.")
+        raise ConfigError(
+            "This kfp version's local runner cannot evaluate the pipeline's gate (dsl.If on "
+            "evaluate's `passed`); elastic-step supports kfp 2.17."
+        )
     root = pathlib.Path(output).resolve() / "pipeline_root"
     root.mkdir(parents=True, exist_ok=True)
     before = {p.name for p in root.iterdir()}
@@ -96,15 +99,18 @@ def run_local(source_uri: str, model_def: str, output: str, chaos: list[str] | N
         with _environment(env):
             train_eval(source_uri=_absolute_if_local(source_uri), model_def=_absolute_if_local(model_def), **args)
     except RuntimeError as e:
-        raise ConfigError(f"The pipeline run failed: {e}. The failing step's log is above; its files are "
-                          f"under {root}.") from None
+        raise ConfigError(
+            f"The pipeline run failed: {e}. The failing step's log is above; its files are under {root}."
+        ) from None
     runs = [p for p in root.iterdir() if p.name not in before and p.is_dir()]
     if len(runs) != 1:
         raise ConfigError(f"Could not find this run's folder under {root}.")
     result = describe_run(runs[0])
-    result.update(gate={"metric": args.get("metric", "accuracy"), "threshold": args.get("threshold", 0.9)},
-                  chaos=requested_chaos,
-                  tensorboard=env[VERTEX_LOG_DIR_ENV])
+    result.update(
+        gate={"metric": args.get("metric", "accuracy"), "threshold": args.get("threshold", 0.9)},
+        chaos=requested_chaos,
+        tensorboard=env[VERTEX_LOG_DIR_ENV],
+    )
     return result
 
 
@@ -126,8 +132,11 @@ def describe_run(run_dir: pathlib.Path) -> dict:
                 if artifact.get("metadata"):
                     metadata[key] = artifact["metadata"]
     ran = {t.name for t in tasks}
-    evaluation = {"score": outputs.get(f"{EVALUATE}.score"), "passed": outputs.get(f"{EVALUATE}.passed"),
-                  "metrics": metadata.get(f"{EVALUATE}.metrics", {})}
+    evaluation = {
+        "score": outputs.get(f"{EVALUATE}.score"),
+        "passed": outputs.get(f"{EVALUATE}.passed"),
+        "metrics": metadata.get(f"{EVALUATE}.metrics", {}),
+    }
     if PUBLISH in ran:
         published_to = outputs.get(f"{PUBLISH}.Output") or None
         publish = {"ran": True, "published_to": published_to}
@@ -135,25 +144,37 @@ def describe_run(run_dir: pathlib.Path) -> dict:
             publish["note"] = "no --publish-uri given: nothing copied"
     else:
         publish = {"ran": False, "published_to": None, "note": "skipped: the model did not pass the gate"}
-    return {"run": str(run_dir), "tasks": sorted(ran), "training": metadata.get(f"{TRAIN}.metrics", {}),
-            "evaluation": evaluation, "publish": publish, "artifacts": artifacts, "metadata": metadata}
+    return {
+        "run": str(run_dir),
+        "tasks": sorted(ran),
+        "training": metadata.get(f"{TRAIN}.metrics", {}),
+        "evaluation": evaluation,
+        "publish": publish,
+        "artifacts": artifacts,
+        "metadata": metadata,
+    }
 
 
 def print_run(result: dict, stream=None) -> None:
-    stream = stream or sys.stderr   # looked up now: whatever stderr is at the time of the call
+    stream = stream or sys.stderr  # looked up now: whatever stderr is at the time of the call
     stream.write(f"\npipeline run: {result['run']}\n")
     for name, path in result["artifacts"].items():
         stream.write(f"  {name:<40} {path}\n")
     ev, pub, tr = result["evaluation"], result["publish"], result.get("training") or {}
     if tr:
         evals = ", ".join(f"{k[5:]} {v:.4g}" for k, v in tr.items() if k.startswith("eval_") and k != "eval_records")
-        stream.write(f"training: {evals}; {tr.get('throughput_records_per_s', 0):.0f} records/s; workers lost "
-                     f"{tr.get('workers_lost', 0):.0f}, relaunched {tr.get('workers_relaunched', 0):.0f}\n")
+        stream.write(
+            f"training: {evals}; {tr.get('throughput_records_per_s', 0):.0f} records/s; workers lost "
+            f"{tr.get('workers_lost', 0):.0f}, relaunched {tr.get('workers_relaunched', 0):.0f}\n"
+        )
     verdict = "PASSED the gate" if ev["passed"] else "did NOT pass the gate"
     if "threshold" in (ev.get("metrics") or {}):
         verdict += f" (threshold {ev['metrics']['threshold']:g})"
-    metrics = ", ".join(f"{k} {v:.4g}" for k, v in (ev.get("metrics") or {}).items()
-                        if isinstance(v, (int, float)) and k not in ("passed", "threshold"))
+    metrics = ", ".join(
+        f"{k} {v:.4g}"
+        for k, v in (ev.get("metrics") or {}).items()
+        if isinstance(v, (int, float)) and k not in ("passed", "threshold")
+    )
     score = f"{ev['score']:.4f}" if isinstance(ev.get("score"), (int, float)) else ev.get("score")
     stream.write(f"evaluation: score {score} -> {verdict}" + (f" ({metrics})" if metrics else "") + "\n")
     if pub.get("published_to"):
@@ -180,8 +201,11 @@ def summary_text(result: dict) -> str:
     metric, threshold = gate.get("metric", "accuracy"), gate.get("threshold", metrics.get("threshold"))
     score = f"{ev['score']:.4f}" if isinstance(ev.get("score"), (int, float)) else "unknown"
     passed = "PASSED" if ev.get("passed") else "NOT passed"
-    gate_text = f"{metric} {score} >= {threshold:g}: {passed}" if isinstance(threshold, (int, float)) \
+    gate_text = (
+        f"{metric} {score} >= {threshold:g}: {passed}"
+        if isinstance(threshold, (int, float))
         else f"{metric} {score}: {passed}"
+    )
     if pub.get("published_to"):
         gate_text += f"; model published to {pub['published_to']}"
     else:
@@ -192,8 +216,10 @@ def summary_text(result: dict) -> str:
         row("training", "no summary.json from the training step")
     else:
         ledger, workers = summary.get("ledger", {}), summary.get("workers", {})
-        trained = f"{ledger.get('records_committed', 0):,} records ({summary.get('epochs', '?')} epochs of " \
-                  f"{summary.get('records_per_epoch', 0):,})"
+        trained = (
+            f"{ledger.get('records_committed', 0):,} records ({summary.get('epochs', '?')} epochs of "
+            f"{summary.get('records_per_epoch', 0):,})"
+        )
         if summary.get("training_seconds"):
             trained += f" in {summary['training_seconds']:.1f} s"
             if summary.get("startup_seconds"):
@@ -229,7 +255,8 @@ def _workers_text(summary: dict, workers: dict) -> str:
         fired = chaos.get("fired", [])
         if fired:
             text += "; lost on purpose (chaos): " + ", ".join(
-                f"{f.get('action', 'kill')} {f.get('instance')} at {f.get('at_records', 0):,} records" for f in fired)
+                f"{f.get('action', 'kill')} {f.get('instance')} at {f.get('at_records', 0):,} records" for f in fired
+            )
         for planned in chaos.get("not_fired", []):
             text += f"; chaos {planned.get('action')} at {planned.get('at_records', 0):,} records NEVER fired"
     return text
@@ -243,6 +270,6 @@ def _audit_text(audit: dict | None) -> str:
     if audit["verdict"] == UNAVAILABLE:
         return f"audit not available ({audit.get('reason', 'no evidence')})"
     try:
-        return describe(audit)   # "audit exact: ..." or "audit VIOLATED: ..."
-    except (KeyError, TypeError):   # an audit of another shape: its verdict is still worth showing
+        return describe(audit)  # "audit exact: ..." or "audit VIOLATED: ..."
+    except (KeyError, TypeError):  # an audit of another shape: its verdict is still worth showing
         return f"audit {audit['verdict']}"

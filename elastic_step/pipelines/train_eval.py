@@ -21,9 +21,9 @@ PIPELINE_NAME = "elastic-step-train-eval"
 GATE_NAME = "gate-passed"
 # KFP's set_retry has no condition: every failure is retried, so a model error costs two more quick
 # failures, and few retries are worth it. The back-off is short: a retried step's pod waits, Pending,
-# until the scheduler finds room anyway, and a model error is reported sooner. KFP (as Argo's maxDuration) retries only within backoff_max_duration of the first
-# attempt's start, 1 h by default: it must outlast the longest training, or a step preempted after
-# an hour would not be retried.
+# until the scheduler finds room anyway, and a model error is reported sooner. KFP (as Argo's maxDuration)
+# retries only within backoff_max_duration of the first attempt's start, 1 h by default: it must outlast the
+# longest training, or a step preempted after an hour would not be retried.
 TRAIN_RETRY = {"num_retries": 2, "backoff_duration": "15s", "backoff_factor": 2.0, "backoff_max_duration": "168h"}
 
 
@@ -35,30 +35,72 @@ def build(caching: bool = True):
         return task if allowed else task.set_caching_options(False)
 
     @dsl.pipeline(name=PIPELINE_NAME, description="Elastic TensorFlow training, evaluation and a gated publish.")
-    def train_eval(source_uri: str, model_def: str, label: str = "label", epochs: int = 1,
-                   minibatch_size: int = 64, records_per_task: int = 512, min_workers: int = 1,
-                   max_workers: int = 2, num_ps: int = 1, strategy: str = "ps", global_batch: str = "scaled",
-                   backend: str = "auto",
-                   worker_image: str = "", worker_cpu: str = "1", worker_memory: str = "2Gi",
-                   worker_priority_class: str = "", ps_priority_class: str = "",
-                   threshold: float = 0.9, metric: str = "accuracy", publish_uri: str = "",
-                   eval_fraction: float = 0.2, seed: int = 0, checkpoint_uri: str = "",
-                   checkpoint_every: str = "60s"):
+    def train_eval(
+        source_uri: str,
+        model_def: str,
+        label: str = "label",
+        epochs: int = 1,
+        minibatch_size: int = 64,
+        records_per_task: int = 512,
+        min_workers: int = 1,
+        max_workers: int = 2,
+        num_ps: int = 1,
+        strategy: str = "ps",
+        global_batch: str = "scaled",
+        backend: str = "auto",
+        worker_image: str = "",
+        worker_cpu: str = "1",
+        worker_memory: str = "2Gi",
+        worker_priority_class: str = "",
+        ps_priority_class: str = "",
+        threshold: float = 0.9,
+        metric: str = "accuracy",
+        publish_uri: str = "",
+        eval_fraction: float = 0.2,
+        seed: int = 0,
+        checkpoint_uri: str = "",
+        checkpoint_every: str = "60s",
+    ):
         prep = data_prep_op(source_uri=source_uri, label=label, eval_fraction=eval_fraction, seed=seed)
         prep.set_caching_options(False)
-        train = no_cache_unless(elastic_train_op(
-            train_data=prep.outputs["train_data"], eval_data=prep.outputs["eval_data"], model_def=model_def,
-            epochs=epochs, minibatch_size=minibatch_size, records_per_task=records_per_task,
-            min_workers=min_workers, max_workers=max_workers, num_ps=num_ps, strategy=strategy,
-            global_batch=global_batch, backend=backend,
-            worker_image=worker_image, worker_cpu=worker_cpu, worker_memory=worker_memory,
-            worker_priority_class=worker_priority_class, ps_priority_class=ps_priority_class, seed=seed,
-            checkpoint_uri=checkpoint_uri, checkpoint_every=checkpoint_every,
-            pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, pipeline_task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER),
-            caching)
+        train = no_cache_unless(
+            elastic_train_op(
+                train_data=prep.outputs["train_data"],
+                eval_data=prep.outputs["eval_data"],
+                model_def=model_def,
+                epochs=epochs,
+                minibatch_size=minibatch_size,
+                records_per_task=records_per_task,
+                min_workers=min_workers,
+                max_workers=max_workers,
+                num_ps=num_ps,
+                strategy=strategy,
+                global_batch=global_batch,
+                backend=backend,
+                worker_image=worker_image,
+                worker_cpu=worker_cpu,
+                worker_memory=worker_memory,
+                worker_priority_class=worker_priority_class,
+                ps_priority_class=ps_priority_class,
+                seed=seed,
+                checkpoint_uri=checkpoint_uri,
+                checkpoint_every=checkpoint_every,
+                pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                pipeline_task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+            ),
+            caching,
+        )
         train.set_retry(**TRAIN_RETRY)
-        evaluation = no_cache_unless(evaluate_op(model=train.outputs["model"], eval_data=prep.outputs["eval_data"],
-                                                 model_def=model_def, threshold=threshold, metric=metric), caching)
+        evaluation = no_cache_unless(
+            evaluate_op(
+                model=train.outputs["model"],
+                eval_data=prep.outputs["eval_data"],
+                model_def=model_def,
+                threshold=threshold,
+                metric=metric,
+            ),
+            caching,
+        )
         with dsl.If(evaluation.outputs["passed"] == True, name=GATE_NAME):  # noqa: E712 - a KFP condition
             no_cache_unless(publish_model_op(model=train.outputs["model"], publish_uri=publish_uri), caching)
 

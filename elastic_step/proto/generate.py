@@ -1,4 +1,5 @@
 """Regenerate elastic_pb2.py / elastic_pb2_grpc.py from elastic.proto (needs grpcio-tools)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -9,13 +10,20 @@ PROTO = "elastic_step/proto/elastic.proto"
 
 
 def generate(out_dir: pathlib.Path = ROOT) -> None:
+    import grpc_tools
     from grpc_tools import protoc  # only a test/dev dependency
 
-    import grpc_tools
-
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
-    rc = protoc.main(["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={out_dir}",
-                      f"--grpc_python_out={out_dir}", str(ROOT / PROTO)])
+    rc = protoc.main(
+        [
+            "protoc",
+            f"-I{ROOT}",
+            f"-I{include}",
+            f"--python_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            str(ROOT / PROTO),
+        ]
+    )
     if rc != 0:
         raise SystemExit(f"protoc failed on {PROTO} (exit {rc})")
 

@@ -1,4 +1,5 @@
 """gRPC plumbing shared by every role: channel options, token check, retrying client calls."""
+
 from __future__ import annotations
 
 import hmac
@@ -8,8 +9,7 @@ from concurrent import futures
 import grpc
 
 # Parameters travel in one message per shard: raise the 4 MB default.
-GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
-                ("grpc.max_receive_message_length", 512 << 20)]
+GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -1,4 +1,5 @@
 """numpy <-> wire tensors: raw bytes + dtype + shape (no pickles, so no code runs on decode)."""
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -45,10 +46,11 @@ def decode_applied(field) -> dict[tuple[int, int], np.ndarray]:
 
 class MemberState(NamedTuple):
     """An allreduce member's state at a step (a peer's, or a checkpoint's)."""
+
     step: int
-    num_model: int                                  # values[:num_model] are the model's weights,
-    values: list[np.ndarray]                        # the rest its optimizer variables
-    applied: dict[tuple[int, int], np.ndarray]      # the records these weights hold
+    num_model: int  # values[:num_model] are the model's weights,
+    values: list[np.ndarray]  # the rest its optimizer variables
+    applied: dict[tuple[int, int], np.ndarray]  # the records these weights hold
 
 
 def state_reply(state: MemberState) -> pb.StateReply:
@@ -60,5 +62,6 @@ def state_reply(state: MemberState) -> pb.StateReply:
 
 
 def decode_state(reply: pb.StateReply) -> MemberState:
-    return MemberState(reply.step, reply.num_model_weights, [decode(t) for t in reply.tensors],
-                       decode_applied(reply.applied))
+    return MemberState(
+        reply.step, reply.num_model_weights, [decode(t) for t in reply.tensors], decode_applied(reply.applied)
+    )

@@ -1,4 +1,5 @@
 """A parameter-server process: `python -m elastic_step.ps --master ADDR --index I ...`."""
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     port = server.add_insecure_port(f"{args.host}:0" if args.host != "0.0.0.0" else "0.0.0.0:0")
     server.start()
     master.register(f"{args.host}:{port}")
-    log.info("serving %d dense variables and %d embedding tables on %s:%d",
-             len(shard.dense_names), len(shard.tables), args.host, port)
+    log.info(
+        "serving %d dense variables and %d embedding tables on %s:%d",
+        len(shard.dense_names),
+        len(shard.tables),
+        args.host,
+        port,
+    )
     # Serve until the master says the job is over, or SIGTERM.
     while not stop.wait(1.0):
         try:

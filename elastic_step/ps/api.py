@@ -7,6 +7,7 @@ state (`state_variables`: BatchNormalization's moving statistics), whose "gradie
 how the step changed it. Workers, PS and master all derive the same placement from the model
 itself, so nothing about it travels on the wire.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,29 +34,35 @@ def state_variables(model) -> list[tuple[str, int]]:
     evaluation and the checkpoints hold it, and a worker that joins late starts from it. Left out:
     integer state (the seed of each worker's dropout masks stays its own) and frozen layers (nothing
     changes them: they would only travel as zeros)."""
-    frozen = {id(v) for layer in model._flatten_layers(include_self=True) if not layer.trainable
-              for v in layer.weights}
-    return [(f"s{i:04d}:{v.name}", i) for i, v in enumerate(model.non_trainable_variables)
-            if "float" in str(v.dtype) and id(v) not in frozen]
+    frozen = {id(v) for layer in model._flatten_layers(include_self=True) if not layer.trainable for v in layer.weights}
+    return [
+        (f"s{i:04d}:{v.name}", i)
+        for i, v in enumerate(model.non_trainable_variables)
+        if "float" in str(v.dtype) and id(v) not in frozen
+    ]
 
 
 def embedding_variable_paths(model) -> set[str]:
     """Paths of the tables of plain `keras.layers.Embedding` layers: their rows are sharded by id."""
     import keras
-    return {layer.embeddings.path for layer in model._flatten_layers(include_self=False)
-            if isinstance(layer, keras.layers.Embedding)}
+
+    return {
+        layer.embeddings.path
+        for layer in model._flatten_layers(include_self=False)
+        if isinstance(layer, keras.layers.Embedding)
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
     num_ps: int
-    dense: dict[str, int]                       # name -> shard
-    shapes: dict[str, tuple[int, ...]]          # name -> shape (dense variables)
-    embeddings: dict[str, tuple[int, int]]      # name -> (vocabulary rows, dim)
-    state: frozenset[str] = frozenset()         # the dense names that are state, not weights
+    dense: dict[str, int]  # name -> shard
+    shapes: dict[str, tuple[int, ...]]  # name -> shape (dense variables)
+    embeddings: dict[str, tuple[int, int]]  # name -> (vocabulary rows, dim)
+    state: frozenset[str] = frozenset()  # the dense names that are state, not weights
 
     @classmethod
-    def of(cls, model, num_ps: int) -> "Placement":
+    def of(cls, model, num_ps: int) -> Placement:
         emb_paths = embedding_variable_paths(model)
         dense, shapes, emb = {}, {}, {}
         for name, v in zip(variable_names(model), model.trainable_variables):
@@ -65,11 +72,12 @@ class Placement:
                 dense[name] = zlib.crc32(name.encode()) % num_ps
                 shapes[name] = tuple(int(d) for d in v.shape)
         state = state_variables(model)
-        for name, i in state:   # after every weight: a shard's flat buffer is its weights, then its state
+        for name, i in state:  # after every weight: a shard's flat buffer is its weights, then its state
             dense[name] = zlib.crc32(name.encode()) % num_ps
             shapes[name] = tuple(int(d) for d in model.non_trainable_variables[i].shape)
-        return cls(num_ps=num_ps, dense=dense, shapes=shapes, embeddings=emb,
-                   state=frozenset(name for name, _ in state))
+        return cls(
+            num_ps=num_ps, dense=dense, shapes=shapes, embeddings=emb, state=frozenset(name for name, _ in state)
+        )
 
     def dense_on(self, shard: int) -> list[str]:
         """The shard's dense variables, in the order of its flat buffer: weights, then state."""
@@ -86,7 +94,7 @@ class Placement:
         for name in self.dense_on(shard):
             shape = self.shapes[name]
             size = math.prod(shape)
-            out[name] = flat[offset:offset + size].reshape(shape)
+            out[name] = flat[offset : offset + size].reshape(shape)
             offset += size
         if offset != flat.size:
             raise ValueError(f"shard {shard} sent {flat.size} dense values, the model has {offset}")
@@ -115,19 +123,19 @@ def load_named(model, values: dict[str, np.ndarray]) -> None:
 class PushKey(NamedTuple):
     """One minibatch's push: its idempotency key (task_id, seq), under which a shard applies it at
     most once, and the records it is made of, which the shard accounts for as the audit's evidence."""
+
     task_id: int
-    seq: int             # first record of the minibatch (an index into its data shard)
-    end: int             # one past its last record
+    seq: int  # first record of the minibatch (an index into its data shard)
+    end: int  # one past its last record
     epoch: int
-    data_shard: int      # the data shard's index in the training manifest
+    data_shard: int  # the data shard's index in the training manifest
     generation: int = 0  # the shards' state it was computed for (see PushRequest.generation)
 
     @classmethod
-    def of(cls, request) -> "PushKey":
+    def of(cls, request) -> PushKey:
         """The key a PushRequest carries."""
         return cls(request.task_id, request.seq, request.end, request.epoch, request.data_shard, request.generation)
 
     @property
     def idempotency(self) -> tuple[int, int]:
         return self.task_id, self.seq
-

@@ -1,4 +1,5 @@
 """Client side of the parameter servers: fan a pull or a push out to every shard at once."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -52,10 +53,10 @@ def shards_moved(error: BaseException) -> bool:
 class SharedPath(NamedTuple):
     """How pushes reach a shard on this host: its segment of slots, and a bell per slot (None when
     the shard has no doorbell: the key then goes in a gRPC call)."""
+
     slots: PushSlots
     segment: int
     bells: list[Bell] | None
-
 
 
 def on_this_host(address: str) -> bool:
@@ -73,8 +74,15 @@ class PSClient:
     the message. The calls that split or gather parameters (pulls, pushes) need the `placement`;
     the whole-shard ones (stats, save, restore) do not."""
 
-    def __init__(self, addresses: list[str], token: str, placement: Placement | None = None, timeout: float = 60.0,
-                 pushes_in_flight: int = 2, shared_memory: bool = True):
+    def __init__(
+        self,
+        addresses: list[str],
+        token: str,
+        placement: Placement | None = None,
+        timeout: float = 60.0,
+        pushes_in_flight: int = 2,
+        shared_memory: bool = True,
+    ):
         if placement is not None and len(addresses) != placement.num_ps:
             raise ValueError(f"{len(addresses)} PS addresses for {placement.num_ps} shards")
         self.token = token
@@ -84,16 +92,14 @@ class PSClient:
         self._channels = [rpc.channel(a) for a in addresses]
         # Blocking calls on long-lived threads: gRPC's own futures start a thread per call when
         # calls do not overlap, which costs more than a small model's whole training step.
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(addresses),
-                                                           thread_name_prefix="ps-call")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-call")
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._slots = pushes_in_flight
         self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(pushes_in_flight):
             self._free_slots.put(i)
         # Per shard: its SharedPath once attached, None when bytes go in the message.
-        self._shared: dict[int, SharedPath | None] = {} if shared_memory else dict.fromkeys(
-            range(len(addresses)))
+        self._shared: dict[int, SharedPath | None] = {} if shared_memory else dict.fromkeys(range(len(addresses)))
         self._attach_lock = threading.Lock()
 
     def pull_dense(self) -> list[np.ndarray]:
@@ -103,8 +109,9 @@ class PSClient:
     def pull_dense_at(self) -> list[tuple[int, np.ndarray]]:
         """Each shard's (version, flat dense buffer at that version), in shard order."""
         with moved_shards_named():
-            futures = [s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout)
-                       for s in self.stubs]
+            futures = [
+                s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout) for s in self.stubs
+            ]
             return [(r.version, tensors.decode(r.dense_flat)) for r in (f.result() for f in futures)]
 
     def pull_dense_named(self) -> dict[str, np.ndarray]:
@@ -122,10 +129,12 @@ class PSClient:
             for shard, pos in enumerate(parts[name]):
                 if len(pos):
                     tensors.encode(ids[pos], requests[shard].lookups.add(name=name).ids)
-        futures = [s.PullEmbedding.future(r, timeout=self.timeout) if r.lookups else None
-                   for s, r in zip(self.stubs, requests)]
-        out = {name: np.empty((len(ids), self.placement.embeddings[name][1]), np.float32)
-               for name, ids in lookups.items()}
+        futures = [
+            s.PullEmbedding.future(r, timeout=self.timeout) if r.lookups else None for s, r in zip(self.stubs, requests)
+        ]
+        out = {
+            name: np.empty((len(ids), self.placement.embeddings[name][1]), np.float32) for name, ids in lookups.items()
+        }
         for shard, f in enumerate(futures):
             if f is None:
                 continue
@@ -135,38 +144,54 @@ class PSClient:
                 out[rows.name][parts[rows.name][shard]] = tensors.decode(rows.values)
         return out
 
-    def push(self, key: PushKey, flat_grads: list[np.ndarray],
-             emb_grads: dict[str, tuple[np.ndarray, np.ndarray]], want_dense: bool = True
-             ) -> tuple[bool, list[tuple[int, np.ndarray]]]:
+    def push(
+        self,
+        key: PushKey,
+        flat_grads: list[np.ndarray],
+        emb_grads: dict[str, tuple[np.ndarray, np.ndarray]],
+        want_dense: bool = True,
+    ) -> tuple[bool, list[tuple[int, np.ndarray]]]:
         """One minibatch's push to every shard at once: per shard a flat dense gradient, plus
         embedding rows to their owners. Returns (applied by any shard, each shard's (version,
         fresh flat dense values))."""
-        requests = [pb.PushRequest(token=self.token, task_id=key.task_id, seq=key.seq, end=key.end,
-                                   epoch=key.epoch, data_shard=key.data_shard, generation=key.generation,
-                                   want_dense=want_dense)
-                    for _ in self.stubs]
+        requests = [
+            pb.PushRequest(
+                token=self.token,
+                task_id=key.task_id,
+                seq=key.seq,
+                end=key.end,
+                epoch=key.epoch,
+                data_shard=key.data_shard,
+                generation=key.generation,
+                want_dense=want_dense,
+            )
+            for _ in self.stubs
+        ]
         for name, (ids, values) in emb_grads.items():
             for shard, pos in enumerate(self.placement.split_ids(ids)):
                 if len(pos):
                     e = requests[shard].embedding_grads.add(name=name)
                     tensors.encode(ids[pos], e.ids)
                     tensors.encode(values[pos], e.values)
-        slot = self._free_slots.get()   # one per push in flight: never two pushes in one slot
+        slot = self._free_slots.get()  # one per push in flight: never two pushes in one slot
         try:
             # Every shard gets the key, even with nothing to apply, so all shards agree on it.
             with moved_shards_named():
                 if len(self.stubs) == 1:
                     replies = [self._push_shard(0, requests[0], flat_grads[0], slot)]
                 else:
-                    futures = [self._pool.submit(self._push_shard, shard, r, flat, slot)
-                               for shard, (r, flat) in enumerate(zip(requests, flat_grads))]
+                    futures = [
+                        self._pool.submit(self._push_shard, shard, r, flat, slot)
+                        for shard, (r, flat) in enumerate(zip(requests, flat_grads))
+                    ]
                     replies = [f.result() for f in futures]
         finally:
             self._free_slots.put(slot)
         return any(applied for applied, _ in replies), [fresh for _, fresh in replies]
 
-    def _push_shard(self, shard: int, request: pb.PushRequest, flat: np.ndarray, slot: int
-                    ) -> tuple[bool, tuple[int, np.ndarray | None]]:
+    def _push_shard(
+        self, shard: int, request: pb.PushRequest, flat: np.ndarray, slot: int
+    ) -> tuple[bool, tuple[int, np.ndarray | None]]:
         shared = self._shared_slots(shard, flat.size)
         if shared is not None:
             np.copyto(shared.slots.gradient(slot), flat)
@@ -215,13 +240,20 @@ class PSClient:
             return None
         try:
             reply = self.stubs[shard].AttachShared(
-                pb.AttachSharedRequest(token=self.token, path=slots.path, nonce=slots.nonce, floats=floats,
-                                       slots=self._slots), timeout=self.timeout)
+                pb.AttachSharedRequest(
+                    token=self.token, path=slots.path, nonce=slots.nonce, floats=floats, slots=self._slots
+                ),
+                timeout=self.timeout,
+            )
         finally:
-            slots.unlink()   # both ends have it mapped (or never will): no name left to leak
+            slots.unlink()  # both ends have it mapped (or never will): no name left to leak
         if not reply.segment:
-            log.info("PS shard %d at %s refused shared push slots (%s): pushes carry their bytes",
-                     shard, address, reply.refused)
+            log.info(
+                "PS shard %d at %s refused shared push slots (%s): pushes carry their bytes",
+                shard,
+                address,
+                reply.refused,
+            )
             slots.close()
             return None
         bells = None
@@ -230,19 +262,27 @@ class PSClient:
             try:
                 for i in range(self._slots):
                     bells.append(Bell(reply.doorbell, reply.segment, i, slots.nonce, self.timeout))
-            except OSError as e:   # pushes still use the slots; their keys go in gRPC calls
+            except OSError as e:  # pushes still use the slots; their keys go in gRPC calls
                 log.info("PS shard %d: cannot ring its doorbell (%s): push keys go in gRPC calls", shard, e)
                 for bell in bells:
                     bell.close()
                 bells = None
-        log.info("PS shard %d at %s: pushes go through shared memory (%d slots of 2 x %d floats), %s",
-                 shard, address, self._slots, floats, "rung through its doorbell" if bells else "keys in gRPC calls")
+        log.info(
+            "PS shard %d at %s: pushes go through shared memory (%d slots of 2 x %d floats), %s",
+            shard,
+            address,
+            self._slots,
+            floats,
+            "rung through its doorbell" if bells else "keys in gRPC calls",
+        )
         return SharedPath(slots, reply.segment, bells)
 
     def all_rows(self) -> dict[str, np.ndarray]:
         """Every embedding table, whole (for export at the end of training)."""
-        return {name: self.pull_rows({name: np.arange(rows, dtype=np.int64)})[name]
-                for name, (rows, _dim) in self.placement.embeddings.items()}
+        return {
+            name: self.pull_rows({name: np.arange(rows, dtype=np.int64)})[name]
+            for name, (rows, _dim) in self.placement.embeddings.items()
+        }
 
     def stats(self) -> list[pb.PsStats]:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]
@@ -254,8 +294,10 @@ class PSClient:
 
     def restore(self, states: list[bytes], generation: int, timeout: float = 300.0) -> None:
         """Every shard back to a saved state, as `generation`, all at once."""
-        futures = [s.Restore.future(pb.RestoreRequest(token=self.token, npz=npz, generation=generation),
-                                    timeout=timeout) for s, npz in zip(self.stubs, states)]
+        futures = [
+            s.Restore.future(pb.RestoreRequest(token=self.token, npz=npz, generation=generation), timeout=timeout)
+            for s, npz in zip(self.stubs, states)
+        ]
         for f in futures:
             f.result()
 
@@ -265,12 +307,13 @@ class PSClient:
                 for bell in shared.bells or []:
                     bell.close()
                 try:
-                    self.stubs[shard].DetachShared(pb.DetachSharedRequest(token=self.token, segment=shared.segment),
-                                                   timeout=5)
+                    self.stubs[shard].DetachShared(
+                        pb.DetachSharedRequest(token=self.token, segment=shared.segment), timeout=5
+                    )
                 except grpc.RpcError:
-                    pass   # the shard is gone already, and its mapping with it
+                    pass  # the shard is gone already, and its mapping with it
                 shared.slots.close()
-        self._shared = dict.fromkeys(range(len(self.stubs)))   # closed: nothing left to detach
+        self._shared = dict.fromkeys(range(len(self.stubs)))  # closed: nothing left to detach
         self._pool.shutdown(wait=True)
         for c in self._channels:
             c.close()

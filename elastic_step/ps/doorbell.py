@@ -12,6 +12,7 @@ is admitted only with the nonce of the segment it rings for, which only the work
 segment and the shard that mapped it know. An abstract socket lives in one network namespace, the
 same one a loopback PS address already implies.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,17 +20,17 @@ import secrets
 import socket
 import struct
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from elastic_step.ps.api import PushKey
 
 log = logging.getLogger("elastic_step.ps")
 
-HELLO = struct.Struct("<qi16s")   # segment, slot, the segment's nonce
+HELLO = struct.Struct("<qi16s")  # segment, slot, the segment's nonce
 RING = struct.Struct("<qqqiiq?")  # a PushKey (task_id, seq, end, epoch, data_shard, generation), want_dense
-ANSWER = struct.Struct("<B?q")    # status, applied, version; a UTF-8 reason follows unless OK
+ANSWER = struct.Struct("<B?q")  # status, applied, version; a UTF-8 reason follows unless OK
 OK, DROPPED, FAILED = 0, 1, 2
-REFUSED = "refused: "   # a FAILED answer's reason starts so when the shard refused the push (Refused)
+REFUSED = "refused: "  # a FAILED answer's reason starts so when the shard refused the push (Refused)
 MAX_REASON = 2000
 
 
@@ -57,8 +58,9 @@ class DoorbellServer:
     raising Dropped when the segment is gone. One thread per connection: pushes wait for the
     shard's lock anyway, and a slow or silent peer then holds up nobody else."""
 
-    def __init__(self, admit: Callable[[int, int, bytes], bool],
-                 push: Callable[[int, int, PushKey, bool], tuple[bool, int]]):
+    def __init__(
+        self, admit: Callable[[int, int, bytes], bool], push: Callable[[int, int, PushKey, bool], tuple[bool, int]]
+    ):
         self._admit = admit
         self._push = push
         self.address = f"@elastic-step-doorbell-{secrets.token_hex(8)}"
@@ -74,7 +76,7 @@ class DoorbellServer:
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:   # closed
+            except OSError:  # closed
                 return
             with self._lock:
                 if self._closed:
@@ -85,7 +87,7 @@ class DoorbellServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(5.0)   # for the hello only: a silent peer does not keep a thread forever
+            conn.settimeout(5.0)  # for the hello only: a silent peer does not keep a thread forever
             hello = conn.recv(HELLO.size + 1)
             if len(hello) != HELLO.size or not self._admit(*HELLO.unpack(hello)):
                 conn.send(ANSWER.pack(FAILED, False, 0) + b"not admitted: unknown segment, slot or nonce")
@@ -95,7 +97,7 @@ class DoorbellServer:
             conn.send(ANSWER.pack(OK, False, 0))
             while True:
                 ring = conn.recv(RING.size + 1)
-                if len(ring) != RING.size:   # closed (the worker is gone) or not our protocol
+                if len(ring) != RING.size:  # closed (the worker is gone) or not our protocol
                     return
                 *key, want_dense = RING.unpack(ring)
                 try:
@@ -112,7 +114,7 @@ class DoorbellServer:
                     continue
                 conn.send(ANSWER.pack(OK, applied, version))
         except OSError:
-            pass   # the peer went away mid-answer, or close() shut us down
+            pass  # the peer went away mid-answer, or close() shut us down
         finally:
             with self._lock:
                 self._connections.discard(conn)
@@ -125,7 +127,7 @@ class DoorbellServer:
         self._listener.close()
         for conn in connections:
             try:
-                conn.shutdown(socket.SHUT_RDWR)   # wakes its thread out of recv
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its thread out of recv
             except OSError:
                 pass
 
@@ -157,7 +159,7 @@ class Bell:
         if status == DROPPED:
             raise Dropped()
         if status != OK:
-            raise PushFailed(data[ANSWER.size:].decode(errors="replace"))
+            raise PushFailed(data[ANSWER.size :].decode(errors="replace"))
         return applied, version
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ soon as the shard has mapped it, so nothing is left behind when either process d
 cannot map it (another host, another pod's /dev/shm) refuses, and that worker's pushes carry their
 bytes in the message.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,9 +27,9 @@ from elastic_step.util.shared_memory import SHM_DIR, SharedMemoryUnavailable, cr
 
 __all__ = ["SHM_DIR", "SharedMemoryUnavailable", "PushSlots", "SharedSegments"]
 
-HEADER = 64                     # bytes before the first slot: the nonce that proves it is our segment
+HEADER = 64  # bytes before the first slot: the nonce that proves it is our segment
 NONCE = 16
-MAX_SEGMENTS = 64               # per shard; the least recently used is dropped (a lost worker's)
+MAX_SEGMENTS = 64  # per shard; the least recently used is dropped (a lost worker's)
 
 
 def _layout(floats: int, slots: int) -> int:
@@ -59,7 +60,7 @@ class PushSlots:
         self.unlink()
         try:
             self._map.close()
-        except BufferError:   # a view is still alive somewhere: the mapping goes with it
+        except BufferError:  # a view is still alive somewhere: the mapping goes with it
             pass
 
 
@@ -83,7 +84,7 @@ class SharedSegments:
             seg_id, self._next_id = self._next_id, self._next_id + 1
             self._segments[seg_id] = (seg, floats, slots, nonce)
             while len(self._segments) > self.max_segments:
-                self._segments.popitem(last=False)   # unmapped once no push still holds a view of it
+                self._segments.popitem(last=False)  # unmapped once no push still holds a view of it
         return seg_id
 
     def detach(self, seg_id: int) -> None:

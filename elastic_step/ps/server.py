@@ -4,6 +4,7 @@ Pushes are keyed by `(task_id, seq)` (seq = first record of the minibatch). A ke
 most once per shard, so a minibatch pushed by a worker that died before reporting it, and pushed
 again by the worker that took over its remainder, changes the parameters only once.
 """
+
 from __future__ import annotations
 
 import io
@@ -13,11 +14,11 @@ import threading
 import grpc
 import numpy as np
 
+from elastic_step.data.api import AppliedRecords
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.data.api import AppliedRecords
 from elastic_step.ps.api import Placement, PushKey, named_variables
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.push_slots import SharedSegments
@@ -28,17 +29,18 @@ log = logging.getLogger("elastic_step.ps")
 # Optimizers whose update of an element depends only on that element's gradient and slots: on them
 # a shard's dense variables can be one flat variable, updated by a handful of ops per push instead
 # of a handful per variable (the same arithmetic, a fraction of the op dispatch).
-ELEMENTWISE_OPTIMIZERS = frozenset({"SGD", "Adam", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl",
-                                    "Lion"})
+ELEMENTWISE_OPTIMIZERS = frozenset({"SGD", "Adam", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion"})
 
 
 def updates_elementwise(optimizer) -> bool:
     """True for a stock Keras optimizer without per-variable options (clipnorm clips each variable's
     gradient on its own; weight decay can exclude variables by name)."""
-    return (type(optimizer).__name__ in ELEMENTWISE_OPTIMIZERS
-            and type(optimizer).__module__.startswith("keras.")
-            and getattr(optimizer, "clipnorm", None) is None
-            and not getattr(optimizer, "weight_decay", None))
+    return (
+        type(optimizer).__name__ in ELEMENTWISE_OPTIMIZERS
+        and type(optimizer).__module__.startswith("keras.")
+        and getattr(optimizer, "clipnorm", None) is None
+        and not getattr(optimizer, "weight_decay", None)
+    )
 
 
 class ParameterShard:
@@ -54,20 +56,28 @@ class ParameterShard:
         values = named_variables(model)
         self.dense_names = placement.weights_on(shard)
         state_names = placement.state_on(shard)
-        if (updates_elementwise(optimizer) and self.dense_names
-                and all(values[n].dtype == "float32" for n in self.dense_names)):
+        if (
+            updates_elementwise(optimizer)
+            and self.dense_names
+            and all(values[n].dtype == "float32" for n in self.dense_names)
+        ):
             flat = np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in self.dense_names])
             dense_vars = [tf.Variable(flat, name="dense_flat")]
         else:
             dense_vars = [tf.Variable(values[n].numpy(), name=f"d{i}") for i, n in enumerate(self.dense_names)]
         self.tables: dict[str, tf.Variable] = {
-            name: tf.Variable(values[name].numpy()[shard::self.num_ps], name=f"e{i}")
-            for i, name in enumerate(placement.embeddings)}
+            name: tf.Variable(values[name].numpy()[shard :: self.num_ps], name=f"e{i}")
+            for i, name in enumerate(placement.embeddings)
+        }
         tables = list(self.tables.values())
         # The state (BatchNormalization's moving statistics) is no optimizer's: a push adds how the
         # worker's step changed it, so every step's update lands, as in one process.
-        state = tf.Variable(np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in state_names]
-                                           + [np.zeros(0, np.float32)]), name="state_flat")
+        state = tf.Variable(
+            np.concatenate(
+                [values[n].numpy().astype(np.float32).ravel() for n in state_names] + [np.zeros(0, np.float32)]
+            ),
+            name="state_flat",
+        )
         self.dense_vars = dense_vars
         self.state = state
         self.optimizer = optimizer
@@ -77,7 +87,7 @@ class ParameterShard:
         self.version = 0
         self.applied: set[tuple[int, int]] = set()
         self.applied_records = AppliedRecords()
-        self.generation = 0   # bumped by each restore: pushes of another generation are refused
+        self.generation = 0  # bumped by each restore: pushes of another generation are refused
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
@@ -94,11 +104,12 @@ class ParameterShard:
         def apply(flat_grad, table_ids, table_values):
             flat_grad, state_change = tf.split(flat_grad, [weights_size, self.dense_size - weights_size])
             state.assign_add(state_change)
-            pairs = [(tf.cast(tf.reshape(g, v.shape), v.dtype), v)
-                     for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)]
+            pairs = [
+                (tf.cast(tf.reshape(g, v.shape), v.dtype), v)
+                for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)
+            ]
             for ids, rows, table in zip(table_ids, table_values, tables):
-                pairs.append((tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)),
-                              table))
+                pairs.append((tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)), table))
             if pairs:
                 self.optimizer.apply_gradients(pairs)
             return flat_values()
@@ -106,37 +117,50 @@ class ParameterShard:
         self._apply = tf.function(apply).get_concrete_function(
             tf.TensorSpec([self.dense_size], tf.float32),
             [tf.TensorSpec([None], tf.int64) for _ in tables],
-            [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables])
+            [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables],
+        )
         self._read = tf.function(flat_values).get_concrete_function()
 
-    def push(self, key: PushKey, flat_grad: np.ndarray,
-             emb_grads: list[tuple[str, np.ndarray, np.ndarray]], out: np.ndarray | None = None
-             ) -> tuple[bool, int, np.ndarray]:
+    def push(
+        self,
+        key: PushKey,
+        flat_grad: np.ndarray,
+        emb_grads: list[tuple[str, np.ndarray, np.ndarray]],
+        out: np.ndarray | None = None,
+    ) -> tuple[bool, int, np.ndarray]:
         """Apply a keyed push at most once, and account for its records. Returns (applied, version,
         the shard's flat dense values at that version), the values written into `out` when given (a
         shared push slot)."""
         with self.lock:
             if key.generation != self.generation:
-                raise StaleGeneration(f"a push of generation {key.generation} to shard {self.shard}, which is "
-                                      f"at generation {self.generation}: it was restored to a checkpoint since")
+                raise StaleGeneration(
+                    f"a push of generation {key.generation} to shard {self.shard}, which is "
+                    f"at generation {self.generation}: it was restored to a checkpoint since"
+                )
             if key.idempotency in self.applied:
                 self.skipped += 1
                 return False, self.version, self._values(out)
             if flat_grad.size != self.dense_size:
-                raise ValueError(f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
-                                 f"holds {self.dense_size} parameters")
+                raise ValueError(
+                    f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
+                    f"holds {self.dense_size} parameters"
+                )
             rows = {name: (ids, values) for name, ids, values in emb_grads}
             ids_list, values_list = [], []
             for name, table in self.tables.items():
-                ids, values = rows.get(name, (np.zeros([0], np.int64),
-                                              np.zeros([0, table.shape[1]], table.dtype.as_numpy_dtype)))
+                ids, values = rows.get(
+                    name, (np.zeros([0], np.int64), np.zeros([0, table.shape[1]], table.dtype.as_numpy_dtype))
+                )
                 ids_list.append(ids)
                 values_list.append(values)
                 if len(ids):
                     self.touched[name].update(ids.tolist())
             tf = self.tf
-            fresh = self._apply(tf.constant(flat_grad, tf.float32), [tf.constant(i, tf.int64) for i in ids_list],
-                                [tf.constant(v, t.dtype) for v, t in zip(values_list, self.tables.values())])
+            fresh = self._apply(
+                tf.constant(flat_grad, tf.float32),
+                [tf.constant(i, tf.int64) for i in ids_list],
+                [tf.constant(v, t.dtype) for v, t in zip(values_list, self.tables.values())],
+            )
             values = self._copy(fresh, out)
             self.applied.add(key.idempotency)
             self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
@@ -174,9 +198,12 @@ class ParameterShard:
         restored from it skips what it had applied and the audit sees exactly what it holds."""
         buf = io.BytesIO()
         with self.lock:
-            arrays = {"dense": np.array(self._values()), "version": np.array(self.version, np.int64),
-                      "skipped": np.array(self.skipped, np.int64),
-                      "applied_keys": np.array(sorted(self.applied), np.int64).reshape(-1, 2)}
+            arrays = {
+                "dense": np.array(self._values()),
+                "version": np.array(self.version, np.int64),
+                "skipped": np.array(self.skipped, np.int64),
+                "applied_keys": np.array(sorted(self.applied), np.int64).reshape(-1, 2),
+            }
             arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
             arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
             arrays.update(self.applied_records.npz())
@@ -189,15 +216,18 @@ class ParameterShard:
         generation `generation`: from here on, only pushes computed for it are applied."""
         saved = dict(np.load(io.BytesIO(npz), allow_pickle=False))
         optimizer = [saved[f"optimizer/{i}"] for i in range(len(self.optimizer.variables))]
-        if saved["dense"].size != self.dense_size or any(f"table/{n}" not in saved for n in self.tables) \
-                or f"optimizer/{len(optimizer)}" in saved:
+        if (
+            saved["dense"].size != self.dense_size
+            or any(f"table/{n}" not in saved for n in self.tables)
+            or f"optimizer/{len(optimizer)}" in saved
+        ):
             raise ValueError(f"the saved state is of another model: it does not fit shard {self.shard}")
         with self.lock:
             self.generation = generation
             offset = 0
             for v in [*self.dense_vars, self.state]:
                 n = int(v.shape.num_elements())
-                v.assign(saved["dense"][offset:offset + n].reshape(v.shape))
+                v.assign(saved["dense"][offset : offset + n].reshape(v.shape))
                 offset += n
             for name, table in self.tables.items():
                 table.assign(saved[f"table/{name}"])
@@ -218,8 +248,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def __init__(self, shard: ParameterShard, token: str):
         self.shard = shard
         self.token = token
-        self.segments = SharedSegments()   # push slots of workers on this host
-        self.doorbell: DoorbellServer | None = None   # opened with the first segment attached
+        self.segments = SharedSegments()  # push slots of workers on this host
+        self.doorbell: DoorbellServer | None = None  # opened with the first segment attached
         self._doorbell_lock = threading.Lock()
 
     def PullDense(self, request, context):
@@ -256,7 +286,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             applied, version, values = self.shard.push(PushKey.of(request), grad, emb, out)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except StaleGeneration as e:   # ABORTED, not FAILED_PRECONDITION: that one means a dropped slot
+        except StaleGeneration as e:  # ABORTED, not FAILED_PRECONDITION: that one means a dropped slot
             context.abort(grpc.StatusCode.ABORTED, str(e))
         reply = pb.PushResponse(applied=applied, version=version)
         if request.want_dense and out is None:
@@ -266,8 +296,10 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def AttachShared(self, request, context):
         check_token(context, self.token, request.token)
         if request.floats != self.shard.dense_size:
-            return pb.AttachSharedResponse(refused=f"slots of {request.floats} floats, shard {self.shard.shard} "
-                                                   f"holds {self.shard.dense_size} parameters")
+            return pb.AttachSharedResponse(
+                refused=f"slots of {request.floats} floats, shard {self.shard.shard} "
+                f"holds {self.shard.dense_size} parameters"
+            )
         try:
             segment = self.segments.attach(request.path, request.nonce, request.floats, request.slots)
         except ValueError as e:
@@ -276,7 +308,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             if self.doorbell is None:
                 try:
                     self.doorbell = DoorbellServer(self.segments.admits, self._ring)
-                except OSError as e:   # no Unix sockets here: pushes keep using gRPC calls
+                except OSError as e:  # no Unix sockets here: pushes keep using gRPC calls
                     log.info("no doorbell for shared pushes (%s): they use gRPC calls", e)
         return pb.AttachSharedResponse(segment=segment, doorbell=self.doorbell.address if self.doorbell else "")
 
@@ -316,12 +348,12 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
     def Stats(self, request, context):
         check_token(context, self.token, request.token)
         s = self.shard
-        reply = pb.PsStats(shard=s.shard, pushes_applied=len(s.applied), pushes_skipped=s.skipped,
-                           dense_parameters=s.dense_size)
+        reply = pb.PsStats(
+            shard=s.shard, pushes_applied=len(s.applied), pushes_skipped=s.skipped, dense_parameters=s.dense_size
+        )
         with s.lock:
             for name, ids in s.touched.items():
                 t = reply.touched.add(name=name)
                 tensors.encode(np.array(sorted(ids), dtype=np.int64), t.ids)
             tensors.encode_applied(s.applied_records.arrays(), reply.applied)
         return reply
-

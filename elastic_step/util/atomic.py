@@ -2,6 +2,7 @@
 
 Object stores have no rename; there a single PUT is already atomic, so we write directly.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """Process plumbing every worker, PS and preloader process sets up first: dying with its parent, and
 TensorFlow's C++ log level."""
+
 from __future__ import annotations
 
 import os
@@ -19,7 +20,7 @@ def die_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(parent):   # it died before we asked
+    if os.getppid() != int(parent):  # it died before we asked
         os._exit(1)
 
 

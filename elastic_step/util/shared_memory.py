@@ -5,6 +5,7 @@ here with ENOSPC instead of a SIGBUS on the first write into the mapping) and se
 maps it; the file is unlinked as soon as both have, so nothing is left behind when either process dies.
 A side that cannot open the path (another host, another pod's /dev/shm) falls back to sending bytes.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -73,8 +74,8 @@ def open_file(path: str) -> int:
     if os.path.dirname(os.path.abspath(path)) != SHM_DIR or not os.path.basename(path).startswith(PREFIX):
         raise ValueError(f"{path!r} is not an elastic-step segment under {SHM_DIR}")
     try:
-        return os.open(path, os.O_RDWR | os.O_NOFOLLOW)   # the creator made a file, not a link
-    except OSError as e:   # another host or pod: its /dev/shm is not ours
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # the creator made a file, not a link
+    except OSError as e:  # another host or pod: its /dev/shm is not ours
         raise ValueError(f"cannot open {path}: {e.strerror}") from e
 
 

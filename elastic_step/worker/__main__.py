@@ -4,6 +4,7 @@ Leases a task, reads exactly its record range, trains minibatch by minibatch and
 watermark after each pushed minibatch. On SIGTERM it finishes and reports the minibatch in
 hand, then exits 0: graceful scale-in, nothing replayed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,16 +35,25 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
-    install_worker_faults(me)   # tests: ELASTIC_STEP_COLLECTIVE_CHAOS
+    install_worker_faults(me)  # tests: ELASTIC_STEP_COLLECTIVE_CHAOS
     ring = collective.Ring(args.token, me, args.host)
     server, port = collective.serve(collective.CollectiveService(args.token, state, ring.port), args.host)
     readers = ReaderPool()
     try:
-        worker = AllReduceWorker(master, args.token, trainer, readers, ring, state, f"{args.host}:{port}",
-                                 args.minibatch_size, args.global_batch, stop)
+        worker = AllReduceWorker(
+            master,
+            args.token,
+            trainer,
+            readers,
+            ring,
+            state,
+            f"{args.host}:{port}",
+            args.minibatch_size,
+            args.global_batch,
+            stop,
+        )
         why = worker.run()
-        log.info("training over (%s) at step %d: serving my state until the master stops me", why,
-                 worker.applied_step)
+        log.info("training over (%s) at step %d: serving my state until the master stops me", why, worker.applied_step)
         # The master pulls the final weights from rank 0: keep the Collective server up until told.
         deadline = time.monotonic() + 300
         while not stop.is_set() and time.monotonic() < deadline:
@@ -84,13 +94,21 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     model = model_def.model()
     placement = Placement.of(model, args.num_ps)
     info = shards(master, stop)
-    if info is None:   # stopped before the shards were up
+    if info is None:  # stopped before the shards were up
         return 0
     depth = info.pushes_in_flight or PUSH_DEPTH
     ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
     per_push = info.minibatches_per_push or 1
-    trainer = PSTrainer(model_def, model, ps, placement, pushes_in_flight=depth, generation=info.ps_generation,
-                        minibatch_size=info.minibatch_size, minibatches_per_push=per_push)
+    trainer = PSTrainer(
+        model_def,
+        model,
+        ps,
+        placement,
+        pushes_in_flight=depth,
+        generation=info.ps_generation,
+        minibatch_size=info.minibatch_size,
+        minibatches_per_push=per_push,
+    )
     trainer.refresh_dense()
     readers = ReaderPool()
 
@@ -104,9 +122,16 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
             log.info("the PS shards are back at generation %d: training on", info.ps_generation)
 
     try:
-        why = train_tasks(master, trainer, readers, info.minibatch_size * per_push, stop,
-                          report_interval_s=info.report_interval_s or REPORT_INTERVAL_S, pushes_in_flight=depth,
-                          rejoin=rejoin)
+        why = train_tasks(
+            master,
+            trainer,
+            readers,
+            info.minibatch_size * per_push,
+            stop,
+            report_interval_s=info.report_interval_s or REPORT_INTERVAL_S,
+            pushes_in_flight=depth,
+            rejoin=rejoin,
+        )
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:
@@ -124,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     model_def = None
     try:
         from elastic_step.model_def import load_model_def
+
         model_def = load_model_def(args.model_def)
         return (run_allreduce if args.strategy == "allreduce" else run)(args, model_def, master, stop)
     except ElasticStepError as e:

@@ -24,6 +24,7 @@ Global batch (`--global-batch`):
     member accumulates ceil(max_workers / world) minibatches per step (fewer at the end of its
     lease), weighted by record counts; the learning rate is left alone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -68,15 +69,21 @@ class AllReduceTrainer:
             with tf.GradientTape() as tape:
                 loss = model_def.training_loss(model, features, labels)
             grads = tape.gradient(loss, trainable)
-            flat = tf.concat([tf.reshape(tf.cast(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g),
-                                                 tf.float32), [-1]) for g, v in zip(grads, trainable)], 0)
+            flat = tf.concat(
+                [
+                    tf.reshape(tf.cast(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g), tf.float32), [-1])
+                    for g, v in zip(grads, trainable)
+                ],
+                0,
+            )
             return loss, flat
 
         @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
         def apply(flat):
             parts = tf.split(flat, sizes)
             self.optimizer.apply_gradients(
-                [(tf.cast(tf.reshape(p, v.shape), v.dtype), v) for p, v in zip(parts, trainable)])
+                [(tf.cast(tf.reshape(p, v.shape), v.dtype), v) for p, v in zip(parts, trainable)]
+            )
 
         @tf.function
         def flat_weights():
@@ -101,15 +108,20 @@ class AllReduceTrainer:
 
     def state(self) -> tuple[int, list[np.ndarray], dict]:
         values = [np.asarray(v.numpy()) for v in self.model.weights]
-        return (len(values), values + [np.asarray(v.numpy()) for v in self.optimizer.variables],
-                self.applied_records.arrays())
+        return (
+            len(values),
+            values + [np.asarray(v.numpy()) for v in self.optimizer.variables],
+            self.applied_records.arrays(),
+        )
 
     def load_state(self, num_model: int, values: list[np.ndarray], applied: dict) -> None:
         """A peer's state: its weights, its optimizer's, and the records they hold, which travel with them."""
         targets = list(self.model.weights) + list(self.optimizer.variables)
         if num_model != len(self.model.weights) or len(values) != len(targets):
-            raise RuntimeError(f"peer state has {len(values)} tensors ({num_model} model weights); "
-                               f"this model has {len(targets)} ({len(self.model.weights)})")
+            raise RuntimeError(
+                f"peer state has {len(values)} tensors ({num_model} model weights); "
+                f"this model has {len(targets)} ({len(self.model.weights)})"
+            )
         for var, value in zip(targets, values):
             var.assign(value.reshape(tuple(var.shape)))
         self.applied_records = AppliedRecords.of(applied)
@@ -133,7 +145,7 @@ def contribution_slots(contribution: tuple[int, int, int, int] | None, rank: int
     slots = np.zeros(SLOT * world, np.float32)
     if contribution is not None:
         ints = np.array(contribution, np.int64)
-        slots[SLOT * rank:SLOT * (rank + 1)] = np.stack([ints // _LOW, ints % _LOW], 1).ravel()
+        slots[SLOT * rank : SLOT * (rank + 1)] = np.stack([ints // _LOW, ints % _LOW], 1).ravel()
     return slots
 
 
@@ -145,23 +157,35 @@ def contributions(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
 
 
 class AllReduceWorker:
-    def __init__(self, master: MasterClient, token: str, trainer: AllReduceTrainer, readers, ring: Ring,
-                 state: StateProvider, address: str, minibatch_size: int, global_batch: str,
-                 stop: threading.Event):
+    def __init__(
+        self,
+        master: MasterClient,
+        token: str,
+        trainer: AllReduceTrainer,
+        readers,
+        ring: Ring,
+        state: StateProvider,
+        address: str,
+        minibatch_size: int,
+        global_batch: str,
+        stop: threading.Event,
+    ):
         self.master, self.token, self.trainer, self.readers = master, token, trainer, readers
         self.ring, self.state, self.address = ring, state, address
         self.minibatch_size, self.global_batch, self.stop = minibatch_size, global_batch, stop
         self.me = f"{master.me.role}-{master.me.index}"
         self.view: pb.MembershipReply | None = None
         self.lease: Lease | None = None
-        self.applied_step = -1       # the step whose state this worker's weights are (-1: none yet)
-        self.restored_from = 0       # the checkpoint whose state this worker loaded from the master
+        self.applied_step = -1  # the step whose state this worker's weights are (-1: none yet)
+        self.restored_from = 0  # the checkpoint whose state this worker loaded from the master
         self._last_poll = 0.0
 
     # ------------------------------------------------------------------ master calls
     def membership(self, known: int = -1, wait_s: float = 0.0) -> pb.MembershipReply:
-        return rpc.call(self.master.stub.GetMembership, pb.MembershipRequest(
-            token=self.token, instance=self.master.me, known_version=known, wait_s=wait_s))
+        return rpc.call(
+            self.master.stub.GetMembership,
+            pb.MembershipRequest(token=self.token, instance=self.master.me, known_version=known, wait_s=wait_s),
+        )
 
     def abort_check(self) -> None:
         """Called while waiting for a chunk: has the membership moved on?"""
@@ -177,9 +201,18 @@ class AllReduceWorker:
     def report_peer(self, err: PeerFailed) -> None:
         log.warning("peer %s failed in version %d: %s", err.peer, self.view.version, err.detail)
         try:
-            rpc.call(self.master.stub.ReportPeerFailure, pb.PeerFailureReport(
-                token=self.token, instance=self.master.me, version=self.view.version, peer=err.peer,
-                detail=err.detail[:500]), timeout=10, retry_for=10)
+            rpc.call(
+                self.master.stub.ReportPeerFailure,
+                pb.PeerFailureReport(
+                    token=self.token,
+                    instance=self.master.me,
+                    version=self.view.version,
+                    peer=err.peer,
+                    detail=err.detail[:500],
+                ),
+                timeout=10,
+                retry_for=10,
+            )
         except grpc.RpcError:
             log.exception("could not report the peer failure")
 
@@ -211,7 +244,7 @@ class AllReduceWorker:
             return self.load_checkpoint()
         if v.rank == 0 or self.applied_step == v.base_step:
             if self.applied_step < 0:
-                self.applied_step = v.base_step    # rank 0 of the very first version: its own init
+                self.applied_step = v.base_step  # rank 0 of the very first version: its own init
                 self.state.set_applied(self.applied_step)
             return True
         peer, address = v.members[0].name, v.members[0].address
@@ -224,8 +257,14 @@ class AllReduceWorker:
             time.sleep(0.05)
             return False
         self.take_state(state)
-        log.info("pulled the state of step %d from %s (version %d, rank %d of %d)", state.step, peer, v.version,
-                 v.rank, len(v.members))
+        log.info(
+            "pulled the state of step %d from %s (version %d, rank %d of %d)",
+            state.step,
+            peer,
+            v.version,
+            v.rank,
+            len(v.members),
+        )
         return True
 
     def take_state(self, state: tensors.MemberState) -> None:
@@ -240,18 +279,24 @@ class AllReduceWorker:
         """A resumed job's first version: the checkpoint's state, from the master."""
         v = self.view
         try:
-            state = tensors.decode_state(self.master.stub.PullCheckpointState(
-                pb.StateRequest(token=self.token, step=v.base_step), timeout=60))
+            state = tensors.decode_state(
+                self.master.stub.PullCheckpointState(pb.StateRequest(token=self.token, step=v.base_step), timeout=60)
+            )
         except grpc.RpcError as e:
-            log.warning("could not load checkpoint %d's state from the master: %s", v.restore_checkpoint,
-                        e.code().name)
+            log.warning("could not load checkpoint %d's state from the master: %s", v.restore_checkpoint, e.code().name)
             time.sleep(0.2)
             return False
         self.take_state(state)
         self.restored_from = v.restore_checkpoint
-        self.lease = None   # a lease of the previous master's ledger means nothing to this one
-        log.info("loaded checkpoint %d's state (step %d) from the master (version %d, rank %d of %d)",
-                 v.restore_checkpoint, state.step, v.version, v.rank, len(v.members))
+        self.lease = None  # a lease of the previous master's ledger means nothing to this one
+        log.info(
+            "loaded checkpoint %d's state (step %d) from the master (version %d, rank %d of %d)",
+            v.restore_checkpoint,
+            state.step,
+            v.version,
+            v.rank,
+            len(v.members),
+        )
         return True
 
     # ------------------------------------------------------------------ steps
@@ -307,15 +352,26 @@ class AllReduceWorker:
             v = self.view
             try:
                 payload = np.concatenate([buf, contribution_slots(contribution, v.rank, len(v.members))])
-                total = self.ring.allreduce(payload, [(m.name, m.address) for m in v.members], v.version, step,
-                                            self.abort_check)
-                total, slots = total[:buf.size], total[buf.size:]
+                total = self.ring.allreduce(
+                    payload, [(m.name, m.address) for m in v.members], v.version, step, self.abort_check
+                )
+                total, slots = total[: buf.size], total[buf.size :]
                 checksum = self.trainer.checksum()
                 while True:
-                    reply = rpc.call(self.master.stub.StepReady, pb.StepReadyRequest(
-                        token=self.token, instance=self.master.me, version=v.version, step=step,
-                        task_id=self.lease.task_id if (self.lease and records) else -1, watermark=watermark,
-                        records=records, loss=loss if records else 0.0, checksum=checksum))
+                    reply = rpc.call(
+                        self.master.stub.StepReady,
+                        pb.StepReadyRequest(
+                            token=self.token,
+                            instance=self.master.me,
+                            version=v.version,
+                            step=step,
+                            task_id=self.lease.task_id if (self.lease and records) else -1,
+                            watermark=watermark,
+                            records=records,
+                            loss=loss if records else 0.0,
+                            checksum=checksum,
+                        ),
+                    )
                     if reply.kind != pb.StepReadyReply.WAIT:
                         break
             except PeerFailed as e:
@@ -329,8 +385,12 @@ class AllReduceWorker:
                     return "done"
                 continue
             if reply.kind == pb.StepReadyReply.ABORT:
-                log.info("step %d aborted by the master (version %d -> %d): retrying", step, v.version,
-                         reply.membership.version)
+                log.info(
+                    "step %d aborted by the master (version %d -> %d): retrying",
+                    step,
+                    v.version,
+                    reply.membership.version,
+                )
                 self.view = reply.membership
                 if not self.rejoin_or_resync():
                     return "done"

@@ -22,12 +22,13 @@ The gRPC server answers `RingEndpoint` (the port of the member's ring listener, 
 peer) and `PullState`: a newcomer asks a live peer for every model weight and optimizer variable
 once that peer has applied a given step.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -38,14 +39,22 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
 from elastic_step.worker.ring_result import SharedResult
-from elastic_step.worker.ring_transport import (PEER_TIMEOUT_S, POLL_S, Aborted, InLink, OutLink, PeerFailed,
-                                               RingListener, connect)
+from elastic_step.worker.ring_transport import (
+    PEER_TIMEOUT_S,
+    POLL_S,
+    Aborted,
+    InLink,
+    OutLink,
+    PeerFailed,
+    RingListener,
+    connect,
+)
 
 __all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve", "pull_state", "Ring"]
 
 log = logging.getLogger("elastic_step.worker")
 
-PIECE_VALUES = 1 << 20      # float32 values per frame (4 MB: fewer frames, system calls and wake-ups per step; see README)
+PIECE_VALUES = 1 << 20  # float32 values per frame (4 MB: fewer frames, system calls and wake-ups per step; see README)
 
 
 class StateProvider:
@@ -78,8 +87,10 @@ class CollectiveService(pb_grpc.CollectiveServicer):
             if request.step >= 0:
                 st.cv.wait_for(lambda: st.applied_step >= request.step or not context.is_active(), 30.0)
                 if st.applied_step != request.step:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                  f"peer is at step {st.applied_step}, asked for {request.step}")
+                    context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"peer is at step {st.applied_step}, asked for {request.step}",
+                    )
             if st.snapshot is None:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "no state yet")
             # Under the lock: the owner applies a step only while holding it, so this is one step's state.
@@ -99,8 +110,9 @@ def serve(service: CollectiveService, host: str) -> tuple[grpc.Server, int]:
 def pull_state(address: str, token: str, step: int, timeout: float = 60.0) -> tensors.MemberState:
     ch = rpc.channel(address)
     try:
-        return tensors.decode_state(pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step),
-                                                                          timeout=timeout))
+        return tensors.decode_state(
+            pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step), timeout=timeout)
+        )
     finally:
         ch.close()
 
@@ -118,22 +130,23 @@ class Ring:
         # open: closing it would read, on that peer's side, like this member's death (its listener may
         # hand the closed connection to a later version in which this member is its left neighbour).
         self._links: dict[tuple[str, str], OutLink] = {}
-        self._ports: dict[str, int] = {}         # gRPC address -> ring port
-        self._begun = (-1, -1)                   # the newest (version, step) attempted
-        self._succeeded = (-1, -1)               # the newest (version, step) that succeeded
-        self._shared: SharedResult | None = None # the ring's shared result, for one version
+        self._ports: dict[str, int] = {}  # gRPC address -> ring port
+        self._begun = (-1, -1)  # the newest (version, step) attempted
+        self._succeeded = (-1, -1)  # the newest (version, step) that succeeded
+        self._shared: SharedResult | None = None  # the ring's shared result, for one version
 
     def _link_to(self, peer: str, address: str, me: tuple[str, str]) -> OutLink:
         link = self._links.get((peer, address))
         if link is not None and link.failure is None:
             return link
-        for key in [k for k in self._links if k[0] == peer]:   # failed, or an earlier incarnation's
+        for key in [k for k in self._links if k[0] == peer]:  # failed, or an earlier incarnation's
             self._links.pop(key).close()
         if address not in self._ports:
             ch = rpc.channel(address)
             try:
-                self._ports[address] = pb_grpc.CollectiveStub(ch).RingEndpoint(
-                    pb.RingEndpointRequest(token=self.token), timeout=10).port
+                self._ports[address] = (
+                    pb_grpc.CollectiveStub(ch).RingEndpoint(pb.RingEndpointRequest(token=self.token), timeout=10).port
+                )
             except grpc.RpcError as e:
                 raise PeerFailed(peer, f"RingEndpoint: {e.code().name}: {e.details()}") from e
             finally:
@@ -145,13 +158,14 @@ class Ring:
         try:
             link = connect(peer, host, self._ports[address], self.token, me, shared)
         except PeerFailed:
-            del self._ports[address]     # a relaunched peer at the same address listens elsewhere
+            del self._ports[address]  # a relaunched peer at the same address listens elsewhere
             raise
         self._links[(peer, address)] = link
         return link
 
-    def allreduce(self, buf: np.ndarray, members: list[tuple[str, str]], version: int, step: int,
-                  abort_check: Callable[[], None]) -> np.ndarray:
+    def allreduce(
+        self, buf: np.ndarray, members: list[tuple[str, str]], version: int, step: int, abort_check: Callable[[], None]
+    ) -> np.ndarray:
         """The element-wise SUM of every member's `buf` (float32, same size everywhere), read-only. It
         holds until this Ring's next allreduce (through a lane it is in the lane: copy it to keep it)."""
         n = len(members)
@@ -159,7 +173,7 @@ class Ring:
             alone = np.array(buf, dtype=np.float32, copy=True)
             alone.flags.writeable = False
             return alone
-        mine = np.ascontiguousarray(buf, dtype=np.float32)   # only read, until this returns
+        mine = np.ascontiguousarray(buf, dtype=np.float32)  # only read, until this returns
         key = (version, step)
         if key <= self._begun:
             self._await_new_version(key, abort_check)
@@ -176,6 +190,7 @@ class Ring:
                 abort_check()
                 if time.monotonic() - max(started, last_progress()) > PEER_TIMEOUT_S:
                     raise PeerFailed(peer, f"neither sent nor took ring data for {PEER_TIMEOUT_S:.0f} s")
+
             return wait
 
         from_left = self.listener.link_from(left, waiting_on(left[0], lambda: started))
@@ -185,7 +200,7 @@ class Ring:
         def pieces(a: np.ndarray, i: int) -> list[tuple[int, np.ndarray]]:
             """Chunk i of `a` in pieces, each with the place of its first value in the buffer."""
             end = bounds[i + 1]
-            return [(o, a[o:min(o + PIECE_VALUES, end)]) for o in range(bounds[i], end, PIECE_VALUES)]
+            return [(o, a[o : min(o + PIECE_VALUES, end)]) for o in range(bounds[i], end, PIECE_VALUES)]
 
         try:
             # Chunk `rank` goes out as it is and comes back summed; each other one is received once in the
@@ -212,11 +227,12 @@ class Ring:
             raise
         self._succeeded = key
         out = out.view()
-        out.flags.writeable = False      # through a lane, it is also what the right neighbour read
+        out.flags.writeable = False  # through a lane, it is also what the right neighbour read
         return out
 
-    def _shared_buffer(self, key: tuple[int, int], rank: int, right: OutLink,
-                       size: int) -> tuple[np.ndarray, int] | None:
+    def _shared_buffer(
+        self, key: tuple[int, int], rank: int, right: OutLink, size: int
+    ) -> tuple[np.ndarray, int] | None:
         """Where this step's result goes in the ring's shared result (view, origin), or None: in the lane.
         The ring's first member makes the segment at a version's first step, if its right link is a lane."""
         version = key[0]
@@ -235,7 +251,7 @@ class Ring:
         named = link.result
         if named is None or link.result_version != version or (self._shared and self._shared.segment is named):
             return
-        if self._shared is not None and self._shared.name == named.name:   # made here: round the ring
+        if self._shared is not None and self._shared.name == named.name:  # made here: round the ring
             named.close()
             link.result = self._shared.segment
             self._shared.unlink()
@@ -246,21 +262,33 @@ class Ring:
         if right.lane is not None:
             self._shared.name_to(right)
 
-    def _take(self, link: InLink, key: tuple[int, int], phase: int, rnd: int, offset: int, piece: np.ndarray,
-              own: np.ndarray, wait: Callable[[], None]) -> None:
+    def _take(
+        self,
+        link: InLink,
+        key: tuple[int, int],
+        phase: int,
+        rnd: int,
+        offset: int,
+        piece: np.ndarray,
+        own: np.ndarray,
+        wait: Callable[[], None],
+    ) -> None:
         """The left neighbour's frame for this piece of `out`: added to this member's `own` values into it
         (reduce-scatter), or read into it as it is (all-gather)."""
         while True:
             version, step, *where = link.next_header(wait)
             if (version, step) < key:
-                link.skip(wait)          # an aborted attempt's, still in the connection
+                link.skip(wait)  # an aborted attempt's, still in the connection
                 continue
             if (version, step) > key:
                 raise Aborted(f"{link.peer} has moved on to version {version}, step {step}")
             if where != [phase, rnd, offset, piece.size]:
-                raise PeerFailed(link.peer, f"sent (phase, round, offset, count) {tuple(where)} where "
-                                            f"{(phase, rnd, offset, piece.size)} was expected: do the members "
-                                            "have the same model?")
+                raise PeerFailed(
+                    link.peer,
+                    f"sent (phase, round, offset, count) {tuple(where)} where "
+                    f"{(phase, rnd, offset, piece.size)} was expected: do the members "
+                    "have the same model?",
+                )
             break
         if phase == 0:
             link.add(own, piece, wait)

@@ -12,6 +12,7 @@ All of them are long-lived threads (gRPC's own futures would start a thread per 
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
 (task, seq) key by whoever takes the remainder, and the PS skips it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -56,13 +57,14 @@ class Reporter:
         self.pending: list[tuple] = []
         self.in_flight: concurrent.futures.Future | None = None
         self.refused = False
-        self.hold = False      # the master is cutting a checkpoint: settle, flush, then hold
+        self.hold = False  # the master is cutting a checkpoint: settle, flush, then hold
         self._sent_at = 0.0
-        self._urgent = False   # a lease's last report is pending
+        self._urgent = False  # a lease's last report is pending
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
 
-    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool,
-               last: bool = False) -> None:
+    def report(
+        self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool, last: bool = False
+    ) -> None:
         self.pending.append((task_id, watermark, records, loss, duplicate))
         self._urgent = self._urgent or last
         self.pump()
@@ -128,9 +130,16 @@ def minibatches(task, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, stop: threading.Event,
-                report_interval_s: float = REPORT_INTERVAL_S, pushes_in_flight: int = PUSH_DEPTH,
-                rejoin=None) -> str:
+def train_tasks(
+    master: MasterClient,
+    trainer,
+    readers,
+    records_per_push: int,
+    stop: threading.Event,
+    report_interval_s: float = REPORT_INTERVAL_S,
+    pushes_in_flight: int = PUSH_DEPTH,
+    rejoin=None,
+) -> str:
     """Train until the master says DONE or `stop` is set. Returns why it ended. When the shards move
     (a PS lost, every shard restored to a checkpoint), `rejoin()` waits for them and reconnects."""
     reporter = Reporter(master, report_interval_s)
@@ -138,7 +147,7 @@ def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, s
     # current one's end the worker goes straight on, instead of waiting for its last push and
     # report, a GetTask and a read (several minibatches' worth of time for a small model).
     prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ahead")
-    in_flight: collections.deque = collections.deque()   # (handle, task_id, hi, records, last), oldest first
+    in_flight: collections.deque = collections.deque()  # (handle, task_id, hi, records, last), oldest first
 
     def settle(keep: int = 0) -> None:
         """Collect the oldest pushes until at most `keep` are in flight; report them in order."""
@@ -174,9 +183,9 @@ def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, s
                 ahead.result()
         reporter.drop()
 
-    ahead = None                  # Future of lease_ahead()
-    leaving = threading.Event()   # set when the worker leaves the lease it asked ahead of
-    waited = False                # for work: others pushed meanwhile, so this worker's values are old
+    ahead = None  # Future of lease_ahead()
+    leaving = threading.Event()  # set when the worker leaves the lease it asked ahead of
+    waited = False  # for work: others pushed meanwhile, so this worker's values are old
     try:
         while not stop.is_set():
             try:
@@ -204,7 +213,7 @@ def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, s
                         continue
                     t = reply.task
                     fed = feed_lease(t)
-                bounds = minibatches(t, records_per_push)   # never empty: the ledger cuts no empty task
+                bounds = minibatches(t, records_per_push)  # never empty: the ledger cuts no empty task
                 if waited:
                     trainer.refresh_dense()
                     waited = False
@@ -218,7 +227,7 @@ def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, s
                         reporter.flush()
                         reporter.hold = False
                         master.hold(stop)
-                        trainer.refresh_dense()   # others may have pushed between our last push and the cut
+                        trainer.refresh_dense()  # others may have pushed between our last push and the cut
                     if reporter.refused or stop.is_set():
                         break
                     # Before the step, not after: its gradient is then taken on values that hold every
@@ -232,8 +241,10 @@ def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, s
             except ShardsMoved as e:
                 if rejoin is None:
                     raise
-                log.warning("the PS shards moved (%s): dropping my leases and pushes in flight, then "
-                            "registering again", str(e).splitlines()[0][:200])
+                log.warning(
+                    "the PS shards moved (%s): dropping my leases and pushes in flight, then registering again",
+                    str(e).splitlines()[0][:200],
+                )
                 drop_everything()
                 ahead = None
                 rejoin()
@@ -243,7 +254,7 @@ def train_tasks(master: MasterClient, trainer, readers, records_per_push: int, s
         # taken ahead and never started goes back to the queue when the master sees us exit.
         leaving.set()
         try:
-            with contextlib.suppress(ShardsMoved):   # nothing to deliver to: the master rewinds past it
+            with contextlib.suppress(ShardsMoved):  # nothing to deliver to: the master rewinds past it
                 settle()
             reporter.flush()
         finally:

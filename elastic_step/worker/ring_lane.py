@@ -24,6 +24,7 @@ buffers' worth of lane do, plus one per attempt aborted since the last success. 
 allreduce returns is in this segment (or in the ring's shared result, ring_result.py, when every link
 of the ring is a lane): it holds at least until the link's next allreduce.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,7 +38,7 @@ from elastic_step.util import shared_memory
 log = logging.getLogger("elastic_step.worker")
 
 INITIAL_BYTES = 4 << 20
-GROW_BYTES = 4 << 20                # a lane grows in whole steps of this
+GROW_BYTES = 4 << 20  # a lane grows in whole steps of this
 
 
 class Lane:
@@ -46,7 +47,7 @@ class Lane:
     def __init__(self, fd: int, path: str, nbytes: int):
         self.fd, self.path = fd, path
         self.values = np.empty(0, np.float32)
-        self._read: list[tuple[int, int]] = []    # the sender's: the places the receiver may still read
+        self._read: list[tuple[int, int]] = []  # the sender's: the places the receiver may still read
         self._map(nbytes)
 
     def _map(self, nbytes: int) -> None:
@@ -76,7 +77,7 @@ class Lane:
         ring_result.py's segment, which more members open); None if this side cannot see it (the sender
         is on another host or in another pod)."""
         if not name.startswith(f"{shared_memory.PREFIX}ring-"):
-            return None                 # another of our segments, or not ours
+            return None  # another of our segments, or not ours
         path = os.path.join(shared_memory.SHM_DIR, name)
         try:
             fd = shared_memory.open_file(path)
@@ -128,7 +129,7 @@ class Lane:
         """The `count` values at `offset`. Raises ValueError outside the lane."""
         if offset < 0 or count < 0 or offset + count > self.values.size:
             raise ValueError(f"values [{offset}, {offset + count}) lie outside the lane's {self.values.size}")
-        return self.values[offset:offset + count]
+        return self.values[offset : offset + count]
 
     def unlink(self) -> None:
         shared_memory.unlink(self.path)

@@ -25,6 +25,7 @@ of the same version. All members run the same steps, so all decide alike; otherw
 in its lane. A member that begins step s has seen step s - 1 succeed, which needed every member to
 have begun step s - 1: none still reads step s - 2's result, the one that buffer held.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,9 +37,9 @@ class SharedResult:
     """This member's hold on its ring's shared result, for one membership version."""
 
     def __init__(self, segment: Lane, version: int, values: int, created: bool):
-        self.segment, self.version, self.values = segment, version, values   # `values`: per buffer
-        self.created = created        # this member made it: it unlinks it when the name comes back
-        self.named_to = None          # the OutLink to the right neighbour that was told of it, if any
+        self.segment, self.version, self.values = segment, version, values  # `values`: per buffer
+        self.created = created  # this member made it: it unlinks it when the name comes back
+        self.named_to = None  # the OutLink to the right neighbour that was told of it, if any
 
     @property
     def name(self) -> str:
@@ -56,18 +57,23 @@ class SharedResult:
         right.name_result(self.version, self.values, self.name)
         self.named_to = right
 
-    def buffer(self, key: tuple[int, int], succeeded: tuple[int, int], right,
-               size: int) -> tuple[np.ndarray, int] | None:
+    def buffer(
+        self, key: tuple[int, int], succeeded: tuple[int, int], right, size: int
+    ) -> tuple[np.ndarray, int] | None:
         """Step `key`'s result buffer of `size` values (view, origin), if this step may use the segment:
         its buffers hold `size` values, `succeeded`, this member's last step that succeeded, is the one
         before it, and the right neighbour, `right`, was told of the segment. None: the step works in the
         lane."""
         version, step = key
-        if (size != self.values or self.named_to is not right or version != self.version
-                or succeeded != (version, step - 1)):
+        if (
+            size != self.values
+            or self.named_to is not right
+            or version != self.version
+            or succeeded != (version, step - 1)
+        ):
             return None
         origin = (step % 2) * self.values
-        return self.segment.values[origin:origin + self.values], origin
+        return self.segment.values[origin : origin + self.values], origin
 
     def unlink(self) -> None:
         """The creator's: drops the name, once it has come back round the ring (every member has the
@@ -78,4 +84,4 @@ class SharedResult:
 
     def close(self) -> None:
         self.unlink()
-        self.segment.close()      # unmapped once no view of it is left
+        self.segment.close()  # unmapped once no view of it is left

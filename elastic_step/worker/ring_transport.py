@@ -28,6 +28,7 @@ Nothing blocks for long: sockets time out every POLL_S and a wait then runs the 
 (`abort_check`, the sender thread's failure). A closed or reset connection is `PeerFailed`, and so is
 a neighbour that sends or takes nothing for PEER_TIMEOUT_S.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,7 +38,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -49,17 +50,17 @@ log = logging.getLogger("elastic_step.worker")
 POLL_S = 0.05
 PEER_TIMEOUT_S = 120.0
 HELLO_TIMEOUT_S = 10.0
-MAGIC = b"ESR5"                           # 5: frames may lie in the ring's shared result
-HELLO = struct.Struct("<4sHHHH")          # magic; lengths of the token, the sender's name and address, the lane's name
-FRAME = struct.Struct("<qqiiqqqi")        # version, step, phase, round, offset, count (float32 values), origin, where
-LANE_GROWN = -1                           # a frame's phase: the lane is now `offset` bytes long
-LANE_DROPPED = -2                         # a frame's phase: payloads follow over TCP from now on
-RESULT_SHARED = -3                        # a frame's phase: the ring's shared result, `offset` values a buffer;
-                                          # its name, `count` bytes, follows over TCP
-IN_LANE, IN_RESULT = 0, 1                 # where: a piece through a lane lies in it, or in the shared result
+MAGIC = b"ESR5"  # 5: frames may lie in the ring's shared result
+HELLO = struct.Struct("<4sHHHH")  # magic; lengths of the token, the sender's name and address, the lane's name
+FRAME = struct.Struct("<qqiiqqqi")  # version, step, phase, round, offset, count (float32 values), origin, where
+LANE_GROWN = -1  # a frame's phase: the lane is now `offset` bytes long
+LANE_DROPPED = -2  # a frame's phase: payloads follow over TCP from now on
+RESULT_SHARED = -3  # a frame's phase: the ring's shared result, `offset` values a buffer;
+# its name, `count` bytes, follows over TCP
+IN_LANE, IN_RESULT = 0, 1  # where: a piece through a lane lies in it, or in the shared result
 ACCEPTED, REFUSED = b"\x01", b"\x00"
-DROP_BYTES = 1 << 20                      # read size when dropping a stale frame
-WRITE_FRAMES = 64                         # most frames in one write (well under IOV_MAX)
+DROP_BYTES = 1 << 20  # read size when dropping a stale frame
+WRITE_FRAMES = 64  # most frames in one write (well under IOV_MAX)
 
 
 class Aborted(Exception):
@@ -83,8 +84,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)   # a frame's header must not wait
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)   # an idle link to a vanished host errs
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a frame's header must not wait
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # an idle link to a vanished host errs
 
 
 def _stream(sock: socket.socket) -> None:
@@ -101,15 +102,15 @@ class InLink:
 
     def __init__(self, sock: socket.socket, peer: str, lane: Lane | None = None):
         self.sock, self.peer, self.lane = sock, peer, lane
-        self._scratch = np.empty(0, np.float32)   # a TCP payload, before it is added
+        self._scratch = np.empty(0, np.float32)  # a TCP payload, before it is added
         self.header = bytearray(FRAME.size)
-        self.header_got = 0                  # bytes of `header` read so far
-        self.pending: tuple | None = None    # a header read whose payload is not
-        self.origin = 0                      # the pending frame's: where its step's buffer begins in the lane
-        self.where = IN_LANE                 # the pending frame's: the segment it lies in
-        self.result: Lane | None = None      # the ring's shared result, as the left neighbour named it
-        self.result_version = -1             # the version it was named in
-        self.payload_left = 0                # bytes of an abandoned frame's payload still to drop
+        self.header_got = 0  # bytes of `header` read so far
+        self.pending: tuple | None = None  # a header read whose payload is not
+        self.origin = 0  # the pending frame's: where its step's buffer begins in the lane
+        self.where = IN_LANE  # the pending frame's: the segment it lies in
+        self.result: Lane | None = None  # the ring's shared result, as the left neighbour named it
+        self.result_version = -1  # the version it was named in
+        self.payload_left = 0  # bytes of an abandoned frame's payload still to drop
         self.last_progress = time.monotonic()
         self._drop = bytearray(DROP_BYTES)
 
@@ -117,7 +118,7 @@ class InLink:
         while True:
             try:
                 n = self.sock.recv_into(view, 0, socket.MSG_WAITALL)
-            except (BlockingIOError, socket.timeout):    # nothing for POLL_S
+            except (TimeoutError, BlockingIOError):  # nothing for POLL_S
                 wait()
                 continue
             except OSError as e:
@@ -134,7 +135,7 @@ class InLink:
             self._drain_payload(None, wait)
             view = memoryview(self.header)
             while self.header_got < FRAME.size:
-                self.header_got += self._recv(view[self.header_got:], wait)
+                self.header_got += self._recv(view[self.header_got :], wait)
             self.header_got = 0
             frame = FRAME.unpack(self.header)
             if frame[2] in (LANE_GROWN, LANE_DROPPED):
@@ -155,14 +156,14 @@ class InLink:
             return
         piece = self._in_lane()
         if piece.__array_interface__["data"] != into.__array_interface__["data"]:
-            np.copyto(into, piece)    # (in the shared result, the left neighbour's piece is this one's)
+            np.copyto(into, piece)  # (in the shared result, the left neighbour's piece is this one's)
 
     def add(self, own: np.ndarray, into: np.ndarray, wait: Callable[[], None]) -> None:
         """The pending frame's values plus `own`, into `into` (both float32, exactly the frame's count)."""
         if self.lane is None:
             if self._scratch.size < into.size:
                 self._scratch = np.empty(into.size, np.float32)
-            incoming = self._scratch[:into.size]
+            incoming = self._scratch[: into.size]
             self.payload(incoming, wait)
             np.add(own, incoming, out=into)
         else:
@@ -170,7 +171,7 @@ class InLink:
 
     def skip(self, wait: Callable[[], None]) -> None:
         self.pending = None
-        if self.lane is None:             # through a lane there is nothing to drop
+        if self.lane is None:  # through a lane there is nothing to drop
             self._drain_payload(None, wait)
 
     def _in_lane(self) -> np.ndarray:
@@ -209,23 +210,23 @@ class InLink:
             segment.close()
             raise PeerFailed(self.peer, f"named a shared result, {name!r}, that is not two buffers of {values} values")
         if self.result is not None:
-            self.result.close()       # unmapped once no view of it is left
+            self.result.close()  # unmapped once no view of it is left
         self.result, self.result_version = segment, version
 
     def _drain_payload(self, into: memoryview | None, wait: Callable[[], None]) -> None:
         # If interrupted, `payload_left` keeps what is still unread: the next call drops it.
         while self.payload_left:
             if into is None:
-                view = memoryview(self._drop)[:min(self.payload_left, DROP_BYTES)]
+                view = memoryview(self._drop)[: min(self.payload_left, DROP_BYTES)]
             else:
-                view = into[len(into) - self.payload_left:]
+                view = into[len(into) - self.payload_left :]
             self.payload_left -= self._recv(view, wait)
 
     def close(self) -> None:
         self.sock.close()
         for segment in (self.lane, self.result):
             if segment is not None:
-                segment.close()          # unmapped once no view of it is left
+                segment.close()  # unmapped once no view of it is left
         self.lane = self.result = None
 
 
@@ -241,11 +242,11 @@ class OutLink:
         self.sock, self.peer, self.lane = sock, peer, lane
         self.cv = threading.Condition()
         self.queue: collections.deque = collections.deque()
-        self.busy = False                # the thread is writing a frame
+        self.busy = False  # the thread is writing a frame
         self.failure: str | None = None
         self.closed = False
-        self.origin = 0                  # where the step's output begins in the lane or shared result
-        self.where = IN_LANE             # which of the two it is in
+        self.origin = 0  # where the step's output begins in the lane or shared result
+        self.where = IN_LANE  # which of the two it is in
         self.last_progress = time.monotonic()
         if lane is None:
             self._start_sender()
@@ -265,7 +266,7 @@ class OutLink:
                 self.origin, grew = self.lane.claim(size)
                 if grew:
                     self._send_now(FRAME.pack(0, 0, LANE_GROWN, 0, self.lane.nbytes, 0, 0, 0))
-                return self.lane.values[self.origin:self.origin + size]
+                return self.lane.values[self.origin : self.origin + size]
             except SharedMemoryUnavailable as e:
                 # Not the neighbour's fault: this link goes on over TCP (the receiver is told in the stream).
                 log.warning("ring link to %s: %s: payloads go over TCP from now on", self.peer, e)
@@ -316,7 +317,7 @@ class OutLink:
             self.check()
             if done:
                 return
-            if time.monotonic() - self.last_progress >= POLL_S:   # stalled: is the step still on?
+            if time.monotonic() - self.last_progress >= POLL_S:  # stalled: is the step still on?
                 wait()
 
     def cancel(self) -> None:
@@ -330,9 +331,9 @@ class OutLink:
             self.queue.clear()
             self.cv.notify_all()
         lane, self.lane = self.lane, None
-        if lane is not None:             # no sender thread to close the connection
+        if lane is not None:  # no sender thread to close the connection
             self.sock.close()
-            lane.close()                 # unmapped once no view of it is left
+            lane.close()  # unmapped once no view of it is left
 
     def _send_now(self, header: bytes, payload: bytes = b"") -> None:
         """A header (and a short payload) through a lane's connection, from the allreduce's thread."""
@@ -360,8 +361,9 @@ class OutLink:
                     frames.append(self.queue.popleft())
                 self.busy = True
             try:
-                self._write([v for header, values in frames for v in (memoryview(header),
-                                                                       memoryview(values).cast("B"))])
+                self._write(
+                    [v for header, values in frames for v in (memoryview(header), memoryview(values).cast("B"))]
+                )
             except OSError as e:
                 with self.cv:
                     self.failure = f"ring connection failed: {e}"
@@ -379,7 +381,7 @@ class OutLink:
                 raise OSError("link closed")
             try:
                 n = self.sock.sendmsg(views)
-            except (BlockingIOError, socket.timeout):    # the peer took nothing for POLL_S
+            except (TimeoutError, BlockingIOError):  # the peer took nothing for POLL_S
                 if time.monotonic() - self.last_progress > PEER_TIMEOUT_S:
                     raise OSError(f"the peer took nothing for {PEER_TIMEOUT_S:.0f} s") from None
                 continue
@@ -402,14 +404,19 @@ def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str], sh
         _tune(sock)
         token_b, name_b, address_b = token.encode(), me[0].encode(), me[1].encode()
         lane_b = lane.name.encode() if lane is not None else b""
-        sock.sendall(HELLO.pack(MAGIC, len(token_b), len(name_b), len(address_b), len(lane_b))
-                     + token_b + name_b + address_b + lane_b)
+        sock.sendall(
+            HELLO.pack(MAGIC, len(token_b), len(name_b), len(address_b), len(lane_b))
+            + token_b
+            + name_b
+            + address_b
+            + lane_b
+        )
         answer = _recv_exact(sock, 1)
         if answer != ACCEPTED:
             reason = sock.recv(500).decode(errors="replace")
             raise PeerFailed(peer, f"{host}:{port} refused the ring connection: {reason}")
         if _recv_exact(sock, 1) != ACCEPTED:
-            lane = None                  # the peer cannot see it: payloads over TCP
+            lane = None  # the peer cannot see it: payloads over TCP
     except (OSError, ConnectionError) as e:
         sock.close()
         lane = None
@@ -420,7 +427,7 @@ def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str], sh
         raise
     finally:
         if offered is not None:
-            offered.unlink()             # open on both sides now, or on this one only until it lets go
+            offered.unlink()  # open on both sides now, or on this one only until it lets go
             if lane is None:
                 offered.close()
     log.info("ring link to %s: payloads %s", peer, "through shared memory" if lane is not None else "over TCP")
@@ -445,7 +452,7 @@ class RingListener:
             try:
                 conn, _ = self.sock.accept()
             except OSError:
-                return     # closed
+                return  # closed
             threading.Thread(target=self._admit, args=(conn,), name="ring-hello", daemon=True).start()
 
     def _admit(self, conn: socket.socket) -> None:
@@ -456,9 +463,11 @@ class RingListener:
             if magic != MAGIC:
                 return self._refuse(conn, "not an elastic-step ring connection")
             token, name, address, lane_name = (
-                _recv_exact(conn, token_len), _recv_exact(conn, name_len).decode(errors="replace"),
+                _recv_exact(conn, token_len),
+                _recv_exact(conn, name_len).decode(errors="replace"),
                 _recv_exact(conn, address_len).decode(errors="replace"),
-                _recv_exact(conn, lane_len).decode(errors="replace"))
+                _recv_exact(conn, lane_len).decode(errors="replace"),
+            )
             if not hmac.compare_digest(token, self.token):
                 log.warning("refused a ring connection from %s (%s): wrong job token", name, conn.getpeername())
                 return self._refuse(conn, "wrong job token")
@@ -474,7 +483,7 @@ class RingListener:
         with self.cv:
             old = self.links.get((name, address))
             if old is not None:
-                self.replaced.append(old)    # closed by the reader's thread, which may be reading it
+                self.replaced.append(old)  # closed by the reader's thread, which may be reading it
             self.links[(name, address)] = InLink(conn, name, lane)
             self.cv.notify_all()
 
@@ -502,7 +511,7 @@ class RingListener:
 
     def close(self) -> None:
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread: close alone would not
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: close alone would not
         except OSError:
             pass
         self.sock.close()

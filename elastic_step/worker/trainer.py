@@ -10,6 +10,7 @@ values as inputs (Keras's stateless_call) instead of reading the model's variabl
 values is swapping a reference: no variable is assigned, and no assignment competes with the step
 for TensorFlow's threads.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -26,8 +27,17 @@ log = logging.getLogger("elastic_step.worker")
 
 
 class PSTrainer:
-    def __init__(self, model_def, model, ps: PSClient, placement: Placement, pushes_in_flight: int = 2,
-                 generation: int = 0, minibatch_size: int = 64, minibatches_per_push: int = 1):
+    def __init__(
+        self,
+        model_def,
+        model,
+        ps: PSClient,
+        placement: Placement,
+        pushes_in_flight: int = 2,
+        generation: int = 0,
+        minibatch_size: int = 64,
+        minibatches_per_push: int = 1,
+    ):
         import keras
         import tensorflow as tf
 
@@ -35,7 +45,7 @@ class PSTrainer:
         self.model_def = model_def
         self.model = model
         self.ps = ps
-        self.generation = generation   # of the shards' state (see PushRequest.generation)
+        self.generation = generation  # of the shards' state (see PushRequest.generation)
         self.placement = placement
         self.names = variable_names(model)
         self.variables = dict(zip(self.names, model.trainable_variables))
@@ -45,8 +55,10 @@ class PSTrainer:
         state_vars = model.non_trainable_variables
         # Each shard's flat buffer, in order: ("weight", position in trainable) or ("state", position
         # in state_vars). A push carries the weights' gradients and how the step changed the state.
-        where = {**{n: ("weight", i) for i, n in enumerate(self.names)},
-                 **{n: ("state", i) for n, i in state_variables(model)}}
+        where = {
+            **{n: ("weight", i) for i, n in enumerate(self.names)},
+            **{n: ("state", i) for n, i in state_variables(model)},
+        }
         layouts = [[where[n] for n in placement.dense_on(s)] for s in range(placement.num_ps)]
         table_pos = [self.names.index(n) for n in self.table_names]
 
@@ -71,7 +83,7 @@ class PSTrainer:
                         values[i] = value
                     else:
                         state[i] = value
-            for i in table_pos:   # tables stay variables: the rows a minibatch needs are pulled into them
+            for i in table_pos:  # tables stay variables: the rows a minibatch needs are pulled into them
                 values[i] = tf.convert_to_tensor(trainable[i].value)
             return values, state
 
@@ -90,8 +102,10 @@ class PSTrainer:
         def pack(grads, state_delta, tables):
             """One flat buffer per PS shard (one tensor on the wire instead of one per variable), and
             each table's unique ids with their summed rows."""
-            dense = [flat([state_delta[i] if kind == "state" else dense_grad(grads[i], i) for kind, i in layout])
-                     for layout in layouts]
+            dense = [
+                flat([state_delta[i] if kind == "state" else dense_grad(grads[i], i) for kind, i in layout])
+                for layout in layouts
+            ]
             sparse = []
             for ids, rows in tables:
                 ids, pos = tf.unique(ids)
@@ -105,16 +119,19 @@ class PSTrainer:
             features, labels = tf.nest.map_structure(lambda t: tf.strided_slice(t, lo, hi), (features, labels))
             with tf.GradientTape() as tape:
                 tape.watch(values)
-                loss, new_state = model_def.training_loss(model, features, labels, trainable_values=values,
-                                                          state_values=state)
+                loss, new_state = model_def.training_loss(
+                    model, features, labels, trainable_values=values, state_values=state
+                )
             return loss, tape.gradient(loss, values), new_state
 
         @tf.function(reduce_retracing=True)
         def step(features, labels, begin, end, flats):
             values, state = unpack(flats)
             loss, grads, new_state = gradients(features, labels, begin, end, values, state)
-            return (loss, *pack(grads, {i: new_state[i] - state[i] for i in state},
-                                [table_grad(grads[i], i) for i in table_pos]))
+            return (
+                loss,
+                *pack(grads, {i: new_state[i] - state[i] for i in state}, [table_grad(grads[i], i) for i in table_pos]),
+            )
 
         @tf.function(reduce_retracing=True)
         def group_step(features, labels, begin, end, flats):
@@ -125,39 +142,51 @@ class PSTrainer:
             values, state = unpack(flats)
             n = tf.cast((end[0] - begin[0] + minibatch_size - 1) // minibatch_size, tf.int32)
             dense_pos = [i for i in range(len(trainable)) if i not in table_pos]
-            tas = [(tf.TensorArray(tf.int64, size=n, infer_shape=False),
-                    tf.TensorArray(trainable[i].dtype, size=n, infer_shape=False)) for i in table_pos]
+            tas = [
+                (
+                    tf.TensorArray(tf.int64, size=n, infer_shape=False),
+                    tf.TensorArray(trainable[i].dtype, size=n, infer_shape=False),
+                )
+                for i in table_pos
+            ]
 
             def body(k, loss_sum, sums, state_k, tas):
                 lo = begin + tf.cast(k, tf.int64) * minibatch_size
-                loss, grads, new_state = gradients(features, labels, lo, tf.minimum(lo + minibatch_size, end),
-                                                   values, state_k)
+                loss, grads, new_state = gradients(
+                    features, labels, lo, tf.minimum(lo + minibatch_size, end), values, state_k
+                )
                 sums = [s + dense_grad(grads[i], i) for s, i in zip(sums, dense_pos)]
-                tas = [(ids_ta.write(k, ids), rows_ta.write(k, rows))
-                       for (ids_ta, rows_ta), (ids, rows) in zip(tas, (table_grad(grads[i], i) for i in table_pos))]
+                tas = [
+                    (ids_ta.write(k, ids), rows_ta.write(k, rows))
+                    for (ids_ta, rows_ta), (ids, rows) in zip(tas, (table_grad(grads[i], i) for i in table_pos))
+                ]
                 return k + 1, loss_sum + tf.cast(loss, tf.float32), sums, new_state, tas
 
             _, loss_sum, sums, last_state, tas = tf.while_loop(
-                lambda k, *_: k < n, body,
-                (tf.constant(0), tf.constant(0.0), [tf.zeros_like(trainable[i]) for i in dense_pos],
-                 state, tas))
+                lambda k, *_: k < n,
+                body,
+                (tf.constant(0), tf.constant(0.0), [tf.zeros_like(trainable[i]) for i in dense_pos], state, tas),
+            )
             count = tf.cast(n, tf.float32)
             grads = [None] * len(trainable)
             for s, i in zip(sums, dense_pos):
                 grads[i] = s / tf.cast(count, s.dtype)
-            tables = [(ids_ta.concat(), rows_ta.concat() / tf.cast(count, trainable[i].dtype))
-                      for (ids_ta, rows_ta), i in zip(tas, table_pos)]
+            tables = [
+                (ids_ta.concat(), rows_ta.concat() / tf.cast(count, trainable[i].dtype))
+                for (ids_ta, rows_ta), i in zip(tas, table_pos)
+            ]
             return (loss_sum / count, *pack(grads, {i: last_state[i] - state[i] for i in state}, tables))
 
         self._step = step if minibatches_per_push == 1 else group_step
-        self._traced = None                   # (input specs, concrete step)
+        self._traced = None  # (input specs, concrete step)
         self._flat_specs = [tf.TensorSpec([sum(sizes_)], tf.float32) for sizes_ in part_sizes]
         self._bound_spec = tf.TensorSpec([1], tf.int64)
-        self._flats = None                    # each shard's dense values, as the step's inputs
+        self._flats = None  # each shard's dense values, as the step's inputs
         self._versions = [-1] * placement.num_ps
-        self._fresh_lock = threading.Lock()   # push replies may come back in any order
-        self._push_threads = concurrent.futures.ThreadPoolExecutor(max_workers=pushes_in_flight,
-                                                                   thread_name_prefix="push")
+        self._fresh_lock = threading.Lock()  # push replies may come back in any order
+        self._push_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=pushes_in_flight, thread_name_prefix="push"
+        )
 
     @staticmethod
     def _id_extractor(keras, model):
@@ -167,8 +196,11 @@ class PSTrainer:
         instead (one step staler), which async SGD tolerates.
         """
         paths = embedding_variable_paths(model)
-        layers = [l for l in model._flatten_layers(include_self=False)
-                  if isinstance(l, keras.layers.Embedding) and l.embeddings.path in paths]
+        layers = [
+            l
+            for l in model._flatten_layers(include_self=False)
+            if isinstance(l, keras.layers.Embedding) and l.embeddings.path in paths
+        ]
         if not layers:
             return None
         try:
@@ -219,7 +251,7 @@ class PSTrainer:
         lo, hi = batch.bounds
         if batch.ids is not None:
             ids = {name: [a[lo:hi] for a in arrays] for name, arrays in batch.ids.items()}
-        else:   # ids not one row per record: the extractor on this minibatch's own records
+        else:  # ids not one row per record: the extractor on this minibatch's own records
             ids = self._ids(self.tf.nest.map_structure(lambda t: t[lo:hi], batch.features))
         lookups = {name: np.unique(np.concatenate([a.ravel() for a in arrays])) for name, arrays in ids.items()}
         pulled = self.ps.pull_rows(lookups)
@@ -259,7 +291,7 @@ class PSTrainer:
         try:
             begin, end = (self.tf.constant([b], self.tf.int64) for b in batch.bounds)
             loss, dense, sparse = self._step_for(batch.specs)(batch.features, batch.labels, begin, end, self._flats)
-        except ShardsMoved:   # a refresh of the values while tracing met a lost shard: not the user's
+        except ShardsMoved:  # a refresh of the values while tracing met a lost shard: not the user's
             raise
         except Exception as e:  # the user's model/loss failed on real data
             raise self.model_def.user_error(e, "computing a training step") from e
@@ -269,9 +301,11 @@ class PSTrainer:
         """The step traced once for any minibatch size: a concrete function skips the per-call
         matching of arguments against traces, a noticeable share of a small model's step."""
         if self._traced is None or self._traced[0] != specs:
-            self._traced = (specs, self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec,
-                                                                    self._flat_specs))
-            self.refresh_dense()   # others pushed while this traced
+            self._traced = (
+                specs,
+                self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec, self._flat_specs),
+            )
+            self.refresh_dense()  # others pushed while this traced
         return self._traced[1]
 
     def push_start(self, result: StepResult, key: PushKey) -> concurrent.futures.Future:
@@ -316,21 +350,22 @@ class PSTrainer:
 
 class StepResult(NamedTuple):
     """One step's output, as tensors: converting them to numpy is the push thread's job."""
-    loss: object                         # scalar tensor
-    dense: list                          # per PS shard: flat gradient buffer
-    sparse: list                         # per embedding table: (unique ids, summed row gradients)
+
+    loss: object  # scalar tensor
+    dense: list  # per PS shard: flat gradient buffer
+    sparse: list  # per embedding table: (unique ids, summed row gradients)
 
 
 class FedLease(NamedTuple):
-    rows: dict                           # column -> the lease's values, as read
-    tensors: tuple | None                # feed(rows) as tensors (features, labels), or None when not row-aligned
-    specs: object                        # their TensorSpecs, any number of rows: picks the traced step
-    ids: dict | None                     # table -> its ids per record, when the model has tables
+    rows: dict  # column -> the lease's values, as read
+    tensors: tuple | None  # feed(rows) as tensors (features, labels), or None when not row-aligned
+    specs: object  # their TensorSpecs, any number of rows: picks the traced step
+    ids: dict | None  # table -> its ids per record, when the model has tables
 
 
 class Minibatch(NamedTuple):
-    features: object                     # tensors holding the minibatch's records (its lease's, or its own)
+    features: object  # tensors holding the minibatch's records (its lease's, or its own)
     labels: object
-    bounds: tuple[int, int]              # the minibatch's records in them, [lo, hi)
+    bounds: tuple[int, int]  # the minibatch's records in them, [lo, hi)
     specs: object
     ids: dict | None

@@ -8,6 +8,7 @@ a latent effect per site, ad and user, and smooth effects of bid and hour. Ids f
 power law, as in real traffic, so popular ids repeat often enough for their effects to be
 learnt; a model therefore beats the base rate within an epoch or two.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,12 @@ def generate(path: str, rows: int = 20_000, seed: int = 0) -> int:
     ids = {c: _power_law_ids(rng, vocab, rows) for c, vocab in ID_COLUMNS.items()}
     hour = rng.integers(0, 24, rows)
     bid = np.round(rng.gamma(2.0, 0.5, rows), 3)
-    logit = (-1.2 + sum(effects[c][ids[c]] for c in ID_COLUMNS)
-             + 0.8 * (bid - 1.0) + 0.7 * np.sin(2 * np.pi * hour / 24))
+    logit = -1.2 + sum(effects[c][ids[c]] for c in ID_COLUMNS) + 0.8 * (bid - 1.0) + 0.7 * np.sin(2 * np.pi * hour / 24)
     clicked = (rng.random(rows) < 1.0 / (1.0 + np.exp(-logit))).astype(np.int64)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(COLUMNS)
-        writer.writerows(zip(*(ids[c].tolist() for c in ID_COLUMNS), hour.tolist(), bid.tolist(),
-                             clicked.tolist()))
+        writer.writerows(zip(*(ids[c].tolist() for c in ID_COLUMNS), hour.tolist(), bid.tolist(), clicked.tolist()))
     return rows
 
 

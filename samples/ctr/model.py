@@ -8,6 +8,7 @@ across PS shards by id hash, so the tables can grow far beyond one worker's memo
     elastic-step data prep data/ctr.csv --label clicked --output data/ctr-prepared
     elastic-step train --model-def samples.ctr.model --prepared data/ctr-prepared --output out/ctr ...
 """
+
 from __future__ import annotations
 
 import keras
@@ -25,20 +26,22 @@ def model() -> keras.Model:
     numeric = {c: keras.Input(shape=(), dtype="float32", name=c) for c in NUMERIC_COLUMNS}
 
     # Wide: one learnt weight per id (a linear model on one-hot ids), summed.
-    wide = keras.layers.Add(name="wide_logit")([
-        keras.layers.Embedding(vocab, 1, name=f"{c}_wide")(ids[c]) for c, vocab in ID_COLUMNS.items()])
+    wide = keras.layers.Add(name="wide_logit")(
+        [keras.layers.Embedding(vocab, 1, name=f"{c}_wide")(ids[c]) for c, vocab in ID_COLUMNS.items()]
+    )
 
     # Deep: dense id embeddings and the numeric features through an MLP.
     deep = keras.layers.Concatenate(name="deep_input")(
-        [keras.layers.Embedding(vocab, EMBEDDING_DIM, name=f"{c}_embedding")(ids[c])
-         for c, vocab in ID_COLUMNS.items()]
-        + [keras.layers.Reshape((1,), name=f"{c}_column")(numeric[c]) for c in NUMERIC_COLUMNS])
+        [keras.layers.Embedding(vocab, EMBEDDING_DIM, name=f"{c}_embedding")(ids[c]) for c, vocab in ID_COLUMNS.items()]
+        + [keras.layers.Reshape((1,), name=f"{c}_column")(numeric[c]) for c in NUMERIC_COLUMNS]
+    )
     deep = keras.layers.Dense(64, activation="relu", name="deep_1")(deep)
     deep = keras.layers.Dense(32, activation="relu", name="deep_2")(deep)
     deep = keras.layers.Dense(1, name="deep_logit")(deep)
 
     probability = keras.layers.Activation("sigmoid", name="click_probability")(
-        keras.layers.Add(name="logit")([wide, deep]))
+        keras.layers.Add(name="logit")([wide, deep])
+    )
     return keras.Model({**ids, **numeric}, probability, name="ctr_wide_and_deep")
 
 

@@ -11,6 +11,7 @@ pixel each way with a little pixel noise (seeded, so the same arguments write th
 Variants of one image land in both the train and the eval split, so accuracy on such an eval split
 is not a held-out-writer figure: the set is for showing training at scale, not for benchmarking.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ def augmented(copies: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     if copies < 1:
         raise ValueError(f"--copies must be >= 1, got {copies}")
     digits = load_digits()
-    images = digits.images.astype(np.int16)            # (1797, 8, 8)
+    images = digits.images.astype(np.int16)  # (1797, 8, 8)
     rng = np.random.default_rng(seed)
     out = [images]
     for _ in range(copies - 1):
@@ -67,16 +68,21 @@ def make_augmented_csv(path: str, copies: int, seed: int = 0) -> int:
     with open(tmp, "w") as f:
         f.write(",".join(COLUMNS) + "\n")
         np.savetxt(f, table, fmt="%d", delimiter=",")
-    os.replace(tmp, path)   # a run interrupted mid-write never leaves a short file behind
+    os.replace(tmp, path)  # a run interrupted mid-write never leaves a short file behind
     return len(y)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                               "digits.csv"))
-    parser.add_argument("--copies", type=int, default=1,
-                        help="1: scikit-learn's digits as they are; N > 1: N variants of each (augmented)")
+    parser.add_argument(
+        "out", nargs="?", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits.csv")
+    )
+    parser.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="1: scikit-learn's digits as they are; N > 1: N variants of each (augmented)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.copies < 1:

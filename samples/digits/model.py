@@ -5,6 +5,7 @@ Train it with plain Keras or elastically, unchanged:
     elastic-step data prep samples/digits/digits.csv --label label --output data/digits
     elastic-step train --model-def samples.digits.model --prepared data/digits --output out/digits ...
 """
+
 from __future__ import annotations
 
 import keras

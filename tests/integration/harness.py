@@ -1,4 +1,5 @@
 """Run the real `elastic-step` CLI the way a user or a pipeline step does."""
+
 from __future__ import annotations
 
 import json
@@ -18,20 +19,40 @@ LEASES_OUTLAST_A_KILL = ("--records-per-task", "512")
 def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real `elastic-step` CLI in a subprocess, as a user or a pipeline step does
     (`env`: variables to add to this process's environment)."""
-    return subprocess.run([sys.executable, "-m", "elastic_step.cli", *args], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_step.cli", *args],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
-def train(data: dict, output, *extra: str, model: str = DIGITS_MODEL,
-          env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = run_cli("train", "--model-def", model, "--train-data", data["train"], "--eval-data", data["eval"],
-                   "--output", str(output), "--progress", "lines", *extra, env=env)
+def train(
+    data: dict, output, *extra: str, model: str = DIGITS_MODEL, env: dict | None = None
+) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = run_cli(
+        "train",
+        "--model-def",
+        model,
+        "--train-data",
+        data["train"],
+        "--eval-data",
+        data["eval"],
+        "--output",
+        str(output),
+        "--progress",
+        "lines",
+        *extra,
+        env=env,
+    )
     summary_path = os.path.join(str(output), "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     return proc, summary
 
 
-RETRIED = (-9, 143)   # the master was SIGKILLed or SIGTERMed: what a retry policy retries
+RETRIED = (-9, 143)  # the master was SIGKILLed or SIGTERMed: what a retry policy retries
 
 
 def retried(run, attempts: int = 4) -> tuple[list[int], object]:

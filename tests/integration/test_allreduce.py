@@ -4,6 +4,7 @@ An undisturbed run; a SIGKILL mid-epoch with a replacement joining (ledger exact
 restarted, same accuracy, the pause after the loss in the summary); a SIGKILL in the middle of a
 collective (the step is aborted and retried, never half-applied).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,20 @@ pytestmark = pytest.mark.slow
 # Long enough (~72k records: 10-20 s of training here after the kill at 10 %) that the killed worker's
 # replacement starts TensorFlow and joins the ring before the job ends, even on a loaded machine.
 EPOCHS = 50
-SETTINGS = ("--strategy", "allreduce", "--epochs", str(EPOCHS), "--max-workers", "3", "--min-workers", "2",
-            "--minibatch-size", "32", "--records-per-task", "128")
+SETTINGS = (
+    "--strategy",
+    "allreduce",
+    "--epochs",
+    str(EPOCHS),
+    "--max-workers",
+    "3",
+    "--min-workers",
+    "2",
+    "--minibatch-size",
+    "32",
+    "--records-per-task",
+    "128",
+)
 
 
 def started_pids(summary: dict, instance: str) -> list[str]:
@@ -40,7 +53,7 @@ def test_allreduce_digits_trains_to_090(undisturbed):
     assert summary["workers"]["max_alive"] == 3
     assert summary["allreduce"]["checksum_mismatches"] == 0
     assert summary["allreduce"]["steps_committed"] > 0
-    assert not [e for e in summary["events"] if e["instance"].startswith("ps-")]   # no parameter servers
+    assert not [e for e in summary["events"] if e["instance"].startswith("ps-")]  # no parameter servers
     assert (out / "model.keras").is_file()
     assert summary["throughput_records_per_s"] > 0
 
@@ -48,8 +61,9 @@ def test_allreduce_digits_trains_to_090(undisturbed):
 def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tmp_path):
     _, base = undisturbed
     total = digits_data["rows"] * EPOCHS
-    proc, summary = train(digits_data, tmp_path, *SETTINGS, *LEASES_OUTLAST_A_KILL,
-                          "--chaos", f"kill:worker-1@{int(total * 0.1)}")
+    proc, summary = train(
+        digits_data, tmp_path, *SETTINGS, *LEASES_OUTLAST_A_KILL, "--chaos", f"kill:worker-1@{int(total * 0.1)}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in summary["events"]]
@@ -78,8 +92,22 @@ def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tm
 def test_allreduce_kill_in_the_middle_of_a_collective(digits_data, tmp_path, monkeypatch):
     # worker-1 SIGKILLs itself after sending its first reduce-scatter chunk of step 30.
     monkeypatch.setenv("ELASTIC_STEP_COLLECTIVE_CHAOS", "worker-1@step=30")
-    proc, summary = train(digits_data, tmp_path, "--strategy", "allreduce", "--epochs", "6", "--max-workers", "2",
-                          "--min-workers", "2", "--minibatch-size", "32", "--records-per-task", "128")
+    proc, summary = train(
+        digits_data,
+        tmp_path,
+        "--strategy",
+        "allreduce",
+        "--epochs",
+        "6",
+        "--max-workers",
+        "2",
+        "--min-workers",
+        "2",
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in summary["events"]]
@@ -87,7 +115,7 @@ def test_allreduce_kill_in_the_middle_of_a_collective(digits_data, tmp_path, mon
     aborted = [d for k, _, d in kinds if k == "step_aborted"]
     assert any(d.startswith("step 30 aborted") for d in aborted), aborted
     ar = summary["allreduce"]
-    assert ar["steps_committed"] > 30           # step 30 was retried and committed, and training went on
-    assert ar["checksum_mismatches"] == 0        # no member applied a partial or different average
+    assert ar["steps_committed"] > 30  # step 30 was retried and committed, and training went on
+    assert ar["checksum_mismatches"] == 0  # no member applied a partial or different average
     assert len(started_pids(summary, "worker-0")) == 1
     assert summary["eval"]["accuracy"] >= 0.85

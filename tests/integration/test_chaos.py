@@ -6,13 +6,13 @@ The witnesses are not the ledger: the trained weights of the tally model (tests/
 count each record's applications, and the summary's audit lays the model state's own accounting
 (the PS shards', or the allreduce members') over the data set.
 """
+
 from __future__ import annotations
 
 import pytest
 
 from tests.integration.harness import retried, train
-from tests.models.witness import (TALLY_MODEL, assert_audit_exact, assert_chaos_fired,
-                                  assert_each_record_applied_exactly)
+from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
 
@@ -26,14 +26,34 @@ def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data,
     signals = 3
     roles = "worker,ps,master" if strategy == "ps" else "worker,master"
     extra = ("--num-ps", "2") if strategy == "ps" else ("--global-batch", "fixed")
-    codes, (proc, summary) = retried(lambda: train(
-        tally_data, tmp_path, "--job-id", f"chaos-{strategy}", "--strategy", strategy, "--epochs", str(EPOCHS),
-        "--max-workers", "2", "--minibatch-size", "32", "--records-per-task", "128", "--checkpoint-every", "2000",
-        *extra, "--chaos", f"random:{signals}:seed={seed}:roles={roles}", model=TALLY_MODEL))
+    codes, (proc, summary) = retried(
+        lambda: train(
+            tally_data,
+            tmp_path,
+            "--job-id",
+            f"chaos-{strategy}",
+            "--strategy",
+            strategy,
+            "--epochs",
+            str(EPOCHS),
+            "--max-workers",
+            "2",
+            "--minibatch-size",
+            "32",
+            "--records-per-task",
+            "128",
+            "--checkpoint-every",
+            "2000",
+            *extra,
+            "--chaos",
+            f"random:{signals}:seed={seed}:roles={roles}",
+            model=TALLY_MODEL,
+        )
+    )
     assert proc.returncode == 0, (codes, proc.stderr[-3000:])
     fired = assert_chaos_fired(summary, signals)
-    assert {f["instance"].split("-")[0] for f in fired} == set(roles.split(",")), fired   # every role was hit
-    assert len(codes) == 2 and codes[0] in (-9, 143), codes          # the master's signal, then its retry
+    assert {f["instance"].split("-")[0] for f in fired} == set(roles.split(",")), fired  # every role was hit
+    assert len(codes) == 2 and codes[0] in (-9, 143), codes  # the master's signal, then its retry
     assert {f["action"] for f in fired} <= {"kill", "term"}
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)
@@ -45,9 +65,28 @@ def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tall
     checkpoint: each record is still applied once per epoch, by the weights and by the shards' audit."""
     total = tally_data["rows"] * EPOCHS
     proc, summary = train(
-        tally_data, tmp_path, "--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "2", "--minibatch-size",
-        "32", "--records-per-task", "256", "--minibatches-per-push", "4", "--checkpoint-every", "2000",
-        "--chaos", f"kill:worker-0@{total * 3 // 10}", "--chaos", f"kill:ps-1@{total * 6 // 10}", model=TALLY_MODEL)
+        tally_data,
+        tmp_path,
+        "--epochs",
+        str(EPOCHS),
+        "--max-workers",
+        "2",
+        "--num-ps",
+        "2",
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "256",
+        "--minibatches-per-push",
+        "4",
+        "--checkpoint-every",
+        "2000",
+        "--chaos",
+        f"kill:worker-0@{total * 3 // 10}",
+        "--chaos",
+        f"kill:ps-1@{total * 6 // 10}",
+        model=TALLY_MODEL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_chaos_fired(summary, 2)
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)

@@ -4,6 +4,7 @@
 Exactly-once is checked through the tally model's trained weights and the PS shards' audit, never
 through the ledger: the ledger is the very state being restored.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,30 +24,47 @@ EPOCHS = 4
 
 
 def tally_job(data, out, *extra):
-    return train(data, out, "--job-id", "durable", "--epochs", str(EPOCHS), "--max-workers", "2",
-                 "--num-ps", "2", "--minibatch-size", "32", "--records-per-task", "128",
-                 "--checkpoint-every", "3000", *extra, model=TALLY)
+    return train(
+        data,
+        out,
+        "--job-id",
+        "durable",
+        "--epochs",
+        str(EPOCHS),
+        "--max-workers",
+        "2",
+        "--num-ps",
+        "2",
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+        "--checkpoint-every",
+        "3000",
+        *extra,
+        model=TALLY,
+    )
 
 
 def manifest(out) -> dict:
     return json.loads((out / "checkpoints" / "durable" / "checkpoint.json").read_text())
 
 
-def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_record_applied_once(tally_data,
-                                                                                                  tmp_path):
+def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_record_applied_once(tally_data, tmp_path):
     # As a pipeline step runs it: each attempt has an output of its own (gone with its pod), and the
     # checkpoints are under --checkpoint-uri, by job id.
     total = tally_data["rows"] * EPOCHS
     killed_at = int(total * 0.55)
     ckpts = tmp_path / "bucket"
-    proc, _ = tally_job(tally_data, tmp_path / "attempt-1", "--checkpoint-uri", str(ckpts),
-                        "--chaos", f"kill:master@{killed_at}")
-    assert proc.returncode == -9, proc.stderr[-3000:]          # the chaos fired: the master died mid-run
+    proc, _ = tally_job(
+        tally_data, tmp_path / "attempt-1", "--checkpoint-uri", str(ckpts), "--chaos", f"kill:master@{killed_at}"
+    )
+    assert proc.returncode == -9, proc.stderr[-3000:]  # the chaos fired: the master died mid-run
     assert not (tmp_path / "attempt-1" / "summary.json").exists()
     cut = json.loads((ckpts / "durable" / "checkpoint.json").read_text())
     assert 0 < cut["records_committed"] <= killed_at
     out = tmp_path / "attempt-2"
-    proc, summary = tally_job(tally_data, out, "--checkpoint-uri", str(ckpts))   # the retried step
+    proc, summary = tally_job(tally_data, out, "--checkpoint-uri", str(ckpts))  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming job durable from checkpoint" in proc.stderr
     restarts = summary["checkpoints"]["restarts"]
@@ -57,7 +75,7 @@ def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_reco
     assert summary["checkpoints"]["written"] >= 1
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary)
-    assert not (ckpts / "durable").exists()                     # done: a rerun of the job starts over
+    assert not (ckpts / "durable").exists()  # done: a rerun of the job starts over
 
 
 def test_allreduce_a_lost_ring_and_then_a_lost_master_both_go_back_to_the_last_checkpoint(tally_data, tmp_path):
@@ -65,27 +83,40 @@ def test_allreduce_a_lost_ring_and_then_a_lost_master_both_go_back_to_the_last_c
     cut while no further step may commit. A ring whose every member is lost goes back to it (not to the
     start), and so does the retried step of a killed master, whose first members all load it."""
     total = tally_data["rows"] * EPOCHS
-    allreduce = ("--strategy", "allreduce", "--global-batch", "fixed")   # the tally counts 1 per step
-    proc, _ = tally_job(tally_data, tmp_path, *allreduce, "--min-workers", "1", "--max-workers", "1",
-                        "--chaos", f"kill:worker-0@{int(total * 0.4)}", "--chaos", f"kill:master@{int(total * 0.7)}")
-    assert proc.returncode == -9, proc.stderr[-3000:]          # the master's chaos fired
+    allreduce = ("--strategy", "allreduce", "--global-batch", "fixed")  # the tally counts 1 per step
+    proc, _ = tally_job(
+        tally_data,
+        tmp_path,
+        *allreduce,
+        "--min-workers",
+        "1",
+        "--max-workers",
+        "1",
+        "--chaos",
+        f"kill:worker-0@{int(total * 0.4)}",
+        "--chaos",
+        f"kill:master@{int(total * 0.7)}",
+    )
+    assert proc.returncode == -9, proc.stderr[-3000:]  # the master's chaos fired
     assert "every allreduce member was lost" in proc.stderr and "goes back to checkpoint" in proc.stderr
     cut = manifest(tmp_path)
     assert "members.npz" in cut["files"]
     # The retried step with two workers (the checkpoint does not fix the world size): both load it.
     proc, summary = tally_job(tally_data, tmp_path, *allreduce, "--min-workers", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    loaded = [p.name for p in (tmp_path / "logs").glob("worker-*.log")
-              if f"loaded checkpoint {cut['id']}'s state" in p.read_text()]
-    assert {"worker-0.1.log", "worker-1.1.log"} <= set(loaded), loaded   # the retry's launches (logs append)
+    loaded = [
+        p.name
+        for p in (tmp_path / "logs").glob("worker-*.log")
+        if f"loaded checkpoint {cut['id']}'s state" in p.read_text()
+    ]
+    assert {"worker-0.1.log", "worker-1.1.log"} <= set(loaded), loaded  # the retry's launches (logs append)
     assert [r["from_checkpoint"] for r in summary["checkpoints"]["restarts"]] == [cut["id"]]
     assert summary["allreduce"]["checksum_mismatches"] == 0
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary, "allreduce")
 
 
-def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains_nothing_again(tally_data,
-                                                                                                  tmp_path):
+def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains_nothing_again(tally_data, tmp_path):
     """SIGTERM is how Kubernetes stops the step's pod (eviction, preemption, a stopped run), with a
     grace period: the master cuts one more checkpoint, holding the workers after it, stops every
     worker and PS it started, and exits 143 (killed by SIGTERM: a retry policy retries that)."""
@@ -93,34 +124,55 @@ def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains
     asked_at = int(total * 0.45)
     proc, summary = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h", "--chaos", f"term:master@{asked_at}")
     assert proc.returncode == 143, proc.stderr[-3000:]
-    assert "chaos: SIGTERM the master" in proc.stderr          # the chaos fired
+    assert "chaos: SIGTERM the master" in proc.stderr  # the chaos fired
     assert "terminated (SIGTERM)" in proc.stderr and "Traceback" not in proc.stderr
     assert summary["status"] == "failed" and not (tmp_path / "model.keras").exists()
-    pids = [int(m.group(1)) for e in summary["events"] if e["kind"] == "started"
-            for m in [re.match(r"pid (\d+)", e["detail"])] if m]
-    assert len(pids) >= 4, summary["events"]                   # 2 PS + 2 workers, none left running
+    pids = [
+        int(m.group(1))
+        for e in summary["events"]
+        if e["kind"] == "started"
+        for m in [re.match(r"pid (\d+)", e["detail"])]
+        if m
+    ]
+    assert len(pids) >= 4, summary["events"]  # 2 PS + 2 workers, none left running
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
     cut = manifest(tmp_path)
-    assert cut["id"] == 2 and cut["records_committed"] >= asked_at   # after the initial one: cut on SIGTERM
+    assert cut["id"] == 2 and cut["records_committed"] >= asked_at  # after the initial one: cut on SIGTERM
     assert f"resumes from checkpoint 2 at {cut['records_committed']} committed records" in proc.stderr
     proc, summary = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    restart, = summary["checkpoints"]["restarts"]
+    (restart,) = summary["checkpoints"]["restarts"]
     assert restart["from_checkpoint"] == 2 and restart["records_trained_again"] == 0
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary)
 
 
 def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_and_only_as_itself(
-        tally_data, tmp_path):
+    tally_data, tmp_path
+):
     proc, _ = tally_job(tally_data, tmp_path, "--chaos", "kill:master@checkpoint=2")
     assert proc.returncode == -9, proc.stderr[-3000:]
-    assert manifest(tmp_path)["id"] == 1                       # checkpoint 2's parts exist, its manifest not
+    assert manifest(tmp_path)["id"] == 1  # checkpoint 2's parts exist, its manifest not
     assert (tmp_path / "checkpoints" / "durable" / "ckpt-000002" / "ledger.json").exists()
     # The same job with another configuration: refused, naming the difference; nothing is started.
-    proc, _ = train(tally_data, tmp_path, "--job-id", "durable", "--epochs", str(EPOCHS + 1), "--max-workers", "2",
-                    "--num-ps", "2", "--minibatch-size", "32", "--records-per-task", "128", model=TALLY)
+    proc, _ = train(
+        tally_data,
+        tmp_path,
+        "--job-id",
+        "durable",
+        "--epochs",
+        str(EPOCHS + 1),
+        "--max-workers",
+        "2",
+        "--num-ps",
+        "2",
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+        model=TALLY,
+    )
     assert_clean_error(proc, f"epochs: checkpoint {EPOCHS}, this job {EPOCHS + 1}", "--resume never")
     proc, summary = tally_job(tally_data, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -134,17 +186,18 @@ def test_a_corrupt_checkpoint_is_a_clear_error(tally_data, tmp_path):
     (tmp_path / "checkpoints" / "durable" / "checkpoint.json").write_text("{not json")
     proc, _ = tally_job(tally_data, tmp_path)
     assert_clean_error(proc, "checkpoint.json is corrupt", "--resume never")
-    assert (tmp_path / "checkpoints" / "durable" / "checkpoint.json").read_text() == "{not json"   # untouched
+    assert (tmp_path / "checkpoints" / "durable" / "checkpoint.json").read_text() == "{not json"  # untouched
 
 
 def test_an_unwritable_checkpoint_location_is_an_error_at_the_start(tally_data, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "checkpoints").write_text("a file where the checkpoints folder goes")
-    proc = run_cli("train", "--model-def", TALLY, "--train-data", tally_data["train"], "--output", str(out),
-                   "--epochs", "1")
+    proc = run_cli(
+        "train", "--model-def", TALLY, "--train-data", tally_data["train"], "--output", str(out), "--epochs", "1"
+    )
     assert_clean_error(proc, "Cannot write checkpoints under", "--checkpoint-every 0")
-    assert not (out / "logs").exists() or not any((out / "logs").iterdir())   # nothing was started
+    assert not (out / "logs").exists() or not any((out / "logs").iterdir())  # nothing was started
 
 
 def test_a_lost_ps_is_relaunched_every_shard_and_the_ledger_go_back_and_workers_stay_up(tally_data, tmp_path):
@@ -154,7 +207,7 @@ def test_a_lost_ps_is_relaunched_every_shard_and_the_ledger_go_back_and_workers_
     assert_chaos_fired(summary, 1)
     restores = summary["checkpoints"]["ps_restores"]
     assert [r["ps"] for r in restores] == [1], restores
-    assert summary["workers"]["relaunched"] == 0 and summary["workers"]["lost"] == 0   # workers stayed up
+    assert summary["workers"]["relaunched"] == 0 and summary["workers"]["lost"] == 0  # workers stayed up
     assert summary["ledger"]["records_trained_again"] == restores[0]["records_trained_again"]
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary)
@@ -162,8 +215,9 @@ def test_a_lost_ps_is_relaunched_every_shard_and_the_ledger_go_back_and_workers_
 
 def test_a_lost_ps_and_then_a_lost_master_in_one_run(tally_data, tmp_path):
     total = tally_data["rows"] * EPOCHS
-    proc, _ = tally_job(tally_data, tmp_path, "--chaos", f"kill:ps-0@{int(total * 0.3)}",
-                        "--chaos", f"kill:master@{int(total * 0.7)}")
+    proc, _ = tally_job(
+        tally_data, tmp_path, "--chaos", f"kill:ps-0@{int(total * 0.3)}", "--chaos", f"kill:master@{int(total * 0.7)}"
+    )
     assert proc.returncode == -9, proc.stderr[-3000:]
     assert "ps-0 lost: every shard and the ledger go back to checkpoint" in proc.stderr
     # The retried step loses ps-1 as soon as it runs, while the shards are being restored: that loss

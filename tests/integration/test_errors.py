@@ -1,5 +1,6 @@
 """Bad input gets a one-paragraph error naming the thing and the fix, a non-zero exit, no
 traceback, and nothing half-written left looking valid."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,15 @@ def write_model(tmp_path, body: str) -> str:
 
 
 def test_unreadable_train_data(tmp_path):
-    proc = run_cli("train", "--model-def", DIGITS_MODEL, "--train-data", str(tmp_path / "nowhere"),
-                   "--output", str(tmp_path / "out"))
+    proc = run_cli(
+        "train",
+        "--model-def",
+        DIGITS_MODEL,
+        "--train-data",
+        str(tmp_path / "nowhere"),
+        "--output",
+        str(tmp_path / "out"),
+    )
     assert_clean_error(proc, str(tmp_path / "nowhere"), "data prep")
     assert not (tmp_path / "out" / "model.keras").exists()
 
@@ -57,10 +65,29 @@ def prep_against_schema(tmp_path, csv_text: str):
     csv = tmp_path / "data.csv"
     csv.write_text(csv_text)
     schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
-                                             {"name": "label", "type": "int64"}]}))
-    return run_cli("data", "prep", "--source", str(csv), "--output", str(tmp_path / "out"), "--label", "label",
-                   "--schema", str(schema))
+    schema.write_text(
+        json.dumps(
+            {
+                "fields": [
+                    {"name": "a", "type": "int64"},
+                    {"name": "b", "type": "float64"},
+                    {"name": "label", "type": "int64"},
+                ]
+            }
+        )
+    )
+    return run_cli(
+        "data",
+        "prep",
+        "--source",
+        str(csv),
+        "--output",
+        str(tmp_path / "out"),
+        "--label",
+        "label",
+        "--schema",
+        str(schema),
+    )
 
 
 def test_bad_row_names_file_line_and_column(tmp_path):
@@ -83,10 +110,13 @@ def test_missing_model_function(tmp_path, digits_data):
 
 @pytest.mark.slow
 def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
-    model = write_model(tmp_path, """
+    model = write_model(
+        tmp_path,
+        """
         def feed(batch):
             raise ValueError("pixel column has the wrong scale")
-    """)
+    """,
+    )
     out = tmp_path / "out"
     proc, summary = train(digits_data, out, "--max-workers", "2", model=model)
     msg = assert_clean_error(proc, "pixel column has the wrong scale", "feed()", "user_model.py")
@@ -103,10 +133,13 @@ def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
 
 @pytest.mark.slow
 def test_model_build_that_raises(tmp_path, digits_data):
-    model = write_model(tmp_path, """
+    model = write_model(
+        tmp_path,
+        """
         def model():
             raise RuntimeError("layer sizes do not match")
-    """)
+    """,
+    )
     proc, summary = train(digits_data, tmp_path / "out", model=model)
     assert_clean_error(proc, "layer sizes do not match", "model()")
     assert summary["status"] == "failed"
@@ -114,22 +147,41 @@ def test_model_build_that_raises(tmp_path, digits_data):
 
 
 def test_kubernetes_backend_without_a_cluster_is_a_clear_error(tmp_path, digits_data):
-    args = ("train", "--model-def", DIGITS_MODEL, "--train-data", digits_data["train"], "--output",
-            str(tmp_path / "out"), "--backend", "kubernetes")
+    args = (
+        "train",
+        "--model-def",
+        DIGITS_MODEL,
+        "--train-data",
+        digits_data["train"],
+        "--output",
+        str(tmp_path / "out"),
+        "--backend",
+        "kubernetes",
+    )
     missing = str(tmp_path / "no-kubeconfig")
     assert_clean_error(run_cli(*args, env={"KUBECONFIG": missing}), missing, "KUBECONFIG", "--backend local")
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}]}))
-    assert_clean_error(run_cli(*args, env={"KUBECONFIG": str(kubeconfig)}),
-                       f"Cannot reach the Kubernetes API server at https://127.0.0.1:{port}", "Connection refused",
-                       "KUBECONFIG")
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "c", "cluster": {"server": f"https://127.0.0.1:{port}"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
+    assert_clean_error(
+        run_cli(*args, env={"KUBECONFIG": str(kubeconfig)}),
+        f"Cannot reach the Kubernetes API server at https://127.0.0.1:{port}",
+        "Connection refused",
+        "KUBECONFIG",
+    )
     assert not (tmp_path / "out" / "model.keras").exists()
 
 
@@ -141,13 +193,16 @@ def test_unknown_backend_is_a_clear_error(tmp_path, digits_data):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 def test_an_error_in_the_users_loss_is_theirs_once_with_their_traceback(tmp_path, digits_data, strategy):
-    model = write_model(tmp_path, """
+    model = write_model(
+        tmp_path,
+        """
         def loss(labels, predictions):
             return scaled(keras.losses.sparse_categorical_crossentropy(labels, predictions))
 
         def scaled(losses):
             raise ValueError("class weights are missing")
-    """)
+    """,
+    )
     out = tmp_path / "out"
     proc, summary = train(digits_data, out, "--max-workers", "2", "--strategy", strategy, model=model)
     assert_clean_error(proc, "loss()", "class weights are missing", "Fix loss()")

@@ -7,6 +7,7 @@ master's retried step resumes from the bucket's checkpoint; evaluate reads the m
 bucket and publish copies the model within it. Exactly-once is witnessed by the tally model's weights,
 downloaded from the bucket.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,24 +32,47 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
     tally.write_csv(str(tmp_path / "tally.csv"))
     fs.put_file(str(tmp_path / "tally.csv"), f"{bucket}/source/tally.csv")
 
-    proc = run_cli("data", "prep", "--source", f"{bucket}/source/tally.csv", "--output", f"{bucket}/prepared",
-                   "--label", "label", env=server.env)
+    proc = run_cli(
+        "data",
+        "prep",
+        "--source",
+        f"{bucket}/source/tally.csv",
+        "--output",
+        f"{bucket}/prepared",
+        "--label",
+        "label",
+        env=server.env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = {"train": f"{bucket}/prepared/train/manifest.json", "eval": f"{bucket}/prepared/eval/manifest.json"}
     assert fs.exists(data["train"]) and fs.exists(data["eval"])
     rows = json.loads(fs.cat_file(data["train"]))["shards"][0]["rows"]
 
     output = f"{bucket}/run"
-    job = ("--job-id", "in-bucket", "--epochs", str(EPOCHS), "--max-workers", "1", "--num-ps", "1",
-           "--minibatch-size", "32", "--records-per-task", "128", "--checkpoint-every", "2000")
+    job = (
+        "--job-id",
+        "in-bucket",
+        "--epochs",
+        str(EPOCHS),
+        "--max-workers",
+        "1",
+        "--num-ps",
+        "1",
+        "--minibatch-size",
+        "32",
+        "--records-per-task",
+        "128",
+        "--checkpoint-every",
+        "2000",
+    )
     killed_at = int(rows * EPOCHS * 0.6)
     proc, _ = train(data, output, *job, "--chaos", f"kill:master@{killed_at}", model=TALLY_MODEL, env=server.env)
-    assert proc.returncode == -9, proc.stderr[-3000:]        # the chaos fired: the master died mid-run
-    assert not fs.exists(f"{output}/summary.json")            # nothing claims a finished output
+    assert proc.returncode == -9, proc.stderr[-3000:]  # the chaos fired: the master died mid-run
+    assert not fs.exists(f"{output}/summary.json")  # nothing claims a finished output
     cut = json.loads(fs.cat_file(f"{output}/checkpoints/in-bucket/checkpoint.json"))
     assert 0 < cut["records_committed"] <= killed_at
 
-    proc, _ = train(data, output, *job, model=TALLY_MODEL, env=server.env)   # the retried step
+    proc, _ = train(data, output, *job, model=TALLY_MODEL, env=server.env)  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming job in-bucket from checkpoint" in proc.stderr
     summary = json.loads(fs.cat_file(f"{output}/summary.json"))
@@ -56,7 +80,7 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
     assert summary["outputs"]["keras"] == f"{output}/model.keras"
     for name in ("model.keras", "saved_model/saved_model.pb", "report.html"):
         assert fs.exists(f"{output}/{name}"), name
-    assert not fs.exists(f"{output}/checkpoints/in-bucket/checkpoint.json")   # done: a rerun starts over
+    assert not fs.exists(f"{output}/checkpoints/in-bucket/checkpoint.json")  # done: a rerun starts over
     local = tmp_path / "downloaded"
     local.mkdir()
     fs.get_file(f"{output}/model.keras", str(local / "model.keras"))
@@ -75,8 +99,7 @@ def test_a_missing_bucket_is_one_paragraph_naming_the_uri_and_the_fix(store, tmp
     server, _ = store
     (tmp_path / "d.csv").write_text("x,label\n1,0\n2,1\n3,0\n")
     missing = f"{server.protocol}://no-such-bucket-here"
-    proc = run_cli("data", "prep", "--source", f"{missing}/d.csv", "--output", str(tmp_path / "out"),
-                   env=server.env)
+    proc = run_cli("data", "prep", "--source", f"{missing}/d.csv", "--output", str(tmp_path / "out"), env=server.env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{missing}/d.csv" in proc.stderr
     (tmp_path / "model").mkdir()
@@ -110,29 +133,49 @@ def test_a_lease_fetches_only_the_row_groups_it_spans(store, monkeypatch):
     footer = meta.serialized_size + 8
     fetched = []
     real = file_class._fetch_range
-    monkeypatch.setattr(file_class, "_fetch_range",
-                        lambda self, start, end: fetched.append(end - start) or real(self, start, end))
+    monkeypatch.setattr(
+        file_class, "_fetch_range", lambda self, start, end: fetched.append(end - start) or real(self, start, end)
+    )
 
     reader = ShardReader(shard)
     opened = sum(fetched)
-    got = reader.read(5 * group + 100, 7 * group - 100)   # a lease across row groups 5 and 6
+    got = reader.read(5 * group + 100, 7 * group - 100)  # a lease across row groups 5 and 6
     reader.close()
-    assert np.array_equal(got["x3"], table.column("x3").to_numpy()[5 * group + 100:7 * group - 100])
+    assert np.array_equal(got["x3"], table.column("x3").to_numpy()[5 * group + 100 : 7 * group - 100])
     spanned = sum(meta.row_group(i).column(c).total_compressed_size for i in (5, 6) for c in range(64))
-    assert opened <= footer + 64 * 1024, (opened, footer)      # the footer (and a little before it)
+    assert opened <= footer + 64 * 1024, (opened, footer)  # the footer (and a little before it)
     assert sum(fetched) - opened <= spanned * 1.05, (sum(fetched) - opened, spanned)
-    assert len(fetched) <= 4, fetched                          # a GET or two per read, not one per column
+    assert len(fetched) <= 4, fetched  # a GET or two per read, not one per column
     assert sum(fetched) < size / 8, (sum(fetched), size)
 
 
 def test_missing_s3_credentials_are_one_paragraph_naming_the_uri_and_the_standard_ways(s3_server, tmp_path):
     bucket = s3_server.bucket("t-no-credentials")
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_ENDPOINT_URL=s3_server.url, AWS_DEFAULT_REGION="us-east-1",
-               AWS_CONFIG_FILE=str(tmp_path / "none"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"))
-    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "data", "prep", "--source", f"{bucket}/d.csv",
-                           "--output", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    env.update(
+        AWS_ENDPOINT_URL=s3_server.url,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_step.cli",
+            "data",
+            "prep",
+            "--source",
+            f"{bucket}/d.csv",
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{bucket}/d.csv" in proc.stderr
     assert "AWS_ACCESS_KEY_ID" in proc.stderr and "IRSA" in proc.stderr and "AWS_ENDPOINT_URL" in proc.stderr
@@ -163,23 +206,38 @@ def test_a_missing_permission_is_one_paragraph_and_nothing_is_written(s3_with_ia
     permission its identity lacks; the bucket holds nothing of the attempt."""
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model.keras").write_bytes(b"a model")
-    proc = run_cli("publish", "--model", str(tmp_path / "model"), "--to", "s3://t-iam/model",
-                   env=s3_with_iam.reader_env)
+    proc = run_cli(
+        "publish", "--model", str(tmp_path / "model"), "--to", "s3://t-iam/model", env=s3_with_iam.reader_env
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "Cannot publish the model to s3://t-iam/model" in proc.stderr
     assert "lack the permission" in proc.stderr and "s3:PutObject" in proc.stderr
     import fsspec
 
-    reader = fsspec.filesystem("s3", key=s3_with_iam.reader_env["AWS_ACCESS_KEY_ID"], endpoint_url=s3_with_iam.url,
-                               secret=s3_with_iam.reader_env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True)
-    assert reader.ls("t-iam", refresh=True) == []   # listed as the reader: moto's set-up key is refused now
+    reader = fsspec.filesystem(
+        "s3",
+        key=s3_with_iam.reader_env["AWS_ACCESS_KEY_ID"],
+        endpoint_url=s3_with_iam.url,
+        secret=s3_with_iam.reader_env["AWS_SECRET_ACCESS_KEY"],
+        skip_instance_cache=True,
+    )
+    assert reader.ls("t-iam", refresh=True) == []  # listed as the reader: moto's set-up key is refused now
 
 
 def test_data_prep_checks_it_may_write_before_it_reads(s3_with_iam, tmp_path):
     """A read-only identity: data prep says so before reading the source, and creates nothing."""
     source = tmp_path / "d.csv"
     source.write_text("x,label\n" + "".join(f"{i},{i % 2}\n" for i in range(50)))
-    proc = run_cli("data", "prep", "--source", str(source), "--output", "s3://t-iam/prepared", "--label", "label",
-                   env=s3_with_iam.reader_env)
+    proc = run_cli(
+        "data",
+        "prep",
+        "--source",
+        str(source),
+        "--output",
+        "s3://t-iam/prepared",
+        "--label",
+        "label",
+        env=s3_with_iam.reader_env,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "Cannot write the prepared data to s3://t-iam/prepared" in proc.stderr and "s3:PutObject" in proc.stderr

@@ -3,6 +3,7 @@
 One undisturbed run and one where a worker is SIGKILLed mid-epoch and another SIGTERMed: the
 second must finish with an exact ledger and the same accuracy.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,18 @@ pytestmark = pytest.mark.slow
 # Long enough (~170k records: about 12 s of training for two workers here, at ~14k records/s) that
 # a killed worker's replacement starts TensorFlow (~5 s), joins and trains.
 EPOCHS = 120
-SETTINGS = ("--epochs", str(EPOCHS), "--max-workers", "2", "--num-ps", "1", "--minibatch-size", "32",
-            "--records-per-task", "128")
+SETTINGS = (
+    "--epochs",
+    str(EPOCHS),
+    "--max-workers",
+    "2",
+    "--num-ps",
+    "1",
+    "--minibatch-size",
+    "32",
+    "--records-per-task",
+    "128",
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +57,16 @@ def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
     total = digits_data["rows"] * EPOCHS
     # Chaos fires only while both workers train and the target holds a lease: the SIGTERM comes as
     # soon as worker-0's replacement has joined, whatever this machine's speed.
-    proc, summary = train(digits_data, tmp_path, *SETTINGS, *LEASES_OUTLAST_A_KILL,
-                          "--chaos", f"kill:worker-0@{int(total * 0.1)}",
-                          "--chaos", f"term:worker-1@{int(total * 0.1) + 1}")
+    proc, summary = train(
+        digits_data,
+        tmp_path,
+        *SETTINGS,
+        *LEASES_OUTLAST_A_KILL,
+        "--chaos",
+        f"kill:worker-0@{int(total * 0.1)}",
+        "--chaos",
+        f"term:worker-1@{int(total * 0.1) + 1}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
     events = summary["events"]
@@ -71,15 +89,30 @@ def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
             assert cause["kind"] in ("lost", "exited") and cause["t"] <= e["t"], (cause, e)
     assert sum(e["requeued"] for e in summary["ledger"]["epochs"]) > 0
     cut_short = [e for e in events if e["kind"] == "requeued" and not e["detail"].startswith("lease ahead")]
-    assert cut_short and len(summary["recovery"]["requeue_latency_s"]) == len(cut_short), (summary["recovery"],
-                                                                                           cut_short)
+    assert cut_short and len(summary["recovery"]["requeue_latency_s"]) == len(cut_short), (
+        summary["recovery"],
+        cut_short,
+    )
     # Same model quality as the undisturbed run.
     assert abs(summary["eval"]["accuracy"] - base["eval"]["accuracy"]) <= 0.02
 
 
 def test_ctr_embeddings_split_across_two_ps(ctr_data, tmp_path):
-    proc, summary = train(ctr_data, tmp_path, "--epochs", "2", "--num-ps", "2", "--max-workers", "2",
-                          "--minibatch-size", "128", "--records-per-task", "1024", model=CTR_MODEL)
+    proc, summary = train(
+        ctr_data,
+        tmp_path,
+        "--epochs",
+        "2",
+        "--num-ps",
+        "2",
+        "--max-workers",
+        "2",
+        "--minibatch-size",
+        "128",
+        "--records-per-task",
+        "1024",
+        model=CTR_MODEL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
     # The loss falls: from the initial weights' (the eval curve's first point) to the trained model's.

@@ -12,6 +12,7 @@
 
 Every test under tests/kubernetes gets the ``kubernetes`` marker.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -43,10 +44,13 @@ def pytest_collection_modifyitems(config, items):
 def control_plane():
     t0 = time.monotonic()
     with ControlPlane() as cp:
-        log.warning("control plane: build %.1fs, start %.1fs (%s); work dir %s",
-                    cp.timings.get("build", 0.0), cp.timings["start"],
-                    ", ".join(f"{k} {v:.1f}s" for k, v in cp.timings.items() if k not in ("build", "start")),
-                    cp.workdir)
+        log.warning(
+            "control plane: build %.1fs, start %.1fs (%s); work dir %s",
+            cp.timings.get("build", 0.0),
+            cp.timings["start"],
+            ", ".join(f"{k} {v:.1f}s" for k, v in cp.timings.items() if k not in ("build", "start")),
+            cp.workdir,
+        )
         yield cp
     log.warning("control plane session %.1fs", time.monotonic() - t0)
 
@@ -74,4 +78,3 @@ def namespace(control_plane, core, request):
         core.delete_namespace(name, propagation_policy="Background")
     except kubernetes.client.ApiException:
         pass
-

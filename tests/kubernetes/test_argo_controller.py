@@ -1,5 +1,6 @@
 """Argo Workflows' own controller on the test control plane: its pods (init, wait and main
 containers, the emissary executor) run on the process kubelet, and Argo decides the outcome."""
+
 from __future__ import annotations
 
 import json
@@ -51,6 +52,7 @@ def finished(workflows, namespace, name, timeout=180.0):
     def done():
         wf = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", name)
         return wf if (wf.get("status") or {}).get("phase") in ("Succeeded", "Failed", "Error") else None
+
     return wait_for(done, timeout, interval=0.5, what=f"workflow {namespace}/{name} to finish")
 
 
@@ -66,36 +68,79 @@ def pod_logs(control_plane, namespace, workflow: str, task: str = "", tail: int 
     out = []
     prefix = f"{workflow}-{task}-" if task else f"{workflow}-"
     for kubelet in control_plane.nodes.values():
-        for path in sorted((kubelet.workdir / "pods").glob(f"{namespace}_{prefix}*/*.log"),
-                           key=lambda p: p.stat().st_mtime):
+        for path in sorted(
+            (kubelet.workdir / "pods").glob(f"{namespace}_{prefix}*/*.log"), key=lambda p: p.stat().st_mtime
+        ):
             out.append(f"--- {path.parent.name.split('_')[1]}/{path.stem}\n{path.read_text(errors='replace')[-tail:]}")
     return "\n".join(out)
 
 
-def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_plane, node, argo, workflows,
-                                                                       namespace):
+def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_plane, node, argo, workflows, namespace):
     apply_rbac(control_plane, namespace)
     image = f"{PROJECT_IMAGE}:0.1.0"
     work = {"name": "work", "mountPath": "/work"}
-    wf = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": "hello"}, "spec": {
-        "entrypoint": "main", "serviceAccountName": "elastic-step",
-        "templates": [
-            {"name": "main", "dag": {"tasks": [
-                {"name": "say", "template": "say"},
-                {"name": "echo", "template": "echo", "dependencies": ["say"],
-                 "arguments": {"parameters": [{"name": "msg", "value": "{{tasks.say.outputs.parameters.msg}}"}]}}]}},
-            {"name": "say", "volumes": [{"name": "work", "emptyDir": {}}],
-             "container": {"image": image, "volumeMounts": [work], "command": [
-                 "python", "-c", "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())"]},
-             "outputs": {"parameters": [{"name": "msg", "valueFrom": {"path": "/work/msg"}}]}},
-            {"name": "echo", "inputs": {"parameters": [{"name": "msg"}]},
-             "container": {"image": image, "command": ["python", "-c", "import sys; print('got', sys.argv[1])",
-                                                       "{{inputs.parameters.msg}}"]}}]}}
+    wf = {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {"name": "hello"},
+        "spec": {
+            "entrypoint": "main",
+            "serviceAccountName": "elastic-step",
+            "templates": [
+                {
+                    "name": "main",
+                    "dag": {
+                        "tasks": [
+                            {"name": "say", "template": "say"},
+                            {
+                                "name": "echo",
+                                "template": "echo",
+                                "dependencies": ["say"],
+                                "arguments": {
+                                    "parameters": [{"name": "msg", "value": "{{tasks.say.outputs.parameters.msg}}"}]
+                                },
+                            },
+                        ]
+                    },
+                },
+                {
+                    "name": "say",
+                    "volumes": [{"name": "work", "emptyDir": {}}],
+                    "container": {
+                        "image": image,
+                        "volumeMounts": [work],
+                        "command": [
+                            "python",
+                            "-c",
+                            "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
+                        ],
+                    },
+                    "outputs": {"parameters": [{"name": "msg", "valueFrom": {"path": "/work/msg"}}]},
+                },
+                {
+                    "name": "echo",
+                    "inputs": {"parameters": [{"name": "msg"}]},
+                    "container": {
+                        "image": image,
+                        "command": [
+                            "python",
+                            "-c",
+                            "import sys; print('got', sys.argv[1])",
+                            "{{inputs.parameters.msg}}",
+                        ],
+                    },
+                },
+            ],
+        },
+    }
     workflows.create_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", wf)
     done = finished(workflows, namespace, "hello")
     nodes = done["status"]["nodes"].values()
-    assert done["status"]["phase"] == "Succeeded", (done["status"].get("message"), pod_logs(control_plane, namespace, "hello"),
-                                                    argo.log()[-3000:])
+    assert done["status"]["phase"] == "Succeeded", (
+        done["status"].get("message"),
+        pod_logs(control_plane, namespace, "hello"),
+        argo.log()[-3000:],
+    )
     say = next(n for n in nodes if n.get("displayName") == "say")
     msg = next(p["value"] for p in say["outputs"]["parameters"] if p["name"] == "msg")
     assert msg.startswith("hi from ")
@@ -113,8 +158,9 @@ def _s3(s3):
     """A client of moto's server, with the keys the artifact repository's Secret holds."""
     import boto3
 
-    return boto3.client("s3", endpoint_url=s3.url, aws_access_key_id="testing", aws_secret_access_key="testing",
-                        region_name="us-east-1")
+    return boto3.client(
+        "s3", endpoint_url=s3.url, aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    )
 
 
 def artifact_repository(control_plane, namespace, s3, bucket):
@@ -122,16 +168,31 @@ def artifact_repository(control_plane, namespace, s3, bucket):
     server) with its keys in a Secret, named by the `artifact-repositories` ConfigMap."""
     _s3(s3).create_bucket(Bucket=bucket)
     core = client.CoreV1Api(control_plane.api_client())
-    core.create_namespaced_secret(namespace, {"metadata": {"name": "artifacts-s3"},
-                                              "stringData": {"accesskey": "testing", "secretkey": "testing"}})
-    repo = {"s3": {"bucket": bucket, "endpoint": s3.url.split("://", 1)[1], "insecure": True,
-                   "region": "us-east-1", "keyFormat": "{{workflow.name}}/{{pod.name}}",
-                   "accessKeySecret": {"name": "artifacts-s3", "key": "accesskey"},
-                   "secretKeySecret": {"name": "artifacts-s3", "key": "secretkey"}}}
-    core.create_namespaced_config_map(namespace, {
-        "metadata": {"name": "artifact-repositories",
-                     "annotations": {"workflows.argoproj.io/default-artifact-repository": "default"}},
-        "data": {"default": yaml.safe_dump(repo)}})
+    core.create_namespaced_secret(
+        namespace,
+        {"metadata": {"name": "artifacts-s3"}, "stringData": {"accesskey": "testing", "secretkey": "testing"}},
+    )
+    repo = {
+        "s3": {
+            "bucket": bucket,
+            "endpoint": s3.url.split("://", 1)[1],
+            "insecure": True,
+            "region": "us-east-1",
+            "keyFormat": "{{workflow.name}}/{{pod.name}}",
+            "accessKeySecret": {"name": "artifacts-s3", "key": "accesskey"},
+            "secretKeySecret": {"name": "artifacts-s3", "key": "secretkey"},
+        }
+    }
+    core.create_namespaced_config_map(
+        namespace,
+        {
+            "metadata": {
+                "name": "artifact-repositories",
+                "annotations": {"workflows.argoproj.io/default-artifact-repository": "default"},
+            },
+            "data": {"default": yaml.safe_dump(repo)},
+        },
+    )
 
 
 def s3_artifact(s3, bucket: str, node: dict, name: str, into: Path) -> Path:
@@ -165,9 +226,16 @@ def submit(workflows, namespace: str, name: str, params: dict, template: dict | 
     group = ("argoproj.io", "v1alpha1", namespace)
     if template is not None:
         workflows.create_namespaced_custom_object(*group, "workflowtemplates", template)
-    workflow = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": name},
-                "spec": {"workflowTemplateRef": {"name": "elastic-step-train-eval"},
-                         "arguments": {"parameters": [{"name": k, "value": v} for k, v in params.items()]}, **spec}}
+    workflow = {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {"name": name},
+        "spec": {
+            "workflowTemplateRef": {"name": "elastic-step-train-eval"},
+            "arguments": {"parameters": [{"name": k, "value": v} for k, v in params.items()]},
+            **spec,
+        },
+    }
     for _ in range(5):
         workflows.create_namespaced_custom_object(*group, "workflows", workflow)
         if template is None:
@@ -175,14 +243,25 @@ def submit(workflows, namespace: str, name: str, params: dict, template: dict | 
         # The controller looks the template up in its informer's cache, which may not hold the one created
         # a moment ago: it then ends the workflow at once in Error, "... not found" (seen once in CI;
         # argoproj/argo-workflows#14615). Only then is the workflow submitted again; any other start stands.
-        status = wait_for(lambda: _started(workflows, group, name), 120, interval=0.2,
-                          what=f"Argo's controller to take up workflow {namespace}/{name}")
+        status = wait_for(
+            lambda: _started(workflows, group, name),
+            120,
+            interval=0.2,
+            what=f"Argo's controller to take up workflow {namespace}/{name}",
+        )
         if status["phase"] != "Error" or "workflowtemplates.argoproj.io" not in status.get("message", ""):
             return
         workflows.delete_namespaced_custom_object(*group, "workflows", name)
-        wait_for(lambda: not any(w["metadata"]["name"] == name for w in
-                                 workflows.list_namespaced_custom_object(*group, "workflows")["items"]),
-                 60, what=f"workflow {namespace}/{name} deleted")
+        wait_for(
+            lambda: (
+                not any(
+                    w["metadata"]["name"] == name
+                    for w in workflows.list_namespaced_custom_object(*group, "workflows")["items"]
+                )
+            ),
+            60,
+            what=f"workflow {namespace}/{name} deleted",
+        )
     raise AssertionError(f"Argo's controller never found the WorkflowTemplate for {namespace}/{name}")
 
 
@@ -196,10 +275,22 @@ def tally_params(tmp_path: Path, **over) -> dict:
     from tests.models.witness import TALLY_MODEL
 
     tally.write_csv(str(tmp_path / "tally.csv"))
-    return {"source-uri": str(tmp_path / "tally.csv"), "model-def": TALLY_MODEL, "label": "label",
-            "epochs": str(EPOCHS), "minibatch-size": "32", "records-per-task": "128", "max-workers": "2",
-            "num-ps": "2", "worker-cpu": "", "worker-memory": "", "metric": "loss", "threshold": "-0.5",
-            "publish-uri": str(tmp_path / "published"), **over}
+    return {
+        "source-uri": str(tmp_path / "tally.csv"),
+        "model-def": TALLY_MODEL,
+        "label": "label",
+        "epochs": str(EPOCHS),
+        "minibatch-size": "32",
+        "records-per-task": "128",
+        "max-workers": "2",
+        "num-ps": "2",
+        "worker-cpu": "",
+        "worker-memory": "",
+        "metric": "loss",
+        "threshold": "-0.5",
+        "publish-uri": str(tmp_path / "published"),
+        **over,
+    }
 
 
 def step_pods(core, namespace: str, workflow: str, task: str) -> list:
@@ -228,7 +319,8 @@ def records_trained(control_plane, namespace: str, pod: str) -> tuple[int, int]:
 
 
 def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller(
-        control_plane, node, argo, workflows, pipeline_ns, s3_server, tmp_path):
+    control_plane, node, argo, workflows, pipeline_ns, s3_server, tmp_path
+):
     """data prep -> elastic training (the master in the step's pod starts worker and PS pods through
     the Kubernetes backend; they read the step's local data from it) -> evaluation -> publishing,
     gated on it. Argo's controller decides every step; the published model's weights say that every
@@ -244,8 +336,10 @@ def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller
     done = finished(workflows, namespace, "train-eval", timeout=900)
     took = time.monotonic() - t0
     recorder.stop()
-    assert done["status"]["phase"] == "Succeeded", (done["status"].get("message"),
-                                                    pod_logs(control_plane, namespace, "train-eval"))
+    assert done["status"]["phase"] == "Succeeded", (
+        done["status"].get("message"),
+        pod_logs(control_plane, namespace, "train-eval"),
+    )
     nodes = {n["displayName"]: n for n in done["status"]["nodes"].values()}
     for step in ("data-prep", "elastic-train", "evaluate", "publish"):
         assert nodes[step]["phase"] == "Succeeded", (step, nodes[step])
@@ -269,11 +363,15 @@ def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller
     assert_each_record_applied_exactly(published, {"train": str(prepared / "prepared" / "train")}, EPOCHS)
     submitted = _time(done["metadata"]["creationTimestamp"])
     first_step = _time(nodes["elastic-train"]["startedAt"]) + summary["startup_seconds"]
-    steps = ", ".join(f"{n} {_time(nodes[n]['finishedAt']) - _time(nodes[n]['startedAt']):.0f}s"
-                      for n in ("data-prep", "elastic-train", "evaluate", "publish"))
-    print(f"\nshipped template on Argo: submission -> first committed training step {first_step - submitted:.0f}s "
-          f"(data prep, the training pod, its PS and workers); training {summary['training_seconds']:.1f}s; "
-          f"whole run {took:.0f}s; steps as Argo timed them: {steps}")
+    steps = ", ".join(
+        f"{n} {_time(nodes[n]['finishedAt']) - _time(nodes[n]['startedAt']):.0f}s"
+        for n in ("data-prep", "elastic-train", "evaluate", "publish")
+    )
+    print(
+        f"\nshipped template on Argo: submission -> first committed training step {first_step - submitted:.0f}s "
+        f"(data prep, the training pod, its PS and workers); training {summary['training_seconds']:.1f}s; "
+        f"whole run {took:.0f}s; steps as Argo timed them: {steps}"
+    )
 
 
 # ------------------------------------------------------------------------ preemption, a killed step, retry
@@ -286,14 +384,16 @@ POOL_TAINT = {"key": "elastic-step-test/argo-pool", "value": "yes", "effect": "N
 def argo_pool(control_plane, argo, node):
     """A node with room for the training step's pod (1 cpu) and two 1-cpu workers, and nothing else
     that requests cpu: a higher-priority pod can only be placed by preempting a worker."""
-    pool = control_plane.add_node("argo-pool", cpu="3", memory="16Gi", pods=30, labels={POOL_LABEL: "yes"},
-                                  taints=[POOL_TAINT])
+    pool = control_plane.add_node(
+        "argo-pool", cpu="3", memory="16Gi", pods=30, labels={POOL_LABEL: "yes"}, taints=[POOL_TAINT]
+    )
     pool.images.update(node.images)
     return pool
 
 
 def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
-        control_plane, argo, argo_pool, workflows, pipeline_ns, s3_server, tmp_path):
+    control_plane, argo, argo_pool, workflows, pipeline_ns, s3_server, tmp_path
+):
     """In the workflow's training step, on progress: a higher-priority pod makes the real scheduler
     preempt a worker (the job trains on, and the relaunched worker joins when room is back); then the
     step's pod is deleted at once (grace 0, as when a node is lost). Argo retries the step under the
@@ -302,16 +402,27 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     from tests.models.witness import assert_each_record_applied_exactly, assert_exactly_once
 
     namespace, core = pipeline_ns, client.CoreV1Api(control_plane.api_client())
-    epochs = 80   # ~40 s of training: the master's progress lines (every 5 s) see each stage of it
-    ckpt = tmp_path / "checkpoints"   # every pod of this one-machine cluster sees it, as it would a bucket
-    params = tally_params(tmp_path, **{"epochs": str(epochs), "worker-cpu": "1", "checkpoint-uri": str(ckpt),
-                                       "checkpoint-every": "20000", "backend": "kubernetes"})
+    epochs = 80  # ~40 s of training: the master's progress lines (every 5 s) see each stage of it
+    ckpt = tmp_path / "checkpoints"  # every pod of this one-machine cluster sees it, as it would a bucket
+    params = tally_params(
+        tmp_path,
+        **{
+            "epochs": str(epochs),
+            "worker-cpu": "1",
+            "checkpoint-uri": str(ckpt),
+            "checkpoint-every": "20000",
+            "backend": "kubernetes",
+        },
+    )
     # The workflow's pods and, through the master's pod spec, the job's pods go to the pool: how a
     # platform team steers a workflow's placement (README: "Placement").
     placement = {"nodeSelector": {POOL_LABEL: "yes"}, "tolerations": [{**POOL_TAINT, "operator": "Equal"}]}
-    patch = {"containers": [{"name": "main", "env": [{"name": "ELASTIC_STEP_POD_SPEC", "value": json.dumps(placement)}]}]}
-    submit(workflows, namespace, "chaos", params, template=shipped_template(),
-           podSpecPatch=json.dumps(patch), **placement)
+    patch = {
+        "containers": [{"name": "main", "env": [{"name": "ELASTIC_STEP_POD_SPEC", "value": json.dumps(placement)}]}]
+    }
+    submit(
+        workflows, namespace, "chaos", params, template=shipped_template(), podSpecPatch=json.dumps(patch), **placement
+    )
 
     def master_pod():
         pods = step_pods(core, namespace, "chaos", "elastic-train")
@@ -327,20 +438,45 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
         return done / total if total else 0.0
 
     def workers(phase: str = "Running") -> list:
-        return [p for p in job_pods(core, namespace) if p.metadata.labels["elastic-step/role"] == "worker"
-                and p.status.phase == phase and not p.metadata.deletion_timestamp]
+        return [
+            p
+            for p in job_pods(core, namespace)
+            if p.metadata.labels["elastic-step/role"] == "worker"
+            and p.status.phase == phase
+            and not p.metadata.deletion_timestamp
+        ]
 
     try:
         # 1. Preemption, at 15 % of the records.
-        wait_for(lambda: progress() >= 0.15 and len(workers()) == 2, 300, interval=0.5,
-                 what="two workers training past 15 %")
+        wait_for(
+            lambda: progress() >= 0.15 and len(workers()) == 2, 300, interval=0.5, what="two workers training past 15 %"
+        )
         first = {p.metadata.name for p in workers()}
-        core.create_namespaced_pod(namespace, {"metadata": {"name": "intruder"}, "spec": {
-            "priorityClassName": "elastic-high", "terminationGracePeriodSeconds": 1, "restartPolicy": "Never",
-            **placement, "containers": [{"name": "main", "image": "x", "command": ["sleep", "600"],
-                                         "resources": {"requests": {"cpu": "1"}}}]}})
-        wait_for(lambda: core.read_namespaced_pod("intruder", namespace).status.phase == "Running", 120,
-                 what="the intruder placed by preempting a worker")
+        core.create_namespaced_pod(
+            namespace,
+            {
+                "metadata": {"name": "intruder"},
+                "spec": {
+                    "priorityClassName": "elastic-high",
+                    "terminationGracePeriodSeconds": 1,
+                    "restartPolicy": "Never",
+                    **placement,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "x",
+                            "command": ["sleep", "600"],
+                            "resources": {"requests": {"cpu": "1"}},
+                        }
+                    ],
+                },
+            },
+        )
+        wait_for(
+            lambda: core.read_namespaced_pod("intruder", namespace).status.phase == "Running",
+            120,
+            what="the intruder placed by preempting a worker",
+        )
         preempted = first - {p.metadata.name for p in workers()}
         assert len(preempted) == 1, (first, [p.metadata.name for p in workers()])
         at = records()
@@ -350,44 +486,61 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
         core.delete_namespaced_pod("intruder", namespace, grace_period_seconds=0)
         wait_for(lambda: len(workers()) == 2, 180, what="the relaunched worker running")
         # 2. The training step's pod deleted at once, after a checkpoint and at 55 % of the records.
-        wait_for(lambda: progress() >= 0.55 and list(ckpt.glob("*/checkpoint.json")), 300, interval=0.5,
-                 what="a checkpoint, then 55 % of the records")
+        wait_for(
+            lambda: progress() >= 0.55 and list(ckpt.glob("*/checkpoint.json")),
+            300,
+            interval=0.5,
+            what="a checkpoint, then 55 % of the records",
+        )
         killed = master_pod()
         killed_at = records()
         core.delete_namespaced_pod(killed, namespace, grace_period_seconds=0)
-        wait_for(lambda: f"{namespace}/{killed}" not in argo_pool.running()
-                 and killed not in {p.metadata.name for p in core.list_namespaced_pod(namespace).items},
-                 120, what="the killed step's master exited and its pod gone")
+        wait_for(
+            lambda: (
+                f"{namespace}/{killed}" not in argo_pool.running()
+                and killed not in {p.metadata.name for p in core.list_namespaced_pod(namespace).items}
+            ),
+            120,
+            what="the killed step's master exited and its pod gone",
+        )
         # The last checkpoint the killed master committed (it may have cut one after its last progress
         # line): the one the retry must resume from.
-        last_before_kill, = (json.loads(m.read_text()) for m in ckpt.glob("*/checkpoint.json"))
+        (last_before_kill,) = (json.loads(m.read_text()) for m in ckpt.glob("*/checkpoint.json"))
         done = finished(workflows, namespace, "chaos", timeout=900)
     except Exception:
         print(pod_logs(control_plane, namespace, "chaos", "elastic-train", tail=6000))
         raise
-    assert done["status"]["phase"] == "Succeeded", (done["status"].get("message"),
-                                                    pod_logs(control_plane, namespace, "chaos"))
-    attempts = [n for n in done["status"]["nodes"].values() if n["type"] == "Pod"
-                and _task(n["name"]) == "elastic-train"]
-    assert sorted(n["phase"] for n in attempts) == ["Error", "Succeeded"], [(n["name"], n["phase"], n.get("message"))
-                                                                          for n in attempts]
+    assert done["status"]["phase"] == "Succeeded", (
+        done["status"].get("message"),
+        pod_logs(control_plane, namespace, "chaos"),
+    )
+    attempts = [
+        n for n in done["status"]["nodes"].values() if n["type"] == "Pod" and _task(n["name"]) == "elastic-train"
+    ]
+    assert sorted(n["phase"] for n in attempts) == ["Error", "Succeeded"], [
+        (n["name"], n["phase"], n.get("message")) for n in attempts
+    ]
     retried = master_pod()
     assert retried != killed
     log = pod_logs(control_plane, namespace, "chaos", "elastic-train", tail=10**6)
     assert "resuming job" in log and "from checkpoint" in log, log[-4000:]
     published = Path(params["publish-uri"])
     summary = json.loads((published / "summary.json").read_text())
-    restart, = summary["checkpoints"]["restarts"]
+    (restart,) = summary["checkpoints"]["restarts"]
     assert restart["from_checkpoint"] == last_before_kill["id"], (restart, last_before_kill)
-    assert 0 < restart["records_committed_at_checkpoint"] == last_before_kill["records_committed"], \
-        (restart, last_before_kill)
-    assert_exactly_once(summary)   # the audit exact, and the ledger agreeing with it
+    assert 0 < restart["records_committed_at_checkpoint"] == last_before_kill["records_committed"], (
+        restart,
+        last_before_kill,
+    )
+    assert_exactly_once(summary)  # the audit exact, and the ledger agreeing with it
     prep = next(n for n in done["status"]["nodes"].values() if n["displayName"] == "data-prep")
     prepared = s3_artifact(s3_server, "artifacts", prep, "prepared", tmp_path / "prepared")
     assert_each_record_applied_exactly(published, {"train": str(prepared / "prepared" / "train")}, epochs)
     assert job_pods(core, namespace) == []
-    print(f"\nArgo chaos: {preempted.pop()} preempted at {at} records; step pod {killed} deleted at {killed_at}; "
-          f"the retry resumed from the checkpoint at {restart['records_committed_at_checkpoint']}")
+    print(
+        f"\nArgo chaos: {preempted.pop()} preempted at {at} records; step pod {killed} deleted at {killed_at}; "
+        f"the retry resumed from the checkpoint at {restart['records_committed_at_checkpoint']}"
+    )
 
 
 def test_deleting_the_workflow_removes_every_pod_of_the_job(control_plane, argo, workflows, pipeline_ns, tmp_path):
@@ -396,36 +549,50 @@ def test_deleting_the_workflow_removes_every_pod_of_the_job(control_plane, argo,
     namespace, core = pipeline_ns, client.CoreV1Api(control_plane.api_client())
     submit(workflows, namespace, "doomed", tally_params(tmp_path, epochs="200"), template=shipped_template())
     try:
-        wait_for(lambda: len([p for p in job_pods(core, namespace) if p.status.phase == "Running"]) >= 3, 300,
-                 interval=0.5, what="the job's PS and workers running")
-    except AssertionError:   # once in a full cold run: what the workflow and its pods were doing
+        wait_for(
+            lambda: len([p for p in job_pods(core, namespace) if p.status.phase == "Running"]) >= 3,
+            300,
+            interval=0.5,
+            what="the job's PS and workers running",
+        )
+    except AssertionError:  # once in a full cold run: what the workflow and its pods were doing
         wf = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", "doomed")
-        print({k: wf.get("status", {}).get(k) for k in ("phase", "message")},
-              [(p.metadata.name, p.status.phase, p.spec.node_name) for p in core.list_namespaced_pod(namespace).items])
+        print(
+            {k: wf.get("status", {}).get(k) for k in ("phase", "message")},
+            [(p.metadata.name, p.status.phase, p.spec.node_name) for p in core.list_namespaced_pod(namespace).items],
+        )
         print(pod_logs(control_plane, namespace, "doomed", tail=6000))
         raise
-    wf_uid = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows",
-                                                    "doomed")["metadata"]["uid"]
-    step, = step_pods(core, namespace, "doomed", "elastic-train")
+    wf_uid = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", "doomed")[
+        "metadata"
+    ]["uid"]
+    (step,) = step_pods(core, namespace, "doomed", "elastic-train")
     assert [(r.kind, r.uid) for r in step.metadata.owner_references] == [("Workflow", wf_uid)]
     for p in job_pods(core, namespace):
         assert [(r.kind, r.uid) for r in p.metadata.owner_references] == [("Pod", step.metadata.uid)]
     workflows.delete_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", "doomed")
-    wait_for(lambda: not core.list_namespaced_pod(namespace).items, 120, interval=0.5,
-             what="every pod of the deleted workflow gone")
+    wait_for(
+        lambda: not core.list_namespaced_pod(namespace).items,
+        120,
+        interval=0.5,
+        what="every pod of the deleted workflow gone",
+    )
 
 
 # ------------------------------------------------------------------------------ scheduled retraining
 
-def test_the_cron_workflow_fires_twice_each_run_publishes_and_forbid_holds(control_plane, argo, workflows,
-                                                                           pipeline_ns, tmp_path):
+
+def test_the_cron_workflow_fires_twice_each_run_publishes_and_forbid_holds(
+    control_plane, argo, workflows, pipeline_ns, tmp_path
+):
     """The shipped CronWorkflow on a short test schedule: each run is the whole pipeline and publishes a
     model; a run lasts longer than the interval, and with `concurrencyPolicy: Forbid` the next run
     waits for it (the ticks in between are skipped), as Argo's own records of the runs show."""
     namespace = pipeline_ns
     interval = 15
-    workflows.create_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflowtemplates",
-                                              shipped_template())
+    workflows.create_namespaced_custom_object(
+        "argoproj.io", "v1alpha1", namespace, "workflowtemplates", shipped_template()
+    )
     cron = yaml.safe_load(CRON.read_text())
     assert cron["spec"]["concurrencyPolicy"] == "Forbid"
     cron["spec"]["schedules"] = [f"@every {interval}s"]
@@ -437,11 +604,16 @@ def test_the_cron_workflow_fires_twice_each_run_publishes_and_forbid_holds(contr
     label = f"workflows.argoproj.io/cron-workflow={cron['metadata']['name']}"
 
     def two_runs_done() -> bool:
-        items = workflows.list_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows",
-                                                        label_selector=label)["items"]
+        items = workflows.list_namespaced_custom_object(
+            "argoproj.io", "v1alpha1", namespace, "workflows", label_selector=label
+        )["items"]
         for wf in items:
             runs[wf["metadata"]["name"]] = wf
-        live = [wf["metadata"]["name"] for wf in items if (wf.get("status") or {}).get("phase") in (None, "", "Pending", "Running")]
+        live = [
+            wf["metadata"]["name"]
+            for wf in items
+            if (wf.get("status") or {}).get("phase") in (None, "", "Pending", "Running")
+        ]
         if len(live) > 1:
             overlaps.append(live)
         if published.exists():
@@ -453,8 +625,9 @@ def test_the_cron_workflow_fires_twice_each_run_publishes_and_forbid_holds(contr
     try:
         wait_for(two_runs_done, 600, interval=0.5, what="two runs of the CronWorkflow")
     finally:
-        workflows.patch_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "cronworkflows",
-                                                 cron["metadata"]["name"], {"spec": {"suspend": True}})
+        workflows.patch_namespaced_custom_object(
+            "argoproj.io", "v1alpha1", namespace, "cronworkflows", cron["metadata"]["name"], {"spec": {"suspend": True}}
+        )
     assert not overlaps, overlaps
     first, second = sorted(runs.values(), key=lambda wf: wf["metadata"]["creationTimestamp"])[:2]
     for wf in (first, second):
@@ -469,14 +642,18 @@ def test_the_cron_workflow_fires_twice_each_run_publishes_and_forbid_holds(contr
     assert first_ran > interval, first_ran
     assert scheduled[1] - scheduled[0] >= 2 * interval - 1, scheduled
     assert _time(second["status"]["startedAt"]) >= _time(first["status"]["finishedAt"])
-    print(f"\ncron: runs scheduled {scheduled[1] - scheduled[0]:.0f}s apart at an interval of {interval}s; "
-          f"the first ran {first_ran:.0f}s")
+    print(
+        f"\ncron: runs scheduled {scheduled[1] - scheduled[0]:.0f}s apart at an interval of {interval}s; "
+        f"the first ran {first_ran:.0f}s"
+    )
 
 
 # ------------------------------------------------------------------------------ runs that cannot start
 
-def test_a_run_that_cannot_start_names_the_cause_in_the_workflows_status(control_plane, argo, workflows,
-                                                                         pipeline_ns, tmp_path):
+
+def test_a_run_that_cannot_start_names_the_cause_in_the_workflows_status(
+    control_plane, argo, workflows, pipeline_ns, tmp_path
+):
     """A missing PriorityClass, a service account without the Role, a model file that is not there:
     each training step fails at once (exit 2, not retried), and the failed step's message in the
     workflow's status names the cause and the fix."""
@@ -485,28 +662,45 @@ def test_a_run_that_cannot_start_names_the_cause_in_the_workflows_status(control
     namespace = pipeline_ns
     api = control_plane.api_client()
     # `no-pods`: may report step outputs (Argo's executor), may not run the job's pods.
-    utils.create_from_dict(api, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "no-pods"}},
-                           namespace=namespace)
-    utils.create_from_dict(api, {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "no-pods-executor"},
-        "subjects": [{"kind": "ServiceAccount", "name": "no-pods", "namespace": namespace}],
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elastic-step-argo-executor"}},
-        namespace=namespace)
+    utils.create_from_dict(
+        api, {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "no-pods"}}, namespace=namespace
+    )
+    utils.create_from_dict(
+        api,
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": {"name": "no-pods-executor"},
+            "subjects": [{"kind": "ServiceAccount", "name": "no-pods", "namespace": namespace}],
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elastic-step-argo-executor"},
+        },
+        namespace=namespace,
+    )
     missing_model = str(tmp_path / "models" / "model.py")
     cases = {
-        "no-priority-class": ({"backend": "kubernetes", "worker-priority-class": "gold-nonexistent"}, {},
-                              ["gold-nonexistent", "PriorityClass"]),
+        "no-priority-class": (
+            {"backend": "kubernetes", "worker-priority-class": "gold-nonexistent"},
+            {},
+            ["gold-nonexistent", "PriorityClass"],
+        ),
         "no-rbac": ({"backend": "kubernetes"}, {"serviceAccountName": "no-pods"}, ["pods", "role.yaml"]),
         "bad-model-def": ({"model-def": missing_model}, {}, [missing_model]),
     }
     for i, (name, (over, spec, _)) in enumerate(cases.items()):
-        submit(workflows, namespace, name, tally_params(tmp_path, **over),
-               template=shipped_template() if i == 0 else None, **spec)
+        submit(
+            workflows,
+            namespace,
+            name,
+            tally_params(tmp_path, **over),
+            template=shipped_template() if i == 0 else None,
+            **spec,
+        )
     for name, (_, _, says) in cases.items():
         done = finished(workflows, namespace, name, timeout=300)
         assert done["status"]["phase"] == "Failed", (name, done["status"].get("message"))
-        attempts = [n for n in done["status"]["nodes"].values() if n["type"] == "Pod"
-                    and _task(n["name"]) == "elastic-train"]
+        attempts = [
+            n for n in done["status"]["nodes"].values() if n["type"] == "Pod" and _task(n["name"]) == "elastic-train"
+        ]
         assert len(attempts) == 1, (name, "bad input is not retried", [n["name"] for n in attempts])
         message = attempts[0].get("message", "")
         assert all(s in message for s in says), (name, message)

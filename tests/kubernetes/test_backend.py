@@ -5,6 +5,7 @@ Every master here runs with a service-account token bound only to the shipped Ro
 (elastic_step/backends/manifests/role.yaml), in a pod (in-cluster config) or outside one (a
 kubeconfig holding the token).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,14 @@ from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
 
 from elastic_step.backends.api import BackendError, EventKind, InstanceId, InstanceSpec
-from elastic_step.backends.kubernetes import (NEEDED, KubernetesBackend, KubernetesBackendError,
-                                              KubernetesPermissionError, Owner, load_manifests)
+from elastic_step.backends.kubernetes import (
+    NEEDED,
+    KubernetesBackend,
+    KubernetesBackendError,
+    KubernetesPermissionError,
+    Owner,
+    load_manifests,
+)
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
@@ -38,19 +45,25 @@ SLOW_MODEL = str(Path(__file__).resolve().parents[2] / "bench" / "models" / "slo
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}
-SLEEPER = [sys.executable, "-c", "import signal, sys, time\n"
-           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(600)"]
+SLEEPER = [
+    sys.executable,
+    "-c",
+    "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(600)",
+]
 
 
 # ------------------------------------------------------------------------------ helpers
 
+
 def apply(api, namespace: str | None, docs: list[dict]) -> None:
     """Create the documents (ServiceAccount, Role, RoleBinding, PriorityClass); existing ones stay."""
     core, rbac, sched = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api), client.SchedulingV1Api(api)
-    create = {"ServiceAccount": lambda d: core.create_namespaced_service_account(namespace, d),
-              "Role": lambda d: rbac.create_namespaced_role(namespace, d),
-              "RoleBinding": lambda d: rbac.create_namespaced_role_binding(namespace, d),
-              "PriorityClass": lambda d: sched.create_priority_class(d)}
+    create = {
+        "ServiceAccount": lambda d: core.create_namespaced_service_account(namespace, d),
+        "Role": lambda d: rbac.create_namespaced_role(namespace, d),
+        "RoleBinding": lambda d: rbac.create_namespaced_role_binding(namespace, d),
+        "PriorityClass": lambda d: sched.create_priority_class(d),
+    }
     for d in docs:
         try:
             create[d["kind"]](d)
@@ -61,8 +74,12 @@ def apply(api, namespace: str | None, docs: list[dict]) -> None:
 
 def allowed(api, namespace: str, verbs=NEEDED) -> bool:
     auth = client.AuthorizationV1Api(api)
-    return all(auth.create_self_subject_access_review({"spec": {"resourceAttributes": {
-        "namespace": namespace, "verb": v, "resource": r}}}).status.allowed for v, r in verbs)
+    return all(
+        auth.create_self_subject_access_review(
+            {"spec": {"resourceAttributes": {"namespace": namespace, "verb": v, "resource": r}}}
+        ).status.allowed
+        for v, r in verbs
+    )
 
 
 def step_account(cp, namespace: str, drop: tuple[str, str] | None = None) -> Path:
@@ -83,13 +100,28 @@ def step_account(cp, namespace: str, drop: tuple[str, str] | None = None) -> Pat
 
 
 def sleeper_pod(core, namespace: str, name: str, **spec) -> client.V1Pod:
-    pod = core.create_namespaced_pod(namespace, {
-        "metadata": {"name": name},
-        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 2, **spec,
-                 "containers": [{"name": "main", "image": "sleeper", "command": SLEEPER,
-                                 **({"resources": spec.pop("resources")} if "resources" in spec else {})}]}})
-    wait_for(lambda: core.read_namespaced_pod(name, namespace).status.phase == "Running", 60,
-             what=f"pod {name} running")
+    pod = core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 2,
+                **spec,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "sleeper",
+                        "command": SLEEPER,
+                        **({"resources": spec.pop("resources")} if "resources" in spec else {}),
+                    }
+                ],
+            },
+        },
+    )
+    wait_for(
+        lambda: core.read_namespaced_pod(name, namespace).status.phase == "Running", 60, what=f"pod {name} running"
+    )
     return pod
 
 
@@ -122,8 +154,10 @@ class Events:
                     return ev
             for ev in self.backend.events(0.2):
                 self.seen.append(ev)
-        raise AssertionError(f"no {kind.value} event for {instance} in {timeout}s; seen "
-                             f"{[(e.kind.value, str(e.instance), e.detail) for e in self.seen]}")
+        raise AssertionError(
+            f"no {kind.value} event for {instance} in {timeout}s; seen "
+            f"{[(e.kind.value, str(e.instance), e.detail) for e in self.seen]}"
+        )
 
     def kinds(self, instance: InstanceId) -> list[str]:
         for ev in self.backend.events(0.1):
@@ -139,7 +173,7 @@ class PodRecorder(threading.Thread):
         super().__init__(daemon=True, name=f"recorder-{namespace}")
         self.core, self.namespace = core, namespace
         self.current: dict[str, dict] = {}
-        self.seen: dict[str, dict] = {}              # name -> last version seen
+        self.seen: dict[str, dict] = {}  # name -> last version seen
         self.max_live: dict[tuple, int] = {}
         self.stopped = threading.Event()
         self.start()
@@ -154,8 +188,9 @@ class PodRecorder(threading.Thread):
                     self.current = {}
                     for obj in lst["items"]:
                         self._see("ADDED", obj)
-                resp = self.core.list_namespaced_pod(self.namespace, watch=True, resource_version=rv,
-                                                     timeout_seconds=5, _preload_content=False)
+                resp = self.core.list_namespaced_pod(
+                    self.namespace, watch=True, resource_version=rv, timeout_seconds=5, _preload_content=False
+                )
                 for line in iter_resp_lines(resp):
                     ev = json.loads(line)
                     if ev["type"] == "ERROR":
@@ -206,9 +241,14 @@ def assert_pushes_carried_bytes(logs: dict[str, str], shards: set[int], every_wo
     refused = {}
     for pod, text in logs.items():
         assert "pushes go through shared memory" not in text, (pod, text[-3000:])
-        refused[pod] = {int(m.group(1)) for m in re.finditer(
-            r"PS shard (\d+) at \S+ refused shared push slots \(cannot open /dev/shm/elastic-step-ps\1-\S+: "
-            r"No such file or directory\): pushes carry their bytes", text)}
+        refused[pod] = {
+            int(m.group(1))
+            for m in re.finditer(
+                r"PS shard (\d+) at \S+ refused shared push slots \(cannot open /dev/shm/elastic-step-ps\1-\S+: "
+                r"No such file or directory\): pushes carry their bytes",
+                text,
+            )
+        }
     if every_worker:
         for pod, shards_refused in refused.items():
             assert shards_refused == shards, (pod, shards_refused, logs[pod][-3000:])
@@ -252,6 +292,7 @@ def cli_env(kubeconfig: Path, namespace: str, **extra) -> dict:
 
 # ------------------------------------------------------------------------------ fixtures
 
+
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     from elastic_step.data.prep import prepare
@@ -269,8 +310,9 @@ def priority_classes(control_plane):
 @pytest.fixture(scope="module")
 def pool(control_plane):
     """A dedicated node with room for exactly two 1-cpu workers (the PS requests no cpu)."""
-    return control_plane.add_node("elastic-pool-1", cpu="2", memory="8Gi", pods=20, labels={POOL: "yes"},
-                                  taints=[TAINT])
+    return control_plane.add_node(
+        "elastic-pool-1", cpu="2", memory="8Gi", pods=20, labels={POOL: "yes"}, taints=[TAINT]
+    )
 
 
 @pytest.fixture
@@ -280,11 +322,18 @@ def sa_kubeconfig(control_plane, namespace):
 
 # ------------------------------------------------------------------------------ pods and events
 
-def test_pods_carry_labels_owner_secret_token_and_resources(control_plane, core, node, namespace, sa_kubeconfig,
-                                                            priority_classes):
+
+def test_pods_carry_labels_owner_secret_token_and_resources(
+    control_plane, core, node, namespace, sa_kubeconfig, priority_classes
+):
     owner = sleeper_pod(core, namespace, "step")
-    b = KubernetesBackend("job-shape", "the-token", kubeconfig=str(sa_kubeconfig), namespace=namespace,
-                          owner=Owner("step", owner.metadata.uid))
+    b = KubernetesBackend(
+        "job-shape",
+        "the-token",
+        kubeconfig=str(sa_kubeconfig),
+        namespace=namespace,
+        owner=Owner("step", owner.metadata.uid),
+    )
     try:
         check_pods_and_events(b, core, namespace, owner)
     finally:
@@ -302,9 +351,13 @@ def check_pods_and_events(b, core, namespace, owner):
     ev.wait(EventKind.RUNNING, w0)
     ev.wait(EventKind.RUNNING, ps0)
     pod = core.read_namespaced_pod("job-shape-worker-0", namespace)
-    assert pod.metadata.labels == {"elastic-step/job": "job-shape", "elastic-step/role": "worker",
-                                   "elastic-step/index": "0", "elastic-step/launch": "1",
-                                   "app.kubernetes.io/managed-by": "elastic-step"}
+    assert pod.metadata.labels == {
+        "elastic-step/job": "job-shape",
+        "elastic-step/role": "worker",
+        "elastic-step/index": "0",
+        "elastic-step/launch": "1",
+        "app.kubernetes.io/managed-by": "elastic-step",
+    }
     ref = pod.metadata.owner_references[0]
     assert (ref.kind, ref.name, ref.uid, ref.block_owner_deletion) == ("Pod", "step", owner.metadata.uid, False)
     spec = pod.spec
@@ -335,28 +388,74 @@ def check_pods_and_events(b, core, namespace, owner):
 
 # ------------------------------------------------------------------------------ training
 
-def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, namespace, digits, priority_classes,
-                                                tmp_path):
+
+def test_digits_trains_with_the_master_in_a_pod(
+    control_plane, core, node, namespace, digits, priority_classes, tmp_path
+):
     """The step as Kubernetes runs it: the master is a pod of service account elastic-step (in-cluster
     config, namespace from the token's directory, owner = its own pod via the downward API), with the
     default backend, auto: in a pod whose service account holds the Role's verbs, that means pods."""
     step_account(control_plane, namespace)
     recorder = PodRecorder(core, namespace)
     out, job = tmp_path / "out", "digits-k8s"
-    env = [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
-           for n, f in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"), ("POD_IP", "status.podIP"))]
+    env = [
+        {"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
+        for n, f in (("POD_NAME", "metadata.name"), ("POD_UID", "metadata.uid"), ("POD_IP", "status.podIP"))
+    ]
     env.append({"name": "KUBECONFIG", "value": ""})
     t0 = time.monotonic()
-    core.create_namespaced_pod(namespace, {"metadata": {"name": "step"}, "spec": {
-        "serviceAccountName": "elastic-step", "restartPolicy": "Never", "priorityClassName": "elastic-high",
-        "containers": [{"name": "main", "image": "ghcr.io/elastic-step/elastic-step:0.1.0", "env": env,
-                        "command": [sys.executable, "-m", "elastic_step.cli", "train",
-                                    "--job-id", job, "--model-def", DIGITS_MODEL, "--train-data", digits["train"],
-                                    "--eval-data", digits["eval"], "--output", str(out), "--epochs", "40",
-                                    "--minibatch-size", "32", "--records-per-task", "128", "--max-workers", "2",
-                                    "--num-ps", "1", "--progress", "lines"]}]}})
-    pod = wait_for(lambda: (p := core.read_namespaced_pod("step", namespace)).status.phase in ("Succeeded", "Failed")
-                   and p, 600, interval=1, what="the master pod to finish")
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": "step"},
+            "spec": {
+                "serviceAccountName": "elastic-step",
+                "restartPolicy": "Never",
+                "priorityClassName": "elastic-high",
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
+                        "env": env,
+                        "command": [
+                            sys.executable,
+                            "-m",
+                            "elastic_step.cli",
+                            "train",
+                            "--job-id",
+                            job,
+                            "--model-def",
+                            DIGITS_MODEL,
+                            "--train-data",
+                            digits["train"],
+                            "--eval-data",
+                            digits["eval"],
+                            "--output",
+                            str(out),
+                            "--epochs",
+                            "40",
+                            "--minibatch-size",
+                            "32",
+                            "--records-per-task",
+                            "128",
+                            "--max-workers",
+                            "2",
+                            "--num-ps",
+                            "1",
+                            "--progress",
+                            "lines",
+                        ],
+                    }
+                ],
+            },
+        },
+    )
+    pod = wait_for(
+        lambda: (p := core.read_namespaced_pod("step", namespace)).status.phase in ("Succeeded", "Failed") and p,
+        600,
+        interval=1,
+        what="the master pod to finish",
+    )
     took = time.monotonic() - t0
     log = node.log_path(namespace, "step").read_text()
     assert pod.status.phase == "Succeeded", log[-4000:]
@@ -381,31 +480,58 @@ def test_digits_trains_with_the_master_in_a_pod(control_plane, core, node, names
     # afterwards no job pod is left, nor the token Secret
     assert job_pods(core, namespace, job) == []
     assert not secret_exists(core, namespace, f"{job}-token")
-    print(f"\ndigits on Kubernetes: master pod ran {took:.1f}s, training {summary['training_seconds']:.1f}s, "
-          f"{summary['throughput_records_per_s']:.0f} rec/s, accuracy {summary['eval']['accuracy']:.4f}")
+    print(
+        f"\ndigits on Kubernetes: master pod ran {took:.1f}s, training {summary['training_seconds']:.1f}s, "
+        f"{summary['throughput_records_per_s']:.0f} rec/s, accuracy {summary['eval']['accuracy']:.4f}"
+    )
 
 
-def test_preempted_worker_is_requeued_relaunched_and_rejoins(control_plane, core, namespace, digits, pool,
-                                                             priority_classes, sa_kubeconfig, tmp_path):
+def test_preempted_worker_is_requeued_relaunched_and_rejoins(
+    control_plane, core, namespace, digits, pool, priority_classes, sa_kubeconfig, tmp_path
+):
     from elastic_step.master.api import TrainConfig
 
     job = "preempt"
-    cfg = TrainConfig(model_def=SLOW_MODEL, train_data=digits["train"], eval_data=None, output=str(tmp_path / "out"),
-                      epochs=25, minibatch_size=32, records_per_task=128, min_workers=1, max_workers=2, num_ps=1,
-                      backend="kubernetes", job_id=job, worker_cpu="1", worker_memory="256Mi",
-                      worker_priority_class="elastic-low", ps_priority_class="elastic-high", progress="off")
-    backend = KubernetesBackend.from_train_config(cfg, job, "preempt-token", kubeconfig=str(sa_kubeconfig),
-                                                  namespace=namespace, pod_spec=PLACEMENT, owner=None)
+    cfg = TrainConfig(
+        model_def=SLOW_MODEL,
+        train_data=digits["train"],
+        eval_data=None,
+        output=str(tmp_path / "out"),
+        epochs=25,
+        minibatch_size=32,
+        records_per_task=128,
+        min_workers=1,
+        max_workers=2,
+        num_ps=1,
+        backend="kubernetes",
+        job_id=job,
+        worker_cpu="1",
+        worker_memory="256Mi",
+        worker_priority_class="elastic-low",
+        ps_priority_class="elastic-high",
+        progress="off",
+    )
+    backend = KubernetesBackend.from_train_config(
+        cfg, job, "preempt-token", kubeconfig=str(sa_kubeconfig), namespace=namespace, pod_spec=PLACEMENT, owner=None
+    )
     recorder = PodRecorder(core, namespace)
     thread, master, result = run_job(cfg, backend)
     coord, ledger = master.coord, master.ledger
     try:
         preemption_scenario(core, namespace, job, backend, coord, ledger, thread, result, recorder)
     except AssertionError as e:
-        pods = {n: ((o.get("status") or {}).get("phase"), o["spec"].get("nodeName"),
-                    bool(o["metadata"].get("deletionTimestamp"))) for n, o in recorder.current.items()}
-        raise AssertionError(f"{e}\nmaster events: {coord.events[-25:]}\npods: {pods}\n"
-                             f"ledger: {ledger.records_committed_total()} committed, leases {ledger.leases}") from None
+        pods = {
+            n: (
+                (o.get("status") or {}).get("phase"),
+                o["spec"].get("nodeName"),
+                bool(o["metadata"].get("deletionTimestamp")),
+            )
+            for n, o in recorder.current.items()
+        }
+        raise AssertionError(
+            f"{e}\nmaster events: {coord.events[-25:]}\npods: {pods}\n"
+            f"ledger: {ledger.records_committed_total()} committed, leases {ledger.leases}"
+        ) from None
 
 
 def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, result, recorder):
@@ -414,33 +540,51 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
         return len(coord.membership.training())
 
     # both workers train on the full node
-    wait_for(lambda: training() == 2 and ledger.records_committed_total() > 3000 or result, 240, interval=0.2,
-             what="two workers training")
+    wait_for(
+        lambda: training() == 2 and ledger.records_committed_total() > 3000 or result,
+        240,
+        interval=0.2,
+        what="two workers training",
+    )
     assert not result, result
     t_full = ledger.records_committed_total()
     # a high-priority pod that does not fit: the real scheduler preempts a worker
     t0 = time.monotonic()
-    intruder = {"metadata": {"name": "intruder"}, "spec": {
-        "priorityClassName": "elastic-high", "terminationGracePeriodSeconds": 1, "restartPolicy": "Never",
-        **PLACEMENT, "containers": [{"name": "main", "image": "x", "command": SLEEPER,
-                                     "resources": {"requests": {"cpu": "1"}}}]}}
+    intruder = {
+        "metadata": {"name": "intruder"},
+        "spec": {
+            "priorityClassName": "elastic-high",
+            "terminationGracePeriodSeconds": 1,
+            "restartPolicy": "Never",
+            **PLACEMENT,
+            "containers": [{"name": "main", "image": "x", "command": SLEEPER, "resources": {"requests": {"cpu": "1"}}}],
+        },
+    }
     core.create_namespaced_pod(namespace, intruder)
     lost = wait_for(lambda: [e for e in coord.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]
     assert "preempted by the scheduler" in lost["detail"], lost
-    wait_for(lambda: core.read_namespaced_pod("intruder", namespace).status.phase == "Running", 60,
-             what="the intruder running")
+    wait_for(
+        lambda: core.read_namespaced_pod("intruder", namespace).status.phase == "Running",
+        60,
+        what="the intruder running",
+    )
     t_preempted = time.monotonic() - t0
     # the master keeps training with one worker; the relaunched one waits, pending, for room
     at_loss = ledger.records_committed_total()
-    wait_for(lambda: ledger.records_committed_total() > at_loss + 1500 or result, 120,
-             what="training with one worker")
+    wait_for(lambda: ledger.records_committed_total() > at_loss + 1500 or result, 120, what="training with one worker")
     assert not result and training() == 1, result
     relaunch = backend.pod_name(InstanceId("worker", int(victim.rsplit("-", 1)[1])))
     assert relaunch.endswith("-2"), relaunch
-    pending = wait_for(lambda: (p := core.read_namespaced_pod(relaunch, namespace)).status.phase == "Pending"
-                       and any(c.reason == "Unschedulable" for c in p.status.conditions or []) and p, 60,
-                       what="the relaunched worker pending as unschedulable")
+    pending = wait_for(
+        lambda: (
+            (p := core.read_namespaced_pod(relaunch, namespace)).status.phase == "Pending"
+            and any(c.reason == "Unschedulable" for c in p.status.conditions or [])
+            and p
+        ),
+        60,
+        what="the relaunched worker pending as unschedulable",
+    )
     assert pending.spec.node_name is None
     # room again: the pending worker is scheduled and joins
     core.delete_namespaced_pod("intruder", namespace, grace_period_seconds=0)
@@ -470,17 +614,21 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
     assert max(a for t, a in alive if t > t_lost) == 2
     assert recorder.max_live[(job, "worker", victim.rsplit("-", 1)[1])] == 1
     assert job_pods(core, namespace, job) == []
-    print(f"\npreemption: {victim} lost {t_preempted:.1f}s after the high-priority pod was created (at {t_full} "
-          f"records; requeued {requeued or 'nothing: it ended on a task boundary'}); relaunched worker rejoined "
-          f"{t_rejoin:.1f}s after room freed; {summary['ledger']['records_committed']} records, exact")
+    print(
+        f"\npreemption: {victim} lost {t_preempted:.1f}s after the high-priority pod was created (at {t_full} "
+        f"records; requeued {requeued or 'nothing: it ended on a task boundary'}); relaunched worker rejoined "
+        f"{t_rejoin:.1f}s after room freed; {summary['ledger']['records_committed']} records, exact"
+    )
 
 
 # ------------------------------------------------------------------------------ ownership
 
+
 def test_deleting_the_owner_pod_garbage_collects_the_job(control_plane, core, node, namespace, sa_kubeconfig):
     owner = sleeper_pod(core, namespace, "step")
-    b = KubernetesBackend("job-gc", "t", kubeconfig=str(sa_kubeconfig), namespace=namespace,
-                          owner=Owner("step", owner.metadata.uid))
+    b = KubernetesBackend(
+        "job-gc", "t", kubeconfig=str(sa_kubeconfig), namespace=namespace, owner=Owner("step", owner.metadata.uid)
+    )
     ev = Events(b)
     insts = [InstanceId("ps", 0), InstanceId("worker", 0), InstanceId("worker", 1)]
     for i in insts:
@@ -489,8 +637,11 @@ def test_deleting_the_owner_pod_garbage_collects_the_job(control_plane, core, no
         ev.wait(EventKind.RUNNING, i)
     t0 = time.monotonic()
     core.delete_namespaced_pod("step", namespace)
-    wait_for(lambda: not job_pods(core, namespace, "job-gc") and not secret_exists(core, namespace, "job-gc-token"),
-             120, what="the garbage collector to delete the job's pods and Secret")
+    wait_for(
+        lambda: not job_pods(core, namespace, "job-gc") and not secret_exists(core, namespace, "job-gc-token"),
+        120,
+        what="the garbage collector to delete the job's pods and Secret",
+    )
     took = time.monotonic() - t0
     for i in insts:  # the master (if it were alive) hears of each deletion as a loss
         ev.wait(EventKind.LOST, i)
@@ -500,19 +651,43 @@ def test_deleting_the_owner_pod_garbage_collects_the_job(control_plane, core, no
 
 # ------------------------------------------------------------------------------ permissions
 
+
 def test_missing_delete_permission_fails_the_master_naming_it(control_plane, core, namespace, digits, tmp_path):
     kubeconfig = step_account(control_plane, namespace, drop=("delete", "pods"))
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes",
-                           "--job-id", "no-delete", "--model-def", DIGITS_MODEL, "--train-data", digits["train"],
-                           "--output", str(tmp_path / "out"), "--progress", "off"],
-                          cwd=ROOT, env=cli_env(kubeconfig, namespace), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_step.cli",
+            "train",
+            "--backend",
+            "kubernetes",
+            "--job-id",
+            "no-delete",
+            "--model-def",
+            DIGITS_MODEL,
+            "--train-data",
+            digits["train"],
+            "--output",
+            str(tmp_path / "out"),
+            "--progress",
+            "off",
+        ],
+        cwd=ROOT,
+        env=cli_env(kubeconfig, namespace),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     line = [l for l in proc.stderr.splitlines() if l.startswith("elastic-step: error:")][-1]
-    assert line == (f"elastic-step: error: the service account system:serviceaccount:{namespace}:elastic-step "
-                    f"cannot delete pods in namespace {namespace}: add 'delete' on 'pods' to its Role "
-                    "(see elastic_step/backends/manifests/role.yaml)."), line
+    assert line == (
+        f"elastic-step: error: the service account system:serviceaccount:{namespace}:elastic-step "
+        f"cannot delete pods in namespace {namespace}: add 'delete' on 'pods' to its Role "
+        "(see elastic_step/backends/manifests/role.yaml)."
+    ), line
     # it failed before creating anything it could not clean up
     assert job_pods(core, namespace, "no-delete") == []
     assert not secret_exists(core, namespace, "no-delete-token")
@@ -521,15 +696,18 @@ def test_missing_delete_permission_fails_the_master_naming_it(control_plane, cor
 
 def test_forbidden_call_names_verb_and_resource(control_plane, core, namespace):
     kubeconfig = step_account(control_plane, namespace, drop=("create", "pods"))
-    b = KubernetesBackend("no-create", "t", kubeconfig=str(kubeconfig), namespace=namespace, owner=None,
-                          preflight=False)
+    b = KubernetesBackend(
+        "no-create", "t", kubeconfig=str(kubeconfig), namespace=namespace, owner=None, preflight=False
+    )
     try:
         with pytest.raises(KubernetesPermissionError) as e:
             b.start(InstanceSpec(InstanceId("worker", 0), SLEEPER))
         assert isinstance(e.value, BackendError) and isinstance(e.value, ElasticStepError)
-        assert str(e.value) == (f"the service account system:serviceaccount:{namespace}:elastic-step cannot "
-                                f"create pods in namespace {namespace}: add 'create' on 'pods' to its Role "
-                                "(see elastic_step/backends/manifests/role.yaml).")
+        assert str(e.value) == (
+            f"the service account system:serviceaccount:{namespace}:elastic-step cannot "
+            f"create pods in namespace {namespace}: add 'create' on 'pods' to its Role "
+            "(see elastic_step/backends/manifests/role.yaml)."
+        )
         assert b.alive() == set()
     finally:
         b.close()
@@ -549,8 +727,10 @@ def test_unknown_priority_class_names_it_and_the_fix(control_plane, core, node, 
 
 # ------------------------------------------------------------------------------ restart / adoption
 
-def test_restarted_master_adopts_its_pods_without_duplicates(control_plane, core, node, namespace, digits,
-                                                             priority_classes, sa_kubeconfig, tmp_path):
+
+def test_restarted_master_adopts_its_pods_without_duplicates(
+    control_plane, core, node, namespace, digits, priority_classes, sa_kubeconfig, tmp_path
+):
     """Master 1 is SIGKILLed while training (it cleans nothing up); master 2 (a retried step: another
     owner pod, same job id) adopts the pods it finds and never runs two pods of one instance."""
     job = "restart"
@@ -560,23 +740,62 @@ def test_restarted_master_adopts_its_pods_without_duplicates(control_plane, core
 
     def master(attempt, epochs: int, log: Path) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", job,
-             "--model-def", SLOW_MODEL, "--train-data", digits["train"],
-             "--output", str(tmp_path / attempt.metadata.name),
-             "--epochs", str(epochs), "--minibatch-size", "32", "--records-per-task", "128", "--max-workers", "2",
-             "--progress", "lines"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-            env=cli_env(sa_kubeconfig, namespace, KFP_POD_NAME=attempt.metadata.name,
-                        KFP_POD_UID=attempt.metadata.uid))
+            [
+                sys.executable,
+                "-m",
+                "elastic_step.cli",
+                "train",
+                "--backend",
+                "kubernetes",
+                "--job-id",
+                job,
+                "--model-def",
+                SLOW_MODEL,
+                "--train-data",
+                digits["train"],
+                "--output",
+                str(tmp_path / attempt.metadata.name),
+                "--epochs",
+                str(epochs),
+                "--minibatch-size",
+                "32",
+                "--records-per-task",
+                "128",
+                "--max-workers",
+                "2",
+                "--progress",
+                "lines",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(log, "w"),
+            env=cli_env(sa_kubeconfig, namespace, KFP_POD_NAME=attempt.metadata.name, KFP_POD_UID=attempt.metadata.uid),
+        )
 
     log1, log2 = tmp_path / "master-1.log", tmp_path / "master-2.log"
     m1 = master(attempt1, 200, log1)
     try:
         # killed while both workers train: each has pushed gradients (its first push logs the path)
-        wait_for(lambda: "worker-1 registered" in log1.read_text() and "worker-0 registered" in log1.read_text()
-                 or m1.poll() is not None, 240, interval=0.5, what="master 1 training with two workers")
-        wait_for(lambda: [n for n, text in worker_logs(node, namespace, job).items() if "PS shard 0" in text]
-                 == [f"{job}-worker-0", f"{job}-worker-1"] or m1.poll() is not None,
-                 240, interval=0.5, what="both workers of master 1 pushing gradients")
+        wait_for(
+            lambda: (
+                "worker-1 registered" in log1.read_text()
+                and "worker-0 registered" in log1.read_text()
+                or m1.poll() is not None
+            ),
+            240,
+            interval=0.5,
+            what="master 1 training with two workers",
+        )
+        wait_for(
+            lambda: (
+                [n for n, text in worker_logs(node, namespace, job).items() if "PS shard 0" in text]
+                == [f"{job}-worker-0", f"{job}-worker-1"]
+                or m1.poll() is not None
+            ),
+            240,
+            interval=0.5,
+            what="both workers of master 1 pushing gradients",
+        )
         assert m1.poll() is None, log1.read_text()[-3000:]
     finally:
         m1.send_signal(signal.SIGKILL)
@@ -607,23 +826,57 @@ def test_restarted_master_adopts_its_pods_without_duplicates(control_plane, core
     assert job_pods(core, namespace, job) == []
     assert not secret_exists(core, namespace, f"{job}-token")
     adopting = next(l for l in text.splitlines() if "adopting" in l).split(": ", 1)[1]
-    print(f"\nrestarted master: found {sorted(before)}; {adopting}; events: "
-          f"{[(e['instance'], e['detail']) for e in summary['events'] if e['kind'] == 'started']}; "
-          f"finished {took:.1f}s after its start")
+    print(
+        f"\nrestarted master: found {sorted(before)}; {adopting}; events: "
+        f"{[(e['instance'], e['detail']) for e in summary['events'] if e['kind'] == 'started']}; "
+        f"finished {took:.1f}s after its start"
+    )
 
 
-def test_sigterm_to_the_master_deletes_the_job_pods(control_plane, core, node, namespace, digits,
-                                                   sa_kubeconfig, tmp_path):
+def test_sigterm_to_the_master_deletes_the_job_pods(
+    control_plane, core, node, namespace, digits, sa_kubeconfig, tmp_path
+):
     """The step's pod is being deleted: its master gets SIGTERM and deletes every pod of the job."""
     log = tmp_path / "master.log"
-    m = subprocess.Popen([sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes",
-                          "--job-id", "term", "--model-def", SLOW_MODEL, "--train-data", digits["train"],
-                          "--output", str(tmp_path / "out"), "--epochs", "200", "--max-workers", "2",
-                          "--progress", "off"], cwd=ROOT, env=cli_env(sa_kubeconfig, namespace),
-                         stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    m = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "elastic_step.cli",
+            "train",
+            "--backend",
+            "kubernetes",
+            "--job-id",
+            "term",
+            "--model-def",
+            SLOW_MODEL,
+            "--train-data",
+            digits["train"],
+            "--output",
+            str(tmp_path / "out"),
+            "--epochs",
+            "200",
+            "--max-workers",
+            "2",
+            "--progress",
+            "off",
+        ],
+        cwd=ROOT,
+        env=cli_env(sa_kubeconfig, namespace),
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "w"),
+    )
     try:
-        wait_for(lambda: "worker-1 registered" in log.read_text() and "worker-0 registered" in log.read_text()
-                 or m.poll() is not None, 240, interval=0.5, what="the master training with two workers")
+        wait_for(
+            lambda: (
+                "worker-1 registered" in log.read_text()
+                and "worker-0 registered" in log.read_text()
+                or m.poll() is not None
+            ),
+            240,
+            interval=0.5,
+            what="the master training with two workers",
+        )
         assert len(job_pods(core, namespace, "term")) == 3
         t0 = time.monotonic()
         m.send_signal(signal.SIGTERM)
@@ -633,7 +886,7 @@ def test_sigterm_to_the_master_deletes_the_job_pods(control_plane, core, node, n
         if m.poll() is None:
             m.kill()
     text = log.read_text()
-    assert rc == 143 and "terminated (SIGTERM)" in text, text[-3000:]   # 143: a retry policy retries it
+    assert rc == 143 and "terminated (SIGTERM)" in text, text[-3000:]  # 143: a retry policy retries it
     assert job_pods(core, namespace, "term") == []
     assert not secret_exists(core, namespace, "term-token")
     print(f"\nSIGTERM: master exited {took:.1f}s later with no job pod left")
@@ -643,8 +896,13 @@ def test_adopted_pod_with_the_same_command_is_kept_and_reowned(control_plane, co
     o1, o2 = sleeper_pod(core, namespace, "attempt-1"), sleeper_pod(core, namespace, "attempt-2")
     w0, w1 = InstanceId("worker", 0), InstanceId("worker", 1)
     recorder = PodRecorder(core, namespace)
-    a = KubernetesBackend("job-adopt", "token-a", kubeconfig=str(sa_kubeconfig), namespace=namespace,
-                          owner=Owner("attempt-1", o1.metadata.uid))
+    a = KubernetesBackend(
+        "job-adopt",
+        "token-a",
+        kubeconfig=str(sa_kubeconfig),
+        namespace=namespace,
+        owner=Owner("attempt-1", o1.metadata.uid),
+    )
     ev_a = Events(a)
     other = SLEEPER[:-1] + [SLEEPER[-1] + "  # master A"]
     a.start(InstanceSpec(w0, SLEEPER))
@@ -654,28 +912,36 @@ def test_adopted_pod_with_the_same_command_is_kept_and_reowned(control_plane, co
     uid0 = core.read_namespaced_pod("job-adopt-worker-0", namespace).metadata.uid
     a.abandon()  # master A dies without cleaning up
 
-    b = KubernetesBackend("job-adopt", "token-b", kubeconfig=str(sa_kubeconfig), namespace=namespace,
-                          owner=Owner("attempt-2", o2.metadata.uid))
+    b = KubernetesBackend(
+        "job-adopt",
+        "token-b",
+        kubeconfig=str(sa_kubeconfig),
+        namespace=namespace,
+        owner=Owner("attempt-2", o2.metadata.uid),
+    )
     ev_b = Events(b)
     try:
         assert b.token == "token-a" and b.token_reused  # the job's Secret keeps its token
         assert b.adopted == {w0: "job-adopt-worker-0", w1: "job-adopt-worker-1"}
-        b.start(InstanceSpec(w0, SLEEPER))           # the same command: kept
+        b.start(InstanceSpec(w0, SLEEPER))  # the same command: kept
         assert ev_b.wait(EventKind.STARTED, w0).detail == "adopted pod job-adopt-worker-0"
         ev_b.wait(EventKind.RUNNING, w0)
         pod = core.read_namespaced_pod("job-adopt-worker-0", namespace)
         assert pod.metadata.uid == uid0
         assert [r.uid for r in pod.metadata.owner_references] == [o2.metadata.uid]
-        assert core.read_namespaced_secret("job-adopt-token", namespace).metadata.owner_references[0].uid == \
-            o2.metadata.uid
-        b.start(InstanceSpec(w1, SLEEPER))           # another command (another master): replaced
+        assert (
+            core.read_namespaced_secret("job-adopt-token", namespace).metadata.owner_references[0].uid
+            == o2.metadata.uid
+        )
+        b.start(InstanceSpec(w1, SLEEPER))  # another command (another master): replaced
         assert ev_b.wait(EventKind.STARTED, w1).detail.startswith("replaces adopted pod job-adopt-worker-1")
         ev_b.wait(EventKind.RUNNING, w1)
         assert b.pod_name(w1) == "job-adopt-worker-1-2"
-        assert sorted(p.metadata.name for p in job_pods(core, namespace, "job-adopt")
-                      if not p.metadata.deletion_timestamp) == ["job-adopt-worker-0", "job-adopt-worker-1-2"]
+        assert sorted(
+            p.metadata.name for p in job_pods(core, namespace, "job-adopt") if not p.metadata.deletion_timestamp
+        ) == ["job-adopt-worker-0", "job-adopt-worker-1-2"]
         with pytest.raises(BackendError):
-            b.start(InstanceSpec(w0, SLEEPER))       # no duplicate of a running instance
+            b.start(InstanceSpec(w0, SLEEPER))  # no duplicate of a running instance
     finally:
         b.close()
         recorder.stop()
@@ -685,6 +951,7 @@ def test_adopted_pod_with_the_same_command_is_kept_and_reowned(control_plane, co
 
 
 # ------------------------------------------------------------------------------ watch: 410 Gone
+
 
 class WatchHold:
     """Holds one backend's pod watch at its hook point (faults.WATCH_REQUEST): from `hold` until `release`
@@ -723,14 +990,18 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
         cp.create_namespace(ns)
         core = client.CoreV1Api(cp.api_client())
         kubeconfig = step_account(cp, ns)
-        b = KubernetesBackend("job-410", "t", kubeconfig=str(kubeconfig), namespace=ns, owner=None,
-                              watch_timeout_s=2)
+        b = KubernetesBackend("job-410", "t", kubeconfig=str(kubeconfig), namespace=ns, owner=None, watch_timeout_s=2)
         ev = Events(b)
         held = WatchHold(b)
         w0, w1, w2 = (InstanceId("worker", i) for i in range(3))
-        quits = [sys.executable, "-c", "import os, pathlib, sys, time\n"
-                 "while not (pathlib.Path(sys.argv[1]) / os.environ['HOSTNAME']).exists(): time.sleep(0.1)\n"
-                 "raise SystemExit(7)", str(tmp_path)]
+        quits = [
+            sys.executable,
+            "-c",
+            "import os, pathlib, sys, time\n"
+            "while not (pathlib.Path(sys.argv[1]) / os.environ['HOSTNAME']).exists(): time.sleep(0.1)\n"
+            "raise SystemExit(7)",
+            str(tmp_path),
+        ]
         try:
             for i in (w0, w1):
                 b.start(InstanceSpec(i, quits))
@@ -740,18 +1011,28 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
             wait_for(lambda: b.stats["watches"] >= 3, 60, what="three watches")
             assert b.stats["relists"] == 0 and b.stats["gone_410"] == 0, b.stats
             held.hold()
-            b.start(InstanceSpec(w2, SLEEPER))           # created while nobody watches
+            b.start(InstanceSpec(w2, SLEEPER))  # created while nobody watches
             core.delete_namespaced_pod("job-410-worker-0", ns, grace_period_seconds=0)
             (tmp_path / "job-410-worker-1").touch()
-            wait_for(lambda: core.read_namespaced_pod("job-410-worker-1", ns).status.phase == "Failed", 30,
-                     what="worker-1 to exit")
-            wait_for(lambda: core.read_namespaced_pod("job-410-worker-2", ns).status.phase == "Running", 30,
-                     what="worker-2 running")
+            wait_for(
+                lambda: core.read_namespaced_pod("job-410-worker-1", ns).status.phase == "Failed",
+                30,
+                what="worker-1 to exit",
+            )
+            wait_for(
+                lambda: core.read_namespaced_pod("job-410-worker-2", ns).status.phase == "Running",
+                30,
+                what="worker-2 running",
+            )
             rv = core.list_namespaced_pod(ns).metadata.resource_version
-            etcd = next(a.split("=", 1)[1] for a in cp.processes()["kube-apiserver"].args
-                        if a.startswith("--etcd-servers="))
-            urllib.request.urlopen(urllib.request.Request(
-                etcd + "/v3/kv/compaction", data=json.dumps({"revision": rv, "physical": True}).encode()))
+            etcd = next(
+                a.split("=", 1)[1] for a in cp.processes()["kube-apiserver"].args if a.startswith("--etcd-servers=")
+            )
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    etcd + "/v3/kv/compaction", data=json.dumps({"revision": rv, "physical": True}).encode()
+                )
+            )
             assert ev.kinds(w0) == ["started", "running"]
             held.release()
             assert "deleted" in ev.wait(EventKind.LOST, w0, 30).detail
@@ -767,20 +1048,24 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
 
 # ------------------------------------------------------------------------------ manifests
 
+
 def test_shipped_role_is_namespaced_exact_and_matches_the_component_rbac():
     docs = {d["kind"]: d for d in load_manifests("role")}
     assert set(docs) == {"ServiceAccount", "Role", "RoleBinding"}
     rules = {tuple(r["resources"]): set(r["verbs"]) for r in docs["Role"]["rules"]}
-    assert rules == {("pods",): {"create", "get", "list", "watch", "delete", "patch"},
-                     ("secrets",): {"create", "get", "delete"}}
+    assert rules == {
+        ("pods",): {"create", "get", "list", "watch", "delete", "patch"},
+        ("secrets",): {"create", "get", "delete"},
+    }
     needed: dict = {}
     for verb, resource in NEEDED:
         needed.setdefault((resource,), set()).add(verb)
     assert rules == needed  # exactly what the backend checks for, no wildcard
     import yaml
 
-    component = {d["kind"]: d for d in yaml.safe_load_all((ROOT / "components" / "elastic_train" / "rbac.yaml")
-                                                            .read_text())}
+    component = {
+        d["kind"]: d for d in yaml.safe_load_all((ROOT / "components" / "elastic_train" / "rbac.yaml").read_text())
+    }
     assert component["Role"]["rules"] == docs["Role"]["rules"]
     pcs = {d["metadata"]["name"]: d for d in load_manifests("priorityclasses")}
     assert pcs["elastic-low"]["value"] < 0 < pcs["elastic-high"]["value"]

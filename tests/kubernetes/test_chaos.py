@@ -6,6 +6,7 @@ does: the new master takes over the job's pods and resumes from the last checkpo
 applied exactly once, by the witnesses of tests/models/witness.py, not by the ledger. In `ps` mode,
 pushes carry their bytes over gRPC, and in `allreduce` mode ring links their payloads over TCP, as between
 nodes (each pod has its own /dev/shm)."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,17 @@ import sys
 import pytest
 
 from tests.integration.harness import retried
-from tests.kubernetes.test_backend import (ROOT, assert_pushes_carried_bytes, cli_env, dense_shards,  # noqa: F401
-                                          job_pods, priority_classes, sa_kubeconfig, worker_logs)
-from tests.models.witness import (TALLY_MODEL, assert_audit_exact, assert_chaos_fired,
-                                  assert_each_record_applied_exactly)
+from tests.kubernetes.test_backend import (  # noqa: F401
+    ROOT,
+    assert_pushes_carried_bytes,
+    cli_env,
+    dense_shards,
+    job_pods,
+    priority_classes,
+    sa_kubeconfig,
+    worker_logs,
+)
+from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 EPOCHS = 6
 
@@ -28,27 +36,67 @@ EPOCHS = 6
 # the retried step adopts them), term ps-0 (the pod deleted); allreduce: kill worker, term worker, term
 # master (the last checkpoint cut with commits held).
 @pytest.mark.parametrize("strategy, seed", [("ps", 39), ("allreduce", 2)])
-def test_random_pod_kills_and_terms_lose_nothing(control_plane, core, node, namespace, tally_data,
-                                                 priority_classes, sa_kubeconfig, tmp_path, strategy, seed):
+def test_random_pod_kills_and_terms_lose_nothing(
+    control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path, strategy, seed
+):
     signals, job, out = 3, f"chaos-{strategy}", tmp_path / "out"
     roles = "worker,ps,master" if strategy == "ps" else "worker,master"
     extra = ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
-    codes, (proc,) = retried(lambda: (subprocess.run(
-        [sys.executable, "-m", "elastic_step.cli", "train", "--backend", "kubernetes", "--job-id", job,
-         "--model-def", TALLY_MODEL, "--train-data", tally_data["train"], "--eval-data", tally_data["eval"],
-         "--output", str(out), "--strategy", strategy, "--epochs", str(EPOCHS), "--minibatch-size", "32",
-         "--records-per-task", "128", "--max-workers", "2", "--checkpoint-every", "2000", *extra,
-         "--chaos", f"random:{signals}:seed={seed}:roles={roles}", "--progress", "lines"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=cli_env(sa_kubeconfig, namespace)),))
-    assert len(codes) == 2 and codes[0] in (-9, 143), (codes, proc.stderr[-4000:])   # the master's signal, a retry
+    codes, (proc,) = retried(
+        lambda: (
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "elastic_step.cli",
+                    "train",
+                    "--backend",
+                    "kubernetes",
+                    "--job-id",
+                    job,
+                    "--model-def",
+                    TALLY_MODEL,
+                    "--train-data",
+                    tally_data["train"],
+                    "--eval-data",
+                    tally_data["eval"],
+                    "--output",
+                    str(out),
+                    "--strategy",
+                    strategy,
+                    "--epochs",
+                    str(EPOCHS),
+                    "--minibatch-size",
+                    "32",
+                    "--records-per-task",
+                    "128",
+                    "--max-workers",
+                    "2",
+                    "--checkpoint-every",
+                    "2000",
+                    *extra,
+                    "--chaos",
+                    f"random:{signals}:seed={seed}:roles={roles}",
+                    "--progress",
+                    "lines",
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=cli_env(sa_kubeconfig, namespace),
+            ),
+        )
+    )
+    assert len(codes) == 2 and codes[0] in (-9, 143), (codes, proc.stderr[-4000:])  # the master's signal, a retry
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["backend"] == "kubernetes"
     fired = assert_chaos_fired(summary, signals)
-    assert {f["instance"].split("-")[0] for f in fired} == set(roles.split(",")), fired   # every role was hit
+    assert {f["instance"].split("-")[0] for f in fired} == set(roles.split(",")), fired  # every role was hit
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)
-    if strategy == "ps":   # a worker killed before its first push met no shard: the job as a whole did
+    if strategy == "ps":  # a worker killed before its first push met no shard: the job as a whole did
         assert_pushes_carried_bytes(worker_logs(node, namespace, job), dense_shards(summary), every_worker=False)
     else:
         logs = "\n".join(worker_logs(node, namespace, job).values())

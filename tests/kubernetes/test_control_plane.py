@@ -1,4 +1,5 @@
 """The test control plane itself: real apiserver/scheduler/controller-manager + process kubelet."""
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,12 @@ def pod_body(name: str, command: list[str], *, env=None, restart="Never", **spec
     container = {"name": "main", "image": "elastic-step:test", "command": command, "env": env or []}
     if "resources" in spec:
         container["resources"] = spec.pop("resources")
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **spec.pop("metadata", {})},
-            "spec": {"restartPolicy": restart, "containers": [container], **spec}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, **spec.pop("metadata", {})},
+        "spec": {"restartPolicy": restart, "containers": [container], **spec},
+    }
 
 
 def read(core, ns, name):
@@ -42,8 +47,11 @@ def read(core, ns, name):
 
 
 def wait_phase(core, ns, name, phases, timeout=60.0):
-    return wait_for(lambda: (p := read(core, ns, name)) is not None and p.status.phase in phases and p,
-                    timeout, what=f"pod {ns}/{name} in {phases}")
+    return wait_for(
+        lambda: (p := read(core, ns, name)) is not None and p.status.phase in phases and p,
+        timeout,
+        what=f"pod {ns}/{name} in {phases}",
+    )
 
 
 def wait_gone(core, ns, name, timeout=60.0):
@@ -53,8 +61,13 @@ def wait_gone(core, ns, name, timeout=60.0):
 def deleted(core, ns, name, since: str, timeout: int = 60) -> client.V1Pod:
     """The pod as it was when it went away (its last status), watched from resourceVersion `since`."""
     w = watch.Watch()
-    for ev in w.stream(core.list_namespaced_pod, ns, field_selector=f"metadata.name={name}",
-                       resource_version=since, timeout_seconds=timeout):
+    for ev in w.stream(
+        core.list_namespaced_pod,
+        ns,
+        field_selector=f"metadata.name={name}",
+        resource_version=since,
+        timeout_seconds=timeout,
+    ):
         if ev["type"] == "DELETED":
             w.stop()
             return ev["object"]
@@ -77,16 +90,28 @@ def sleeper(ready: str = "", on_term: str = "sys.exit(0)") -> list[str]:
 
 # ------------------------------------------------------------------------------------ pods
 
+
 def test_pod_succeeds_with_downward_api_and_secret_env(core, node, namespace):
     core.create_namespaced_secret(namespace, {"metadata": {"name": "creds"}, "stringData": {"token": "s3cret"}})
-    env = [{"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}} for n, f in
-           [("NAME", "metadata.name"), ("NS", "metadata.namespace"), ("UID", "metadata.uid"),
-            ("IP", "status.podIP"), ("NODE", "spec.nodeName")]]
-    env += [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
-            {"name": "LITERAL", "value": "at-$(IP)"}]
+    env = [
+        {"name": n, "valueFrom": {"fieldRef": {"fieldPath": f}}}
+        for n, f in [
+            ("NAME", "metadata.name"),
+            ("NS", "metadata.namespace"),
+            ("UID", "metadata.uid"),
+            ("IP", "status.podIP"),
+            ("NODE", "spec.nodeName"),
+        ]
+    ]
+    env += [
+        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+        {"name": "LITERAL", "value": "at-$(IP)"},
+    ]
     keys = ["NAME", "NS", "UID", "IP", "NODE", "TOKEN", "LITERAL", "PROCESS_KUBELET_POD_IP"]
-    core.create_namespaced_pod(namespace, pod_body("ok", py(
-        f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"), env=env))
+    core.create_namespaced_pod(
+        namespace,
+        pod_body("ok", py(f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {keys!r}}}))"), env=env),
+    )
 
     pod = wait_phase(core, namespace, "ok", ("Succeeded", "Failed"))
     assert pod.status.phase == "Succeeded"
@@ -95,9 +120,16 @@ def test_pod_succeeds_with_downward_api_and_secret_env(core, node, namespace):
     assert pod.spec.node_name == "node-1"
     assert pod.status.pod_ip.startswith("127.") and pod.status.pod_ip != "127.0.0.1"
     seen = json.loads(node.log_path(namespace, "ok").read_text().strip().splitlines()[-1])
-    assert seen == {"NAME": "ok", "NS": namespace, "UID": pod.metadata.uid, "IP": pod.status.pod_ip,
-                    "NODE": "node-1", "TOKEN": "s3cret", "LITERAL": f"at-{pod.status.pod_ip}",
-                    "PROCESS_KUBELET_POD_IP": pod.status.pod_ip}
+    assert seen == {
+        "NAME": "ok",
+        "NS": namespace,
+        "UID": pod.metadata.uid,
+        "IP": pod.status.pod_ip,
+        "NODE": "node-1",
+        "TOKEN": "s3cret",
+        "LITERAL": f"at-{pod.status.pod_ip}",
+        "PROCESS_KUBELET_POD_IP": pod.status.pod_ip,
+    }
 
 
 def test_pod_fails_with_its_exit_code(core, node, namespace):
@@ -121,13 +153,20 @@ def test_running_pod_reports_running(core, node, namespace, tmp_path):
 
 def test_on_failure_pod_is_restarted(core, node, namespace, tmp_path):
     counter = tmp_path / "runs"
-    core.create_namespaced_pod(namespace, pod_body("flaky", py(f"""
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "flaky",
+            py(f"""
         import pathlib, sys
         p = pathlib.Path({str(counter)!r})
         n = int(p.read_text()) + 1 if p.exists() else 1
         p.write_text(str(n))
         sys.exit(0 if n >= 2 else 1)
-    """), restart="OnFailure"))
+    """),
+            restart="OnFailure",
+        ),
+    )
     pod = wait_phase(core, namespace, "flaky", ("Succeeded", "Failed"))
     cs = pod.status.container_statuses[0]
     assert pod.status.phase == "Succeeded" and cs.restart_count == 1
@@ -143,8 +182,11 @@ def test_node_is_ready_and_renews_its_lease(control_plane, node):
     coord = client.CoordinationV1Api(control_plane.api_client())
     first = coord.read_namespaced_lease("node-1", "kube-node-lease").spec
     assert first.holder_identity == "node-1" and first.lease_duration_seconds == 40
-    wait_for(lambda: coord.read_namespaced_lease("node-1", "kube-node-lease").spec.renew_time > first.renew_time,
-             30, what="a lease renewal")
+    wait_for(
+        lambda: coord.read_namespaced_lease("node-1", "kube-node-lease").spec.renew_time > first.renew_time,
+        30,
+        what="a lease renewal",
+    )
 
 
 # ------------------------------------------------------- init containers, containers, volumes
@@ -155,8 +197,12 @@ SHARED = "/var/run/elastic-step-test/shared"  # a real path, seen only inside th
 def test_init_containers_in_order_then_every_container_at_once_with_volumes_at_their_paths(core, node, namespace):
     core.create_namespaced_config_map(namespace, {"metadata": {"name": "conf"}, "data": {"greeting": "hello"}})
     shared = {"name": "shared", "mountPath": SHARED}
-    greeting = {"name": "conf", "mountPath": "/var/run/elastic-step-test/greeting.txt", "subPath": "greeting",
-                "readOnly": True}
+    greeting = {
+        "name": "conf",
+        "mountPath": "/var/run/elastic-step-test/greeting.txt",
+        "subPath": "greeting",
+        "readOnly": True,
+    }
 
     def container(name, code, mounts=(shared,)):
         return {"name": name, "image": "elastic-step:test", "command": py(code), "volumeMounts": list(mounts)}
@@ -175,19 +221,31 @@ def test_init_containers_in_order_then_every_container_at_once_with_volumes_at_t
             print("read-only:", e.errno)
         sys.exit({code})
     """
-    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "multi"}, "spec": {
-        "restartPolicy": "Never",
-        "volumes": [{"name": "shared", "emptyDir": {}}, {"name": "conf", "configMap": {"name": "conf"}}],
-        "initContainers": [container("first", append.format("first")), container("second", append.format("second"))],
-        "containers": [
-            container("main", handshake.format(shared=SHARED, me="main", other="side", code=0), (shared, greeting)),
-            container("side", handshake.format(shared=SHARED, me="side", other="main", code=3), (shared, greeting))]}}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "multi"},
+        "spec": {
+            "restartPolicy": "Never",
+            "volumes": [{"name": "shared", "emptyDir": {}}, {"name": "conf", "configMap": {"name": "conf"}}],
+            "initContainers": [
+                container("first", append.format("first")),
+                container("second", append.format("second")),
+            ],
+            "containers": [
+                container("main", handshake.format(shared=SHARED, me="main", other="side", code=0), (shared, greeting)),
+                container("side", handshake.format(shared=SHARED, me="side", other="main", code=3), (shared, greeting)),
+            ],
+        },
+    }
     core.create_namespaced_pod(namespace, body)
     pod = wait_phase(core, namespace, "multi", ("Succeeded", "Failed"))
     logs = {c: node.log_path(namespace, "multi", c).read_text() for c in ("first", "second", "main", "side")}
     assert pod.status.phase == "Failed", logs  # one container failed
-    assert [(c.name, c.state.terminated.exit_code) for c in pod.status.init_container_statuses] == \
-        [("first", 0), ("second", 0)], logs
+    assert [(c.name, c.state.terminated.exit_code) for c in pod.status.init_container_statuses] == [
+        ("first", 0),
+        ("second", 0),
+    ], logs
     assert {c.name: c.state.terminated.exit_code for c in pod.status.container_statuses} == {"main": 0, "side": 3}
     for c in ("main", "side"):
         assert "['first', 'second'] hello" in logs[c] and "read-only: 30" in logs[c], logs[c]  # EROFS
@@ -197,7 +255,9 @@ def test_init_containers_in_order_then_every_container_at_once_with_volumes_at_t
 
 def test_a_failed_init_container_fails_the_pod_and_no_container_starts(core, node, namespace):
     body = pod_body("init-fails", py("print('main ran')"))
-    body["spec"]["initContainers"] = [{"name": "setup", "image": "elastic-step:test", "command": py("raise SystemExit(4)")}]
+    body["spec"]["initContainers"] = [
+        {"name": "setup", "image": "elastic-step:test", "command": py("raise SystemExit(4)")}
+    ]
     core.create_namespaced_pod(namespace, body)
     pod = wait_phase(core, namespace, "init-fails", ("Succeeded", "Failed"))
     assert pod.status.phase == "Failed"
@@ -210,11 +270,17 @@ def test_each_container_has_its_own_pid_namespace_under_an_init(core, node, name
     """As in a real pod, a container sees only its own processes: a signal to every process it may
     signal (kill(-1), as Argo's executor sends one) stays inside it. Its command is not PID 1 (an init
     is, as with `docker run --init`), so it can still signal itself."""
-    core.create_namespaced_pod(namespace, pod_body("pids", py("""
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "pids",
+            py("""
         import os
         pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
         print("pid", os.getpid(), "sees", pids, "init", open("/proc/1/cmdline").read().split("\\0")[0])
-    """)))
+    """),
+        ),
+    )
     assert wait_phase(core, namespace, "pids", ("Succeeded", "Failed")).status.phase == "Succeeded"
     out = node.log_path(namespace, "pids").read_text()
     pid = re.search(r"pid (\d+) sees", out).group(1)
@@ -231,14 +297,19 @@ def test_a_failed_containers_last_lines_are_its_termination_message_when_asked(c
         print("line", 1)
         sys.exit("the cause, named")
     """)
-    for name, policy, command in (("fails", "FallbackToLogsOnError", fail), ("default", None, fail),
-                                  ("succeeds", "FallbackToLogsOnError", py("print('fine')"))):
+    for name, policy, command in (
+        ("fails", "FallbackToLogsOnError", fail),
+        ("default", None, fail),
+        ("succeeds", "FallbackToLogsOnError", py("print('fine')")),
+    ):
         body = pod_body(name, command)
         if policy:
             body["spec"]["containers"][0]["terminationMessagePolicy"] = policy
         core.create_namespaced_pod(namespace, body)
-    terminated = {name: wait_phase(core, namespace, name, ("Succeeded", "Failed")).status.container_statuses[0]
-                  .state.terminated for name in ("fails", "default", "succeeds")}
+    terminated = {
+        name: wait_phase(core, namespace, name, ("Succeeded", "Failed")).status.container_statuses[0].state.terminated
+        for name in ("fails", "default", "succeeds")
+    }
     assert terminated["fails"].exit_code == 1
     assert terminated["fails"].message.endswith("line 1\nthe cause, named"), terminated["fails"].message
     assert terminated["default"].message is None and terminated["succeeds"].message is None
@@ -265,13 +336,19 @@ def test_an_image_runs_the_programs_the_kubelet_maps_it_to(core, node, namespace
 
 # ---------------------------------------------------------------------------- deletion
 
+
 def test_deleted_pod_gets_sigterm_and_disappears(core, node, namespace, tmp_path):
     """The pod goes when its process exits on SIGTERM, not at the end of its grace period: the
     grace period is an hour, far longer than the test may take."""
     ready, marker = tmp_path / "ready", tmp_path / "sigterm"
-    core.create_namespaced_pod(namespace, pod_body("victim", sleeper(
-        str(ready), on_term=f"pathlib.Path({str(marker)!r}).write_text('SIGTERM'); sys.exit(0)"),
-        terminationGracePeriodSeconds=3600))
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "victim",
+            sleeper(str(ready), on_term=f"pathlib.Path({str(marker)!r}).write_text('SIGTERM'); sys.exit(0)"),
+            terminationGracePeriodSeconds=3600,
+        ),
+    )
     since = wait_phase(core, namespace, "victim", ("Running",)).metadata.resource_version
     wait_for(ready.exists, 30, what="the pod's SIGTERM handler")
     core.delete_namespaced_pod("victim", namespace)  # graceful: the pod's hour
@@ -285,7 +362,11 @@ def test_pod_ignoring_sigterm_is_killed_after_grace_period(core, node, namespace
     """SIGTERM ignored: the process lives on within its grace period (an hour, here) until the test
     lets it show so, then a second deletion shortens the grace period to 1 s and it is SIGKILLed."""
     ready, termed, alive, release = (tmp_path / n for n in ("ready", "termed", "alive", "release"))
-    core.create_namespaced_pod(namespace, pod_body("stubborn", py(f"""
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "stubborn",
+            py(f"""
         import pathlib, signal, time
         signal.signal(signal.SIGTERM, lambda *_: pathlib.Path({str(termed)!r}).touch())
         pathlib.Path({str(ready)!r}).touch()
@@ -293,7 +374,10 @@ def test_pod_ignoring_sigterm_is_killed_after_grace_period(core, node, namespace
             time.sleep(0.05)
         pathlib.Path({str(alive)!r}).touch()    # released after SIGTERM: still alive
         time.sleep(600)
-    """), terminationGracePeriodSeconds=3600))
+    """),
+            terminationGracePeriodSeconds=3600,
+        ),
+    )
     since = wait_phase(core, namespace, "stubborn", ("Running",)).metadata.resource_version
     wait_for(ready.exists, 30, what="the pod's SIGTERM handler")
     pid = node.running()[f"{namespace}/stubborn"]
@@ -312,6 +396,7 @@ def test_pod_ignoring_sigterm_is_killed_after_grace_period(core, node, namespace
 
 # ----------------------------------------------------------------------------- /dev/shm
 
+
 def test_each_pod_has_its_own_dev_shm(core, node, namespace, tmp_path):
     """As on nodes: a pod's shared memory works (multiprocessing's, a 64 MiB tmpfs like a container
     runtime's) and is its own: neither another pod nor the host sees it, nor it theirs."""
@@ -319,7 +404,11 @@ def test_each_pod_has_its_own_dev_shm(core, node, namespace, tmp_path):
     open(host_file, "w").close()
     made, release = tmp_path / "made", tmp_path / "release"
     try:
-        core.create_namespaced_pod(namespace, pod_body("maker", py(f"""
+        core.create_namespaced_pod(
+            namespace,
+            pod_body(
+                "maker",
+                py(f"""
             import os, pathlib, time
             from multiprocessing import shared_memory
             seg = shared_memory.SharedMemory(create=True, size=1 << 20)
@@ -332,10 +421,16 @@ def test_each_pod_has_its_own_dev_shm(core, node, namespace, tmp_path):
                 time.sleep(0.05)
             assert bytes(seg.buf[:5]) == b"hello"
             seg.close(); seg.unlink()
-        """)))
+        """),
+            ),
+        )
         name = wait_for(lambda: made.exists() and made.read_text(), 60, what="the maker's segment")
-        assert not os.path.exists(f"/dev/shm/{name}")          # not on the host
-        core.create_namespaced_pod(namespace, pod_body("other", py(f"""
+        assert not os.path.exists(f"/dev/shm/{name}")  # not on the host
+        core.create_namespaced_pod(
+            namespace,
+            pod_body(
+                "other",
+                py(f"""
             import os
             from multiprocessing import shared_memory
             try:
@@ -343,7 +438,9 @@ def test_each_pod_has_its_own_dev_shm(core, node, namespace, tmp_path):
                 print("other opened", {name!r})
             except FileNotFoundError:
                 print("other cannot open", {name!r}, sorted(os.listdir("/dev/shm")))
-        """)))
+        """),
+            ),
+        )
         other = wait_phase(core, namespace, "other", ("Succeeded", "Failed"))
         other_log = node.log_path(namespace, "other").read_text()
         assert other.status.phase == "Succeeded", other_log
@@ -359,11 +456,13 @@ def test_each_pod_has_its_own_dev_shm(core, node, namespace, tmp_path):
 
 # -------------------------------------------------------------------------- preemption
 
+
 @pytest.fixture(scope="module")
 def small_node(control_plane):
     """Room for exactly two 1-cpu pods; tainted so that only the preemption test uses it."""
-    return control_plane.add_node("small-1", cpu="2", memory="4Gi", pods=10, labels={POOL: "preemption"},
-                                  taints=[TAINT])
+    return control_plane.add_node(
+        "small-1", cpu="2", memory="4Gi", pods=10, labels={POOL: "preemption"}, taints=[TAINT]
+    )
 
 
 def test_scheduler_preempts_low_priority_pod(control_plane, core, small_node, namespace):
@@ -372,21 +471,26 @@ def test_scheduler_preempts_low_priority_pod(control_plane, core, small_node, na
     sched.create_priority_class({"metadata": {"name": low}, "value": 100, "preemptionPolicy": "Never"})
     sched.create_priority_class({"metadata": {"name": high}, "value": 100000})
     try:
-        placement = {"nodeSelector": {POOL: "preemption"},
-                     "tolerations": [{**TAINT, "operator": "Equal"}],
-                     "terminationGracePeriodSeconds": 3,
-                     "resources": {"requests": {"cpu": "1", "memory": "100Mi"}}}
+        placement = {
+            "nodeSelector": {POOL: "preemption"},
+            "tolerations": [{**TAINT, "operator": "Equal"}],
+            "terminationGracePeriodSeconds": 3,
+            "resources": {"requests": {"cpu": "1", "memory": "100Mi"}},
+        }
         for i in (1, 2):
-            core.create_namespaced_pod(namespace, pod_body(f"low-{i}", sleeper(), priorityClassName=low,
-                                                           **json.loads(json.dumps(placement))))
+            core.create_namespaced_pod(
+                namespace, pod_body(f"low-{i}", sleeper(), priorityClassName=low, **json.loads(json.dumps(placement)))
+            )
         for i in (1, 2):
             pod = wait_phase(core, namespace, f"low-{i}", ("Running",))
             assert pod.spec.node_name == "small-1" and pod.spec.priority == 100
         # a third low-priority pod does not fit: it stays Pending
-        core.create_namespaced_pod(namespace, pod_body("low-3", sleeper(), priorityClassName=low,
-                                                       **json.loads(json.dumps(placement))))
-        core.create_namespaced_pod(namespace, pod_body("high", sleeper(), priorityClassName=high,
-                                                       **json.loads(json.dumps(placement))))
+        core.create_namespaced_pod(
+            namespace, pod_body("low-3", sleeper(), priorityClassName=low, **json.loads(json.dumps(placement)))
+        )
+        core.create_namespaced_pod(
+            namespace, pod_body("high", sleeper(), priorityClassName=high, **json.loads(json.dumps(placement)))
+        )
         pod = wait_phase(core, namespace, "high", ("Running",), timeout=90)
         assert pod.spec.node_name == "small-1" and pod.spec.priority == 100000
         remaining = {p.metadata.name: p.status.phase for p in core.list_namespaced_pod(namespace).items}
@@ -394,8 +498,11 @@ def test_scheduler_preempts_low_priority_pod(control_plane, core, small_node, na
         assert len(low_running) == 1, remaining
         assert remaining.get("low-3") == "Pending", remaining
         assert len([n for n in ("low-1", "low-2") if n not in remaining]) == 1, remaining
-        events = wait_for(lambda: [e for e in core.list_namespaced_event(namespace).items
-                                   if e.reason == "Preempted"], 30, what="a Preempted event")
+        events = wait_for(
+            lambda: [e for e in core.list_namespaced_event(namespace).items if e.reason == "Preempted"],
+            30,
+            what="a Preempted event",
+        )
         assert events[0].involved_object.name in ("low-1", "low-2")
     finally:
         for pc in (low, high):
@@ -404,11 +511,14 @@ def test_scheduler_preempts_low_priority_pod(control_plane, core, small_node, na
 
 # ---------------------------------------------------------------------- garbage collector
 
+
 def test_garbage_collector_deletes_dependents_of_deleted_owner(core, node, namespace):
     owner = core.create_namespaced_pod(namespace, pod_body("owner", sleeper(), terminationGracePeriodSeconds=2))
     ref = {"apiVersion": "v1", "kind": "Pod", "name": "owner", "uid": owner.metadata.uid}
-    core.create_namespaced_pod(namespace, pod_body("dependent", sleeper(), terminationGracePeriodSeconds=2,
-                                                   metadata={"ownerReferences": [ref]}))
+    core.create_namespaced_pod(
+        namespace,
+        pod_body("dependent", sleeper(), terminationGracePeriodSeconds=2, metadata={"ownerReferences": [ref]}),
+    )
     wait_phase(core, namespace, "owner", ("Running",))
     wait_phase(core, namespace, "dependent", ("Running",))
     core.delete_namespaced_pod("owner", namespace)
@@ -418,15 +528,25 @@ def test_garbage_collector_deletes_dependents_of_deleted_owner(core, node, names
 
 # ------------------------------------------------------------------------- authn / authz
 
+
 def test_rbac_user_without_delete_gets_403(control_plane, core, namespace):
     rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
     user = f"alice-{namespace}"
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "pod-reader"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "pod-reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]})
+    rbac.create_namespaced_role(
+        namespace,
+        {
+            "metadata": {"name": "pod-reader"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create"]}],
+        },
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "pod-reader"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+        },
+    )
     token = control_plane.add_token(user, ["elastic-step-testers"])
     alice = client.CoreV1Api(control_plane.api_client(token))
     # RBAC bindings reach the authorizer's cache asynchronously
@@ -456,13 +576,23 @@ def _ok(call) -> bool:
 
 def test_pod_uses_its_service_account_token(control_plane, core, node, namespace):
     rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "get-pods"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "get-pods"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "get-pods"},
-        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}]})
-    core.create_namespaced_pod(namespace, pod_body("sa", py("""
+    rbac.create_namespaced_role(
+        namespace,
+        {"metadata": {"name": "get-pods"}, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]},
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "get-pods"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "get-pods"},
+            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
+        },
+    )
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "sa",
+            py("""
         import json, os, ssl, sys, urllib.error, urllib.request
         sa = "/var/run/secrets/kubernetes.io/serviceaccount"  # at its real path
         token, ns = open(sa + "/token").read(), open(sa + "/namespace").read()
@@ -481,7 +611,9 @@ def test_pod_uses_its_service_account_token(control_plane, core, node, namespace
         status2, body2 = call("DELETE")
         print("DELETE", status2, body2.get("message"))
         sys.exit(0 if (status, status2) == (200, 403) else 1)
-    """)))
+    """),
+        ),
+    )
     pod = wait_phase(core, namespace, "sa", ("Succeeded", "Failed"))
     out = node.log_path(namespace, "sa").read_text()
     assert pod.status.phase == "Succeeded", out
@@ -496,14 +628,21 @@ def test_service_account_token_from_outside_a_pod(control_plane, namespace):
     assert e.value.status == 403
     assert f"system:serviceaccount:{namespace}:runner" in json.loads(e.value.body)["message"]
     rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
-    rbac.create_namespaced_role(namespace, {"metadata": {"name": "list-pods"}, "rules": [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]})
-    rbac.create_namespaced_role_binding(namespace, {
-        "metadata": {"name": "list-pods"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "list-pods"},
-        "subjects": [{"kind": "ServiceAccount", "name": "runner", "namespace": namespace}]})
+    rbac.create_namespaced_role(
+        namespace,
+        {"metadata": {"name": "list-pods"}, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
+    )
+    rbac.create_namespaced_role_binding(
+        namespace,
+        {
+            "metadata": {"name": "list-pods"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "list-pods"},
+            "subjects": [{"kind": "ServiceAccount", "name": "runner", "namespace": namespace}],
+        },
+    )
     wait_for(lambda: _ok(lambda: sa.list_namespaced_pod(namespace)), 10, what="the RoleBinding")
     kubeconfig = control_plane.kubeconfig_for(token, user="runner")
     from kubernetes import config
+
     other = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
     assert other.list_namespaced_pod(namespace).items == []

@@ -12,19 +12,21 @@ averaging (one update per push in `ps` mode, per committed step in `allreduce`, 
 times its record was applied: `epochs` for a train record, 0 for an eval record. (One blind spot:
 a record held twice by one allreduce step would count once. Nothing else is.)
 """
+
 from __future__ import annotations
 
 import keras
 import numpy as np
 
-RECORDS = 3000   # ids 0..RECORDS-1: the generated data set (see write_csv)
+RECORDS = 3000  # ids 0..RECORDS-1: the generated data set (see write_csv)
 
 
 def model() -> keras.Model:
     ids = keras.Input(shape=(1,), dtype="int64", name="id")
     onehot = keras.Input(shape=(RECORDS,), dtype="float32", name="onehot")
-    row = keras.layers.Flatten()(keras.layers.Embedding(RECORDS, 1, embeddings_initializer="zeros",
-                                                        name="tally_rows")(ids))
+    row = keras.layers.Flatten()(
+        keras.layers.Embedding(RECORDS, 1, embeddings_initializer="zeros", name="tally_rows")(ids)
+    )
     dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="tally_dense")(onehot)
     return keras.Model({"id": ids, "onehot": onehot}, keras.layers.Add()([row, dense]), name="tally")
 
@@ -37,7 +39,7 @@ class SignDescent(keras.optimizers.Optimizer):
     """w -= lr * sign(g): every weight with a gradient moves by exactly lr, whatever its scale."""
 
     def update_step(self, gradient, variable, learning_rate):
-        gradient = keras.ops.convert_to_tensor(gradient)   # a table's rows may come as IndexedSlices
+        gradient = keras.ops.convert_to_tensor(gradient)  # a table's rows may come as IndexedSlices
         self.assign_sub(variable, keras.ops.cast(learning_rate, variable.dtype) * keras.ops.sign(gradient))
 
 

@@ -1,5 +1,6 @@
 """Witnesses of exactly-once that owe nothing to the ledger: the tally model's trained weights and the
 PS shards' audit; and the check that a test's chaos really fired."""
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def train_ids(manifest_uri: str) -> np.ndarray:
     m = load_manifest(manifest_uri)
     ids = []
     for s in m.shards:
-        with fsspec.open(m.shard_uri(s), "rb") as f:   # any store, as the step reads it
+        with fsspec.open(m.shard_uri(s), "rb") as f:  # any store, as the step reads it
             ids.append(pq.read_table(f, columns=["id"])["id"].to_numpy())
     return np.concatenate(ids)
 
@@ -36,8 +37,10 @@ def train_ids(manifest_uri: str) -> np.ndarray:
 def assert_chaos_fired(summary: dict, planned: int) -> list[dict]:
     chaos = summary.get("chaos") or {}
     fired = chaos.get("fired", [])
-    assert len(fired) == planned, (f"the chaos never fired as planned: {len(fired)} of {planned} signals sent "
-                                   f"(not fired: {chaos.get('not_fired')}); the test proved nothing")
+    assert len(fired) == planned, (
+        f"the chaos never fired as planned: {len(fired)} of {planned} signals sent "
+        f"(not fired: {chaos.get('not_fired')}); the test proved nothing"
+    )
     return fired
 
 
@@ -48,9 +51,11 @@ def assert_each_record_applied_exactly(out, data: dict, epochs: int) -> None:
     expected[train_ids(data["train"])] = epochs
     for name, got in (("embedding rows", rows), ("dense kernel", dense)):
         wrong = np.nonzero(got != expected)[0]
-        assert wrong.size == 0, (f"{name}: {wrong.size} records applied a wrong number of times, e.g. ids "
-                                 f"{wrong[:10].tolist()} hold {got[wrong[:10]].tolist()} (expected "
-                                 f"{expected[wrong[:10]].tolist()})")
+        assert wrong.size == 0, (
+            f"{name}: {wrong.size} records applied a wrong number of times, e.g. ids "
+            f"{wrong[:10].tolist()} hold {got[wrong[:10]].tolist()} (expected "
+            f"{expected[wrong[:10]].tolist()})"
+        )
 
 
 def assert_audit_exact(summary: dict, source: str = "ps") -> None:

@@ -7,6 +7,7 @@ parameter and artifact a template uses is declared and passed, every argument pa
 And Argo's own lint, offline and strict (`argo lint --offline --strict`), built from the Go module proxy
 by scripts/build-argo: the shipped files pass, and it refuses a typo, an unresolved parameter and a
 dangling dependency. No test reads outside the repository."""
+
 from __future__ import annotations
 
 import copy
@@ -22,15 +23,16 @@ import pytest
 import yaml
 from hera.workflows import models
 
-from elastic_step.pipelines.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
 from elastic_step.backends.kubernetes import _JOB_ID
 from elastic_step.cli import build_parser
-from tests.infra.kube.harness.argo import lint
 from elastic_step.errors import ConfigError, JobFailed, StepTerminated
+from elastic_step.pipelines.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
+from tests.infra.kube.harness.argo import lint
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-KINDS = {kind: getattr(models, kind)
-         for kind in ("Workflow", "WorkflowTemplate", "ClusterWorkflowTemplate", "CronWorkflow")}
+KINDS = {
+    kind: getattr(models, kind) for kind in ("Workflow", "WorkflowTemplate", "ClusterWorkflowTemplate", "CronWorkflow")
+}
 FILES = ["train-eval-template.yaml", "train-eval-cron.yaml"]
 
 
@@ -55,7 +57,7 @@ def unknown_keys(doc, annotation, path: str = "") -> list[str]:
         if origin is list and isinstance(doc, list):
             for i, value in enumerate(doc):
                 out += unknown_keys(value, args[0], f"{path}[{i}]")
-        elif origin is dict and isinstance(doc, dict):   # a map (labels, annotations, resource quantities)
+        elif origin is dict and isinstance(doc, dict):  # a map (labels, annotations, resource quantities)
             for key, value in doc.items():
                 out += unknown_keys(value, args[1], f"{path}.{key}")
         elif isinstance(tp, type) and issubclass(tp, pydantic.RootModel):
@@ -69,7 +71,7 @@ def unknown_keys(doc, annotation, path: str = "") -> list[str]:
                     out.append(f"{path}.{key}")
         else:
             continue
-        break   # the first type the value has decides
+        break  # the first type the value has decides
     return out
 
 
@@ -90,8 +92,9 @@ def check(doc: dict) -> list[str]:
 def test_rendered_files_are_current(tmp_path):
     for path in render(str(tmp_path)):
         name = pathlib.Path(path).name
-        assert (ROOT / "pipelines" / "argo" / name).read_text() == pathlib.Path(path).read_text(), \
+        assert (ROOT / "pipelines" / "argo" / name).read_text() == pathlib.Path(path).read_text(), (
             f"pipelines/argo/{name} is stale: run `elastic-step compile` and commit"
+        )
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -101,11 +104,20 @@ def test_valid_against_argos_spec_with_strict_keys(name):
 
 def test_a_workflow_submitted_from_the_template_is_valid():
     """What `argo submit --from workflowtemplate/...` creates: a Workflow referencing the template."""
-    doc = {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow",
-           "metadata": {"generateName": "elastic-step-train-eval-"},
-           "spec": {"workflowTemplateRef": {"name": load(FILES[0])["metadata"]["name"]},
-                    "arguments": {"parameters": [{"name": "source-uri", "value": "gs://b/d.csv"},
-                                                 {"name": "model-def", "value": "gs://b/model.py"}]}}}
+    doc = {
+        "apiVersion": "argoproj.io/v1alpha1",
+        "kind": "Workflow",
+        "metadata": {"generateName": "elastic-step-train-eval-"},
+        "spec": {
+            "workflowTemplateRef": {"name": load(FILES[0])["metadata"]["name"]},
+            "arguments": {
+                "parameters": [
+                    {"name": "source-uri", "value": "gs://b/d.csv"},
+                    {"name": "model-def", "value": "gs://b/model.py"},
+                ]
+            },
+        },
+    }
     assert check(doc) == []
     # and the template's own spec is a valid Workflow spec (a Workflow can inline it)
     inline = {**load(FILES[0]), "kind": "Workflow"}
@@ -138,29 +150,47 @@ def _dag(doc: dict) -> list[dict]:
     return next(t for t in doc["spec"]["templates"] if "dag" in t)["dag"]["tasks"]
 
 
-@pytest.mark.parametrize("mutate, says", [
-    (lambda d: _template(d, "elastic-train")["container"].__setitem__(
-        "comand", _template(d, "elastic-train")["container"].pop("command")), 'unknown field "spec.templates[1].container.comand"'),
-    (lambda d: _template(d, "evaluate")["container"]["args"].append("{{inputs.parameters.nope}}"),
-     "templates.evaluate: failed to resolve {{inputs.parameters.nope}}"),
-    (lambda d: _dag(d)[-1].__setitem__("depends", "no-such-task"), "invalid dependency no-such-task"),
-])
+@pytest.mark.parametrize(
+    "mutate, says",
+    [
+        (
+            lambda d: _template(d, "elastic-train")["container"].__setitem__(
+                "comand", _template(d, "elastic-train")["container"].pop("command")
+            ),
+            'unknown field "spec.templates[1].container.comand"',
+        ),
+        (
+            lambda d: _template(d, "evaluate")["container"]["args"].append("{{inputs.parameters.nope}}"),
+            "templates.evaluate: failed to resolve {{inputs.parameters.nope}}",
+        ),
+        (lambda d: _dag(d)[-1].__setitem__("depends", "no-such-task"), "invalid dependency no-such-task"),
+    ],
+)
 def test_argos_lint_refuses_what_the_controller_would(tmp_path, mutate, says):
     """The lint is Argo's: it fails on a typo, an unresolved parameter and a dangling dependency."""
     assert says in _lint_mutated(tmp_path, mutate)
 
 
 # ---------------------------------------------------------------- the strict check catches typos
-@pytest.mark.parametrize("mutate, expected", [
-    (lambda d: d["spec"].__setitem__("concurrencyPolicyy", d["spec"].pop("concurrencyPolicy")),
-     "unknown key .spec.concurrencyPolicyy"),
-    (lambda d: d["spec"].__setitem__("schedule", d["spec"].pop("schedules")[0]), "unknown key .spec.schedule"),
-    (lambda d: d["spec"].__setitem__("startingDeadline", d["spec"].pop("startingDeadlineSeconds")),
-     "unknown key .spec.startingDeadline"),
-    (lambda d: d["spec"]["workflowSpec"]["workflowTemplateRef"].__setitem__("nmae", "x"),
-     "unknown key .spec.workflowSpec.workflowTemplateRef.nmae"),
-    (lambda d: d["metadata"].__setitem__("lables", {}), "unknown key .metadata.lables"),
-])
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (
+            lambda d: d["spec"].__setitem__("concurrencyPolicyy", d["spec"].pop("concurrencyPolicy")),
+            "unknown key .spec.concurrencyPolicyy",
+        ),
+        (lambda d: d["spec"].__setitem__("schedule", d["spec"].pop("schedules")[0]), "unknown key .spec.schedule"),
+        (
+            lambda d: d["spec"].__setitem__("startingDeadline", d["spec"].pop("startingDeadlineSeconds")),
+            "unknown key .spec.startingDeadline",
+        ),
+        (
+            lambda d: d["spec"]["workflowSpec"]["workflowTemplateRef"].__setitem__("nmae", "x"),
+            "unknown key .spec.workflowSpec.workflowTemplateRef.nmae",
+        ),
+        (lambda d: d["metadata"].__setitem__("lables", {}), "unknown key .metadata.lables"),
+    ],
+)
 def test_a_typo_in_a_key_is_caught(mutate, expected):
     doc = copy.deepcopy(load("train-eval-cron.yaml"))
     mutate(doc)
@@ -175,15 +205,17 @@ def test_a_typo_deep_in_a_template_is_caught():
     train["retryStrategy"]["retryPolicyy"] = "OnError"
     dag = next(t for t in doc["spec"]["templates"] if "dag" in t)
     dag["dag"]["tasks"][3]["wehn"] = dag["dag"]["tasks"][3].pop("when")
-    assert sorted(check(doc)) == ["unknown key .spec.templates[1].container.comand",
-                                  "unknown key .spec.templates[1].container.env[0].valueFrom.fieldRefs",
-                                  "unknown key .spec.templates[1].retryStrategy.retryPolicyy",
-                                  "unknown key .spec.templates[4].dag.tasks[3].wehn"]
+    assert sorted(check(doc)) == [
+        "unknown key .spec.templates[1].container.comand",
+        "unknown key .spec.templates[1].container.env[0].valueFrom.fieldRefs",
+        "unknown key .spec.templates[1].retryStrategy.retryPolicyy",
+        "unknown key .spec.templates[4].dag.tasks[3].wehn",
+    ]
 
 
 def test_wrong_value_types_are_caught():
     doc = copy.deepcopy(load("train-eval-cron.yaml"))
-    doc["spec"]["schedules"] = "0 2 * * *"            # a string, not a list
+    doc["spec"]["schedules"] = "0 2 * * *"  # a string, not a list
     doc["spec"]["startingDeadlineSeconds"] = "soon"
     errors = check(doc)
     assert any(e.startswith("spec/schedules") for e in errors), errors
@@ -234,8 +266,9 @@ def test_every_parameter_and_artifact_is_declared_and_passed():
             assert art in {o["name"] for o in tmpl[tasks[src]["template"]]["outputs"]["artifacts"]}
             assert list(tasks).index(src) < list(tasks).index(task["name"])
     # artifact paths: each step reads its inputs where the previous one wrote them
-    assert tmpl["elastic-train"]["inputs"]["artifacts"][0]["path"] == tmpl["data-prep"]["outputs"]["artifacts"][0][
-        "path"]
+    assert (
+        tmpl["elastic-train"]["inputs"]["artifacts"][0]["path"] == tmpl["data-prep"]["outputs"]["artifacts"][0]["path"]
+    )
 
 
 def test_the_workflow_takes_every_kfp_pipeline_parameter():
@@ -259,7 +292,7 @@ def test_the_workflow_and_the_kfp_pipeline_have_the_same_defaults():
         assert PARAMETERS[name.replace("_", "-")][0] == kfp, name
 
 
-WORKFLOW_UID = "8a0f6a52-3c1e-4d2b-9f7a-1b2c3d4e5f60"   # what Argo puts in {{workflow.uid}}
+WORKFLOW_UID = "8a0f6a52-3c1e-4d2b-9f7a-1b2c3d4e5f60"  # what Argo puts in {{workflow.uid}}
 
 
 def _substitute(arg: str, values: dict[str, str]) -> str:
@@ -294,8 +327,12 @@ def test_every_container_runs_a_real_cli_command(template):
 def test_the_training_step_can_own_and_reach_its_pods():
     train = templates()["elastic-train"]
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in train["container"]["env"]}
-    assert env == {"POD_NAME": "metadata.name", "POD_UID": "metadata.uid",
-                   "ELASTIC_STEP_NAMESPACE": "metadata.namespace", "ELASTIC_STEP_POD_IP": "status.podIP"}
+    assert env == {
+        "POD_NAME": "metadata.name",
+        "POD_UID": "metadata.uid",
+        "ELASTIC_STEP_NAMESPACE": "metadata.namespace",
+        "ELASTIC_STEP_POD_IP": "status.podIP",
+    }
     assert {a["name"] for a in train["outputs"]["artifacts"]} == {"model", "report", "summary"}
 
 
@@ -309,14 +346,14 @@ def test_a_retried_training_step_keeps_its_job_id():
     assert job_id == "{{workflow.uid}}-elastic-train"
     assert not re.search(r"\{\{(pod|node|retries)", json.dumps(train["container"]))  # nothing per attempt
     resolved = _substitute(job_id, {})
-    assert len(resolved) <= 50 and _JOB_ID.fullmatch(resolved), resolved   # it names the job's pods
+    assert len(resolved) <= 50 and _JOB_ID.fullmatch(resolved), resolved  # it names the job's pods
 
 
 def test_the_training_step_retries_what_took_it_away_not_a_failed_job():
     retry = templates()["elastic-train"]["retryStrategy"]
-    assert retry["limit"] == "2" and retry["retryPolicy"] == "Always"   # IntOrString: the schema wants a string
+    assert retry["limit"] == "2" and retry["retryPolicy"] == "Always"  # IntOrString: the schema wants a string
     assert retry["backoff"] == {"duration": "15s", "factor": "2"}
-    assert "maxDuration" not in retry["backoff"]   # counted from the first attempt: training outlasts any cap
+    assert "maxDuration" not in retry["backoff"]  # counted from the first attempt: training outlasts any cap
     assert retry["expression"] == 'lastRetry.status == "Error" || asInt(lastRetry.exitCode) not in [1, 2]'
     # the exit codes it tells apart are the CLI's: a failed job, bad input, a terminated step
     assert (JobFailed.exit_code, ConfigError.exit_code, StepTerminated.exit_code) == (1, 2, 143)
@@ -357,8 +394,13 @@ def test_the_service_account_exists_and_may_do_what_the_steps_do():
     for (kind, _), binding in docs.items():
         if kind == "RoleBinding" and {"kind": "ServiceAccount", "name": SERVICE_ACCOUNT} in binding["subjects"]:
             role = docs[("Role", binding["roleRef"]["name"])]
-            granted |= {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-                        for v in rule["verbs"]}
+            granted |= {
+                (g, r, v)
+                for rule in role["rules"]
+                for g in rule["apiGroups"]
+                for r in rule["resources"]
+                for v in rule["verbs"]
+            }
     # Argo's executor reports outputs (v3.4+); the master runs worker and PS pods
     assert {("argoproj.io", "workflowtaskresults", v) for v in ("create", "patch")} <= granted
     assert {("", "pods", v) for v in ("create", "get", "list", "watch", "delete", "patch")} <= granted

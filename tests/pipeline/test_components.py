@@ -30,12 +30,14 @@ def normalised(path: pathlib.Path):
     """The YAML documents with version strings blanked (sdkVersion kfp-X, the image tag): a golden
     compare ignores only those. Parsed, not text: another library's YAML representers (Hera registers
     some) change quoting, not content."""
+
     def strip(node):
         if isinstance(node, dict):
             return {k: strip(v) for k, v in node.items()}
         if isinstance(node, list):
             return [strip(v) for v in node]
         return VERSION.sub(r"\1<version>", node) if isinstance(node, str) else node
+
     return [strip(doc) for doc in yaml.safe_load_all(path.read_text())]
 
 
@@ -51,8 +53,12 @@ def test_compiled_files_are_current(fresh):
     workflows and docs/parameters.md."""
     generated = sorted(str(p.relative_to(fresh)) for p in fresh.rglob("*") if p.is_file())
     assert set(IR_FILES + V1_FILES) <= set(generated)
-    assert {f"pipelines/{next(iter(PIPELINES))}/train_eval.yaml", "pipelines/argo/train-eval-template.yaml",
-            "pipelines/argo/train-eval-cron.yaml", PARAMETERS_DOC} <= set(generated)
+    assert {
+        f"pipelines/{next(iter(PIPELINES))}/train_eval.yaml",
+        "pipelines/argo/train-eval-template.yaml",
+        "pipelines/argo/train-eval-cron.yaml",
+        PARAMETERS_DOC,
+    } <= set(generated)
     for rel in generated:
         committed = ROOT / rel
         assert committed.exists(), f"{rel} is missing: run `elastic-step compile` and commit"
@@ -64,8 +70,7 @@ def test_compiled_files_are_current(fresh):
         header = next(line for line in committed.read_text().splitlines() if line.startswith(("# ", "<!--")))
         assert re.search(r"(compile|Generated).* from elastic_step/\S+\.py", header), (rel, header)
     # and nothing compiled is left over from an older layout
-    committed_yaml = {str(p.relative_to(ROOT)) for d in ("components", "pipelines")
-                      for p in (ROOT / d).rglob("*.yaml")}
+    committed_yaml = {str(p.relative_to(ROOT)) for d in ("components", "pipelines") for p in (ROOT / d).rglob("*.yaml")}
     assert committed_yaml - NOT_COMPILED - set(generated) == set(), "a committed YAML that compile no longer writes"
 
 
@@ -78,8 +83,9 @@ def test_compile_is_deterministic(fresh, tmp_path):
 def test_golden_compare_ignores_only_version_strings(tmp_path):
     committed = ROOT / "components/evaluate/evaluate.yaml"
     bumped = tmp_path / "bumped.yaml"
-    bumped.write_text(committed.read_text().replace("kfp-2.17.0", "kfp-2.17.9")
-                      .replace("elastic-step:0.1.0", "elastic-step:0.2.0"))
+    bumped.write_text(
+        committed.read_text().replace("kfp-2.17.0", "kfp-2.17.9").replace("elastic-step:0.1.0", "elastic-step:0.2.0")
+    )
     assert normalised(bumped) == normalised(committed)
     changed = tmp_path / "changed.yaml"
     changed.write_text(committed.read_text().replace("defaultValue: 0.9", "defaultValue: 0.8"))
@@ -94,16 +100,21 @@ def test_components_run_on_the_runtime_image_without_installing_kfp():
 
 
 def test_ir_components_load_back_and_compose_into_a_pipeline(tmp_path):
-    loaded = {stem: load_component_from_file(str(ROOT / f"components/{folder}/{stem}.yaml"))
-              for folder, stems in COMPONENTS.items() for stem in stems}
+    loaded = {
+        stem: load_component_from_file(str(ROOT / f"components/{folder}/{stem}.yaml"))
+        for folder, stems in COMPONENTS.items()
+        for stem in stems
+    }
 
     @dsl.pipeline(name="from-uploaded-components")
     def p(source_uri: str, model_def: str, publish_uri: str):
         d = loaded["data_prep"](source_uri=source_uri, label="label")
-        t = loaded["elastic_train"](train_data=d.outputs["train_data"], eval_data=d.outputs["eval_data"],
-                                    model_def=model_def, max_workers=4)
-        e = loaded["evaluate"](model=t.outputs["model"], eval_data=d.outputs["eval_data"], model_def=model_def,
-                               threshold=0.8)
+        t = loaded["elastic_train"](
+            train_data=d.outputs["train_data"], eval_data=d.outputs["eval_data"], model_def=model_def, max_workers=4
+        )
+        e = loaded["evaluate"](
+            model=t.outputs["model"], eval_data=d.outputs["eval_data"], model_def=model_def, threshold=0.8
+        )
         with dsl.If(e.outputs["passed"] == True):  # noqa: E712
             loaded["publish_model"](model=t.outputs["model"], publish_uri=publish_uri)
         # the URI variants compose too (strings in, the same outputs)
@@ -114,45 +125,68 @@ def test_ir_components_load_back_and_compose_into_a_pipeline(tmp_path):
     out = tmp_path / "p.yaml"
     compiler.Compiler().compile(p, str(out))
     spec = yaml.safe_load(out.read_text())
-    assert {"exec-data-prep-op", "exec-elastic-train-op", "exec-evaluate-op", "exec-publish-model-op",
-            "exec-elastic-train-uri-op", "exec-evaluate-uri-op"} <= set(spec["deploymentSpec"]["executors"])
+    assert {
+        "exec-data-prep-op",
+        "exec-elastic-train-op",
+        "exec-evaluate-op",
+        "exec-publish-model-op",
+        "exec-elastic-train-uri-op",
+        "exec-evaluate-uri-op",
+    } <= set(spec["deploymentSpec"]["executors"])
 
 
 def test_train_and_evaluate_outputs():
     train = yaml.safe_load((ROOT / "components/elastic_train/elastic_train.yaml").read_text())
     outs = train["components"]["comp-elastic-train-op"]["outputDefinitions"]["artifacts"]
     assert {k: v["artifactType"]["schemaTitle"] for k, v in outs.items()} == {
-        "model": "system.Model", "metrics": "system.Metrics", "report": "system.HTML", "summary": "system.Artifact"}
+        "model": "system.Model",
+        "metrics": "system.Metrics",
+        "report": "system.HTML",
+        "summary": "system.Artifact",
+    }
     ev = yaml.safe_load((ROOT / "components/evaluate/evaluate.yaml").read_text())
     out = ev["components"]["comp-evaluate-op"]["outputDefinitions"]
     assert {k: v["artifactType"]["schemaTitle"] for k, v in out["artifacts"].items()} == {
-        "metrics": "system.Metrics", "classification_metrics": "system.ClassificationMetrics"}
-    assert {k: v["parameterType"] for k, v in out["parameters"].items()} == {"score": "NUMBER_DOUBLE",
-                                                                              "passed": "BOOLEAN"}
+        "metrics": "system.Metrics",
+        "classification_metrics": "system.ClassificationMetrics",
+    }
+    assert {k: v["parameterType"] for k, v in out["parameters"].items()} == {
+        "score": "NUMBER_DOUBLE",
+        "passed": "BOOLEAN",
+    }
 
 
 def test_uri_variants_match_the_artifact_variants():
     """Same parameters and outputs; only the data inputs differ (URIs instead of artifacts)."""
-    for folder, a, b, swapped in (("elastic_train", "elastic_train", "elastic_train_uri", {"train_uri", "eval_uri"}),
-                                  ("evaluate", "evaluate", "evaluate_uri", {"model_uri", "eval_uri"})):
+    for folder, a, b, swapped in (
+        ("elastic_train", "elastic_train", "elastic_train_uri", {"train_uri", "eval_uri"}),
+        ("evaluate", "evaluate", "evaluate_uri", {"model_uri", "eval_uri"}),
+    ):
         sa, sb = (yaml.safe_load((ROOT / f"components/{folder}/{s}.yaml").read_text())["root"] for s in (a, b))
         pa = sa["inputDefinitions"]["parameters"]
         pb = sb["inputDefinitions"]["parameters"]
         assert set(pb) - set(pa) == swapped and set(pa) <= set(pb)
-        assert {k: v.get("defaultValue") for k, v in pa.items()} == \
-               {k: pb[k].get("defaultValue") for k in pa}
+        assert {k: v.get("defaultValue") for k, v in pa.items()} == {k: pb[k].get("defaultValue") for k in pa}
         assert sa["outputDefinitions"] == sb["outputDefinitions"]
 
 
 def test_ui_uploadable_files_take_only_strings_and_numbers():
     """The KFP UI starts an uploaded component as a one-step pipeline: every input must be a parameter."""
-    for rel in ("components/data_prep/data_prep.yaml", "components/elastic_train/elastic_train_uri.yaml",
-                "components/evaluate/evaluate_uri.yaml", "pipelines/train_eval/train_eval.yaml"):
+    for rel in (
+        "components/data_prep/data_prep.yaml",
+        "components/elastic_train/elastic_train_uri.yaml",
+        "components/evaluate/evaluate_uri.yaml",
+        "pipelines/train_eval/train_eval.yaml",
+    ):
         spec = yaml.safe_load((ROOT / rel).read_text())
         inputs = spec["root"].get("inputDefinitions", {})
         assert "artifacts" not in inputs, rel
         assert {p["parameterType"] for p in inputs["parameters"].values()} <= {
-            "STRING", "NUMBER_INTEGER", "NUMBER_DOUBLE", "BOOLEAN"}, rel
+            "STRING",
+            "NUMBER_INTEGER",
+            "NUMBER_DOUBLE",
+            "BOOLEAN",
+        }, rel
 
 
 def test_pipeline_gates_publish_on_evaluate_passed():
@@ -160,10 +194,13 @@ def test_pipeline_gates_publish_on_evaluate_passed():
     root = spec["root"]["dag"]["tasks"]
     (gate,) = [t for t in root.values() if "triggerPolicy" in t]
     assert gate["taskInfo"]["name"] == "gate-passed"
-    assert gate["triggerPolicy"]["condition"] == \
-        "inputs.parameter_values['pipelinechannel--evaluate-op-passed'] == true"
+    assert (
+        gate["triggerPolicy"]["condition"] == "inputs.parameter_values['pipelinechannel--evaluate-op-passed'] == true"
+    )
     assert gate["inputs"]["parameters"]["pipelinechannel--evaluate-op-passed"]["taskOutputParameter"] == {
-        "producerTask": "evaluate-op", "outputParameterKey": "passed"}
+        "producerTask": "evaluate-op",
+        "outputParameterKey": "passed",
+    }
     branch = spec["components"][gate["componentRef"]["name"]]["dag"]["tasks"]
     assert set(branch) == {"publish-model-op"}
     assert "publish-model-op" not in root
@@ -178,13 +215,17 @@ JOB_ID_INPUTS = {"job_id", "pipeline_run_id", "pipeline_task_name"}
 def test_the_pipelines_training_task_is_retried_with_a_job_id_from_the_placeholders():
     spec = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
     train = spec["root"]["dag"]["tasks"]["elastic-train-op"]
-    assert train["retryPolicy"] == {"maxRetryCount": 2, "backoffDuration": "15s", "backoffFactor": 2.0,
-                                    "backoffMaxDuration": "604800s"}   # outlasts the training (1 h by default)
+    assert train["retryPolicy"] == {
+        "maxRetryCount": 2,
+        "backoffDuration": "15s",
+        "backoffFactor": 2.0,
+        "backoffMaxDuration": "604800s",
+    }  # outlasts the training (1 h by default)
     # Each placeholder is an argument's whole value: KFP substitutes nothing else.
     inputs = train["inputs"]["parameters"]
     assert inputs["pipeline_run_id"] == {"runtimeValue": {"constant": dsl.PIPELINE_JOB_ID_PLACEHOLDER}}
     assert inputs["pipeline_task_name"] == {"runtimeValue": {"constant": dsl.PIPELINE_TASK_NAME_PLACEHOLDER}}
-    assert "job_id" not in inputs   # derived, unless a pipeline author passes one
+    assert "job_id" not in inputs  # derived, unless a pipeline author passes one
     # Not the task id or pod: they are not what a retry keeps.
     assert "pipeline_task_uuid" not in str(train) and "KFP_POD" not in str(train)
     for name, task in spec["root"]["dag"]["tasks"].items():
@@ -196,8 +237,9 @@ def test_the_pipelines_training_task_is_retried_with_a_job_id_from_the_placehold
 def test_training_components_derive_the_job_id_unless_given_one(stem):
     spec = yaml.safe_load((ROOT / f"components/elastic_train/{stem}.yaml").read_text())
     params = spec["root"]["inputDefinitions"]["parameters"]
-    assert {n: (params[n]["parameterType"], params[n]["defaultValue"]) for n in JOB_ID_INPUTS} == \
-        {n: ("STRING", "") for n in JOB_ID_INPUTS}
+    assert {n: (params[n]["parameterType"], params[n]["defaultValue"]) for n in JOB_ID_INPUTS} == dict.fromkeys(
+        JOB_ID_INPUTS, ("STRING", "")
+    )
     code = "".join(next(iter(spec["deploymentSpec"]["executors"].values()))["container"]["command"])
     assert "job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri)" in code
 
@@ -209,9 +251,13 @@ def test_the_kfp_training_components_and_the_argo_step_take_the_same_settings():
 
     for stem in TRAIN_STEMS:
         params = yaml.safe_load((ROOT / f"components/elastic_train/{stem}.yaml").read_text())["root"][
-            "inputDefinitions"]["parameters"]
-        settings = {n.replace("_", "-") for n in params} - {"train-uri", "eval-uri"} - \
-            {n.replace("_", "-") for n in JOB_ID_INPUTS}
+            "inputDefinitions"
+        ]["parameters"]
+        settings = (
+            {n.replace("_", "-") for n in params}
+            - {"train-uri", "eval-uri"}
+            - {n.replace("_", "-") for n in JOB_ID_INPUTS}
+        )
         assert settings == set(TRAIN_PARAMS), stem
     train = next(t for t in workflow_template().templates if t.name == "elastic-train")
     assert "--job-id" in train.args
@@ -223,18 +269,24 @@ def test_step_job_id():
 
     run_a, run_b = "2c1b7a4e-5d6f-4a3b-9c8d-0e1f2a3b4c5d", "9e8d7c6b-5a4f-4e3d-8c2b-1a0f9e8d7c6b"
     a = step_job_id("", run_a, "elastic-train-op", anchor="gs://b/r/a/elastic-train-op/model")
-    assert a == step_job_id("", run_a, "elastic-train-op", anchor="another attempt's URI")   # every retry
+    assert a == step_job_id("", run_a, "elastic-train-op", anchor="another attempt's URI")  # every retry
     assert a != step_job_id("", run_b, "elastic-train-op") != step_job_id("", run_a, "elastic-train-op-2")
     assert a.startswith("elastic-train-op-")
-    assert step_job_id("mine", run_a, "elastic-train-op") == "mine"   # an explicit id wins as it is
+    assert step_job_id("mine", run_a, "elastic-train-op") == "mine"  # an explicit id wins as it is
     # KFP left a placeholder unresolved (it substitutes only whole arguments): the artifact URI decides
-    unresolved = step_job_id("", dsl.PIPELINE_JOB_ID_PLACEHOLDER, dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
-                             anchor="minio://mlpipeline/v2/artifacts/p/run-1/elastic-train-op/model")
+    unresolved = step_job_id(
+        "",
+        dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+        dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+        anchor="minio://mlpipeline/v2/artifacts/p/run-1/elastic-train-op/model",
+    )
     assert unresolved.startswith("es-") and "{" not in unresolved
-    assert unresolved == step_job_id("", "", "", anchor="minio://mlpipeline/v2/artifacts/p/run-1/elastic-train-op/model")
-    assert step_job_id("", "", "", anchor="") is None   # nothing stable: a random id, as before
+    assert unresolved == step_job_id(
+        "", "", "", anchor="minio://mlpipeline/v2/artifacts/p/run-1/elastic-train-op/model"
+    )
+    assert step_job_id("", "", "", anchor="") is None  # nothing stable: a random id, as before
     for job_id in (a, unresolved, step_job_id("", run_a, "Train: the BIG model " * 5)):
-        assert len(job_id) <= 50 and _JOB_ID.fullmatch(job_id), job_id   # names pods <job>-<role>-<index>
+        assert len(job_id) <= 50 and _JOB_ID.fullmatch(job_id), job_id  # names pods <job>-<role>-<index>
 
 
 def test_kfp_local_resolves_the_placeholders_the_job_id_comes_from(tmp_path):
@@ -262,8 +314,13 @@ def p() -> str:
 local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root={str(tmp_path / "root")!r})
 sys.stderr.write("RESULT " + p().output + "\\n")
 """)
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_id, task_name, job_id = json.loads(proc.stderr.split("RESULT ", 1)[1].splitlines()[0])
     assert run_id.isdigit() and task_name == "probe"
@@ -321,10 +378,12 @@ def test_each_component_readme_documents_use_upload_and_elyra(folder):
         assert f"{stem}.yaml" in text
         spec = yaml.safe_load((ROOT / f"components/{folder}/{stem}.yaml").read_text())
         comp = next(iter(spec["components"].values()))
-        io = [*comp.get("inputDefinitions", {}).get("parameters", {}),
-              *comp.get("inputDefinitions", {}).get("artifacts", {}),
-              *comp.get("outputDefinitions", {}).get("parameters", {}),
-              *comp.get("outputDefinitions", {}).get("artifacts", {})]
+        io = [
+            *comp.get("inputDefinitions", {}).get("parameters", {}),
+            *comp.get("inputDefinitions", {}).get("artifacts", {}),
+            *comp.get("outputDefinitions", {}).get("parameters", {}),
+            *comp.get("outputDefinitions", {}).get("artifacts", {}),
+        ]
         missing = [n for n in io if f"`{n}`" not in text and n != "Output"]
         assert not missing, f"{folder}/README.md does not document {missing} of {stem}.yaml"
 
@@ -333,12 +392,23 @@ def test_component_bodies_import_under_the_kfp_runtime():
     """In a step, KFP runs the body with its runtime-only kfp.dsl (_KFP_RUNTIME=true: no dsl.component);
     what the bodies import must not need the component definitions."""
 
-    bodies = "\n".join(sorted({line.strip() for line in (ROOT / "elastic_step/components/ops.py").read_text()
-                               .splitlines() if line.startswith("    from elastic_step")}))
+    bodies = "\n".join(
+        sorted(
+            {
+                line.strip()
+                for line in (ROOT / "elastic_step/components/ops.py").read_text().splitlines()
+                if line.startswith("    from elastic_step")
+            }
+        )
+    )
     assert "elastic_step.components.outputs" in bodies and "elastic_step.steps" in bodies
-    proc = subprocess.run([sys.executable, "-c", bodies + "\nimport sys\n"
-                           "assert 'elastic_step.components.ops' not in sys.modules"],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "_KFP_RUNTIME": "true"})
+    proc = subprocess.run(
+        [sys.executable, "-c", bodies + "\nimport sys\nassert 'elastic_step.components.ops' not in sys.modules"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "_KFP_RUNTIME": "true"},
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -357,14 +427,23 @@ def test_v1_components_compose_into_a_pipeline(tmp_path):
     compiler.Compiler().compile(p, str(out))
     executors = yaml.safe_load(out.read_text())["deploymentSpec"]["executors"]
     commands = {name: c["container"]["command"][:2] for name, c in executors.items()}
-    assert sorted(commands.values()) == [["elastic-step", "data"], ["elastic-step", "evaluate"],
-                                         ["elastic-step", "publish"], ["elastic-step", "train"]]
+    assert sorted(commands.values()) == [
+        ["elastic-step", "data"],
+        ["elastic-step", "evaluate"],
+        ["elastic-step", "publish"],
+        ["elastic-step", "train"],
+    ]
 
 
 def test_the_image_is_overridable_when_compiling(tmp_path):
     image = "registry.example.com/ml/elastic-step:custom"
-    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "compile", "--root", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "ELASTIC_STEP_IMAGE": image})
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic_step.cli", "compile", "--root", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ELASTIC_STEP_IMAGE": image},
+    )
     assert proc.returncode == 0, proc.stderr
     for rel in IR_FILES + V1_FILES + ["pipelines/train_eval/train_eval.yaml"]:
         images = set(re.findall(r"(?m)^\s*image: (\S+)", (tmp_path / rel).read_text()))

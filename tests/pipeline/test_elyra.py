@@ -6,6 +6,7 @@ Catalog, and the palette and node properties Elyra renders from it show the name
 Elyra runs in a child process: importing it starts nothing, but it loads a Jupyter server's modules and
 keeps singletons (processor registry, component cache) that must not leak into the rest of the suite.
 Its Jupyter data, config and runtime dirs are the test's tmp dir."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -62,18 +63,27 @@ with open(out, "w") as f:
 
 @pytest.fixture(scope="module")
 def elyra(tmp_path_factory) -> dict:
-    if importlib.util.find_spec("elyra") is None:   # found, not imported: it stays out of this process
+    if importlib.util.find_spec("elyra") is None:  # found, not imported: it stays out of this process
         pytest.fail("elyra is not installed: run scripts/bootstrap")
     pinned = re.search(r"(?m)^elyra==(\S+)$", (ROOT / "constraints.txt").read_text()).group(1)
     assert importlib.metadata.version("elyra") == pinned and pinned.startswith("4."), "run scripts/bootstrap"
     tmp = tmp_path_factory.mktemp("elyra")
     # none of the caller's Jupyter or Elyra settings (ELYRA_METADATA_PATH, ELYRA_PROCESSOR_RUNTIMES, ...)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JUPYTER", "ELYRA_"))}
-    env.update(JUPYTER_DATA_DIR=str(tmp / "data"), JUPYTER_CONFIG_DIR=str(tmp / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"))
+    env.update(
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+    )
     out = tmp / "elyra.json"
-    proc = subprocess.run([sys.executable, "-c", ELYRA, str(ROOT), json.dumps(V1_FILES), CATEGORY, str(out)],
-                          cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", ELYRA, str(ROOT), json.dumps(V1_FILES), CATEGORY, str(out)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     # Without the KFP processor Elyra drops a KFP catalog silently (and offers no pipeline parameters)
@@ -86,8 +96,12 @@ def elyra(tmp_path_factory) -> dict:
 # How Elyra 4 types a KFP v1 input read by value: (JSON type, widget the user types into, the value
 # when the YAML gives no default). Elyra matches substrings of the type's name: "Dataset" holds "set",
 # so it is a list, typed in as text and "[]" when empty. A type not listed here fails the test on purpose.
-VALUE_TYPES = {"String": ("string", "string", str, ""), "Integer": ("number", "number", int, 0),
-               "Float": ("number", "number", float, 0.0), "Dataset": ("array", "string", str, "[]")}
+VALUE_TYPES = {
+    "String": ("string", "string", str, ""),
+    "Integer": ("number", "number", int, 0),
+    "Float": ("number", "number", float, 0.0),
+    "Dataset": ("array", "string", str, "[]"),
+}
 # besides a typed-in value: a parent node's output, a file, a pipeline parameter (the KFP processor has them)
 OTHER_SOURCES = ["inputpath", "file", "parameter"]
 FROM_ANYWHERE = ["inputvalue", *OTHER_SOURCES]
@@ -107,20 +121,35 @@ def expected_properties(spec: dict) -> list[dict]:
     props = []
     for i in spec.get("inputs", []):
         kfp_type, desc = i["type"], i.get("description")
-        prop = {"ref": i["name"], "name": i["name"], "required": not i.get("optional", False),
-                "description": f"{desc} (type: {kfp_type})" if desc else f"(type: {kfp_type})"}
-        if path_based(i["name"], spec):   # only a parent node's output
+        prop = {
+            "ref": i["name"],
+            "name": i["name"],
+            "required": not i.get("optional", False),
+            "description": f"{desc} (type: {kfp_type})" if desc else f"(type: {kfp_type})",
+        }
+        if path_based(i["name"], spec):  # only a parent node's output
             prop.update(json_data_type="string", value=None, allowed_input_types=["inputpath"])
         else:
             json_type, _, cast, empty = VALUE_TYPES[kfp_type]
-            prop.update(json_data_type=json_type, allowed_input_types=FROM_ANYWHERE,
-                        value=cast(i["default"]) if "default" in i else empty)
+            prop.update(
+                json_data_type=json_type,
+                allowed_input_types=FROM_ANYWHERE,
+                value=cast(i["default"]) if "default" in i else empty,
+            )
         props.append(prop)
     for o in spec.get("outputs", []):
-        assert path_based(o["name"], spec), o   # an output Elyra does not see as a path would be an input
-        props.append({"ref": f"output_{o['name']}", "name": o["name"], "required": True, "value": "",
-                      "json_data_type": "string", "allowed_input_types": [None],
-                      "description": o.get("description", "")})
+        assert path_based(o["name"], spec), o  # an output Elyra does not see as a path would be an input
+        props.append(
+            {
+                "ref": f"output_{o['name']}",
+                "name": o["name"],
+                "required": True,
+                "value": "",
+                "json_data_type": "string",
+                "allowed_input_types": [None],
+                "description": o.get("description", ""),
+            }
+        )
     return props
 
 
@@ -129,7 +158,7 @@ def panel_sections(panel: dict) -> dict[str, dict]:
     sections, current = {"inputs": {}, "outputs": {}, "additional_properties": {}}, None
     for key, value in panel["properties"]["component_parameters"]["properties"].items():
         if key.endswith("_header"):
-            current = key[:-len("_header")]
+            current = key[: -len("_header")]
         else:
             sections[current][key] = value
     return sections
@@ -144,9 +173,8 @@ def value_entry(field: dict) -> dict:
 def test_elyra_parses_the_component_as_declared(elyra, rel):
     spec = yaml.safe_load((ROOT / rel).read_text())
     c = elyra["components"][rel]
-    assert (c["name"], c["description"], c["runtime_type"]) == \
-        (spec["name"], spec["description"], "KUBEFLOW_PIPELINES")
-    assert c["properties"] == expected_properties(spec)   # every input and output, in order, nothing else
+    assert (c["name"], c["description"], c["runtime_type"]) == (spec["name"], spec["description"], "KUBEFLOW_PIPELINES")
+    assert c["properties"] == expected_properties(spec)  # every input and output, in order, nothing else
 
 
 @pytest.mark.parametrize("rel", V1_FILES)
@@ -162,8 +190,9 @@ def test_the_palette_and_properties_panel_show_the_declared_interface(elyra, rel
     inputs = spec.get("inputs", [])
     assert list(panel["inputs"]) == [i["name"] for i in inputs]
     assert list(panel["outputs"]) == [f"output_{o['name']}" for o in spec.get("outputs", [])]
-    assert c["panel"]["properties"]["component_parameters"]["required"] == \
-        [i["name"] for i in inputs if not i.get("optional")]
+    assert c["panel"]["properties"]["component_parameters"]["required"] == [
+        i["name"] for i in inputs if not i.get("optional")
+    ]
     for i in inputs:
         field = panel["inputs"][i["name"]]
         assert field["title"] == i["name"]
@@ -172,10 +201,12 @@ def test_the_palette_and_properties_panel_show_the_declared_interface(elyra, rel
             continue
         _, widget, cast, empty = VALUE_TYPES[i["type"]]
         assert [o["properties"]["widget"]["default"] for o in field["oneOf"]] == [widget, *OTHER_SOURCES]
-        assert value_entry(field)["properties"]["value"] == \
-            {"type": widget, "default": cast(i["default"]) if "default" in i else empty}
+        assert value_entry(field)["properties"]["value"] == {
+            "type": widget,
+            "default": cast(i["default"]) if "default" in i else empty,
+        }
         (param,) = [o for o in field["oneOf"] if o["properties"]["widget"]["default"] == "parameter"]
-        assert param["uihints"]["value"] == {"ui:typefilter": i["type"]}   # pipeline parameters of that type
+        assert param["uihints"]["value"] == {"ui:typefilter": i["type"]}  # pipeline parameters of that type
     for o in spec.get("outputs", []):
         field = panel["outputs"][f"output_{o['name']}"]
         assert field["title"] == o["name"] and field["uihints"]["outputpath"] is True
@@ -204,6 +235,8 @@ def test_what_a_user_sees_in_the_properties_panels(elyra):
     model = panel_sections(elyra["components"]["components/evaluate/component.yaml"]["panel"])["inputs"]["model"]
     assert model["properties"]["widget"]["default"] == "inputpath" and model["uihints"]["value"] == {"inputpath": True}
     data_prep = panel_sections(elyra["components"]["components/data_prep/component.yaml"]["panel"])
-    assert value_entry(data_prep["inputs"]["eval_fraction"])["properties"]["value"] == \
-        {"type": "number", "default": 0.2}
+    assert value_entry(data_prep["inputs"]["eval_fraction"])["properties"]["value"] == {
+        "type": "number",
+        "default": 0.2,
+    }
     assert list(data_prep["outputs"]) == ["output_prepared"]

@@ -74,7 +74,14 @@ def test_other_channels_still_resolve_through_kfp():
             raise AssertionError(ref)
     kfp_local_compat.install()
     from kfp.local.orchestrator.enhanced_dag_orchestrator import ConditionEvaluator
-    assert ConditionEvaluator.evaluate_condition(
-        "inputs.parameter_values['pipelinechannel--threshold'] > 0.5", store) is True
-    assert ConditionEvaluator.evaluate_condition(
-        "inputs.parameter_values['pipelinechannel--evaluate-op-passed'] == true", store) is True
+
+    assert (
+        ConditionEvaluator.evaluate_condition("inputs.parameter_values['pipelinechannel--threshold'] > 0.5", store)
+        is True
+    )
+    assert (
+        ConditionEvaluator.evaluate_condition(
+            "inputs.parameter_values['pipelinechannel--evaluate-op-passed'] == true", store
+        )
+        is True
+    )

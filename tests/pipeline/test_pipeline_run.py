@@ -1,5 +1,6 @@
 """The whole train→evaluate pipeline run for real through kfp.local (SubprocessRunner, real
 TensorFlow training on the local backend), through the README's main command."""
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,34 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def run_pipeline(tmp_path, *extra, env=None, source="samples/digits/digits.csv", publish=None, output=None):
-    return subprocess.run([sys.executable, "-m", "elastic_step.cli", "pipeline", "run", "--source",
-                           str(source), "--model-def", "samples/digits/model.py", "--label", "label",
-                           "--output", str(output or tmp_path / "run"),
-                           "--publish-uri", publish or str(tmp_path / "published"), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                          env={**{k: v for k, v in os.environ.items()
-                                  if k not in ("ELASTIC_STEP_CHAOS", "AIP_TENSORBOARD_LOG_DIR")}, **(env or {})})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_step.cli",
+            "pipeline",
+            "run",
+            "--source",
+            str(source),
+            "--model-def",
+            "samples/digits/model.py",
+            "--label",
+            "label",
+            "--output",
+            str(output or tmp_path / "run"),
+            "--publish-uri",
+            publish or str(tmp_path / "published"),
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("ELASTIC_STEP_CHAOS", "AIP_TENSORBOARD_LOG_DIR")},
+            **(env or {}),
+        },
+    )
 
 
 @pytest.mark.slow
@@ -33,8 +55,16 @@ def test_pipeline_runs_locally_with_everything_in_a_bucket_and_passes_the_gate(t
     bucket = s3_server.bucket("pipeline-run")
     fs.put_file(str(ROOT / "samples" / "digits" / "digits.csv"), "pipeline-run/source/digits.csv")
     with s3_server.mounted("pipeline-run") as mounted:
-        proc = run_pipeline(tmp_path, "--epochs", "10", "--json", env=s3_server.env, output=f"{mounted}/run",
-                            source=f"{bucket}/source/digits.csv", publish=f"{bucket}/published")
+        proc = run_pipeline(
+            tmp_path,
+            "--epochs",
+            "10",
+            "--json",
+            env=s3_server.env,
+            output=f"{mounted}/run",
+            source=f"{bucket}/source/digits.csv",
+            publish=f"{bucket}/published",
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["evaluation"]["passed"] is True
@@ -45,14 +75,19 @@ def test_pipeline_runs_locally_with_everything_in_a_bucket_and_passes_the_gate(t
     assert fs.exists("pipeline-run/published/model.keras")
     assert fs.exists("pipeline-run/published/saved_model/saved_model.pb")
 
-    def in_bucket(path: str) -> str:   # a path under the mount -> the object's key in the bucket
+    def in_bucket(path: str) -> str:  # a path under the mount -> the object's key in the bucket
         return f"pipeline-run/{os.path.relpath(path, mounted)}"
 
     fs.invalidate_cache()
     run = result["run"]
     assert pathlib.Path(run).parent == pathlib.Path(mounted) / "run" / "pipeline_root"
-    for artifact in ("data-prep-op.train_data", "data-prep-op.eval_data", "elastic-train-op.model",
-                     "elastic-train-op.report", "elastic-train-op.summary"):
+    for artifact in (
+        "data-prep-op.train_data",
+        "data-prep-op.eval_data",
+        "elastic-train-op.model",
+        "elastic-train-op.report",
+        "elastic-train-op.summary",
+    ):
         assert pathlib.Path(result["artifacts"][artifact]).is_relative_to(run), artifact
         assert fs.exists(in_bucket(result["artifacts"][artifact])), artifact
     assert fs.isfile(in_bucket(result["artifacts"]["data-prep-op.train_data"]) + "/manifest.json")
@@ -93,7 +128,7 @@ def test_pipeline_survives_a_killed_worker(tmp_path):
     summary = json.loads(pathlib.Path(result["artifacts"]["elastic-train-op.summary"]).read_text())
     assert summary["status"] == "succeeded"
     fired = summary.get("chaos", {}).get("fired")
-    if fired is None:   # a runtime that does not list what fired: the loss itself is the evidence
+    if fired is None:  # a runtime that does not list what fired: the loss itself is the evidence
         assert summary["workers"]["lost"] >= 1, f"the chaos ({CHAOS}) never fired: no worker was lost"
         killed = "worker-0"
     else:
@@ -103,8 +138,10 @@ def test_pipeline_survives_a_killed_worker(tmp_path):
     kinds = [(e["kind"], e.get("instance")) for e in summary["events"]]
     assert ("lost", killed) in kinds
     assert any(e["kind"] == "decision" and e["detail"].startswith(f"relaunch: {killed}") for e in summary["events"])
-    assert all(e["lost"] == 0 and e["double_applied"] == 0 and e["committed"] == e["records"]
-               for e in summary["ledger"]["epochs"])
+    assert all(
+        e["lost"] == 0 and e["double_applied"] == 0 and e["committed"] == e["records"]
+        for e in summary["ledger"]["epochs"]
+    )
     if "audit" in summary:
         assert summary["audit"]["verdict"] == "exact", summary["audit"]
     assert result["training"]["workers_lost"] >= 1 and result["training"]["workers_relaunched"] >= 1
@@ -123,17 +160,20 @@ def test_pipeline_survives_a_killed_worker(tmp_path):
     def written(key):
         return [(s["records"], pytest.approx(s[key], rel=1e-6)) for s in samples if s[key] is not None]
 
-    for tag, key in (("workers/alive", "workers_alive"), ("train/records_per_s", "records_per_s"),
-                     ("train/loss", "loss")):
+    for tag, key in (
+        ("workers/alive", "workers_alive"),
+        ("train/records_per_s", "records_per_s"),
+        ("train/loss", "loss"),
+    ):
         assert len(written(key)) - 1 <= len(scalars[tag]) <= len(written(key)), tag
-        assert scalars[tag] == written(key)[:len(scalars[tag])], tag
+        assert scalars[tag] == written(key)[: len(scalars[tag])], tag
     alive = [n for _, n in scalars["workers/alive"]]
     assert any(later < earlier for earlier, later in zip(alive, alive[1:])), f"no loss in workers/alive: {alive}"
     per_epoch = summary["records_per_epoch"]
     expected = {(e["epoch"] + 1) * per_epoch: e["accuracy"] for e in summary["eval_history"]}
-    expected[summary["epochs"] * per_epoch] = summary["eval"]["accuracy"]   # the final evaluation
+    expected[summary["epochs"] * per_epoch] = summary["eval"]["accuracy"]  # the final evaluation
     assert dict(scalars["eval/accuracy"]) == pytest.approx(expected, rel=1e-6)
-    assert 0 in expected   # the curve starts at the initial weights
+    assert 0 in expected  # the curve starts at the initial weights
 
 
 @pytest.mark.slow
@@ -146,8 +186,11 @@ def test_a_model_below_the_threshold_is_not_published(tmp_path):
     assert text.startswith("Pipeline run finished: ")
     assert "NOT passed; model not published (skipped: the model did not pass the gate)" in text
     assert not (tmp_path / "published").exists()
-    rows = dict(line.strip().split(None, 1) for line in text.splitlines()[1:] if line.startswith("  ") and
-                not line.strip().startswith("("))
+    rows = dict(
+        line.strip().split(None, 1)
+        for line in text.splitlines()[1:]
+        if line.startswith("  ") and not line.strip().startswith("(")
+    )
     run = pathlib.Path(text.splitlines()[0].split(": ", 1)[1])
     assert run.parent == (tmp_path / "run" / "pipeline_root").resolve() and "publish-model-op" not in os.listdir(run)
     assert float(rows["accuracy"].split()[0]) < 1.01

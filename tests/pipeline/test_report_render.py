@@ -6,6 +6,7 @@ itself (self-contained: no fonts, scripts or images fetched), and every chart mu
 real size. A full-page screenshot is saved for a person to look at (in the test's tmp dir and under
 out/test-artifacts/). A control page proves those checks do catch errors and fetches.
 """
+
 from __future__ import annotations
 
 import base64
@@ -27,9 +28,19 @@ from elastic_step.report import CHART_IDS, write_report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "out" / "test-artifacts"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--hide-scrollbars", "--remote-debugging-port=0", "--remote-allow-origins=*"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--remote-debugging-port=0",
+    "--remote-allow-origins=*",
+]
 
 
 class Page:
@@ -38,8 +49,11 @@ class Page:
     def __init__(self, profile: pathlib.Path, width: int = 800, height: int = 1000):
         exe = shutil.which("chromium")
         assert exe, "Debian's chromium is missing: run scripts/bootstrap (as root it installs it)"
-        self.proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
-                                      "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [exe, *FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         port_file = profile / "DevToolsActivePort"
         deadline = time.time() + 60
         while not (port_file.exists() and port_file.read_text().strip()):
@@ -97,8 +111,12 @@ class Page:
 
     def screenshot(self, path: pathlib.Path) -> tuple[int, int]:
         size = self.call("Page.getLayoutMetrics")["cssContentSize"]
-        shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True,
-                         clip={"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1})
+        shot = self.call(
+            "Page.captureScreenshot",
+            format="png",
+            captureBeyondViewport=True,
+            clip={"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1},
+        )
         data = base64.b64decode(shot["data"])
         path.write_bytes(data)
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -153,16 +171,41 @@ def test_the_report_of_a_job_with_a_killed_worker_renders(page, tmp_path):
 
     data = prepare(str(ROOT / "samples" / "digits" / "digits.csv"), str(tmp_path / "data"), label="label", seed=0)
     out = tmp_path / "job"
-    proc = subprocess.run([sys.executable, "-m", "elastic_step.cli", "train", "--model-def",
-                           str(ROOT / "samples" / "digits" / "model.py"), "--train-data", data.train_uri,
-                           "--eval-data", data.eval_uri, "--output", str(out), "--epochs", "60",
-                           "--minibatch-size", "32", "--records-per-task", "128", "--progress", "off",
-                           # early (2 of 60 epochs, an epoch is ~0.2 s), so the rest (~12 s) outlasts the
-                           # replacement's start-up (forked from the preloader: its model's build and first
-                           # step, a few seconds beside the job's own processes on 2 cores): it must rejoin
-                           # for the charts to mark its return
-                           "--chaos", f"kill:worker-0@{data.train.total_rows * 2}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic_step.cli",
+            "train",
+            "--model-def",
+            str(ROOT / "samples" / "digits" / "model.py"),
+            "--train-data",
+            data.train_uri,
+            "--eval-data",
+            data.eval_uri,
+            "--output",
+            str(out),
+            "--epochs",
+            "60",
+            "--minibatch-size",
+            "32",
+            "--records-per-task",
+            "128",
+            "--progress",
+            "off",
+            # early (2 of 60 epochs, an epoch is ~0.2 s), so the rest (~12 s) outlasts the
+            # replacement's start-up (forked from the preloader: its model's build and first
+            # step, a few seconds beside the job's own processes on 2 cores): it must rejoin
+            # for the charts to mark its return
+            "--chaos",
+            f"kill:worker-0@{data.train.total_rows * 2}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["workers"]["lost"] == 1 and len(summary["eval_history"]) >= 2
@@ -181,14 +224,26 @@ def test_the_report_of_a_job_with_a_killed_worker_renders(page, tmp_path):
 
 
 def test_the_report_of_a_failed_job_renders(page, tmp_path):
-    summary = {"status": "failed", "job_id": "es-failed", "records_per_epoch": 1438, "epochs": 2,
-               "error": {"kind": "model_error", "instance": "worker-1", "message": "feed() raised ValueError",
-                         "traceback": "Traceback (most recent call last):\n  ...\nValueError: <pixel_99>"},
-               "ledger": {"epochs": [{"epoch": 0, "records": 1438, "committed": 0, "lost": 1438,
-                                      "double_applied": 0, "requeued": 0}]},
-               "workers_alive": [{"t": 0.0, "alive": 0}, {"t": 5.0, "alive": 2}],
-               "events": [{"t": 5.1, "kind": "training_started", "instance": "", "detail": ""},
-                          {"t": 5.2, "kind": "failure", "instance": "worker-1", "detail": "model_error: feed()"}]}
+    summary = {
+        "status": "failed",
+        "job_id": "es-failed",
+        "records_per_epoch": 1438,
+        "epochs": 2,
+        "error": {
+            "kind": "model_error",
+            "instance": "worker-1",
+            "message": "feed() raised ValueError",
+            "traceback": "Traceback (most recent call last):\n  ...\nValueError: <pixel_99>",
+        },
+        "ledger": {
+            "epochs": [{"epoch": 0, "records": 1438, "committed": 0, "lost": 1438, "double_applied": 0, "requeued": 0}]
+        },
+        "workers_alive": [{"t": 0.0, "alive": 0}, {"t": 5.0, "alive": 2}],
+        "events": [
+            {"t": 5.1, "kind": "training_started", "instance": "", "detail": ""},
+            {"t": 5.2, "kind": "failure", "instance": "worker-1", "detail": "model_error: feed()"},
+        ],
+    }
     write_report(summary, str(tmp_path / "report.html"))
     charts = check_report(page, tmp_path / "report.html", tmp_path / "report-failed.png")
     assert "job failed (model_error)" in charts["chart-workers"]["labels"]
@@ -198,8 +253,10 @@ def test_the_report_of_a_failed_job_renders(page, tmp_path):
 def test_the_checks_catch_console_errors_exceptions_and_fetches(page, tmp_path):
     """A control: a page that logs an error, throws and fetches from the network fails every check."""
     bad = tmp_path / "bad.html"
-    bad.write_text('<!DOCTYPE html><html><body><img src="http://fetch.invalid/x.png">'
-                   '<script>console.error("boom"); undefinedFunction();</script></body></html>')
+    bad.write_text(
+        '<!DOCTYPE html><html><body><img src="http://fetch.invalid/x.png">'
+        '<script>console.error("boom"); undefinedFunction();</script></body></html>'
+    )
     url = bad.resolve().as_uri()
     page.open(url)
     found = "\n".join(page.problems(url))

@@ -6,6 +6,7 @@ experiments list/create, recurringruns create; pipelines upload is answered too,
 recurring run from a package sends the spec inline) and records each request body. Everything else
 is real: the kfp client, the KFP compiler, our CLI.
 """
+
 from __future__ import annotations
 
 import json
@@ -62,8 +63,9 @@ class FakeKfp(BaseHTTPRequestHandler):
         if url.path == f"{API}/pipelines/upload":
             return self._reply({"pipeline_id": "pl-1", "display_name": "uploaded"})
         if url.path == f"{API}/recurringruns":
-            return self._reply({**body, "recurring_run_id": "rr-1", "status": "ENABLED",
-                                "created_at": "2026-01-01T00:00:00Z"})
+            return self._reply(
+                {**body, "recurring_run_id": "rr-1", "status": "ENABLED", "created_at": "2026-01-01T00:00:00Z"}
+            )
         return self._reply({"error": f"not faked: POST {url.path}", "code": 5}, 404)
 
     def log_message(self, *args):
@@ -83,8 +85,14 @@ def kfp_server():
 
 def schedule(host: str, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "KFP_DISABLE_EXECUTION_CACHING_BY_DEFAULT"}
-    return subprocess.run([sys.executable, "-m", "elastic_step.cli", "schedule", "create", "--host", host, *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic_step.cli", "schedule", "create", "--host", host, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def all_tasks(spec: dict):
@@ -96,10 +104,27 @@ def all_tasks(spec: dict):
 
 def test_schedule_create_sends_a_six_field_cron_without_caching_or_catch_up(kfp_server):
     host, calls = kfp_server
-    proc = schedule(host, "--cron", "0 0 2 * * *", "--experiment", "nightly-digits", "--name", "digits-nightly",
-                    "--source", "gs://bucket/data/", "--model-def", "gs://bucket/model.py",
-                    "--publish-uri", "gs://bucket/published/", "--epochs", "12", "--max-workers", "6",
-                    "--service-account", "elastic-step")
+    proc = schedule(
+        host,
+        "--cron",
+        "0 0 2 * * *",
+        "--experiment",
+        "nightly-digits",
+        "--name",
+        "digits-nightly",
+        "--source",
+        "gs://bucket/data/",
+        "--model-def",
+        "gs://bucket/model.py",
+        "--publish-uri",
+        "gs://bucket/published/",
+        "--epochs",
+        "12",
+        "--max-workers",
+        "6",
+        "--service-account",
+        "elastic-step",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is only our JSON, whatever kfp.Client prints
     assert result["recurring_run_id"] == "rr-1" and result["cron"] == "0 0 2 * * *"
@@ -131,19 +156,30 @@ def test_schedule_create_sends_a_six_field_cron_without_caching_or_catch_up(kfp_
     assert cached == [], f"caching is on for {cached}"  # including the publish step inside the gate
 
 
-@pytest.mark.parametrize("cron", ["0 0 2 * * *", "0 0 9 ? * 2-6", "0 */15 * * * MON-FRI", "30 0 2 1,15 JAN-JUN *",
-                                  "  0  0 2 * *   * "])
+@pytest.mark.parametrize(
+    "cron", ["0 0 2 * * *", "0 0 9 ? * 2-6", "0 */15 * * * MON-FRI", "30 0 2 1,15 JAN-JUN *", "  0  0 2 * *   * "]
+)
 def test_valid_six_field_crons_pass(cron):
     assert validate_cron(cron) == " ".join(cron.split())
 
 
-@pytest.mark.parametrize("cron, complaint", [
-    ("every night", "6-field"), ("0 0 2 * * * *", "It has 7"), ("", "It has 0"),
-    ("60 0 2 * * *", "second field '60'"), ("0 0 24 * * *", "hour field '24'"),
-    ("0 0 2 0 * *", "day of month field '0'"), ("0 0 2 * 13 *", "month field '13'"),
-    ("0 0 2 * * 7", "day of week field '7'"), ("0 0 ? * * *", "hour field '\\?'"),
-    ("0 0 5-2 * * *", "hour field '5-2'"), ("0 */0 * * * *", "minute field"), ("@daily x y z w v", "second field"),
-])
+@pytest.mark.parametrize(
+    "cron, complaint",
+    [
+        ("every night", "6-field"),
+        ("0 0 2 * * * *", "It has 7"),
+        ("", "It has 0"),
+        ("60 0 2 * * *", "second field '60'"),
+        ("0 0 24 * * *", "hour field '24'"),
+        ("0 0 2 0 * *", "day of month field '0'"),
+        ("0 0 2 * 13 *", "month field '13'"),
+        ("0 0 2 * * 7", "day of week field '7'"),
+        ("0 0 ? * * *", "hour field '\\?'"),
+        ("0 0 5-2 * * *", "hour field '5-2'"),
+        ("0 */0 * * * *", "minute field"),
+        ("@daily x y z w v", "second field"),
+    ],
+)
 def test_a_bad_cron_is_a_clear_error(cron, complaint):
     with pytest.raises(ConfigError, match=complaint):
         validate_cron(cron)

@@ -3,13 +3,14 @@
 Dockerfile, pyproject, constraints.txt, the compiled components, the Argo templates and the code
 all name one image at one version. Also the step's RBAC: namespaced, no wildcards, and the same as
 the Kubernetes backend's own Role."""
+
 from __future__ import annotations
 
 import importlib.metadata
 import pathlib
 import re
-import tomllib
 
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
@@ -25,8 +26,11 @@ def dockerfile(text: str | None = None) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
     text = (ROOT / "images" / "Dockerfile").read_text() if text is None else text
     text = re.sub(r"\s*\\\n(\s*#.*\n)*\s*", " ", text)
-    return [(i.upper(), a.strip()) for i, _, a in (l.strip().partition(" ") for l in text.splitlines())
-            if i and not i.startswith("#")]
+    return [
+        (i.upper(), a.strip())
+        for i, _, a in (l.strip().partition(" ") for l in text.splitlines())
+        if i and not i.startswith("#")
+    ]
 
 
 def stages(steps: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
@@ -62,7 +66,7 @@ def test_the_runtime_stage_installs_the_pinned_project_and_leaves_nothing_behind
     assert re.search(r"(^|\s)-c \S*constraints\.txt\b", runs), "install with -c constraints.txt"
     assert f"elastic-step=={VERSION}" in runs
     assert "--no-cache-dir" in runs and "--no-index" in runs
-    assert "--mount=type=bind,from=build,source=/wheels" in runs   # wheels never land in a layer
+    assert "--mount=type=bind,from=build,source=/wheels" in runs  # wheels never land in a layer
     assert not re.search(r"apt-get|apk add|build-essential|gcc|g\+\+|\bmake\b", runs)
     assert not any(i in ("COPY", "ADD") for i, _ in final), "the runtime stage copies nothing in"
     build, *_ = stages(dockerfile())
@@ -91,15 +95,19 @@ def test_labels_carry_the_version():
 
 
 def test_the_parser_sees_through_continuations_and_comments():
-    steps = dockerfile('FROM a AS b\n# c\nRUN x \\\n    # inside\n    && y\nUSER 1000\n')
+    steps = dockerfile("FROM a AS b\n# c\nRUN x \\\n    # inside\n    && y\nUSER 1000\n")
     assert steps == [("FROM", "a AS b"), ("RUN", "x && y"), ("USER", "1000")]
 
 
 # ---------------------------------------------------------------- one version everywhere
 def test_every_reference_to_the_image_is_this_version():
     expected = f"{IMAGE}:{VERSION}"
-    files = [p for d in ("components", "pipelines", "elastic_step", "images") for p in (ROOT / d).rglob("*")
-             if p.suffix in (".yaml", ".yml", ".py", ".md") and p.is_file()] + [ROOT / "README.md"]
+    files = [
+        p
+        for d in ("components", "pipelines", "elastic_step", "images")
+        for p in (ROOT / d).rglob("*")
+        if p.suffix in (".yaml", ".yml", ".py", ".md") and p.is_file()
+    ] + [ROOT / "README.md"]
     found: dict[str, set[str]] = {}
     for f in files:
         for ref in re.findall(re.escape(IMAGE) + r"(?::[\w.{}-]+)?", f.read_text()):
@@ -118,8 +126,9 @@ def test_compiled_components_and_argo_templates_run_in_this_image():
             images.setdefault(image, []).append(str(f.relative_to(ROOT)))
     assert expected in images
     assert set(images) == {expected}, images
-    from elastic_step.pipelines.argo import IMAGE as ARGO_IMAGE
     from elastic_step.components.ops import BASE_IMAGE
+    from elastic_step.pipelines.argo import IMAGE as ARGO_IMAGE
+
     assert ARGO_IMAGE == expected
     if "ELASTIC_STEP_IMAGE" not in __import__("os").environ:
         assert BASE_IMAGE == expected
@@ -138,8 +147,9 @@ def test_constraints_pin_what_pyproject_requires_within_its_ranges():
     for dep in map(Requirement, deps):
         name = canonicalize_name(dep.name)
         assert name in pinned, f"{dep.name} is required but not pinned in constraints.txt"
-        assert dep.specifier.contains(pinned[name], prereleases=True), \
+        assert dep.specifier.contains(pinned[name], prereleases=True), (
             f"constraints.txt pins {dep.name}=={pinned[name]}, outside pyproject's {dep.specifier}"
+        )
 
 
 def test_the_tests_run_with_the_pins_the_image_installs():
@@ -163,8 +173,9 @@ def rbac(path: pathlib.Path) -> dict[tuple[str, str], dict]:
 
 
 def rules(role: dict) -> set[tuple[str, str, str]]:
-    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-            for v in rule["verbs"]}
+    return {
+        (g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
 
 
 def test_rbac_is_namespaced_exact_and_without_wildcards():
@@ -174,8 +185,9 @@ def test_rbac_is_namespaced_exact_and_without_wildcards():
     for rule in role["rules"]:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
         assert "resourceNames" not in rule or rule["resourceNames"]
-    assert rules(role) == {("", "pods", v) for v in ("create", "get", "list", "watch", "delete", "patch")} \
-        | {("", "secrets", v) for v in ("create", "get", "delete")}
+    assert rules(role) == {("", "pods", v) for v in ("create", "get", "list", "watch", "delete", "patch")} | {
+        ("", "secrets", v) for v in ("create", "get", "delete")
+    }
     binding = docs[("RoleBinding", "elastic-step")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elastic-step"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "elastic-step"}]

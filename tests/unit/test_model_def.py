@@ -1,5 +1,6 @@
 """ModelDef.training_loss: the stateless form (weights given as tensors, as PS workers run their step)
 is the same loss, regularization and batch-norm statistics included, as the model called on its variables."""
+
 from __future__ import annotations
 
 import textwrap
@@ -12,7 +13,7 @@ tf = pytest.importorskip("tensorflow")
 
 from elastic_step.model_def import load_model_def  # noqa: E402
 
-MODEL = textwrap.dedent('''
+MODEL = textwrap.dedent("""
     import keras
 
     def model():
@@ -29,7 +30,7 @@ MODEL = textwrap.dedent('''
 
     def feed(batch):
         return batch["x"], batch["y"]
-''')
+""")
 
 
 def test_stateless_loss_equals_the_stateful_one(tmp_path):
@@ -43,9 +44,9 @@ def test_stateless_loss_equals_the_stateful_one(tmp_path):
     x = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
     y = np.arange(16) % 2
     stateful = md.training_loss(a, x, y)
-    values = [v.value + 0.0 for v in b.trainable_variables]   # the same values, as plain tensors
+    values = [v.value + 0.0 for v in b.trainable_variables]  # the same values, as plain tensors
     stateless = md.training_loss(b, x, y, trainable_values=values)
-    assert float(a.losses[0]) > 0                               # the L2 term is part of both
+    assert float(a.losses[0]) > 0  # the L2 term is part of both
     np.testing.assert_allclose(float(stateless), float(stateful), rtol=1e-6)
     # batch norm's moving statistics moved in both
     for va, vb in zip(a.non_trainable_variables, b.non_trainable_variables):

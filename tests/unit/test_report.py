@@ -1,6 +1,7 @@
 """The HTML training report: self-contained, every chart present, user text escaped, losses and
 relaunches marked, and it renders whatever summary a job leaves behind (a failed one, an empty one,
 junk values)."""
+
 from __future__ import annotations
 
 import html.parser
@@ -10,40 +11,64 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_step.report import CHART_IDS, epoch_state, markers, nice_ticks, render_report, throughput_series, \
-    write_report
+from elastic_step.report import (
+    CHART_IDS,
+    epoch_state,
+    markers,
+    nice_ticks,
+    render_report,
+    throughput_series,
+    write_report,
+)
 
 SUMMARY = {
-    "status": "succeeded", "job_id": "es-1", "strategy": "ps", "backend": "local",
-    "records_per_epoch": 100, "epochs": 2, "throughput_records_per_s": 1234.5,
-    "training_seconds": 2.4, "startup_seconds": 0.9,
+    "status": "succeeded",
+    "job_id": "es-1",
+    "strategy": "ps",
+    "backend": "local",
+    "records_per_epoch": 100,
+    "epochs": 2,
+    "throughput_records_per_s": 1234.5,
+    "training_seconds": 2.4,
+    "startup_seconds": 0.9,
     "config": {"minibatch_size": 32, "min_workers": 1, "max_workers": 2, "num_ps": 1, "model_def": "m.py"},
     "eval": {"loss": 0.1, "records": 40, "accuracy": 0.97},
-    "ledger": {"epochs": [{"epoch": 0, "records": 100, "committed": 100, "lost": 0, "double_applied": 0,
-                           "requeued": 32},
-                          {"epoch": 1, "records": 100, "committed": 100, "lost": 0, "double_applied": 0,
-                           "requeued": 0}], "records_committed": 200, "duplicate_pushes_suppressed": 1},
+    "ledger": {
+        "epochs": [
+            {"epoch": 0, "records": 100, "committed": 100, "lost": 0, "double_applied": 0, "requeued": 32},
+            {"epoch": 1, "records": 100, "committed": 100, "lost": 0, "double_applied": 0, "requeued": 0},
+        ],
+        "records_committed": 200,
+        "duplicate_pushes_suppressed": 1,
+    },
     "workers": {"started": 3, "lost": 1, "relaunched": 1, "max_alive": 2},
-    "eval_history": [{"t": 1.2, "epoch": 0, "loss": 0.5, "accuracy": 0.8},
-                     {"t": 2.2, "epoch": 1, "loss": 0.2, "accuracy": 0.95}],
+    "eval_history": [
+        {"t": 1.2, "epoch": 0, "loss": 0.5, "accuracy": 0.8},
+        {"t": 2.2, "epoch": 1, "loss": 0.2, "accuracy": 0.95},
+    ],
     "recovery": {"requeue_latency_s": [0.012], "first_commit_after_loss_s": [1.1]},
-    "timeseries": [{"t": 0.5, "epoch": 0, "records": 0, "records_per_s": 0.0, "loss": None, "workers_alive": 2},
-                   {"t": 1.0, "epoch": 0, "records": 60, "records_per_s": 100.0, "loss": 2.0, "workers_alive": 2},
-                   {"t": 2.0, "epoch": 1, "records": 200, "records_per_s": 140.0, "loss": 0.5, "workers_alive": 1}],
+    "timeseries": [
+        {"t": 0.5, "epoch": 0, "records": 0, "records_per_s": 0.0, "loss": None, "workers_alive": 2},
+        {"t": 1.0, "epoch": 0, "records": 60, "records_per_s": 100.0, "loss": 2.0, "workers_alive": 2},
+        {"t": 2.0, "epoch": 1, "records": 200, "records_per_s": 140.0, "loss": 0.5, "workers_alive": 1},
+    ],
     "workers_alive": [{"t": 0.5, "alive": 1}, {"t": 0.9, "alive": 2}, {"t": 1.5, "alive": 1}, {"t": 2.5, "alive": 2}],
-    "events": [{"t": 0.9, "kind": "registered", "instance": "worker-0", "detail": ""},
-               {"t": 0.95, "kind": "training_started", "instance": "", "detail": "2 workers registered"},
-               {"t": 1.49, "kind": "chaos", "instance": "worker-0", "detail": "kill at 80 records"},
-               {"t": 1.5, "kind": "lost", "instance": "worker-0", "detail": "killed by SIGKILL"},
-               {"t": 1.5, "kind": "requeued", "instance": "worker-0", "detail": "records [64,96)"},
-               {"t": 1.5, "kind": "decision", "instance": "worker-0", "detail": "relaunch: worker-0 killed"},
-               {"t": 2.5, "kind": "registered", "instance": "worker-0", "detail": ""}],
+    "events": [
+        {"t": 0.9, "kind": "registered", "instance": "worker-0", "detail": ""},
+        {"t": 0.95, "kind": "training_started", "instance": "", "detail": "2 workers registered"},
+        {"t": 1.49, "kind": "chaos", "instance": "worker-0", "detail": "kill at 80 records"},
+        {"t": 1.5, "kind": "lost", "instance": "worker-0", "detail": "killed by SIGKILL"},
+        {"t": 1.5, "kind": "requeued", "instance": "worker-0", "detail": "records [64,96)"},
+        {"t": 1.5, "kind": "decision", "instance": "worker-0", "detail": "relaunch: worker-0 killed"},
+        {"t": 2.5, "kind": "registered", "instance": "worker-0", "detail": ""},
+    ],
     "ps": [{"shard": 0, "pushes_applied": 12, "pushes_skipped": 1, "dense_parameters": 17226}],
 }
 
 
 class _Checker(html.parser.HTMLParser):
     """Collects ids and tags, and checks that every element opened is closed in order."""
+
     VOID = {"meta", "br", "img", "input", "link", "hr", "line", "rect", "circle", "polyline", "path"}
 
     def __init__(self):
@@ -95,15 +120,24 @@ def test_all_charts_and_the_ledger_are_there_and_the_markup_is_balanced():
 
 def test_header_shows_status_job_eval_and_throughput():
     text = " ".join(parse(render_report(SUMMARY)).texts)
-    for expected in ("succeeded", "es-1", "0.9700", "0.1000", "1,234 rec/s", "1 lost · 1 relaunched",
-                     "on 40 held-out records"):
+    for expected in (
+        "succeeded",
+        "es-1",
+        "0.9700",
+        "0.1000",
+        "1,234 rec/s",
+        "1 lost · 1 relaunched",
+        "on 40 held-out records",
+    ):
         assert expected in text, expected
 
 
 def test_loss_and_relaunch_are_marked_on_every_time_chart():
     page = render_report(SUMMARY)
-    assert markers(SUMMARY) == [(1.5, "#d62728", "worker-0 lost (chaos kill), relaunched"),
-                                (2.5, "#2ca02c", "worker-0 rejoined")]
+    assert markers(SUMMARY) == [
+        (1.5, "#d62728", "worker-0 lost (chaos kill), relaunched"),
+        (2.5, "#2ca02c", "worker-0 rejoined"),
+    ]
     for chart in ("chart-loss", "chart-eval", "chart-throughput", "chart-workers"):
         svg = re.search(rf'<svg id="{chart}".*?</svg>', page, re.S).group(0)
         assert "worker-0 lost (chaos kill), relaunched" in svg and "worker-0 rejoined" in svg, chart
@@ -117,11 +151,13 @@ def test_final_evaluation_is_a_labelled_dot_after_the_per_epoch_curve():
 
 
 def test_a_worker_that_exits_early_and_a_failed_ps_are_marked():
-    events = [{"t": 1.0, "kind": "exited", "instance": "worker-1", "detail": "exit 0"},
-              {"t": 1.0, "kind": "decision", "instance": "worker-1", "detail": "relaunch: exited with code 0"},
-              {"t": 3.0, "kind": "lost", "instance": "ps-0", "detail": "deleted"},
-              {"t": 3.0, "kind": "decision", "instance": "ps-0", "detail": "fail: parameter server lost"},
-              {"t": 3.1, "kind": "failure", "instance": "ps-0", "detail": "instance_failed: ..."}]
+    events = [
+        {"t": 1.0, "kind": "exited", "instance": "worker-1", "detail": "exit 0"},
+        {"t": 1.0, "kind": "decision", "instance": "worker-1", "detail": "relaunch: exited with code 0"},
+        {"t": 3.0, "kind": "lost", "instance": "ps-0", "detail": "deleted"},
+        {"t": 3.0, "kind": "decision", "instance": "ps-0", "detail": "fail: parameter server lost"},
+        {"t": 3.1, "kind": "failure", "instance": "ps-0", "detail": "instance_failed: ..."},
+    ]
     labels = [m[2] for m in markers({"events": events})]
     assert labels == ["worker-1 exited (exit 0), relaunched", "ps-0 lost: job failed"]
 
@@ -134,19 +170,25 @@ def test_throughput_is_the_rate_between_samples():
 
 def test_self_contained_no_network_no_script():
     page = render_report(SUMMARY)
-    assert not re.search(r'''(src|href|action|poster|data)\s*=\s*["']?\s*(https?:)?//''', page, re.I)
+    assert not re.search(r"""(src|href|action|poster|data)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
     assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", page)  # only the SVG namespace name
     assert "<script" not in page and "@import" not in page and "url(" not in page and "<link" not in page
     assert "@font-face" not in page
 
 
 def test_user_text_is_escaped():
-    summary = {**SUMMARY, "job_id": "<script>alert(1)</script>",
-               "config": {**SUMMARY["config"], "model_def": '"><img src=x onerror=alert(1)>'},
-               "events": [{"t": 1.0, "kind": "decision", "instance": "worker-<i>0</i>", "detail": "relaunch: <b>"},
-                          {"t": 2.0, "kind": "registered", "instance": "worker-<i>0</i>", "detail": ""}],
-               "eval": {"<acc>": 0.9}, "ledger": {"epochs": [{"epoch": "<e>", "records": 1, "committed": 1}]},
-               "error": {"kind": "x", "instance": "worker-<1>", "message": "bad <input>", "traceback": "<tb>"}}
+    summary = {
+        **SUMMARY,
+        "job_id": "<script>alert(1)</script>",
+        "config": {**SUMMARY["config"], "model_def": '"><img src=x onerror=alert(1)>'},
+        "events": [
+            {"t": 1.0, "kind": "decision", "instance": "worker-<i>0</i>", "detail": "relaunch: <b>"},
+            {"t": 2.0, "kind": "registered", "instance": "worker-<i>0</i>", "detail": ""},
+        ],
+        "eval": {"<acc>": 0.9},
+        "ledger": {"epochs": [{"epoch": "<e>", "records": 1, "committed": 1}]},
+        "error": {"kind": "x", "instance": "worker-<1>", "message": "bad <input>", "traceback": "<tb>"},
+    }
     page = render_report(summary)
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert "<img" not in page and "<i>" not in page and "<acc>" not in page and "<e>" not in page
@@ -157,9 +199,17 @@ def test_user_text_is_escaped():
 
 
 def test_a_failed_job_without_progress_still_renders():
-    page = render_report({"status": "failed", "error": {"kind": "model_error", "instance": "worker-1",
-                                                         "message": "feed() raised <ValueError>",
-                                                         "traceback": "Traceback ...\nValueError"}})
+    page = render_report(
+        {
+            "status": "failed",
+            "error": {
+                "kind": "model_error",
+                "instance": "worker-1",
+                "message": "feed() raised <ValueError>",
+                "traceback": "Traceback ...\nValueError",
+            },
+        }
+    )
     assert 'class="error"' in page and "feed() raised &lt;ValueError&gt;" in page and "Traceback ..." in page
     assert page.count("no data") == 4 and "no epoch was committed" in page
     assert "No epoch was committed" in page
@@ -167,8 +217,10 @@ def test_a_failed_job_without_progress_still_renders():
 
 
 def test_the_epoch_a_failed_job_stopped_in_is_incomplete_not_inexact():
-    rows = [{"epoch": 0, "records": 100, "committed": 100, "lost": 0, "double_applied": 0},
-            {"epoch": 1, "records": 100, "committed": 40, "lost": 60, "double_applied": 0}]
+    rows = [
+        {"epoch": 0, "records": 100, "committed": 100, "lost": 0, "double_applied": 0},
+        {"epoch": 1, "records": 100, "committed": 40, "lost": 60, "double_applied": 0},
+    ]
     page = render_report({**SUMMARY, "status": "failed", "ledger": {"epochs": rows}})
     assert "NOT exact" not in page and "incomplete" in page and "the job stopped in epoch 1" in page
     # the same ledger from a job that claims success is wrong
@@ -184,12 +236,19 @@ def test_a_ledger_with_double_applied_records_is_flagged():
 
 
 def test_empty_and_degenerate_summaries_render():
-    for summary in ({}, {"status": "running"}, {"timeseries": [{"t": 0.0, "records": 0, "loss": 1.0}]},
-                    {"timeseries": [], "events": [], "workers_alive": [{"t": 0, "alive": 0}]},
-                    {"eval": {"accuracy": 0.5}},  # a final evaluation and nothing else: one dot
-                    {"ledger": {"epochs": [{"epoch": 0, "records": 0, "committed": 0}]}},
-                    {"timeseries": [{"t": 1.0, "loss": float("nan"), "records": float("inf")}],
-                     "throughput_records_per_s": float("nan"), "eval": {"loss": float("nan")}}):
+    for summary in (
+        {},
+        {"status": "running"},
+        {"timeseries": [{"t": 0.0, "records": 0, "loss": 1.0}]},
+        {"timeseries": [], "events": [], "workers_alive": [{"t": 0, "alive": 0}]},
+        {"eval": {"accuracy": 0.5}},  # a final evaluation and nothing else: one dot
+        {"ledger": {"epochs": [{"epoch": 0, "records": 0, "committed": 0}]}},
+        {
+            "timeseries": [{"t": 1.0, "loss": float("nan"), "records": float("inf")}],
+            "throughput_records_per_s": float("nan"),
+            "eval": {"loss": float("nan")},
+        },
+    ):
         page = render_report(summary)
         assert parse(page).errors == [], summary
         assert "nan" not in page.lower().replace("nanosec", ""), summary
@@ -224,40 +283,101 @@ def test_write_report_is_atomic_and_complete(tmp_path):
 def test_the_real_sample_summary_renders():
     """A summary written by a real job with a killed worker (the shape job.py writes)."""
     real = json.loads(json.dumps(SUMMARY))
-    real["events"] += [{"t": 3.0, "kind": "epoch_end", "instance": "", "detail": "epoch 1 committed 100 records"},
-                       {"t": 3.1, "kind": "exited", "instance": "worker-1", "detail": "exit 0"}]
+    real["events"] += [
+        {"t": 3.0, "kind": "epoch_end", "instance": "", "detail": "epoch 1 committed 100 records"},
+        {"t": 3.1, "kind": "exited", "instance": "worker-1", "detail": "exit 0"},
+    ]
     page = render_report(real)
     assert "worker-1 exited" not in page  # workers ending after training are not marked
 
 
-JUNK = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(
-    max_size=8), lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
-    max_leaves=12)
-ROW = st.fixed_dictionaries({}, optional={k: JUNK | st.floats(-1e6, 1e6) for k in (
-    "t", "epoch", "records", "records_per_s", "loss", "alive", "committed", "lost", "double_applied", "requeued",
-    "accuracy", "kind", "instance", "detail")})
+JUNK = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+ROW = st.fixed_dictionaries(
+    {},
+    optional={
+        k: JUNK | st.floats(-1e6, 1e6)
+        for k in (
+            "t",
+            "epoch",
+            "records",
+            "records_per_s",
+            "loss",
+            "alive",
+            "committed",
+            "lost",
+            "double_applied",
+            "requeued",
+            "accuracy",
+            "kind",
+            "instance",
+            "detail",
+        )
+    },
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.fixed_dictionaries({}, optional={
-    "status": JUNK, "job_id": JUNK, "error": JUNK, "eval": JUNK | st.dictionaries(st.text(max_size=5), JUNK),
-    "throughput_records_per_s": JUNK, "timeseries": st.lists(ROW, max_size=6) | JUNK,
-    "workers_alive": st.lists(ROW, max_size=6), "events": st.lists(ROW, max_size=6), "eval_history":
-    st.lists(ROW, max_size=4), "ledger": st.fixed_dictionaries({}, optional={"epochs": st.lists(ROW, max_size=4)})
-    | JUNK, "workers": JUNK, "recovery": JUNK, "config": JUNK, "ps": st.lists(ROW, max_size=2) | JUNK}))
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "status": JUNK,
+            "job_id": JUNK,
+            "error": JUNK,
+            "eval": JUNK | st.dictionaries(st.text(max_size=5), JUNK),
+            "throughput_records_per_s": JUNK,
+            "timeseries": st.lists(ROW, max_size=6) | JUNK,
+            "workers_alive": st.lists(ROW, max_size=6),
+            "events": st.lists(ROW, max_size=6),
+            "eval_history": st.lists(ROW, max_size=4),
+            "ledger": st.fixed_dictionaries({}, optional={"epochs": st.lists(ROW, max_size=4)}) | JUNK,
+            "workers": JUNK,
+            "recovery": JUNK,
+            "config": JUNK,
+            "ps": st.lists(ROW, max_size=2) | JUNK,
+        },
+    )
+)
 def test_any_summary_renders(summary):
     page = render_report(summary)
     assert page.startswith("<!DOCTYPE html>") and parse(page).errors == []
 
 
 def test_the_audit_is_shown_and_a_violation_stands_out():
-    exact = {**SUMMARY, "audit": {"source": "ps", "verdict": "exact", "holders": 2, "where": "on all 2 PS shard(s)", "records_outside_the_data": 0,
-                                  "epochs": [{"epoch": 0, "records": 80, "applied_once": 80, "never": 0,
-                                              "more_than_once": 0, "shards_disagree": 0}]}}
+    exact = {
+        **SUMMARY,
+        "audit": {
+            "source": "ps",
+            "verdict": "exact",
+            "holders": 2,
+            "where": "on all 2 PS shard(s)",
+            "records_outside_the_data": 0,
+            "epochs": [
+                {"epoch": 0, "records": 80, "applied_once": 80, "never": 0, "more_than_once": 0, "shards_disagree": 0}
+            ],
+        },
+    }
     html = render_report(exact)
-    assert "<b>Exact</b>: every record of all 1 epochs was applied exactly once, on all 2 PS shard(s)" in html and 'id="audit"' in html
-    bad = {**exact, "audit": {**exact["audit"], "verdict": "violated",
-                              "epochs": [{"epoch": 0, "records": 80, "applied_once": 70, "never": 4,
-                                          "more_than_once": 6, "shards_disagree": 0}]}}
+    assert (
+        "<b>Exact</b>: every record of all 1 epochs was applied exactly once, on all 2 PS shard(s)" in html
+        and 'id="audit"' in html
+    )
+    bad = {
+        **exact,
+        "audit": {
+            **exact["audit"],
+            "verdict": "violated",
+            "epochs": [
+                {"epoch": 0, "records": 80, "applied_once": 70, "never": 4, "more_than_once": 6, "shards_disagree": 0}
+            ],
+        },
+    }
     html = render_report(bad)
-    assert '<b class="bad">VIOLATED</b>' in html and '<tr class="bad"><td>0</td><td>80</td><td>70</td><td>4</td><td>6</td>' in html
+    assert (
+        '<b class="bad">VIOLATED</b>' in html
+        and '<tr class="bad"><td>0</td><td>80</td><td>70</td><td>4</td><td>6</td>' in html
+    )

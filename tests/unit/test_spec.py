@@ -18,13 +18,13 @@ from elastic_step.master.api import TrainConfig
 from elastic_step.master.plan import checkpoint_root
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-NOT_IN_SPEC = {"chaos"}   # fault injection's, not a parameter of the job
+NOT_IN_SPEC = {"chaos"}  # fault injection's, not a parameter of the job
 
 
 def _type(annotation):
     """str | None -> str: the spec's type of an optional field."""
     if isinstance(annotation, str):
-        annotation = eval(annotation, vars(typing))   # TrainConfig's module uses postponed annotations
+        annotation = eval(annotation, vars(typing))  # TrainConfig's module uses postponed annotations
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if args else annotation
 
@@ -54,8 +54,11 @@ def _kfp_signatures() -> dict[str, tuple[str, inspect.Signature]]:
     from elastic_step.pipelines.compile import COMPONENTS
     from elastic_step.pipelines.train_eval import train_eval
 
-    out = {attr: (step, inspect.signature(getattr(components, attr).python_func))
-           for step, stems in COMPONENTS.items() for attr in stems.values()}
+    out = {
+        attr: (step, inspect.signature(getattr(components, attr).python_func))
+        for step, stems in COMPONENTS.items()
+        for attr in stems.values()
+    }
     out["train_eval"] = (None, inspect.signature(train_eval.pipeline_func))
     return out
 
@@ -64,12 +67,23 @@ def _kfp_signatures() -> dict[str, tuple[str, inspect.Signature]]:
 KFP_ONLY = {"train_uri", "eval_uri", "model_uri", "pipeline_run_id", "pipeline_task_name", "publish_uri"}
 
 
-@pytest.mark.parametrize("name", ["data_prep_op", "elastic_train_op", "elastic_train_uri_op", "evaluate_op",
-                                  "evaluate_uri_op", "publish_model_op", "train_eval"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "data_prep_op",
+        "elastic_train_op",
+        "elastic_train_uri_op",
+        "evaluate_op",
+        "evaluate_uri_op",
+        "publish_model_op",
+        "train_eval",
+    ],
+)
 def test_kfp_signatures_are_the_spec(name):
     step, sig = _kfp_signatures()[name]
-    params = {n: p for n, p in sig.parameters.items()
-              if p.annotation in (int, float, str, bool)}   # artifacts (Input/Output[...]) aside
+    params = {
+        n: p for n, p in sig.parameters.items() if p.annotation in (int, float, str, bool)
+    }  # artifacts (Input/Output[...]) aside
     expected = spec.params(spec.PIPELINE) if step is None else spec.params(spec.COMPONENT, step)
     assert {p.name for p in expected} <= set(params), "missing in the signature"
     assert set(params) - {p.name for p in expected} <= KFP_ONLY, "not in the spec"
@@ -83,11 +97,14 @@ def _defaults(argv: list[str]) -> dict:
     return vars(build_parser().parse_args(argv))
 
 
-@pytest.mark.parametrize("surface, argv", [
-    (spec.TRAIN, ["train", "--model-def", "m.py", "--output", "o"]),
-    (spec.RUN, ["pipeline", "run", "--source", "s", "--model-def", "m.py", "--output", "o"]),
-    (spec.PIPELINE, ["schedule", "create", "--host", "h", "--cron", "c", "--source", "s", "--model-def", "m.py"]),
-])
+@pytest.mark.parametrize(
+    "surface, argv",
+    [
+        (spec.TRAIN, ["train", "--model-def", "m.py", "--output", "o"]),
+        (spec.RUN, ["pipeline", "run", "--source", "s", "--model-def", "m.py", "--output", "o"]),
+        (spec.PIPELINE, ["schedule", "create", "--host", "h", "--cron", "c", "--source", "s", "--model-def", "m.py"]),
+    ],
+)
 def test_the_cli_parsers_take_the_spec_with_its_defaults(surface, argv):
     args = _defaults(argv)
     for p in spec.params(surface):
@@ -121,12 +138,15 @@ def test_one_name_for_the_checkpoint_location():
     assert stale == []
 
 
-@pytest.mark.parametrize("uri, output, expected", [
-    ("", "/out", "/out/checkpoints/job-1"),
-    ("", "gs://b/out/", "gs://b/out/checkpoints/job-1"),
-    ("gs://b/ckpt", "/out", "gs://b/ckpt/job-1"),
-    ("gs://b/ckpt/", "gs://b/out", "gs://b/ckpt/job-1"),
-])
+@pytest.mark.parametrize(
+    "uri, output, expected",
+    [
+        ("", "/out", "/out/checkpoints/job-1"),
+        ("", "gs://b/out/", "gs://b/out/checkpoints/job-1"),
+        ("gs://b/ckpt", "/out", "gs://b/ckpt/job-1"),
+        ("gs://b/ckpt/", "gs://b/out", "gs://b/ckpt/job-1"),
+    ],
+)
 def test_one_checkpoint_layout(uri, output, expected):
     assert checkpoint_root(uri, output, "job-1") == expected
 

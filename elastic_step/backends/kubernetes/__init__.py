@@ -14,19 +14,61 @@ One module per concern, each documenting its part of the semantics:
     config.py       credentials, namespace, owner, the master's address, extra pod spec fields
     errors.py       KubernetesBackendError, KubernetesPermissionError
 """
+
 # The names below are what code imported from the single module this package replaced.
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
-from elastic_step.backends.kubernetes.config import (DEFAULT_IMAGE, NAMESPACE_ENV, POD_IP_ENV, POD_LABELS_ENV,
-                                                     POD_SPEC_ENV, SA_DIR, Owner, load_api_client, master_host)
+from elastic_step.backends.kubernetes.config import (
+    DEFAULT_IMAGE,
+    NAMESPACE_ENV,
+    POD_IP_ENV,
+    POD_LABELS_ENV,
+    POD_SPEC_ENV,
+    SA_DIR,
+    Owner,
+    load_api_client,
+    master_host,
+)
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
 from elastic_step.backends.kubernetes.permissions import MANIFESTS, NEEDED, ROLE_FILE, load_manifests, permission_error
-from elastic_step.backends.kubernetes.pods import (_JOB_ID, DEFAULT_PRIORITY, LABEL_INDEX, LABEL_JOB, LABEL_LAUNCH,
-                                                   LABEL_ROLE, MANAGED_BY, PRIORITY_FILE, TERMINAL, TOKEN_KEY)
+from elastic_step.backends.kubernetes.pods import (
+    _JOB_ID,
+    DEFAULT_PRIORITY,
+    LABEL_INDEX,
+    LABEL_JOB,
+    LABEL_LAUNCH,
+    LABEL_ROLE,
+    MANAGED_BY,
+    PRIORITY_FILE,
+    TERMINAL,
+    TOKEN_KEY,
+)
 
 __all__ = [
-    "DEFAULT_IMAGE", "DEFAULT_PRIORITY", "KubernetesBackend", "KubernetesBackendError", "KubernetesPermissionError",
-    "LABEL_INDEX", "LABEL_JOB", "LABEL_LAUNCH", "LABEL_ROLE", "MANAGED_BY", "MANIFESTS", "NAMESPACE_ENV", "NEEDED",
-    "Owner", "POD_IP_ENV", "POD_LABELS_ENV", "POD_SPEC_ENV", "PRIORITY_FILE", "ROLE_FILE", "SA_DIR", "TERMINAL",
+    "DEFAULT_IMAGE",
+    "DEFAULT_PRIORITY",
+    "KubernetesBackend",
+    "KubernetesBackendError",
+    "KubernetesPermissionError",
+    "LABEL_INDEX",
+    "LABEL_JOB",
+    "LABEL_LAUNCH",
+    "LABEL_ROLE",
+    "MANAGED_BY",
+    "MANIFESTS",
+    "NAMESPACE_ENV",
+    "NEEDED",
+    "Owner",
+    "POD_IP_ENV",
+    "POD_LABELS_ENV",
+    "POD_SPEC_ENV",
+    "PRIORITY_FILE",
+    "ROLE_FILE",
+    "SA_DIR",
+    "TERMINAL",
     "TOKEN_KEY",
-    "_JOB_ID", "load_api_client", "load_manifests", "master_host", "permission_error",
+    "_JOB_ID",
+    "load_api_client",
+    "load_manifests",
+    "master_host",
+    "permission_error",
 ]

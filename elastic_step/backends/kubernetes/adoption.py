@@ -12,6 +12,7 @@ have retried for 60 s). Such a pod is deleted at once (grace 0) and its replacem
 its place; the new master restores the shards and the ledger from the job's last checkpoint
 (master/checkpoint.py). Finished pods of the old master are deleted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,9 @@ from elastic_step.backends.kubernetes.pods import LABEL_LAUNCH, TERMINAL, _Pod, 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
 
-def adopt(items: list[dict], pods: dict[str, _Pod], numbers: dict[InstanceId, int],
-          job_id: str) -> tuple[dict[InstanceId, str], list[str]]:
+def adopt(
+    items: list[dict], pods: dict[str, _Pod], numbers: dict[InstanceId, int], job_id: str
+) -> tuple[dict[InstanceId, str], list[str]]:
     """Track the previous master's pods (`items`, a listing of the job's pods) in `pods`, raise
     `numbers` to their launch numbers, and return (the live pod of each instance, the pods to
     delete: finished ones, and the older of two live pods of one instance)."""
@@ -49,8 +51,13 @@ def adopt(items: list[dict], pods: dict[str, _Pod], numbers: dict[InstanceId, in
         elif pod.phase in TERMINAL and not pod.deleting:
             leftovers.append(pod.name)
     if adoptable or leftovers:
-        log.info("job %s: adopting %d live pod(s) of a previous master (%s); deleting %d finished one(s)",
-                 job_id, len(adoptable), ", ".join(sorted(adoptable.values())), len(leftovers))
+        log.info(
+            "job %s: adopting %d live pod(s) of a previous master (%s); deleting %d finished one(s)",
+            job_id,
+            len(adoptable),
+            ", ".join(sorted(adoptable.values())),
+            len(leftovers),
+        )
     return adoptable, leftovers
 
 
@@ -71,5 +78,8 @@ def reown_patch(pod: _Pod, refs: list[dict]) -> list[dict] | None:
     if [o.get("uid") for o in pod.obj["metadata"].get("ownerReferences") or []] == [o["uid"] for o in refs]:
         return None
     # A JSON patch replaces the list (a strategic merge would add to it, keyed by uid).
-    return [{"op": "add", "path": "/metadata/ownerReferences", "value": refs}] if refs else \
-        [{"op": "remove", "path": "/metadata/ownerReferences"}]
+    return (
+        [{"op": "add", "path": "/metadata/ownerReferences", "value": refs}]
+        if refs
+        else [{"op": "remove", "path": "/metadata/ownerReferences"}]
+    )

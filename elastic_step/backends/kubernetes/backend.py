@@ -5,6 +5,7 @@ One identity, one process
     (terminal phase or gone; forced after the grace period + 15 s), so two processes never speak
     to the master as the same (role, index).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,12 +19,30 @@ import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
-from elastic_step.backends.kubernetes.config import (DEFAULT_IMAGE, NAMESPACE_ENV, Owner, load_api_client,
-                                                     load_pod_labels, load_pod_spec, master_host, owner_refs)
+from elastic_step.backends.kubernetes.config import (
+    DEFAULT_IMAGE,
+    NAMESPACE_ENV,
+    Owner,
+    load_api_client,
+    load_pod_labels,
+    load_pod_spec,
+    master_host,
+    owner_refs,
+)
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
 from elastic_step.backends.kubernetes.permissions import check_permissions, translate
-from elastic_step.backends.kubernetes.pods import (_JOB_ID, DEFAULT_PRIORITY, LABEL_JOB, PRIORITY_FILE, TERMINAL,
-                                                   _Launch, _Pod, job_labels, pod_body, track)
+from elastic_step.backends.kubernetes.pods import (
+    _JOB_ID,
+    DEFAULT_PRIORITY,
+    LABEL_JOB,
+    PRIORITY_FILE,
+    TERMINAL,
+    _Launch,
+    _Pod,
+    job_labels,
+    pod_body,
+    track,
+)
 from elastic_step.backends.kubernetes.secret import ensure_secret
 from elastic_step.backends.kubernetes.watch import PodWatch, apply_pod, overdue_loss, transition
 from elastic_step.errors import ConfigError
@@ -32,20 +51,35 @@ log = logging.getLogger("elastic_step.backends.kubernetes")
 
 
 class KubernetesBackend(Backend):
-    shares_files = False   # pods on other nodes: a step's local inputs are served to them
+    shares_files = False  # pods on other nodes: a step's local inputs are served to them
 
-    def __init__(self, job_id: str, token: str, *, namespace: str | None = None, kubeconfig: str | None = None,
-                 context: str | None = None, api_client=None, image: str | None = None,
-                 owner: Owner | None | str = "env", pod_spec: dict | None = None,
-                 pod_labels: dict | None = None, master_ip: str | None = None,
-                 grace_s: int = 30, watch_timeout_s: int = 240, preflight: bool = True,
-                 reuse_token: bool = True):
+    def __init__(
+        self,
+        job_id: str,
+        token: str,
+        *,
+        namespace: str | None = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        api_client=None,
+        image: str | None = None,
+        owner: Owner | None | str = "env",
+        pod_spec: dict | None = None,
+        pod_labels: dict | None = None,
+        master_ip: str | None = None,
+        grace_s: int = 30,
+        watch_timeout_s: int = 240,
+        preflight: bool = True,
+        reuse_token: bool = True,
+    ):
         super().__init__()
         import kubernetes
 
         if not (len(job_id) <= 50 and _JOB_ID.fullmatch(job_id)):
-            raise ConfigError(f"The job id {job_id!r} cannot name Kubernetes pods: use at most 50 lowercase "
-                              "letters, digits and '-', starting and ending with a letter or digit.")
+            raise ConfigError(
+                f"The job id {job_id!r} cannot name Kubernetes pods: use at most 50 lowercase "
+                "letters, digits and '-', starting and ending with a letter or digit."
+            )
         self.k8s = kubernetes.client
         self.ApiException = kubernetes.client.ApiException
         self.job_id = job_id
@@ -76,22 +110,39 @@ class KubernetesBackend(Backend):
         if preflight:
             check_permissions(self.k8s, self.api, self.namespace, self._call)
         self.token, self.token_reused = ensure_secret(
-            self._call, self.core, self.secret_name, self.namespace, labels=job_labels(job_id),
-            owner_refs=owner_refs(self.owner), token=token, reuse=reuse_token)
+            self._call,
+            self.core,
+            self.secret_name,
+            self.namespace,
+            labels=job_labels(job_id),
+            owner_refs=owner_refs(self.owner),
+            token=token,
+            reuse=reuse_token,
+        )
         listing = self._list()
         self._adoptable, leftovers = adopt(listing["items"], self._pods, self._numbers, job_id)
         for name in leftovers:
             self._delete(name, 0)
         self.adopted = dict(self._adoptable)
         # The watch resumes from the adoption's listing: nothing between the two goes unseen.
-        self._watch = PodWatch(self.core, self.namespace, self.selector, job_id, timeout_s=self.watch_timeout_s,
-                               rv=listing["metadata"]["resourceVersion"], closed=self._closed, lock=self._lock,
-                               pods=self._pods, list_pods=self._list, on_pod=self._on_pod)
+        self._watch = PodWatch(
+            self.core,
+            self.namespace,
+            self.selector,
+            job_id,
+            timeout_s=self.watch_timeout_s,
+            rv=listing["metadata"]["resourceVersion"],
+            closed=self._closed,
+            lock=self._lock,
+            pods=self._pods,
+            list_pods=self._list,
+            on_pod=self._on_pod,
+        )
         self._watcher = threading.Thread(target=self._watch.run, name=f"k8s-watch-{job_id}", daemon=True)
         self._watcher.start()
 
     @classmethod
-    def from_train_config(cls, cfg, job_id: str, token: str, **kwargs) -> "KubernetesBackend":
+    def from_train_config(cls, cfg, job_id: str, token: str, **kwargs) -> KubernetesBackend:
         """The backend of `cfg` (namespace, credentials, owner, pod spec from the environment) for the job
         `job_id` with a new `token`. A restarted master reuses the job's Secret: `backend.token` is then
         the stored token, which the job's plan takes (master/plan.py)."""
@@ -120,12 +171,19 @@ class KubernetesBackend(Backend):
             raise KubernetesBackendError(
                 f"Cannot reach the Kubernetes API server at {self.api.configuration.host} ({verb} {resource}: "
                 f"{reason}). Check that KUBECONFIG, or the service account of the step's pod, points at a "
-                "running cluster that this process can reach, or use --backend local.") from None
+                "running cluster that this process can reach, or use --backend local."
+            ) from None
 
     # ---------------------------------------------------------------- listing
     def _list(self) -> dict:
-        r = self._call("list", "pods", self.core.list_namespaced_pod, self.namespace, label_selector=self.selector,
-                       _preload_content=False)
+        r = self._call(
+            "list",
+            "pods",
+            self.core.list_namespaced_pod,
+            self.namespace,
+            label_selector=self.selector,
+            _preload_content=False,
+        )
         return json.loads(r.data)
 
     # ---------------------------------------------------------------- Backend contract
@@ -142,8 +200,13 @@ class KubernetesBackend(Backend):
             pod = self._pods.get(adopted) if adopted else None
             keep = pod is not None and pod.live and compatible(pod, spec, self.token_reused)
             if keep:
-                launch = _Launch(spec, launch_number(self._pods, pod.name), name=pod.name, adopted=True,
-                                 state="running" if pod.phase == "Running" else "pending")
+                launch = _Launch(
+                    spec,
+                    launch_number(self._pods, pod.name),
+                    name=pod.name,
+                    adopted=True,
+                    state="running" if pod.phase == "Running" else "pending",
+                )
                 self._launches[inst] = launch
         if keep:
             self._reown(pod)
@@ -169,8 +232,13 @@ class KubernetesBackend(Backend):
             launch.timer = threading.Timer(self.grace_s + 15, self._unblock, args=(launch,))
             launch.timer.daemon = True
             launch.timer.start()
-            self.emit(InstanceEvent(EventKind.STARTED, inst, detail=f"{replaced}its pod is created once pod "
-                                    f"{launch.blocker} has terminated"))
+            self.emit(
+                InstanceEvent(
+                    EventKind.STARTED,
+                    inst,
+                    detail=f"{replaced}its pod is created once pod {launch.blocker} has terminated",
+                )
+            )
             return
         try:
             self._create(launch)
@@ -183,8 +251,11 @@ class KubernetesBackend(Backend):
     def stop(self, instance: InstanceId, grace_s: float = 10.0) -> None:
         """Graceful: the pod's process gets SIGTERM (a worker finishes and reports its minibatch)
         and EXITED comes with its exit code. Waits until it ended (grace + 15 s at most)."""
-        launch = self._mark_ending(instance, "stopping", InstanceEvent(
-            EventKind.EXITED, instance, exit_code=0, detail="stopped before its pod existed"))
+        launch = self._mark_ending(
+            instance,
+            "stopping",
+            InstanceEvent(EventKind.EXITED, instance, exit_code=0, detail="stopped before its pod existed"),
+        )
         if launch is None:
             return
         grace = max(1, math.ceil(grace_s))
@@ -192,8 +263,9 @@ class KubernetesBackend(Backend):
         launch.ended.wait(grace + 15)
 
     def kill(self, instance: InstanceId) -> None:
-        launch = self._mark_ending(instance, "killing", InstanceEvent(
-            EventKind.LOST, instance, detail="killed before its pod existed"))
+        launch = self._mark_ending(
+            instance, "killing", InstanceEvent(EventKind.LOST, instance, detail="killed before its pod existed")
+        )
         if launch is not None:
             self._delete(launch.name, 0)
 
@@ -239,7 +311,7 @@ class KubernetesBackend(Backend):
                 launch.stopping = True
                 if launch.timer:
                     launch.timer.cancel()
-        deadline = time.monotonic() + grace + 15   # then grace 0 for what is left
+        deadline = time.monotonic() + grace + 15  # then grace 0 for what is left
         give_up = deadline + 15
         forced: set[str] = set()
         try:
@@ -249,8 +321,12 @@ class KubernetesBackend(Backend):
                     break
                 now = time.monotonic()
                 if now > give_up:
-                    log.warning("job %s: %d pod(s) still there after close: %s", self.job_id, len(items),
-                                ", ".join(o["metadata"]["name"] for o in items))
+                    log.warning(
+                        "job %s: %d pod(s) still there after close: %s",
+                        self.job_id,
+                        len(items),
+                        ", ".join(o["metadata"]["name"] for o in items),
+                    )
                     break
                 for obj in items:
                     meta, phase = obj["metadata"], (obj.get("status") or {}).get("phase")
@@ -267,8 +343,9 @@ class KubernetesBackend(Backend):
             self._closed.set()
             self._watch.wake()
             try:
-                self._call("delete", "secrets", self.core.delete_namespaced_secret, self.secret_name,
-                           self.namespace, ok=(404,))
+                self._call(
+                    "delete", "secrets", self.core.delete_namespaced_secret, self.secret_name, self.namespace, ok=(404,)
+                )
             except Exception as e:  # noqa: BLE001
                 log.error("job %s: could not delete the Secret %s: %s", self.job_id, self.secret_name, e)
             self._watcher.join(5)
@@ -290,27 +367,53 @@ class KubernetesBackend(Backend):
                 name += f"-{launch.number}"
             with self._lock:
                 launch.name = name
-            body = pod_body(launch, job_id=self.job_id, namespace=self.namespace, image=self.image,
-                            secret_name=self.secret_name, grace_s=self.grace_s, pod_spec=self.pod_spec,
-                            default_priority=self._default_priority.get(inst.role),
-                            owner_refs=owner_refs(self.owner), pod_labels=self.pod_labels)
+            body = pod_body(
+                launch,
+                job_id=self.job_id,
+                namespace=self.namespace,
+                image=self.image,
+                secret_name=self.secret_name,
+                grace_s=self.grace_s,
+                pod_spec=self.pod_spec,
+                default_priority=self._default_priority.get(inst.role),
+                owner_refs=owner_refs(self.owner),
+                pod_labels=self.pod_labels,
+            )
             try:
-                r = self._call("create", "pods", self.core.create_namespaced_pod, self.namespace, body, ok=(409,),
-                               _preload_content=False)
+                r = self._call(
+                    "create",
+                    "pods",
+                    self.core.create_namespaced_pod,
+                    self.namespace,
+                    body,
+                    ok=(409,),
+                    _preload_content=False,
+                )
             except KubernetesPermissionError:
                 raise
             except KubernetesBackendError as err:
                 default = self._default_priority.get(inst.role)
-                if (err.status == 403 and not launch.spec.priority_class and default
-                        and f"no PriorityClass with name {default}" in str(err)):
-                    log.warning("PriorityClass %s does not exist: %s pods get the namespace's default priority "
-                                "(apply %s to change that)", default, inst.role, PRIORITY_FILE)
+                if (
+                    err.status == 403
+                    and not launch.spec.priority_class
+                    and default
+                    and f"no PriorityClass with name {default}" in str(err)
+                ):
+                    log.warning(
+                        "PriorityClass %s does not exist: %s pods get the namespace's default priority "
+                        "(apply %s to change that)",
+                        default,
+                        inst.role,
+                        PRIORITY_FILE,
+                    )
                     self._default_priority[inst.role] = None
                     continue
                 if "PriorityClass" in str(err):
-                    raise KubernetesBackendError(f"{err} (create it, e.g. from {PRIORITY_FILE}, or pass another "
-                                                 "--worker-priority-class / --ps-priority-class)",
-                                                 err.status) from None
+                    raise KubernetesBackendError(
+                        f"{err} (create it, e.g. from {PRIORITY_FILE}, or pass another "
+                        "--worker-priority-class / --ps-priority-class)",
+                        err.status,
+                    ) from None
                 raise
             if r is None:  # 409: a pod of a previous master holds the name
                 with self._lock:
@@ -321,24 +424,42 @@ class KubernetesBackend(Backend):
                 track(self._pods, created)
             log.info("created pod %s for %s", name, inst)
             return
-        raise KubernetesBackendError(f"Could not find a free pod name for {inst} of job {self.job_id} in namespace "
-                                     f"{self.namespace} after 10 tries: delete the job's leftover pods (label "
-                                     f"{self.selector}) or use another --job-id.")
+        raise KubernetesBackendError(
+            f"Could not find a free pod name for {inst} of job {self.job_id} in namespace "
+            f"{self.namespace} after 10 tries: delete the job's leftover pods (label "
+            f"{self.selector}) or use another --job-id."
+        )
 
     def _delete(self, name: str, grace: int) -> None:
         with self._lock:
             pod = self._pods.get(name)
             if pod is not None and grace == 0:
                 pod.forced = True
-        self._call("delete", "pods", self.core.delete_namespaced_pod, name, self.namespace, ok=(404,),
-                   grace_period_seconds=grace, _preload_content=False)
+        self._call(
+            "delete",
+            "pods",
+            self.core.delete_namespaced_pod,
+            name,
+            self.namespace,
+            ok=(404,),
+            grace_period_seconds=grace,
+            _preload_content=False,
+        )
 
     def _reown(self, pod: _Pod) -> None:
         ops = reown_patch(pod, owner_refs(self.owner))
         if ops is None:
             return
-        self._call("patch", "pods", self.core.patch_namespaced_pod, pod.name, self.namespace, ops, ok=(404, 422),
-                   _preload_content=False)
+        self._call(
+            "patch",
+            "pods",
+            self.core.patch_namespaced_pod,
+            pod.name,
+            self.namespace,
+            ops,
+            ok=(404, 422),
+            _preload_content=False,
+        )
 
     def _unblock(self, launch: _Launch) -> None:
         """The predecessor outlived its grace period (e.g. its node is gone): force it."""

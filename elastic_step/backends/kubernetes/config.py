@@ -1,5 +1,6 @@
 """Configuration: the cluster's credentials and namespace, the pod that owns the job's pods, the
 address the master listens at, and the pod spec fields and labels the environment adds to the pods."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,15 +25,22 @@ SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 @dataclasses.dataclass(frozen=True)
 class Owner:
     """The pod that owns the job's pods and Secret (deleting it deletes them)."""
+
     name: str
     uid: str
 
     def ref(self) -> dict:
-        return {"apiVersion": "v1", "kind": "Pod", "name": self.name, "uid": self.uid,
-                "controller": False, "blockOwnerDeletion": False}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": self.name,
+            "uid": self.uid,
+            "controller": False,
+            "blockOwnerDeletion": False,
+        }
 
     @classmethod
-    def from_env(cls, env=None) -> "Owner | None":
+    def from_env(cls, env=None) -> Owner | None:
         env = os.environ if env is None else env
         for n, u in (("KFP_POD_NAME", "KFP_POD_UID"), ("POD_NAME", "POD_UID")):
             if env.get(n) and env.get(u):
@@ -71,7 +79,8 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None):
         raise KubernetesBackendError(
             f"--backend kubernetes found no Kubernetes credentials: the kubeconfig {path} does not exist and "
             "this process does not run in a pod (no service-account token). Set KUBECONFIG, run the step in "
-            "the cluster, or use --backend local (subprocesses).")
+            "the cluster, or use --backend local (subprocesses)."
+        )
     try:
         client = kubernetes.config.new_client_from_config(config_file=path, context=context, persist_config=False)
         contexts, current = kubernetes.config.list_kube_config_contexts(path)
@@ -102,11 +111,15 @@ def load_pod_spec(pod_spec: dict | None) -> dict:
     try:
         pod_spec = pod_spec if pod_spec is not None else json.loads(spec_env) if spec_env else {}
     except ValueError as e:
-        raise ConfigError(f"{POD_SPEC_ENV} is not valid JSON ({e}): give a JSON object of pod spec fields, "
-                          'e.g. {"nodeSelector": {"pool": "training"}}.') from None
+        raise ConfigError(
+            f"{POD_SPEC_ENV} is not valid JSON ({e}): give a JSON object of pod spec fields, "
+            'e.g. {"nodeSelector": {"pool": "training"}}.'
+        ) from None
     if not isinstance(pod_spec, dict):
-        raise ConfigError(f"{POD_SPEC_ENV} must be a JSON object of pod spec fields, e.g. "
-                          '{"nodeSelector": {"pool": "training"}}, not ' + type(pod_spec).__name__ + ".")
+        raise ConfigError(
+            f"{POD_SPEC_ENV} must be a JSON object of pod spec fields, e.g. "
+            '{"nodeSelector": {"pool": "training"}}, not ' + type(pod_spec).__name__ + "."
+        )
     pod_spec = dict(pod_spec)
     if "containers" in pod_spec:
         raise ConfigError(f"{POD_SPEC_ENV} may not set containers: the backend builds the container.")
@@ -131,8 +144,9 @@ def load_pod_labels(pod_labels: dict | None) -> dict[str, dict[str, str]]:
     for role, labels in pod_labels.items():
         if role not in ("worker", "ps", "*"):
             raise ConfigError(f"{POD_LABELS_ENV}: {role!r} is not a role: use 'worker', 'ps' or '*', e.g. {example}.")
-        if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in labels.items()):
+        if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in labels.items()
+        ):
             raise ConfigError(f"{POD_LABELS_ENV}: the labels of {role!r} must be an object of strings, e.g. {example}.")
         for k in labels:
             if k.startswith("elastic-step/") or k == "app.kubernetes.io/managed-by":

@@ -1,4 +1,5 @@
 """The backend's errors: what the cluster refused or failed, with the fix in the message."""
+
 from __future__ import annotations
 
 from elastic_step.backends.api import BackendError

@@ -4,6 +4,7 @@ The backend checks the verbs it needs (SelfSubjectAccessReview) when it is const
 turns any 403 into a `KubernetesPermissionError` naming the verb, the resource and the Role
 to fix (manifests/role.yaml). It needs only that namespaced Role.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,17 @@ MANIFESTS = pathlib.Path(__file__).resolve().parent.parent / "manifests"
 ROLE_FILE = "elastic_step/backends/manifests/role.yaml"
 
 # Everything the backend does, and so everything the Role must grant (no more).
-NEEDED = (("create", "pods"), ("get", "pods"), ("list", "pods"), ("watch", "pods"), ("delete", "pods"),
-          ("patch", "pods"), ("create", "secrets"), ("get", "secrets"), ("delete", "secrets"))
+NEEDED = (
+    ("create", "pods"),
+    ("get", "pods"),
+    ("list", "pods"),
+    ("watch", "pods"),
+    ("delete", "pods"),
+    ("patch", "pods"),
+    ("create", "secrets"),
+    ("get", "secrets"),
+    ("delete", "secrets"),
+)
 
 
 def permission_error(missing: list[tuple[str, str]], namespace: str, who: str = "") -> KubernetesPermissionError:
@@ -36,7 +46,8 @@ def permission_error(missing: list[tuple[str, str]], namespace: str, who: str = 
     what = ", ".join(f"{v} {r}" for v, r in missing)
     fix = ", ".join(f"'{v}' on '{r}'" for v, r in missing)
     return KubernetesPermissionError(
-        f"{who} cannot {what} in namespace {namespace}: add {fix} to its Role (see {ROLE_FILE}).", 403)
+        f"{who} cannot {what} in namespace {namespace}: add {fix} to its Role (see {ROLE_FILE}).", 403
+    )
 
 
 def load_manifests(name: str, namespace: str | None = None) -> list[dict]:
@@ -64,16 +75,22 @@ def translate(e, verb: str, resource: str, namespace: str) -> Exception:
         m = re.search(r'User "([^"]+)" cannot (\w+) resource "([^"]+)"', message)
         if m:
             return permission_error([(m.group(2), m.group(3))], namespace, m.group(1))
-        return KubernetesBackendError(f"{verb} {resource} in namespace {namespace} was refused: {message}",
-                                      403)
+        return KubernetesBackendError(f"{verb} {resource} in namespace {namespace} was refused: {message}", 403)
     if e.status == 401:
-        return KubernetesBackendError(f"The Kubernetes API rejected the step's credentials (401 {message}): give "
-                                      "it a valid token (the step's service account, or KUBECONFIG).", 401)
+        return KubernetesBackendError(
+            f"The Kubernetes API rejected the step's credentials (401 {message}): give "
+            "it a valid token (the step's service account, or KUBECONFIG).",
+            401,
+        )
     if e.status == 404 and re.search(r'namespaces? "[^"]+" not found', message):
-        return KubernetesBackendError(f"The namespace {namespace} does not exist: create it, or set "
-                                      f"{NAMESPACE_ENV} to the namespace the step runs in.", 404)
-    return KubernetesBackendError(f"{verb} {resource} in namespace {namespace} failed "
-                                  f"({e.status} {e.reason}): {message}", e.status)
+        return KubernetesBackendError(
+            f"The namespace {namespace} does not exist: create it, or set "
+            f"{NAMESPACE_ENV} to the namespace the step runs in.",
+            404,
+        )
+    return KubernetesBackendError(
+        f"{verb} {resource} in namespace {namespace} failed ({e.status} {e.reason}): {message}", e.status
+    )
 
 
 def check_permissions(k8s, api, namespace: str, call) -> None:
@@ -83,12 +100,19 @@ def check_permissions(k8s, api, namespace: str, call) -> None:
     auth = k8s.AuthorizationV1Api(api)
     missing = []
     for verb, resource in NEEDED:
-        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
-                "spec": {"resourceAttributes": {"namespace": namespace, "verb": verb,
-                                                "resource": resource, "group": ""}}}
+        body = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"namespace": namespace, "verb": verb, "resource": resource, "group": ""}},
+        }
         try:
-            r = call("create", "selfsubjectaccessreviews", auth.create_self_subject_access_review, body,
-                     _preload_content=False)
+            r = call(
+                "create",
+                "selfsubjectaccessreviews",
+                auth.create_self_subject_access_review,
+                body,
+                _preload_content=False,
+            )
         except KubernetesPermissionError:
             raise
         except KubernetesBackendError as e:
@@ -102,6 +126,7 @@ def check_permissions(k8s, api, namespace: str, call) -> None:
         who = ""
         with contextlib.suppress(Exception):
             r = k8s.AuthenticationV1Api(api).create_self_subject_review(
-                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}, _preload_content=False)
+                {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}, _preload_content=False
+            )
             who = json.loads(r.data)["status"]["userInfo"]["username"]
         raise permission_error(missing, namespace, who)

@@ -1,19 +1,20 @@
 """Pods: what the job's pods look like, and what the backend knows of each.
 
-    `<job>-<role>-<index>` (a relaunch: `<job>-<role>-<index>-<launch>`), labels `elastic-step/job`,
-    `elastic-step/role`, `elastic-step/index`, `elastic-step/launch` and
-    `app.kubernetes.io/managed-by: elastic-step`; command = the instance's argv; the job token from
-    the Secret `<job>-token` (`secretKeyRef`, never a literal), `ELASTIC_STEP_POD_IP` from the
-    downward API (`status.podIP`: a PS serves and advertises on it); requests = limits = the
-    instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `elastic-high`
-    for PS, when the cluster has them: see manifests/priorityclasses.yaml); restartPolicy Never;
-    no service-account token; terminationGracePeriodSeconds 30; an ownerReference
-    (blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
-    own pod (`POD_NAME`/`POD_UID` from the downward API), else none. `ELASTIC_STEP_POD_SPEC`
-    (JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets,
-    schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
-    PodGroup's `scheduling.x-k8s.io/pod-group` on the workers.
+`<job>-<role>-<index>` (a relaunch: `<job>-<role>-<index>-<launch>`), labels `elastic-step/job`,
+`elastic-step/role`, `elastic-step/index`, `elastic-step/launch` and
+`app.kubernetes.io/managed-by: elastic-step`; command = the instance's argv; the job token from
+the Secret `<job>-token` (`secretKeyRef`, never a literal), `ELASTIC_STEP_POD_IP` from the
+downward API (`status.podIP`: a PS serves and advertises on it); requests = limits = the
+instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `elastic-high`
+for PS, when the cluster has them: see manifests/priorityclasses.yaml); restartPolicy Never;
+no service-account token; terminationGracePeriodSeconds 30; an ownerReference
+(blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
+own pod (`POD_NAME`/`POD_UID` from the downward API), else none. `ELASTIC_STEP_POD_SPEC`
+(JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets,
+schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
+PodGroup's `scheduling.x-k8s.io/pod-group` on the workers.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,6 +55,7 @@ def job_labels(job_id: str, inst: InstanceId | None = None, number: int | None =
 @dataclasses.dataclass
 class _Pod:
     """What the watch knows of one pod of the job."""
+
     name: str
     inst: InstanceId
     uid: str = ""
@@ -61,7 +63,7 @@ class _Pod:
     phase: str | None = None
     deleting: bool = False
     gone: bool = False
-    forced: bool = False              # deleted with grace 0 by us: its process is killed
+    forced: bool = False  # deleted with grace 0 by us: its process is killed
     tracked_at: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -76,17 +78,18 @@ class _Pod:
 @dataclasses.dataclass
 class _Launch:
     """One launch of an instance: the pod the master currently counts as that instance."""
+
     spec: InstanceSpec
     number: int
     name: str = ""
-    state: str = "deferred"           # deferred -> pending -> running -> ended
-    blocker: str = ""                 # predecessor pod whose process must end first
-    stopping: bool = False            # we deleted it gracefully (scale-in): EXITED with its code
-    killing: bool = False             # we deleted it with grace 0: LOST
+    state: str = "deferred"  # deferred -> pending -> running -> ended
+    blocker: str = ""  # predecessor pod whose process must end first
+    stopping: bool = False  # we deleted it gracefully (scale-in): EXITED with its code
+    killing: bool = False  # we deleted it with grace 0: LOST
     adopted: bool = False
     ended: threading.Event = dataclasses.field(default_factory=threading.Event)
-    timer: threading.Timer | None = None        # forces a deferred creation
-    loss_timer: threading.Timer | None = None   # bounds the wait for a deleted pod's end
+    timer: threading.Timer | None = None  # forces a deferred creation
+    loss_timer: threading.Timer | None = None  # bounds the wait for a deleted pod's end
 
     def end(self) -> None:
         self.state = "ended"
@@ -133,30 +136,61 @@ def _deletion_cause(obj: dict) -> str:
     return f"pod {name} deleted from outside the master"
 
 
-def pod_body(launch: _Launch, *, job_id: str, namespace: str, image: str, secret_name: str, grace_s: int,
-             pod_spec: dict, default_priority: str | None, owner_refs: list[dict],
-             pod_labels: dict[str, dict[str, str]] | None = None) -> dict:
+def pod_body(
+    launch: _Launch,
+    *,
+    job_id: str,
+    namespace: str,
+    image: str,
+    secret_name: str,
+    grace_s: int,
+    pod_spec: dict,
+    default_priority: str | None,
+    owner_refs: list[dict],
+    pod_labels: dict[str, dict[str, str]] | None = None,
+) -> dict:
     """The pod of `launch` (named already); `default_priority`: the role's PriorityClass when the
     instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win."""
     spec, inst = launch.spec, launch.spec.id
-    env = [{"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
-           {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-           {"name": "ELASTIC_STEP_JOB_ID", "value": job_id}]
+    env = [
+        {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "ELASTIC_STEP_JOB_ID", "value": job_id},
+    ]
     env += [{"name": k, "value": v} for k, v in spec.env.items() if k not in (TOKEN_ENV, POD_IP_ENV)]
     quantities = {k: v for k, v in (("cpu", spec.cpu), ("memory", spec.memory)) if v}
-    container = {"name": inst.role, "image": image, "imagePullPolicy": "IfNotPresent",
-                 "command": list(spec.argv), "env": env}
+    container = {
+        "name": inst.role,
+        "image": image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": list(spec.argv),
+        "env": env,
+    }
     if quantities:
         container["resources"] = {"requests": dict(quantities), "limits": dict(quantities)}
-    body_spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": grace_s,
-                 "automountServiceAccountToken": False, "enableServiceLinks": False,
-                 **copy.deepcopy(pod_spec), "containers": [container]}
+    body_spec = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": grace_s,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        **copy.deepcopy(pod_spec),
+        "containers": [container],
+    }
     priority = spec.priority_class or default_priority
     if priority:
         body_spec["priorityClassName"] = priority
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": launch.name, "namespace": namespace,
-                         "labels": {**(pod_labels or {}).get("*", {}), **(pod_labels or {}).get(inst.role, {}),
-                                    **job_labels(job_id, inst, launch.number)},
-                         "ownerReferences": owner_refs},
-            "spec": body_spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": launch.name,
+            "namespace": namespace,
+            "labels": {
+                **(pod_labels or {}).get("*", {}),
+                **(pod_labels or {}).get(inst.role, {}),
+                **job_labels(job_id, inst, launch.number),
+            },
+            "ownerReferences": owner_refs,
+        },
+        "spec": body_spec,
+    }

@@ -16,6 +16,7 @@ scheduler starts them when room frees.
 `apply_pod`, `transition` and `overdue_loss` decide what a pod's state means (under the backend's
 lock); `PodWatch` streams the pod versions to the backend.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.kubernetes.permissions import translate
@@ -32,11 +33,12 @@ from elastic_step.faults import api as faults
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
-Overdue = Callable[[_Launch, str], None]   # called when a pod deleted from outside outlives its grace period
+Overdue = Callable[[_Launch, str], None]  # called when a pod deleted from outside outlives its grace period
 
 
-def apply_pod(pods: dict[str, _Pod], launches: dict[InstanceId, _Launch], obj: dict, deleted: bool,
-              grace_s: int, overdue: Overdue) -> tuple[InstanceEvent | None, list[_Launch]]:
+def apply_pod(
+    pods: dict[str, _Pod], launches: dict[InstanceId, _Launch], obj: dict, deleted: bool, grace_s: int, overdue: Overdue
+) -> tuple[InstanceEvent | None, list[_Launch]]:
     """Record this version of a pod (called under the lock): (the event it means for its launch,
     if any; the deferred launches its ended process unblocks)."""
     ready: list[_Launch] = []
@@ -74,17 +76,24 @@ def transition(launch: _Launch, pod: _Pod, grace_s: int, overdue: Overdue) -> In
             if code is None:
                 status = obj.get("status") or {}
                 why = ": ".join(x for x in (status.get("reason"), status.get("message")) if x)
-                return InstanceEvent(EventKind.LOST, inst,
-                                     detail=f"pod {pod.name} {pod.phase}" + (f" ({why})" if why else ""))
+                return InstanceEvent(
+                    EventKind.LOST, inst, detail=f"pod {pod.name} {pod.phase}" + (f" ({why})" if why else "")
+                )
             if pod.deleting and code >= 128:
-                return InstanceEvent(EventKind.LOST, inst, exit_code=code,
-                                     detail=f"killed by signal {code - 128} (pod {pod.name} deleted)")
+                return InstanceEvent(
+                    EventKind.LOST,
+                    inst,
+                    exit_code=code,
+                    detail=f"killed by signal {code - 128} (pod {pod.name} deleted)",
+                )
             return InstanceEvent(EventKind.EXITED, inst, exit_code=code)
         if launch.stopping and not scheduled:
-            return InstanceEvent(EventKind.EXITED, inst, exit_code=0,
-                                 detail=f"pod {pod.name} stopped before it ran")
-        return InstanceEvent(EventKind.LOST, inst, detail=f"killed (pod {pod.name} deleted with grace 0)"
-                             if launch.killing else f"pod {pod.name} deleted")
+            return InstanceEvent(EventKind.EXITED, inst, exit_code=0, detail=f"pod {pod.name} stopped before it ran")
+        return InstanceEvent(
+            EventKind.LOST,
+            inst,
+            detail=f"killed (pod {pod.name} deleted with grace 0)" if launch.killing else f"pod {pod.name} deleted",
+        )
     if external:
         # Deleted from outside (preemption, eviction, the garbage collector) while its process may
         # still run: it gets SIGTERM, finishes and reports its minibatch, exits, and *then* is
@@ -93,16 +102,18 @@ def transition(launch: _Launch, pod: _Pod, grace_s: int, overdue: Overdue) -> In
         # Bounded: a node that never reports the end (e.g. it died) costs grace + 10 s.
         if launch.loss_timer is None:
             grace = (obj.get("metadata") or {}).get("deletionGracePeriodSeconds")
-            launch.loss_timer = threading.Timer((grace_s if grace is None else int(grace)) + 10,
-                                                overdue, args=(launch, pod.name))
+            launch.loss_timer = threading.Timer(
+                (grace_s if grace is None else int(grace)) + 10, overdue, args=(launch, pod.name)
+            )
             launch.loss_timer.daemon = True
             launch.loss_timer.start()
         return None
     if pod.phase == "Running" and launch.state == "pending":
         launch.state = "running"
         status = obj.get("status") or {}
-        return InstanceEvent(EventKind.RUNNING, inst, detail=f"pod {pod.name} on {obj['spec'].get('nodeName')} "
-                                                             f"at {status.get('podIP')}")
+        return InstanceEvent(
+            EventKind.RUNNING, inst, detail=f"pod {pod.name} on {obj['spec'].get('nodeName')} at {status.get('podIP')}"
+        )
     return None
 
 
@@ -114,8 +125,9 @@ def overdue_loss(launch: _Launch, name: str, pods: dict[str, _Pod]) -> InstanceE
     launch.end()
     pod = pods.get(name)
     cause = _deletion_cause(pod.obj) if pod is not None else f"pod {name} deleted"
-    return InstanceEvent(EventKind.LOST, launch.spec.id,
-                         detail=f"{cause}; its end was not reported within its grace period")
+    return InstanceEvent(
+        EventKind.LOST, launch.spec.id, detail=f"{cause}; its end was not reported within its grace period"
+    )
 
 
 class PodWatch:
@@ -124,9 +136,21 @@ class PodWatch:
     `list_pods` lists the job's pods; `run` (the watch thread) returns once `closed` is set. Before each
     request it passes the hook point faults.WATCH_REQUEST, where a test may hold it."""
 
-    def __init__(self, core, namespace: str, selector: str, job_id: str, *, timeout_s: int, rv: str | None,
-                 closed: threading.Event, lock: threading.Lock, pods: dict[str, _Pod],
-                 list_pods: Callable[[], dict], on_pod: Callable[[dict, bool], None]):
+    def __init__(
+        self,
+        core,
+        namespace: str,
+        selector: str,
+        job_id: str,
+        *,
+        timeout_s: int,
+        rv: str | None,
+        closed: threading.Event,
+        lock: threading.Lock,
+        pods: dict[str, _Pod],
+        list_pods: Callable[[], dict],
+        on_pod: Callable[[dict, bool], None],
+    ):
         self.core = core
         self.namespace = namespace
         self.selector = selector
@@ -176,9 +200,15 @@ class PodWatch:
                     self.relist()
                 self.stats["watches"] += 1
                 resp = self.core.list_namespaced_pod(
-                    self.namespace, label_selector=self.selector, watch=True, resource_version=self.rv,
-                    allow_watch_bookmarks=True, timeout_seconds=self.timeout_s, _preload_content=False,
-                    _request_timeout=(10, self.timeout_s + 30))
+                    self.namespace,
+                    label_selector=self.selector,
+                    watch=True,
+                    resource_version=self.rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=self.timeout_s,
+                    _preload_content=False,
+                    _request_timeout=(10, self.timeout_s + 30),
+                )
                 self._resp = resp
                 try:
                     for line in iter_resp_lines(resp):
@@ -189,8 +219,7 @@ class PodWatch:
                         if kind == "ERROR":
                             if obj.get("code") == 410:
                                 self.stats["gone_410"] += 1
-                                log.info("watch of job %s: 410 Gone (%s); re-listing", self.job_id,
-                                         obj.get("message"))
+                                log.info("watch of job %s: 410 Gone (%s); re-listing", self.job_id, obj.get("message"))
                             else:
                                 log.warning("watch of job %s: error %s; re-listing", self.job_id, obj)
                             self.rv = None
@@ -210,8 +239,9 @@ class PodWatch:
                     self.rv = None
                     continue
                 if not self.closed.is_set():
-                    log.warning("watch of job %s failed: %s", self.job_id, translate(e, "watch", "pods",
-                                                                                     self.namespace))
+                    log.warning(
+                        "watch of job %s failed: %s", self.job_id, translate(e, "watch", "pods", self.namespace)
+                    )
                     self.closed.wait(1.0)
             except Exception as e:  # noqa: BLE001 - connection trouble: resume from the last version
                 if not self.closed.is_set():

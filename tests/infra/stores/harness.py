@@ -12,6 +12,7 @@ S3ServerWithIam checks credentials and permissions too (fake-gcs-server checks n
 Each server's `env` is what gcsfs / s3fs read from the environment, so the CLI, workers and PS started
 as subprocesses reach the same server, as a step's pods reach a real store.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,9 +55,13 @@ class _Server:
     def ready_path(self) -> str:
         raise NotImplementedError
 
-    def start(self) -> "_Server":
-        self.proc = subprocess.Popen(self.argv(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **getattr(self, "server_env", {})})
+    def start(self) -> _Server:
+        self.proc = subprocess.Popen(
+            self.argv(),
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **getattr(self, "server_env", {})},
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -117,14 +122,28 @@ class GcsServer(_Server):
             # HTTP cannot answer: 60 s of retries per file. gcsfs's own CI turns it off the same way.
             "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
             "GOOGLE_CLOUD_PROJECT": "elastic-step-test",
-            "NO_GCE_CHECK": "true",   # not on GCE: do not wait for a metadata server
+            "NO_GCE_CHECK": "true",  # not on GCE: do not wait for a metadata server
         }
         self.storage_options = {"token": "anon", "project": "elastic-step-test", "endpoint_url": self.url}
 
     def argv(self) -> list[str]:
-        return [str(self.binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-                "-backend", "memory", "-public-host", f"127.0.0.1:{self.port}", "-external-url", self.url,
-                "-log-level", "warn"]
+        return [
+            str(self.binary),
+            "-scheme",
+            "http",
+            "-host",
+            "127.0.0.1",
+            "-port",
+            str(self.port),
+            "-backend",
+            "memory",
+            "-public-host",
+            f"127.0.0.1:{self.port}",
+            "-external-url",
+            self.url,
+            "-log-level",
+            "warn",
+        ]
 
     def ready_path(self) -> str:
         return "/storage/v1/b"
@@ -136,8 +155,12 @@ class S3Server(_Server):
 
     def __init__(self) -> None:
         super().__init__()
-        self.env = {"AWS_ENDPOINT_URL": self.url, "AWS_ACCESS_KEY_ID": "testing",
-                    "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.env = {
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
         self.storage_options = {"key": "testing", "secret": "testing", "endpoint_url": self.url}
 
     def argv(self) -> list[str]:
@@ -145,7 +168,6 @@ class S3Server(_Server):
 
     def ready_path(self) -> str:
         return "/moto-api/"
-
 
     @contextlib.contextmanager
     def mounted(self, bucket: str):
@@ -155,9 +177,24 @@ class S3Server(_Server):
         with tempfile.NamedTemporaryFile("w", prefix="s3fs-passwd-", delete=False) as f:
             f.write(f"{self.storage_options['key']}:{self.storage_options['secret']}\n")
         os.chmod(f.name, 0o600)
-        proc = subprocess.run(["s3fs", bucket, folder, "-o", f"url={self.url}", "-o", "use_path_request_style",
-                               "-o", "endpoint=us-east-1", "-o", f"passwd_file={f.name}"],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                "s3fs",
+                bucket,
+                folder,
+                "-o",
+                f"url={self.url}",
+                "-o",
+                "use_path_request_style",
+                "-o",
+                "endpoint=us-east-1",
+                "-o",
+                f"passwd_file={f.name}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         os.unlink(f.name)
         if proc.returncode != 0:
             raise StoreError(f"s3fs could not mount s3://{bucket} at {folder}: {proc.stderr.strip()}")
@@ -178,10 +215,13 @@ class S3ServerWithIam(S3Server):
         with S3ServerWithIam("data") as s3:
             s3.reader_env                     # the read-only user's credentials, for a step's process
     """
+
     name = "moto-s3-iam"
     SETUP_ACTIONS = 4
-    READ_ONLY = {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}
+    READ_ONLY = {
+        "Version": "2012-10-17",
+        "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}],
+    }
 
     def __init__(self, bucket: str) -> None:
         super().__init__()
@@ -189,19 +229,26 @@ class S3ServerWithIam(S3Server):
         self.server_env = {"INITIAL_NO_AUTH_ACTION_COUNT": str(self.SETUP_ACTIONS)}
         self.reader_env: dict[str, str] = {}
 
-    def start(self) -> "S3ServerWithIam":
+    def start(self) -> S3ServerWithIam:
         import json
 
         import boto3
 
         super().start()
-        kw = {"endpoint_url": self.url, "aws_access_key_id": "testing", "aws_secret_access_key": "testing",
-              "region_name": "us-east-1"}
+        kw = {
+            "endpoint_url": self.url,
+            "aws_access_key_id": "testing",
+            "aws_secret_access_key": "testing",
+            "region_name": "us-east-1",
+        }
         boto3.client("s3", **kw).create_bucket(Bucket=self.bucket_name)
         iam = boto3.client("iam", **kw)
         iam.create_user(UserName="reader")
         iam.put_user_policy(UserName="reader", PolicyName="read-only", PolicyDocument=json.dumps(self.READ_ONLY))
         key = iam.create_access_key(UserName="reader")["AccessKey"]
-        self.reader_env = {**self.env, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-                           "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+        self.reader_env = {
+            **self.env,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+        }
         return self

@@ -5,6 +5,7 @@ BatchNormalization evaluates with the moving mean and variance it accumulated wh
 non-trainable state). Pixels are fed raw (0..16, no scaling): normalising them is batch norm's job,
 so a model whose moving statistics were never updated evaluates badly. Digits.
 """
+
 import keras
 import numpy as np
 
@@ -12,15 +13,17 @@ PIXELS = [f"pixel_{i}" for i in range(64)]
 
 
 def model():
-    return keras.Sequential([
-        keras.Input(shape=(64,)),
-        keras.layers.BatchNormalization(),
-        keras.layers.Dense(64, use_bias=False),
-        keras.layers.BatchNormalization(),
-        keras.layers.Activation("relu"),
-        keras.layers.Dropout(0.2),
-        keras.layers.Dense(10, activation="softmax"),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(64,)),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(64, use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Activation("relu"),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
 
 
 def loss(labels, predictions):
@@ -32,7 +35,7 @@ def optimizer():
 
 
 def feed(batch):
-    x = np.stack([batch[c] for c in PIXELS], axis=1).astype("float32")   # raw 0..16
+    x = np.stack([batch[c] for c in PIXELS], axis=1).astype("float32")  # raw 0..16
     return x, batch["label"].astype("int64")
 
 

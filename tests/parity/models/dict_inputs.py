@@ -5,6 +5,7 @@ A functional model with one tower per input: the upper and the lower half of eac
 trains the wrong tower). `feed` returns `({"upper": ..., "lower": ...}, labels)`; the model's
 inputs are declared upper first, which is not their sorted order. Digits.
 """
+
 import keras
 import numpy as np
 
@@ -33,6 +34,7 @@ def optimizer():
 def feed(batch):
     def half(columns):
         return np.stack([batch[c] for c in columns], axis=1).astype("float32") / 16.0
+
     return {"upper": half(UPPER), "lower": half(LOWER)}, batch["label"].astype("int64")
 
 

@@ -5,6 +5,7 @@ column's vocabulary), flattened into an MLP; the loss is Keras's own function gi
 (`loss = keras.losses.binary_crossentropy`, per-example). In ps mode the table's rows are spread
 over the parameter servers by id. CTR data (samples/ctr/generate.py).
 """
+
 import keras
 import numpy as np
 
@@ -15,13 +16,15 @@ loss = keras.losses.binary_crossentropy
 
 
 def model():
-    return keras.Sequential([
-        keras.Input(shape=(len(VOCABS),), dtype="int64"),
-        keras.layers.Embedding(sum(VOCABS.values()), 8),
-        keras.layers.Flatten(),
-        keras.layers.Dense(16, activation="relu"),
-        keras.layers.Dense(1, activation="sigmoid"),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(len(VOCABS),), dtype="int64"),
+            keras.layers.Embedding(sum(VOCABS.values()), 8),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ]
+    )
 
 
 def optimizer():

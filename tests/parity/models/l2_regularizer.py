@@ -4,6 +4,7 @@ Keras adds each layer's regularization loss to the loss `fit` minimises (and rep
 loss `evaluate` returns); the user's `loss()` never mentions it. The penalty is strong enough to
 shape the weights, and plain SGD (unlike Adam) feels the loss's scale. Digits.
 """
+
 import keras
 import numpy as np
 
@@ -12,11 +13,13 @@ PIXELS = [f"pixel_{i}" for i in range(64)]
 
 def model():
     l2 = keras.regularizers.L2(3e-3)
-    return keras.Sequential([
-        keras.Input(shape=(64,)),
-        keras.layers.Dense(64, activation="relu", kernel_regularizer=l2),
-        keras.layers.Dense(10, activation="softmax", kernel_regularizer=l2),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(64,)),
+            keras.layers.Dense(64, activation="relu", kernel_regularizer=l2),
+            keras.layers.Dense(10, activation="softmax", kernel_regularizer=l2),
+        ]
+    )
 
 
 def loss(labels, predictions):

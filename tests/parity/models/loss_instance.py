@@ -4,6 +4,7 @@ What `model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=
 the module attribute `loss` is the instance itself and keeps its own reduction. Digits, a
 functional model ending in logits.
 """
+
 import keras
 import numpy as np
 

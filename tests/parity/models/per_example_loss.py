@@ -4,6 +4,7 @@ Keras users write `return keras.losses.sparse_categorical_crossentropy(y, p, fro
 let `compile` average it; the model ends in logits, not a softmax. (Returning a `[batch]` vector used
 to crash every elastic worker.) Digits: 64 pixels -> 10 classes.
 """
+
 import keras
 import numpy as np
 
@@ -11,11 +12,13 @@ PIXELS = [f"pixel_{i}" for i in range(64)]
 
 
 def model():
-    return keras.Sequential([
-        keras.Input(shape=(64,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),          # logits
-    ])
+    return keras.Sequential(
+        [
+            keras.Input(shape=(64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),  # logits
+        ]
+    )
 
 
 def loss(labels, predictions):

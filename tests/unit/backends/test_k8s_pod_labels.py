@@ -1,4 +1,5 @@
 """ELASTIC_STEP_POD_LABELS: extra labels on the job's pods, by role (no cluster needed)."""
+
 import json
 
 import pytest
@@ -13,9 +14,18 @@ GROUP = "scheduling.x-k8s.io/pod-group"
 
 def body(role: str, labels: dict) -> dict:
     launch = _Launch(InstanceSpec(InstanceId(role, 0), ["true"], cpu="1"), 1, name=f"j-{role}-0")
-    return pod_body(launch, job_id="j", namespace="ns", image="img", secret_name="j-token", grace_s=30,
-                    pod_spec={"schedulerName": "gang"}, default_priority=None, owner_refs=[],
-                    pod_labels=load_pod_labels(labels))
+    return pod_body(
+        launch,
+        job_id="j",
+        namespace="ns",
+        image="img",
+        secret_name="j-token",
+        grace_s=30,
+        pod_spec={"schedulerName": "gang"},
+        default_priority=None,
+        owner_refs=[],
+        pod_labels=load_pod_labels(labels),
+    )
 
 
 def test_labels_by_role_and_for_all():
@@ -34,8 +44,9 @@ def test_from_environment(monkeypatch):
     assert load_pod_labels(None) == {}
 
 
-@pytest.mark.parametrize("bad", ['{"worker": ', '["x"]', '{"chief": {}}', '{"worker": {"a": 1}}',
-                                 '{"*": {"elastic-step/job": "other"}}'])
+@pytest.mark.parametrize(
+    "bad", ['{"worker": ', '["x"]', '{"chief": {}}', '{"worker": {"a": 1}}', '{"*": {"elastic-step/job": "other"}}']
+)
 def test_rejected(monkeypatch, bad):
     monkeypatch.setenv(POD_LABELS_ENV, bad)
     with pytest.raises(ConfigError, match=POD_LABELS_ENV):

@@ -1,5 +1,6 @@
 """The local backend against the Backend contract, with real subprocesses: every end of an
 instance is an event from the process's own end (no polling, no timeout), with how it ended."""
+
 from __future__ import annotations
 
 import os
@@ -63,24 +64,32 @@ def test_sigkill_is_a_loss_reported_from_the_reaped_process(backend):
     ev = next_end(backend)
     assert (ev.kind, ev.instance, ev.exit_code, ev.detail) == (EventKind.LOST, W0, -9, "killed by SIGKILL")
     assert W0 not in backend.alive() and backend.pid(W0) is None
-    with pytest.raises(ChildProcessError):   # already reaped, by the thread that reported it
+    with pytest.raises(ChildProcessError):  # already reaped, by the thread that reported it
         os.waitpid(pid, os.WNOHANG)
-    assert [e.kind for e in backend.events(timeout=0.2)] == []   # one loss, not one per poll
+    assert [e.kind for e in backend.events(timeout=0.2)] == []  # one loss, not one per poll
 
 
 def test_stop_is_graceful_then_forced(backend, tmp_path):
     marker = tmp_path / "termed"
-    backend.start(spec(f"import signal, sys, time\n"
-                       f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0)))\n"
-                       + READY + "time.sleep(60)"))
+    backend.start(
+        spec(
+            f"import signal, sys, time\n"
+            f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(0)))\n"
+            + READY
+            + "time.sleep(60)"
+        )
+    )
     wait_ready(backend)
     backend.stop(W0, grace_s=5)
     ev = next_end(backend)
     assert (ev.kind, ev.exit_code) == (EventKind.EXITED, 0)
     assert marker.exists()
     stubborn = InstanceId("worker", 1)
-    backend.start(spec("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + READY + "time.sleep(60)",
-                       stubborn))
+    backend.start(
+        spec(
+            "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + READY + "time.sleep(60)", stubborn
+        )
+    )
     wait_ready(backend, stubborn)
     backend.stop(stubborn, grace_s=0.5)
     ev = next_end(backend)
@@ -92,7 +101,7 @@ def test_env_and_logs_and_relaunch(backend):
     backend.start(spec("import os; print('env', os.environ['ELASTIC_STEP_TEST'])"))
     next_end(backend)
     assert "env yes" in backend.log_path(W0).read_text()
-    backend.start(spec("print('second launch')"))   # the same instance, relaunched
+    backend.start(spec("print('second launch')"))  # the same instance, relaunched
     next_end(backend)
     assert "second launch" in backend.log_path(W0).read_text()
     assert backend.log_path(W0).name.endswith(".2.log")
@@ -111,4 +120,4 @@ def test_close_stops_everyone_gracefully(backend):
     while len(ends) < 3:
         ev = next_end(backend)
         ends[ev.instance] = ev.detail
-    assert ends == {inst: "killed by SIGTERM" for inst in insts}   # asked to go, never forced
+    assert ends == dict.fromkeys(insts, "killed by SIGTERM")  # asked to go, never forced

@@ -1,6 +1,7 @@
 """The preloader (backends/preloaded.py) with real processes: an instance forked from it is a process
 of its own, with only its own environment, its own session, log and exit status, and TensorFlow already
 imported; it dies with the preloader, which dies with the master."""
+
 from __future__ import annotations
 
 import json
@@ -56,10 +57,10 @@ def test_an_instance_is_its_own_process_with_only_its_own_environment(preloader,
     child = preloader.start(program("exit:5"), {"INSTANCE_PROGRAM": "mine", "PATH": os.environ["PATH"]}, log)
     assert child.wait(60) == 5 and child.poll() == 5
     seen = first_line(log)
-    assert seen["pid"] == child.pid and seen["sid"] == child.pid          # a session of its own
+    assert seen["pid"] == child.pid and seen["sid"] == child.pid  # a session of its own
     assert seen["argv"][0].endswith("instance_program.py") and seen["argv"][1:] == ["exit:5"]
-    assert seen["env"] == "mine" and seen["env_size"] == 3                # PATH, its own, the parent pid
-    assert seen["tensorflow_preloaded"]                                   # imported once, before the fork
+    assert seen["env"] == "mine" and seen["env_size"] == 3  # PATH, its own, the parent pid
+    assert seen["tensorflow_preloaded"]  # imported once, before the fork
 
 
 def test_an_uncaught_exception_is_exit_1_with_its_traceback_in_the_log(preloader, tmp_path):
@@ -81,8 +82,8 @@ def test_instances_die_with_the_preloader(tmp_path):
     doomed = Preloader(tmp_path / "preloader.log")
     child = doomed.start(program("sleep"), {}, tmp_path / "instance.log")
     first_line(tmp_path / "instance.log")
-    os.kill(doomed._proc.pid, signal.SIGKILL)          # as the master's death kills it (PR_SET_PDEATHSIG)
-    assert child.wait(30) == -signal.SIGKILL            # reported as lost at once
+    os.kill(doomed._proc.pid, signal.SIGKILL)  # as the master's death kills it (PR_SET_PDEATHSIG)
+    assert child.wait(30) == -signal.SIGKILL  # reported as lost at once
     assert gone(child.pid), "the instance outlived its preloader"
 
 
@@ -91,8 +92,24 @@ def test_the_local_backend_forks_the_packages_instances_and_runs_others_as_they_
     try:
         w0, w1 = InstanceId("worker", 0), InstanceId("worker", 1)
         # a worker whose master never answers: it keeps asking until it is killed
-        backend.start(InstanceSpec(w0, [sys.executable, "-m", "elastic_step.worker", "--master", "127.0.0.1:9",
-                                        "--index", "0", "--model-def", "none.py", "--num-ps", "0"]))
+        backend.start(
+            InstanceSpec(
+                w0,
+                [
+                    sys.executable,
+                    "-m",
+                    "elastic_step.worker",
+                    "--master",
+                    "127.0.0.1:9",
+                    "--index",
+                    "0",
+                    "--model-def",
+                    "none.py",
+                    "--num-ps",
+                    "0",
+                ],
+            )
+        )
         backend.start(InstanceSpec(w1, [sys.executable, "-c", "import os; print(os.getppid())"]))
         with open(f"/proc/{backend.pid(w0)}/stat") as f:
             assert int(f.read().rsplit(")", 1)[1].split()[1]) == backend._preloader._proc.pid
@@ -104,7 +121,7 @@ def test_the_local_backend_forks_the_packages_instances_and_runs_others_as_they_
                 if ev.kind in (EventKind.EXITED, EventKind.LOST):
                     ends[ev.instance] = (ev.kind, ev.exit_code)
         assert ends == {w0: (EventKind.LOST, -9), w1: (EventKind.EXITED, 0)}
-        assert backend.log_path(w1).read_text().strip() == str(os.getpid())   # a plain child of the master
+        assert backend.log_path(w1).read_text().strip() == str(os.getpid())  # a plain child of the master
     finally:
         backend.close(grace_s=2)
 

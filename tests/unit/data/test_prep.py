@@ -1,4 +1,5 @@
 """Data prep: formats in, manifests and shards out, bad rows, schemas, errors and atomic output."""
+
 from __future__ import annotations
 
 import json
@@ -45,13 +46,17 @@ CSV = "id,x,name,label\n" + "".join(f"{i},{i * 0.5},n{i},{i % 2}\n" for i in ran
 
 # ---------------------------------------------------------------- formats in, manifests out
 
+
 def test_csv_rows_schema_and_manifest(tmp_path):
     src = write(tmp_path / "data.csv", CSV)
-    r = prepare(src, str(tmp_path / "out"), label="label", eval_fraction=0.25, shard_rows=7,
-                row_group_rows=3)
+    r = prepare(src, str(tmp_path / "out"), label="label", eval_fraction=0.25, shard_rows=7, row_group_rows=3)
     assert (r.train.total_rows, r.eval.total_rows) == (30, 10)
     assert [(f.name, f.type) for f in r.train.schema] == [
-        ("id", "int64"), ("x", "float64"), ("name", "string"), ("label", "int64")]
+        ("id", "int64"),
+        ("x", "float64"),
+        ("name", "string"),
+        ("label", "int64"),
+    ]
     assert [s.path for s in r.train.shards] == [f"part-{i:05d}.parquet" for i in range(5)]
     assert [s.rows for s in r.train.shards] == [7, 7, 7, 7, 2]
     # Row counts in the manifest are the rows in the shards; together they are the source, once each.
@@ -77,8 +82,7 @@ def test_digits_sample(tmp_path):
 
 
 def test_jsonl_in(tmp_path):
-    lines = [json.dumps({"a": i, "b": f"s{i}", "ok": i % 3 == 0, "when": f"2024-01-0{i % 9 + 1}"})
-             for i in range(20)]
+    lines = [json.dumps({"a": i, "b": f"s{i}", "ok": i % 3 == 0, "when": f"2024-01-0{i % 9 + 1}"}) for i in range(20)]
     src = write(tmp_path / "d.jsonl", "\n".join(lines[:10]) + "\n\n" + "\n".join(lines[10:]) + "\n")
     r = prepare(src, str(tmp_path / "out"), label="ok")
     types = {f.name: f.type for f in r.train.schema}
@@ -88,13 +92,22 @@ def test_jsonl_in(tmp_path):
 
 
 def test_parquet_in_with_narrow_types(tmp_path):
-    table = pa.table({"a": pa.array(range(30), pa.int32()), "f": pa.array([0.5] * 30, pa.float32()),
-                      "c": pa.array(["x", "y", "z"] * 10).dictionary_encode(),
-                      "label": pa.array([1, 0] * 15, pa.int8())})
+    table = pa.table(
+        {
+            "a": pa.array(range(30), pa.int32()),
+            "f": pa.array([0.5] * 30, pa.float32()),
+            "c": pa.array(["x", "y", "z"] * 10).dictionary_encode(),
+            "label": pa.array([1, 0] * 15, pa.int8()),
+        }
+    )
     pq.write_table(table, tmp_path / "d.parquet")
     r = prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), label="label")
     assert [(f.name, f.type) for f in r.train.schema] == [
-        ("a", "int64"), ("f", "float32"), ("c", "string"), ("label", "int64")]
+        ("a", "int64"),
+        ("f", "float32"),
+        ("c", "string"),
+        ("label", "int64"),
+    ]
     assert r.train.total_rows + r.eval.total_rows == 30
 
 
@@ -123,7 +136,9 @@ def test_fsspec_uris_in_and_out():
         # A second, smaller run leaves no stale shard next to the new manifest.
         r = prepare("memory://prep-test/in/d.csv", "memory://prep-test/out", label="label", shard_rows=100)
         assert sorted(os.path.basename(p) for p in fs.ls("/prep-test/out/train", detail=False)) == [
-            "manifest.json", "part-00000.parquet"]
+            "manifest.json",
+            "part-00000.parquet",
+        ]
     finally:
         fs.rm("/prep-test", recursive=True)
 
@@ -143,19 +158,22 @@ def test_split_is_deterministic_by_seed(tmp_path):
 
 # ---------------------------------------------------------------- bad rows
 
-BAD_CSV = ("a,b,label\n"      # line 1
-           "1,2.5,0\n"        # 2
-           "\n"               # 3: blank, not a row
-           '2,"multi\n'       # 4: a quoted value over two lines
-           'line",1\n'        # 5
-           "3,4.5\n"          # 6: a field short
-           "4,oops,1\n"       # 7: not a float
-           "5,6.5,\n"         # 8: no label
-           "6,7.5,1,9\n"      # 9: a field too many
-           "7,8.5,0\n")       # 10
+BAD_CSV = (
+    "a,b,label\n"  # line 1
+    "1,2.5,0\n"  # 2
+    "\n"  # 3: blank, not a row
+    '2,"multi\n'  # 4: a quoted value over two lines
+    'line",1\n'  # 5
+    "3,4.5\n"  # 6: a field short
+    "4,oops,1\n"  # 7: not a float
+    "5,6.5,\n"  # 8: no label
+    "6,7.5,1,9\n"  # 9: a field too many
+    "7,8.5,0\n"
+)  # 10
 
-SCHEMA = {"fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"},
-                     {"name": "label", "type": "int64"}]}
+SCHEMA = {
+    "fields": [{"name": "a", "type": "int64"}, {"name": "b", "type": "float64"}, {"name": "label", "type": "int64"}]
+}
 
 
 @pytest.fixture
@@ -172,12 +190,15 @@ def test_bad_row_error_names_file_line_and_column(tmp_path, schema_file):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("text, line, column, reason", [
-    ("a,b,label\n1,2,0\n3,4\n", 3, "label", "2 fields but the header has 3"),
-    ("a,b,label\n1,2,0\n\n3,4,1,5\n", 4, None, "4 fields but the header has 3"),
-    ("a,b,label\n1,2,0\n3,4,\n", 3, "label", "the label is missing"),
-    ("a,b,label\n1,2,0\n3,x,1\n", 3, "b", "cannot read 'x' as float64"),
-])
+@pytest.mark.parametrize(
+    "text, line, column, reason",
+    [
+        ("a,b,label\n1,2,0\n3,4\n", 3, "label", "2 fields but the header has 3"),
+        ("a,b,label\n1,2,0\n\n3,4,1,5\n", 4, None, "4 fields but the header has 3"),
+        ("a,b,label\n1,2,0\n3,4,\n", 3, "label", "the label is missing"),
+        ("a,b,label\n1,2,0\n3,x,1\n", 3, "b", "cannot read 'x' as float64"),
+    ],
+)
 def test_each_kind_of_bad_row(tmp_path, schema_file, text, line, column, reason):
     src = write(tmp_path / "bad.csv", text)
     with pytest.raises(DataError) as e:
@@ -198,7 +219,12 @@ def test_skip_counts_bad_rows(tmp_path, schema_file):
     r = prepare(src, str(tmp_path / "out"), label="label", schema=schema_file, on_bad_rows="skip")
     assert r.train.skipped_rows == r.eval.skipped_rows == 5
     assert [(b["line"], b["column"]) for b in r.train.bad_rows] == [
-        (4, "b"), (6, "label"), (7, "b"), (8, "label"), (9, None)]
+        (4, "b"),
+        (6, "label"),
+        (7, "b"),
+        (8, "label"),
+        (9, None),
+    ]
     assert all(b["file"] == src and b["reason"] for b in r.train.bad_rows)
     assert sorted(row["a"] for row in rows_of(r.train) + rows_of(r.eval)) == [1, 7]
     assert load_manifest(r.train_uri).bad_rows == r.train.bad_rows
@@ -212,8 +238,11 @@ def test_skip_keeps_only_the_first_bad_rows(tmp_path):
 
 
 def test_jsonl_bad_rows(tmp_path):
-    src = write(tmp_path / "d.jsonl", '{"a": 1, "label": 0}\n{"a": 2, "label": 1}\n{"a": 3,\n'
-                                      '{"a": "x", "label": 1}\n{"a": 5}\n{"a": 6, "label": 1}\n')
+    src = write(
+        tmp_path / "d.jsonl",
+        '{"a": 1, "label": 0}\n{"a": 2, "label": 1}\n{"a": 3,\n'
+        '{"a": "x", "label": 1}\n{"a": 5}\n{"a": 6, "label": 1}\n',
+    )
     with pytest.raises(DataError, match=r"d\.jsonl line 3: it is not valid JSON"):
         prepare(src, str(tmp_path / "out"), label="label")
     r = prepare(src, str(tmp_path / "out"), label="label", on_bad_rows="skip")
@@ -235,10 +264,14 @@ def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path, schema_file):
 
 # ---------------------------------------------------------------- schema
 
-@pytest.mark.parametrize("text, column", [
-    ("a,label\n1,0\n2,1\n", "'b'"),                    # missing column
-    ("a,b,label,extra\n1,2,0,9\n2,3,1,9\n", "'extra'"),  # extra column
-])
+
+@pytest.mark.parametrize(
+    "text, column",
+    [
+        ("a,label\n1,0\n2,1\n", "'b'"),  # missing column
+        ("a,b,label,extra\n1,2,0,9\n2,3,1,9\n", "'extra'"),  # extra column
+    ],
+)
 def test_csv_schema_mismatch_names_column_and_file(tmp_path, schema_file, text, column):
     src = write(tmp_path / "d.csv", text)
     with pytest.raises(DataError) as e:
@@ -248,8 +281,11 @@ def test_csv_schema_mismatch_names_column_and_file(tmp_path, schema_file, text, 
 
 def test_parquet_wrong_type_is_a_schema_mismatch(tmp_path, schema_file):
     pq.write_table(pa.table({"a": [1.5, 2.5], "b": [1.0, 2.0], "label": [0, 1]}), tmp_path / "d.parquet")
-    with pytest.raises(DataError, match=r"Column 'a' of .*d\.parquet holds float64 values but the schema "
-                                        r"declares int64"):
+    with pytest.raises(
+        DataError,
+        match=r"Column 'a' of .*d\.parquet holds float64 values but the schema "
+        r"declares int64",
+    ):
         prepare(str(tmp_path / "d.parquet"), str(tmp_path / "out"), label="label", schema=schema_file)
 
 
@@ -263,8 +299,18 @@ def test_jsonl_schema_mismatch(tmp_path, schema_file):
 
 
 def test_schema_types_are_applied(tmp_path):
-    schema = write(tmp_path / "s.json", json.dumps({"fields": [
-        {"name": "a", "type": "float32"}, {"name": "s", "type": "string"}, {"name": "t", "type": "bool"}]}))
+    schema = write(
+        tmp_path / "s.json",
+        json.dumps(
+            {
+                "fields": [
+                    {"name": "a", "type": "float32"},
+                    {"name": "s", "type": "string"},
+                    {"name": "t", "type": "bool"},
+                ]
+            }
+        ),
+    )
     src = write(tmp_path / "d.csv", "a,s,t\n1,007,true\n2,008,false\n3,009,true\n")
     r = prepare(src, str(tmp_path / "out"), schema=schema)
     assert [f.type for f in r.train.schema] == ["float32", "string", "bool"]
@@ -279,12 +325,15 @@ def test_label_must_be_in_the_schema(tmp_path, schema_file):
         prepare(src, str(tmp_path / "out"), label="nope", schema=schema_file)
 
 
-@pytest.mark.parametrize("content, match", [
-    ("not json", "Cannot read the schema file"),
-    ('{"fields": []}', "non-empty"),
-    ('{"fields": [{"name": "a", "type": "int32"}]}', "type 'int32'"),
-    ('{"fields": [{"name": "a", "type": "int64"}, {"name": "a", "type": "bool"}]}', "twice"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("not json", "Cannot read the schema file"),
+        ('{"fields": []}', "non-empty"),
+        ('{"fields": [{"name": "a", "type": "int32"}]}', "type 'int32'"),
+        ('{"fields": [{"name": "a", "type": "int64"}, {"name": "a", "type": "bool"}]}', "twice"),
+    ],
+)
 def test_bad_schema_file(tmp_path, content, match):
     schema = write(tmp_path / "s.json", content)
     with pytest.raises(ConfigError, match=match):
@@ -293,8 +342,8 @@ def test_bad_schema_file(tmp_path, content, match):
 
 # ---------------------------------------------------------------- errors and parameters
 
-@pytest.mark.parametrize("source", ["{tmp}/does-not-exist.csv", "nosuchprotocol://bucket/d.csv",
-                                    "{tmp}/empty-folder"])
+
+@pytest.mark.parametrize("source", ["{tmp}/does-not-exist.csv", "nosuchprotocol://bucket/d.csv", "{tmp}/empty-folder"])
 def test_unreadable_source_names_the_uri(tmp_path, source):
     (tmp_path / "empty-folder").mkdir()
     source = source.format(tmp=tmp_path)
@@ -315,12 +364,19 @@ def test_not_a_parquet_file(tmp_path):
         prepare(src, str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"eval_fraction": 0}, "eval_fraction"), ({"eval_fraction": 1.0}, "eval_fraction"),
-    ({"eval_fraction": -0.1}, "eval_fraction"), ({"shard_rows": 0}, "shard_rows"),
-    ({"row_group_rows": -1}, "row_group_rows"), ({"on_bad_rows": "ignore"}, "on_bad_rows"),
-    ({"seed": 1.5}, "seed"), ({"label": ""}, "label"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"eval_fraction": 0}, "eval_fraction"),
+        ({"eval_fraction": 1.0}, "eval_fraction"),
+        ({"eval_fraction": -0.1}, "eval_fraction"),
+        ({"shard_rows": 0}, "shard_rows"),
+        ({"row_group_rows": -1}, "row_group_rows"),
+        ({"on_bad_rows": "ignore"}, "on_bad_rows"),
+        ({"seed": 1.5}, "seed"),
+        ({"label": ""}, "label"),
+    ],
+)
 def test_parameters_are_checked(tmp_path, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         prepare(write(tmp_path / "d.csv", CSV), str(tmp_path / "out"), **kwargs)
@@ -342,6 +398,7 @@ def test_a_folder_holding_other_files_is_not_replaced(tmp_path):
 
 
 # ---------------------------------------------------------------- nothing half-written looks valid
+
 
 def snapshot(folder: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -406,6 +463,7 @@ def test_remote_crash_leaves_no_manifest(monkeypatch):
 
 # ---------------------------------------------------------------- streaming: order, sizes, memory
 
+
 def output_bytes(folder: pathlib.Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -415,8 +473,10 @@ def test_same_seed_same_bytes_different_seed_different_order(tmp_path):
     for name, seed in (("a", 3), ("b", 3), ("c", 4)):
         prepare(src, str(tmp_path / name), seed=seed, shard_rows=700, row_group_rows=100)
     assert output_bytes(tmp_path / "a") == output_bytes(tmp_path / "b")
-    ids = {n: {split: [r["id"] for r in rows_of(load_manifest(str(tmp_path / n / split)))]
-               for split in ("train", "eval")} for n in "ac"}
+    ids = {
+        n: {split: [r["id"] for r in rows_of(load_manifest(str(tmp_path / n / split)))] for split in ("train", "eval")}
+        for n in "ac"
+    }
     a, c = ids["a"], ids["c"]
     assert sorted(a["train"] + a["eval"]) == sorted(c["train"] + c["eval"]) == list(range(5000))
     assert (len(a["eval"]), len(a["train"])) == (len(c["eval"]), len(c["train"])) == (1000, 4000)
@@ -447,12 +507,16 @@ def test_a_shard_too_big_for_memory_streams_to_its_file_with_the_same_bytes(tmp_
 
 
 def test_dictionary_pages_only_where_values_repeat(tmp_path):
-    src = write(tmp_path / "d.csv", "id,x,cat,label\n" + "".join(
-        f"{i},{i * 0.37},c{i % 5},{i % 2}\n" for i in range(5000)))
+    src = write(
+        tmp_path / "d.csv", "id,x,cat,label\n" + "".join(f"{i},{i * 0.37},c{i % 5},{i % 2}\n" for i in range(5000))
+    )
     r = prepare(src, str(tmp_path / "out"), label="label", shard_rows=5000)
     md = pq.ParquetFile(r.train.shard_uri(r.train.shards[0])).metadata
-    dictionary = {md.schema.column(i).name: "PLAIN_DICTIONARY" in md.row_group(0).column(i).encodings
-                  or "RLE_DICTIONARY" in md.row_group(0).column(i).encodings for i in range(md.num_columns)}
+    dictionary = {
+        md.schema.column(i).name: "PLAIN_DICTIONARY" in md.row_group(0).column(i).encodings
+        or "RLE_DICTIONARY" in md.row_group(0).column(i).encodings
+        for i in range(md.num_columns)
+    }
     assert dictionary == {"id": False, "x": False, "cat": True, "label": True}
 
 
@@ -470,13 +534,20 @@ def test_a_source_larger_than_memory_is_prepared_in_bounded_memory(tmp_path):
     assert size > 3 * BOUND_MB * 1e6
     # VmHWM, not getrusage's ru_maxrss: Linux carries the latter over exec from the forked copy of the
     # parent, so a child of a big pytest process reports the parent's size (922 MB seen in a full run).
-    code = ("import json, sys\n"
-            "from elastic_step.data.prep import prepare\n"
-            "r = prepare(sys.argv[1], sys.argv[2], label='label')\n"
-            "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
-            "print(json.dumps({'train': r.train.total_rows, 'eval': r.eval.total_rows, 'peak_mb': int(hwm) / 1024}))\n")
-    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "out")], cwd=ROOT,
-                          env=dict(os.environ, TMPDIR=str(tmp_path)), capture_output=True, text=True)
+    code = (
+        "import json, sys\n"
+        "from elastic_step.data.prep import prepare\n"
+        "r = prepare(sys.argv[1], sys.argv[2], label='label')\n"
+        "hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0].split()[1]\n"
+        "print(json.dumps({'train': r.train.total_rows, 'eval': r.eval.total_rows, 'peak_mb': int(hwm) / 1024}))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "out")],
+        cwd=ROOT,
+        env=dict(os.environ, TMPDIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["peak_mb"] < BOUND_MB, got

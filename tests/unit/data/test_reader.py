@@ -1,4 +1,5 @@
 """ShardReader: exact record ranges of prepared shards, across row-group boundaries."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,14 @@ def prepared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reader")
     text = "id,x,name,label\n" + "".join(f"{i},{i / 4},r{i},{i % 3}\n" for i in range(ROWS))
     (tmp / "d.csv").write_text(text)
-    result = prepare(str(tmp / "d.csv"), str(tmp / "out"), label="label", eval_fraction=0.1,
-                     shard_rows=SHARD_ROWS, row_group_rows=GROUP_ROWS)
+    result = prepare(
+        str(tmp / "d.csv"),
+        str(tmp / "out"),
+        label="label",
+        eval_fraction=0.1,
+        shard_rows=SHARD_ROWS,
+        row_group_rows=GROUP_ROWS,
+    )
     return result.train
 
 
@@ -40,7 +47,7 @@ def test_read_all_is_every_shard_in_manifest_order(prepared):
     expected = [source_rows(prepared, s) for s in prepared.shards]
     assert list(got["id"]) == [i for rows in expected for i in rows["id"]]
     assert len(got["id"]) == 90 and set(got) == set(expected[0])
-    assert list(read_all(prepared.uri)["id"]) == list(got["id"])     # by URI too
+    assert list(read_all(prepared.uri)["id"]) == list(got["id"])  # by URI too
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,4 +1,5 @@
 """The seeded shuffle: keys, buckets and the two passes, run serially and in a process pool."""
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def splitmix64(seed: int, i: int) -> int:
 
 
 # ---------------------------------------------------------------- keys
+
 
 def test_a_key_is_splitmix64_of_the_mixed_seed_and_the_rows_place():
     for seed, file, row in [(0, 0, 0), (7, 0, 12345), (-1, 3, 2**39), (2**70 + 5, 16_000_000, 1)]:
@@ -83,7 +85,7 @@ def test_bucket_bits_grow_with_the_source_and_are_capped():
 def test_the_sort_unit_grows_with_the_source_between_its_bounds():
     # Small units for a small source (more overlap), big ones for a big source (fewer appends).
     assert shuffle.unit_bytes([("a.csv", 100 << 20)]) == shuffle.MIN_UNIT_BYTES
-    assert shuffle.unit_bytes([("a.csv", 512 << 20)]) == 16 << 20          # 1 GB in memory / 64
+    assert shuffle.unit_bytes([("a.csv", 512 << 20)]) == 16 << 20  # 1 GB in memory / 64
     assert shuffle.unit_bytes([("a.parquet", 512 << 20)]) == shuffle.SORT_BYTES
     assert shuffle.unit_bytes([("a.csv", 1 << 40)]) == shuffle.SORT_BYTES
     # Between the bounds the bucket count stays at 64: a unit per bucket.
@@ -92,17 +94,19 @@ def test_the_sort_unit_grows_with_the_source_between_its_bounds():
 
 # ---------------------------------------------------------------- the passes
 
+
 def make_source(folder: pathlib.Path, rows: int = 3000) -> list[dict]:
     """A folder of CSV, JSON-lines and Parquet files with the same columns; the rows they hold."""
     folder.mkdir()
     expected = [{"id": i, "x": i * 0.25, "name": f"n{i % 97}", "label": i % 3} for i in range(rows)]
     third = rows // 3
     for k in range(2):
-        part = expected[k * third // 2:(k + 1) * third // 2]
-        (folder / f"a{k}.csv").write_text("id,x,name,label\n" + "".join(
-            f"{r['id']},{r['x']},{r['name']},{r['label']}\n" for r in part))
-    (folder / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in expected[third:2 * third]))
-    pq.write_table(pa.Table.from_pylist(expected[2 * third:]), folder / "c.parquet", row_group_size=100)
+        part = expected[k * third // 2 : (k + 1) * third // 2]
+        (folder / f"a{k}.csv").write_text(
+            "id,x,name,label\n" + "".join(f"{r['id']},{r['x']},{r['name']},{r['label']}\n" for r in part)
+        )
+    (folder / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in expected[third : 2 * third]))
+    pq.write_table(pa.Table.from_pylist(expected[2 * third :]), folder / "c.parquet", row_group_size=100)
     return expected
 
 
@@ -143,11 +147,9 @@ def small_everything(monkeypatch) -> dict[str, int]:
 
 def test_the_shards_do_not_depend_on_batch_sizes_buckets_or_shard_buffers(tmp_path, monkeypatch):
     expected = make_source(tmp_path / "in")
-    prepare(str(tmp_path / "in"), str(tmp_path / "default"), label="label", seed=5, shard_rows=700,
-            row_group_rows=64)
+    prepare(str(tmp_path / "in"), str(tmp_path / "default"), label="label", seed=5, shard_rows=700, row_group_rows=64)
     calls = small_everything(monkeypatch)
-    prepare(str(tmp_path / "in"), str(tmp_path / "small"), label="label", seed=5, shard_rows=700,
-            row_group_rows=64)
+    prepare(str(tmp_path / "in"), str(tmp_path / "small"), label="label", seed=5, shard_rows=700, row_group_rows=64)
     assert calls["split"] > 0  # a bucket outgrew its sort unit and was split by the next key bits
     assert output_bytes(tmp_path / "small") == output_bytes(tmp_path / "default")
     key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
@@ -170,7 +172,7 @@ def test_parallel_and_serial_give_the_same_shards(tmp_path, monkeypatch):
 def test_in_parallel_the_error_is_the_first_failing_files(tmp_path, monkeypatch):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.csv").write_text("a,label\n1,0\n2,1\n")
-    (tmp_path / "in" / "b.csv").write_text("a,label\n1,\n")          # a missing label
+    (tmp_path / "in" / "b.csv").write_text("a,label\n1,\n")  # a missing label
     (tmp_path / "in" / "c.csv").write_text("a,label\n1,0\n2,1,3\n")  # a field too many
     monkeypatch.setattr(shuffle, "PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr(shuffle, "usable_cpus", lambda: 4)

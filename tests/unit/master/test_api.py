@@ -13,8 +13,9 @@ def test_one_push_in_flight_unless_the_user_opts_into_more():
     assert config(pushes_in_flight=2).validate().pushes_in_flight == 2
 
 
-@pytest.mark.parametrize("depth, says", [(0, "--pushes-in-flight must be >= 1"),
-                                         (9, "--pushes-in-flight 9 is more than 4")])
+@pytest.mark.parametrize(
+    "depth, says", [(0, "--pushes-in-flight must be >= 1"), (9, "--pushes-in-flight 9 is more than 4")]
+)
 def test_pushes_in_flight_out_of_range_is_a_clear_error(depth, says):
     with pytest.raises(ConfigError, match=says):
         config(pushes_in_flight=depth).validate()
@@ -25,6 +26,7 @@ def test_minibatches_per_push_is_one_unless_asked_and_only_for_the_ps_strategy()
     assert config(minibatches_per_push=8).validate().minibatches_per_push == 8
     with pytest.raises(ConfigError, match="--minibatches-per-push must be >= 1"):
         config(minibatches_per_push=0).validate()
-    with pytest.raises(ConfigError, match="--minibatches-per-push 4 is for --strategy ps; with allreduce, "
-                                          "--global-batch fixed"):
+    with pytest.raises(
+        ConfigError, match="--minibatches-per-push 4 is for --strategy ps; with allreduce, --global-batch fixed"
+    ):
         config(minibatches_per_push=4, strategy="allreduce").validate()

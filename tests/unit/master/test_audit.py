@@ -1,10 +1,11 @@
 """The audit lays the PS shards' applied ranges over the data set: each way of getting it wrong shows."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from elastic_step.master.audit import EXACT, UNAVAILABLE, VIOLATED, audit, coverage, describe
 from elastic_step.data.api import AppliedRecords
+from elastic_step.master.audit import EXACT, UNAVAILABLE, VIOLATED, audit, coverage, describe
 from elastic_step.ps.api import PushKey
 
 ROWS = [100, 37]
@@ -19,8 +20,12 @@ def applied(*keys: PushKey) -> dict:
 
 def every_record(epochs: int, minibatch: int = 16) -> list[PushKey]:
     """One push per minibatch of every shard and epoch, in the order a lease's minibatches go."""
-    return [PushKey(0, lo, min(rows, lo + minibatch), e, s)
-            for e in range(epochs) for s, rows in enumerate(ROWS) for lo in range(0, rows, minibatch)]
+    return [
+        PushKey(0, lo, min(rows, lo + minibatch), e, s)
+        for e in range(epochs)
+        for s, rows in enumerate(ROWS)
+        for lo in range(0, rows, minibatch)
+    ]
 
 
 def test_each_record_once_on_every_shard_is_exact_and_touching_ranges_are_merged():
@@ -29,12 +34,12 @@ def test_each_record_once_on_every_shard_is_exact_and_touching_ranges_are_merged
     result = audit(ROWS, 2, evidence)
     assert result["verdict"] == EXACT, result
     assert [e["applied_once"] for e in result["epochs"]] == [137, 137]
-    assert evidence[0][(0, 0)].tolist() == [[0, 100]]        # in order: one range per shard and epoch
+    assert evidence[0][(0, 0)].tolist() == [[0, 100]]  # in order: one range per shard and epoch
     assert "exact" in describe(result)
 
 
 def test_a_record_applied_twice_under_another_key_is_caught():
-    keys = every_record(1) + [PushKey(99, 20, 30, 0, 1)]   # a re-push the idempotency key did not catch
+    keys = every_record(1) + [PushKey(99, 20, 30, 0, 1)]  # a re-push the idempotency key did not catch
     result = audit(ROWS, 1, [applied(*keys)])
     assert result["verdict"] == VIOLATED
     assert result["epochs"][0] | {"applied_once": 127, "more_than_once": 10, "never": 0} == result["epochs"][0]
@@ -50,7 +55,7 @@ def test_a_lost_minibatch_and_a_missing_epoch_are_caught():
 
 def test_shards_that_disagree_are_not_counted_as_once():
     keys = every_record(1)
-    result = audit(ROWS, 1, [applied(*keys), applied(*keys[1:])])   # shard 1 never applied the first push
+    result = audit(ROWS, 1, [applied(*keys), applied(*keys[1:])])  # shard 1 never applied the first push
     assert result["epochs"][0]["shards_disagree"] == 16 and result["epochs"][0]["applied_once"] == 121
     assert result["verdict"] == VIOLATED
 

@@ -1,5 +1,6 @@
 """The checkpoint cutter on a real coordinator and a real folder: the barrier, the manifest as the
 commit point, and the previous checkpoint kept until then."""
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ def cutter(tmp_path, parts_written: list):
 
     def state():
         return {"ledger": coord.ledger.cut(), "ledger_records_committed": coord.ledger.records_committed_total()}
+
     return coord, store, Checkpointer(store, ("records", 16), coord, parts, state)
 
 
@@ -34,20 +36,20 @@ def test_nothing_is_cut_before_every_shard_registered_nor_before_the_barrier_hol
     coord, store, c = cutter(tmp_path, written)
     ledger = coord.ledger
     lease = ledger.lease("worker-0", 0.0)
-    ledger.report("worker-0", lease.task.task_id, lease.task.end)          # 16 records: one is due
+    ledger.report("worker-0", lease.task.task_id, lease.task.end)  # 16 records: one is due
     c.tick(16, 0.0)
-    assert not coord.holding and written == []                              # the shards are not all up
+    assert not coord.holding and written == []  # the shards are not all up
     coord.ps_ready.set()
     lease = ledger.lease("worker-0", 0.0)
     c.tick(16, 0.0)
-    assert coord.holding and written == []                                  # worker-0 still holds a lease
+    assert coord.holding and written == []  # worker-0 still holds a lease
     coord.held.add("worker-0")
     c.tick(16, 0.0)
     assert written == [1] and not coord.holding
     manifest = store.latest()
     assert manifest["id"] == 1 and manifest["records_committed"] == 16
     cut = store.read_json(manifest, "ledger.json")["ledger"]
-    assert [lease.task.task_id, lease.watermark] in cut["queue"]           # the held lease goes back
+    assert [lease.task.task_id, lease.watermark] in cut["queue"]  # the held lease goes back
 
 
 class MasterDiesMidCheckpoint(JobFaults):
@@ -65,15 +67,17 @@ def test_the_manifest_is_the_commit_point_and_the_previous_checkpoint_stays_unti
     c.tick(32, 0.0)
     with pytest.raises(RuntimeError):
         c.tick(32, 0.0)
-    assert store.latest()["id"] == 1                                       # checkpoint 2 never committed
+    assert store.latest()["id"] == 1  # checkpoint 2 never committed
     assert (tmp_path / "checkpoints" / "ckpt-000001" / "ps-0.npz").exists()
-    assert json.loads((tmp_path / "checkpoints" / "checkpoint.json").read_text())["files"]["ps-0.npz"] == \
-        "ckpt-000001/ps-0.npz"
+    assert (
+        json.loads((tmp_path / "checkpoints" / "checkpoint.json").read_text())["files"]["ps-0.npz"]
+        == "ckpt-000001/ps-0.npz"
+    )
     c.faults = NO_FAULTS
     c.tick(48, 0.0)
     c.tick(48, 0.0)
     assert store.latest()["id"] == 2
-    assert not (tmp_path / "checkpoints" / "ckpt-000001").exists()        # gone only after 2 committed
+    assert not (tmp_path / "checkpoints" / "ckpt-000001").exists()  # gone only after 2 committed
 
 
 def test_the_last_cut_is_taken_at_once_and_keeps_the_workers_held(tmp_path):
@@ -87,14 +91,14 @@ def test_the_last_cut_is_taken_at_once_and_keeps_the_workers_held(tmp_path):
     lease = ledger.lease("worker-0", 0.0)
     ledger.report("worker-0", lease.task.task_id, lease.task.end)
     c.tick(16, 0.0)
-    assert not coord.holding                                                # not due for an hour
+    assert not coord.holding  # not due for an hour
     c.last = True
     c.tick(16, 0.0)
     assert coord.holding and written == []
     coord.held.add("worker-0")
     c.tick(16, 0.0)
     assert written == [1] and store.latest()["records_committed"] == 16
-    assert coord.holding and not coord.hold(InstanceId("worker", 0), wait_s=0.01)   # still held
+    assert coord.holding and not coord.hold(InstanceId("worker", 0), wait_s=0.01)  # still held
 
 
 def test_a_shard_lost_before_the_master_knows_abandons_the_checkpoint_not_the_job(tmp_path):
@@ -113,18 +117,18 @@ def test_a_shard_lost_before_the_master_knows_abandons_the_checkpoint_not_the_jo
     coord, store, c = cutter(tmp_path, written)
     coord.ps_ready.set()
     c.tick(16, 0.0)
-    c.write_now()                                    # checkpoint 1
+    c.write_now()  # checkpoint 1
     healthy, c._parts = c._parts, lambda ckpt_id: (_ for _ in ()).throw(Unavailable())
     c.tick(32, 0.0)
-    c.tick(32, 0.0)                                  # the barrier holds: Save fails
+    c.tick(32, 0.0)  # the barrier holds: Save fails
     assert c.abandoned == 1 and not coord.holding and store.latest()["id"] == 1
     c._parts = healthy
     c.tick(40, 0.0)
-    assert not coord.holding                         # the next try is an interval later
+    assert not coord.holding  # the next try is an interval later
     c.tick(64, 0.0)
     c.tick(64, 0.0)
-    assert store.latest()["id"] == 2                 # the same id, once the shards are back
+    assert store.latest()["id"] == 2  # the same id, once the shards are back
     c._parts = lambda ckpt_id: (_ for _ in ()).throw(ValueError("a bug"))
     c.tick(96, 0.0)
-    with pytest.raises(ValueError):                  # anything else is not swallowed
+    with pytest.raises(ValueError):  # anything else is not swallowed
         c.tick(96, 0.0)

@@ -1,5 +1,6 @@
 """The checkpoint store on a real folder: intervals, the watermark, and the members' state written and
 read back (or refused, corrupt, with a clear error)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,8 +29,12 @@ def test_the_watermark_is_this_jobs_only(tmp_path):
 
 def test_the_members_state_reads_back_as_written_and_a_corrupt_one_is_a_clear_error(tmp_path):
     store = CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "j"})
-    state = MemberState(7, 1, [np.arange(6, dtype=np.float32).reshape(2, 3), np.float32(0.5)],
-                        {(0, 0): np.array([[0, 64], [128, 192]], np.int64)})
+    state = MemberState(
+        7,
+        1,
+        [np.arange(6, dtype=np.float32).reshape(2, 3), np.float32(0.5)],
+        {(0, 0): np.array([[0, 64], [128, 192]], np.int64)},
+    )
     manifest = store.commit(1, [store.write_members(1, state)], records_committed=192, epoch=0)
     back = store.read_members(manifest)
     assert (back.step, back.num_model) == (7, 1)

@@ -1,5 +1,6 @@
 """The master serves a step's local files to pods over real HTTP, read back through fsspec's own
 HTTP filesystem and the worker's ShardReader, as a pod reads them."""
+
 from __future__ import annotations
 
 import urllib.error
@@ -34,7 +35,7 @@ def test_a_shard_is_read_through_its_url_row_group_by_row_group(server, tmp_path
     pq.write_table(pa.table({"id": np.arange(10_000), "x": np.arange(10_000) * 0.5}), path, row_group_size=1000)
     url = server.url(str(path))
     assert url.startswith(f"http://127.0.0.1:{server.port}/") and url.endswith("/shard-00000.parquet")
-    assert get(server.url(f"file://{path}"))[1] == path.read_bytes()   # a file:// URI: the same file
+    assert get(server.url(f"file://{path}"))[1] == path.read_bytes()  # a file:// URI: the same file
     reader = ShardReader(url)
     try:
         assert reader.num_rows == 10_000
@@ -62,13 +63,13 @@ def test_only_the_files_given_are_served(server, tmp_path):
     assert get(url)[0] == 200
     base = url.rsplit("/", 2)[0]
     prefix = base.rsplit("/", 1)[1]
-    assert get(url.replace(prefix, "x" * len(prefix)))[0] == 404       # a guessed prefix
+    assert get(url.replace(prefix, "x" * len(prefix)))[0] == 404  # a guessed prefix
     assert get(f"{base}/0/../../etc/passwd")[0] == 404
     assert get(f"http://127.0.0.1:{server.port}/")[0] == 404
 
 
 def test_what_instances_can_open_themselves_is_left_alone(server, tmp_path):
     assert server.url("gs://bucket/train/shard-00000.parquet") == "gs://bucket/train/shard-00000.parquet"
-    assert server.url("samples.digits.model") == "samples.digits.model"        # a module, not a file
-    assert server.url(str(tmp_path)) == str(tmp_path)                          # a folder is not served
-    assert server._files == {}                                               # nothing to serve
+    assert server.url("samples.digits.model") == "samples.digits.model"  # a module, not a file
+    assert server.url(str(tmp_path)) == str(tmp_path)  # a folder is not served
+    assert server._files == {}  # nothing to serve

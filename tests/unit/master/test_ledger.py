@@ -5,6 +5,7 @@ besides a few worked examples a hypothesis state machine drives it through rando
 of leases, minibatch reports, losses, relaunches and completions, and checks after every step
 that no record is leased twice at once, none is committed twice and none is skipped.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,9 +33,9 @@ def _drain(ledger: Ledger, worker: str = "w", now: float = 0.0) -> None:
 
 # ---------------------------------------------------------------------------- cutting into tasks
 
+
 def test_tasks_are_aligned_to_the_minibatch_and_cover_every_shard():
-    ledger = Ledger([ShardInfo("a", 100), ShardInfo("b", 37)], records_per_task=50, epochs=1,
-                    minibatch_size=16)
+    ledger = Ledger([ShardInfo("a", 100), ShardInfo("b", 37)], records_per_task=50, epochs=1, minibatch_size=16)
     # 50 records per task is not a whole number of minibatches: rounded down to 48.
     assert ledger.records_per_task == 48
     assert ledger.records_per_epoch == 137
@@ -66,7 +67,7 @@ def test_a_lease_taken_ahead_becomes_current_after_the_last_report_and_goes_back
     assert list(ledger.queue)[:2] == [(ahead.task, ahead.task.start + 5), (third.task, third.task.start)]
     assert ledger.account.requeued == 5 + 10 and ledger.account.committed == 15
     other = ledger.lease("v", 3.0)
-    assert other.task == ahead.task and ledger.requeue_latencies == [1.0]   # one figure per loss
+    assert other.task == ahead.task and ledger.requeue_latencies == [1.0]  # one figure per loss
 
 
 def test_a_task_holds_at_least_one_minibatch():
@@ -100,29 +101,36 @@ def test_task_ids_are_unique_over_epochs_and_each_epoch_is_reshuffled_determinis
     assert len({tid for _, tid, _ in seen}) == len(seen) == 48
     per_epoch = [[start for e, _, start in seen if e == epoch] for epoch in range(3)]
     assert all(sorted(p) == list(range(0, 64, 4)) for p in per_epoch)
-    assert per_epoch[0] != per_epoch[1]          # a new order per epoch
-    assert orders(7) == seen                     # same seed, same order
+    assert per_epoch[0] != per_epoch[1]  # a new order per epoch
+    assert orders(7) == seen  # same seed, same order
 
 
 # ---------------------------------------------------------------------------- epochs
+
 
 def test_epoch_e_plus_1_is_leasable_only_once_epoch_e_is_fully_committed():
     ledger = Ledger([ShardInfo("a", 8)], records_per_task=4, epochs=2, minibatch_size=2)
     a = ledger.lease("wa", 0.0)
     b = ledger.lease("wb", 0.0)
     assert a.task.epoch == b.task.epoch == 0
-    assert ledger.lease("wc", 0.0) is None       # the queue is empty, epoch 0 still leased
+    assert ledger.lease("wc", 0.0) is None  # the queue is empty, epoch 0 still leased
     ledger.report("wa", a.task.task_id, a.task.end)
-    assert ledger.lease("wa", 0.0) is None       # b's task is not committed yet
+    assert ledger.lease("wa", 0.0) is None  # b's task is not committed yet
     ledger.report("wb", b.task.task_id, b.task.end - 2)
-    assert ledger.lease("wc", 0.0) is None       # partly committed is not committed
+    assert ledger.lease("wc", 0.0) is None  # partly committed is not committed
     assert ledger.epoch == 0
     ledger.report("wb", b.task.task_id, b.task.end)
     assert ledger.epoch == 1
     c = ledger.lease("wc", 0.0)
     assert c.task.epoch == 1
-    assert ledger.accounts[0].as_dict() == {"epoch": 0, "records": 8, "committed": 8, "lost": 0,
-                                            "double_applied": 0, "requeued": 0}
+    assert ledger.accounts[0].as_dict() == {
+        "epoch": 0,
+        "records": 8,
+        "committed": 8,
+        "lost": 0,
+        "double_applied": 0,
+        "requeued": 0,
+    }
 
 
 def test_done_after_the_last_epoch():
@@ -135,6 +143,7 @@ def test_done_after_the_last_epoch():
 
 
 # ---------------------------------------------------------------------------- leases and reports
+
 
 def test_a_worker_is_handed_its_current_lease_again():
     ledger = Ledger([ShardInfo("a", 8)], records_per_task=4, epochs=1, minibatch_size=2)
@@ -149,9 +158,9 @@ def test_reports_commit_records_below_the_watermark():
     lease = ledger.lease("w", 0.0)
     assert (lease.task.start, lease.task.end) == (0, 10)
     assert ledger.report("w", lease.task.task_id, 4) == 4
-    assert ledger.report("w", lease.task.task_id, 4) == 0      # a repeated report commits nothing
+    assert ledger.report("w", lease.task.task_id, 4) == 0  # a repeated report commits nothing
     assert ledger.report("w", lease.task.task_id, 8) == 4
-    assert ledger.report("w", lease.task.task_id, 10) == 2     # the last minibatch may be short
+    assert ledger.report("w", lease.task.task_id, 10) == 2  # the last minibatch may be short
     assert "w" not in ledger.leases and ledger.done
     assert ledger.accounts[0].committed == 10 and ledger.accounts[0].double_applied == 0
 
@@ -161,16 +170,16 @@ def test_a_report_from_a_worker_that_does_not_hold_the_lease_raises():
     a = ledger.lease("wa", 0.0)
     b = ledger.lease("wb", 0.0)
     with pytest.raises(LedgerError):
-        ledger.report("stranger", a.task.task_id, a.start + 2)       # holds nothing
+        ledger.report("stranger", a.task.task_id, a.start + 2)  # holds nothing
     with pytest.raises(LedgerError):
-        ledger.report("wb", a.task.task_id, a.start + 2)             # holds another task
+        ledger.report("wb", a.task.task_id, a.start + 2)  # holds another task
     with pytest.raises(LedgerError):
-        ledger.report("wa", 10_000, 2)                               # unknown task
+        ledger.report("wa", 10_000, 2)  # unknown task
     with pytest.raises(LedgerError):
-        ledger.report("wa", a.task.task_id, a.task.end + 1)          # past the end
+        ledger.report("wa", a.task.task_id, a.task.end + 1)  # past the end
     ledger.report("wa", a.task.task_id, a.start + 2)
     with pytest.raises(LedgerError):
-        ledger.report("wa", a.task.task_id, a.start)                 # backwards
+        ledger.report("wa", a.task.task_id, a.start)  # backwards
     # The lost worker's late report is refused: its remainder belongs to the queue now.
     ledger.release("wb", 1.0)
     with pytest.raises(LedgerError):
@@ -184,6 +193,7 @@ def test_a_report_from_a_worker_that_does_not_hold_the_lease_raises():
 
 # ---------------------------------------------------------------------------- losses
 
+
 def test_release_requeues_exactly_the_remainder_at_the_front():
     ledger = Ledger([ShardInfo("a", 40)], records_per_task=10, epochs=1, minibatch_size=5)
     lease = ledger.lease("w", 0.0)
@@ -194,7 +204,7 @@ def test_release_requeues_exactly_the_remainder_at_the_front():
     assert ledger.queue[0] == (task, task.start + 5)
     assert list(ledger.queue)[1:] == before
     assert ledger.account.requeued == 5 and ledger.account.committed == 5
-    assert ledger.release("w", 3.0) is None                  # nothing held any more
+    assert ledger.release("w", 3.0) is None  # nothing held any more
     assert ledger.release("never-seen", 3.0) is None
     # The next worker takes the remainder, not the whole task, and finishes the epoch exactly.
     other = ledger.lease("v", 4.0)
@@ -217,10 +227,10 @@ def test_requeue_latency_is_recorded_when_the_remainder_is_leased_again():
     lease = ledger.lease("w", 100.0)
     ledger.report("w", lease.task.task_id, lease.start + 2)
     ledger.release("w", 101.5)
-    assert ledger.requeue_latencies == []                    # not leased again yet
+    assert ledger.requeue_latencies == []  # not leased again yet
     ledger.lease("v", 104.0)
     assert ledger.requeue_latencies == [pytest.approx(2.5)]
-    ledger.lease("u", 105.0)                                 # a fresh task: no latency
+    ledger.lease("u", 105.0)  # a fresh task: no latency
     assert ledger.requeue_latencies == [pytest.approx(2.5)]
     # Clock skew between the event and the lease never gives a negative latency.
     ledger.release("v", 110.0)
@@ -233,13 +243,14 @@ def test_the_same_worker_name_relaunched_after_a_loss_resumes_at_the_watermark()
     lease = ledger.lease("worker-0", 0.0)
     ledger.report("worker-0", lease.task.task_id, 4)
     ledger.release("worker-0", 1.0)
-    again = ledger.lease("worker-0", 2.0)                    # relaunched under the same name
+    again = ledger.lease("worker-0", 2.0)  # relaunched under the same name
     assert again is not lease and again.task is lease.task and again.start == 4
     ledger.report("worker-0", again.task.task_id, 8)
     assert ledger.done and ledger.accounts[0].committed == 8 and ledger.accounts[0].double_applied == 0
 
 
 # ---------------------------------------------------------------------------- property-based
+
 
 class LedgerMachine(RuleBasedStateMachine):
     """Random leases / minibatch reports / losses / relaunches against a shadow model.
@@ -249,10 +260,15 @@ class LedgerMachine(RuleBasedStateMachine):
     (epoch, shard, record) and the task that committed it.
     """
 
-    @initialize(rows=st.lists(st.integers(0, 32), min_size=1, max_size=3),
-                minibatch=st.integers(1, 8), minibatches_per_task=st.integers(0, 6),
-                extra=st.integers(0, 7), epochs=st.integers(1, 3), seed=st.integers(0, 3),
-                workers=st.integers(1, 4))
+    @initialize(
+        rows=st.lists(st.integers(0, 32), min_size=1, max_size=3),
+        minibatch=st.integers(1, 8),
+        minibatches_per_task=st.integers(0, 6),
+        extra=st.integers(0, 7),
+        epochs=st.integers(1, 3),
+        seed=st.integers(0, 3),
+        workers=st.integers(1, 4),
+    )
     def setup(self, rows, minibatch, minibatches_per_task, extra, epochs, seed, workers):
         rows = rows if any(rows) else rows + [1]
         # Not always a whole number of minibatches: the ledger rounds down (to at least one).
@@ -260,22 +276,27 @@ class LedgerMachine(RuleBasedStateMachine):
         self.rows = {f"s{i}": n for i, n in enumerate(rows)}
         self.minibatch = minibatch
         self.epochs = epochs
-        self.ledger = Ledger([ShardInfo(uri, n) for uri, n in self.rows.items()], records_per_task,
-                             epochs, minibatch_size=minibatch, seed=seed)
+        self.ledger = Ledger(
+            [ShardInfo(uri, n) for uri, n in self.rows.items()],
+            records_per_task,
+            epochs,
+            minibatch_size=minibatch,
+            seed=seed,
+        )
         self.records = sum(rows)
         self.now = 0.0
         self.alive: list[str] = [f"w{n}" for n in range(workers)]
-        self.lost: list[str] = []          # names that may be relaunched
+        self.lost: list[str] = []  # names that may be relaunched
         self.next_name = workers
         self.stale: dict[str, tuple[int, int]] = {}  # lost worker -> (task_id, a watermark it could send)
-        self.shadow: dict[tuple[int, str, int], int] = {}   # (epoch, shard, record) -> task_id
+        self.shadow: dict[tuple[int, str, int], int] = {}  # (epoch, shard, record) -> task_id
         self.requeued = [0] * epochs
         self.lost_at: dict[int, float] = {}
         self.latencies: list[float] = []
         self.epoch_seen = 0
         self.steps = 0
-        self.partial_losses = 0            # losses after some but not all of a lease was committed
-        self.ahead_losses = 0              # losses of a worker holding a lease ahead
+        self.partial_losses = 0  # losses after some but not all of a lease was committed
+        self.ahead_losses = 0  # losses of a worker holding a lease ahead
 
     # ------------------------------------------------------------------ helpers
     def _holder(self, i: int) -> str | None:
@@ -293,7 +314,7 @@ class LedgerMachine(RuleBasedStateMachine):
             key = (task.epoch, task.shard, r)
             assert key not in self.shadow, f"record {key} committed twice"
             self.shadow[key] = task.task_id
-        if watermark == task.end:   # the lease taken ahead, if any, is now the current one
+        if watermark == task.end:  # the lease taken ahead, if any, is now the current one
             assert self.ledger.leases.get(worker) is ahead and worker not in self.ledger.ahead
         else:
             assert self.ledger.leases[worker].watermark == watermark
@@ -313,18 +334,19 @@ class LedgerMachine(RuleBasedStateMachine):
         current = self.ledger.leases.get(worker)
         held = self.ledger.ahead.get(worker) if ahead and current is not None else current
         queue_before = list(self.ledger.queue)
-        lease = self.ledger.lease(worker, self.now, after=current.task.task_id if ahead and current else
-                                  (-1 if ahead else None))
+        lease = self.ledger.lease(
+            worker, self.now, after=current.task.task_id if ahead and current else (-1 if ahead else None)
+        )
         if held is not None:
             assert lease is held
             return lease
         if lease is None:
             assert self.ledger.done or not queue_before
             return None
-        task, start = queue_before[0]                       # always from the front
+        task, start = queue_before[0]  # always from the front
         assert (lease.task, lease.start, lease.watermark, lease.worker) == (task, start, start, worker)
         assert lease.task.epoch == self.ledger.epoch
-        assert all(a.committed == a.records for a in self.ledger.accounts[:task.epoch])
+        assert all(a.committed == a.records for a in self.ledger.accounts[: task.epoch])
         if ahead and current is not None:
             assert self.ledger.ahead[worker] is lease and self.ledger.leases[worker] is current
         else:
@@ -348,12 +370,14 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         assert got == (held.watermark, held.task.end)
         # Both go back to the front, the current lease's remainder first; only its latency is measured.
-        assert list(self.ledger.queue) == [(held.task, held.watermark)] + (
-            [(ahead.task, ahead.start)] if ahead else []) + queue_before
+        assert (
+            list(self.ledger.queue)
+            == [(held.task, held.watermark)] + ([(ahead.task, ahead.start)] if ahead else []) + queue_before
+        )
         self.requeued[held.task.epoch] += held.task.end - held.watermark
         if ahead is not None:
             self.ahead_losses += 1
-            assert ahead.watermark == ahead.start       # never reported: a lease ahead is not started
+            assert ahead.watermark == ahead.start  # never reported: a lease ahead is not started
             self.requeued[ahead.task.epoch] += ahead.task.end - ahead.start
         self.partial_losses += held.watermark > held.start
         self.lost_at[held.task.task_id] = self.now
@@ -380,7 +404,7 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         worker = self.alive[i % len(self.alive)]
         had_current = worker in self.ledger.leases
-        first = self._lease(worker, ahead=True)      # without a current lease: the current one
+        first = self._lease(worker, ahead=True)  # without a current lease: the current one
         again = self._lease(worker, ahead=True)
         if had_current:
             assert again is first
@@ -409,8 +433,7 @@ class LedgerMachine(RuleBasedStateMachine):
                 self._apply_report(worker, self.ledger.leases[worker].task.end)
             self._lease(worker)
 
-    @rule(i=st.integers(0, 100), lease_first=st.booleans(), minibatches=st.integers(0, 3),
-          dt=st.floats(0.0, 5.0))
+    @rule(i=st.integers(0, 100), lease_first=st.booleans(), minibatches=st.integers(0, 3), dt=st.floats(0.0, 5.0))
     def lose_worker(self, i, lease_first, minibatches, dt):
         """A live worker (maybe after taking a lease and pushing some minibatches short of its
         end) is lost."""
@@ -434,8 +457,12 @@ class LedgerMachine(RuleBasedStateMachine):
             self.alive.append(f"w{self.next_name}")
             self.next_name += 1
 
-    @rule(kind=st.sampled_from(["repeat", "lost", "stranger"]), i=st.integers(0, 100),
-          task_id=st.integers(0, 400), watermark=st.integers(0, 200))
+    @rule(
+        kind=st.sampled_from(["repeat", "lost", "stranger"]),
+        i=st.integers(0, 100),
+        task_id=st.integers(0, 400),
+        watermark=st.integers(0, 200),
+    )
     def odd_report(self, kind, i, task_id, watermark):
         """A repeated report commits nothing; a lost worker's late report and a report on a
         task the worker does not hold are refused without touching the ledger."""
@@ -474,7 +501,7 @@ class LedgerMachine(RuleBasedStateMachine):
     @invariant()
     def no_record_is_leased_twice_or_both_queued_and_leased(self):
         ranges: dict[str, list[tuple[int, int, str]]] = {}
-        assert set(self.ledger.ahead) <= set(self.ledger.leases)   # ahead only of a current lease
+        assert set(self.ledger.ahead) <= set(self.ledger.leases)  # ahead only of a current lease
         for worker, lease in [*self.ledger.leases.items(), *self.ledger.ahead.items()]:
             assert lease.worker == worker
             assert lease.task.start <= lease.start <= lease.watermark < lease.task.end
@@ -494,16 +521,18 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         epoch = self.ledger.epoch
         queued = sum(task.end - start for task, start in self.ledger.queue)
-        leased = sum(lease.task.end - lease.watermark
-                     for lease in [*self.ledger.leases.values(), *self.ledger.ahead.values()])
+        leased = sum(
+            lease.task.end - lease.watermark for lease in [*self.ledger.leases.values(), *self.ledger.ahead.values()]
+        )
         assert self.ledger.account.committed + queued + leased == self.records
         assert all(t.epoch == epoch for t, _ in self.ledger.queue)
         everything_leased = [*self.ledger.leases.values(), *self.ledger.ahead.values()]
         assert all(lease.task.epoch == epoch for lease in everything_leased)
         # The shadow agrees with the ledger record by record: nothing uncommitted is outstanding twice.
         outstanding = {(task.shard, r) for task, start in self.ledger.queue for r in range(start, task.end)}
-        outstanding |= {(lease.task.shard, r) for lease in everything_leased
-                        for r in range(lease.watermark, lease.task.end)}
+        outstanding |= {
+            (lease.task.shard, r) for lease in everything_leased for r in range(lease.watermark, lease.task.end)
+        }
         committed = {(shard, r) for (e, shard, r) in self.shadow if e == epoch}
         assert not outstanding & committed
         assert len(outstanding) + len(committed) == self.records
@@ -534,7 +563,7 @@ class LedgerMachine(RuleBasedStateMachine):
         event(f"losses holding a lease ahead: {min(self.ahead_losses, 2)}{'+' if self.ahead_losses >= 2 else ''}")
         # Whatever happened, the job can be finished: live holders complete, a fresh worker drains.
         for worker in list(self.alive):
-            while worker in self.ledger.leases:     # the current lease, then the one taken ahead
+            while worker in self.ledger.leases:  # the current lease, then the one taken ahead
                 self._apply_report(worker, self.ledger.leases[worker].task.end)
         for _ in range(10 * len(self.ledger.tasks) + 10 * self.epochs + 10):
             if self.ledger.done:
@@ -553,16 +582,19 @@ class LedgerMachine(RuleBasedStateMachine):
         assert self.ledger.requeue_latencies == pytest.approx(self.latencies)
 
 
-LedgerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None,
-                                           suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.filter_too_much])
+LedgerMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 TestLedgerMachine = LedgerMachine.TestCase
 
 
 def test_a_cut_restores_into_a_fresh_ledger_with_held_leases_requeued_under_their_task_ids():
     shards = [ShardInfo("a", 100), ShardInfo("b", 60)]
     ledger = Ledger(shards, records_per_task=32, epochs=3, minibatch_size=16)
-    while ledger.epoch == 0:                                     # one whole epoch, then part of the next
+    while ledger.epoch == 0:  # one whole epoch, then part of the next
         lease = ledger.lease("w0", 0.0)
         ledger.report("w0", lease.task.task_id, lease.task.end)
     lease = ledger.lease("w0", 0.0)
@@ -580,10 +612,10 @@ def test_a_cut_restores_into_a_fresh_ledger_with_held_leases_requeued_under_thei
     again = restored.lease("w1", 0.0)
     assert (again.task.task_id, again.start) == (lease.task.task_id, lease.task.start + 16)
     assert restored.lease("w2", 0.0).task.task_id == ahead.task.task_id
-    assert ledger.restore(cut) == lease.task.end - lease.task.start - 16   # what the old one committed after
+    assert ledger.restore(cut) == lease.task.end - lease.task.start - 16  # what the old one committed after
     # It finishes exactly: every record of every epoch once.
     for worker in ("w1", "w2"):
-        while (held := restored.held(worker)):
+        while held := restored.held(worker):
             restored.report(worker, held[0].task.task_id, held[0].task.end)
     while not restored.done:
         lease = restored.lease("w1", 0.0)

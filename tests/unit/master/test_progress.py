@@ -1,4 +1,5 @@
 """Progress for people: a redrawn bar on a terminal, periodic plain lines in logs."""
+
 from __future__ import annotations
 
 import io
@@ -28,7 +29,7 @@ def test_logs_get_plain_lines_not_more_than_every_few_seconds():
     out = io.StringIO()
     p = Progress("auto", records_per_epoch=1000, epochs=2, stream=out)
     p.show(SAMPLE, now=100.0)
-    p.show(SAMPLE, now=104.9)            # too soon: no second line
+    p.show(SAMPLE, now=104.9)  # too soon: no second line
     p.show(SAMPLE, final=True, now=105.0)
     lines = out.getvalue().splitlines()
     assert len(lines) == 2 and all(l.startswith("progress: epoch 2/2") for l in lines)
@@ -39,4 +40,4 @@ def test_rate_is_over_a_recent_window():
     p = Progress("off", records_per_epoch=1000, epochs=1, stream=io.StringIO())
     assert p.rate(0, now=100.0) == 0.0
     assert p.rate(1000, now=101.0) == 1000.0
-    assert p.rate(1000, now=120.0) < 100.0   # the old samples left the window
+    assert p.rate(1000, now=120.0) < 100.0  # the old samples left the window

@@ -1,5 +1,6 @@
 """The allreduce rendezvous: versions, admission at a commit, abort on loss, commit only when all ready,
 and the ledger commit of a step being atomic (through the Coordinator)."""
+
 from __future__ import annotations
 
 import threading
@@ -98,8 +99,9 @@ def test_peer_failure_of_a_stale_version_is_ignored():
     r = started(3, min_workers=3)
 
     def peer_failed(reporter: str, version: int, peer: str, detail: str) -> bool:
-        with r.cv:   # as the coordinator calls it, under its lock
+        with r.cv:  # as the coordinator calls it, under its lock
             return r.peer_failed_locked(reporter, version, peer, detail)
+
     assert not peer_failed("worker-0", 0, "worker-1", "x")
     assert peer_failed("worker-0", 1, "worker-1", "UNAVAILABLE")
     assert r.version == 2
@@ -123,7 +125,7 @@ def test_coordinator_commits_every_member_watermark_at_once_and_requeues_the_los
     l0, l1 = coord.get_task(w0), coord.get_task(w1)
     r0 = Ready(l0.task.task_id, l0.start + 8, 8, 1.0, 5)
     assert rdv.step_ready("worker-0", 1, 1, r0)[0] == WAIT
-    assert ledger.records_committed_total() == 0          # nothing commits before everyone is ready
+    assert ledger.records_committed_total() == 0  # nothing commits before everyone is ready
     rdv.step_ready("worker-1", 1, 1, Ready(l1.task.task_id, l1.start + 8, 8, 1.0, 5))
     assert ledger.records_committed_total() == 16
     # worker-1 dies in step 2: the step aborts, its remainder goes back to the queue at once.
@@ -156,7 +158,7 @@ def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewin
     coord, rdv, ledger = one_member_that_committed(max_workers=1)
     with coord.lock:
         rdv.remove_locked("worker-0", "killed")
-        rdv.join_locked("worker-1", "a1")       # from its own initial weights: nothing it holds is trained
+        rdv.join_locked("worker-1", "a1")  # from its own initial weights: nothing it holds is trained
     assert ledger.records_committed_total() == 0 and ledger.trained_again == 16
     assert ledger.epoch == 0 and len(ledger.queue) == 4 and not ledger.leases
     assert any(e["kind"] == "rewound" for e in coord.events)
@@ -165,7 +167,7 @@ def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewin
 def test_when_the_last_member_is_lost_while_a_newcomer_waits_the_ledger_rewinds_too():
     coord, rdv, ledger = one_member_that_committed(max_workers=2)
     with coord.lock:
-        rdv.join_locked("worker-1", "a1")       # pending: admitted at the next step commit
+        rdv.join_locked("worker-1", "a1")  # pending: admitted at the next step commit
         rdv.remove_locked("worker-0", "killed")  # ...which never comes: it is admitted from its own weights
     assert rdv._names() == ["worker-1"]
     assert ledger.records_committed_total() == 0 and ledger.trained_again == 16
@@ -175,7 +177,7 @@ def test_while_commits_are_held_for_a_checkpoint_no_step_commits_then_the_waitin
     r = started()
     r.hold_commits = True
     assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
-    assert r.step_ready("worker-1", 1, 1, ready())[0] == WAIT     # every member ready: still held
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == WAIT  # every member ready: still held
     assert r.committed_step == 0
     out = {}
     t = threading.Thread(target=lambda: out.update(k=r.step_ready("worker-0", 1, 1, ready(), wait_s=5)[0]))
@@ -194,14 +196,14 @@ def test_a_resumed_rendezvous_starts_at_the_checkpoints_step_whose_state_comes_f
     r.join("worker-1", "a1")
     v = r.membership("worker-1")
     assert (v.version, v.base_step, v.restore_checkpoint) == (1, 40, 3)
-    assert r.step_ready("worker-0", 1, 1, ready())[0] == ABORT     # the steps go on from the checkpoint's
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == ABORT  # the steps go on from the checkpoint's
     r.step_ready("worker-0", 1, 41, ready())
     assert r.step_ready("worker-1", 1, 41, ready())[0] == COMMIT
     # Once a step committed, the members hold the state: a newcomer pulls it from rank 0.
     assert r.membership("worker-0").restore_checkpoint == 0
     r.join("worker-2", "a2")
     r.step_ready("worker-0", 1, 42, ready())
-    assert r.step_ready("worker-1", 1, 42, ready())[0] == COMMIT      # worker-2 admitted at this commit
+    assert r.step_ready("worker-1", 1, 42, ready())[0] == COMMIT  # worker-2 admitted at this commit
     v = r.membership("worker-2")
     assert (v.state, v.base_step, v.restore_checkpoint) == ("member", 42, 0)
 
@@ -213,7 +215,7 @@ def test_a_coordinator_checkpoint_hold_in_allreduce_holds_commits_not_leases():
     c.register(InstanceId("worker", 0), "a0")
     c.begin_hold()
     assert c.hold_reached() and c.waiting_for_hold() == []
-    assert c.get_task(InstanceId("worker", 0)) not in (None, "done")   # leases go on being handed out
+    assert c.get_task(InstanceId("worker", 0)) not in (None, "done")  # leases go on being handed out
     assert rdv.step_ready("worker-0", 1, 1, ready())[0] == WAIT
     c.end_hold()
     assert rdv.step_ready("worker-0", 1, 1, ready())[0] == COMMIT

@@ -1,4 +1,5 @@
 """The master's gRPC service, for real: a server on 127.0.0.1 and the workers' MasterClient."""
+
 from __future__ import annotations
 
 import threading
@@ -20,13 +21,25 @@ TASK = pb.GetTaskResponse
 
 
 class Master:
-    def __init__(self, rows=(40, 24), records_per_task=16, epochs=2, max_workers=1, pushes_in_flight=1, num_ps=0,
-                 minibatches_per_push=1):
-        self.ledger = Ledger([ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task,
-                             epochs, minibatch_size=MINIBATCH)
+    def __init__(
+        self,
+        rows=(40, 24),
+        records_per_task=16,
+        epochs=2,
+        max_workers=1,
+        pushes_in_flight=1,
+        num_ps=0,
+        minibatches_per_push=1,
+    ):
+        self.ledger = Ledger(
+            [ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task, epochs, minibatch_size=MINIBATCH
+        )
         self.coord = Coordinator(self.ledger, num_ps=num_ps)
-        self.server, self.port = serve(MasterService(self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers,
-                                                         pushes_in_flight, minibatches_per_push))
+        self.server, self.port = serve(
+            MasterService(
+                self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers, pushes_in_flight, minibatches_per_push
+            )
+        )
         self.address = f"127.0.0.1:{self.port}"
         self.clients: list[MasterClient] = []
 
@@ -68,6 +81,7 @@ def _train(client: MasterClient, reply: pb.GetTaskResponse, upto: int | None = N
 
 # ---------------------------------------------------------------------------- authentication
 
+
 def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
     good = master.client(0)
     good.register()
@@ -80,16 +94,18 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
             "Register": lambda: bad.register(),
             "Heartbeat": lambda: bad.heartbeat(),
             "GetTask": lambda: bad.get_task(),
-            "ReportProgress": lambda: bad.report(lease.task.task_id, lease.task.start + MINIBATCH,
-                                                 MINIBATCH, 0.0, False),
+            "ReportProgress": lambda: bad.report(
+                lease.task.task_id, lease.task.start + MINIBATCH, MINIBATCH, 0.0, False
+            ),
             # MasterClient.fail swallows errors by design: call the stub itself.
-            "ReportFailure": lambda: bad.stub.ReportFailure(pb.FailureReport(
-                token=token, instance=me, kind="internal", message="boom"), timeout=10),
-            "GetMembership": lambda: bad.stub.GetMembership(pb.MembershipRequest(token=token, instance=me),
-                                                            timeout=10),
+            "ReportFailure": lambda: bad.stub.ReportFailure(
+                pb.FailureReport(token=token, instance=me, kind="internal", message="boom"), timeout=10
+            ),
+            "GetMembership": lambda: bad.stub.GetMembership(pb.MembershipRequest(token=token, instance=me), timeout=10),
             "StepReady": lambda: bad.stub.StepReady(pb.StepReadyRequest(token=token, instance=me), timeout=10),
-            "ReportPeerFailure": lambda: bad.stub.ReportPeerFailure(pb.PeerFailureReport(
-                token=token, instance=me, peer="worker-0"), timeout=10),
+            "ReportPeerFailure": lambda: bad.stub.ReportPeerFailure(
+                pb.PeerFailureReport(token=token, instance=me, peer="worker-0"), timeout=10
+            ),
             "Hold": lambda: bad.stub.Hold(pb.HoldRequest(token=token, instance=me), timeout=10),
             "PullCheckpointState": lambda: bad.stub.PullCheckpointState(pb.StateRequest(token=token), timeout=10),
         }
@@ -114,6 +130,7 @@ def test_a_malformed_instance_is_invalid_argument(master):
 
 # ---------------------------------------------------------------------------- the task flow
 
+
 def test_a_worker_started_beside_the_shards_learns_their_addresses_only_once_they_are_open():
     """Workers start with the PS, not after it: until every shard is up (and restored), a worker's
     registration answers empty addresses, and asking again is not a second registration."""
@@ -124,7 +141,7 @@ def test_a_worker_started_beside_the_shards_learns_their_addresses_only_once_the
         ps0.register("127.0.0.1:1001")
         ps1.register("127.0.0.1:1002")
         assert m.coord.ps_ready.is_set()
-        assert list(worker.register().ps_addresses) == ["", ""]   # up, but not yet open
+        assert list(worker.register().ps_addresses) == ["", ""]  # up, but not yet open
         m.coord.open_shards()
         assert list(worker.register().ps_addresses) == ["127.0.0.1:1001", "127.0.0.1:1002"]
         assert [e["instance"] for e in m.coord.events if e["kind"] == "registered"] == ["worker-0", "ps-0", "ps-1"]
@@ -135,8 +152,12 @@ def test_a_worker_started_beside_the_shards_learns_their_addresses_only_once_the
 def test_register_get_task_report_commits_every_record_and_then_done(master):
     client = master.client(0)
     reg = client.register()
-    assert (reg.job_id, reg.minibatch_size, reg.model_def, list(reg.ps_addresses)) == \
-        ("job-1", MINIBATCH, "model.py", [])
+    assert (reg.job_id, reg.minibatch_size, reg.model_def, list(reg.ps_addresses)) == (
+        "job-1",
+        MINIBATCH,
+        "model.py",
+        [],
+    )
     seen: dict[int, list[tuple[str, int, int]]] = {0: [], 1: []}
     for _ in range(100):
         reply = client.get_task()
@@ -151,11 +172,10 @@ def test_register_get_task_report_commits_every_record_and_then_done(master):
     else:
         pytest.fail("the master never said DONE")
     for epoch in (0, 1):
-        assert sorted(seen[epoch]) == [("s0", 0, 16), ("s0", 16, 32), ("s0", 32, 40),
-                                       ("s1", 0, 16), ("s1", 16, 24)]
+        assert sorted(seen[epoch]) == [("s0", 0, 16), ("s0", 16, 32), ("s0", 32, 40), ("s1", 0, 16), ("s1", 16, 24)]
     assert [a.as_dict() for a in master.ledger.accounts] == [
-        {"epoch": e, "records": 64, "committed": 64, "lost": 0, "double_applied": 0, "requeued": 0}
-        for e in (0, 1)]
+        {"epoch": e, "records": 64, "committed": 64, "lost": 0, "double_applied": 0, "requeued": 0} for e in (0, 1)
+    ]
     assert master.coord.finished.is_set()
     # DONE is final, for this worker and any other.
     assert client.get_task().kind == TASK.DONE
@@ -194,21 +214,26 @@ def test_wait_while_the_epoch_is_leased_out_but_not_committed():
 
 # ---------------------------------------------------------------------------- refusals
 
+
 def test_a_report_for_a_task_the_worker_does_not_hold_is_refused(master):
     a, b = master.client(0), master.client(1)
     a.register()
     b.register()
     ta = a.get_task().task
     tb = b.get_task().task
-    assert b.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop      # a's task
-    assert a.report(10_000, MINIBATCH, MINIBATCH, 0.1, False).stop                     # no such task
-    assert a.report(ta.task_id, ta.end + MINIBATCH, MINIBATCH, 0.1, False).stop        # past its end
+    assert b.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop  # a's task
+    assert a.report(10_000, MINIBATCH, MINIBATCH, 0.1, False).stop  # no such task
+    assert a.report(ta.task_id, ta.end + MINIBATCH, MINIBATCH, 0.1, False).stop  # past its end
     never = master.client(2)
     never.register()
     assert never.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop  # holds nothing
     assert master.ledger.records_committed_total() == 0
-    assert [e["instance"] for e in master.coord.events if e["kind"] == "refused"] == \
-        ["worker-1", "worker-0", "worker-0", "worker-2"]
+    assert [e["instance"] for e in master.coord.events if e["kind"] == "refused"] == [
+        "worker-1",
+        "worker-0",
+        "worker-0",
+        "worker-2",
+    ]
     # The holders still hold their leases and may go on.
     assert not a.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop
     assert not b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False).stop
@@ -271,20 +296,20 @@ def test_the_checkpoint_barrier_holds_leases_and_is_reached_only_when_every_leas
     master.coord.begin_hold()
     # No new work while holding; c holds no lease, so the barrier does not wait for it.
     assert c.get_task().kind == TASK.WAIT
-    assert b.get_task().task.task_id == tb.task_id          # a lease held is handed out again
+    assert b.get_task().task.task_id == tb.task_id  # a lease held is handed out again
     reply = a.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False)
-    assert reply.hold and not reply.stop                    # reports still commit, and ask to hold
+    assert reply.hold and not reply.stop  # reports still commit, and ask to hold
     assert not master.coord.hold_reached()
     waiting = threading.Thread(target=a.hold, args=(threading.Event(),))
     waiting.start()
     wait_until(lambda: "worker-0" in master.coord.held)
-    assert not master.coord.hold_reached()                  # b still has pushes to report
+    assert not master.coord.hold_reached()  # b still has pushes to report
     b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False)
     threading.Thread(target=b.hold, args=(threading.Event(),), daemon=True).start()
     wait_until(master.coord.hold_reached)
     master.coord.end_hold()
     waiting.join(10)
-    assert not waiting.is_alive()                           # released
+    assert not waiting.is_alive()  # released
     assert c.get_task().kind == TASK.TASK
     assert master.ledger.records_committed_total() == 2 * MINIBATCH
 

@@ -1,4 +1,5 @@
 """Wire protocol: the generated modules are current, and tensors survive the wire exactly."""
+
 from __future__ import annotations
 
 import pathlib
@@ -25,7 +26,8 @@ def test_generated_modules_are_current(tmp_path, name):
     fresh = tmp_path / "elastic_step" / "proto" / name
     assert fresh.is_file(), f"protoc did not write {name}"
     assert _normalised(fresh) == _normalised(PROTO_DIR / name), (
-        f"elastic_step/proto/{name} is stale: run `python -m elastic_step.proto.generate` and commit")
+        f"elastic_step/proto/{name} is stale: run `python -m elastic_step.proto.generate` and commit"
+    )
 
 
 # ---------------------------------------------------------------------------- tensors
@@ -74,7 +76,7 @@ def test_extreme_values_round_trip_bit_exact():
 
 def test_non_contiguous_and_big_endian_inputs_are_sent_as_c_order_little_endian():
     a = np.arange(12, dtype=np.int32).reshape(3, 4)
-    view = a.T[::2]                                   # strided, Fortran-ish
+    view = a.T[::2]  # strided, Fortran-ish
     np.testing.assert_array_equal(tensors.decode(tensors.encode(view)), view)
     big = np.arange(6, dtype=">f8").reshape(2, 3)
     t = tensors.encode(big)
@@ -93,8 +95,7 @@ def test_encode_into_an_existing_message():
     np.testing.assert_array_equal(tensors.decode(rows.values), np.zeros(3, np.int64))
 
 
-@pytest.mark.parametrize("shape, values", [((3,), 2), ((3,), 4), ((2, 2), 3), ((), 0), ((), 2), ((0,), 1),
-                                           ((2, 0), 1)])
+@pytest.mark.parametrize("shape, values", [((3,), 2), ((3,), 4), ((2, 2), 3), ((), 0), ((), 2), ((0,), 1), ((2, 0), 1)])
 def test_decode_rejects_a_payload_that_does_not_match_the_shape(shape, values):
     t = pb.Tensor(dtype="float32", shape=shape, data=np.zeros(values, np.float32).tobytes())
     with pytest.raises(ValueError):
@@ -114,8 +115,10 @@ def test_decode_rejects_an_unsupported_dtype(dtype):
         tensors.decode(t)
 
 
-@pytest.mark.parametrize("value", [np.array(["a", "b"]), np.array([1 + 2j]), np.array([object()]),
-                                   np.array(["2024-01-01"], dtype="datetime64[D]")])
+@pytest.mark.parametrize(
+    "value",
+    [np.array(["a", "b"]), np.array([1 + 2j]), np.array([object()]), np.array(["2024-01-01"], dtype="datetime64[D]")],
+)
 def test_encode_rejects_an_unsupported_dtype(value):
     with pytest.raises(TypeError):
         tensors.encode(value)

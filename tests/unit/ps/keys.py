@@ -1,4 +1,5 @@
 """Push keys for the PS tests: a minibatch of `records` records from `seq`, epoch 0, data shard 0."""
+
 from elastic_step.ps.api import PushKey
 
 

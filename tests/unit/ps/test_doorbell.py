@@ -1,4 +1,5 @@
 """The doorbell protocol on real Unix sockets: admission by nonce, answers, drops, failures, shutdown."""
+
 from __future__ import annotations
 
 import os
@@ -6,9 +7,8 @@ import socket
 
 import pytest
 
-from tests.unit.ps.keys import key
-
 from elastic_step.ps import doorbell, push_slots
+from tests.unit.ps.keys import key
 
 NONCE = b"n" * 16
 
@@ -32,6 +32,7 @@ def server():
     def start():
         made.append(doorbell.DoorbellServer(admit, push))
         return made[-1], rung
+
     yield start
     for s in made:
         s.close()
@@ -41,7 +42,7 @@ def test_a_ring_carries_the_key_and_returns_the_shards_answer(server):
     bell_server, rung = server()
     bell = doorbell.Bell(bell_server.address, 7, 1, NONCE, timeout=5)
     assert bell.ring(key(3, 128, epoch=2, data_shard=5), True) == (True, 1)
-    assert bell.ring(key(3, 128), False) == (False, 2)      # the shard's answer, as it gave it
+    assert bell.ring(key(3, 128), False) == (False, 2)  # the shard's answer, as it gave it
     # The whole key crosses: the records (for the audit) as well as the idempotency key.
     assert rung == [(7, 1, key(3, 128, epoch=2, data_shard=5), True), (7, 1, key(3, 128), False)]
     bell.close()
@@ -60,10 +61,10 @@ def test_a_dropped_segment_and_a_failed_push_are_told_apart(server):
     bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
     with pytest.raises(doorbell.PushFailed, match="RuntimeError: the optimizer blew up"):
         bell.ring(key(1, 999), True)
-    assert bell.ring(key(1, 0), True) == (True, 1)          # a failure leaves the connection usable
+    assert bell.ring(key(1, 0), True) == (True, 1)  # a failure leaves the connection usable
     with pytest.raises(doorbell.Dropped):
         bell.ring(key(1, -1), True)
-    with pytest.raises(ConnectionError):               # after a drop the shard hangs up
+    with pytest.raises(ConnectionError):  # after a drop the shard hangs up
         bell.ring(key(1, 64), True)
     bell.close()
 
@@ -75,7 +76,7 @@ def test_closing_the_server_wakes_its_connections_and_clients_see_it(server):
     with pytest.raises((ConnectionError, OSError)):
         bell.ring(key(1, 0), True)
     bell.close()
-    with pytest.raises(OSError):                       # nothing listens any more
+    with pytest.raises(OSError):  # nothing listens any more
         doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
 
 

@@ -1,5 +1,6 @@
 """Pushes through shared-memory slots: a real PS service on loopback gRPC, real shards, real
 /dev/shm. They must apply exactly what pushes carrying their bytes apply, once per key."""
+
 from __future__ import annotations
 
 import os
@@ -31,6 +32,7 @@ def small_model():
 
 class CountingService(ParameterServerService):
     """Counts the pushes that came as gRPC calls (the rest were rung through the doorbell)."""
+
     grpc_pushes = 0
 
     def PushGradients(self, request, context):
@@ -57,6 +59,7 @@ def serve():
         def client(**kwargs):
             clients.append(PSClient([f"127.0.0.1:{port}"], TOKEN, placement, **kwargs))
             return clients[-1]
+
         return service, client
 
     yield start
@@ -86,9 +89,9 @@ def test_shared_pushes_apply_what_pushes_with_bytes_apply(serve):
     assert len(shared_service.segments) == 1 and len(bytes_service.segments) == 0
     # Same host: rung through the doorbell, not one gRPC call; the other took one per push.
     assert shared_service.grpc_pushes == 0 and bytes_service.grpc_pushes == 6
-    assert not ours()                       # unlinked as soon as the shard mapped it: nothing to leak
+    assert not ours()  # unlinked as soon as the shard mapped it: nothing to leak
     via_shm.close()
-    assert len(shared_service.segments) == 0   # a clean close detaches
+    assert len(shared_service.segments) == 0  # a clean close detaches
 
 
 def test_a_replayed_key_is_skipped_and_returns_the_current_values(serve):
@@ -113,6 +116,7 @@ def test_concurrent_pushes_each_use_their_own_slot(serve):
     def pusher(offset):
         for i in range(offset, len(grads), 2):
             assert c.push(key(1, i), [grads[i]], {})[0]
+
     threads = [threading.Thread(target=pusher, args=(o,)) for o in (0, 1)]
     for t in threads:
         t.start()
@@ -128,7 +132,7 @@ def test_a_dropped_segment_is_resent_with_bytes_and_applied_once(serve):
     g = np.ones(service.shard.dense_size, np.float32)
     assert c.push(key(0, 0), [g], {})[0]
     (segment,) = list(service.segments._segments)
-    service.segments.detach(segment)        # as when a shard drops its least recently used segment
+    service.segments.detach(segment)  # as when a shard drops its least recently used segment
     applied, [(version, values)] = c.push(key(0, 64), [g], {})
     assert applied and version == 2 and service.shard.version == 2
     np.testing.assert_array_equal(values, service.shard.dense_flat())
@@ -141,6 +145,7 @@ def test_a_segment_the_shard_cannot_verify_is_refused_and_bytes_are_sent(serve, 
     def namesake(self, *args, **kwargs):
         created(self, *args, **kwargs)
         self.nonce = bytes(len(self.nonce))
+
     monkeypatch.setattr(push_slots.PushSlots, "__init__", namesake)
     service, client = serve(keras.optimizers.SGD(0.1))
     c = client()
@@ -157,7 +162,7 @@ def test_the_shard_drops_its_least_recently_used_segment_beyond_its_bound():
     made = [push_slots.PushSlots(4, 1, tag="ps0") for _ in range(3)]
     try:
         first, second = (segments.attach(s.path, s.nonce, 4, 1) for s in made[:2])
-        segments.slot(first, 0)                  # used: the second is now the least recent
+        segments.slot(first, 0)  # used: the second is now the least recent
         third = segments.attach(made[2].path, made[2].nonce, 4, 1)
         assert len(segments) == 2
         segments.slot(first, 0)
@@ -180,7 +185,7 @@ def test_only_our_segments_under_dev_shm_are_mapped(tmp_path):
     link = os.path.join(push_slots.SHM_DIR, f"elastic-step-link-{os.getpid()}")
     os.symlink(target, link)
     try:
-        with pytest.raises(ValueError, match="cannot open"):   # a link is never followed
+        with pytest.raises(ValueError, match="cannot open"):  # a link is never followed
             segments.attach(link, bytes(16), 4, 1)
     finally:
         os.unlink(link)

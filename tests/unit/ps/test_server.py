@@ -1,4 +1,5 @@
 """ParameterShard: real TensorFlow, no RPC. The fused flat update must be the per-variable update."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,14 +32,14 @@ def test_flat_update_matches_the_per_variable_update(monkeypatch):
     fused = shard(keras.optimizers.Adam(0.01))
     with monkeypatch.context() as mp:
         reference = shard(keras.optimizers.Adam(0.01), mp, fused=False)
-    assert len(fused.optimizer.variables) < len(reference.optimizer.variables)   # one flat variable
+    assert len(fused.optimizer.variables) < len(reference.optimizer.variables)  # one flat variable
     rng = np.random.default_rng(0)
     for seq in range(5):
         g = rng.normal(size=fused.dense_size).astype(np.float32)
         _, _, a = fused.push(key(0, seq), g, [])
         _, _, b = reference.push(key(0, seq), g, [])
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert not np.allclose(a, shard(keras.optimizers.Adam(0.01)).dense_flat())   # the pushes moved it
+    assert not np.allclose(a, shard(keras.optimizers.Adam(0.01)).dense_flat())  # the pushes moved it
 
 
 def test_a_key_is_applied_at_most_once():
@@ -57,9 +58,9 @@ def test_only_stock_elementwise_optimizers_are_fused():
 
     assert updates_elementwise(keras.optimizers.Adam())
     assert updates_elementwise(keras.optimizers.SGD(momentum=0.9))
-    assert not updates_elementwise(keras.optimizers.Adam(clipnorm=1.0))      # clips each variable alone
+    assert not updates_elementwise(keras.optimizers.Adam(clipnorm=1.0))  # clips each variable alone
     assert not updates_elementwise(keras.optimizers.AdamW(weight_decay=0.01))  # may exclude variables
-    assert not updates_elementwise(MyAdam())                                   # unknown update rule
+    assert not updates_elementwise(MyAdam())  # unknown update rule
 
 
 def test_concurrent_pushes_each_get_one_consistent_version():
@@ -78,12 +79,13 @@ def test_concurrent_pushes_each_get_one_consistent_version():
             _, version, values = s.push(key(task, seq), g, [])
             with lock:
                 replies.append((version, values))
+
     threads = [threading.Thread(target=pusher, args=(t,)) for t in (1, 2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(version for version, _ in replies) == list(range(1, 301))   # each handed out once
+    assert sorted(version for version, _ in replies) == list(range(1, 301))  # each handed out once
     for version, v in replies:
         np.testing.assert_allclose(v, start - 0.125 * version, rtol=0, atol=1e-4)
 
@@ -94,9 +96,9 @@ def test_a_restored_shard_is_the_saved_one_values_slots_keys_and_records():
     s.push(key(1, 0), g, [])
     saved = s.save()
     at_save = s.snapshot()
-    s.push(key(1, 64), g, [])                      # after the cut: undone by the restore
+    s.push(key(1, 64), g, [])  # after the cut: undone by the restore
     s.restore(saved, generation=1)
-    with pytest.raises(server.StaleGeneration):   # computed for the state before the restore
+    with pytest.raises(server.StaleGeneration):  # computed for the state before the restore
         s.push(key(2, 0), g, [])
     assert s.snapshot()[0] == at_save[0]
     np.testing.assert_array_equal(s.snapshot()[1], at_save[1])
@@ -104,9 +106,10 @@ def test_a_restored_shard_is_the_saved_one_values_slots_keys_and_records():
     # The optimizer's slots came back too: the same next push as an uninterrupted twin's.
     twin = shard(__import__("keras").optimizers.Adam(0.01))
     twin.push(key(1, 0), g, [])
-    assert not s.push(key(1, 0)._replace(generation=1), g, [])[0]   # applied before the cut: still skipped
-    np.testing.assert_allclose(s.push(key(1, 64)._replace(generation=1), g, [])[2],
-                               twin.push(key(1, 64), g, [])[2], rtol=1e-6)
+    assert not s.push(key(1, 0)._replace(generation=1), g, [])[0]  # applied before the cut: still skipped
+    np.testing.assert_allclose(
+        s.push(key(1, 64)._replace(generation=1), g, [])[2], twin.push(key(1, 64), g, [])[2], rtol=1e-6
+    )
 
 
 def test_the_state_is_added_not_optimized_and_saved_with_the_weights():
@@ -117,16 +120,16 @@ def test_the_state_is_added_not_optimized_and_saved_with_the_weights():
     placement = Placement.of(m, 1)
     s = ParameterShard(m, keras.optimizers.Adam(0.01), placement, 0)
     names = placement.dense_on(0)
-    assert [n in placement.state for n in names] == [False] * 4 + [True] * 2   # gamma, beta, kernel, bias
+    assert [n in placement.state for n in names] == [False] * 4 + [True] * 2  # gamma, beta, kernel, bias
     weights = sum(int(np.prod(placement.shapes[n])) for n in placement.weights_on(0))
     start = s.dense_flat()
-    np.testing.assert_array_equal(start[weights:], [0.0] * 6 + [1.0] * 6)    # mean 0, variance 1
+    np.testing.assert_array_equal(start[weights:], [0.0] * 6 + [1.0] * 6)  # mean 0, variance 1
     change = np.zeros(s.dense_size, np.float32)
     change[:weights] = 0.5
     change[weights:] = np.arange(12, dtype=np.float32) / 10
     _, _, once = s.push(key(1, 0), change, [])
     np.testing.assert_allclose(once[weights:], start[weights:] + change[weights:], rtol=1e-6)
-    assert not np.allclose(once[:weights], start[:weights] + 0.5)             # the weights went by Adam
+    assert not np.allclose(once[:weights], start[:weights] + 0.5)  # the weights went by Adam
     saved = s.save()
     s.push(key(1, 8), change, [])
     s.restore(saved, generation=1)

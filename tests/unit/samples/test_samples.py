@@ -1,4 +1,5 @@
 """The sample model modules train with plain Keras, through their own feed(), unchanged."""
+
 from __future__ import annotations
 
 import csv
@@ -28,8 +29,9 @@ def take(batch, rows):
 
 def compiled(model_def):
     net = model_def.model()
-    net.compile(optimizer=model_def.optimizer(), loss=model_def.loss_fn,
-                metrics=list(model_def.eval_metrics().values()))
+    net.compile(
+        optimizer=model_def.optimizer(), loss=model_def.loss_fn, metrics=list(model_def.eval_metrics().values())
+    )
     return net
 
 
@@ -87,8 +89,7 @@ def test_ctr_loss_falls_with_plain_keras(tmp_path):
     net = compiled(md)
     embeddings = [layer for layer in net.layers if isinstance(layer, keras.layers.Embedding)]
     assert {type(layer) for layer in embeddings} == {keras.layers.Embedding} and len(embeddings) == 6
-    assert sorted(layer.input_dim for layer in embeddings) == sorted(
-        list(ctr_generate.ID_COLUMNS.values()) * 2)
+    assert sorted(layer.input_dim for layer in embeddings) == sorted(list(ctr_generate.ID_COLUMNS.values()) * 2)
 
     history = net.fit(features, labels, epochs=2, batch_size=128, verbose=0).history["loss"]
     rate = float(labels.mean())

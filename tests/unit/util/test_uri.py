@@ -1,4 +1,5 @@
 """util/uri.py: what a URI names."""
+
 from elastic_step.util.uri import local_path
 
 

@@ -1,6 +1,7 @@
 """The ring AllReduce over its transport, with payloads through shared-memory lanes and over TCP: exact sums,
 the same bits on every member, and the ways an attempt ends early (a version change, a dead peer, a wrong
 token, stale frames of an older step)."""
+
 from __future__ import annotations
 
 import gc
@@ -21,7 +22,7 @@ from elastic_step.worker import collective, ring_lane, ring_transport
 from elastic_step.worker.collective import PIECE_VALUES, Aborted, PeerFailed
 
 TOKEN = "test-token"
-LANE_VALUES = ring_lane.INITIAL_BYTES // 4     # a lane grows past it
+LANE_VALUES = ring_lane.INITIAL_BYTES // 4  # a lane grows past it
 
 
 class Member:
@@ -31,7 +32,8 @@ class Member:
         self.name = name
         self.ring = collective.Ring(token, name, host, shared_memory)
         self.server, port = collective.serve(
-            collective.CollectiveService(token, collective.StateProvider(), self.ring.port), host)
+            collective.CollectiveService(token, collective.StateProvider(), self.ring.port), host
+        )
         self.address = f"{host}:{port}"
 
     def close(self) -> None:
@@ -82,8 +84,9 @@ def on_threads(n: int, run) -> None:
     assert not any(t.is_alive() for t in threads), "an allreduce hung"
 
 
-def allreduce_all(ms: list[Member], bufs: list[np.ndarray], version: int, step: int,
-                  checks: list | None = None) -> list:
+def allreduce_all(
+    ms: list[Member], bufs: list[np.ndarray], version: int, step: int, checks: list | None = None
+) -> list:
     """Every member's allreduce at once, each on its own thread: its result, or the exception it raised."""
     ring = [(m.name, m.address) for m in ms]
     results: list = [None] * len(ms)
@@ -113,8 +116,17 @@ def ring_order_sum(bufs: list[np.ndarray]) -> np.ndarray:
 
 
 # The last two grow each lane past its first size.
-@pytest.mark.parametrize("n, size", [(2, 1000), (3, 3 * PIECE_VALUES + 17), (4, 5 * PIECE_VALUES // 2), (3, 2),
-                                     (2, 3 * LANE_VALUES + 123), (3, 2 * LANE_VALUES + 7)])
+@pytest.mark.parametrize(
+    "n, size",
+    [
+        (2, 1000),
+        (3, 3 * PIECE_VALUES + 17),
+        (4, 5 * PIECE_VALUES // 2),
+        (3, 2),
+        (2, 3 * LANE_VALUES + 123),
+        (3, 2 * LANE_VALUES + 7),
+    ],
+)
 def test_every_member_ends_with_the_same_bits_of_the_sum(members, n, size):
     ms = members(n)
     rng = np.random.default_rng(n * size)
@@ -137,7 +149,7 @@ def test_a_ring_re_forms_without_a_lost_member_and_with_a_newcomer(members):
     assert all(np.all(r == 6) for r in allreduce_all([a, b, c], ones, 1, 0))
     c.close()
     assert all(np.all(r == 3) for r in allreduce_all([a, b], ones[:2], 2, 0))
-    newcomer = Member("worker-2")            # c relaunched: same name, another address
+    newcomer = Member("worker-2")  # c relaunched: same name, another address
     try:
         assert all(np.all(r == 6) for r in allreduce_all([b, newcomer, a], [ones[1], ones[2], ones[0]], 3, 1))
     finally:
@@ -147,10 +159,10 @@ def test_a_ring_re_forms_without_a_lost_member_and_with_a_newcomer(members):
 def test_a_neighbour_that_sent_to_another_member_meanwhile_is_not_taken_for_dead(members):
     a, c, b = members(3)
     ones = [np.full(1000, float(i + 1), np.float32) for i in range(3)]
-    assert all(np.all(r == 3) for r in allreduce_all([a, c], ones[:2], 1, 0))          # c sends to a
-    assert all(np.all(r == 6) for r in allreduce_all([a, c, b], ones, 2, 1))           # c sends to b
+    assert all(np.all(r == 3) for r in allreduce_all([a, c], ones[:2], 1, 0))  # c sends to a
+    assert all(np.all(r == 6) for r in allreduce_all([a, c, b], ones, 2, 1))  # c sends to b
     b.close()
-    results = allreduce_all([a, c], ones[:2], 3, 1)                                    # c sends to a again
+    results = allreduce_all([a, c], ones[:2], 3, 1)  # c sends to a again
     assert all(isinstance(r, np.ndarray) and np.all(r == 3) for r in results), results
 
 
@@ -162,6 +174,7 @@ def aborts_after(calls: int):
         seen[0] += 1
         if seen[0] >= calls:
             raise Aborted("membership is now version 2")
+
     check.seen = seen
     return check
 
@@ -198,8 +211,9 @@ def test_a_left_neighbour_ahead_aborts_the_attempt_and_its_frames_wait_for_the_n
     ring = [(a.name, a.address), (b.name, b.address)]
     results: list = []
     # b is already at version 2 while a still runs version 1: a aborts, then retries at version 2.
-    t = threading.Thread(target=lambda: results.append(b.ring.allreduce(np.full(7, 2.0, np.float32), ring, 2, 0,
-                                                                        never_abort)))
+    t = threading.Thread(
+        target=lambda: results.append(b.ring.allreduce(np.full(7, 2.0, np.float32), ring, 2, 0, never_abort))
+    )
     t.start()
     with pytest.raises(Aborted, match="moved on to version 2"):
         a.ring.allreduce(np.full(7, 1.0, np.float32), ring, 1, 0, never_abort)
@@ -216,7 +230,7 @@ def test_an_interrupted_attempt_is_not_resumed_before_the_membership_moves_on(me
     check = aborts_after(4)
     with pytest.raises(Aborted, match="version 2"):
         a.ring.allreduce(np.ones(10, np.float32), ring, 1, 0, check)
-    assert check.seen[0] == 4          # it waited for abort_check to say so, and took no frame meanwhile
+    assert check.seen[0] == 4  # it waited for abort_check to say so, and took no frame meanwhile
 
 
 def test_a_connection_without_the_job_token_is_refused(members):
@@ -226,13 +240,14 @@ def test_a_connection_without_the_job_token_is_refused(members):
     with socket.create_connection(("127.0.0.1", a.ring.port), timeout=10) as s:
         s.sendall(b"GET / HTTP/1.1\r\n\r\n")
         assert s.recv(100).startswith(ring_transport.REFUSED)
-    assert a.ring.listener.links == {}     # nothing from either is read as ring data
+    assert a.ring.listener.links == {}  # nothing from either is read as ring data
     # A member of another job (another token) is refused by the gRPC service already.
     other = Member("worker-9", token="another-job")
     try:
         with pytest.raises(PeerFailed, match="UNAUTHENTICATED"):
-            other.ring.allreduce(np.ones(4, np.float32), [(other.name, other.address), (a.name, a.address)], 1, 0,
-                                 never_abort)
+            other.ring.allreduce(
+                np.ones(4, np.float32), [(other.name, other.address), (a.name, a.address)], 1, 0, never_abort
+            )
     finally:
         other.close()
 
@@ -258,7 +273,7 @@ ring.allreduce(np.ones(4 * collective.PIECE_VALUES, np.float32), members, 1, 7, 
 def test_a_peer_killed_in_the_middle_of_a_collective_is_a_peer_failure_not_a_hang(members, tmp_path):
     (a,) = members(1)
     address_file, ring_file = tmp_path / "address", tmp_path / "ring"
-    env = dict(os.environ, ELASTIC_STEP_COLLECTIVE_CHAOS="worker-1@step=7")   # SIGKILL after its first chunk
+    env = dict(os.environ, ELASTIC_STEP_COLLECTIVE_CHAOS="worker-1@step=7")  # SIGKILL after its first chunk
     peer = subprocess.Popen([sys.executable, "-c", PEER, "worker-1", str(address_file), str(ring_file)], env=env)
     try:
         deadline = time.monotonic() + 60
@@ -304,11 +319,11 @@ def test_members_on_one_host_move_payloads_through_shared_memory_that_dies_with_
         assert sum(int(line.split()[4]) == shared for line in maps) == 3
     else:
         assert all(link.lane is None for link in links) and maps == []
-    del results                  # a result keeps its mapping
+    del results  # a result keeps its mapping
     for m in (a, b, c):
         m.close()
     deadline = time.monotonic() + 10
-    while set(mapped_lanes()) - before and time.monotonic() < deadline:    # unmapped as their last views go
+    while set(mapped_lanes()) - before and time.monotonic() < deadline:  # unmapped as their last views go
         gc.collect()
         time.sleep(0.05)
     assert set(mapped_lanes()) - before == set()
@@ -326,7 +341,7 @@ def test_a_ring_partly_over_tcp_shares_its_result_only_where_it_can_and_leaves_n
             expected = bufs[0] + bufs[1] + bufs[2]
             assert all(np.array_equal(r, results[0]) for r in results) and np.allclose(results[0], expected)
         assert ms[0].ring._shared is not None and ms[1].ring._shared is not None and ms[2].ring._shared is None
-        assert ms[0].ring._shared.segment.path in lane_files()     # its name never came back
+        assert ms[0].ring._shared.segment.path in lane_files()  # its name never came back
     finally:
         for m in ms:
             m.close()
@@ -399,6 +414,7 @@ def test_a_neighbour_still_reading_a_step_is_not_overwritten_by_the_next(members
         if link.peer == ms[0].name:
             time.sleep(0.02)
         payload(link, into, wait)
+
     monkeypatch.setattr(ring_transport.InLink, "payload", late)
     ring = [(m.name, m.address) for m in ms]
     outcomes: list = []
@@ -427,9 +443,9 @@ def test_a_lane_places_each_step_clear_of_what_its_receiver_may_still_read():
             lane.settled()
         assert origins == [0, size, 0, size] and lane.nbytes == 4 * 2 * size
         # Aborted attempts keep their places until one succeeds: the receiver may still read any of them.
-        assert lane.claim(size) == (0, False)                 # aborted
-        assert lane.claim(size) == (2 * size, True)           # aborted too: clear of both, the lane grew
-        assert lane.claim(size)[0] == 3 * size                # succeeds
+        assert lane.claim(size) == (0, False)  # aborted
+        assert lane.claim(size) == (2 * size, True)  # aborted too: clear of both, the lane grew
+        assert lane.claim(size)[0] == 3 * size  # succeeds
         lane.settled()
         assert lane.claim(size)[0] == 0
         lane.settled()
@@ -461,6 +477,7 @@ def test_a_lane_that_cannot_grow_hands_its_link_over_to_tcp(members, monkeypatch
 
     def full(fd: int, size: int, directory: str = shared_memory.SHM_DIR) -> None:
         raise shared_memory.SharedMemoryUnavailable(f"cannot reserve {size} bytes in {directory}: No space left")
+
     monkeypatch.setattr(shared_memory, "reserve", full)
     big = [np.arange(2 * LANE_VALUES, dtype=np.float32) * (i + 1) for i in range(2)]
     assert all(np.array_equal(r, big[0] * 3) for r in allreduce_all(ms, big, 1, 1))

@@ -1,4 +1,5 @@
 """The worker loop's pure parts: minibatch boundaries, report coalescing and pacing."""
+
 from __future__ import annotations
 
 import threading
@@ -52,14 +53,14 @@ def test_reports_are_paced_and_a_flush_delivers_everything():
     master = RecordingMaster()
     reporter = Reporter(master, interval_s=60.0)
     try:
-        for i in range(20):   # one task's minibatches, far faster than the report interval
+        for i in range(20):  # one task's minibatches, far faster than the report interval
             reporter.report(7, 64 * (i + 1), 64, 1.0, duplicate=False)
         reporter.flush()
     finally:
         reporter.close()
-    assert len(master.sent) == 2                        # the first at once, the rest at the flush
-    assert master.sent[-1][:2] == (7, 64 * 20)          # the last watermark arrived
-    assert sum(item[2] for item in master.sent) == 64 * 20   # every record counted, once
+    assert len(master.sent) == 2  # the first at once, the rest at the flush
+    assert master.sent[-1][:2] == (7, 64 * 20)  # the last watermark arrived
+    assert sum(item[2] for item in master.sent) == 64 * 20  # every record counted, once
 
 
 def test_a_leases_last_report_goes_without_waiting_for_the_pace():
@@ -67,14 +68,14 @@ def test_a_leases_last_report_goes_without_waiting_for_the_pace():
     master = RecordingMaster()
     reporter = Reporter(master, interval_s=60.0)
     try:
-        reporter.report(7, 64, 64, 1.0, duplicate=False)     # the first goes at once
+        reporter.report(7, 64, 64, 1.0, duplicate=False)  # the first goes at once
         reporter.in_flight.result()
-        reporter.report(7, 128, 64, 1.0, duplicate=False)    # this one waits for the pace
+        reporter.report(7, 128, 64, 1.0, duplicate=False)  # this one waits for the pace
         assert [item[:2] for item in master.sent] == [(7, 64)]
         reporter.report(7, 192, 64, 1.0, duplicate=False, last=True)
         reporter.in_flight.result()
-        assert master.sent[-1][:3] == (7, 192, 128)          # coalesced with the one that waited
-        reporter.report(8, 64, 64, 1.0, duplicate=False)     # the next lease: paced again
+        assert master.sent[-1][:3] == (7, 192, 128)  # coalesced with the one that waited
+        reporter.report(8, 64, 64, 1.0, duplicate=False)  # the next lease: paced again
         assert len(master.sent) == 2 and reporter.pending
     finally:
         reporter.close()

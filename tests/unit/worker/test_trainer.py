@@ -1,5 +1,6 @@
 """The worker's PS trainer against a real PS shard on loopback gRPC: a minibatch is the records it
 names (sliced inside the compiled step), and it pulls exactly the embedding rows they look up."""
+
 from __future__ import annotations
 
 import textwrap
@@ -85,7 +86,7 @@ def serve(tmp_path, source: str, **trainer_options):
     pb_grpc.add_ParameterServerServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    keras.utils.set_random_seed(2)   # the worker's own initial values differ from the PS's
+    keras.utils.set_random_seed(2)  # the worker's own initial values differ from the PS's
     model = model_def.model()
     ps = PSClient([f"127.0.0.1:{port}"], TOKEN, placement)
     t = PSTrainer(model_def, model, ps, placement, **trainer_options)
@@ -99,8 +100,14 @@ def serve(tmp_path, source: str, **trainer_options):
 
 def lease_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"a": rng.normal(size=n), "b": rng.normal(size=n), "c": rng.normal(size=n),
-            "u": rng.integers(0, ROWS, n), "v": rng.integers(0, ROWS, n), "y": rng.normal(size=n)}
+    return {
+        "a": rng.normal(size=n),
+        "b": rng.normal(size=n),
+        "c": rng.normal(size=n),
+        "u": rng.integers(0, ROWS, n),
+        "v": rng.integers(0, ROWS, n),
+        "y": rng.normal(size=n),
+    }
 
 
 def test_a_minibatch_is_the_records_it_names_and_pulls_exactly_their_rows(trainer):
@@ -116,12 +123,14 @@ def test_a_minibatch_is_the_records_it_names_and_pulls_exactly_their_rows(traine
     after = table.numpy()
     np.testing.assert_array_equal(after[wanted], on_ps[wanted])
     others = np.setdiff1d(np.arange(ROWS), wanted)
-    np.testing.assert_array_equal(after[others], before[others])   # nothing else was pulled
+    np.testing.assert_array_equal(after[others], before[others])  # nothing else was pulled
 
     # The loss is that of records [lo, hi) alone, at the PS's values (Keras on the same weights).
     ps_model.get_layer("table").embeddings.assign(on_ps)
-    features = {"ids": np.stack([rows["u"], rows["v"]], 1)[lo:hi],
-                "x": np.stack([rows["a"], rows["b"], rows["c"]], 1)[lo:hi]}
+    features = {
+        "ids": np.stack([rows["u"], rows["v"]], 1)[lo:hi],
+        "x": np.stack([rows["a"], rows["b"], rows["c"]], 1)[lo:hi],
+    }
     expected = np.mean((rows["y"][lo:hi] - ps_model(features, training=False).numpy()[:, 0]) ** 2)
     assert float(result.loss) == pytest.approx(expected, rel=1e-5)
     # Only the looked-up rows carry gradients to the PS.
@@ -137,20 +146,25 @@ def test_minibatches_of_one_lease_share_its_tensors_and_one_traced_step(trainer)
     t.compute(first)
     step = t._traced[1]
     t.compute(second)
-    t.compute(t.minibatch(t.feed_lease(lease_rows(24, seed=2)), 0, 24))   # another lease, another size
+    t.compute(t.minibatch(t.feed_lease(lease_rows(24, seed=2)), 0, 24))  # another lease, another size
     assert t._traced[1] is step
 
 
 def test_a_refresh_takes_the_shards_values_now_and_older_replies_do_not_undo_it(trainer):
     t, ps, _ = trainer
-    other = ps   # another worker's pushes: they move the shard on
+    other = ps  # another worker's pushes: they move the shard on
     for seq in range(3):
-        other.push(PushKey(99, seq, seq + 1, 0, 0), [np.full(t._flat_specs[0].shape[0], 0.01, np.float32)], {}, want_dense=False)
-    (version, now), = ps.pull_dense_at()
+        other.push(
+            PushKey(99, seq, seq + 1, 0, 0),
+            [np.full(t._flat_specs[0].shape[0], 0.01, np.float32)],
+            {},
+            want_dense=False,
+        )
+    ((version, now),) = ps.pull_dense_at()
     assert version == 3 and not np.array_equal(t._flats[0].numpy(), now)
     t.refresh_dense()
     np.testing.assert_array_equal(t._flats[0].numpy(), now)
-    t._take_fresh([(2, np.zeros_like(now))])    # a reply from before the refresh arrives late
+    t._take_fresh([(2, np.zeros_like(now))])  # a reply from before the refresh arrives late
     np.testing.assert_array_equal(t._flats[0].numpy(), now)
 
 
@@ -161,22 +175,22 @@ def test_the_step_moves_the_ps_held_batchnorm_statistics_as_keras_moves_them(bat
     bn = ps_model.layers[0]
     witness = keras.models.clone_model(ps_model)
     named = ps.pull_dense_named()
-    load_named(witness, named)   # the PS's values, before the push: mean 0, variance 1
+    load_named(witness, named)  # the PS's values, before the push: mean 0, variance 1
     np.testing.assert_array_equal(witness.layers[0].moving_mean.numpy(), bn.moving_mean.numpy())
 
     rows = lease_rows(32, seed=3)
-    rows["a"] = rows["a"] * 4 + 10          # far from mean 0 / variance 1: the update is visible
+    rows["a"] = rows["a"] * 4 + 10  # far from mean 0 / variance 1: the update is visible
     result = t.compute(t.minibatch(t.feed_lease(rows), 0, 32))
     assert t.push_finish(t.push_start(result, PushKey(5, 0, 32, 0, 0)))[0]
 
     x = np.stack([rows["a"], rows["b"], rows["c"]], axis=1).astype("float32")
-    witness(x, training=True)               # Keras's own update of the statistics, once
+    witness(x, training=True)  # Keras's own update of the statistics, once
     after = ps.pull_dense_named()
     mean = next(v for n, v in after.items() if n.endswith("moving_mean"))
     variance = next(v for n, v in after.items() if n.endswith("moving_variance"))
     np.testing.assert_allclose(mean, witness.layers[0].moving_mean.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(variance, witness.layers[0].moving_variance.numpy(), rtol=1e-5, atol=1e-6)
-    assert mean[0] > 0.5                     # (0.1 of a batch mean near 10)
+    assert mean[0] > 0.5  # (0.1 of a batch mean near 10)
     # The same push again changes nothing: the state is applied once, with its key.
     assert not t.push_finish(t.push_start(result, PushKey(5, 0, 32, 0, 0)))[0]
     np.testing.assert_array_equal(ps.pull_dense_named()[next(n for n in after if n.endswith("moving_mean"))], mean)
@@ -195,18 +209,18 @@ def test_a_push_of_several_minibatches_updates_as_kerass_gradient_accumulation(t
         load_named(witness, {**before, **tables})
 
         rows = lease_rows(20, seed=4)
-        rows["a"] = rows["a"] * 4 + 10   # batch norm's statistics move visibly
+        rows["a"] = rows["a"] * 4 + 10  # batch norm's statistics move visibly
         result = t.compute(t.minibatch(t.feed_lease(rows), 0, 20))
         assert t.push_finish(t.push_start(result, PushKey(7, 0, 20, 0, 0)))[0]
 
         witness.compile(optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=3), loss=t.model_def.loss_fn)
         x, y = t.model_def.feed(rows)
         witness.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        assert int(witness.optimizer.iterations.numpy()) == 1   # three minibatches, one update
+        assert int(witness.optimizer.iterations.numpy()) == 1  # three minibatches, one update
 
         expected = {n: v.numpy() for n, v in named_variables(witness).items()}
         after = {**ps.pull_dense_named(), **{n: ps.pull_rows({n: np.arange(ROWS)})[n] for n in t.table_names}}
         assert after.keys() == expected.keys()
         for name, value in after.items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
-            assert not np.allclose(value, {**before, **tables}[name]), name   # the push moved it
+            assert not np.allclose(value, {**before, **tables}[name]), name  # the push moved it

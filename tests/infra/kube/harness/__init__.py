@@ -11,6 +11,7 @@
 
 See controlplane.py and kubelet.py for details.
 """
+
 from .controlplane import ControlPlane, ControlPlaneError, build_control_plane
 from .kubelet import ProcessKubelet
 from .process import wait_for

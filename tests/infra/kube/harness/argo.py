@@ -13,6 +13,7 @@ to Argo's own ClusterRole, so RBAC applies to it as in a cluster. The pods it cr
 process kubelet: ``ArgoController.images`` maps the executor image to the built ``argoexec`` (give
 it to ``add_node(images=...)``, or update a node's ``images``).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,9 @@ def build_argo(*cmds: str) -> Path:
 
 def lint(files: list[str | Path]) -> tuple[bool, str]:
     """Argo's own lint of `files`, offline and strict (references resolved among them)."""
-    proc = subprocess.run([str(build_argo("argo-lint") / "argo-lint"), *map(str, files)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(build_argo("argo-lint") / "argo-lint"), *map(str, files)], capture_output=True, text=True, timeout=120
+    )
     return proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -62,8 +64,12 @@ def install(control_plane, namespace: str = "argo", config: dict | None = None) 
 
     api = control_plane.api_client()
     root = manifests()
-    docs = [d for f in sorted((root / "base" / "crds" / "minimal").glob("argoproj.io_*.yaml"))
-            for d in yaml.safe_load_all(f.read_text()) if d]
+    docs = [
+        d
+        for f in sorted((root / "base" / "crds" / "minimal").glob("argoproj.io_*.yaml"))
+        for d in yaml.safe_load_all(f.read_text())
+        if d
+    ]
     rbac = root / "cluster-install" / "workflow-controller-rbac"
     for name in ("workflow-controller-clusterrole.yaml", "workflow-controller-clusterrolebinding.yaml"):
         for d in yaml.safe_load_all((rbac / name).read_text()):
@@ -78,10 +84,14 @@ def install(control_plane, namespace: str = "argo", config: dict | None = None) 
     ext = client.ApiextensionsV1Api(api)
     for d in docs:
         if d["kind"] == "CustomResourceDefinition":
-            wait_for(lambda n=d["metadata"]["name"]: any(
-                c.type == "Established" and c.status == "True"
-                for c in ext.read_custom_resource_definition(n).status.conditions or []),
-                60, what=f"CRD {d['metadata']['name']} established")
+            wait_for(
+                lambda n=d["metadata"]["name"]: any(
+                    c.type == "Established" and c.status == "True"
+                    for c in ext.read_custom_resource_definition(n).status.conditions or []
+                ),
+                60,
+                what=f"CRD {d['metadata']['name']} established",
+            )
     data = {k: yaml.safe_dump(v) for k, v in {"metricsConfig": {"enabled": False}, **(config or {})}.items()}
     core = client.CoreV1Api(api)
     body = {"metadata": {"name": CONTROLLER_CONFIGMAP, "namespace": namespace}, "data": data}
@@ -114,23 +124,39 @@ class ArgoController:
         self.log_path = control_plane.workdir / "argo-controller.log"
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ArgoController":
+    def __enter__(self) -> ArgoController:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "ArgoController":
+    def start(self) -> ArgoController:
         install(self.cp, self.namespace, self.config)
         token = self.cp.service_account_token(self.namespace, "argo", seconds=24 * 3600)
         kubeconfig = self.cp.kubeconfig_for(token, user="argo-controller")
         env = dict(os.environ, LEADER_ELECTION_DISABLE="true")
-        self.proc = popen([str(self.bin / "workflow-controller"), "--kubeconfig", str(kubeconfig),
-                           "--namespace", self.namespace, "--executor-image", EXECUTOR_IMAGE,
-                           "--executor-image-pull-policy", "IfNotPresent", "--loglevel", "info"],
-                          log_path=self.log_path, env=env)
-        wait_for(lambda: self.proc.poll() is not None or "Starting Workflow Controller" in self.log(),
-                 60, what="Argo's workflow-controller to start")
+        self.proc = popen(
+            [
+                str(self.bin / "workflow-controller"),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--namespace",
+                self.namespace,
+                "--executor-image",
+                EXECUTOR_IMAGE,
+                "--executor-image-pull-policy",
+                "IfNotPresent",
+                "--loglevel",
+                "info",
+            ],
+            log_path=self.log_path,
+            env=env,
+        )
+        wait_for(
+            lambda: self.proc.poll() is not None or "Starting Workflow Controller" in self.log(),
+            60,
+            what="Argo's workflow-controller to start",
+        )
         if self.proc.poll() is not None:
             raise ArgoBuildError(f"workflow-controller exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
         return self

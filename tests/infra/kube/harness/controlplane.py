@@ -19,6 +19,7 @@ never re-reads its token file). Kubelets authenticate as ``system:node:<name>`` 
 Set ``ELASTIC_STEP_KEEP_KUBE=1`` to keep the work directory (logs, certificates,
 kubeconfigs, etcd data) after the control plane stops.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -40,10 +41,14 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 from .process import REPO, free_port, http_ok, popen, run_build, stop_process
+
+if TYPE_CHECKING:  # the kubelet imports this module's neighbours; a name for annotations only
+    from .kubelet import ProcessKubelet
 
 log = logging.getLogger("tests.infra.kube.harness")
 
@@ -71,13 +76,19 @@ def _tail(path: Path, n: int = 40) -> str:
 
 # --------------------------------------------------------------------------- certificates
 
+
 def _write_pki(d: Path) -> None:
     """ca.crt/ca.key, server.crt/server.key (127.0.0.1, localhost, kubernetes.default...),
     sa.key/sa.pub (service-account token signing)."""
     d.mkdir(parents=True, exist_ok=True)
     ips = ["127.0.0.1", SERVICE_IP]
-    dns = ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc",
-           "kubernetes.default.svc.cluster.local"]
+    dns = [
+        "localhost",
+        "kubernetes",
+        "kubernetes.default",
+        "kubernetes.default.svc",
+        "kubernetes.default.svc.cluster.local",
+    ]
     try:
         import cryptography  # noqa: F401
     except ImportError:
@@ -89,44 +100,66 @@ def _write_pki(d: Path) -> None:
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     def pem_key(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     now = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "elastic-step-test-ca")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now).not_valid_after(now + _dt.timedelta(days=3650))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + _dt.timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     san = [x509.IPAddress(ipaddress.ip_address(i)) for i in ips] + [x509.DNSName(n) for n in dns]
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(now + _dt.timedelta(days=3650))
-            .add_extension(x509.SubjectAlternativeName(san), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                  ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + _dt.timedelta(days=3650))
+        .add_extension(x509.SubjectAlternativeName(san), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     sa = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     (d / "ca.key").write_bytes(pem_key(ca_key))
     (d / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     (d / "server.key").write_bytes(pem_key(key))
     (d / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     (d / "sa.key").write_bytes(pem_key(sa))
-    (d / "sa.pub").write_bytes(sa.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    (d / "sa.pub").write_bytes(
+        sa.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
 
 
 def _write_pki_openssl(d: Path, ips: list[str], dns: list[str]) -> None:
@@ -134,20 +167,39 @@ def _write_pki_openssl(d: Path, ips: list[str], dns: list[str]) -> None:
         subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
 
     run("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ca.key")
-    run("req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=elastic-step-test-ca", "-days", "3650",
-        "-out", "ca.crt")
+    run(
+        "req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=elastic-step-test-ca", "-days", "3650", "-out", "ca.crt"
+    )
     run("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "server.key")
     run("req", "-new", "-key", "server.key", "-subj", "/CN=kube-apiserver", "-out", "server.csr")
     san = ",".join([f"IP:{i}" for i in ips] + [f"DNS:{n}" for n in dns])
-    (d / "server.ext").write_text(f"subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\n"
-                                  "extendedKeyUsage=serverAuth,clientAuth\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-days", "3650", "-sha256", "-extfile", "server.ext", "-out", "server.crt")
+    (d / "server.ext").write_text(
+        f"subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    run(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "3650",
+        "-sha256",
+        "-extfile",
+        "server.ext",
+        "-out",
+        "server.crt",
+    )
     run("genrsa", "-out", "sa.key", "2048")
     run("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
 
 
 # --------------------------------------------------------------------------- token webhook
+
 
 class _TokenWebhook:
     """Answers the apiserver's TokenReviews from a dict, so users can be added at runtime."""
@@ -156,18 +208,24 @@ class _TokenWebhook:
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 token = (body.get("spec") or {}).get("token", "")
                 with outer.lock:
                     user = outer.tokens.get(token)
                 status = {"authenticated": False}
                 if user is not None:
-                    status = {"authenticated": True,
-                              "user": {"username": user["user"], "uid": user["uid"],
-                                       "groups": list(user["groups"])}}
-                reply = json.dumps({"apiVersion": body.get("apiVersion", "authentication.k8s.io/v1"),
-                                    "kind": "TokenReview", "status": status}).encode()
+                    status = {
+                        "authenticated": True,
+                        "user": {"username": user["user"], "uid": user["uid"], "groups": list(user["groups"])},
+                    }
+                reply = json.dumps(
+                    {
+                        "apiVersion": body.get("apiVersion", "authentication.k8s.io/v1"),
+                        "kind": "TokenReview",
+                        "status": status,
+                    }
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(reply)))
@@ -194,7 +252,7 @@ class _TokenWebhook:
 
 # --------------------------------------------------------------------------- control plane
 
-_live: "weakref.WeakSet[ControlPlane]" = weakref.WeakSet()
+_live: weakref.WeakSet[ControlPlane] = weakref.WeakSet()
 
 
 @atexit.register
@@ -212,16 +270,22 @@ class ControlPlane:
     ``admin_token``, ``workdir``, ``timings`` (seconds per start phase), ``nodes``.
     """
 
-    def __init__(self, bin_dir: str | Path | None = None, workdir: str | Path | None = None, *,
-                 verbosity: int = 1, extra_args: dict[str, list[str]] | None = None,
-                 keep_workdir: bool | None = None, start_timeout: float = 120.0):
+    def __init__(
+        self,
+        bin_dir: str | Path | None = None,
+        workdir: str | Path | None = None,
+        *,
+        verbosity: int = 1,
+        extra_args: dict[str, list[str]] | None = None,
+        keep_workdir: bool | None = None,
+        start_timeout: float = 120.0,
+    ):
         self.bin_dir = Path(bin_dir) if bin_dir else None
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else None
         self.verbosity = verbosity
         self.extra_args = extra_args or {}
-        self.keep_workdir = (os.environ.get("ELASTIC_STEP_KEEP_KUBE") == "1"
-                             if keep_workdir is None else keep_workdir)
+        self.keep_workdir = os.environ.get("ELASTIC_STEP_KEEP_KUBE") == "1" if keep_workdir is None else keep_workdir
         self.start_timeout = start_timeout
         self.admin_token = secrets.token_hex(16)
         self._tokens: dict[str, dict] = {}
@@ -230,21 +294,21 @@ class ControlPlane:
         self._webhook: _TokenWebhook | None = None
         self._etcd_dir: Path | None = None
         self._clients: list = []
-        self.nodes: dict[str, "ProcessKubelet"] = {}
+        self.nodes: dict[str, ProcessKubelet] = {}
         self.timings: dict[str, float] = {}
         self.server = ""
         self.port = 0
         self.started = False
 
     # ---- lifecycle -------------------------------------------------------------------
-    def __enter__(self) -> "ControlPlane":
+    def __enter__(self) -> ControlPlane:
         self.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "ControlPlane":
+    def start(self) -> ControlPlane:
         if self.started:
             return self
         t_all = time.monotonic()
@@ -269,8 +333,12 @@ class ControlPlane:
             self.stop()
             raise
         self.timings["start"] = time.monotonic() - t_all - self.timings.get("build", 0.0)
-        log.info("control plane up at %s in %.1fs (%s)", self.server, self.timings["start"],
-                 ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()))
+        log.info(
+            "control plane up at %s in %.1fs (%s)",
+            self.server,
+            self.timings["start"],
+            ", ".join(f"{k} {v:.1f}s" for k, v in self.timings.items()),
+        )
         return self
 
     def _start(self) -> None:
@@ -283,29 +351,47 @@ class ControlPlane:
 
         # tokens: admin + anything added before start go to the static token file
         with self._tokens_lock:
-            self._tokens[self.admin_token] = {"user": "admin", "uid": "admin",
-                                              "groups": ("system:masters",)}
+            self._tokens[self.admin_token] = {"user": "admin", "uid": "admin", "groups": ("system:masters",)}
             lines = [_token_line(tok, u) for tok, u in self._tokens.items()]
         (w / "tokens.csv").write_text("\n".join(lines) + "\n")
         self._webhook = _TokenWebhook(self._tokens, self._tokens_lock, pki / "server.crt", pki / "server.key")
-        _write_kubeconfig(w / "token-webhook.kubeconfig", f"https://127.0.0.1:{self._webhook.port}/authenticate",
-                          self.ca_path, token=None)
+        _write_kubeconfig(
+            w / "token-webhook.kubeconfig",
+            f"https://127.0.0.1:{self._webhook.port}/authenticate",
+            self.ca_path,
+            token=None,
+        )
 
         # etcd: data in /dev/shm when there is one (fsync is what makes etcd slow on disks)
         t = time.monotonic()
         shm = Path("/dev/shm")
-        self._etcd_dir = Path(tempfile.mkdtemp(prefix=f"elastic-step-etcd-{os.getpid()}-",
-                                               dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else str(w)))
+        self._etcd_dir = Path(
+            tempfile.mkdtemp(
+                prefix=f"elastic-step-etcd-{os.getpid()}-",
+                dir=str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else str(w),
+            )
+        )
         ec, ep = free_port(), free_port()
         self.etcd_url = f"http://127.0.0.1:{ec}"
-        self._spawn("etcd", [
-            str(self.bin_dir / "etcd"), "--name=default", f"--data-dir={self._etcd_dir}",
-            f"--listen-client-urls={self.etcd_url}", f"--advertise-client-urls={self.etcd_url}",
-            f"--listen-peer-urls=http://127.0.0.1:{ep}", f"--initial-advertise-peer-urls=http://127.0.0.1:{ep}",
-            f"--initial-cluster=default=http://127.0.0.1:{ep}", "--log-level=warn",
-            # one member: campaign after 0.25s instead of 1s
-            "--heartbeat-interval=50", "--election-timeout=250",
-            "--quota-backend-bytes=2147483648", *self.extra_args.get("etcd", [])])
+        self._spawn(
+            "etcd",
+            [
+                str(self.bin_dir / "etcd"),
+                "--name=default",
+                f"--data-dir={self._etcd_dir}",
+                f"--listen-client-urls={self.etcd_url}",
+                f"--advertise-client-urls={self.etcd_url}",
+                f"--listen-peer-urls=http://127.0.0.1:{ep}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{ep}",
+                f"--initial-cluster=default=http://127.0.0.1:{ep}",
+                "--log-level=warn",
+                # one member: campaign after 0.25s instead of 1s
+                "--heartbeat-interval=50",
+                "--election-timeout=250",
+                "--quota-backend-bytes=2147483648",
+                *self.extra_args.get("etcd", []),
+            ],
+        )
         self._wait("etcd", lambda: http_ok(f"{self.etcd_url}/health"))
         self.timings["etcd"] = time.monotonic() - t
 
@@ -314,27 +400,38 @@ class ControlPlane:
         self.port = free_port()
         self.server = f"https://127.0.0.1:{self.port}"
         v = f"--v={self.verbosity}"
-        self._spawn("kube-apiserver", [
-            str(self.bin_dir / "kube-apiserver"),
-            f"--etcd-servers={self.etcd_url}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.port}",
-            f"--cert-dir={w / 'apiserver'}",
-            f"--tls-cert-file={pki / 'server.crt'}", f"--tls-private-key-file={pki / 'server.key'}",
-            f"--client-ca-file={self.ca_path}",
-            f"--token-auth-file={w / 'tokens.csv'}",
-            f"--authentication-token-webhook-config-file={w / 'token-webhook.kubeconfig'}",
-            "--authentication-token-webhook-version=v1", "--authentication-token-webhook-cache-ttl=10s",
-            "--authorization-mode=Node,RBAC",
-            "--enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,Priority,"
-            "DefaultTolerationSeconds,ResourceQuota,NodeRestriction,MutatingAdmissionWebhook,"
-            "ValidatingAdmissionWebhook",
-            f"--service-account-key-file={pki / 'sa.pub'}",
-            f"--service-account-signing-key-file={pki / 'sa.key'}",
-            f"--service-account-issuer={SA_ISSUER}",
-            f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--endpoint-reconciler-type=none",  # 127.0.0.1 is not a valid Endpoints address
-            "--allow-privileged=true", "--profiling=false", "--event-ttl=1h", v,
-            *self.extra_args.get("kube-apiserver", [])])
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                f"--etcd-servers={self.etcd_url}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.port}",
+                f"--cert-dir={w / 'apiserver'}",
+                f"--tls-cert-file={pki / 'server.crt'}",
+                f"--tls-private-key-file={pki / 'server.key'}",
+                f"--client-ca-file={self.ca_path}",
+                f"--token-auth-file={w / 'tokens.csv'}",
+                f"--authentication-token-webhook-config-file={w / 'token-webhook.kubeconfig'}",
+                "--authentication-token-webhook-version=v1",
+                "--authentication-token-webhook-cache-ttl=10s",
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,Priority,"
+                "DefaultTolerationSeconds,ResourceQuota,NodeRestriction,MutatingAdmissionWebhook,"
+                "ValidatingAdmissionWebhook",
+                f"--service-account-key-file={pki / 'sa.pub'}",
+                f"--service-account-signing-key-file={pki / 'sa.key'}",
+                f"--service-account-issuer={SA_ISSUER}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--endpoint-reconciler-type=none",  # 127.0.0.1 is not a valid Endpoints address
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--event-ttl=1h",
+                v,
+                *self.extra_args.get("kube-apiserver", []),
+            ],
+        )
         self._wait("kube-apiserver", lambda: self._readyz())
         self.timings["kube-apiserver"] = time.monotonic() - t
         self.kubeconfig_path = w / "admin.kubeconfig"
@@ -343,19 +440,41 @@ class ControlPlane:
         # kube-scheduler and kube-controller-manager, both with the admin kubeconfig
         t = time.monotonic()
         kc = str(self.kubeconfig_path)
-        common = [f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
-                  "--bind-address=127.0.0.1", "--leader-elect=false", v]
+        common = [
+            f"--kubeconfig={kc}",
+            f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}",
+            "--bind-address=127.0.0.1",
+            "--leader-elect=false",
+            v,
+        ]
         sport, cport = free_port(), free_port()
-        self._spawn("kube-scheduler", [
-            str(self.bin_dir / "kube-scheduler"), *common, f"--secure-port={sport}",
-            f"--cert-dir={w / 'scheduler'}", *self.extra_args.get("kube-scheduler", [])])
-        self._spawn("kube-controller-manager", [
-            str(self.bin_dir / "kube-controller-manager"), *common, f"--secure-port={cport}",
-            f"--cert-dir={w / 'controller-manager'}",
-            f"--service-account-private-key-file={pki / 'sa.key'}", f"--root-ca-file={self.ca_path}",
-            "--use-service-account-credentials=false", "--cluster-name=elastic-step-test",
-            "--enable-garbage-collector=true", "--node-monitor-period=2s",
-            *self.extra_args.get("kube-controller-manager", [])])
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(self.bin_dir / "kube-scheduler"),
+                *common,
+                f"--secure-port={sport}",
+                f"--cert-dir={w / 'scheduler'}",
+                *self.extra_args.get("kube-scheduler", []),
+            ],
+        )
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(self.bin_dir / "kube-controller-manager"),
+                *common,
+                f"--secure-port={cport}",
+                f"--cert-dir={w / 'controller-manager'}",
+                f"--service-account-private-key-file={pki / 'sa.key'}",
+                f"--root-ca-file={self.ca_path}",
+                "--use-service-account-credentials=false",
+                "--cluster-name=elastic-step-test",
+                "--enable-garbage-collector=true",
+                "--node-monitor-period=2s",
+                *self.extra_args.get("kube-controller-manager", []),
+            ],
+        )
         self._wait("kube-scheduler", lambda: http_ok(f"https://127.0.0.1:{sport}/healthz", insecure=True))
         self._wait("kube-controller-manager", lambda: http_ok(f"https://127.0.0.1:{cport}/healthz", insecure=True))
         # ready for pods: the service-account and root-CA controllers have done the default namespace
@@ -392,8 +511,7 @@ class ControlPlane:
         return dict(self._procs)
 
     # ---- users and clients -----------------------------------------------------------
-    def add_token(self, user: str, groups: Iterable[str] = (), token: str | None = None,
-                  uid: str | None = None) -> str:
+    def add_token(self, user: str, groups: Iterable[str] = (), token: str | None = None, uid: str | None = None) -> str:
         """Register a bearer token for ``user`` in ``groups``; returns the token.
 
         Works before start (static token file) and while running (token webhook; the
@@ -413,8 +531,9 @@ class ControlPlane:
         _write_kubeconfig(path, self.server, self.ca_path, token, user=user)
         return path
 
-    def service_account_token(self, namespace: str, name: str, *, create: bool = True,
-                              seconds: int = 3600, audiences: list[str] | None = None) -> str:
+    def service_account_token(
+        self, namespace: str, name: str, *, create: bool = True, seconds: int = 3600, audiences: list[str] | None = None
+    ) -> str:
         """A TokenRequest token for service account ``namespace/name`` (created if missing),
         e.g. to run a process outside any pod with exactly the rights bound to that account."""
         import kubernetes.client
@@ -429,8 +548,7 @@ class ControlPlane:
         spec: dict = {"expirationSeconds": seconds}
         if audiences:
             spec["audiences"] = audiences
-        resp = core.create_namespaced_service_account_token(name, namespace, {"spec": spec},
-                                                           _preload_content=False)
+        resp = core.create_namespaced_service_account_token(name, namespace, {"spec": spec}, _preload_content=False)
         return json.loads(resp.data)["status"]["token"]
 
     def api_client(self, token: str | None = None):
@@ -449,8 +567,17 @@ class ControlPlane:
         return client
 
     # ---- nodes and namespaces ----------------------------------------------------------
-    def add_node(self, name: str, *, cpu: str = "4", memory: str = "8Gi", pods: int = 110,
-                 labels: dict | None = None, wait: bool = True, **kwargs) -> "ProcessKubelet":
+    def add_node(
+        self,
+        name: str,
+        *,
+        cpu: str = "4",
+        memory: str = "8Gi",
+        pods: int = 110,
+        labels: dict | None = None,
+        wait: bool = True,
+        **kwargs,
+    ) -> ProcessKubelet:
         """Start a ProcessKubelet registering Node ``name``; it stops with the control plane.
 
         The kubelet authenticates as ``system:node:<name>``. With ``wait`` this returns once
@@ -460,9 +587,18 @@ class ControlPlane:
         if name in self.nodes:
             raise ValueError(f"node {name} exists")
         token = self.add_token(f"system:node:{name}", ["system:nodes"])
-        kubelet = ProcessKubelet(self.api_client(token), name, cpu=cpu, memory=memory, pods=pods,
-                                 labels=labels, workdir=self.workdir / "kubelets" / name,
-                                 api_host="127.0.0.1", api_port=self.port, **kwargs)
+        kubelet = ProcessKubelet(
+            self.api_client(token),
+            name,
+            cpu=cpu,
+            memory=memory,
+            pods=pods,
+            labels=labels,
+            workdir=self.workdir / "kubelets" / name,
+            api_host="127.0.0.1",
+            api_port=self.port,
+            **kwargs,
+        )
         kubelet.start()
         self.nodes[name] = kubelet
         if wait:
@@ -496,9 +632,17 @@ class ControlPlane:
             if ready and bad and all(t.effect == "NoSchedule" for t in bad):
                 keep = [t.to_dict() for t in taints if t not in bad]
                 with contextlib.suppress(kubernetes.client.ApiException):
-                    core.patch_node(name, [{"op": "test", "path": "/metadata/resourceVersion",
-                                            "value": node.metadata.resource_version},
-                                           {"op": "replace", "path": "/spec/taints", "value": keep}])
+                    core.patch_node(
+                        name,
+                        [
+                            {
+                                "op": "test",
+                                "path": "/metadata/resourceVersion",
+                                "value": node.metadata.resource_version,
+                            },
+                            {"op": "replace", "path": "/spec/taints", "value": keep},
+                        ],
+                    )
             if time.monotonic() > deadline:
                 raise ControlPlaneError(f"node {name} not schedulable after {timeout}s: ready={ready} taints={taints}")
             time.sleep(0.2)
@@ -529,8 +673,10 @@ class ControlPlane:
         while True:
             for name, proc in self._procs.items():
                 if proc.poll() is not None:
-                    raise ControlPlaneError(f"{name} exited with {proc.returncode} while waiting for {what}; "
-                                            f"log {self.logs / (name + '.log')}:\n{_tail(self.logs / (name + '.log'))}")
+                    raise ControlPlaneError(
+                        f"{name} exited with {proc.returncode} while waiting for {what}; "
+                        f"log {self.logs / (name + '.log')}:\n{_tail(self.logs / (name + '.log'))}"
+                    )
             try:
                 if ready():
                     return
@@ -539,15 +685,16 @@ class ControlPlane:
             else:
                 last = None
             if time.monotonic() > deadline:
-                raise ControlPlaneError(f"timed out after {timeout or self.start_timeout}s waiting for {what}"
-                                        f" (last error: {last!r}); logs in {self.logs}")
+                raise ControlPlaneError(
+                    f"timed out after {timeout or self.start_timeout}s waiting for {what}"
+                    f" (last error: {last!r}); logs in {self.logs}"
+                )
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
 
     def _readyz(self) -> bool:
         ctx = ssl.create_default_context(cafile=str(self.ca_path))
-        req = urllib.request.Request(f"{self.server}/readyz",
-                                     headers={"Authorization": f"Bearer {self.admin_token}"})
+        req = urllib.request.Request(f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.admin_token}"})
         try:
             with urllib.request.urlopen(req, context=ctx, timeout=5) as r:
                 return r.status == 200
@@ -591,16 +738,23 @@ def _sweep_stale() -> None:
 
 def _token_line(token: str, u: dict) -> str:
     groups = ",".join(u["groups"])
-    return f'{token},{u["user"]},{u["uid"]},"{groups}"' if groups else f'{token},{u["user"]},{u["uid"]}'
+    return f'{token},{u["user"]},{u["uid"]},"{groups}"' if groups else f"{token},{u['user']},{u['uid']}"
 
 
 def _write_kubeconfig(path: Path, server: str, ca: Path, token: str | None, user: str = "user") -> None:
     user_entry: dict = {"name": user, "user": {"token": token} if token else {}}
     cfg = {
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "elastic-step-test", "cluster": {
-            "server": server,
-            "certificate-authority-data": base64.b64encode(Path(ca).read_bytes()).decode()}}],
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "elastic-step-test",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(Path(ca).read_bytes()).decode(),
+                },
+            }
+        ],
         "users": [user_entry],
         "contexts": [{"name": "default", "context": {"cluster": "elastic-step-test", "user": user}}],
         "current-context": "default",

@@ -29,6 +29,7 @@ change phase or go away, or at the queue's 5-minute flush. Without it, a waiting
 minutes after the room freed. Both run as local processes with the admin kubeconfig, as the harness's
 kube-scheduler does; the controller's metrics are off and its probe on loopback.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,7 @@ from .process import KUBE, REPO, free_port, http_ok, popen, run_build, stop_proc
 BUILD_SCRIPT = REPO / "scripts" / "build-scheduler-plugins"
 VERSION = (KUBE / "scheduler-plugins" / "VERSION").read_text().strip()
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"
-PODGROUPS = ("scheduling.x-k8s.io", "v1alpha1")   # group, version; plural "podgroups"
+PODGROUPS = ("scheduling.x-k8s.io", "v1alpha1")  # group, version; plural "podgroups"
 
 
 class SchedulerPluginsBuildError(RuntimeError):
@@ -51,8 +52,9 @@ class SchedulerPluginsBuildError(RuntimeError):
 
 def build_scheduler_plugins(*cmds: str) -> Path:
     """The bin directory holding `cmds` (the scheduler if none), built when missing."""
-    return run_build(BUILD_SCRIPT, *cmds, override_env="ELASTIC_STEP_SCHEDULER_PLUGINS_BIN",
-                     error=SchedulerPluginsBuildError)
+    return run_build(
+        BUILD_SCRIPT, *cmds, override_env="ELASTIC_STEP_SCHEDULER_PLUGINS_BIN", error=SchedulerPluginsBuildError
+    )
 
 
 def pod_group(name: str, min_member: int, *, schedule_timeout_s: int | None = None) -> dict:
@@ -63,8 +65,10 @@ def pod_group(name: str, min_member: int, *, schedule_timeout_s: int | None = No
     return {"apiVersion": "/".join(PODGROUPS), "kind": "PodGroup", "metadata": {"name": name}, "spec": spec}
 
 
-CRDS = ("coscheduling/crd.yaml",          # PodGroup
-        "capacityscheduling/crd.yaml")    # ElasticQuota: the controller watches it too
+CRDS = (
+    "coscheduling/crd.yaml",  # PodGroup
+    "capacityscheduling/crd.yaml",
+)  # ElasticQuota: the controller watches it too
 
 
 def install_crds(control_plane) -> None:
@@ -76,7 +80,9 @@ def install_crds(control_plane) -> None:
     docs = []
     for name in CRDS:
         if not (manifests / name).is_file():
-            raise SchedulerPluginsBuildError(f"{manifests / name} is missing; remove {manifests.parent} and build again")
+            raise SchedulerPluginsBuildError(
+                f"{manifests / name} is missing; remove {manifests.parent} and build again"
+            )
         docs += list(yaml.safe_load_all((manifests / name).read_text()))
     for doc in docs:
         if not doc or doc.get("kind") != "CustomResourceDefinition":
@@ -87,33 +93,55 @@ def install_crds(control_plane) -> None:
             if e.status != 409:
                 raise
         name = doc["metadata"]["name"]
-        wait_for(lambda: any(c.type == "Established" and c.status == "True"
-                             for c in ext.read_custom_resource_definition(name).status.conditions or []),
-                 60, what=f"CRD {name} established")
+        wait_for(
+            lambda: any(
+                c.type == "Established" and c.status == "True"
+                for c in ext.read_custom_resource_definition(name).status.conditions or []
+            ),
+            60,
+            what=f"CRD {name} established",
+        )
 
 
 def scheduler_config(kubeconfig: Path, name: str, *, permit_wait_s: int, backoff_s: int) -> dict:
     """The KubeSchedulerConfiguration of the second scheduler: one profile with Coscheduling."""
     return {
-        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "apiVersion": "kubescheduler.config.k8s.io/v1",
+        "kind": "KubeSchedulerConfiguration",
         "leaderElection": {"leaderElect": False},
         "clientConnection": {"kubeconfig": str(kubeconfig), "qps": 100, "burst": 200},
-        "profiles": [{
-            "schedulerName": name,
-            "plugins": {"multiPoint": {"enabled": [{"name": "Coscheduling"}]},
-                        "queueSort": {"enabled": [{"name": "Coscheduling"}], "disabled": [{"name": "*"}]}},
-            "pluginConfig": [{"name": "Coscheduling",
-                              "args": {"permitWaitingTimeSeconds": permit_wait_s,
-                                       "podGroupBackoffSeconds": backoff_s}}],
-        }],
+        "profiles": [
+            {
+                "schedulerName": name,
+                "plugins": {
+                    "multiPoint": {"enabled": [{"name": "Coscheduling"}]},
+                    "queueSort": {"enabled": [{"name": "Coscheduling"}], "disabled": [{"name": "*"}]},
+                },
+                "pluginConfig": [
+                    {
+                        "name": "Coscheduling",
+                        "args": {"permitWaitingTimeSeconds": permit_wait_s, "podGroupBackoffSeconds": backoff_s},
+                    }
+                ],
+            }
+        ],
     }
 
 
 class GangScheduler:
     """scheduler-plugins' scheduler (Coscheduling) as a local process against ``control_plane``."""
 
-    def __init__(self, control_plane, name: str = "gang-scheduler", *, permit_wait_s: int = 10,
-                 backoff_s: int = 0, verbosity: int = 2, controller: bool = True, unschedulable_max_s: int = 10):
+    def __init__(
+        self,
+        control_plane,
+        name: str = "gang-scheduler",
+        *,
+        permit_wait_s: int = 10,
+        backoff_s: int = 0,
+        verbosity: int = 2,
+        controller: bool = True,
+        unschedulable_max_s: int = 10,
+    ):
         self.cp, self.name = control_plane, name
         self.unschedulable_max_s = unschedulable_max_s
         self.permit_wait_s, self.backoff_s, self.verbosity = permit_wait_s, backoff_s, verbosity
@@ -124,43 +152,73 @@ class GangScheduler:
         self.proc: subprocess.Popen | None = None
         self.controller: subprocess.Popen | None = None
 
-    def __enter__(self) -> "GangScheduler":
+    def __enter__(self) -> GangScheduler:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "GangScheduler":
+    def start(self) -> GangScheduler:
         install_crds(self.cp)
         if self.with_controller:
             probe = free_port()
-            self.controller = popen([str(self.bin / "controller"), "--metricsAddr=0",
-                                     f"--probeAddr=127.0.0.1:{probe}", "--qps=50", "--burst=100", "--workers=2"],
-                                    log_path=self.controller_log_path,
-                                    env=dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig_path)))
+            self.controller = popen(
+                [
+                    str(self.bin / "controller"),
+                    "--metricsAddr=0",
+                    f"--probeAddr=127.0.0.1:{probe}",
+                    "--qps=50",
+                    "--burst=100",
+                    "--workers=2",
+                ],
+                log_path=self.controller_log_path,
+                env=dict(os.environ, KUBECONFIG=str(self.cp.kubeconfig_path)),
+            )
             try:
-                wait_for(lambda: self.controller.poll() is not None or http_ok(f"http://127.0.0.1:{probe}/healthz"),
-                         60, what="scheduler-plugins' controller healthy")
+                wait_for(
+                    lambda: self.controller.poll() is not None or http_ok(f"http://127.0.0.1:{probe}/healthz"),
+                    60,
+                    what="scheduler-plugins' controller healthy",
+                )
             except AssertionError:
                 self.stop()
                 raise
             if self.controller.poll() is not None:
-                raise SchedulerPluginsBuildError(f"the controller exited with {self.controller.returncode}:\n"
-                                                 f"{self.log(self.controller_log_path)[-3000:]}")
+                raise SchedulerPluginsBuildError(
+                    f"the controller exited with {self.controller.returncode}:\n"
+                    f"{self.log(self.controller_log_path)[-3000:]}"
+                )
         cfg = self.cp.workdir / f"{self.name}.yaml"
-        cfg.write_text(yaml.safe_dump(scheduler_config(self.cp.kubeconfig_path, self.name,
-                                                       permit_wait_s=self.permit_wait_s, backoff_s=self.backoff_s)))
+        cfg.write_text(
+            yaml.safe_dump(
+                scheduler_config(
+                    self.cp.kubeconfig_path, self.name, permit_wait_s=self.permit_wait_s, backoff_s=self.backoff_s
+                )
+            )
+        )
         port = free_port()
         kc = str(self.cp.kubeconfig_path)
-        self.proc = popen([str(self.bin / "scheduler"), f"--config={cfg}", f"--authentication-kubeconfig={kc}",
-                           f"--authorization-kubeconfig={kc}", "--bind-address=127.0.0.1", f"--secure-port={port}",
-                           f"--cert-dir={self.cp.workdir / self.name}", f"--v={self.verbosity}",
-                           # a group still missed a requeue in about 1 of 6 self-checks (see above): it
-                           # then waits for the queue's flush of old unschedulable pods (every 30 s), not 5 min
-                           f"--pod-max-in-unschedulable-pods-duration={self.unschedulable_max_s}s"],
-                          log_path=self.log_path)
-        wait_for(lambda: self.proc.poll() is not None or http_ok(f"https://127.0.0.1:{port}/healthz", insecure=True),
-                 60, what=f"{self.name} healthy")
+        self.proc = popen(
+            [
+                str(self.bin / "scheduler"),
+                f"--config={cfg}",
+                f"--authentication-kubeconfig={kc}",
+                f"--authorization-kubeconfig={kc}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={port}",
+                f"--cert-dir={self.cp.workdir / self.name}",
+                f"--v={self.verbosity}",
+                # a group still missed a requeue in about 1 of 6 self-checks (see above): it
+                # then waits for the queue's flush of old unschedulable pods (every 30 s), not 5 min
+                f"--pod-max-in-unschedulable-pods-duration={self.unschedulable_max_s}s",
+            ],
+            log_path=self.log_path,
+        )
+        wait_for(
+            lambda: self.proc.poll() is not None or http_ok(f"https://127.0.0.1:{port}/healthz", insecure=True),
+            60,
+            what=f"{self.name} healthy",
+        )
         if self.proc.poll() is not None:
             self.stop()
             raise SchedulerPluginsBuildError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
@@ -188,14 +246,29 @@ def _self_check() -> None:
     from .controlplane import ControlPlane
 
     def pod(name: str, group: str) -> dict:
-        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {POD_GROUP_LABEL: group}},
-                "spec": {"schedulerName": "gang-scheduler", "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
-                         "containers": [{"name": "c", "image": "none", "command": ["sleep", "1000"],
-                                         "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}]}}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": {POD_GROUP_LABEL: group}},
+            "spec": {
+                "schedulerName": "gang-scheduler",
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "c",
+                        "image": "none",
+                        "command": ["sleep", "1000"],
+                        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}},
+                    }
+                ],
+            },
+        }
 
     def bound(prefix: str) -> int:
-        return sum(bool(p.spec.node_name) for p in core.list_namespaced_pod("t").items
-                   if p.metadata.name.startswith(prefix))
+        return sum(
+            bool(p.spec.node_name) for p in core.list_namespaced_pod("t").items if p.metadata.name.startswith(prefix)
+        )
 
     with ControlPlane() as cp, GangScheduler(cp) as gang:
         cp.add_node("n", cpu="4", memory="8Gi", pods=20)

@@ -45,6 +45,7 @@ Several kubelets can run in one process; pod addresses come from one allocator p
 process. Not implemented: probes, lifecycle hooks, resource enforcement, image entrypoints
 (a container needs a command), exec/logs/port-forward through the apiserver.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,6 +61,8 @@ from .mounts import mount_namespace_mode
 from .pod import TERMINAL, Image, PodWorker, log_files, now_iso, now_micro
 
 KUBE_VERSION = "v1.34"
+
+
 class _IPAllocator:
     """127.0.0.2 ... 127.0.0.254, then 127.0.1.1 ...; round robin so a just-freed address is
     not handed out again at once. One per Python process, shared by all kubelets."""
@@ -95,12 +98,28 @@ class _IPAllocator:
 
 IPS = _IPAllocator()
 
+
 class ProcessKubelet:
-    def __init__(self, api_client, name: str, *, cpu: str = "4", memory: str = "8Gi", pods: int = 110,
-                 labels: dict | None = None, taints: list | None = None, workdir: str | Path | None = None,
-                 api_host: str = "127.0.0.1", api_port: int = 443, base_env: dict | None = None,
-                 cwd: str | None = None, lease_duration: int = 40, node_status_period: float = 60.0,
-                 ips: _IPAllocator | None = None, images: dict[str, Image] | None = None):
+    def __init__(
+        self,
+        api_client,
+        name: str,
+        *,
+        cpu: str = "4",
+        memory: str = "8Gi",
+        pods: int = 110,
+        labels: dict | None = None,
+        taints: list | None = None,
+        workdir: str | Path | None = None,
+        api_host: str = "127.0.0.1",
+        api_port: int = 443,
+        base_env: dict | None = None,
+        cwd: str | None = None,
+        lease_duration: int = 40,
+        node_status_period: float = 60.0,
+        ips: _IPAllocator | None = None,
+        images: dict[str, Image] | None = None,
+    ):
         import kubernetes.client
 
         self.api = api_client
@@ -108,17 +127,20 @@ class ProcessKubelet:
         self.coord = kubernetes.client.CoordinationV1Api(api_client)
         self.ApiException = kubernetes.client.ApiException
         self.name = name
-        self.capacity = {"cpu": str(cpu), "memory": str(memory), "pods": str(pods),
-                         "ephemeral-storage": "100Gi"}
-        self.labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
-                       "kubernetes.io/arch": "amd64", **(labels or {})}
+        self.capacity = {"cpu": str(cpu), "memory": str(memory), "pods": str(pods), "ephemeral-storage": "100Gi"}
+        self.labels = {
+            "kubernetes.io/hostname": name,
+            "kubernetes.io/os": "linux",
+            "kubernetes.io/arch": "amd64",
+            **(labels or {}),
+        }
         self.taints = taints or []
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"process-kubelet-{name}-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.api_host, self.api_port = api_host, api_port
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.cwd = cwd
-        self.images = dict(images or {})   # image repository -> Image (its PATH and files here)
+        self.images = dict(images or {})  # image repository -> Image (its PATH and files here)
         self.lease_duration = lease_duration
         self.node_status_period = node_status_period
         self.ips = ips or IPS
@@ -141,8 +163,8 @@ class ProcessKubelet:
     def __exit__(self, *exc):
         self.stop()
 
-    def start(self) -> "ProcessKubelet":
-        self.map_root_user = mount_namespace_mode()   # before the node exists: no pod runs without it
+    def start(self) -> ProcessKubelet:
+        self.map_root_user = mount_namespace_mode()  # before the node exists: no pod runs without it
         self._register()
         for target, tname in ((self._heartbeat_loop, "lease"), (self._watch_loop, "watch")):
             t = threading.Thread(target=target, name=f"kubelet-{self.name}-{tname}", daemon=True)
@@ -190,38 +212,57 @@ class ProcessKubelet:
         """``namespace/name`` -> pid of the pod's primary container (``main``, else the first) running now."""
         with self._lock:
             workers = list(self._workers.values())
-        return {w.ref: w.primary.proc.pid for w in workers
-                if w.primary.proc is not None and w.primary.proc.poll() is None}
+        return {
+            w.ref: w.primary.proc.pid for w in workers if w.primary.proc is not None and w.primary.proc.poll() is None
+        }
 
     # ---- node and lease ------------------------------------------------------------------
     def _node_status(self) -> dict:
         t = now_iso()
 
         def cond(type_, status, reason, msg):
-            return {"type": type_, "status": status, "reason": reason, "message": msg,
-                    "lastHeartbeatTime": t, "lastTransitionTime": t}
+            return {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": msg,
+                "lastHeartbeatTime": t,
+                "lastTransitionTime": t,
+            }
+
         return {
-            "capacity": self.capacity, "allocatable": self.capacity,
+            "capacity": self.capacity,
+            "allocatable": self.capacity,
             "conditions": [
                 cond("MemoryPressure", "False", "KubeletHasSufficientMemory", "process kubelet"),
                 cond("DiskPressure", "False", "KubeletHasNoDiskPressure", "process kubelet"),
                 cond("PIDPressure", "False", "KubeletHasSufficientPID", "process kubelet"),
                 cond("Ready", "True", "KubeletReady", "process kubelet is posting ready status"),
             ],
-            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
-                          {"type": "Hostname", "address": self.name}],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": self.name}],
             "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}},
-            "nodeInfo": {"machineID": self.name, "systemUUID": self.name, "bootID": self.name,
-                         "kernelVersion": os.uname().release, "osImage": "process kubelet",
-                         "containerRuntimeVersion": "process://1", "kubeletVersion": KUBE_VERSION,
-                         "kubeProxyVersion": "", "operatingSystem": "linux", "architecture": "amd64"},
+            "nodeInfo": {
+                "machineID": self.name,
+                "systemUUID": self.name,
+                "bootID": self.name,
+                "kernelVersion": os.uname().release,
+                "osImage": "process kubelet",
+                "containerRuntimeVersion": "process://1",
+                "kubeletVersion": KUBE_VERSION,
+                "kubeProxyVersion": "",
+                "operatingSystem": "linux",
+                "architecture": "amd64",
+            },
         }
 
     def _register(self) -> None:
-        body = {"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": self.name, "labels": self.labels},
-                "spec": {"taints": self.taints} if self.taints else {},
-                "status": self._node_status()}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": self.name, "labels": self.labels},
+            "spec": {"taints": self.taints} if self.taints else {},
+            "status": self._node_status(),
+        }
         try:
             node = self.core.create_node(body)
         except self.ApiException as e:
@@ -234,19 +275,27 @@ class ProcessKubelet:
         self.log.info("registered node %s (%s)", self.name, self.capacity)
 
     def _renew_lease(self) -> None:
-        spec = {"holderIdentity": self.name, "leaseDurationSeconds": self.lease_duration,
-                "renewTime": now_micro()}
+        spec = {"holderIdentity": self.name, "leaseDurationSeconds": self.lease_duration, "renewTime": now_micro()}
         try:
             self.coord.patch_namespaced_lease(self.name, "kube-node-lease", {"spec": spec})
         except self.ApiException as e:
             if e.status != 404:
                 raise
-            self.coord.create_namespaced_lease("kube-node-lease", {
-                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": "kube-node-lease",
-                             "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name,
-                                                  "uid": self.node_uid}]},
-                "spec": spec})
+            self.coord.create_namespaced_lease(
+                "kube-node-lease",
+                {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {
+                        "name": self.name,
+                        "namespace": "kube-node-lease",
+                        "ownerReferences": [
+                            {"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self.node_uid}
+                        ],
+                    },
+                    "spec": spec,
+                },
+            )
 
     def _heartbeat_loop(self) -> None:
         last_status = time.monotonic()
@@ -281,8 +330,13 @@ class ProcessKubelet:
                     for w in gone:
                         self._on_gone(w.uid)
                 resp = self.core.list_pod_for_all_namespaces(
-                    field_selector=selector, watch=True, resource_version=rv, allow_watch_bookmarks=True,
-                    timeout_seconds=30, _preload_content=False)
+                    field_selector=selector,
+                    watch=True,
+                    resource_version=rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=30,
+                    _preload_content=False,
+                )
                 self._watch_resp = resp
                 for line in iter_resp_lines(resp):
                     if self._stop.is_set():
@@ -341,8 +395,9 @@ class ProcessKubelet:
 
     def delete_now(self, namespace: str, name: str, uid: str) -> None:
         try:
-            self.core.delete_namespaced_pod(name, namespace, body={"gracePeriodSeconds": 0,
-                                                                   "preconditions": {"uid": uid}})
+            self.core.delete_namespaced_pod(
+                name, namespace, body={"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+            )
             self.log.info("deleted %s/%s (grace 0)", namespace, name)
         except self.ApiException as e:
             if e.status not in (404, 409):

@@ -2,6 +2,7 @@
 /dev/shm and their volumes at their real paths, nothing they mount reaches the host (a mount namespace),
 and what they signal stays inside (a PID namespace: Argo's executor forwards a SIGTERM with kill(-1),
 which on a shared PID namespace ends every process of the machine)."""
+
 from __future__ import annotations
 
 import shlex
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 # What containerd and Docker mount on a container's /dev/shm unless told otherwise.
 DEV_SHM_OPTIONS = "nosuid,nodev,noexec,mode=1777,size=64m"
-FIRST_FD = 10   # bind sources' descriptors: above the 0-9 a shell script may use (bash takes any number)
+FIRST_FD = 10  # bind sources' descriptors: above the 0-9 a shell script may use (bash takes any number)
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class Mount:
     """One mount made inside a container's mount namespace before its command runs: a fresh
     filesystem (``fstype`` "tmpfs", ...) or, with fstype "bind", a directory or file of the pod's
     (``source``) shown at ``target`` (``options`` "ro": read-only)."""
+
     target: str
     fstype: str
     source: str = "none"
@@ -33,8 +35,9 @@ class Mount:
             # The target is made where it is missing (in the volume mounted above it, if any): an
             # empty directory, or an empty file for a file, as runtimes make them.
             src, tgt = f"/proc/self/fd/{fd}", q(self.target)
-            make = (f"if [ -d {src} ]; then mkdir -p {tgt}; else mkdir -p \"$(dirname {tgt})\"; "
-                    f"[ -e {tgt} ] || : > {tgt}; fi")
+            make = (
+                f'if [ -d {src} ]; then mkdir -p {tgt}; else mkdir -p "$(dirname {tgt})"; [ -e {tgt} ] || : > {tgt}; fi'
+            )
             ro = f"\nmount -o remount,bind,ro {tgt}" if "ro" in self.options.split(",") else ""
             return f"{make}\nmount --no-canonicalize --bind {src} {tgt}{ro}"
         opts = f" -o {q(self.options)}" if self.options else ""
@@ -62,8 +65,9 @@ done
 """
 
 
-def in_namespaces(argv: list[str], mounts: list[Mount], *, map_root_user: bool = False,
-                  cwd: str | None = None) -> list[str]:
+def in_namespaces(
+    argv: list[str], mounts: list[Mount], *, map_root_user: bool = False, cwd: str | None = None
+) -> list[str]:
     """``argv`` wrapped to run in mount and PID namespaces of its own, after ``mounts``, in ``cwd`` (a
     path as the container sees it) when given.
 
@@ -78,10 +82,18 @@ def in_namespaces(argv: list[str], mounts: list[Mount], *, map_root_user: bool =
     script += "".join(m.shell(fds.get(i)) + "\n" for i, m in enumerate(mounts))
     script += "".join(f"exec {fd}<&-\n" for fd in fds.values())
     if cwd:
-        script += f"mkdir -p {shlex.quote(cwd)}\ncd {shlex.quote(cwd)}\n"   # as runtimes make a missing workingDir
+        script += f"mkdir -p {shlex.quote(cwd)}\ncd {shlex.quote(cwd)}\n"  # as runtimes make a missing workingDir
     script += INIT
-    unshare = [_tool("unshare"), "--mount", "--propagation", "private", "--pid", "--fork", "--kill-child",
-               "--mount-proc"]
+    unshare = [
+        _tool("unshare"),
+        "--mount",
+        "--propagation",
+        "private",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+    ]
     if map_root_user:
         unshare.append("--map-root-user")
     return [*unshare, "--", _tool("bash"), "-c", script, "container", *argv]
@@ -109,7 +121,7 @@ class MountNamespaceUnavailable(RuntimeError):
     """This machine cannot give a pod a mount namespace of its own (not root, no user namespaces)."""
 
 
-_ns_mode: bool | None = None   # map_root_user, once known
+_ns_mode: bool | None = None  # map_root_user, once known
 _ns_mode_lock = threading.Lock()
 
 
@@ -131,5 +143,6 @@ def mount_namespace_mode() -> bool:
                 raise MountNamespaceUnavailable(
                     "the process kubelet gives each pod its own /dev/shm (a mount namespace per pod, as "
                     "a real node has) and cannot here; run as root or allow unprivileged user "
-                    "namespaces. Tried: " + "; ".join(errors))
+                    "namespaces. Tried: " + "; ".join(errors)
+                )
         return _ns_mode

@@ -12,6 +12,7 @@ container's PATH, and the directories holding the image's files, which its conta
 where a volume is mounted above them (an emptyDir on /work must not hide a checkout under /work).
 A container needs a ``command`` (the image's entrypoint is not known here).
 """
+
 from __future__ import annotations
 
 import base64
@@ -47,10 +48,12 @@ _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.\-]*)\)")
 
 def expand(s: str, env: dict) -> str:
     """Kubernetes' $(VAR) expansion: $(VAR) -> value when defined, $$ -> $."""
+
     def sub(m):
         if m.group(0) == "$$":
             return "$"
         return env.get(m.group(1), m.group(0))
+
     return _VAR.sub(sub, s)
 
 
@@ -65,6 +68,7 @@ def image_repository(image: str) -> str:
 class Image:
     """What an image is on this host: ``path``, directories first on its containers' PATH;
     ``files``, directories of its own files (a venv, a checkout) kept visible under any volume."""
+
     path: tuple[Path, ...]
     files: tuple[Path, ...] = ()
 
@@ -76,7 +80,7 @@ class PodConfigError(Exception):
 class Container:
     """One container of a pod: its process, restarts and status (``containerStatuses`` entry)."""
 
-    def __init__(self, pod: "PodWorker", spec: dict, init: bool, waiting: str):
+    def __init__(self, pod: PodWorker, spec: dict, init: bool, waiting: str):
         self.pod, self.spec, self.init = pod, spec, init
         self.name = spec.get("name", "main")
         self.log_file = pod.dir / f"{self.name}.log"
@@ -94,9 +98,16 @@ class Container:
         return self.state.get("terminated")
 
     def status(self) -> dict:
-        cs = {"name": self.name, "image": self.spec.get("image", ""), "imageID": "", "ready": self.ready,
-              "started": self.started, "restartCount": self.restarts, "state": self.state,
-              "lastState": self.last_state}
+        cs = {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": "",
+            "ready": self.ready,
+            "started": self.started,
+            "restartCount": self.restarts,
+            "state": self.state,
+            "lastState": self.last_state,
+        }
         if self.container_id:
             cs["containerID"] = self.container_id
         return cs
@@ -111,8 +122,9 @@ class Container:
         env = pod.env(self.spec)
         mounts = pod.mounts(self.spec)
         while True:
-            argv = [expand(a, env) for a in (self.spec.get("command") or [])] + \
-                   [expand(a, env) for a in (self.spec.get("args") or [])]
+            argv = [expand(a, env) for a in (self.spec.get("command") or [])] + [
+                expand(a, env) for a in (self.spec.get("args") or [])
+            ]
             started = now_iso()
             try:
                 if not self.spec.get("command"):
@@ -125,10 +137,15 @@ class Container:
                 with open(self.log_file, "ab") as out:
                     log_start = out.tell()
                     self.proc = subprocess.Popen(
-                        in_namespaces(argv, mounts, map_root_user=k.map_root_user,
-                                           cwd=self.spec.get("workingDir")),
-                        env=env, cwd=k.cwd, stdin=subprocess.DEVNULL, stdout=out,
-                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+                        in_namespaces(argv, mounts, map_root_user=k.map_root_user, cwd=self.spec.get("workingDir")),
+                        env=env,
+                        cwd=k.cwd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent,
+                    )
             except OSError as e:
                 with open(self.log_file, "ab") as out:
                     out.write(f"[process kubelet] cannot start {argv}: {e}\n".encode())
@@ -145,8 +162,13 @@ class Container:
                 if code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
                     message = self._log_tail(log_start)
                 k.log.info("%s: %s: pid %d exited with %d", pod.ref, self.name, self.proc.pid, code)
-            terminated = {"exitCode": code, "reason": reason, "startedAt": started, "finishedAt": now_iso(),
-                          "containerID": self.container_id}
+            terminated = {
+                "exitCode": code,
+                "reason": reason,
+                "startedAt": started,
+                "finishedAt": now_iso(),
+                "containerID": self.container_id,
+            }
             if message:
                 terminated["message"] = message
             if self.proc is not None and self.proc.returncode is not None and self.proc.returncode < 0:
@@ -184,7 +206,7 @@ class Container:
                 pass
             deleting, deadline = pod.deletion()
             if deleting and not self.term_sent and (init := namespace_init(p.pid)) is not None:
-                self.term_sent = True   # to the container's init, which passes it on (the wrapper ignores it)
+                self.term_sent = True  # to the container's init, which passes it on (the wrapper ignores it)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(init, signal.SIGTERM)
                 pod.k.log.info("%s: %s: SIGTERM pid %d", pod.ref, self.name, init)
@@ -210,7 +232,7 @@ def _host_path(path: str, mounts: list[Mount]) -> str:
         if m.fstype == "bind" and (path == m.target or path.startswith(m.target.rstrip("/") + "/")):
             if best is None or len(m.target) > len(best.target):
                 best = m
-    return path if best is None else best.source + path[len(best.target.rstrip("/")):]
+    return path if best is None else best.source + path[len(best.target.rstrip("/")) :]
 
 
 class PodWorker(threading.Thread):
@@ -226,16 +248,18 @@ class PodWorker(threading.Thread):
         self.volumes_dir = self.dir / "volumes"
         spec = pod["spec"]
         self.inits = [Container(self, c, True, "PodInitializing") for c in spec.get("initContainers") or []]
-        self.containers = [Container(self, c, False, "PodInitializing" if self.inits else "ContainerCreating")
-                           for c in spec.get("containers") or [{}]]
+        self.containers = [
+            Container(self, c, False, "PodInitializing" if self.inits else "ContainerCreating")
+            for c in spec.get("containers") or [{}]
+        ]
         self.ip: str | None = None
         self.initialized = not self.inits
-        self._volumes: dict[str, str] = {}   # volume name -> its directory on the host
+        self._volumes: dict[str, str] = {}  # volume name -> its directory on the host
         self._host_volumes: set[str] = set()  # hostPath ones: the host's own directories
         self._status_lock = threading.Lock()
         self._cv = threading.Condition()
         self._deleting = False
-        self._deadline: float | None = None   # SIGKILL at
+        self._deadline: float | None = None  # SIGKILL at
         self._report = True
         self._delete_sent = False
         self._done = False  # set (under _cv) once deletion requests are no longer acted upon
@@ -286,7 +310,7 @@ class PodWorker(threading.Thread):
     def run(self) -> None:
         try:
             self._run()
-        except Exception:  # noqa: BLE001
+        except Exception:
             self.k.log.exception("%s: worker failed", self.ref)
         finally:
             for c in self.inits + self.containers:
@@ -305,8 +329,16 @@ class PodWorker(threading.Thread):
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ip = k.ips.allocate()
         self.pod.setdefault("status", {})["podIP"] = self.ip
-        self._patch({"phase": "Pending", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
-                     "podIP": self.ip, "podIPs": [{"ip": self.ip}], "startTime": now_iso()})
+        self._patch(
+            {
+                "phase": "Pending",
+                "hostIP": "127.0.0.1",
+                "hostIPs": [{"ip": "127.0.0.1"}],
+                "podIP": self.ip,
+                "podIPs": [{"ip": self.ip}],
+                "startTime": now_iso(),
+            }
+        )
         self.publish()
         k.log.info("%s: pod ip %s", self.ref, self.ip)
 
@@ -336,8 +368,9 @@ class PodWorker(threading.Thread):
         self.initialized = True
         for c in self.containers:
             c.state = {"waiting": {"reason": "ContainerCreating"}}
-            c.thread = threading.Thread(target=self._run_container, args=(c,), daemon=True,
-                                        name=f"{self.name}/{c.name}")
+            c.thread = threading.Thread(
+                target=self._run_container, args=(c,), daemon=True, name=f"{self.name}/{c.name}"
+            )
             c.thread.start()
         for c in self.containers:
             c.thread.join()
@@ -346,10 +379,11 @@ class PodWorker(threading.Thread):
     def _run_container(self, c: Container) -> None:
         try:
             c.run()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self.k.log.exception("%s: %s failed", self.ref, c.name)
-            c.state = {"terminated": {"exitCode": 128, "reason": "StartError", "message": repr(e),
-                                      "finishedAt": now_iso()}}
+            c.state = {
+                "terminated": {"exitCode": 128, "reason": "StartError", "message": repr(e), "finishedAt": now_iso()}
+            }
         if not all(o.terminated for o in self.containers):
             self.publish()
 
@@ -382,13 +416,18 @@ class PodWorker(threading.Thread):
             done_reason = "PodCompleted" if phase in TERMINAL else "ContainersNotReady"
             status = {
                 "phase": phase,
-                "conditions": [self._cond("PodReadyToStartContainers", "True"),
-                               self._cond("Initialized", "True" if self.initialized else "False",
-                                          None if self.initialized else "ContainersNotInitialized"),
-                               self._cond("ContainersReady", "True" if ready else "False",
-                                          None if ready else done_reason),
-                               self._cond("Ready", "True" if ready else "False", None if ready else done_reason)],
-                "containerStatuses": cs}
+                "conditions": [
+                    self._cond("PodReadyToStartContainers", "True"),
+                    self._cond(
+                        "Initialized",
+                        "True" if self.initialized else "False",
+                        None if self.initialized else "ContainersNotInitialized",
+                    ),
+                    self._cond("ContainersReady", "True" if ready else "False", None if ready else done_reason),
+                    self._cond("Ready", "True" if ready else "False", None if ready else done_reason),
+                ],
+                "containerStatuses": cs,
+            }
             if self.inits:
                 status["initContainerStatuses"] = [c.status() for c in self.inits]
             self._patch(status)
@@ -417,11 +456,16 @@ class PodWorker(threading.Thread):
         image = k.images.get(image_repository(spec.get("image", "")))
         if image:
             env["PATH"] = os.pathsep.join([*map(str, image.path), env.get("PATH", os.defpath)])
-        env.update({"HOSTNAME": self.pod_name,
-                    "KUBERNETES_SERVICE_HOST": k.api_host, "KUBERNETES_SERVICE_PORT": str(k.api_port),
-                    "KUBERNETES_SERVICE_PORT_HTTPS": str(k.api_port),
-                    "KUBERNETES_PORT": f"tcp://{k.api_host}:{k.api_port}",
-                    "PROCESS_KUBELET_POD_IP": self.ip})
+        env.update(
+            {
+                "HOSTNAME": self.pod_name,
+                "KUBERNETES_SERVICE_HOST": k.api_host,
+                "KUBERNETES_SERVICE_PORT": str(k.api_port),
+                "KUBERNETES_SERVICE_PORT_HTTPS": str(k.api_port),
+                "KUBERNETES_PORT": f"tcp://{k.api_host}:{k.api_port}",
+                "PROCESS_KUBELET_POD_IP": self.ip,
+            }
+        )
         for src in spec.get("envFrom") or []:
             prefix = src.get("prefix", "")
             for kind, key in (("secret", "secretRef"), ("configmap", "configMapRef")):
@@ -437,8 +481,9 @@ class PodWorker(threading.Thread):
             if "fieldRef" in vf:
                 env[name] = self._field(vf["fieldRef"]["fieldPath"])
             elif "secretKeyRef" in vf or "configMapKeyRef" in vf:
-                kind, ref = ("secret", vf["secretKeyRef"]) if "secretKeyRef" in vf else \
-                            ("configmap", vf["configMapKeyRef"])
+                kind, ref = (
+                    ("secret", vf["secretKeyRef"]) if "secretKeyRef" in vf else ("configmap", vf["configMapKeyRef"])
+                )
                 data = self._read(kind, ref["name"], ref.get("optional", False))
                 if data is None or ref["key"] not in data:
                     if ref.get("optional"):
@@ -457,9 +502,14 @@ class PodWorker(threading.Thread):
         if m:
             return (meta.get(m.group(1)) or {}).get(m.group(2), "")
         return {
-            "metadata.name": meta["name"], "metadata.namespace": meta["namespace"], "metadata.uid": meta["uid"],
-            "spec.nodeName": self.k.name, "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
-            "status.podIP": self.ip, "status.podIPs": self.ip, "status.hostIP": "127.0.0.1",
+            "metadata.name": meta["name"],
+            "metadata.namespace": meta["namespace"],
+            "metadata.uid": meta["uid"],
+            "spec.nodeName": self.k.name,
+            "spec.serviceAccountName": pod["spec"].get("serviceAccountName", ""),
+            "status.podIP": self.ip,
+            "status.podIPs": self.ip,
+            "status.hostIP": "127.0.0.1",
             "status.hostIPs": "127.0.0.1",
         }.get(path, "")
 
@@ -476,9 +526,8 @@ class PodWorker(threading.Thread):
             if m.get("subPath"):
                 source = os.path.join(source, m["subPath"])
                 if m["name"] not in self._host_volumes and not os.path.exists(source):
-                    os.makedirs(source)   # as the kubelet makes a missing subPath
-            binds.append(Mount(m["mountPath"].rstrip("/") or "/", "bind", source,
-                               "ro" if m.get("readOnly") else ""))
+                    os.makedirs(source)  # as the kubelet makes a missing subPath
+            binds.append(Mount(m["mountPath"].rstrip("/") or "/", "bind", source, "ro" if m.get("readOnly") else ""))
         image = self.k.images.get(image_repository(spec.get("image", "")))
         for files in image.files if image else ():
             if any(str(files).startswith(b.target.rstrip("/") + "/") for b in binds):
@@ -546,18 +595,22 @@ class PodWorker(threading.Thread):
         return data
 
     def _downward(self, items: list) -> dict[str, bytes]:
-        return {it["path"]: self._field(it["fieldRef"]["fieldPath"]).encode()
-                for it in items if "fieldRef" in it}
+        return {it["path"]: self._field(it["fieldRef"]["fieldPath"]).encode() for it in items if "fieldRef" in it}
 
     def _token(self, audience: str | None, seconds: int) -> str:
         sa = self.pod["spec"].get("serviceAccountName") or "default"
-        spec = {"expirationSeconds": max(600, int(seconds)),
-                "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.pod_name, "uid": self.uid}}
+        spec = {
+            "expirationSeconds": max(600, int(seconds)),
+            "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.pod_name, "uid": self.uid},
+        }
         if audience:
             spec["audiences"] = [audience]
         try:
-            resp = self._as_node(lambda: self.k.core.create_namespaced_service_account_token(
-                sa, self.namespace, {"spec": spec}, _preload_content=False))
+            resp = self._as_node(
+                lambda: self.k.core.create_namespaced_service_account_token(
+                    sa, self.namespace, {"spec": spec}, _preload_content=False
+                )
+            )
         except self.k.ApiException as e:
             raise PodConfigError(f"token for service account {self.namespace}/{sa}: {e.status} {e.reason}") from e
         return json.loads(resp.data)["status"]["token"]

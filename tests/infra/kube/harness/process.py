@@ -1,6 +1,7 @@
 """What every part of the harness shares: starting, stopping and killing child processes, running a
 scripts/build-*, polling, free ports. The control plane, the process kubelet's pods, Argo's controller and
 the gang scheduler all import it, and it imports none of them."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,18 +17,20 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[4]
-KUBE = REPO / "tests" / "infra" / "kube"   # the Go modules and VERSION files the scripts/build-* build from
+KUBE = REPO / "tests" / "infra" / "kube"  # the Go modules and VERSION files the scripts/build-* build from
 
 
-def run_build(script: Path, *args: str, override_env: str, error: type[Exception] = RuntimeError,
-              env: dict | None = None) -> Path:
+def run_build(
+    script: Path, *args: str, override_env: str, error: type[Exception] = RuntimeError, env: dict | None = None
+) -> Path:
     """The bin directory a scripts/build-* prints last on stdout (each is a no-op when its binaries
     exist; its progress goes to our stderr), or `override_env`'s directory when that is set."""
     override = os.environ.get(override_env)
     if override:
         return Path(override)
-    proc = subprocess.run([str(script), *args], stdout=subprocess.PIPE, stderr=None, text=True,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        [str(script), *args], stdout=subprocess.PIPE, stderr=None, text=True, env={**os.environ, **(env or {})}
+    )
     if proc.returncode != 0:
         raise error(f"{script} failed with exit code {proc.returncode}")
     return Path(proc.stdout.strip().splitlines()[-1])
@@ -52,8 +55,16 @@ def die_with_parent() -> None:  # preexec_fn: SIGKILL the child when its parent 
 def popen(argv: list[str], *, log_path: Path, env=None, cwd=None) -> subprocess.Popen:
     """Start a child in its own process group, logging to a file; killed if we die."""
     with open(log_path, "ab") as out:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=env, cwd=cwd, start_new_session=True, preexec_fn=die_with_parent)
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
