@@ -106,9 +106,9 @@ def _prep(args) -> dict:
     from elastic_step.data.prep import prepare
 
     r = prepare(
-        args.source,
+        args.source_uri,
         args.output,
-        label=args.label,
+        label=args.label or None,
         eval_fraction=args.eval_fraction,
         shard_rows=args.shard_rows,
         schema=args.schema,
@@ -197,14 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
     prep = data.add_parser("prep", help="CSV/Parquet/JSON lines -> validated Parquet shards + manifests")
-    prep.add_argument("--source", required=True, help="file, folder or glob; any fsspec URI")
-    prep.add_argument("--output", required=True)
-    prep.add_argument("--label")
-    prep.add_argument("--eval-fraction", type=float, default=0.2)
-    prep.add_argument("--shard-rows", type=int, default=50_000)
-    prep.add_argument("--schema", help='JSON schema file: {"fields": [{"name", "type"}]}')
-    prep.add_argument("--on-bad-rows", default="fail", choices=["fail", "skip"])
-    prep.add_argument("--seed", type=int, default=0)
+    spec.add_arguments(prep, spec.PREP)
+    prep.add_argument("--output", required=True, help="the folder for train/ and eval/, each a manifest and its shards")
     prep.set_defaults(func=_prep)
 
     train = sub.add_parser(
@@ -220,9 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True, help="model.keras or the folder holding it (any fsspec URI)")
     ev.add_argument("--eval-data", help="eval manifest.json (or its folder)")
     ev.add_argument("--prepared", metavar="DIR", help="the folder `data prep` wrote: the same as --eval-data DIR/eval")
-    ev.add_argument("--model-def", required=True)
-    ev.add_argument("--metric", default="accuracy")
-    ev.add_argument("--threshold", type=float, default=0.9)
+    spec.add_arguments(ev, spec.EVAL)
     ev.add_argument("--metrics-out", help="also write the result as JSON here")
     ev.add_argument("--passed-out", help="also write true/false (the gate) to this file")
     ev.set_defaults(func=_evaluate)

@@ -22,10 +22,21 @@ import dataclasses
 CONFIG = "config"  # a field of TrainConfig, the master's validated configuration
 TRAIN = "train"  # `elastic-step train`
 RUN = "run"  # `elastic-step pipeline run` (the pipeline on this machine, through kfp.local)
+PREP = "prep"  # `elastic-step data prep`
+EVAL = "evaluate"  # `elastic-step evaluate`
 PIPELINE = "pipeline"  # the KFP pipeline train_eval, the Argo WorkflowTemplate and `elastic-step schedule create`
 COMPONENT = "component"  # the KFP component(s) of each of its steps (e.g. elastic_train_op, elastic_train_uri_op)
 V1 = "v1"  # the v1 (Elyra) component of each of its steps, which runs the CLI
-SURFACES = {TRAIN: "train", RUN: "run", PIPELINE: "pipeline", COMPONENT: "component", V1: "v1", CONFIG: "config"}
+SURFACES = {
+    PREP: "prep",
+    TRAIN: "train",
+    EVAL: "evaluate",
+    RUN: "run",
+    PIPELINE: "pipeline",
+    COMPONENT: "component",
+    V1: "v1",
+    CONFIG: "config",
+}
 
 # The pipeline's steps; each is a component folder (components/<step>/) and a step of the Argo template.
 DATA_PREP, ELASTIC_TRAIN, EVALUATE, PUBLISH_MODEL = "data_prep", "elastic_train", "evaluate", "publish_model"
@@ -83,7 +94,7 @@ PARAMS: tuple[Param, ...] = (
         str,
         REQUIRED,
         "training data: CSV, Parquet or JSON lines; a file, folder or glob, any fsspec URI",
-        _on(RUN, PIPELINE, COMPONENT, V1),
+        _on(PREP, RUN, PIPELINE, COMPONENT, V1),
         (DATA_PREP,),
         flag="--source",
     ),
@@ -92,7 +103,7 @@ PARAMS: tuple[Param, ...] = (
         str,
         REQUIRED,
         "the model: an importable module path (pkg.module), or a path/URI of a .py file",
-        _on(*_TRAINING, RUN),
+        _on(*_TRAINING, EVAL, RUN),
         (ELASTIC_TRAIN, EVALUATE),
     ),
     Param("train_data", str, REQUIRED, "train manifest.json (or its folder)", _on(CONFIG, TRAIN), cli_required=False),
@@ -105,26 +116,41 @@ PARAMS: tuple[Param, ...] = (
         "(local, gs://, s3://); `pipeline run`: the folder whose pipeline_root/ gets every artifact",
         _on(CONFIG, TRAIN, RUN),
     ),
-    Param("label", str, "label", "the label column", _on(RUN, PIPELINE, COMPONENT, V1), (DATA_PREP,)),
+    Param(
+        "label",
+        str,
+        "label",
+        "the label column: every row must have one (empty: no label column, nothing checked)",
+        _on(PREP, RUN, PIPELINE, COMPONENT, V1),
+        (DATA_PREP,),
+        empty_is_a_value=True,
+    ),
     Param(
         "eval_fraction",
         float,
         0.2,
         "share of the rows held out for evaluation",
-        _on(RUN, PIPELINE, COMPONENT, V1),
+        _on(PREP, RUN, PIPELINE, COMPONENT, V1),
         (DATA_PREP,),
     ),
-    Param("shard_rows", int, 50000, "rows per Parquet shard", _on(COMPONENT, V1), (DATA_PREP,)),
+    Param("shard_rows", int, 50000, "rows per Parquet shard", _on(PREP, COMPONENT, V1), (DATA_PREP,)),
     Param(
         "on_bad_rows",
         str,
         "fail",
         "a row that does not parse: fail, or skip it (counted)",
-        _on(V1),
+        _on(PREP, V1),
         (DATA_PREP,),
         choices=("fail", "skip"),
     ),
-    Param("seed", int, 0, "seed of the split and of training", _on(*_TRAINING, RUN), (DATA_PREP, ELASTIC_TRAIN)),
+    Param(
+        "schema",
+        str,
+        None,
+        'a JSON schema file for the source, {"fields": [{"name", "type"}]} (none: the types are inferred)',
+        _on(PREP),
+    ),
+    Param("seed", int, 0, "seed of the split and of training", _on(*_TRAINING, PREP, RUN), (DATA_PREP, ELASTIC_TRAIN)),
     # ---------------------------------------------------------------- training
     Param("epochs", int, 1, "passes over the training data", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
     Param("minibatch_size", int, 64, "records per minibatch", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
@@ -295,11 +321,16 @@ PARAMS: tuple[Param, ...] = (
         float,
         0.9,
         "the gate: the model is published only when its metric is at least this",
-        _on(RUN, PIPELINE, COMPONENT, V1),
+        _on(EVAL, RUN, PIPELINE, COMPONENT, V1),
         (EVALUATE,),
     ),
     Param(
-        "metric", str, "accuracy", "the eval metric the gate compares", _on(RUN, PIPELINE, COMPONENT, V1), (EVALUATE,)
+        "metric",
+        str,
+        "accuracy",
+        "the eval metric the gate compares",
+        _on(EVAL, RUN, PIPELINE, COMPONENT, V1),
+        (EVALUATE,),
     ),
     Param(
         "publish_uri",
@@ -370,7 +401,8 @@ def reference_markdown() -> str:
         "",
         "Every parameter of a training job and of the train→evaluate pipeline, with the surfaces that take it:",
         "",
-        "- **train**, **run**: the commands `elastic-step train` and `elastic-step pipeline run`, with the flag shown;",
+        "- **prep**, **train**, **evaluate**, **run**: the commands `elastic-step data prep`, `elastic-step train`, "
+        "`elastic-step evaluate` and `elastic-step pipeline run`, with the flag shown;",
         "- **pipeline**: the KFP pipeline (`elastic_step.pipelines.train_eval`, pipelines/train_eval/), the Argo "
         "WorkflowTemplate (pipelines/argo/, the name with dashes) and `elastic-step schedule create`;",
         "- **component**, **v1**: the KFP components (`elastic_step.components`) and the v1 (Elyra) components "
@@ -384,7 +416,7 @@ def reference_markdown() -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for p in PARAMS:
-        cli = {TRAIN, RUN, PIPELINE} & p.on or p.steps
+        cli = {PREP, TRAIN, EVAL, RUN, PIPELINE} & p.on or p.steps
         flags = ", ".join(f"`{f}`" for f in (p.cli_flag, *p.aliases)) if cli else ""
         surfaces = ", ".join(SURFACES[s] for s in SURFACES if s in p.on)
         choices = f" One of {', '.join(f'`{c}`' for c in p.choices)}." if p.choices else ""

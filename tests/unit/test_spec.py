@@ -100,7 +100,9 @@ def _defaults(argv: list[str]) -> dict:
 @pytest.mark.parametrize(
     "surface, argv",
     [
+        (spec.PREP, ["data", "prep", "--source", "s", "--output", "o"]),
         (spec.TRAIN, ["train", "--model-def", "m.py", "--output", "o"]),
+        (spec.EVAL, ["evaluate", "--model", "m", "--model-def", "m.py", "--prepared", "p"]),
         (spec.RUN, ["pipeline", "run", "--source", "s", "--model-def", "m.py", "--output", "o"]),
         (spec.PIPELINE, ["schedule", "create", "--host", "h", "--cron", "c", "--source", "s", "--model-def", "m.py"]),
     ],
