@@ -382,6 +382,13 @@ def values(args: argparse.Namespace, surface: str) -> dict:
     return {p.name: getattr(args, p.name) for p in params(surface)}
 
 
+def cli_args(**given) -> list[str]:
+    """The command line that passes these parameter values: `--flag value` each, with the spec's flags
+    (`source_uri="s"` -> `--source s`), in the order given. A value may be a placeholder another tool fills
+    in (Argo's `{{inputs.parameters.x}}`)."""
+    return [a for name, value in given.items() for a in (BY_NAME[name].cli_flag, str(value))]
+
+
 # ---------------------------------------------------------------- docs/parameters.md
 def _literal(value) -> str:
     if value is REQUIRED:

@@ -78,7 +78,7 @@ def _in(name: str) -> str:
 
 def _flags(names: tuple[str, ...]) -> list[str]:
     """`--flag {{inputs.parameters.name}}` for each parameter, with the CLI's flag of the spec."""
-    return [a for n in names for a in (spec.BY_NAME[n.replace("-", "_")].cli_flag, _in(n))]
+    return spec.cli_args(**{n.replace("-", "_"): _in(n) for n in names})
 
 
 def _from_workflow(names: tuple[str, ...]) -> list[Parameter]:

@@ -159,3 +159,21 @@ def test_every_parameter_is_documented_and_on_a_surface():
         assert p.type in (int, float, str) and (p.required or p.default is None or isinstance(p.default, p.type))
         assert not p.choices or p.required or p.default in p.choices, p.name
         assert set(p.steps) <= {spec.DATA_PREP, spec.ELASTIC_TRAIN, spec.EVALUATE, spec.PUBLISH_MODEL}
+
+
+def test_cli_args_spell_the_values_as_the_parsers_read_them():
+    argv = spec.cli_args(source_uri="s.csv", model_def="m.py", output="o", epochs=3, eval_fraction=0.5)
+    assert argv == [
+        "--source",
+        "s.csv",
+        "--model-def",
+        "m.py",
+        "--output",
+        "o",
+        "--epochs",
+        "3",
+        "--eval-fraction",
+        "0.5",
+    ]
+    args = build_parser().parse_args(["pipeline", "run", *argv])
+    assert (args.source_uri, args.epochs, args.eval_fraction) == ("s.csv", 3, 0.5)
