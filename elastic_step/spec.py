@@ -382,6 +382,12 @@ def values(args: argparse.Namespace, surface: str) -> dict:
     return {p.name: getattr(args, p.name) for p in params(surface)}
 
 
+def step_values(given: dict, step: str, surface: str = COMPONENT) -> dict:
+    """The values in `given` (a pipeline's or a component's own arguments, by name) of the parameters that
+    `step` takes on `surface`: how the pipeline hands its parameters to its steps, and a component to its job."""
+    return {p.name: given[p.name] for p in params(surface, step) if p.name in given}
+
+
 def cli_args(**given) -> list[str]:
     """The command line that passes these parameter values: `--flag value` each, with the spec's flags
     (`source_uri="s"` -> `--source s`), in the order given. A value may be a placeholder another tool fills

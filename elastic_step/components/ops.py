@@ -96,36 +96,10 @@ def elastic_train_op(
     artifact's URI: the same in every retry of this step, so a retried step resumes its own job from
     its checkpoints under `checkpoint_uri` (a bucket URI: the step's own folders go with its pod), cut
     every `checkpoint_every` (a time such as 60s or 5m, or a number of records; 0: none)."""
-    from elastic_step.components.outputs import record_training
-    from elastic_step.steps import step_job_id, train_step
+    arguments = dict(locals())  # first: the component's own arguments, and nothing else
+    from elastic_step.components.outputs import run_training
 
-    s = train_step(
-        train_data.path,
-        eval_data.path,
-        model_def,
-        model.path,
-        report.path,
-        summary.path,
-        epochs=epochs,
-        minibatch_size=minibatch_size,
-        records_per_task=records_per_task,
-        min_workers=min_workers,
-        max_workers=max_workers,
-        num_ps=num_ps,
-        strategy=strategy,
-        global_batch=global_batch,
-        backend=backend,
-        worker_image=worker_image,
-        worker_cpu=worker_cpu,
-        worker_memory=worker_memory,
-        worker_priority_class=worker_priority_class,
-        ps_priority_class=ps_priority_class,
-        seed=seed,
-        checkpoint_uri=checkpoint_uri,
-        checkpoint_every=checkpoint_every,
-        job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri),
-    )
-    record_training(s, model, metrics, summary)
+    run_training(train_data.path, eval_data.path, arguments)
 
 
 @component
@@ -161,36 +135,10 @@ def elastic_train_uri_op(
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
     manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI).
     The job's id: as in elastic_train_op."""
-    from elastic_step.components.outputs import record_training
-    from elastic_step.steps import step_job_id, train_step
+    arguments = dict(locals())  # first: the component's own arguments, and nothing else
+    from elastic_step.components.outputs import run_training
 
-    s = train_step(
-        train_uri,
-        eval_uri,
-        model_def,
-        model.path,
-        report.path,
-        summary.path,
-        epochs=epochs,
-        minibatch_size=minibatch_size,
-        records_per_task=records_per_task,
-        min_workers=min_workers,
-        max_workers=max_workers,
-        num_ps=num_ps,
-        strategy=strategy,
-        global_batch=global_batch,
-        backend=backend,
-        worker_image=worker_image,
-        worker_cpu=worker_cpu,
-        worker_memory=worker_memory,
-        worker_priority_class=worker_priority_class,
-        ps_priority_class=ps_priority_class,
-        seed=seed,
-        checkpoint_uri=checkpoint_uri,
-        checkpoint_every=checkpoint_every,
-        job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri),
-    )
-    record_training(s, model, metrics, summary)
+    run_training(train_uri, eval_uri, arguments)
 
 
 @component

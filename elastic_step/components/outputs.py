@@ -1,7 +1,9 @@
-"""Filling a component's KFP output artifacts from a step's result (elastic_step.steps).
+"""What the component bodies in ops.py share: running the training step from a component's arguments, and
+filling its KFP output artifacts from a step's result (elastic_step.steps).
 
-The component bodies in ops.py call these, so the artifact-taking and the URI-taking variant of a
-step record exactly the same metadata and metrics.
+The artifact-taking and the URI-taking variant of a step call the same code here, so they run the same job
+and record exactly the same metadata and metrics. (Imported in the step's container, where only KFP's runtime
+is loaded: nothing here imports kfp.)
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ def training_metrics(summary: dict) -> dict[str, float]:
         ),
     )
     return m
+
+
+def run_training(train: str, eval: str, arguments: dict) -> None:
+    """A training component's body: `arguments` are the component's own, by name (its artifacts, its
+    parameters, the job id's sources); `train` and `eval` the manifests, as paths or URIs."""
+    from elastic_step import spec
+    from elastic_step.steps import step_job_id, train_step
+
+    a = arguments
+    settings = {k: v for k, v in spec.step_values(a, spec.ELASTIC_TRAIN).items() if k not in ("model_def", "job_id")}
+    job_id = step_job_id(a["job_id"], a["pipeline_run_id"], a["pipeline_task_name"], anchor=a["model"].uri)
+    s = train_step(
+        train, eval, a["model_def"], a["model"].path, a["report"].path, a["summary"].path, job_id=job_id, **settings
+    )
+    record_training(s, a["model"], a["metrics"], a["summary"])
 
 
 def record_training(summary: dict, model, metrics, summary_artifact) -> None:

@@ -15,6 +15,7 @@ name placeholders, each passed as a whole argument (KFP substitutes a placeholde
 
 from kfp import dsl
 
+from elastic_step import spec
 from elastic_step.components import data_prep_op, elastic_train_op, evaluate_op, publish_model_op
 
 PIPELINE_NAME = "elastic-step-train-eval"
@@ -61,30 +62,14 @@ def build(caching: bool = True):
         checkpoint_uri: str = "",
         checkpoint_every: str = "60s",
     ):
-        prep = data_prep_op(source_uri=source_uri, label=label, eval_fraction=eval_fraction, seed=seed)
+        given = dict(locals())  # first: the pipeline's parameters, each handed to the steps the spec names
+        prep = data_prep_op(**spec.step_values(given, spec.DATA_PREP))
         prep.set_caching_options(False)
         train = no_cache_unless(
             elastic_train_op(
                 train_data=prep.outputs["train_data"],
                 eval_data=prep.outputs["eval_data"],
-                model_def=model_def,
-                epochs=epochs,
-                minibatch_size=minibatch_size,
-                records_per_task=records_per_task,
-                min_workers=min_workers,
-                max_workers=max_workers,
-                num_ps=num_ps,
-                strategy=strategy,
-                global_batch=global_batch,
-                backend=backend,
-                worker_image=worker_image,
-                worker_cpu=worker_cpu,
-                worker_memory=worker_memory,
-                worker_priority_class=worker_priority_class,
-                ps_priority_class=ps_priority_class,
-                seed=seed,
-                checkpoint_uri=checkpoint_uri,
-                checkpoint_every=checkpoint_every,
+                **spec.step_values(given, spec.ELASTIC_TRAIN),
                 pipeline_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                 pipeline_task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
             ),
@@ -95,9 +80,7 @@ def build(caching: bool = True):
             evaluate_op(
                 model=train.outputs["model"],
                 eval_data=prep.outputs["eval_data"],
-                model_def=model_def,
-                threshold=threshold,
-                metric=metric,
+                **spec.step_values(given, spec.EVALUATE),
             ),
             caching,
         )

@@ -241,7 +241,49 @@ def test_training_components_derive_the_job_id_unless_given_one(stem):
         JOB_ID_INPUTS, ("STRING", "")
     )
     code = "".join(next(iter(spec["deploymentSpec"]["executors"].values()))["container"]["command"])
-    assert "job_id=step_job_id(job_id, pipeline_run_id, pipeline_task_name, anchor=model.uri)" in code
+    assert "arguments = dict(locals())" in code and "run_training(" in code  # its own arguments, all of them
+
+
+def test_a_training_component_runs_its_job_with_its_own_settings_and_a_derived_id(monkeypatch, tmp_path):
+    """run_training, the training components' body: the spec's settings as given, the model definition, and a
+    job id derived from KFP's run id and task name (the same in every retry of the step)."""
+    from types import SimpleNamespace
+
+    from elastic_step import steps
+    from elastic_step.components.outputs import run_training
+
+    ran = {}
+
+    def train_step(train, eval, model_def, model_dir, report, summary, **settings):
+        ran.update(train=train, eval=eval, model_def=model_def, model_dir=model_dir, **settings)
+        return {"status": "succeeded", "job_id": settings["job_id"], "eval": {"accuracy": 0.5}}
+
+    monkeypatch.setattr(steps, "train_step", train_step)
+
+    def artifact(name):  # what run_training uses of a KFP artifact (and of Metrics)
+        return SimpleNamespace(path=str(tmp_path / name), uri=f"gs://b/{name}", metadata={}, log_metric=print)
+
+    arguments = {
+        "model": artifact("model"),
+        "metrics": artifact("metrics"),
+        "report": artifact("report"),
+        "summary": artifact("summary"),
+        "model_def": "m.py",
+        "epochs": 3,
+        "worker_cpu": "",
+        "checkpoint_uri": "gs://b/ckpt",
+        "job_id": "",
+        "pipeline_run_id": "run-1",
+        "pipeline_task_name": "elastic-train-op",
+    }
+    run_training("train/", "eval/", arguments)
+    assert ran["job_id"] == steps.step_job_id("", "run-1", "elastic-train-op") and ran["job_id"].startswith("elastic")
+    assert (ran["train"], ran["eval"], ran["model_def"], ran["epochs"]) == ("train/", "eval/", "m.py", 3)
+    assert (ran["worker_cpu"], ran["checkpoint_uri"]) == ("", "gs://b/ckpt")
+    assert "pipeline_run_id" not in ran and "model" not in ran
+    arguments["job_id"] = "mine"
+    run_training("train/", "eval/", arguments)
+    assert ran["job_id"] == "mine"
 
 
 def test_the_kfp_training_components_and_the_argo_step_take_the_same_settings():

@@ -12,7 +12,7 @@ import typing
 
 import pytest
 
-from elastic_step import spec
+from elastic_step import components, spec
 from elastic_step.cli import build_parser
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.plan import checkpoint_root
@@ -67,18 +67,7 @@ def _kfp_signatures() -> dict[str, tuple[str, inspect.Signature]]:
 KFP_ONLY = {"train_uri", "eval_uri", "model_uri", "pipeline_run_id", "pipeline_task_name", "publish_uri"}
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "data_prep_op",
-        "elastic_train_op",
-        "elastic_train_uri_op",
-        "evaluate_op",
-        "evaluate_uri_op",
-        "publish_model_op",
-        "train_eval",
-    ],
-)
+@pytest.mark.parametrize("name", [*(n for n in components.__all__ if n.endswith("_op")), "train_eval"])
 def test_kfp_signatures_are_the_spec(name):
     step, sig = _kfp_signatures()[name]
     params = {
