@@ -19,27 +19,13 @@ import numpy as np
 from elastic_step.errors import ConfigError
 
 
-def prep_step(
-    source_uri: str,
-    train_dir: str,
-    eval_dir: str,
-    label: str = "",
-    eval_fraction: float = 0.2,
-    seed: int = 0,
-    shard_rows: int = 50_000,
-) -> dict:
-    """Prepare the source into two folders, each a manifest + its Parquet shards."""
+def prep_step(source_uri: str, train_dir: str, eval_dir: str, *, label: str, **settings) -> dict:
+    """Prepare the source into two folders, each a manifest + its Parquet shards. `label`: the label column
+    (empty: none); `settings`: the spec's other data prep parameters (eval_fraction, seed, shard_rows)."""
     from elastic_step.data.prep import prepare
 
     with tempfile.TemporaryDirectory(prefix="elastic-step-prep-") as tmp:
-        r = prepare(
-            source_uri,
-            os.path.join(tmp, "out"),
-            label=label or None,
-            eval_fraction=eval_fraction,
-            seed=seed,
-            shard_rows=shard_rows,
-        )
+        r = prepare(source_uri, os.path.join(tmp, "out"), label=label or None, **settings)
         for split, dest in (("train", train_dir), ("eval", eval_dir)):
             shutil.rmtree(dest, ignore_errors=True)
             shutil.copytree(os.path.join(tmp, "out", split), dest)
@@ -108,9 +94,7 @@ def step_job_id(job_id: str = "", run_id: str = "", task_name: str = "", anchor:
     return f"{readable or 'es'}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def evaluate_step(
-    model_uri: str, eval_data: str, model_def: str, metric: str = "accuracy", threshold: float = 0.9
-) -> dict:
+def evaluate_step(model_uri: str, eval_data: str, model_def: str, *, metric: str, threshold: float) -> dict:
     """Evaluate a trained model and decide the gate: {"score", "passed", "metrics", "confusion"}."""
     from elastic_step.data.api import load_manifest
     from elastic_step.evaluation import evaluate

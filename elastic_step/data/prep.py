@@ -134,7 +134,11 @@ def prepare(
         rows = shuffle.in_key_order(
             spill_dir, bits, np.sum([s.bucket_bytes for s in spilled], axis=0), data_schema, unit
         )
-        _write(output, rows, n_eval, manifests, shard_rows, row_group_rows)
+        _write(
+            output,
+            manifests,
+            lambda fs, folders: _write_splits(fs, folders, rows, n_eval, manifests, shard_rows, row_group_rows),
+        )
     return PrepResult(
         train=manifests["train"],
         eval=manifests["eval"],
@@ -256,28 +260,15 @@ def _check_output_outside_source(source: str, output: str, fs, files) -> None:
 # ---------------------------------------------------------------- writing
 
 
-def _write(
-    output: str,
-    rows: Iterator[pa.Table],
-    n_eval: int,
-    manifests: dict[str, Manifest],
-    shard_rows: int,
-    row_group_rows: int,
-) -> None:
+def _write(output: str, manifests: dict[str, Manifest], write_splits) -> None:
+    """The splits' shards, through `write_splits(fs, folders)`, then their manifests: into place at once on
+    a local disk, the manifests last in an object store."""
     local = local_path(output)
     if local is not None:
         # Everything goes to a temporary sibling folder renamed into place at the end, so a
         # failure leaves either no output or the previous one intact.
         with atomic_directory(local) as tmp:
-            _write_splits(
-                fsspec.filesystem("file"),
-                {s: os.path.join(tmp, s) for s in SPLITS},
-                rows,
-                n_eval,
-                manifests,
-                shard_rows,
-                row_group_rows,
-            )
+            write_splits(fsspec.filesystem("file"), {s: os.path.join(tmp, s) for s in SPLITS})
             for split, m in manifests.items():
                 m.save(os.path.join(tmp, split, MANIFEST_NAME))
         for split, m in manifests.items():
@@ -290,7 +281,7 @@ def _write(
         old = posixpath.join(root, split, MANIFEST_NAME)
         if fs.exists(old):
             fs.rm(old)
-    _write_splits(fs, {s: posixpath.join(root, s) for s in SPLITS}, rows, n_eval, manifests, shard_rows, row_group_rows)
+    write_splits(fs, {s: posixpath.join(root, s) for s in SPLITS})
     for split, m in manifests.items():
         m.save(posixpath.join(output.rstrip("/"), split, MANIFEST_NAME))
         folder = posixpath.join(root, split)
