@@ -46,7 +46,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from bench.common import run_cli, summary, train_command  # noqa: E402
 
 TOKEN = "bench-token"
 CONTENDERS = ("ours", "ours-tcp", "gloo", "tf")
@@ -414,45 +415,26 @@ def loss_pause() -> dict:
     epochs = 25
     kill_at = int(r.train.total_rows * epochs * 0.1)
     out = os.path.join(tmp, "out")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "train",
-            "--strategy",
-            "allreduce",
-            "--model-def",
-            os.path.join(ROOT, "samples", "digits", "model.py"),
-            "--train-data",
-            r.train_uri,
-            "--eval-data",
-            r.eval_uri,
-            "--output",
-            out,
-            "--epochs",
-            str(epochs),
-            "--max-workers",
-            "3",
-            "--min-workers",
-            "2",
-            "--minibatch-size",
-            "32",
-            "--records-per-task",
-            "128",
-            "--progress",
-            "off",
+    proc = run_cli(
+        train_command(
             "--chaos",
             f"kill:worker-1@{kill_at}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+            strategy="allreduce",
+            model_def=os.path.join(ROOT, "samples", "digits", "model.py"),
+            train_data=r.train_uri,
+            eval_data=r.eval_uri,
+            output=out,
+            epochs=epochs,
+            max_workers=3,
+            min_workers=2,
+            minibatch_size=32,
+            records_per_task=128,
+        ),
         timeout=600,
     )
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:]}
-    s = json.load(open(os.path.join(out, "summary.json")))
+    s = summary(out)
     return {
         "loss_to_next_commit_s": s["recovery"]["loss_to_next_commit_s"],
         "join_to_first_commit_s": s["recovery"]["join_to_first_commit_s"],

@@ -19,9 +19,7 @@ check every record's weight against the epochs.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 
@@ -30,50 +28,27 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import prepare  # noqa: E402
+from bench.common import prepare, run_cli, small_job, summary, train_command  # noqa: E402
 
 DIGITS = ("samples/digits/model.py", "samples/digits/digits.csv")
 
 
 def run(out: pathlib.Path, data: pathlib.Path, model: str, strategy: str, epochs: int, chaos: str | None) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_step.cli",
-        "train",
-        "--model-def",
-        model,
-        "--train-data",
-        str(data / "train"),
-        "--eval-data",
-        str(data / "eval"),
-        "--output",
-        str(out),
-        "--epochs",
-        str(epochs),
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-        "--max-workers",
-        "2",
-        "--strategy",
-        strategy,
-        "--progress",
-        "off",
-        "--job-id",
-        f"chaos-{out.name}",
-    ]
-    cmd += ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
-    if chaos:
-        cmd += ["--chaos", chaos]
+    cmd = train_command(
+        *(["--chaos", chaos] if chaos else []),
+        **small_job(data, epochs, model),
+        output=str(out),
+        strategy=strategy,
+        job_id=f"chaos-{out.name}",
+        **({"num_ps": 2} if strategy == "ps" else {"global_batch": "fixed"}),
+    )
     for masters in range(1, 6):  # noqa: B007 - read after it; a retry policy: the master killed or terminated, the step runs again
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        proc = run_cli(cmd)
         if proc.returncode not in (-9, 143):
             break
     if proc.returncode != 0:
         raise SystemExit(f"training failed ({strategy}, {chaos}):\n{proc.stderr[-3000:]}")
-    return {**json.loads((out / "summary.json").read_text()), "masters": masters}
+    return {**summary(out), "masters": masters}
 
 
 def tally_verdict(out: pathlib.Path, data: pathlib.Path, epochs: int) -> str:

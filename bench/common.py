@@ -1,36 +1,66 @@
-"""What the benches share: preparing a source into train and eval manifests with the real CLI, and the
-digits records the PS benches train on."""
+"""What the benches share: `elastic-step` command lines and runs (train, data prep) with the real CLI, the small
+job the recovery, chaos and durability benches disturb, and the digits records the PS benches train on."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import subprocess
 import sys
 
+from elastic_step.spec import cli_args
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+CLI = [sys.executable, "-m", "elastic_step.cli"]  # `elastic-step`, run by this interpreter from ROOT
+
+
+def train_command(*flags: str, **values) -> list[str]:
+    """`elastic-step train` with these parameter values (flags as the spec spells them, `progress` off unless
+    given), then `flags`: the ones that are not parameters (`--prepared`, `--chaos`), literal."""
+    return [*CLI, "train", *cli_args(**{"progress": "off", **values}), *flags]
+
+
+def run_cli(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """An `elastic-step` command line (CLI + arguments) run from ROOT, its output captured as text."""
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
+
+
+def summary(out: pathlib.Path | str) -> dict:
+    """The summary.json a training wrote to its output `out`."""
+    return json.loads((pathlib.Path(out) / "summary.json").read_text())
+
+
+def train(out: pathlib.Path, *flags: str, **values) -> dict:
+    """`elastic-step train` (train_command) into `out`, which must succeed; its summary."""
+    proc = run_cli(train_command(*flags, output=str(out), **values))
+    if proc.returncode != 0:
+        raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
+    return summary(out)
+
+
+def splits(data: pathlib.Path) -> dict:
+    """A prepared directory's train and eval manifests, as train_command's values."""
+    return {"train_data": str(data / "train"), "eval_data": str(data / "eval")}
+
+
+def small_job(data: pathlib.Path, epochs: int, model_def: str = "samples/digits/model.py") -> dict:
+    """The values of the small job that the recovery, chaos and durability benches disturb: `model_def` (digits)
+    on the prepared `data`, up to 2 workers, minibatches of 32, tasks of 128 records."""
+    return {
+        "model_def": model_def,
+        **splits(data),
+        "epochs": epochs,
+        "minibatch_size": 32,
+        "records_per_task": 128,
+        "max_workers": 2,
+    }
 
 
 def prepare(source: str, out: pathlib.Path, label: str = "label") -> pathlib.Path:
     """`elastic-step data prep` of `source` into `out` (train/ and eval/ manifests); returns `out`."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "data",
-            "prep",
-            "--source",
-            source,
-            "--label",
-            label,
-            "--output",
-            str(out),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-    )
+    run_cli([*CLI, "data", "prep", *cli_args(source_uri=source, label=label, output=str(out))], check=True)
     return out
 
 

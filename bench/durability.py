@@ -25,56 +25,34 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import prepare  # noqa: E402
+from bench.common import prepare, run_cli, small_job, summary, train_command  # noqa: E402
 from elastic_step.data.api import load_manifest  # noqa: E402
 
 
-def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *extra: str) -> tuple[int, dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_step.cli",
-        "train",
-        "--model-def",
-        "samples/digits/model.py",
-        "--train-data",
-        str(data / "train"),
-        "--eval-data",
-        str(data / "eval"),
-        "--output",
-        str(out),
-        "--epochs",
-        str(epochs),
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-        "--max-workers",
-        "2",
-        "--num-ps",
-        "1",
-        "--job-id",
-        "bench-durability",
-        "--checkpoint-every",
-        every,
-        "--progress",
-        "off",
-        *extra,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    summary = out / "summary.json"
-    if proc.returncode not in (0, -9, 143) or (proc.returncode == 0 and not summary.exists()):
-        raise SystemExit(f"training failed ({every}, {extra}):\n{proc.stderr[-3000:]}")
-    s = json.loads(summary.read_text()) if proc.returncode == 0 else {}
+def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *flags: str, **values) -> tuple[int, dict]:
+    """The small job with 1 PS and checkpoints `every`; a SIGKILLed or SIGTERMed master's exit is no failure (its
+    summary is then empty)."""
+    cmd = train_command(
+        *flags,
+        output=str(out),
+        **small_job(data, epochs),
+        num_ps=1,
+        job_id="bench-durability",
+        checkpoint_every=every,
+        **values,
+    )
+    proc = run_cli(cmd)
+    if proc.returncode not in (0, -9, 143) or (proc.returncode == 0 and not (out / "summary.json").exists()):
+        raise SystemExit(f"training failed ({every}, {flags}, {values}):\n{proc.stderr[-3000:]}")
+    s = summary(out) if proc.returncode == 0 else {}
     if s and s["audit"]["verdict"] != "exact":
-        raise SystemExit(f"audit not exact ({every}, {extra}): {s['audit']}")
+        raise SystemExit(f"audit not exact ({every}, {flags}, {values}): {s['audit']}")
     return proc.returncode, s
 
 
@@ -169,15 +147,14 @@ def quality(work: pathlib.Path, args, total: int) -> None:
     every, at = args.intervals[0], int(total * 0.6)
     runs: dict[str, list[dict]] = {"uninterrupted": [], "PS SIGKILL": [], "master SIGKILL": []}
     for seed in range(args.quality):
-        seeded = ("--seed", str(seed))
-        runs["uninterrupted"].append(train(work / f"q-none-{seed}", work / "data", args.epochs, every, *seeded)[1])
+        runs["uninterrupted"].append(train(work / f"q-none-{seed}", work / "data", args.epochs, every, seed=seed)[1])
         runs["PS SIGKILL"].append(
-            train(work / f"q-ps-{seed}", work / "data", args.epochs, every, *seeded, "--chaos", f"kill:ps-0@{at}")[1]
+            train(work / f"q-ps-{seed}", work / "data", args.epochs, every, "--chaos", f"kill:ps-0@{at}", seed=seed)[1]
         )
         out = work / f"q-master-{seed}"
-        got, _ = train(out, work / "data", args.epochs, every, *seeded, "--chaos", f"kill:master@{at}")
+        got, _ = train(out, work / "data", args.epochs, every, "--chaos", f"kill:master@{at}", seed=seed)
         assert got == -9, f"the master was not killed (exit {got})"
-        runs["master SIGKILL"].append(train(out, work / "data", args.epochs, every, *seeded)[1])
+        runs["master SIGKILL"].append(train(out, work / "data", args.epochs, every, seed=seed)[1])
     print(
         f"digits, {args.epochs} epochs, 2 workers + 1 PS, checkpoints every {every}, losses at 60 %, "
         f"seeds 0-{args.quality - 1}"

@@ -8,11 +8,11 @@ import importlib.util
 import json
 import pathlib
 import subprocess
-import sys
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench.common import ROOT, train_command
+
 # The model: digits with a simulated accelerator (a sleep per minibatch in worker pods).
 MODEL = ROOT / "bench" / "models" / "slow_digits.py"
 _spec = importlib.util.spec_from_file_location("slow_digits", MODEL)
@@ -40,40 +40,21 @@ class Master:
         self.trained_at: float | None = None
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "elastic_step.cli",
-                "train",
-                "--backend",
-                "kubernetes",
-                "--job-id",
-                name,
-                "--model-def",
-                str(MODEL),
-                "--train-data",
-                str(data),
-                "--output",
-                str(out),
-                "--epochs",
-                str(epochs or args.epochs),
-                "--minibatch-size",
-                str(MINIBATCH),
-                "--records-per-task",
-                str(args.records_per_task),
-                "--min-workers",
-                str(min_workers),
-                "--max-workers",
-                str(max_workers),
-                "--worker-cpu",
-                "1",
-                "--worker-priority-class",
-                "elastic-low",
-                "--ps-priority-class",
-                "elastic-high",
-                "--progress",
-                "off",
-            ],
+            train_command(
+                backend="kubernetes",
+                job_id=name,
+                model_def=str(MODEL),
+                train_data=str(data),
+                output=str(out),
+                epochs=epochs or args.epochs,
+                minibatch_size=MINIBATCH,
+                records_per_task=args.records_per_task,
+                min_workers=min_workers,
+                max_workers=max_workers,
+                worker_cpu=1,
+                worker_priority_class="elastic-low",
+                ps_priority_class="elastic-high",
+            ),
             cwd=ROOT,
             env=env,
             stdout=subprocess.DEVNULL,

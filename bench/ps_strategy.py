@@ -36,7 +36,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, prepare  # noqa: E402
+from bench.common import digits_prepared, prepare, splits, train  # noqa: E402
 
 SAMPLES = {  # name -> (model module, metric, minibatch)
     "digits": ("samples/digits/model.py", "accuracy", 64),
@@ -191,44 +191,20 @@ def tensorflow(model_path: str, data: pathlib.Path, batch: int, epochs: int, ste
 
 # ---------------------------------------------------------------- elastic-step's side
 def elastic(model_path: str, data: pathlib.Path, batch: int, epochs: int, seed: int, out: pathlib.Path) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_step.cli",
-        "train",
-        "--model-def",
-        model_path,
-        "--train-data",
-        str(data / "train"),
-        "--eval-data",
-        str(data / "eval"),
-        "--output",
-        str(out),
-        "--epochs",
-        str(epochs),
-        "--minibatch-size",
-        str(batch),
-        "--records-per-task",
-        str(batch * 32),
-        "--strategy",
-        "ps",
-        "--num-ps",
-        "1",
-        "--min-workers",
-        str(NUM_WORKERS),
-        "--max-workers",
-        str(NUM_WORKERS),
-        "--seed",
-        str(seed),
-        "--checkpoint-every",
-        "0",
-        "--progress",
-        "off",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
+    s = train(
+        out,
+        model_def=model_path,
+        **splits(data),
+        epochs=epochs,
+        minibatch_size=batch,
+        records_per_task=batch * 32,
+        strategy="ps",
+        num_ps=1,
+        min_workers=NUM_WORKERS,
+        max_workers=NUM_WORKERS,
+        seed=seed,
+        checkpoint_every=0,
+    )
     return {"records_per_s": s["throughput_records_per_s"], "eval": s["eval"]}
 
 

@@ -10,50 +10,19 @@ figures are the master's own timeline (summary.json `recovery`).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import prepare  # noqa: E402
+from bench.common import prepare, small_job, train  # noqa: E402
 
 
 def run(out: pathlib.Path, data: pathlib.Path, epochs: int, chaos: list[str]) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_step.cli",
-        "train",
-        "--model-def",
-        "samples/digits/model.py",
-        "--train-data",
-        str(data / "train"),
-        "--eval-data",
-        str(data / "eval"),
-        "--output",
-        str(out),
-        "--epochs",
-        str(epochs),
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-        "--max-workers",
-        "2",
-        "--progress",
-        "off",
-    ]
-    for c in chaos:
-        cmd += ["--chaos", c]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"training failed:\n{proc.stderr[-3000:]}")
-    return json.loads((out / "summary.json").read_text())
+    return train(out, *(a for c in chaos for a in ("--chaos", c)), **small_job(data, epochs))
 
 
 def main() -> None:

@@ -22,11 +22,9 @@ the median epoch of `fit` after a warm-up, so tracing is excluded from both. Bot
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +34,7 @@ EPOCHS = 3  # both sides train 3 epochs; Keras's figure is its median epoch, ela
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared  # noqa: E402
+from bench.common import digits_prepared, train  # noqa: E402
 
 
 def keras_fit(model_path: str, data: pathlib.Path, batch: int, steps_per_execution: int = 1) -> dict:
@@ -71,43 +69,21 @@ def keras_fit(model_path: str, data: pathlib.Path, batch: int, steps_per_executi
 def elastic(
     model_path: str, data: pathlib.Path, batch: int, workdir: pathlib.Path, pushes_in_flight: int, per_push: int
 ) -> dict:
-    out = workdir / f"elastic-{batch}-{per_push}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "elastic_step.cli",
-        "train",
-        "--model-def",
-        model_path,
+    s = train(
+        workdir / f"elastic-{batch}-{per_push}",
         "--prepared",
         str(data),
-        "--output",
-        str(out),
-        "--epochs",
-        str(EPOCHS),
-        "--minibatch-size",
-        str(batch),
-        "--records-per-task",
-        str(batch * 32),
-        "--min-workers",
-        "1",
-        "--max-workers",
-        "1",
-        "--num-ps",
-        "1",
-        "--progress",
-        "off",
-        "--checkpoint-every",
-        "0",
-        "--pushes-in-flight",
-        str(pushes_in_flight),
-        "--minibatches-per-push",
-        str(per_push),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
+        model_def=model_path,
+        epochs=EPOCHS,
+        minibatch_size=batch,
+        records_per_task=batch * 32,
+        min_workers=1,
+        max_workers=1,
+        num_ps=1,
+        checkpoint_every=0,
+        pushes_in_flight=pushes_in_flight,
+        minibatches_per_push=per_push,
+    )
     return {
         "records_per_s": s["throughput_records_per_s"],
         "accuracy": s["eval"]["accuracy"],
