@@ -48,6 +48,11 @@ def apply_rbac(control_plane, namespace):
                 utils.create_from_dict(control_plane.api_client(), doc, namespace=namespace)
 
 
+def workflow_body(name: str, **spec) -> dict:
+    """An Argo Workflow named `name` with these `spec` fields."""
+    return {"apiVersion": "argoproj.io/v1alpha1", "kind": "Workflow", "metadata": {"name": name}, "spec": spec}
+
+
 def finished(workflows, namespace, name, timeout=180.0):
     def done():
         wf = workflows.get_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", name)
@@ -79,60 +84,56 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
     apply_rbac(control_plane, namespace)
     image = f"{PROJECT_IMAGE}:0.1.0"
     work = {"name": "work", "mountPath": "/work"}
-    wf = {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {"name": "hello"},
-        "spec": {
-            "entrypoint": "main",
-            "serviceAccountName": "elastic-step",
-            "templates": [
-                {
-                    "name": "main",
-                    "dag": {
-                        "tasks": [
-                            {"name": "say", "template": "say"},
-                            {
-                                "name": "echo",
-                                "template": "echo",
-                                "dependencies": ["say"],
-                                "arguments": {
-                                    "parameters": [{"name": "msg", "value": "{{tasks.say.outputs.parameters.msg}}"}]
-                                },
+    wf = workflow_body(
+        "hello",
+        entrypoint="main",
+        serviceAccountName="elastic-step",
+        templates=[
+            {
+                "name": "main",
+                "dag": {
+                    "tasks": [
+                        {"name": "say", "template": "say"},
+                        {
+                            "name": "echo",
+                            "template": "echo",
+                            "dependencies": ["say"],
+                            "arguments": {
+                                "parameters": [{"name": "msg", "value": "{{tasks.say.outputs.parameters.msg}}"}]
                             },
-                        ]
-                    },
+                        },
+                    ]
                 },
-                {
-                    "name": "say",
-                    "volumes": [{"name": "work", "emptyDir": {}}],
-                    "container": {
-                        "image": image,
-                        "volumeMounts": [work],
-                        "command": [
-                            "python",
-                            "-c",
-                            "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
-                        ],
-                    },
-                    "outputs": {"parameters": [{"name": "msg", "valueFrom": {"path": "/work/msg"}}]},
+            },
+            {
+                "name": "say",
+                "volumes": [{"name": "work", "emptyDir": {}}],
+                "container": {
+                    "image": image,
+                    "volumeMounts": [work],
+                    "command": [
+                        "python",
+                        "-c",
+                        "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
+                    ],
                 },
-                {
-                    "name": "echo",
-                    "inputs": {"parameters": [{"name": "msg"}]},
-                    "container": {
-                        "image": image,
-                        "command": [
-                            "python",
-                            "-c",
-                            "import sys; print('got', sys.argv[1])",
-                            "{{inputs.parameters.msg}}",
-                        ],
-                    },
+                "outputs": {"parameters": [{"name": "msg", "valueFrom": {"path": "/work/msg"}}]},
+            },
+            {
+                "name": "echo",
+                "inputs": {"parameters": [{"name": "msg"}]},
+                "container": {
+                    "image": image,
+                    "command": [
+                        "python",
+                        "-c",
+                        "import sys; print('got', sys.argv[1])",
+                        "{{inputs.parameters.msg}}",
+                    ],
                 },
-            ],
-        },
-    }
+            },
+        ],
+    )
     workflows.create_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", wf)
     done = finished(workflows, namespace, "hello")
     nodes = done["status"]["nodes"].values()
@@ -226,16 +227,12 @@ def submit(workflows, namespace: str, name: str, params: dict, template: dict | 
     group = ("argoproj.io", "v1alpha1", namespace)
     if template is not None:
         workflows.create_namespaced_custom_object(*group, "workflowtemplates", template)
-    workflow = {
-        "apiVersion": "argoproj.io/v1alpha1",
-        "kind": "Workflow",
-        "metadata": {"name": name},
-        "spec": {
-            "workflowTemplateRef": {"name": "elastic-step-train-eval"},
-            "arguments": {"parameters": [{"name": k, "value": v} for k, v in params.items()]},
-            **spec,
-        },
-    }
+    workflow = workflow_body(
+        name,
+        workflowTemplateRef={"name": "elastic-step-train-eval"},
+        arguments={"parameters": [{"name": k, "value": v} for k, v in params.items()]},
+        **spec,
+    )
     for _ in range(5):
         workflows.create_namespaced_custom_object(*group, "workflows", workflow)
         if template is None:

@@ -9,7 +9,6 @@ kubeconfig holding the token).
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -35,13 +34,13 @@ from elastic_step.backends.kubernetes import (
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
+from tests.kubernetes.jobs import ROOT, SMALL, start_train, train, train_command, wait_two_workers
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
 
-ROOT = Path(__file__).resolve().parents[2]
 DIGITS_MODEL = str(ROOT / "samples" / "digits" / "model.py")
-SLOW_MODEL = str(Path(__file__).resolve().parents[2] / "bench" / "models" / "slow_digits.py")
+SLOW_MODEL = str(ROOT / "bench" / "models" / "slow_digits.py")
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}
@@ -123,6 +122,21 @@ def sleeper_pod(core, namespace: str, name: str, **spec) -> client.V1Pod:
         lambda: core.read_namespaced_pod(name, namespace).status.phase == "Running", 60, what=f"pod {name} running"
     )
     return pod
+
+
+def job_backend(
+    job: str, kubeconfig: Path, namespace: str, owner: client.V1Pod | None = None, token: str = "t", **kwargs
+) -> KubernetesBackend:
+    """The backend of job `job` (its token `token`) with the rights `kubeconfig` holds, its pods owned by
+    pod `owner` (none if None)."""
+    return KubernetesBackend(
+        job,
+        token,
+        kubeconfig=str(kubeconfig),
+        namespace=namespace,
+        owner=Owner(owner.metadata.name, owner.metadata.uid) if owner else None,
+        **kwargs,
+    )
 
 
 def job_pods(core, namespace: str, job: str) -> list[client.V1Pod]:
@@ -282,14 +296,6 @@ def run_job(cfg, backend):
     return t, job, result
 
 
-def cli_env(kubeconfig: Path, namespace: str, **extra) -> dict:
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "ELASTIC_STEP_NAMESPACE": namespace, **extra}
-    for k in ("KFP_POD_NAME", "KFP_POD_UID", "POD_NAME", "POD_UID", "POD_IP", "ELASTIC_STEP_POD_IP"):
-        if k not in extra:
-            env.pop(k, None)
-    return env
-
-
 # ------------------------------------------------------------------------------ fixtures
 
 
@@ -327,13 +333,7 @@ def test_pods_carry_labels_owner_secret_token_and_resources(
     control_plane, core, node, namespace, sa_kubeconfig, priority_classes
 ):
     owner = sleeper_pod(core, namespace, "step")
-    b = KubernetesBackend(
-        "job-shape",
-        "the-token",
-        kubeconfig=str(sa_kubeconfig),
-        namespace=namespace,
-        owner=Owner("step", owner.metadata.uid),
-    )
+    b = job_backend("job-shape", sa_kubeconfig, namespace, owner, token="the-token")
     try:
         check_pods_and_events(b, core, namespace, owner)
     finally:
@@ -417,34 +417,17 @@ def test_digits_trains_with_the_master_in_a_pod(
                         "name": "main",
                         "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
                         "env": env,
-                        "command": [
-                            sys.executable,
-                            "-m",
-                            "elastic_step.cli",
-                            "train",
-                            "--job-id",
-                            job,
-                            "--model-def",
-                            DIGITS_MODEL,
-                            "--train-data",
-                            digits["train"],
-                            "--eval-data",
-                            digits["eval"],
-                            "--output",
-                            str(out),
-                            "--epochs",
-                            "40",
-                            "--minibatch-size",
-                            "32",
-                            "--records-per-task",
-                            "128",
-                            "--max-workers",
-                            "2",
-                            "--num-ps",
-                            "1",
-                            "--progress",
-                            "lines",
-                        ],
+                        "command": train_command(
+                            job_id=job,
+                            model_def=DIGITS_MODEL,
+                            train_data=digits["train"],
+                            eval_data=digits["eval"],
+                            output=out,
+                            epochs=40,
+                            **SMALL,
+                            num_ps=1,
+                            progress="lines",
+                        ),
                     }
                 ],
             },
@@ -498,10 +481,8 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(
         eval_data=None,
         output=str(tmp_path / "out"),
         epochs=25,
-        minibatch_size=32,
-        records_per_task=128,
+        **SMALL,
         min_workers=1,
-        max_workers=2,
         num_ps=1,
         backend="kubernetes",
         job_id=job,
@@ -626,9 +607,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
 
 def test_deleting_the_owner_pod_garbage_collects_the_job(control_plane, core, node, namespace, sa_kubeconfig):
     owner = sleeper_pod(core, namespace, "step")
-    b = KubernetesBackend(
-        "job-gc", "t", kubeconfig=str(sa_kubeconfig), namespace=namespace, owner=Owner("step", owner.metadata.uid)
-    )
+    b = job_backend("job-gc", sa_kubeconfig, namespace, owner)
     ev = Events(b)
     insts = [InstanceId("ps", 0), InstanceId("worker", 0), InstanceId("worker", 1)]
     for i in insts:
@@ -655,30 +634,15 @@ def test_deleting_the_owner_pod_garbage_collects_the_job(control_plane, core, no
 def test_missing_delete_permission_fails_the_master_naming_it(control_plane, core, namespace, digits, tmp_path):
     kubeconfig = step_account(control_plane, namespace, drop=("delete", "pods"))
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "train",
-            "--backend",
-            "kubernetes",
-            "--job-id",
-            "no-delete",
-            "--model-def",
-            DIGITS_MODEL,
-            "--train-data",
-            digits["train"],
-            "--output",
-            str(tmp_path / "out"),
-            "--progress",
-            "off",
-        ],
-        cwd=ROOT,
-        env=cli_env(kubeconfig, namespace),
-        capture_output=True,
-        text=True,
+    proc, _ = train(
+        kubeconfig,
+        namespace,
         timeout=300,
+        job_id="no-delete",
+        model_def=DIGITS_MODEL,
+        train_data=digits["train"],
+        output=tmp_path / "out",
+        progress="off",
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -696,9 +660,7 @@ def test_missing_delete_permission_fails_the_master_naming_it(control_plane, cor
 
 def test_forbidden_call_names_verb_and_resource(control_plane, core, namespace):
     kubeconfig = step_account(control_plane, namespace, drop=("create", "pods"))
-    b = KubernetesBackend(
-        "no-create", "t", kubeconfig=str(kubeconfig), namespace=namespace, owner=None, preflight=False
-    )
+    b = job_backend("no-create", kubeconfig, namespace, preflight=False)
     try:
         with pytest.raises(KubernetesPermissionError) as e:
             b.start(InstanceSpec(InstanceId("worker", 0), SLEEPER))
@@ -714,7 +676,7 @@ def test_forbidden_call_names_verb_and_resource(control_plane, core, namespace):
 
 
 def test_unknown_priority_class_names_it_and_the_fix(control_plane, core, node, namespace, sa_kubeconfig):
-    b = KubernetesBackend("no-class", "t", kubeconfig=str(sa_kubeconfig), namespace=namespace, owner=None)
+    b = job_backend("no-class", sa_kubeconfig, namespace)
     try:
         with pytest.raises(KubernetesBackendError) as e:
             b.start(InstanceSpec(InstanceId("worker", 0), SLEEPER, priority_class="elastic-nope"))
@@ -739,53 +701,25 @@ def test_restarted_master_adopts_its_pods_without_duplicates(
     recorder = PodRecorder(core, namespace)
 
     def master(attempt, epochs: int, log: Path) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "elastic_step.cli",
-                "train",
-                "--backend",
-                "kubernetes",
-                "--job-id",
-                job,
-                "--model-def",
-                SLOW_MODEL,
-                "--train-data",
-                digits["train"],
-                "--output",
-                str(tmp_path / attempt.metadata.name),
-                "--epochs",
-                str(epochs),
-                "--minibatch-size",
-                "32",
-                "--records-per-task",
-                "128",
-                "--max-workers",
-                "2",
-                "--progress",
-                "lines",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=open(log, "w"),
-            env=cli_env(sa_kubeconfig, namespace, KFP_POD_NAME=attempt.metadata.name, KFP_POD_UID=attempt.metadata.uid),
+        return start_train(
+            sa_kubeconfig,
+            namespace,
+            log,
+            env={"KFP_POD_NAME": attempt.metadata.name, "KFP_POD_UID": attempt.metadata.uid},
+            job_id=job,
+            model_def=SLOW_MODEL,
+            train_data=digits["train"],
+            output=tmp_path / attempt.metadata.name,
+            epochs=epochs,
+            **SMALL,
+            progress="lines",
         )
 
     log1, log2 = tmp_path / "master-1.log", tmp_path / "master-2.log"
     m1 = master(attempt1, 200, log1)
     try:
         # killed while both workers train: each has pushed gradients (its first push logs the path)
-        wait_for(
-            lambda: (
-                "worker-1 registered" in log1.read_text()
-                and "worker-0 registered" in log1.read_text()
-                or m1.poll() is not None
-            ),
-            240,
-            interval=0.5,
-            what="master 1 training with two workers",
-        )
+        wait_two_workers(m1, log1, "master 1 training with two workers")
         wait_for(
             lambda: (
                 [n for n, text in worker_logs(node, namespace, job).items() if "PS shard 0" in text]
@@ -838,45 +772,20 @@ def test_sigterm_to_the_master_deletes_the_job_pods(
 ):
     """The step's pod is being deleted: its master gets SIGTERM and deletes every pod of the job."""
     log = tmp_path / "master.log"
-    m = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "train",
-            "--backend",
-            "kubernetes",
-            "--job-id",
-            "term",
-            "--model-def",
-            SLOW_MODEL,
-            "--train-data",
-            digits["train"],
-            "--output",
-            str(tmp_path / "out"),
-            "--epochs",
-            "200",
-            "--max-workers",
-            "2",
-            "--progress",
-            "off",
-        ],
-        cwd=ROOT,
-        env=cli_env(sa_kubeconfig, namespace),
-        stdout=subprocess.DEVNULL,
-        stderr=open(log, "w"),
+    m = start_train(
+        sa_kubeconfig,
+        namespace,
+        log,
+        job_id="term",
+        model_def=SLOW_MODEL,
+        train_data=digits["train"],
+        output=tmp_path / "out",
+        epochs=200,
+        max_workers=2,
+        progress="off",
     )
     try:
-        wait_for(
-            lambda: (
-                "worker-1 registered" in log.read_text()
-                and "worker-0 registered" in log.read_text()
-                or m.poll() is not None
-            ),
-            240,
-            interval=0.5,
-            what="the master training with two workers",
-        )
+        wait_two_workers(m, log, "the master training with two workers")
         assert len(job_pods(core, namespace, "term")) == 3
         t0 = time.monotonic()
         m.send_signal(signal.SIGTERM)
@@ -896,13 +805,7 @@ def test_adopted_pod_with_the_same_command_is_kept_and_reowned(control_plane, co
     o1, o2 = sleeper_pod(core, namespace, "attempt-1"), sleeper_pod(core, namespace, "attempt-2")
     w0, w1 = InstanceId("worker", 0), InstanceId("worker", 1)
     recorder = PodRecorder(core, namespace)
-    a = KubernetesBackend(
-        "job-adopt",
-        "token-a",
-        kubeconfig=str(sa_kubeconfig),
-        namespace=namespace,
-        owner=Owner("attempt-1", o1.metadata.uid),
-    )
+    a = job_backend("job-adopt", sa_kubeconfig, namespace, o1, token="token-a")
     ev_a = Events(a)
     other = SLEEPER[:-1] + [SLEEPER[-1] + "  # master A"]
     a.start(InstanceSpec(w0, SLEEPER))
@@ -912,13 +815,7 @@ def test_adopted_pod_with_the_same_command_is_kept_and_reowned(control_plane, co
     uid0 = core.read_namespaced_pod("job-adopt-worker-0", namespace).metadata.uid
     a.abandon()  # master A dies without cleaning up
 
-    b = KubernetesBackend(
-        "job-adopt",
-        "token-b",
-        kubeconfig=str(sa_kubeconfig),
-        namespace=namespace,
-        owner=Owner("attempt-2", o2.metadata.uid),
-    )
+    b = job_backend("job-adopt", sa_kubeconfig, namespace, o2, token="token-b")
     ev_b = Events(b)
     try:
         assert b.token == "token-a" and b.token_reused  # the job's Secret keeps its token
@@ -990,7 +887,7 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
         cp.create_namespace(ns)
         core = client.CoreV1Api(cp.api_client())
         kubeconfig = step_account(cp, ns)
-        b = KubernetesBackend("job-410", "t", kubeconfig=str(kubeconfig), namespace=ns, owner=None, watch_timeout_s=2)
+        b = job_backend("job-410", kubeconfig, ns, watch_timeout_s=2)
         ev = Events(b)
         held = WatchHold(b)
         w0, w1, w2 = (InstanceId("worker", i) for i in range(3))

@@ -9,25 +9,21 @@ nodes (each pod has its own /dev/shm)."""
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
 from tests.integration.harness import retried
+from tests.kubernetes.jobs import tally_job, train
 from tests.kubernetes.test_backend import (  # noqa: F401
-    ROOT,
     assert_pushes_carried_bytes,
-    cli_env,
     dense_shards,
     job_pods,
     priority_classes,
     sa_kubeconfig,
     worker_logs,
 )
-from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
+from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 EPOCHS = 6
 
@@ -41,56 +37,18 @@ def test_random_pod_kills_and_terms_lose_nothing(
 ):
     signals, job, out = 3, f"chaos-{strategy}", tmp_path / "out"
     roles = "worker,ps,master" if strategy == "ps" else "worker,master"
-    extra = ["--num-ps", "2"] if strategy == "ps" else ["--global-batch", "fixed"]
-    codes, (proc,) = retried(
-        lambda: (
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "elastic_step.cli",
-                    "train",
-                    "--backend",
-                    "kubernetes",
-                    "--job-id",
-                    job,
-                    "--model-def",
-                    TALLY_MODEL,
-                    "--train-data",
-                    tally_data["train"],
-                    "--eval-data",
-                    tally_data["eval"],
-                    "--output",
-                    str(out),
-                    "--strategy",
-                    strategy,
-                    "--epochs",
-                    str(EPOCHS),
-                    "--minibatch-size",
-                    "32",
-                    "--records-per-task",
-                    "128",
-                    "--max-workers",
-                    "2",
-                    "--checkpoint-every",
-                    "2000",
-                    *extra,
-                    "--chaos",
-                    f"random:{signals}:seed={seed}:roles={roles}",
-                    "--progress",
-                    "lines",
-                ],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=600,
-                env=cli_env(sa_kubeconfig, namespace),
-            ),
+    extra = {"num_ps": 2} if strategy == "ps" else {"global_batch": "fixed"}
+    codes, (proc, summary) = retried(
+        lambda: train(
+            sa_kubeconfig,
+            namespace,
+            "--chaos",
+            f"random:{signals}:seed={seed}:roles={roles}",
+            **tally_job(job, tally_data, out, EPOCHS, strategy=strategy, checkpoint_every=2000, **extra),
         )
     )
     assert len(codes) == 2 and codes[0] in (-9, 143), (codes, proc.stderr[-4000:])  # the master's signal, a retry
     assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
     assert summary["backend"] == "kubernetes"
     fired = assert_chaos_fired(summary, signals)
     assert {f["instance"].split("-")[0] for f in fired} == set(roles.split(",")), fired  # every role was hit

@@ -529,23 +529,30 @@ def test_garbage_collector_deletes_dependents_of_deleted_owner(core, node, names
 # ------------------------------------------------------------------------- authn / authz
 
 
-def test_rbac_user_without_delete_gets_403(control_plane, core, namespace):
+def grant_pods(control_plane, namespace: str, role: str, verbs: list[str], subject: dict) -> None:
+    """Role `role`, `verbs` on pods, bound to `subject` (a RoleBinding's subject: a user, a service account)."""
     rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
-    user = f"alice-{namespace}"
     rbac.create_namespaced_role(
-        namespace,
-        {
-            "metadata": {"name": "pod-reader"},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "create"]}],
-        },
+        namespace, {"metadata": {"name": role}, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": verbs}]}
     )
     rbac.create_namespaced_role_binding(
         namespace,
         {
-            "metadata": {"name": "pod-reader"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+            "metadata": {"name": role},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
+            "subjects": [subject],
         },
+    )
+
+
+def test_rbac_user_without_delete_gets_403(control_plane, core, namespace):
+    user = f"alice-{namespace}"
+    grant_pods(
+        control_plane,
+        namespace,
+        "pod-reader",
+        ["get", "list", "watch", "create"],
+        {"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user},
     )
     token = control_plane.add_token(user, ["elastic-step-testers"])
     alice = client.CoreV1Api(control_plane.api_client(token))
@@ -575,18 +582,12 @@ def _ok(call) -> bool:
 
 
 def test_pod_uses_its_service_account_token(control_plane, core, node, namespace):
-    rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
-    rbac.create_namespaced_role(
+    grant_pods(
+        control_plane,
         namespace,
-        {"metadata": {"name": "get-pods"}, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]},
-    )
-    rbac.create_namespaced_role_binding(
-        namespace,
-        {
-            "metadata": {"name": "get-pods"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "get-pods"},
-            "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": namespace}],
-        },
+        "get-pods",
+        ["get"],
+        {"kind": "ServiceAccount", "name": "default", "namespace": namespace},
     )
     core.create_namespaced_pod(
         namespace,
@@ -627,18 +628,12 @@ def test_service_account_token_from_outside_a_pod(control_plane, namespace):
         sa.list_namespaced_pod(namespace)
     assert e.value.status == 403
     assert f"system:serviceaccount:{namespace}:runner" in json.loads(e.value.body)["message"]
-    rbac = client.RbacAuthorizationV1Api(control_plane.api_client())
-    rbac.create_namespaced_role(
+    grant_pods(
+        control_plane,
         namespace,
-        {"metadata": {"name": "list-pods"}, "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]},
-    )
-    rbac.create_namespaced_role_binding(
-        namespace,
-        {
-            "metadata": {"name": "list-pods"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "list-pods"},
-            "subjects": [{"kind": "ServiceAccount", "name": "runner", "namespace": namespace}],
-        },
+        "list-pods",
+        ["list"],
+        {"kind": "ServiceAccount", "name": "runner", "namespace": namespace},
     )
     wait_for(lambda: _ok(lambda: sa.list_namespaced_pod(namespace)), 10, what="the RoleBinding")
     kubeconfig = control_plane.kubeconfig_for(token, user="runner")

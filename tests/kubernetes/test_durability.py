@@ -6,64 +6,22 @@ audit, not the ledger (the state being restored)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 
-from tests.kubernetes.test_backend import ROOT, cli_env, job_pods, priority_classes, sa_kubeconfig  # noqa: F401
-from tests.models.witness import (
-    TALLY_MODEL,
-    assert_chaos_fired,
-    assert_each_record_applied_exactly,
-    assert_exactly_once,
-)
+from tests.kubernetes.jobs import tally_job, train
+from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.models.witness import assert_chaos_fired, assert_each_record_applied_exactly, assert_exactly_once
 
 EPOCHS = 6
 
 
 def master(data, out, job, kubeconfig, namespace, *chaos: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "train",
-            "--backend",
-            "kubernetes",
-            "--job-id",
-            job,
-            "--model-def",
-            TALLY_MODEL,
-            "--train-data",
-            data["train"],
-            "--eval-data",
-            data["eval"],
-            "--output",
-            str(out),
-            "--epochs",
-            str(EPOCHS),
-            "--minibatch-size",
-            "32",
-            "--records-per-task",
-            "128",
-            "--max-workers",
-            "2",
-            "--num-ps",
-            "2",
-            "--checkpoint-every",
-            "3000",
-            "--progress",
-            "lines",
-            *[a for c in chaos for a in ("--chaos", c)],
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=cli_env(kubeconfig, namespace),
+    return train(
+        kubeconfig,
+        namespace,
+        *[a for c in chaos for a in ("--chaos", c)],
+        **tally_job(job, data, out, EPOCHS, num_ps=2, checkpoint_every=3000),
     )
-    summary = out / "summary.json"
-    return proc, json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else {}
 
 
 def test_a_deleted_ps_pod_is_relaunched_and_restored_and_workers_stay_up(

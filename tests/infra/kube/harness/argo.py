@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from .pod import Image
-from .process import KUBE, REPO, popen, run_build, stop_process, wait_for
+from .process import KUBE, REPO, Service, popen, run_build, stop_process, wait_for
 
 BUILD_SCRIPT = REPO / "scripts" / "build-argo"
 VERSION = (KUBE / "argo" / "VERSION").read_text().strip()
@@ -113,7 +113,7 @@ def _create(api, doc: dict) -> None:
             raise
 
 
-class ArgoController:
+class ArgoController(Service):
     """Argo's workflow-controller as a local process against ``control_plane``, after ``install``."""
 
     def __init__(self, control_plane, namespace: str = "argo", config: dict | None = None):
@@ -123,12 +123,6 @@ class ArgoController:
         self.images = {EXECUTOR_IMAGE.rsplit(":", 1)[0]: Image((self.bin,), (self.bin,))}
         self.log_path = control_plane.workdir / "argo-controller.log"
         self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> ArgoController:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> ArgoController:
         install(self.cp, self.namespace, self.config)

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .process import REPO, free_port, http_ok, popen, run_build, stop_process
+from .process import REPO, Service, free_port, http_ok, popen, run_build, stop_process
 
 if TYPE_CHECKING:  # the kubelet imports this module's neighbours; a name for annotations only
     from .kubelet import ProcessKubelet
@@ -262,7 +262,7 @@ def _stop_all() -> None:
             cp.stop()
 
 
-class ControlPlane:
+class ControlPlane(Service):
     """etcd + kube-apiserver + kube-scheduler + kube-controller-manager on loopback.
 
     Use as a context manager (or call :meth:`start`/:meth:`stop`). Attributes once started:
@@ -301,13 +301,6 @@ class ControlPlane:
         self.started = False
 
     # ---- lifecycle -------------------------------------------------------------------
-    def __enter__(self) -> ControlPlane:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
     def start(self) -> ControlPlane:
         if self.started:
             return self
@@ -567,18 +560,9 @@ class ControlPlane:
         return client
 
     # ---- nodes and namespaces ----------------------------------------------------------
-    def add_node(
-        self,
-        name: str,
-        *,
-        cpu: str = "4",
-        memory: str = "8Gi",
-        pods: int = 110,
-        labels: dict | None = None,
-        wait: bool = True,
-        **kwargs,
-    ) -> ProcessKubelet:
-        """Start a ProcessKubelet registering Node ``name``; it stops with the control plane.
+    def add_node(self, name: str, *, wait: bool = True, **kwargs) -> ProcessKubelet:
+        """Start a ProcessKubelet registering Node ``name``, of the shape ``kwargs`` give (``cpu``,
+        ``memory``, ``pods``, ``labels``, ...: ProcessKubelet's arguments); it stops with the control plane.
 
         The kubelet authenticates as ``system:node:<name>``. With ``wait`` this returns once
         the node is Ready and has no not-ready taint, i.e. schedulable."""
@@ -590,10 +574,6 @@ class ControlPlane:
         kubelet = ProcessKubelet(
             self.api_client(token),
             name,
-            cpu=cpu,
-            memory=memory,
-            pods=pods,
-            labels=labels,
             workdir=self.workdir / "kubelets" / name,
             api_host="127.0.0.1",
             api_port=self.port,

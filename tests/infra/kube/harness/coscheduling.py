@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from .process import KUBE, REPO, free_port, http_ok, popen, run_build, stop_process, wait_for
+from .process import KUBE, REPO, Service, free_port, http_ok, popen, run_build, stop_process, wait_for
 
 BUILD_SCRIPT = REPO / "scripts" / "build-scheduler-plugins"
 VERSION = (KUBE / "scheduler-plugins" / "VERSION").read_text().strip()
@@ -128,7 +128,7 @@ def scheduler_config(kubeconfig: Path, name: str, *, permit_wait_s: int, backoff
     }
 
 
-class GangScheduler:
+class GangScheduler(Service):
     """scheduler-plugins' scheduler (Coscheduling) as a local process against ``control_plane``."""
 
     def __init__(
@@ -151,12 +151,6 @@ class GangScheduler:
         self.controller_log_path = control_plane.workdir / "logs" / f"{name}-controller.log"
         self.proc: subprocess.Popen | None = None
         self.controller: subprocess.Popen | None = None
-
-    def __enter__(self) -> GangScheduler:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> GangScheduler:
         install_crds(self.cp)

@@ -59,6 +59,7 @@ from pathlib import Path
 
 from .mounts import mount_namespace_mode
 from .pod import TERMINAL, Image, PodWorker, log_files, now_iso, now_micro
+from .process import Service
 
 KUBE_VERSION = "v1.34"
 
@@ -99,7 +100,7 @@ class _IPAllocator:
 IPS = _IPAllocator()
 
 
-class ProcessKubelet:
+class ProcessKubelet(Service):
     def __init__(
         self,
         api_client,
@@ -157,12 +158,6 @@ class ProcessKubelet:
         self.node_uid = None
 
     # ---- lifecycle -------------------------------------------------------------------
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
-
     def start(self) -> ProcessKubelet:
         self.map_root_user = mount_namespace_mode()  # before the node exists: no pod runs without it
         self._register()

@@ -20,6 +20,17 @@ REPO = Path(__file__).resolve().parents[4]
 KUBE = REPO / "tests" / "infra" / "kube"  # the Go modules and VERSION files the scripts/build-* build from
 
 
+class Service:
+    """A part of the harness that runs for a `with` block: `start()` (which returns it) on entry, `stop()`
+    on exit."""
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 def run_build(
     script: Path, *args: str, override_env: str, error: type[Exception] = RuntimeError, env: dict | None = None
 ) -> Path:

@@ -1,0 +1,92 @@
+"""The master as the real `elastic-step train` CLI against the control plane, as a step runs it: its
+command line built from parameter values (elastic_step.spec.cli_args), its environment (a kubeconfig and
+a namespace, no pod identity unless given), run to its end or started in the background."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from elastic_step.spec import cli_args
+from tests.infra.kube.harness import wait_for
+from tests.models.witness import TALLY_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The shape of most jobs here: 32-record minibatches, 128-record tasks, at most two workers.
+SMALL = {"minibatch_size": 32, "records_per_task": 128, "max_workers": 2}
+
+
+def cli_env(kubeconfig: Path, namespace: str, **extra) -> dict:
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "ELASTIC_STEP_NAMESPACE": namespace, **extra}
+    for k in ("KFP_POD_NAME", "KFP_POD_UID", "POD_NAME", "POD_UID", "POD_IP", "ELASTIC_STEP_POD_IP"):
+        if k not in extra:
+            env.pop(k, None)
+    return env
+
+
+def train_command(*flags: str, **params) -> list[str]:
+    """`python -m elastic_step.cli train` with these parameter values, then `flags` (those that are not
+    parameters, such as --chaos, as they are)."""
+    return [sys.executable, "-m", "elastic_step.cli", "train", *cli_args(**params), *flags]
+
+
+def train(kubeconfig: Path, namespace: str, *flags: str, timeout: float = 600, **params):
+    """Run the master with backend kubernetes to its end. Returns (the CompletedProcess, the job's summary,
+    {} unless it succeeded)."""
+    proc = subprocess.run(
+        train_command(*flags, backend="kubernetes", **params),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=cli_env(kubeconfig, namespace),
+    )
+    summary = Path(params["output"]) / "summary.json"
+    return proc, json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else {}
+
+
+def start_train(kubeconfig: Path, namespace: str, log: Path, env: dict | None = None, **params) -> subprocess.Popen:
+    """Start the master with backend kubernetes, its stderr to `log` (`env`: variables to set, such as the
+    step's pod)."""
+    with open(log, "w") as err:
+        return subprocess.Popen(
+            train_command(backend="kubernetes", **params),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=cli_env(kubeconfig, namespace, **(env or {})),
+        )
+
+
+def wait_two_workers(master: subprocess.Popen, log: Path, what: str) -> None:
+    """Until the master (started by start_train) logs both workers registered, or has exited."""
+    wait_for(
+        lambda: (
+            "worker-1 registered" in log.read_text()
+            and "worker-0 registered" in log.read_text()
+            or master.poll() is not None
+        ),
+        240,
+        interval=0.5,
+        what=what,
+    )
+
+
+def tally_job(job: str, data: dict, out: Path, epochs: int, **params) -> dict:
+    """The parameters of job `job` training the tally model (tests/models/witness.py: its weights witness
+    each record applied) on `data` (tally_data) into `out`, SMALL, progress as lines."""
+    return {
+        "job_id": job,
+        "model_def": TALLY_MODEL,
+        "train_data": data["train"],
+        "eval_data": data["eval"],
+        "output": out,
+        "epochs": epochs,
+        **SMALL,
+        **params,
+        "progress": "lines",
+    }
