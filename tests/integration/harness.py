@@ -6,47 +6,52 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
+
+from elastic_step.spec import cli_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGITS_MODEL = os.path.join(ROOT, "samples", "digits", "model.py")
 CTR_MODEL = os.path.join(ROOT, "samples", "ctr", "model.py")
+# The tests' usual leases: 4 minibatches of 32 (the CLI's defaults are 8 of 64). A test's settings add them
+# (`**SMALL_LEASES`) as they add any parameter.
+SMALL_LEASES = {"minibatch_size": 32, "records_per_task": 128}
 # For a test that kills a worker and requires part of its lease to be requeued: leases of 16 minibatches of
 # 32. A lease of 4 lasts about as long as a kill takes to be seen (~13 ms), so the reports already on their
-# way could end it and leave nothing to requeue. Passed after a test's settings: the last flag counts.
-LEASES_OUTLAST_A_KILL = ("--records-per-task", "512")
+# way could end it and leave nothing to requeue. Laid over a test's settings: `**(SETTINGS | LEASES_OUTLAST_A_KILL)`.
+LEASES_OUTLAST_A_KILL = {"records_per_task": 512}
 
 
-def run_cli(*args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, timeout: float = 600, env: dict | None = None, unset: Iterable[str] = ()
+) -> subprocess.CompletedProcess:
     """Run the real `elastic-step` CLI in a subprocess, as a user or a pipeline step does
-    (`env`: variables to add to this process's environment)."""
+    (`env`: variables to add to this process's environment; `unset`: variables of it to leave out)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in set(unset)}
     return subprocess.run(
         [sys.executable, "-m", "elastic_step.cli", *args],
         cwd=ROOT,
         text=True,
         capture_output=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**inherited, **(env or {})},
     )
 
 
 def train(
-    data: dict, output, *extra: str, model: str = DIGITS_MODEL, env: dict | None = None
+    data: dict,
+    output,
+    *extra: str,
+    model: str = DIGITS_MODEL,
+    env: dict | None = None,
+    progress: str = "lines",
+    **params,
 ) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = run_cli(
-        "train",
-        "--model-def",
-        model,
-        "--train-data",
-        data["train"],
-        "--eval-data",
-        data["eval"],
-        "--output",
-        str(output),
-        "--progress",
-        "lines",
-        *extra,
-        env=env,
-    )
+    """`elastic-step train` of `model` on `data` ({"train": manifest, "eval": manifest}) into `output`, with
+    the job spec's parameters `params` (`epochs=4` -> `--epochs 4`), then the literal flags `extra`
+    (`--chaos ...`). Returns the process and the summary it wrote ({} if none)."""
+    paths = {"model_def": model, "train_data": data["train"], "eval_data": data["eval"], "output": output}
+    proc = run_cli("train", *cli_args(**paths, progress=progress, **params), *extra, env=env)
     summary_path = os.path.join(str(output), "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
     return proc, summary

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import LEASES_OUTLAST_A_KILL, train
+from tests.integration.harness import LEASES_OUTLAST_A_KILL, SMALL_LEASES, train
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
@@ -17,20 +17,9 @@ pytestmark = pytest.mark.slow
 # Long enough (~72k records: 10-20 s of training here after the kill at 10 %) that the killed worker's
 # replacement starts TensorFlow and joins the ring before the job ends, even on a loaded machine.
 EPOCHS = 50
-SETTINGS = (
-    "--strategy",
-    "allreduce",
-    "--epochs",
-    str(EPOCHS),
-    "--max-workers",
-    "3",
-    "--min-workers",
-    "2",
-    "--minibatch-size",
-    "32",
-    "--records-per-task",
-    "128",
-)
+# What both jobs share: a ring of at least two members, the usual leases.
+RING = {"strategy": "allreduce", "min_workers": 2, **SMALL_LEASES}
+SETTINGS = {**RING, "epochs": EPOCHS, "max_workers": 3}
 
 
 def started_pids(summary: dict, instance: str) -> list[str]:
@@ -40,7 +29,7 @@ def started_pids(summary: dict, instance: str) -> list[str]:
 @pytest.fixture(scope="module")
 def undisturbed(digits_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("allreduce")
-    proc, summary = train(digits_data, out, *SETTINGS)
+    proc, summary = train(digits_data, out, **SETTINGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, summary
 
@@ -62,7 +51,7 @@ def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tm
     _, base = undisturbed
     total = digits_data["rows"] * EPOCHS
     proc, summary = train(
-        digits_data, tmp_path, *SETTINGS, *LEASES_OUTLAST_A_KILL, "--chaos", f"kill:worker-1@{int(total * 0.1)}"
+        digits_data, tmp_path, "--chaos", f"kill:worker-1@{int(total * 0.1)}", **(SETTINGS | LEASES_OUTLAST_A_KILL)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
@@ -92,22 +81,7 @@ def test_allreduce_kill_mid_epoch_replacement_joins(undisturbed, digits_data, tm
 def test_allreduce_kill_in_the_middle_of_a_collective(digits_data, tmp_path, monkeypatch):
     # worker-1 SIGKILLs itself after sending its first reduce-scatter chunk of step 30.
     monkeypatch.setenv("ELASTIC_STEP_COLLECTIVE_CHAOS", "worker-1@step=30")
-    proc, summary = train(
-        digits_data,
-        tmp_path,
-        "--strategy",
-        "allreduce",
-        "--epochs",
-        "6",
-        "--max-workers",
-        "2",
-        "--min-workers",
-        "2",
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-    )
+    proc, summary = train(digits_data, tmp_path, **RING, epochs=6, max_workers=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
     kinds = [(e["kind"], e["instance"], e["detail"]) for e in summary["events"]]

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import retried, train
+from tests.integration.harness import SMALL_LEASES, retried, train
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
 
 EPOCHS = 6
+# What both tests' jobs share.
+JOB = {"model": TALLY_MODEL, "epochs": EPOCHS, "max_workers": 2, "checkpoint_every": 2000}
 
 
 # Seeds whose schedule holds every role asked for (the test checks it): ps: kill worker, term master,
@@ -25,29 +27,18 @@ EPOCHS = 6
 def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data, tmp_path, strategy, seed):
     signals = 3
     roles = "worker,ps,master" if strategy == "ps" else "worker,master"
-    extra = ("--num-ps", "2") if strategy == "ps" else ("--global-batch", "fixed")
+    extra = {"num_ps": 2} if strategy == "ps" else {"global_batch": "fixed"}
     codes, (proc, summary) = retried(
         lambda: train(
             tally_data,
             tmp_path,
-            "--job-id",
-            f"chaos-{strategy}",
-            "--strategy",
-            strategy,
-            "--epochs",
-            str(EPOCHS),
-            "--max-workers",
-            "2",
-            "--minibatch-size",
-            "32",
-            "--records-per-task",
-            "128",
-            "--checkpoint-every",
-            "2000",
-            *extra,
             "--chaos",
             f"random:{signals}:seed={seed}:roles={roles}",
-            model=TALLY_MODEL,
+            job_id=f"chaos-{strategy}",
+            strategy=strategy,
+            **JOB,
+            **SMALL_LEASES,
+            **extra,
         )
     )
     assert proc.returncode == 0, (codes, proc.stderr[-3000:])
@@ -67,25 +58,15 @@ def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tall
     proc, summary = train(
         tally_data,
         tmp_path,
-        "--epochs",
-        str(EPOCHS),
-        "--max-workers",
-        "2",
-        "--num-ps",
-        "2",
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "256",
-        "--minibatches-per-push",
-        "4",
-        "--checkpoint-every",
-        "2000",
         "--chaos",
         f"kill:worker-0@{total * 3 // 10}",
         "--chaos",
         f"kill:ps-1@{total * 6 // 10}",
-        model=TALLY_MODEL,
+        num_ps=2,
+        minibatch_size=32,
+        records_per_task=256,
+        minibatches_per_push=4,
+        **JOB,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_chaos_fired(summary, 2)

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from tests.integration.harness import run_cli, train
+from elastic_step.spec import cli_args
+from tests.integration.harness import SMALL_LEASES, run_cli, train
 from tests.integration.test_errors import assert_clean_error
 from tests.models.witness import TALLY_MODEL as TALLY
 from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
@@ -21,29 +22,14 @@ from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_
 pytestmark = pytest.mark.slow
 
 EPOCHS = 4
+# The durable job: the tally model on two workers and two PS.
+JOB = {"model": TALLY, "job_id": "durable", "epochs": EPOCHS, "max_workers": 2, "num_ps": 2, **SMALL_LEASES}
 
 
-def tally_job(data, out, *extra):
-    return train(
-        data,
-        out,
-        "--job-id",
-        "durable",
-        "--epochs",
-        str(EPOCHS),
-        "--max-workers",
-        "2",
-        "--num-ps",
-        "2",
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-        "--checkpoint-every",
-        "3000",
-        *extra,
-        model=TALLY,
-    )
+def tally_job(data, out, *extra, **params):
+    """The durable job, checkpointed every 3000 committed records, with `params` laid over it and the literal
+    flags `extra` (`--chaos ...`)."""
+    return train(data, out, *extra, **(JOB | {"checkpoint_every": 3000} | params))
 
 
 def manifest(out) -> dict:
@@ -56,15 +42,13 @@ def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_reco
     total = tally_data["rows"] * EPOCHS
     killed_at = int(total * 0.55)
     ckpts = tmp_path / "bucket"
-    proc, _ = tally_job(
-        tally_data, tmp_path / "attempt-1", "--checkpoint-uri", str(ckpts), "--chaos", f"kill:master@{killed_at}"
-    )
+    proc, _ = tally_job(tally_data, tmp_path / "attempt-1", "--chaos", f"kill:master@{killed_at}", checkpoint_uri=ckpts)
     assert proc.returncode == -9, proc.stderr[-3000:]  # the chaos fired: the master died mid-run
     assert not (tmp_path / "attempt-1" / "summary.json").exists()
     cut = json.loads((ckpts / "durable" / "checkpoint.json").read_text())
     assert 0 < cut["records_committed"] <= killed_at
     out = tmp_path / "attempt-2"
-    proc, summary = tally_job(tally_data, out, "--checkpoint-uri", str(ckpts))  # the retried step
+    proc, summary = tally_job(tally_data, out, checkpoint_uri=ckpts)  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming job durable from checkpoint" in proc.stderr
     restarts = summary["checkpoints"]["restarts"]
@@ -83,26 +67,24 @@ def test_allreduce_a_lost_ring_and_then_a_lost_master_both_go_back_to_the_last_c
     cut while no further step may commit. A ring whose every member is lost goes back to it (not to the
     start), and so does the retried step of a killed master, whose first members all load it."""
     total = tally_data["rows"] * EPOCHS
-    allreduce = ("--strategy", "allreduce", "--global-batch", "fixed")  # the tally counts 1 per step
+    allreduce = {"strategy": "allreduce", "global_batch": "fixed"}  # the tally counts 1 per step
     proc, _ = tally_job(
         tally_data,
         tmp_path,
-        *allreduce,
-        "--min-workers",
-        "1",
-        "--max-workers",
-        "1",
         "--chaos",
         f"kill:worker-0@{int(total * 0.4)}",
         "--chaos",
         f"kill:master@{int(total * 0.7)}",
+        **allreduce,
+        min_workers=1,
+        max_workers=1,
     )
     assert proc.returncode == -9, proc.stderr[-3000:]  # the master's chaos fired
     assert "every allreduce member was lost" in proc.stderr and "goes back to checkpoint" in proc.stderr
     cut = manifest(tmp_path)
     assert "members.npz" in cut["files"]
     # The retried step with two workers (the checkpoint does not fix the world size): both load it.
-    proc, summary = tally_job(tally_data, tmp_path, *allreduce, "--min-workers", "2")
+    proc, summary = tally_job(tally_data, tmp_path, **allreduce, min_workers=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = [
         p.name
@@ -122,7 +104,7 @@ def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains
     worker and PS it started, and exits 143 (killed by SIGTERM: a retry policy retries that)."""
     total = tally_data["rows"] * EPOCHS
     asked_at = int(total * 0.45)
-    proc, summary = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h", "--chaos", f"term:master@{asked_at}")
+    proc, summary = tally_job(tally_data, tmp_path, "--chaos", f"term:master@{asked_at}", checkpoint_every="1h")
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "chaos: SIGTERM the master" in proc.stderr  # the chaos fired
     assert "terminated (SIGTERM)" in proc.stderr and "Traceback" not in proc.stderr
@@ -140,7 +122,7 @@ def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains
     cut = manifest(tmp_path)
     assert cut["id"] == 2 and cut["records_committed"] >= asked_at  # after the initial one: cut on SIGTERM
     assert f"resumes from checkpoint 2 at {cut['records_committed']} committed records" in proc.stderr
-    proc, summary = tally_job(tally_data, tmp_path, "--checkpoint-every", "1h")
+    proc, summary = tally_job(tally_data, tmp_path, checkpoint_every="1h")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (restart,) = summary["checkpoints"]["restarts"]
     assert restart["from_checkpoint"] == 2 and restart["records_trained_again"] == 0
@@ -156,23 +138,7 @@ def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_on
     assert manifest(tmp_path)["id"] == 1  # checkpoint 2's parts exist, its manifest not
     assert (tmp_path / "checkpoints" / "durable" / "ckpt-000002" / "ledger.json").exists()
     # The same job with another configuration: refused, naming the difference; nothing is started.
-    proc, _ = train(
-        tally_data,
-        tmp_path,
-        "--job-id",
-        "durable",
-        "--epochs",
-        str(EPOCHS + 1),
-        "--max-workers",
-        "2",
-        "--num-ps",
-        "2",
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-        model=TALLY,
-    )
+    proc, _ = train(tally_data, tmp_path, **(JOB | {"epochs": EPOCHS + 1}))
     assert_clean_error(proc, f"epochs: checkpoint {EPOCHS}, this job {EPOCHS + 1}", "--resume never")
     proc, summary = tally_job(tally_data, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -193,9 +159,7 @@ def test_an_unwritable_checkpoint_location_is_an_error_at_the_start(tally_data, 
     out = tmp_path / "out"
     out.mkdir()
     (out / "checkpoints").write_text("a file where the checkpoints folder goes")
-    proc = run_cli(
-        "train", "--model-def", TALLY, "--train-data", tally_data["train"], "--output", str(out), "--epochs", "1"
-    )
+    proc = run_cli("train", *cli_args(model_def=TALLY, train_data=tally_data["train"], output=out, epochs=1))
     assert_clean_error(proc, "Cannot write checkpoints under", "--checkpoint-every 0")
     assert not (out / "logs").exists() or not any((out / "logs").iterdir())  # nothing was started
 

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from elastic_step.spec import cli_args
 from tests.integration.harness import DIGITS_MODEL, run_cli, train
 
 
@@ -33,15 +34,7 @@ def write_model(tmp_path, body: str) -> str:
 
 
 def test_unreadable_train_data(tmp_path):
-    proc = run_cli(
-        "train",
-        "--model-def",
-        DIGITS_MODEL,
-        "--train-data",
-        str(tmp_path / "nowhere"),
-        "--output",
-        str(tmp_path / "out"),
-    )
+    proc = run_cli("train", *cli_args(model_def=DIGITS_MODEL, train_data=tmp_path / "nowhere", output=tmp_path / "out"))
     assert_clean_error(proc, str(tmp_path / "nowhere"), "data prep")
     assert not (tmp_path / "out" / "model.keras").exists()
 
@@ -49,13 +42,13 @@ def test_unreadable_train_data(tmp_path):
 def test_an_output_the_step_cannot_create_is_a_clear_error(tmp_path, digits_data):
     (tmp_path / "a-file").write_text("not a folder")
     output = str(tmp_path / "a-file" / "out")
-    proc = run_cli("train", "--model-def", DIGITS_MODEL, "--train-data", digits_data["train"], "--output", output)
+    proc = run_cli("train", *cli_args(model_def=DIGITS_MODEL, train_data=digits_data["train"], output=output))
     assert_clean_error(proc, output, "--output")
     assert (tmp_path / "a-file").read_text() == "not a folder"
 
 
 def test_unreadable_source_in_prep(tmp_path):
-    proc = run_cli("data", "prep", "--source", "file:///no/such/file.csv", "--output", str(tmp_path / "out"))
+    proc = run_cli("data", "prep", *cli_args(source_uri="file:///no/such/file.csv", output=tmp_path / "out"))
     assert_clean_error(proc, "/no/such/file.csv")
     assert not (tmp_path / "out" / "train" / "manifest.json").exists()
 
@@ -76,18 +69,7 @@ def prep_against_schema(tmp_path, csv_text: str):
             }
         )
     )
-    return run_cli(
-        "data",
-        "prep",
-        "--source",
-        str(csv),
-        "--output",
-        str(tmp_path / "out"),
-        "--label",
-        "label",
-        "--schema",
-        str(schema),
-    )
+    return run_cli("data", "prep", *cli_args(source_uri=csv, output=tmp_path / "out", label="label", schema=schema))
 
 
 def test_bad_row_names_file_line_and_column(tmp_path):
@@ -118,7 +100,7 @@ def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
     """,
     )
     out = tmp_path / "out"
-    proc, summary = train(digits_data, out, "--max-workers", "2", model=model)
+    proc, summary = train(digits_data, out, model=model, max_workers=2)
     msg = assert_clean_error(proc, "pixel column has the wrong scale", "feed()", "user_model.py")
     # Named by whoever met it first: a worker's step, or the master's eval of the initial weights.
     assert "(worker-" in msg or "(master)" in msg, msg
@@ -149,14 +131,9 @@ def test_model_build_that_raises(tmp_path, digits_data):
 def test_kubernetes_backend_without_a_cluster_is_a_clear_error(tmp_path, digits_data):
     args = (
         "train",
-        "--model-def",
-        DIGITS_MODEL,
-        "--train-data",
-        digits_data["train"],
-        "--output",
-        str(tmp_path / "out"),
-        "--backend",
-        "kubernetes",
+        *cli_args(
+            model_def=DIGITS_MODEL, train_data=digits_data["train"], output=tmp_path / "out", backend="kubernetes"
+        ),
     )
     missing = str(tmp_path / "no-kubeconfig")
     assert_clean_error(run_cli(*args, env={"KUBECONFIG": missing}), missing, "KUBECONFIG", "--backend local")
@@ -186,7 +163,7 @@ def test_kubernetes_backend_without_a_cluster_is_a_clear_error(tmp_path, digits_
 
 
 def test_unknown_backend_is_a_clear_error(tmp_path, digits_data):
-    proc, _ = train(digits_data, tmp_path / "out", "--backend", "yarn")
+    proc, _ = train(digits_data, tmp_path / "out", backend="yarn")
     assert_clean_error(proc, "--backend 'yarn'")
 
 
@@ -204,7 +181,7 @@ def test_an_error_in_the_users_loss_is_theirs_once_with_their_traceback(tmp_path
     """,
     )
     out = tmp_path / "out"
-    proc, summary = train(digits_data, out, "--max-workers", "2", "--strategy", strategy, model=model)
+    proc, summary = train(digits_data, out, model=model, max_workers=2, strategy=strategy)
     assert_clean_error(proc, "loss()", "class weights are missing", "Fix loss()")
     # The user's own frames, innermost last: where to look, without TensorFlow's.
     assert "user_model.py" in proc.stderr and "in scaled" in proc.stderr, proc.stderr[-3000:]

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
+from elastic_step.spec import cli_args
 from elastic_step.steps import evaluate_step, publish_step
-from tests.integration.harness import ROOT, run_cli, train
+from tests.integration.harness import SMALL_LEASES, run_cli, train
 from tests.models import tally
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
 
@@ -32,47 +31,30 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
     tally.write_csv(str(tmp_path / "tally.csv"))
     fs.put_file(str(tmp_path / "tally.csv"), f"{bucket}/source/tally.csv")
 
-    proc = run_cli(
-        "data",
-        "prep",
-        "--source",
-        f"{bucket}/source/tally.csv",
-        "--output",
-        f"{bucket}/prepared",
-        "--label",
-        "label",
-        env=server.env,
-    )
+    prep = cli_args(source_uri=f"{bucket}/source/tally.csv", output=f"{bucket}/prepared", label="label")
+    proc = run_cli("data", "prep", *prep, env=server.env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = {"train": f"{bucket}/prepared/train/manifest.json", "eval": f"{bucket}/prepared/eval/manifest.json"}
     assert fs.exists(data["train"]) and fs.exists(data["eval"])
     rows = json.loads(fs.cat_file(data["train"]))["shards"][0]["rows"]
 
     output = f"{bucket}/run"
-    job = (
-        "--job-id",
-        "in-bucket",
-        "--epochs",
-        str(EPOCHS),
-        "--max-workers",
-        "1",
-        "--num-ps",
-        "1",
-        "--minibatch-size",
-        "32",
-        "--records-per-task",
-        "128",
-        "--checkpoint-every",
-        "2000",
-    )
+    job = {
+        "job_id": "in-bucket",
+        "epochs": EPOCHS,
+        "max_workers": 1,
+        "num_ps": 1,
+        **SMALL_LEASES,
+        "checkpoint_every": 2000,
+    }
     killed_at = int(rows * EPOCHS * 0.6)
-    proc, _ = train(data, output, *job, "--chaos", f"kill:master@{killed_at}", model=TALLY_MODEL, env=server.env)
+    proc, _ = train(data, output, "--chaos", f"kill:master@{killed_at}", model=TALLY_MODEL, env=server.env, **job)
     assert proc.returncode == -9, proc.stderr[-3000:]  # the chaos fired: the master died mid-run
     assert not fs.exists(f"{output}/summary.json")  # nothing claims a finished output
     cut = json.loads(fs.cat_file(f"{output}/checkpoints/in-bucket/checkpoint.json"))
     assert 0 < cut["records_committed"] <= killed_at
 
-    proc, _ = train(data, output, *job, model=TALLY_MODEL, env=server.env)  # the retried step
+    proc, _ = train(data, output, model=TALLY_MODEL, env=server.env, **job)  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming job in-bucket from checkpoint" in proc.stderr
     summary = json.loads(fs.cat_file(f"{output}/summary.json"))
@@ -99,7 +81,7 @@ def test_a_missing_bucket_is_one_paragraph_naming_the_uri_and_the_fix(store, tmp
     server, _ = store
     (tmp_path / "d.csv").write_text("x,label\n1,0\n2,1\n3,0\n")
     missing = f"{server.protocol}://no-such-bucket-here"
-    proc = run_cli("data", "prep", "--source", f"{missing}/d.csv", "--output", str(tmp_path / "out"), env=server.env)
+    proc = run_cli("data", "prep", *cli_args(source_uri=f"{missing}/d.csv", output=tmp_path / "out"), env=server.env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{missing}/d.csv" in proc.stderr
     (tmp_path / "model").mkdir()
@@ -151,31 +133,14 @@ def test_a_lease_fetches_only_the_row_groups_it_spans(store, monkeypatch):
 
 def test_missing_s3_credentials_are_one_paragraph_naming_the_uri_and_the_standard_ways(s3_server, tmp_path):
     bucket = s3_server.bucket("t-no-credentials")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(
-        AWS_ENDPOINT_URL=s3_server.url,
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_CONFIG_FILE=str(tmp_path / "none"),
-        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "data",
-            "prep",
-            "--source",
-            f"{bucket}/d.csv",
-            "--output",
-            str(tmp_path / "out"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {
+        "AWS_ENDPOINT_URL": s3_server.url,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+    }
+    prep = cli_args(source_uri=f"{bucket}/d.csv", output=tmp_path / "out")
+    proc = run_cli("data", "prep", *prep, env=env, unset=[k for k in os.environ if k.startswith("AWS_")], timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{bucket}/d.csv" in proc.stderr
     assert "AWS_ACCESS_KEY_ID" in proc.stderr and "IRSA" in proc.stderr and "AWS_ENDPOINT_URL" in proc.stderr
@@ -194,7 +159,7 @@ def test_credentials_the_store_refuses_are_one_paragraph(s3_with_iam, tmp_path):
     """moto with IAM on: a key the store does not know is refused, as AWS refuses it."""
     env = {**s3_with_iam.env, "AWS_ACCESS_KEY_ID": "AKIAUNKNOWN000000000", "AWS_SECRET_ACCESS_KEY": "wrong"}
     source = "s3://t-iam/source/d.csv"
-    proc = run_cli("data", "prep", "--source", source, "--output", str(tmp_path / "out"), env=env)
+    proc = run_cli("data", "prep", *cli_args(source_uri=source, output=tmp_path / "out"), env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert f"Cannot read the source {source}" in proc.stderr and "refused" in proc.stderr
     assert "AWS_SECRET_ACCESS_KEY" in proc.stderr
@@ -228,16 +193,7 @@ def test_data_prep_checks_it_may_write_before_it_reads(s3_with_iam, tmp_path):
     """A read-only identity: data prep says so before reading the source, and creates nothing."""
     source = tmp_path / "d.csv"
     source.write_text("x,label\n" + "".join(f"{i},{i % 2}\n" for i in range(50)))
-    proc = run_cli(
-        "data",
-        "prep",
-        "--source",
-        str(source),
-        "--output",
-        "s3://t-iam/prepared",
-        "--label",
-        "label",
-        env=s3_with_iam.reader_env,
-    )
+    prep = cli_args(source_uri=source, output="s3://t-iam/prepared", label="label")
+    proc = run_cli("data", "prep", *prep, env=s3_with_iam.reader_env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "Cannot write the prepared data to s3://t-iam/prepared" in proc.stderr and "s3:PutObject" in proc.stderr

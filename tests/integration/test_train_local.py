@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from tests.integration.harness import CTR_MODEL, LEASES_OUTLAST_A_KILL, train
+from tests.integration.harness import CTR_MODEL, LEASES_OUTLAST_A_KILL, SMALL_LEASES, train
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.slow
@@ -18,24 +18,13 @@ pytestmark = pytest.mark.slow
 # Long enough (~170k records: about 12 s of training for two workers here, at ~14k records/s) that
 # a killed worker's replacement starts TensorFlow (~5 s), joins and trains.
 EPOCHS = 120
-SETTINGS = (
-    "--epochs",
-    str(EPOCHS),
-    "--max-workers",
-    "2",
-    "--num-ps",
-    "1",
-    "--minibatch-size",
-    "32",
-    "--records-per-task",
-    "128",
-)
+SETTINGS = {"epochs": EPOCHS, "max_workers": 2, "num_ps": 1, **SMALL_LEASES}
 
 
 @pytest.fixture(scope="module")
 def undisturbed(digits_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("undisturbed")
-    proc, summary = train(digits_data, out, *SETTINGS)
+    proc, summary = train(digits_data, out, **SETTINGS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, summary, proc
 
@@ -60,12 +49,11 @@ def test_kill_and_sigterm_lose_nothing(undisturbed, digits_data, tmp_path):
     proc, summary = train(
         digits_data,
         tmp_path,
-        *SETTINGS,
-        *LEASES_OUTLAST_A_KILL,
         "--chaos",
         f"kill:worker-0@{int(total * 0.1)}",
         "--chaos",
         f"term:worker-1@{int(total * 0.1) + 1}",
+        **(SETTINGS | LEASES_OUTLAST_A_KILL),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)
@@ -101,17 +89,12 @@ def test_ctr_embeddings_split_across_two_ps(ctr_data, tmp_path):
     proc, summary = train(
         ctr_data,
         tmp_path,
-        "--epochs",
-        "2",
-        "--num-ps",
-        "2",
-        "--max-workers",
-        "2",
-        "--minibatch-size",
-        "128",
-        "--records-per-task",
-        "1024",
         model=CTR_MODEL,
+        epochs=2,
+        num_ps=2,
+        max_workers=2,
+        minibatch_size=128,
+        records_per_task=1024,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_exactly_once(summary)

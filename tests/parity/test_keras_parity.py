@@ -1,8 +1,9 @@
 """The model contract's promise, held to numbers: a module trains the same with plain Keras
 (`compile` + `fit` + `evaluate`) and with elastic-step in both strategies.
 
-Each module under tests/parity/models/ (and the two samples) is trained on the same prepared
-records three ways, for the same epochs at the same batch size:
+Each model module under tests/parity/models/ (and the two samples; digits.py is no model, the digits
+modules' feed and metrics) is trained on the same prepared records three ways, for the same epochs at
+the same batch size:
   * fit:       `model.compile(optimizer=optimizer(), loss=loss, metrics=[*eval_metrics().values()])`,
                `fit(epochs, batch_size=32)` on the train manifest's records through `feed`, then
                `evaluate` on the eval manifest's;
@@ -77,28 +78,8 @@ EPOCHS = {"digits_data": 8, "ctr_data": 2}
 BATCH = 32
 SEED = 0
 STRATEGIES = {
-    "ps": (
-        "--strategy",
-        "ps",
-        "--num-ps",
-        "1",
-        "--min-workers",
-        "1",
-        "--max-workers",
-        "1",
-        "--minibatch-size",
-        str(BATCH),
-    ),
-    "allreduce": (
-        "--strategy",
-        "allreduce",
-        "--min-workers",
-        "2",
-        "--max-workers",
-        "2",
-        "--minibatch-size",
-        str(BATCH // 2),
-    ),
+    "ps": {"strategy": "ps", "num_ps": 1, "min_workers": 1, "max_workers": 1, "minibatch_size": BATCH},
+    "allreduce": {"strategy": "allreduce", "min_workers": 2, "max_workers": 2, "minibatch_size": BATCH // 2},
 }
 # Elastic jobs run side by side (each is a master, workers and maybe a PS: mostly start-up).
 JOBS_AT_ONCE = 4
@@ -151,14 +132,11 @@ def runs(request, tmp_path_factory):
                 train,
                 data[fixture],
                 out,
-                *STRATEGIES[strategy],
-                "--epochs",
-                str(EPOCHS[fixture]),
-                "--seed",
-                str(SEED),
-                "--checkpoint-every",
-                "0",
                 model=path,
+                **STRATEGIES[strategy],
+                epochs=EPOCHS[fixture],
+                seed=SEED,
+                checkpoint_every=0,
             )
         for name in sorted({n for n, _ in wanted}):
             path, fixture = MODULES[name]

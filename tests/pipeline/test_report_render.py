@@ -12,12 +12,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import pathlib
 import shutil
 import struct
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -25,6 +23,7 @@ import pytest
 import websocket
 
 from elastic_step.report import CHART_IDS, write_report
+from tests.integration.harness import SMALL_LEASES, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "out" / "test-artifacts"
@@ -171,43 +170,20 @@ def test_the_report_of_a_job_with_a_killed_worker_renders(page, tmp_path):
 
     data = prepare(str(ROOT / "samples" / "digits" / "digits.csv"), str(tmp_path / "data"), label="label", seed=0)
     out = tmp_path / "job"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "elastic_step.cli",
-            "train",
-            "--model-def",
-            str(ROOT / "samples" / "digits" / "model.py"),
-            "--train-data",
-            data.train_uri,
-            "--eval-data",
-            data.eval_uri,
-            "--output",
-            str(out),
-            "--epochs",
-            "60",
-            "--minibatch-size",
-            "32",
-            "--records-per-task",
-            "128",
-            "--progress",
-            "off",
-            # early (2 of 60 epochs, an epoch is ~0.2 s), so the rest (~12 s) outlasts the
-            # replacement's start-up (forked from the preloader: its model's build and first
-            # step, a few seconds beside the job's own processes on 2 cores): it must rejoin
-            # for the charts to mark its return
-            "--chaos",
-            f"kill:worker-0@{data.train.total_rows * 2}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ},
+    proc, summary = train(
+        {"train": data.train_uri, "eval": data.eval_uri},
+        out,
+        # early (2 of 60 epochs, an epoch is ~0.2 s), so the rest (~12 s) outlasts the
+        # replacement's start-up (forked from the preloader: its model's build and first
+        # step, a few seconds beside the job's own processes on 2 cores): it must rejoin
+        # for the charts to mark its return
+        "--chaos",
+        f"kill:worker-0@{data.train.total_rows * 2}",
+        epochs=60,
+        **SMALL_LEASES,
+        progress="off",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
     assert summary["workers"]["lost"] == 1 and len(summary["eval_history"]) >= 2
 
     charts = check_report(page, out / "report.html", tmp_path / "report.png")

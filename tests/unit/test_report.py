@@ -347,36 +347,20 @@ def test_any_summary_renders(summary):
     assert page.startswith("<!DOCTYPE html>") and parse(page).errors == []
 
 
+def audited(verdict: str, **counts: int) -> dict:
+    """SUMMARY with a PS audit (2 shards) of one epoch of 80 records, whose `counts` are given."""
+    epoch = {"epoch": 0, "records": 80, "never": 0, "more_than_once": 0, "shards_disagree": 0, **counts}
+    audit = {"source": "ps", "verdict": verdict, "holders": 2, "where": "on all 2 PS shard(s)"}
+    return {**SUMMARY, "audit": {**audit, "records_outside_the_data": 0, "epochs": [epoch]}}
+
+
 def test_the_audit_is_shown_and_a_violation_stands_out():
-    exact = {
-        **SUMMARY,
-        "audit": {
-            "source": "ps",
-            "verdict": "exact",
-            "holders": 2,
-            "where": "on all 2 PS shard(s)",
-            "records_outside_the_data": 0,
-            "epochs": [
-                {"epoch": 0, "records": 80, "applied_once": 80, "never": 0, "more_than_once": 0, "shards_disagree": 0}
-            ],
-        },
-    }
-    html = render_report(exact)
+    html = render_report(audited("exact", applied_once=80))
     assert (
         "<b>Exact</b>: every record of all 1 epochs was applied exactly once, on all 2 PS shard(s)" in html
         and 'id="audit"' in html
     )
-    bad = {
-        **exact,
-        "audit": {
-            **exact["audit"],
-            "verdict": "violated",
-            "epochs": [
-                {"epoch": 0, "records": 80, "applied_once": 70, "never": 4, "more_than_once": 6, "shards_disagree": 0}
-            ],
-        },
-    }
-    html = render_report(bad)
+    html = render_report(audited("violated", applied_once=70, never=4, more_than_once=6))
     assert (
         '<b class="bad">VIOLATED</b>' in html
         and '<tr class="bad"><td>0</td><td>80</td><td>70</td><td>4</td><td>6</td>' in html
