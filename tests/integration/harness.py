@@ -57,6 +57,15 @@ def train(
     return proc, summary
 
 
+def random_chaos(strategy: str, signals: int, seed: int) -> tuple[str, list[str], dict]:
+    """A seeded random schedule of `signals` kills and terms over every role of `strategy`: (the roles, the
+    `--chaos` flags, the job settings that give a hit role a peer: two PS shards, or a ring that accumulates
+    its fixed global batch while it shrinks)."""
+    roles = "worker,ps,master" if strategy == "ps" else "worker,master"
+    settings = {"num_ps": 2} if strategy == "ps" else {"global_batch": "fixed"}
+    return roles, ["--chaos", f"random:{signals}:seed={seed}:roles={roles}"], settings
+
+
 RETRIED = (-9, 143)  # the master was SIGKILLed or SIGTERMed: what a retry policy retries
 
 

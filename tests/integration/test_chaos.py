@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.harness import SMALL_LEASES, retried, train
+from tests.integration.harness import SMALL_LEASES, random_chaos, retried, train
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
@@ -26,14 +26,12 @@ JOB = {"model": TALLY_MODEL, "epochs": EPOCHS, "max_workers": 2, "checkpoint_eve
 @pytest.mark.parametrize("strategy, seed", [("ps", 6), ("allreduce", 9)])
 def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data, tmp_path, strategy, seed):
     signals = 3
-    roles = "worker,ps,master" if strategy == "ps" else "worker,master"
-    extra = {"num_ps": 2} if strategy == "ps" else {"global_batch": "fixed"}
+    roles, chaos, extra = random_chaos(strategy, signals, seed)
     codes, (proc, summary) = retried(
         lambda: train(
             tally_data,
             tmp_path,
-            "--chaos",
-            f"random:{signals}:seed={seed}:roles={roles}",
+            *chaos,
             job_id=f"chaos-{strategy}",
             strategy=strategy,
             **JOB,

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.integration.harness import retried
+from tests.integration.harness import random_chaos, retried
 from tests.kubernetes.jobs import tally_job, train
 from tests.kubernetes.test_backend import (  # noqa: F401
     assert_pushes_carried_bytes,
@@ -36,14 +36,12 @@ def test_random_pod_kills_and_terms_lose_nothing(
     control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path, strategy, seed
 ):
     signals, job, out = 3, f"chaos-{strategy}", tmp_path / "out"
-    roles = "worker,ps,master" if strategy == "ps" else "worker,master"
-    extra = {"num_ps": 2} if strategy == "ps" else {"global_batch": "fixed"}
+    roles, chaos, extra = random_chaos(strategy, signals, seed)
     codes, (proc, summary) = retried(
         lambda: train(
             sa_kubeconfig,
             namespace,
-            "--chaos",
-            f"random:{signals}:seed={seed}:roles={roles}",
+            *chaos,
             **tally_job(job, tally_data, out, EPOCHS, strategy=strategy, checkpoint_every=2000, **extra),
         )
     )
