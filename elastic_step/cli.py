@@ -105,16 +105,9 @@ def _train(args) -> dict:
 def _prep(args) -> dict:
     from elastic_step.data.prep import prepare
 
-    r = prepare(
-        args.source_uri,
-        args.output,
-        label=args.label or None,
-        eval_fraction=args.eval_fraction,
-        shard_rows=args.shard_rows,
-        schema=args.schema,
-        on_bad_rows=args.on_bad_rows,
-        seed=args.seed,
-    )
+    settings = spec.values(args, spec.PREP)
+    source, label = settings.pop("source_uri"), settings.pop("label")
+    r = prepare(source, args.output, label=label or None, **settings)  # an empty label: none
     return {
         "train": r.train_uri,
         "eval": r.eval_uri,
@@ -154,7 +147,7 @@ def _evaluate(args) -> dict:
     from elastic_step.steps import evaluate_step, write_json
 
     _prepared(args, "eval")
-    r = evaluate_step(args.model, args.eval_data, args.model_def, metric=args.metric, threshold=args.threshold)
+    r = evaluate_step(args.model, args.eval_data, **spec.values(args, spec.EVAL))
     if args.metrics_out:
         write_json(args.metrics_out, r)
     if args.passed_out:  # for Argo: a parameter read from a file gates the publish step

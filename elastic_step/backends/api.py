@@ -68,6 +68,7 @@ class BackendError(Exception):
 class Backend(abc.ABC):
     """Starts/stops instances and reports what happens to them, as soon as it happens."""
 
+    name = ""  # what --backend calls it
     # Whether instances open the master's local files at their paths (processes of one machine);
     # if not (pods), the master serves the ones they need (master/input_server.py).
     shares_files = True

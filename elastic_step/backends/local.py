@@ -20,6 +20,8 @@ from elastic_step.util.process import PARENT_ENV
 
 
 class LocalBackend(Backend):
+    name = "local"
+
     def __init__(self, log_dir: str | os.PathLike, env: dict[str, str] | None = None, preload: bool = False):
         super().__init__()
         self.log_dir = pathlib.Path(log_dir)

@@ -45,9 +45,9 @@ def training_metrics(summary: dict) -> dict[str, float]:
     return m
 
 
-def run_training(train: str, eval: str, arguments: dict) -> None:
+def run_training(train_data: str, eval_data: str, arguments: dict) -> None:
     """A training component's body: `arguments` are the component's own, by name (its artifacts, its
-    parameters, the job id's sources); `train` and `eval` the manifests, as paths or URIs."""
+    parameters, the job id's sources); `train_data` and `eval_data` the manifests, as paths or URIs."""
     from elastic_step import spec
     from elastic_step.steps import step_job_id, train_step
 
@@ -55,7 +55,14 @@ def run_training(train: str, eval: str, arguments: dict) -> None:
     settings = {k: v for k, v in spec.step_values(a, spec.ELASTIC_TRAIN).items() if k not in ("model_def", "job_id")}
     job_id = step_job_id(a["job_id"], a["pipeline_run_id"], a["pipeline_task_name"], anchor=a["model"].uri)
     s = train_step(
-        train, eval, a["model_def"], a["model"].path, a["report"].path, a["summary"].path, job_id=job_id, **settings
+        train_data,
+        eval_data,
+        a["model_def"],
+        a["model"].path,
+        a["report"].path,
+        a["summary"].path,
+        job_id=job_id,
+        **settings,
     )
     record_training(s, a["model"], a["metrics"], a["summary"])
 

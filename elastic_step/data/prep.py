@@ -105,7 +105,7 @@ def prepare(
         if label is not None and label not in data_schema.names:
             raise DataError(
                 f"The label column {label!r} is not in the data ({files[0][1]} has columns "
-                f"{', '.join(data_schema.names)}). Pass --label with one of them."
+                f"{', '.join(data_schema.names)}). Pass --label with one of them, or --label '' for data without one."
             )
         n = sum(s.rows for s in spilled)
         if n < 2:

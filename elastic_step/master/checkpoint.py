@@ -10,13 +10,16 @@ on every member) at the last committed step, taken while no further step may com
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 
 from elastic_step.faults.api import NO_FAULTS, JobFaults
 from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
+from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
 
@@ -445,11 +448,17 @@ class JobCheckpoints:
         )
 
     def finished(self) -> None:
-        """The job succeeded: its model is the output, and a rerun of this job id starts over."""
+        """The job succeeded: its model is the output, and a rerun of this job id starts over. The default
+        root (OUTPUT/checkpoints) goes too once no other job's checkpoints are left in it, so that a model
+        folder holds no empty checkpoints/ (a bucket has no empty folders)."""
         try:
             self.store.fs.rm(self.store.path, recursive=True)
         except FileNotFoundError:
             pass
+        root = local_path(os.path.dirname(self.store.root.rstrip("/")))
+        if not self.cfg.checkpoint_uri and root is not None:
+            with contextlib.suppress(OSError):  # not empty, or already gone
+                os.rmdir(root)
 
     def summary(self) -> dict:
         return {

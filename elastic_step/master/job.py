@@ -46,30 +46,30 @@ SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 
 
-def make_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
-    """The job's backend, started: (backend, its name, the job's token). --backend auto picks one."""
+def make_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str]:
+    """The job's backend, started, and the job's token. --backend auto picks one (its `name` says which)."""
     if cfg.backend == "auto":
         return _auto_backend(cfg, job_id, log_dir)
     return _backend(cfg.backend, cfg, job_id, log_dir)
 
 
-def _backend(name: str, cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
+def _backend(name: str, cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str]:
     if name == "local":
         from elastic_step.backends.local import LocalBackend
 
         token = new_token()
-        return LocalBackend(log_dir, env={TOKEN_ENV: token}, preload=True), name, token
+        return LocalBackend(log_dir, env={TOKEN_ENV: token}, preload=True), token
     if name == "kubernetes":
         # Namespace, credentials, owner pod and pod-spec additions come from the environment (see the
         # module). A restarted master finds the job's Secret and keeps its token.
         from elastic_step.backends.kubernetes import KubernetesBackend
 
         backend = KubernetesBackend.from_train_config(cfg, job_id=job_id, token=new_token())
-        return backend, name, backend.token
+        return backend, backend.token
     raise ConfigError(f"Unknown backend {name!r}; use auto, local or kubernetes.")
 
 
-def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str, str]:
+def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str]:
     """--backend auto: pods when this step runs in a pod whose service account holds the Role's verbs
     (so a training component dragged into a cluster pipeline is an elastic job of pods), else processes
     of this step. The plan records the choice, and the log says why."""
@@ -125,8 +125,10 @@ class TrainingJob:
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
         self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
-        if backend is not None:
-            started = backend, cfg.backend, backend.token
+        if backend is not None:  # tests: a Kubernetes backend made for this job, with its token
+            if getattr(backend, "job_id", job_id) != job_id:
+                raise ValueError(f"the backend given is job {backend.job_id}'s, not {job_id}'s")
+            started = backend, backend.token
         else:  # starts processes: after every check
             started = make_backend(cfg, job_id, self.output / "logs")
         self.backend = started[0]
@@ -135,8 +137,8 @@ class TrainingJob:
             output=output,
             output_uri=cfg.output,
             checkpoint_root=ckpt_root,
-            backend=started[1],
-            token=started[2],
+            backend=started[0].name,
+            token=started[1],
         )
         self.durable.token = self.plan.token
         if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
@@ -472,7 +474,7 @@ class TrainingJob:
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
         outputs = {
-            k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.output) for k, v in outputs.items()
+            k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.plan.output) for k, v in outputs.items()
         }
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
@@ -548,7 +550,7 @@ class TrainingJob:
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
                 **({"chaos": chaos_summary} if chaos_summary else {}),
-                "checkpoints": self.durable.summary(),
+                "checkpoints": {"root": self.plan.checkpoint_root, **self.durable.summary()},
             }
         summary.update(extra)
         atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))

@@ -227,6 +227,7 @@ def cron_workflow(schedule: str = "0 2 * * *", timezone: str = "UTC") -> CronWor
         arguments=[
             Parameter(name="source-uri", value="gs://my-bucket/data/latest/"),
             Parameter(name="model-def", value="gs://my-bucket/models/model.py"),
+            Parameter(name="epochs", value="10"),
             Parameter(name="publish-uri", value="gs://my-bucket/models/published/"),
         ],
     )

@@ -62,7 +62,7 @@ def build(caching: bool = True):
         checkpoint_uri: str = "",
         checkpoint_every: str = "60s",
     ):
-        given = dict(locals())  # first: the pipeline's parameters, each handed to the steps the spec names
+        given = dict(locals())  # first: its parameters (and build's names it uses), handed to the steps the spec names
         prep = data_prep_op(**spec.step_values(given, spec.DATA_PREP))
         prep.set_caching_options(False)
         train = no_cache_unless(

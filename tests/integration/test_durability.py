@@ -128,6 +128,7 @@ def test_a_master_stopped_by_sigterm_cuts_a_last_checkpoint_and_its_retry_trains
     assert restart["from_checkpoint"] == 2 and restart["records_trained_again"] == 0
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary)
+    assert not (tmp_path / "checkpoints").exists()  # the default root goes with the job's last checkpoint
 
 
 def test_a_master_killed_while_writing_a_checkpoint_resumes_from_the_previous_one_and_only_as_itself(

@@ -316,7 +316,7 @@ def test_every_container_runs_a_real_cli_command(template):
         assert args.output == "/work/model" and args.train_data == "/work/prepared/train"
         assert not args.chaos
     elif template == "data-prep":
-        assert (args.source, args.label, args.eval_fraction) == ("<source-uri>", "label", 0.2)
+        assert (args.source_uri, args.label, args.eval_fraction) == ("<source-uri>", "label", 0.2)
     elif template == "evaluate":
         assert (args.threshold, args.metric, args.passed_out) == (0.9, "accuracy", "/work/passed")
     else:

@@ -51,6 +51,7 @@ log = logging.getLogger("elastic_step.backends.kubernetes")
 
 
 class KubernetesBackend(Backend):
+    name = "kubernetes"
     shares_files = False  # pods on other nodes: a step's local inputs are served to them
 
     def __init__(
