@@ -65,7 +65,7 @@ def _next_watermark(task_start: int, seq: int, end: int, minibatch: int) -> int:
 
 def _client_process(address: str, indices: list[int], minibatch: int, think_s: float, ready, start, stop, out) -> None:
     """Run one thread per simulated worker; send back per-thread counts and latencies."""
-    from elastic_step.master.client import MasterClient
+    from elastic_step.instance.master_client import MasterClient
     from elastic_step.proto import elastic_pb2 as pb
 
     WAIT, DONE = pb.GetTaskResponse.WAIT, pb.GetTaskResponse.DONE

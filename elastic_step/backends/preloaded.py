@@ -35,7 +35,7 @@ PRELOAD = (
     "numpy",
     "grpc",
     "elastic_step.instance",
-    "elastic_step.master.client",
+    "elastic_step.instance.master_client",
     "elastic_step.model_def",
 )
 

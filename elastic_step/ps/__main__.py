@@ -9,7 +9,7 @@ import threading
 
 from elastic_step.errors import ElasticStepError
 from elastic_step.instance import EXIT_USER_ERROR, parse_args
-from elastic_step.master.client import MasterClient
+from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc
 from elastic_step.util.process import quiet_tensorflow

@@ -15,7 +15,7 @@ import time
 
 from elastic_step.errors import DataError, ElasticStepError
 from elastic_step.instance import EXIT_USER_ERROR, parse_args
-from elastic_step.master.client import MasterClient
+from elastic_step.instance.master_client import MasterClient
 from elastic_step.util.process import quiet_tensorflow
 
 log = logging.getLogger("elastic_step.worker")

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 
 from elastic_step.data.api import AppliedRecords
-from elastic_step.master.client import MasterClient
+from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc, tensors
 from elastic_step.worker.collective import Aborted, PeerFailed, Ring, StateProvider, pull_state

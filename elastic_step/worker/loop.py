@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 
-from elastic_step.master.client import MasterClient
+from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
 from elastic_step.ps.client import ShardsMoved

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.client import MasterClient
+from elastic_step.instance.master_client import MasterClient
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.service import MasterService, serve

@@ -1,4 +1,5 @@
-"""An instance's command line: what the master starts a worker or PS with, and how the instance reads it.
+"""What every instance (a worker or a PS shard) shares, below both roles: its command line (here: what the
+master starts it with, and how it reads it) and its client of the master (master_client.py).
 
 The backend starts `python -m elastic_step.worker|ps --master ADDR --index I ...`; the job token
 comes from the environment (ELASTIC_STEP_TOKEN: a Secret on Kubernetes), never the command line.

@@ -1,5 +1,6 @@
 """The master's client, as workers and PS shards call it: register, leases and progress, holds for a
-checkpoint cut, heartbeats, failures. The service it calls is master/service.py."""
+checkpoint cut, heartbeats, failures. The service it calls is master/service.py; the client lives with the
+instances, below the roles that call it, and knows the master only by its wire contract (elastic.proto)."""
 
 from __future__ import annotations
 
