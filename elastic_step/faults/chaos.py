@@ -18,8 +18,9 @@ job's start by `for_job`):
   each signal's target among the roles listed: a parameter server (by index), or the master itself,
   whose step must then be run again (same job id and output), as a retry policy does.
 
-Nothing fires on wall time: a slower machine sees the same schedule at the same progress. What
-fired goes into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
+Nothing fires on wall time: a slower machine sees the same schedule at the same progress. A signal due
+while a checkpoint is being cut waits for it: the cut was due first, at fewer records. What fired goes
+into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
 With checkpoints on, it also goes to `chaos.json` beside them as it fires: a retried step (the same
 job, the same specs) skips what its predecessors fired, and reports it with its own.
 

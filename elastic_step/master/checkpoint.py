@@ -63,6 +63,11 @@ class Checkpointer:
         self.abandoned = 0
         self.last = False  # the step is ending: cut now, and keep the workers held after
 
+    @property
+    def holding(self) -> bool:
+        """A barrier is up: the workers are held for a cut."""
+        return self._holding_since is not None
+
     def restart_from(self, records: int, now: float) -> None:
         """Count the next interval from here (a resumed job's start)."""
         self._last_at, self._last_records = now, records
@@ -396,6 +401,11 @@ class JobCheckpoints:
                 ckpt_id, member = self._cut_members
                 self._last_members = (ckpt_id, state, member)
             return state
+
+    @property
+    def cutting(self) -> bool:
+        """A checkpoint is being cut (its barrier is up)."""
+        return self.cutter is not None and self.cutter.holding
 
     def tick(self, committed: int, now: float) -> None:
         if self.cutter is None:

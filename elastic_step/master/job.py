@@ -285,8 +285,11 @@ class TrainingJob:
                 if self.durable.last_cut(committed, now):
                     self.coord.report_failure("master", "terminated", "the master received SIGTERM", "")
                 continue
-            self.faults.tick(committed, self.backend, self.coord)
+            # Events in the order of the records they wait for: a cut due at fewer records than a fault is
+            # cut before the fault fires, even when one turn of a busy pump sees the records pass both.
             self.durable.tick(committed, now)
+            if not self.durable.cutting:
+                self.faults.tick(committed, self.backend, self.coord)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
             # so a point's weights are those of the epoch it is labelled with.
             if (
