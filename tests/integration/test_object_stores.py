@@ -45,9 +45,7 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
         "max_workers": 1,
         "num_ps": 1,
         **SMALL_LEASES,
-        # Cuts at about 1000 and 2000 records, before the kill at 60 % of 4800: a master pump slowed by a busy
-        # machine can see the records pass a cut and the kill in one turn, but not two cuts and the kill.
-        "checkpoint_every": 1000,
+        "checkpoint_every": 2000,  # a cut at about 2000 records, before the kill at 60 % of 4800
     }
     killed_at = int(rows * EPOCHS * 0.6)
     proc, _ = train(data, output, "--chaos", f"kill:master@{killed_at}", model=TALLY_MODEL, env=server.env, **job)
