@@ -52,7 +52,9 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
     assert proc.returncode == -9, proc.stderr[-3000:]  # the chaos fired: the master died mid-run
     assert not fs.exists(f"{output}/summary.json")  # nothing claims a finished output
     cut = json.loads(fs.cat_file(f"{output}/checkpoints/in-bucket/checkpoint.json"))
-    assert 0 < cut["records_committed"] <= killed_at
+    # The kill fired at `fired` records (its journal beside the checkpoints), after any cut that was due first.
+    fired = json.loads(fs.cat_file(f"{output}/checkpoints/in-bucket/chaos.json"))["fired"][-1]["at_records"]
+    assert killed_at <= fired and 0 < cut["records_committed"] <= fired
 
     proc, _ = train(data, output, model=TALLY_MODEL, env=server.env, **job)  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
