@@ -142,7 +142,7 @@ def test_minibatches_of_one_lease_share_its_tensors_and_one_traced_step(trainer)
     t, _ps, _ = trainer
     lease = t.feed_lease(lease_rows(40, seed=1))
     first, second = t.minibatch(lease, 0, 8), t.minibatch(lease, 8, 13)
-    assert first.features is second.features and (first.bounds, second.bounds) == ((0, 8), (8, 13))
+    assert first.data is second.data and (first.bounds, second.bounds) == ((0, 8), (8, 13))
     t.compute(first)
     step = t._traced[1]
     t.compute(second)
