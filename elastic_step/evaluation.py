@@ -18,9 +18,9 @@ def evaluate(
 ) -> dict:
     """Returns {"loss", <each eval metric>, "records"} and, if asked, labels and predictions.
     "loss" is what Keras's evaluate() reports: loss() reduced as compile reduces it, plus the
-    model's regularization losses. Loss and metrics weigh records as evaluate() does with
-    `sample_weight`: by feed()'s sample weights, or by the manifest's weight column (class_weight()
-    is fit's only, as in Keras).
+    model's regularization losses. The loss weighs records as evaluate() does with `sample_weight`:
+    by feed()'s sample weights, or by the manifest's weight column; the metrics, as compile's
+    `metrics`, do not (class_weight() is fit's only, as in Keras).
     `limit` stops after that many records (a quick point on a curve)."""
     import tensorflow as tf
 
@@ -46,7 +46,7 @@ def evaluate(
                     # The model's own losses (regularizers), as Keras's evaluate() reports them too.
                     loss += sum(float(extra) for extra in model.losses)
                     for m in metrics.values():
-                        m.update_state(labels, preds, sample_weight=weights)
+                        m.update_state(labels, preds)
                 except Exception as e:
                     raise model_def.user_error(e, "evaluating the model") from e
                 k = hi - lo

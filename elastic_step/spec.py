@@ -129,8 +129,8 @@ PARAMS: tuple[Param, ...] = (
         "weight_column",
         str,
         "",
-        "a numeric column of sample weights: each record's loss (and metrics) weighed by it, as fit's "
-        "sample_weight; recorded in the manifest (empty: none, every record weighs 1)",
+        "a numeric column of sample weights: each record's loss weighed by it in training and evaluation, as "
+        "fit's sample_weight; recorded in the manifest (empty: none, every record weighs 1)",
         _on(PREP, RUN, PIPELINE, COMPONENT, V1),
         (DATA_PREP,),
     ),
