@@ -106,8 +106,9 @@ def _prep(args) -> dict:
     from elastic_step.data.prep import prepare
 
     settings = spec.values(args, spec.PREP)
-    source, label = settings.pop("source_uri"), settings.pop("label")
-    r = prepare(source, args.output, label=label or None, **settings)  # an empty label: none
+    source, label, weights = settings.pop("source_uri"), settings.pop("label"), settings.pop("weight_column")
+    # an empty label or weight column: none
+    r = prepare(source, args.output, label=label or None, weight_column=weights or None, **settings)
     return {
         "train": r.train_uri,
         "eval": r.eval_uri,

@@ -1,5 +1,5 @@
 """The model contract: a user module with model(), loss(), optimizer(), feed() and, optionally,
-eval_metrics(). The same module trains with plain Keras and elastically, unchanged.
+eval_metrics() and class_weight(). The same module trains with plain Keras and elastically, unchanged.
 
 `spec` is an importable module path (`samples.digits.model`) or a path/URI to a `.py` file
 (any fsspec URI), so trying a model needs no image rebuild.
@@ -21,10 +21,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from elastic_step.errors import ModelDefError
 
 REQUIRED = ("model", "loss", "optimizer", "feed")
-OPTIONAL = ("eval_metrics",)
+OPTIONAL = ("eval_metrics", "class_weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,76 @@ class ModelDef:
     def feed(self, batch):
         return self._call("feed", batch)
 
+    def unpack(self, fed) -> tuple[Any, Any, Any]:
+        """feed()'s result as (features, labels, sample weights or None): `(x, y)` or `(x, y, sample_weight)`,
+        a tuple or a list, as `fit` takes a dataset's elements."""
+        if isinstance(fed, (tuple, list)) and len(fed) in (2, 3):
+            x, y, *weights = fed
+            if y is not None:
+                return x, y, (weights[0] if weights else None)
+        what = f"a {type(fed).__name__} of {len(fed)}" if isinstance(fed, (tuple, list)) else type(fed).__name__
+        raise ModelDefError(
+            f"feed() in the model definition {self.spec!r} returned {what}. It must return (features, labels) or "
+            "(features, labels, sample_weight), as `fit` takes them from a dataset."
+        )
+
+    def examples(self, batch: dict, weight_column: str | None = None, training: bool = True) -> tuple[Any, Any, Any]:
+        """Records -> (features, labels, sample weights or None), weighted as `fit` (`training`) or
+        `evaluate` weighs them: feed()'s own sample weights, else the data's weight column (named at prep),
+        each record's; in training, class_weight()'s weight of each record's class, as
+        `fit(class_weight=...)`. Weights from two of these at once are refused, as `fit` refuses both."""
+        x, y, weights = self.unpack(self.feed(batch))
+        if weight_column is not None:
+            if weights is not None:
+                raise ModelDefError(
+                    f"feed() in the model definition {self.spec!r} returns sample weights, and the data has the "
+                    f"weight column {weight_column!r} (named at prep). Use one: return (features, labels), or "
+                    "prepare the data without --weight-column."
+                )
+            weights = np.asarray(batch[weight_column], dtype=np.float32)
+        if training and self.class_weights is not None:
+            if weights is not None:
+                raise ModelDefError(
+                    f"The model definition {self.spec!r} has class_weight(), and its records have sample weights "
+                    f"({'the column ' + repr(weight_column) if weight_column else 'from feed()'}): `fit` takes "
+                    "one or the other. Fold the class weights into the sample weights, or drop class_weight()."
+                )
+            weights = self._class_weights_of(y)
+        return x, y, weights
+
+    @functools.cached_property
+    def class_weights(self) -> dict[int, float] | None:
+        """class_weight()'s {class index: weight}, checked once; None without the function."""
+        if getattr(self.module, "class_weight", None) is None:
+            return None
+        weights = self._call("class_weight")
+        try:
+            if not isinstance(weights, dict):
+                raise TypeError
+            return {int(k): float(v) for k, v in weights.items()}
+        except (TypeError, ValueError):
+            raise ModelDefError(
+                f"class_weight() in {self.spec!r} must return a dict of class index -> weight, as "
+                f"`fit(class_weight=...)` takes it, e.g. {{0: 1.0, 1: 5.0}}; got {weights!r:.200}."
+            ) from None
+
+    def _class_weights_of(self, labels) -> np.ndarray:
+        """Each record's class weight, as Keras's fit derives it: the class is the label rounded (the
+        argmax of a one-hot row); a class not in the dict weighs 1."""
+        import tensorflow as tf
+
+        if len(tf.nest.flatten(labels)) != 1:
+            raise ModelDefError(
+                f"class_weight() in {self.spec!r} needs one label per record, as `fit` does: feed() returns "
+                "labels for several outputs. Give sample weights per output instead."
+            )
+        y = np.asarray(tf.nest.flatten(labels)[0])
+        if y.ndim > 1:
+            y = np.squeeze(y, axis=-1) if y.shape[-1] == 1 else np.argmax(y, axis=-1)
+        classes, at = np.unique(np.round(y).astype(np.int64), return_inverse=True)
+        table = np.array([self.class_weights.get(int(c), 1.0) for c in classes], dtype=np.float32)
+        return table[at.reshape(-1)]
+
     @functools.cached_property
     def loss_fn(self) -> Callable:
         """loss() reduced exactly as Keras's compile/fit reduce it: a `keras.losses.Loss` is used as
@@ -122,9 +194,10 @@ class ModelDef:
             return loss
         return LossFunctionWrapper(loss, name=getattr(loss, "__name__", "loss"))
 
-    def training_loss(self, model, features, labels, trainable_values=None, state_values=None):
+    def training_loss(self, model, features, labels, sample_weight=None, trainable_values=None, state_values=None):
         """What a training step minimises: loss() plus the model's own regularization losses, as Keras's
-        fit adds them. Traced inside the workers' compiled steps (both strategies).
+        fit adds them. Traced inside the workers' compiled steps (both strategies). `sample_weight` (None:
+        none) weighs each record's loss as `fit` does: through loss()'s own reduction.
 
         With `trainable_values` (tensors, in the order of model.trainable_variables) the model runs on
         them instead of its variables (Keras's stateless_call); its non-trainable state (e.g. batch
@@ -148,7 +221,7 @@ class ModelDef:
             for i, (var, value) in enumerate(zip(state, new_state)):
                 if i not in given:
                     var.assign(value)
-        loss = self.loss_fn(labels, predictions)
+        loss = self.loss_fn(labels, predictions, sample_weight)
         if losses:
             loss = loss + tf.add_n(losses)
         if state_values is None:

@@ -126,6 +126,15 @@ PARAMS: tuple[Param, ...] = (
         empty_is_a_value=True,
     ),
     Param(
+        "weight_column",
+        str,
+        "",
+        "a numeric column of sample weights: each record's loss weighed by it in training and evaluation, as "
+        "fit's sample_weight; recorded in the manifest (empty: none, every record weighs 1)",
+        _on(PREP, RUN, PIPELINE, COMPONENT, V1),
+        (DATA_PREP,),
+    ),
+    Param(
         "eval_fraction",
         float,
         0.2,

@@ -25,6 +25,7 @@ def prep_step(source_uri: str, train_dir: str, eval_dir: str, *, label: str, **s
     from elastic_step.data.prep import prepare
 
     with tempfile.TemporaryDirectory(prefix="elastic-step-prep-") as tmp:
+        settings["weight_column"] = settings.get("weight_column") or None  # empty: none
         r = prepare(source_uri, os.path.join(tmp, "out"), label=label or None, **settings)
         for split, dest in (("train", train_dir), ("eval", eval_dir)):
             shutil.rmtree(dest, ignore_errors=True)

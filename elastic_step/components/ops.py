@@ -38,12 +38,13 @@ def data_prep_op(
     train_data: Output[Dataset],
     eval_data: Output[Dataset],
     label: str = "label",
+    weight_column: str = "",
     eval_fraction: float = 0.2,
     seed: int = 0,
     shard_rows: int = 50000,
 ):
     """CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards + a manifest per split
-    (`label`: the label column; empty: none)."""
+    (`label`: the label column; `weight_column`: a column of sample weights; empty: none)."""
     from elastic_step.components.outputs import record_prep
     from elastic_step.steps import prep_step
 
@@ -52,6 +53,7 @@ def data_prep_op(
         train_data.path,
         eval_data.path,
         label=label,
+        weight_column=weight_column,
         eval_fraction=eval_fraction,
         seed=seed,
         shard_rows=shard_rows,

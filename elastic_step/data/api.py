@@ -39,6 +39,7 @@ class Manifest:
     shards: list[Shard]
     schema: list[Field]
     label: str | None = None
+    weight_column: str | None = None  # each record's sample weight in training and evaluation (None: 1)
     source: str = ""
     skipped_rows: int = 0
     bad_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # first few skipped
@@ -63,6 +64,7 @@ class Manifest:
                 "format": MANIFEST_FORMAT,
                 "split": self.split,
                 "label": self.label,
+                "weight_column": self.weight_column,
                 "source": self.source,
                 "total_rows": self.total_rows,
                 "skipped_rows": self.skipped_rows,
@@ -108,6 +110,7 @@ def load_manifest(path_or_dir: str) -> Manifest:
         return Manifest(
             split=raw["split"],
             label=raw.get("label"),
+            weight_column=raw.get("weight_column"),
             source=raw.get("source", ""),
             skipped_rows=int(raw.get("skipped_rows", 0)),
             bad_rows=list(raw.get("bad_rows", [])),

@@ -61,6 +61,7 @@ def prepare(
     on_bad_rows: str = "fail",
     seed: int = 0,
     row_group_rows: int = 1024,
+    weight_column: str | None = None,
 ) -> PrepResult:
     """Read `source`, validate it, split it by `seed` and write OUTPUT/{train,eval}/ shards + manifest.json.
 
@@ -68,6 +69,10 @@ def prepare(
     is also parsed by a process per file, one for every two CPUs (forkserver): as for any such pool,
     a script that calls prepare() needs `if __name__ == "__main__":`."""
     _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows)
+    if weight_column is not None and (not isinstance(weight_column, str) or not weight_column):
+        raise ConfigError(f"weight_column must be a column name, got {weight_column!r}.")
+    if weight_column is not None and weight_column == label:
+        raise ConfigError(f"The weight column {weight_column!r} is the label: name the column of sample weights.")
     declared = _load_schema(schema) if schema else None
     if declared is not None and label is not None and label not in declared:
         raise DataError(
@@ -107,6 +112,7 @@ def prepare(
                 f"The label column {label!r} is not in the data ({files[0][1]} has columns "
                 f"{', '.join(data_schema.names)}). Pass --label with one of them, or --label '' for data without one."
             )
+        _check_weight_column(weight_column, data_schema, files[0][1])
         n = sum(s.rows for s in spilled)
         if n < 2:
             raise DataError(
@@ -125,6 +131,7 @@ def prepare(
                 shards=[],
                 schema=fields,
                 label=label,
+                weight_column=weight_column,
                 source=source,
                 skipped_rows=skipped,
                 bad_rows=list(bad_rows),
@@ -148,6 +155,23 @@ def prepare(
 
 
 # ---------------------------------------------------------------- parameters, schema, files
+
+
+def _check_weight_column(weight_column: str | None, data_schema: pa.Schema, first_file: str) -> None:
+    """The column of sample weights (recorded in the manifest; training weighs each record's loss by it)."""
+    if weight_column is None:
+        return
+    if weight_column not in data_schema.names:
+        raise DataError(
+            f"The weight column {weight_column!r} is not in the data ({first_file} has columns "
+            f"{', '.join(data_schema.names)}). Pass --weight-column with one of them, or leave it out."
+        )
+    kind = data_schema.field(weight_column).type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        raise DataError(
+            f"The weight column {weight_column!r} holds {TYPE_NAMES.get(kind, kind)} values: sample weights are "
+            "numbers. Name a numeric column, or declare its type in --schema."
+        )
 
 
 def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows):

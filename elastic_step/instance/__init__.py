@@ -31,6 +31,7 @@ def instance_argv(
     host: str = "",
     strategy: str = "ps",
     global_batch: str = "scaled",
+    weight_column: str | None = None,
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -51,6 +52,8 @@ def instance_argv(
     ]
     if strategy != "ps":
         argv += ["--strategy", strategy, "--global-batch", global_batch]
+    if weight_column:  # the training data's sample weights (its manifest names the column)
+        argv += ["--weight-column", weight_column]
     return argv + (["--host", host] if host else [])
 
 
@@ -64,6 +67,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minibatch-size", type=int, default=64)
     p.add_argument("--strategy", default="ps", choices=["ps", "allreduce"])
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
+    p.add_argument("--weight-column", default=None)
     p.add_argument(
         "--host",
         default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),

@@ -165,6 +165,7 @@ class TrainingJob:
             c.minibatch_size,
             strategy=c.strategy,
             global_batch=c.global_batch,
+            weight_column=self.train.weight_column,
         )
         if inst.role == "worker":
             return InstanceSpec(

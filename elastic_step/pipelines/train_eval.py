@@ -40,6 +40,7 @@ def build(caching: bool = True):
         source_uri: str,
         model_def: str,
         label: str = "label",
+        weight_column: str = "",
         epochs: int = 1,
         minibatch_size: int = 64,
         records_per_task: int = 512,

@@ -31,7 +31,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
 
     keras.utils.set_random_seed(args.seed)
-    trainer = AllReduceTrainer(model_def, model_def.model())
+    trainer = AllReduceTrainer(model_def, model_def.model(), weight_column=args.weight_column)
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
@@ -108,6 +108,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         generation=info.ps_generation,
         minibatch_size=info.minibatch_size,
         minibatches_per_push=per_push,
+        weight_column=args.weight_column,
     )
     trainer.refresh_dense()
     readers = ReaderPool()

@@ -50,11 +50,13 @@ MR = pb.MembershipReply
 class AllReduceTrainer:
     """The model, the user's optimizer, and compiled calls over one flat gradient buffer."""
 
-    def __init__(self, model_def, model):
+    def __init__(self, model_def, model, weight_column: str | None = None):
         import tensorflow as tf
 
+        self.tf = tf
         self.model_def = model_def
         self.model = model
+        self.weight_column = weight_column  # the data's sample weights (named at prep), or None
         self.optimizer = model_def.optimizer()
         trainable = model.trainable_variables
         self.optimizer.build(trainable)
@@ -65,9 +67,10 @@ class AllReduceTrainer:
         sizes = [int(v.shape.num_elements()) for v in trainable]
 
         @tf.function(reduce_retracing=True)
-        def grad_step(features, labels):
+        def grad_step(data):
+            features, labels, *weights = data  # (features, labels[, sample weights])
             with tf.GradientTape() as tape:
-                loss = model_def.training_loss(model, features, labels)
+                loss = model_def.training_loss(model, features, labels, *weights)
             grads = tape.gradient(loss, trainable)
             flat = tf.concat(
                 [
@@ -92,12 +95,17 @@ class AllReduceTrainer:
         self._grad_step, self._apply, self._flat_weights = grad_step, apply, flat_weights
 
     def gradients(self, batch) -> tuple[float, np.ndarray, int]:
-        features, labels = self.model_def.feed(batch)
+        tf = self.tf
+        features, labels, weights = self.model_def.examples(batch, self.weight_column)
+        data = (features, labels) if weights is None else (features, labels, weights)
+        # Tensors, as fit makes them: numpy arrays and tensors mixed in one structure (a string column made
+        # a tensor by feed()) are then one kind of input.
+        data = tf.nest.map_structure(tf.convert_to_tensor, data)
         try:
-            loss, flat = self._grad_step(features, labels)
+            loss, flat = self._grad_step(data)
         except Exception as e:  # the user's model/loss failed on real data
             raise self.model_def.user_error(e, "computing a training step") from e
-        return float(loss), flat.numpy(), int(len(labels))
+        return float(loss), flat.numpy(), len(next(iter(batch.values())))
 
     def apply(self, mean_grad: np.ndarray, lr: float) -> None:
         self.optimizer.learning_rate.assign(lr)

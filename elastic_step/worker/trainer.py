@@ -37,6 +37,7 @@ class PSTrainer:
         generation: int = 0,
         minibatch_size: int = 64,
         minibatches_per_push: int = 1,
+        weight_column: str | None = None,
     ):
         import keras
         import tensorflow as tf
@@ -47,6 +48,7 @@ class PSTrainer:
         self.ps = ps
         self.generation = generation  # of the shards' state (see PushRequest.generation)
         self.placement = placement
+        self.weight_column = weight_column  # the data's sample weights (named at prep), or None
         self.names = variable_names(model)
         self.variables = dict(zip(self.names, model.trainable_variables))
         self.table_names = [n for n in self.names if n in placement.embeddings]
@@ -112,29 +114,30 @@ class PSTrainer:
                 sparse.append((ids, tf.math.unsorted_segment_sum(rows, pos, tf.size(ids))))
             return dense, sparse
 
-        def gradients(features, labels, lo, hi, values, state):
-            """Loss, gradients and new state of records [lo, hi) of the lease's tensors."""
+        def gradients(data, lo, hi, values, state):
+            """Loss, gradients and new state of records [lo, hi) of the lease's tensors: `data` is
+            (features, labels) or (features, labels, sample weights)."""
             # The minibatch is sliced from its lease's tensors here, in the graph: no Python per step.
             # (One op per tensor: `lo`/`hi` are [lo]/[hi], the other dimensions taken whole.)
-            features, labels = tf.nest.map_structure(lambda t: tf.strided_slice(t, lo, hi), (features, labels))
+            features, labels, *weights = tf.nest.map_structure(lambda t: tf.strided_slice(t, lo, hi), data)
             with tf.GradientTape() as tape:
                 tape.watch(values)
                 loss, new_state = model_def.training_loss(
-                    model, features, labels, trainable_values=values, state_values=state
+                    model, features, labels, *weights, trainable_values=values, state_values=state
                 )
             return loss, tape.gradient(loss, values), new_state
 
         @tf.function(reduce_retracing=True)
-        def step(features, labels, begin, end, flats):
+        def step(data, begin, end, flats):
             values, state = unpack(flats)
-            loss, grads, new_state = gradients(features, labels, begin, end, values, state)
+            loss, grads, new_state = gradients(data, begin, end, values, state)
             return (
                 loss,
                 *pack(grads, {i: new_state[i] - state[i] for i in state}, [table_grad(grads[i], i) for i in table_pos]),
             )
 
         @tf.function(reduce_retracing=True)
-        def group_step(features, labels, begin, end, flats):
+        def group_step(data, begin, end, flats):
             # Several minibatches at the same values, one after another (each minibatch_size records,
             # the last maybe fewer), in one call: the mean of their gradients is pushed once, as Keras's
             # gradient_accumulation_steps applies it. The state (batch norm's statistics) runs on from
@@ -152,9 +155,7 @@ class PSTrainer:
 
             def body(k, loss_sum, sums, state_k, tas):
                 lo = begin + tf.cast(k, tf.int64) * minibatch_size
-                loss, grads, new_state = gradients(
-                    features, labels, lo, tf.minimum(lo + minibatch_size, end), values, state_k
-                )
+                loss, grads, new_state = gradients(data, lo, tf.minimum(lo + minibatch_size, end), values, state_k)
                 sums = [s + dense_grad(grads[i], i) for s, i in zip(sums, dense_pos)]
                 tas = [
                     (ids_ta.write(k, ids), rows_ta.write(k, rows))
@@ -252,7 +253,7 @@ class PSTrainer:
         if batch.ids is not None:
             ids = {name: [a[lo:hi] for a in arrays] for name, arrays in batch.ids.items()}
         else:  # ids not one row per record: the extractor on this minibatch's own records
-            ids = self._ids(self.tf.nest.map_structure(lambda t: t[lo:hi], batch.features))
+            ids = self._ids(self.tf.nest.map_structure(lambda t: t[lo:hi], batch.data[0]))
         lookups = {name: np.unique(np.concatenate([a.ravel() for a in arrays])) for name, arrays in ids.items()}
         pulled = self.ps.pull_rows(lookups)
         self._set_rows({name: (lookups[name], pulled[name]) for name in lookups})
@@ -263,26 +264,30 @@ class PSTrainer:
         row-aligned (a leaf whose first dimension is not the number of records), each minibatch is
         fed on its own instead. Runs off the training thread, ahead of the lease's steps."""
         tf = self.tf
-        fed = self.model_def.feed(rows)
+        data = self._data(rows)
         n = len(next(iter(rows.values()))) if rows else 0
-        if not all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in tf.nest.flatten(fed)):
+        if not all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in tf.nest.flatten(data)):
             return FedLease(rows, None, None, None)
-        features, labels = tf.nest.map_structure(tf.convert_to_tensor, fed)
-        return FedLease(rows, (features, labels), self._specs(features, labels), self._lease_ids(features, n))
+        data = tf.nest.map_structure(tf.convert_to_tensor, data)
+        return FedLease(rows, data, self._specs(data), self._lease_ids(data[0], n))
 
     def minibatch(self, lease: FedLease, lo: int, hi: int) -> Minibatch:
         """Records [lo, hi) of a lease (offsets into it)."""
         tf = self.tf
         if lease.tensors is not None:
-            return Minibatch(*lease.tensors, (lo, hi), lease.specs, lease.ids)
-        fed = self.model_def.feed({k: v[lo:hi] for k, v in lease.rows.items()})
-        features, labels = tf.nest.map_structure(tf.convert_to_tensor, fed)
-        return Minibatch(features, labels, (0, hi - lo), self._specs(features, labels), None)
+            return Minibatch(lease.tensors, (lo, hi), lease.specs, lease.ids)
+        data = tf.nest.map_structure(tf.convert_to_tensor, self._data({k: v[lo:hi] for k, v in lease.rows.items()}))
+        return Minibatch(data, (0, hi - lo), self._specs(data), None)
 
-    def _specs(self, features, labels):
+    def _data(self, rows):
+        """(features, labels), or (features, labels, sample weights) when the records are weighted."""
+        features, labels, weights = self.model_def.examples(rows, self.weight_column)
+        return (features, labels) if weights is None else (features, labels, weights)
+
+    def _specs(self, data):
         """Input specs for any number of records: one traced step serves every lease and minibatch."""
         tf = self.tf
-        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), (features, labels))
+        return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), data)
 
     def compute(self, batch: Minibatch) -> StepResult:
         """Gradients of one minibatch at the worker's current parameters (still tensors)."""
@@ -290,7 +295,7 @@ class PSTrainer:
             self._pull_rows(batch)
         try:
             begin, end = (self.tf.constant([b], self.tf.int64) for b in batch.bounds)
-            loss, dense, sparse = self._step_for(batch.specs)(batch.features, batch.labels, begin, end, self._flats)
+            loss, dense, sparse = self._step_for(batch.specs)(batch.data, begin, end, self._flats)
         except ShardsMoved:  # a refresh of the values while tracing met a lost shard: not the user's
             raise
         except Exception as e:  # the user's model/loss failed on real data
@@ -303,7 +308,7 @@ class PSTrainer:
         if self._traced is None or self._traced[0] != specs:
             self._traced = (
                 specs,
-                self._step.get_concrete_function(*specs, self._bound_spec, self._bound_spec, self._flat_specs),
+                self._step.get_concrete_function(specs, self._bound_spec, self._bound_spec, self._flat_specs),
             )
             self.refresh_dense()  # others pushed while this traced
         return self._traced[1]
@@ -358,14 +363,15 @@ class StepResult(NamedTuple):
 
 class FedLease(NamedTuple):
     rows: dict  # column -> the lease's values, as read
-    tensors: tuple | None  # feed(rows) as tensors (features, labels), or None when not row-aligned
+    tensors: tuple | None  # feed(rows) as tensors (features, labels[, sample weights]), or None when not row-aligned
     specs: object  # their TensorSpecs, any number of rows: picks the traced step
     ids: dict | None  # table -> its ids per record, when the model has tables
 
 
 class Minibatch(NamedTuple):
-    features: object  # tensors holding the minibatch's records (its lease's, or its own)
-    labels: object
+    data: (
+        tuple  # (features, labels[, sample weights]): tensors holding the minibatch's records (its lease's, or its own)
+    )
     bounds: tuple[int, int]  # the minibatch's records in them, [lo, hi)
     specs: object
     ids: dict | None

@@ -11,6 +11,7 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
+from elastic_step.errors import ModelDefError  # noqa: E402
 from elastic_step.model_def import load_model_def  # noqa: E402
 
 MODEL = textwrap.dedent("""
@@ -55,3 +56,81 @@ def test_stateless_loss_equals_the_stateful_one(tmp_path):
     # and the given tensors are what the model ran on: other values, another loss
     other = md.training_loss(b, x, y, trainable_values=[t * 2.0 for t in values])
     assert abs(float(other) - float(stateful)) > 1e-3
+
+
+FEED = textwrap.dedent("""
+    import keras
+    import numpy as np
+
+    def model():
+        return keras.Sequential([keras.Input(shape=(1,)), keras.layers.Dense(3)])
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1)
+
+    def feed(batch):
+        return RESULT
+""")
+
+
+def module(tmp_path, result: str, extra: str = ""):
+    path = tmp_path / f"m{abs(hash((result, extra)))}.py"
+    path.write_text(FEED.replace("RESULT", result) + extra)
+    return load_model_def(str(path))
+
+
+BATCH = {"x": np.arange(6.0), "y": np.array([0, 1, 2, 2, 1, 0]), "w": np.linspace(0.5, 3, 6)}
+
+
+def test_feed_returns_what_fit_takes_from_a_dataset(tmp_path):
+    x, y, w = module(tmp_path, '(batch["x"], batch["y"])').examples(BATCH)
+    assert w is None and y is BATCH["y"]
+    _, _, w = module(tmp_path, '[batch["x"], batch["y"], batch["w"]]').examples(BATCH)
+    assert w is BATCH["w"]
+    _, _, w = module(tmp_path, '(batch["x"], batch["y"])').examples(BATCH, weight_column="w")
+    np.testing.assert_array_equal(w, BATCH["w"].astype(np.float32))
+    for wrong in ('batch["x"]', '(batch["x"],)', '(batch["x"], None)', '(batch["x"], batch["y"], 1, 2)'):
+        with pytest.raises(
+            ModelDefError, match=r"feed\(\) in the model definition .* must return \(features, labels\)"
+        ):
+            module(tmp_path, wrong).examples(BATCH)
+
+
+@pytest.mark.parametrize("shape", ["sparse", "column", "one_hot", "float"])
+def test_class_weight_weighs_each_record_as_fit_does(tmp_path, shape):
+    from keras.src.trainers.data_adapters.data_adapter_utils import class_weight_to_sample_weights
+
+    labels = {
+        "sparse": 'batch["y"]',
+        "column": 'batch["y"].reshape(-1, 1)',
+        "one_hot": 'np.eye(3)[batch["y"]]',
+        "float": 'batch["y"] + 0.2',
+    }[shape]
+    classes = {0: 0.25, 2: 4.0}  # class 1: not given, weighs 1
+    md = module(tmp_path, f'(batch["x"], {labels})', f"\ndef class_weight():\n    return {classes}\n")
+    _, y, weights = md.examples(BATCH)
+    np.testing.assert_array_equal(weights, class_weight_to_sample_weights(y, classes))
+    assert md.examples(BATCH, training=False)[2] is None  # evaluate() takes no class weights
+
+
+def test_weights_from_two_sources_at_once_are_refused_as_fit_refuses_them(tmp_path):
+    weighted = '(batch["x"], batch["y"], batch["w"])'
+    with pytest.raises(ModelDefError, match="weight column 'w'.*Use one"):
+        module(tmp_path, weighted).examples(BATCH, weight_column="w")
+    with pytest.raises(ModelDefError, match=r"class_weight\(\).*sample weights \(from feed\(\)\)"):
+        module(tmp_path, weighted, "\ndef class_weight():\n    return {0: 2.0}\n").examples(BATCH)
+    with pytest.raises(ModelDefError, match=r"class_weight\(\) in .* must return a dict of class index"):
+        module(tmp_path, '(batch["x"], batch["y"])', "\ndef class_weight():\n    return [1.0, 2.0]\n").examples(BATCH)
+
+
+def test_training_loss_weighs_records_through_the_losss_own_reduction(tmp_path):
+    md = module(tmp_path, '(batch["x"], batch["y"])')
+    net = md.model()
+    x = BATCH["x"].reshape(-1, 1).astype(np.float32)
+    net.compile(loss=md.module.loss)
+    expected = net.compute_loss(x, BATCH["y"], net(x), sample_weight=BATCH["w"])
+    got = md.training_loss(net, x, BATCH["y"], BATCH["w"])
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    assert abs(float(got) - float(md.training_loss(net, x, BATCH["y"]))) > 1e-3

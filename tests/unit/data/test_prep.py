@@ -558,3 +558,17 @@ def test_a_source_larger_than_memory_is_prepared_in_bounded_memory(tmp_path):
         ids += [pq.read_table(m.shard_uri(s), columns=["id"]).column("id").to_numpy() for s in m.shards]
     assert np.array_equal(np.sort(np.concatenate(ids)), np.arange(rows))  # every source row, once
     assert not [p for p in os.listdir(tmp_path) if p.startswith("elastic-step-prep-")]  # spills removed
+
+
+def test_a_weight_column_is_recorded_in_both_manifests_and_checked(tmp_path):
+    src = write(tmp_path / "w.csv", "x,label,w,name\n" + "".join(f"{i},{i % 2},{i / 4},n{i}\n" for i in range(20)))
+    r = prepare(src, str(tmp_path / "out"), label="label", weight_column="w")
+    assert r.train.weight_column == r.eval.weight_column == "w"
+    assert load_manifest(r.train_uri).weight_column == load_manifest(r.eval_uri).weight_column == "w"
+    assert load_manifest(prepare(src, str(tmp_path / "plain"), label="label").train_uri).weight_column is None
+    with pytest.raises(DataError, match="weight column 'weight' is not in the data .* Pass --weight-column"):
+        prepare(src, str(tmp_path / "o2"), label="label", weight_column="weight")
+    with pytest.raises(DataError, match="weight column 'name' holds string values: sample weights are numbers"):
+        prepare(src, str(tmp_path / "o3"), label="label", weight_column="name")
+    with pytest.raises(ConfigError, match="weight column 'label' is the label"):
+        prepare(src, str(tmp_path / "o4"), label="label", weight_column="label")

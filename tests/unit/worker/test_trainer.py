@@ -142,7 +142,7 @@ def test_minibatches_of_one_lease_share_its_tensors_and_one_traced_step(trainer)
     t, _ps, _ = trainer
     lease = t.feed_lease(lease_rows(40, seed=1))
     first, second = t.minibatch(lease, 0, 8), t.minibatch(lease, 8, 13)
-    assert first.features is second.features and (first.bounds, second.bounds) == ((0, 8), (8, 13))
+    assert first.data is second.data and (first.bounds, second.bounds) == ((0, 8), (8, 13))
     t.compute(first)
     step = t._traced[1]
     t.compute(second)
@@ -224,3 +224,75 @@ def test_a_push_of_several_minibatches_updates_as_kerass_gradient_accumulation(t
         for name, value in after.items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
             assert not np.allclose(value, {**before, **tables}[name]), name  # the push moved it
+
+
+WEIGHTED = textwrap.dedent("""
+    import keras
+    import numpy as np
+
+    def model():
+        x = keras.Input(shape=(3,), name="x")
+        word = keras.Input(shape=(1,), dtype="string", name="word")
+        hashed = keras.layers.Hashing(num_bins=4, output_mode="one_hot")(word)
+        return keras.Model([x, word], keras.layers.Dense(1)(keras.layers.Concatenate()([x, hashed])))
+
+    def loss(labels, predictions):
+        return keras.ops.square(labels - predictions)  # per example: fit weighs each by its sample weight
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1)
+
+    def feed(batch):  # a tuple of inputs, one of them strings (numpy)
+        x = np.stack([batch["a"], batch["b"], batch["c"]], axis=1).astype("float32")
+        return (x, batch["word"].reshape(-1, 1)), batch["y"].astype("float32").reshape(-1, 1)
+""")
+
+
+def weighted_rows(n: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    rows = lease_rows(n)
+    rows["word"] = rng.choice(np.array(["red", "green", "blue"], dtype=object), n)
+    rows["w"] = rng.uniform(0, 3, n)
+    return rows
+
+
+def keras_weighted_loss(net, rows, lo, hi, weights):
+    x = np.stack([rows["a"], rows["b"], rows["c"]], 1).astype("float32")[lo:hi]
+    p = net((tf.constant(x), tf.constant(rows["word"][lo:hi].astype(str).reshape(-1, 1))), training=False).numpy()
+    return float(np.sum(weights[lo:hi] * (rows["y"][lo:hi] - p[:, 0]) ** 2) / (hi - lo))
+
+
+def test_a_weight_column_weighs_each_records_loss_as_fits_sample_weight(tmp_path):
+    """The data's weight column (named at prep) is each record's sample weight in the step, with inputs
+    given as a tuple that holds strings; without it, every record weighs 1."""
+    rows = weighted_rows(40)
+    lo, hi = 8, 24
+    for column, weights in (("w", rows["w"]), (None, np.ones(40))):
+        gen = serve(tmp_path, WEIGHTED, weight_column=column)
+        t, _ps, ps_model = next(gen)
+        try:
+            result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
+            assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+        finally:
+            gen.close()
+
+
+def test_feed_may_return_sample_weights_and_class_weight_weighs_by_label(tmp_path):
+    """feed()'s (x, y, sample_weight), as fit takes a dataset's elements; class_weight(), as
+    fit(class_weight=...): the same loss as the equivalent sample weights."""
+    rows = weighted_rows(40)
+    classes = np.arange(40) % 3
+    rows["y"] = classes.astype(float)
+    lo, hi = 4, 36
+    by_feed = WEIGHTED.replace(
+        'batch["y"].astype("float32").reshape(-1, 1)', 'batch["y"].astype("float32").reshape(-1, 1), batch["w"]'
+    )
+    by_class = WEIGHTED + "\ndef class_weight():\n    return {0: 0.5, 2: 4.0}\n"
+    for source, weights in ((by_feed, rows["w"]), (by_class, np.array([0.5, 1.0, 4.0])[classes])):
+        gen = serve(tmp_path, source)
+        t, _ps, ps_model = next(gen)
+        try:
+            result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
+            assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+        finally:
+            gen.close()

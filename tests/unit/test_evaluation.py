@@ -1,0 +1,57 @@
+"""The step's evaluation against Keras's evaluate() on the same weights, for what the parity modules do
+not cover: records weighed by a weight column named at prep."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+
+keras = pytest.importorskip("keras")
+
+from elastic_step.data.prep import prepare  # noqa: E402
+from elastic_step.data.reader import read_all  # noqa: E402
+from elastic_step.evaluation import evaluate  # noqa: E402
+from elastic_step.model_def import load_model_def  # noqa: E402
+
+MODEL = textwrap.dedent("""
+    import keras
+    import numpy as np
+
+    def model():
+        return keras.Sequential([keras.Input(shape=(2,)), keras.layers.Dense(3)])
+
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1)
+
+    def feed(batch):
+        return np.stack([batch["a"], batch["b"]], 1).astype("float32"), batch["label"]
+
+    def eval_metrics():
+        return {"accuracy": keras.metrics.SparseCategoricalAccuracy(name="accuracy")}
+""")
+
+
+def test_a_weight_column_weighs_the_loss_as_evaluates_sample_weight(tmp_path):
+    rng = np.random.default_rng(0)
+    lines = [
+        f"{a},{b},{c},{w}\n"
+        for a, b, c, w in zip(rng.normal(size=60), rng.normal(size=60), rng.integers(0, 3, 60), rng.uniform(0, 4, 60))
+    ]
+    (tmp_path / "d.csv").write_text("a,b,label,w\n" + "".join(lines))
+    r = prepare(str(tmp_path / "d.csv"), str(tmp_path / "out"), label="label", weight_column="w", eval_fraction=0.5)
+    (tmp_path / "m.py").write_text(MODEL)
+    md = load_model_def(str(tmp_path / "m.py"))
+    keras.utils.set_random_seed(0)
+    net = md.model()
+    net.compile(loss=md.module.loss, metrics=list(md.eval_metrics().values()))
+    rows = read_all(r.eval_uri)
+    x, y = md.feed(rows)
+    expected = net.evaluate(x, y, sample_weight=rows["w"], batch_size=8, verbose=0, return_dict=True)
+    unweighted = net.evaluate(x, y, batch_size=8, verbose=0, return_dict=True)
+    got = evaluate(net, md, r.eval, batch_size=8)
+    assert {m: got[m] for m in expected} == pytest.approx(expected, rel=1e-5)
+    assert abs(got["loss"] - unweighted["loss"]) > 1e-3
