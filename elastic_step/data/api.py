@@ -16,6 +16,7 @@ import numpy as np
 
 from elastic_step.errors import DataError
 from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.json_text import dumps
 
 MANIFEST_FORMAT = "elastic-step/manifest/v1"
 MANIFEST_NAME = "manifest.json"
@@ -42,6 +43,8 @@ class Manifest:
     source: str = ""
     skipped_rows: int = 0
     bad_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # first few skipped
+    # NaN, infinite and empty numeric cells, dropped or set to 0 at prep: {"policy", "rows", "columns"}
+    non_finite: dict[str, Any] = dataclasses.field(default_factory=dict)
     uri: str = ""  # where this manifest was read from (not serialised)
 
     @property
@@ -58,7 +61,7 @@ class Manifest:
         return posixpath.join(posixpath.dirname(self.uri), shard.path)
 
     def to_json(self) -> str:
-        return json.dumps(
+        return dumps(
             {
                 "format": MANIFEST_FORMAT,
                 "split": self.split,
@@ -67,6 +70,7 @@ class Manifest:
                 "total_rows": self.total_rows,
                 "skipped_rows": self.skipped_rows,
                 "bad_rows": self.bad_rows,
+                "non_finite": self.non_finite,
                 "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
                 "shards": [dataclasses.asdict(s) for s in self.shards],
             },
@@ -111,6 +115,7 @@ def load_manifest(path_or_dir: str) -> Manifest:
             source=raw.get("source", ""),
             skipped_rows=int(raw.get("skipped_rows", 0)),
             bad_rows=list(raw.get("bad_rows", [])),
+            non_finite=dict(raw.get("non_finite") or {}),
             schema=[Field(**f) for f in raw["schema"]["fields"]],
             shards=[Shard(path=s["path"], rows=int(s["rows"])) for s in raw["shards"]],
             uri=uri,

@@ -27,7 +27,18 @@ import pyarrow.parquet as pq
 
 from elastic_step.data import shuffle
 from elastic_step.data.api import MANIFEST_NAME, Field, Manifest, Shard
-from elastic_step.data.parse import FORMATS, MAX_BAD_ROWS, TYPE_NAMES, TYPES, combine, file_format
+from elastic_step.data.parse import (
+    FORMATS,
+    MAX_BAD_ROWS,
+    MAX_NON_FINITE_ROWS,
+    NON_FINITE,
+    NON_FINITE_HINT,
+    TYPE_NAMES,
+    TYPES,
+    combine,
+    file_format,
+    record_lines,
+)
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.util.atomic import atomic_directory
 from elastic_step.util.storage import check_writable, explain, on_disk
@@ -61,13 +72,17 @@ def prepare(
     on_bad_rows: str = "fail",
     seed: int = 0,
     row_group_rows: int = 1024,
+    non_finite: str = "fail",
 ) -> PrepResult:
     """Read `source`, validate it, split it by `seed` and write OUTPUT/{train,eval}/ shards + manifest.json.
 
     A CSV file is parsed on all CPUs. With 4 CPUs or more, a source of several files (32 MB or more)
     is also parsed by a process per file, one for every two CPUs (forkserver): as for any such pool,
-    a script that calls prepare() needs `if __name__ == "__main__":`."""
-    _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows)
+    a script that calls prepare() needs `if __name__ == "__main__":`.
+
+    NaN, infinite and empty cells of numeric and bool columns are refused (`non_finite` "fail", with a
+    report of each column's), or their rows dropped ("drop"), or the cells set to 0 ("zero")."""
+    _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows, non_finite)
     declared = _load_schema(schema) if schema else None
     if declared is not None and label is not None and label not in declared:
         raise DataError(
@@ -93,6 +108,7 @@ def prepare(
             declared,
             label,
             on_bad_rows == "skip",
+            non_finite,
             seed,
             spill_dir,
             bits,
@@ -107,6 +123,9 @@ def prepare(
                 f"The label column {label!r} is not in the data ({files[0][1]} has columns "
                 f"{', '.join(data_schema.names)}). Pass --label with one of them, or --label '' for data without one."
             )
+        found = _non_finite_report(fs, files, spilled)
+        if found and non_finite == "fail":
+            raise DataError(_non_finite_message(found) + " " + NON_FINITE_HINT)
         n = sum(s.rows for s in spilled)
         if n < 2:
             raise DataError(
@@ -128,6 +147,9 @@ def prepare(
                 source=source,
                 skipped_rows=skipped,
                 bad_rows=list(bad_rows),
+                non_finite={"policy": non_finite, "rows": sum(s.non_finite.rows for s in spilled), "columns": found}
+                if found
+                else {},
             )
             for split in SPLITS
         }
@@ -150,7 +172,7 @@ def prepare(
 # ---------------------------------------------------------------- parameters, schema, files
 
 
-def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows):
+def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows, non_finite):
     if not isinstance(source, str) or not source:
         raise ConfigError("No source given: pass the URI of a CSV, Parquet or JSON-lines file, folder or glob.")
     if not isinstance(output, str) or not output:
@@ -167,6 +189,8 @@ def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows,
             raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
     if on_bad_rows not in ("fail", "skip"):
         raise ConfigError(f"on_bad_rows must be 'fail' or 'skip', got {on_bad_rows!r}.")
+    if non_finite not in NON_FINITE:
+        raise ConfigError(f"non_finite must be one of {', '.join(map(repr, NON_FINITE))}, got {non_finite!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got {seed!r}.")
 
@@ -255,6 +279,44 @@ def _check_output_outside_source(source: str, output: str, fs, files) -> None:
             f"The output {output} is inside the source {source}; write it elsewhere so "
             "that prepared shards are not read back as input."
         )
+
+
+def _non_finite_report(fs, files, spilled) -> dict[str, dict]:
+    """{column: {"nan", "inf", "empty": cells, "first": [{"file", "line" or "row"}]}} over every file, in
+    file order: the columns with NaN, infinite or empty numeric cells, and where the first few are."""
+    found: dict[str, dict] = {}
+    for (path, name), s in zip(files, spilled):
+        nf = s.non_finite
+        if not nf.counts:
+            continue
+        # A fast pass counted records: its first ones are named by their line, found now (only on these).
+        text = nf.unit == "row" and file_format(path) != "parquet"
+        lines = record_lines(fs, path, name, {i for f in nf.first.values() for i in f}) if text else {}
+        for column, counts in nf.counts.items():
+            entry = found.setdefault(column, {**dict.fromkeys(counts, 0), "first": []})
+            for kind, n in counts.items():
+                entry[kind] += n
+            for at in nf.first[column]:
+                if len(entry["first"]) < MAX_NON_FINITE_ROWS:
+                    if nf.unit == "line" or text:
+                        entry["first"].append({"file": name, "line": lines.get(at, at) if text else at})
+                    else:
+                        entry["first"].append({"file": name, "row": at + 1})
+    return found
+
+
+def _non_finite_message(found: dict[str, dict]) -> str:
+    words = {"nan": "NaN", "inf": "infinite", "empty": "empty"}
+    parts = []
+    for column, entry in found.items():
+        counts = ", ".join(f"{entry[k]} {w}" for k, w in words.items() if entry[k])
+        at: dict[tuple[str, str], list[str]] = {}  # (file, "line" or "row") -> numbers, in order
+        for f in entry["first"]:
+            unit = "line" if "line" in f else "row"
+            at.setdefault((f["file"], unit), []).append(str(f[unit]))
+        where = "; ".join(f"{file} {unit}{'s' if len(n) > 1 else ''} {', '.join(n)}" for (file, unit), n in at.items())
+        parts.append(f"column {column!r}: {counts} (first at {where})")
+    return "The data has NaN, infinite or empty numeric cells, which training cannot use: " + "; ".join(parts) + "."
 
 
 # ---------------------------------------------------------------- writing

@@ -8,7 +8,6 @@ end evaluates, exports the model and writes `summary.json`.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import pathlib
@@ -35,7 +34,7 @@ from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
-from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
 from elastic_step.util.uri import local_path
 
@@ -556,7 +555,7 @@ class TrainingJob:
                 "checkpoints": {"root": self.plan.checkpoint_root, **self.durable.summary()},
             }
         summary.update(extra)
-        atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))
+        write_json(str(self.output / SUMMARY_FILE), summary)
         write_report(summary, str(self.output / REPORT_FILE))
         return summary
 
