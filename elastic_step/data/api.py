@@ -82,6 +82,21 @@ class Manifest:
         self.uri = uri
 
 
+def schema_differences(train: Manifest, eval: Manifest) -> list[str]:
+    """How the eval data's columns differ from the training data's, said for a person ([] when they match)."""
+    a, b = {f.name: f.type for f in train.schema}, {f.name: f.type for f in eval.schema}
+    out = []
+    if train.label != eval.label:
+        out.append(f"the label column is {train.label!r} in the training data but {eval.label!r} in the eval data")
+    missing, extra = [c for c in a if c not in b], [c for c in b if c not in a]
+    if missing:
+        out.append(f"the eval data lacks {', '.join(map(repr, missing))}")
+    if extra:
+        out.append(f"only the eval data has {', '.join(map(repr, extra))}")
+    out += [f"{c!r} is {a[c]} in the training data but {b[c]} in the eval data" for c in a if c in b and a[c] != b[c]]
+    return out
+
+
 def manifest_uri(path_or_dir: str) -> str:
     """Accept a manifest file or the folder holding `manifest.json` (a KFP Dataset artifact)."""
     fs, path = fsspec.core.url_to_fs(path_or_dir)

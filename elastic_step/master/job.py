@@ -26,6 +26,7 @@ from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.data_check import check_splits
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
@@ -106,6 +107,7 @@ class TrainingJob:
         from elastic_step.model_def import load_model_def
 
         self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
+        check_splits(self.model_def, self.train, self.eval)  # eval data the model cannot take: said now
         self.ledger = Ledger(
             [ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
             cfg.records_per_task,
