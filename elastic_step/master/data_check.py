@@ -22,11 +22,15 @@ SAMPLE_RECORDS = 8  # records of each split given to feed()
 
 def check_splits(model_def, train: Manifest, eval: Manifest | None) -> None:
     """Raise DataError when feed() cannot take the eval data as it takes the training data, or the two feed the
-    model differently (structure, dtypes, shapes past the batch); log columns that differ otherwise."""
+    model differently (structure, dtypes, shapes past the batch); log columns that differ otherwise. A feed()
+    that fails on the training data too is left to the job, which reports it as the user's, once."""
     if eval is None:
         return
     differences = schema_differences(train, eval)
-    fed = model_def.feed(_first_records(train))  # an error here is the model's, reported as such
+    try:
+        fed = model_def.feed(_first_records(train))
+    except ModelDefError:
+        return  # the model's own error: the job meets and reports it as any error of the user's code
     where = f"the training data {train.uri} and the eval data {eval.uri}"
     columns = "; ".join(differences) if differences else "their columns match"
     try:

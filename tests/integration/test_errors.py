@@ -83,6 +83,19 @@ def test_schema_mismatch(tmp_path):
     assert_clean_error(proc, "'b'")
 
 
+def test_non_finite_cells_name_their_column_lines_and_the_flag(tmp_path):
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b,label\n1,2.0,0\n3,NaN,1\n5,,0\n7,8.0,1\n")
+    args = cli_args(source_uri=csv, output=tmp_path / "out", label="label")
+    proc = run_cli("data", "prep", *args)
+    assert_clean_error(proc, "column 'b': 1 NaN, 1 empty", "lines 3, 4", "--non-finite drop", "--non-finite zero")
+    assert not (tmp_path / "out").exists()
+    proc = run_cli("data", "prep", *args, "--non-finite", "drop")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["non_finite_rows"] == 2 and result["train_rows"] + result["eval_rows"] == 2
+
+
 def test_missing_model_function(tmp_path, digits_data):
     model = write_model(tmp_path, "del feed\n")
     proc, _ = train(digits_data, tmp_path / "out", model=model)
