@@ -822,6 +822,8 @@ class NonFinite:
             t = column.type
             if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
                 continue
+            if not column.null_count and not (pa.types.is_floating(t) and not np.isfinite(pc.sum(column).as_py() or 0)):
+                continue  # one pass: a sum is finite unless a value is NaN or infinite (or it overflows)
             masks = {"empty": column.is_null()}
             if pa.types.is_floating(t):
                 masks["nan"] = pc.fill_null(pc.is_nan(column), False)
