@@ -45,6 +45,10 @@ class Manifest:
     bad_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # first few skipped
     # NaN, infinite and empty numeric cells, dropped or set to 0 at prep: {"policy", "rows", "columns"}
     non_finite: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The label's values in this split, for the check at train start: {"type", "min", "max"} and, for an
+    # integer or bool label with few values, "distinct" (their count). Empty without a numeric label, and
+    # in a manifest written before prep recorded it.
+    label_summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     uri: str = ""  # where this manifest was read from (not serialised)
 
     @property
@@ -71,6 +75,7 @@ class Manifest:
                 "skipped_rows": self.skipped_rows,
                 "bad_rows": self.bad_rows,
                 "non_finite": self.non_finite,
+                "label_summary": self.label_summary,
                 "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
                 "shards": [dataclasses.asdict(s) for s in self.shards],
             },
@@ -131,6 +136,7 @@ def load_manifest(path_or_dir: str) -> Manifest:
             skipped_rows=int(raw.get("skipped_rows", 0)),
             bad_rows=list(raw.get("bad_rows", [])),
             non_finite=dict(raw.get("non_finite") or {}),
+            label_summary=dict(raw.get("label_summary") or {}),
             schema=[Field(**f) for f in raw["schema"]["fields"]],
             shards=[Shard(path=s["path"], rows=int(s["rows"])) for s in raw["shards"]],
             uri=uri,

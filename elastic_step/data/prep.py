@@ -52,6 +52,7 @@ SHARD_BUFFER_BYTES = 16 << 20
 MAX_WRITER_THREADS = 4
 DICTIONARY_SAMPLE_ROWS = 4096
 SPLITS = ("eval", "train")  # in the order the key sort fills them
+MAX_DISTINCT_LABELS = 1000  # an integer label's distinct values are counted up to this many
 
 
 @dataclasses.dataclass
@@ -374,15 +375,18 @@ def _write_splits(
     threads = min(MAX_WRITER_THREADS, shuffle.usable_cpus())
     pool = _Writers(threads)
     writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool, options) for s in SPLITS}
+    labels = {s: _LabelSummary(manifests[s].label) for s in SPLITS}
     try:
         position = 0
         for table in rows:
             head = max(0, min(n_eval - position, table.num_rows))
             if head:
                 writers["eval"].write(table.slice(0, head))
+                labels["eval"].add(table.slice(0, head))
             if head < table.num_rows:
                 writers["eval"].close()
                 writers["train"].write(table.slice(head))
+                labels["train"].add(table.slice(head))
             position += table.num_rows
             for w in writers.values():
                 w.release()
@@ -390,10 +394,50 @@ def _write_splits(
         for w in writers.values():
             w.close()
         pool.wait()
+        for split, summary in labels.items():
+            manifests[split].label_summary = summary.result()
     finally:
         pool.shutdown()
         for w in writers.values():
             w.abort()
+
+
+class _LabelSummary:
+    """One split's numeric label, as the check at train start compares it with the other split and the model:
+    its type, min and max, and for an integer or bool label the count of its distinct values while they are
+    few. Built from the rows as they are written (no extra pass)."""
+
+    def __init__(self, label: str | None):
+        self.label, self.type, self.integral = label, None, False
+        self.min = self.max = None
+        self.distinct: set | None = set()
+
+    def add(self, table: pa.Table) -> None:
+        if self.label is None or self.label not in table.column_names or not table.num_rows:
+            return
+        column = table.column(self.label)
+        t = column.type
+        integral = pa.types.is_integer(t) or pa.types.is_boolean(t)
+        if not (integral or pa.types.is_floating(t)):
+            return
+        self.type, self.integral = TYPE_NAMES.get(t, str(t)), integral
+        low, high = pc.min_max(column).values()
+        if low.as_py() is None:  # no value (prep refuses, drops or fills empty numeric cells)
+            return
+        self.min = low.as_py() if self.min is None else min(self.min, low.as_py())
+        self.max = high.as_py() if self.max is None else max(self.max, high.as_py())
+        if self.distinct is not None and integral:
+            self.distinct.update(pc.unique(column.drop_null()).to_pylist())
+            if len(self.distinct) > MAX_DISTINCT_LABELS:
+                self.distinct = None
+
+    def result(self) -> dict:
+        if self.type is None or self.min is None:
+            return {}
+        out = {"type": self.type, "min": self.min, "max": self.max}
+        if self.distinct is not None and self.integral:
+            out["distinct"] = len(self.distinct)
+        return out
 
 
 class _Writers:

@@ -632,3 +632,27 @@ def test_text_that_is_not_utf8_names_its_line_and_column(tmp_path):
     path.write_bytes(b"id,text,label\n1,plain,0\n2,caf\xe9,1\n3,more,0\n")
     with pytest.raises(DataError, match=r"latin1\.csv line 3, column 'text' is not UTF-8 text: b'2,caf\\xe9,1'"):
         prepare(str(path), str(tmp_path / "out"), label="label")
+
+
+# ---------------------------------------------------------------- the label's summary, per split
+
+
+def test_each_split_records_its_labels_range_and_distinct_count(tmp_path):
+    src = write(tmp_path / "d.csv", "x,label,score\n" + "".join(f"{i},{i % 7 - 2},{i / 4}\n" for i in range(200)))
+    result = prepare(src, str(tmp_path / "out"), label="label", eval_fraction=0.5, shard_rows=16)
+    for m in (result.train, result.eval):
+        labels = [r["label"] for r in rows_of(m)]
+        expected = {"type": "int64", "min": min(labels), "max": max(labels), "distinct": len(set(labels))}
+        assert m.label_summary == expected
+        assert load_manifest(m.uri).label_summary == expected
+    scored = prepare(src, str(tmp_path / "score"), label="score")
+    scores = [r["score"] for r in rows_of(scored.train)]
+    assert scored.train.label_summary == {"type": "float64", "min": min(scores), "max": max(scores)}  # no count
+
+
+def test_many_distinct_labels_are_not_counted_and_no_label_has_no_summary(tmp_path):
+    n = prep_module.MAX_DISTINCT_LABELS * 3
+    src = write(tmp_path / "d.csv", "x,label\n" + "".join(f"{i},{i}\n" for i in range(n)))
+    train = prepare(src, str(tmp_path / "out"), label="label").train
+    assert set(train.label_summary) == {"type", "min", "max"}
+    assert prepare(src, str(tmp_path / "none"), label=None).train.label_summary == {}
