@@ -656,3 +656,13 @@ def test_many_distinct_labels_are_not_counted_and_no_label_has_no_summary(tmp_pa
     train = prepare(src, str(tmp_path / "out"), label="label").train
     assert set(train.label_summary) == {"type", "min", "max"}
     assert prepare(src, str(tmp_path / "none"), label=None).train.label_summary == {}
+
+
+def test_non_finite_zero_sets_a_nan_label_to_0_and_its_summary_says_so(tmp_path):
+    src = write(tmp_path / "d.csv", "x,label\n" + "".join(f"{i},{'nan' if i == 3 else 2.0}\n" for i in range(10)))
+    result = prepare(src, str(tmp_path / "out"), label="label", non_finite="zero")
+    rows = {r["x"]: r["label"] for r in rows_of(result.train) + rows_of(result.eval)}
+    assert rows[3] == 0.0 and {v for x, v in rows.items() if x != 3} == {2.0}
+    assert result.train.non_finite["columns"]["label"]["nan"] == 1
+    split = result.train if any(r["x"] == 3 for r in rows_of(result.train)) else result.eval
+    assert split.label_summary == {"type": "float64", "min": 0.0, "max": 2.0}
