@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 
 from elastic_step import spec
 from elastic_step.errors import ElasticStepError, write_termination_message
+from elastic_step.util import json_text
 
 CHAOS_METAVAR = "ACTION:INSTANCE@RECORDS"
 
@@ -115,6 +115,7 @@ def _prep(args) -> dict:
         "train_rows": r.train.total_rows,
         "eval_rows": r.eval.total_rows,
         "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows,
+        "non_finite_rows": r.train.non_finite.get("rows", 0),  # dropped or zeroed (the same count in both)
     }
 
 
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "text", None) is not None and not args.json:
         sys.stdout.write(args.text(result))
         return 0
-    json.dump(result, sys.stdout, indent=2, default=str)
+    json_text.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")
     return 0
 

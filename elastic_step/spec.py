@@ -153,6 +153,16 @@ PARAMS: tuple[Param, ...] = (
         choices=("fail", "skip"),
     ),
     Param(
+        "non_finite",
+        str,
+        "fail",
+        "NaN, infinite or empty cells in numeric and bool columns: fail (naming each column's first rows), "
+        "drop their rows, or zero (set them to 0); counted in the manifest",
+        _on(PREP, RUN, PIPELINE, COMPONENT, V1),
+        (DATA_PREP,),
+        choices=("fail", "drop", "zero"),
+    ),
+    Param(
         "schema",
         str,
         None,

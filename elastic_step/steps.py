@@ -7,9 +7,7 @@ all call these, so a step behaves the same whichever orchestrator runs it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import pathlib
 import re
 import shutil
 import tempfile
@@ -17,6 +15,7 @@ import tempfile
 import numpy as np
 
 from elastic_step.errors import ConfigError
+from elastic_step.util import json_text
 
 
 def prep_step(source_uri: str, train_dir: str, eval_dir: str, *, label: str, **settings) -> dict:
@@ -35,6 +34,7 @@ def prep_step(source_uri: str, train_dir: str, eval_dir: str, *, label: str, **s
         "eval_rows": r.eval.total_rows,
         "skipped_rows": r.train.skipped_rows + r.eval.skipped_rows,
         "columns": len(r.train.schema),
+        "non_finite_rows": r.train.non_finite.get("rows", 0),
     }
 
 
@@ -162,4 +162,4 @@ def publish_step(model_dir: str, publish_uri: str, passed: bool) -> str:
 
 
 def write_json(path: str, data) -> None:
-    pathlib.Path(path).write_text(json.dumps(data, indent=2, default=str))
+    json_text.write_json(path, data)

@@ -42,9 +42,11 @@ def data_prep_op(
     eval_fraction: float = 0.2,
     seed: int = 0,
     shard_rows: int = 50000,
+    non_finite: str = "fail",
 ):
     """CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards + a manifest per split
-    (`label`: the label column; `weight_column`: a column of sample weights; empty: none)."""
+    (`label`: the label column; empty: none; `weight_column`: a column of sample weights; `non_finite`: fail,
+    drop or zero, for NaN, infinite and empty numeric cells)."""
     from elastic_step.components.outputs import record_prep
     from elastic_step.steps import prep_step
 
@@ -57,6 +59,7 @@ def data_prep_op(
         eval_fraction=eval_fraction,
         seed=seed,
         shard_rows=shard_rows,
+        non_finite=non_finite,
     )
     record_prep(info, train_data, eval_data)
 

@@ -8,7 +8,7 @@ is loaded: nothing here imports kfp.)
 
 from __future__ import annotations
 
-import json
+import math
 
 MANIFEST_FORMAT = "elastic-step/manifest/v1"
 
@@ -19,6 +19,8 @@ def record_prep(info: dict, train_data, eval_data) -> None:
     eval_data.metadata.update(rows=info["eval_rows"], columns=info["columns"], format=MANIFEST_FORMAT)
     if info.get("skipped_rows"):
         train_data.metadata["skipped_rows"] = info["skipped_rows"]
+    if info.get("non_finite_rows"):
+        train_data.metadata["non_finite_rows"] = info["non_finite_rows"]
 
 
 def training_metrics(summary: dict) -> dict[str, float]:
@@ -27,7 +29,7 @@ def training_metrics(summary: dict) -> dict[str, float]:
     m = {
         f"eval_{k}": float(v)
         for k, v in summary.get("eval", {}).items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # KFP writes JSON
     }
     w = summary.get("workers", {})
     ledger = summary.get("ledger", {})
@@ -68,13 +70,15 @@ def run_training(train_data: str, eval_data: str, arguments: dict) -> None:
 
 
 def record_training(summary: dict, model, metrics, summary_artifact) -> None:
+    from elastic_step.util.json_text import dumps
+
     for name, value in training_metrics(summary).items():
         metrics.log_metric(name, value)
     model.metadata.update(
         framework="keras",
         files=["model.keras", "saved_model/"],
         job_id=summary["job_id"],
-        eval=json.dumps(summary.get("eval", {})),
+        eval=dumps(summary.get("eval", {})),
     )
     summary_artifact.metadata.update(status=summary["status"], job_id=summary["job_id"])
 
@@ -83,7 +87,8 @@ def record_evaluation(result: dict, threshold: float, metrics, classification_me
     """Metrics (each eval metric, the threshold, passed as 0/1), the confusion matrix when the model is
     a classifier, and the (score, passed) pair the component returns."""
     for name, value in result["metrics"].items():
-        metrics.log_metric(name, float(value))
+        if math.isfinite(float(value)):  # KFP writes its metrics as JSON: a NaN would be a bare NaN there
+            metrics.log_metric(name, float(value))
     metrics.log_metric("threshold", float(threshold))
     metrics.log_metric("passed", 1.0 if result["passed"] else 0.0)
     if result.get("confusion"):

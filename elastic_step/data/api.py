@@ -16,6 +16,7 @@ import numpy as np
 
 from elastic_step.errors import DataError
 from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.json_text import dumps
 
 MANIFEST_FORMAT = "elastic-step/manifest/v1"
 MANIFEST_NAME = "manifest.json"
@@ -43,6 +44,12 @@ class Manifest:
     source: str = ""
     skipped_rows: int = 0
     bad_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # first few skipped
+    # NaN, infinite and empty numeric cells, dropped or set to 0 at prep: {"policy", "rows", "columns"}
+    non_finite: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The label's values in this split, for the check at train start: {"type", "min", "max"} and, for an
+    # integer or bool label with few values, "distinct" (their count). Empty without a numeric label, and
+    # in a manifest written before prep recorded it.
+    label_summary: dict[str, Any] = dataclasses.field(default_factory=dict)
     uri: str = ""  # where this manifest was read from (not serialised)
 
     @property
@@ -59,7 +66,7 @@ class Manifest:
         return posixpath.join(posixpath.dirname(self.uri), shard.path)
 
     def to_json(self) -> str:
-        return json.dumps(
+        return dumps(
             {
                 "format": MANIFEST_FORMAT,
                 "split": self.split,
@@ -69,6 +76,8 @@ class Manifest:
                 "total_rows": self.total_rows,
                 "skipped_rows": self.skipped_rows,
                 "bad_rows": self.bad_rows,
+                "non_finite": self.non_finite,
+                "label_summary": self.label_summary,
                 "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
                 "shards": [dataclasses.asdict(s) for s in self.shards],
             },
@@ -78,6 +87,21 @@ class Manifest:
     def save(self, uri: str) -> None:
         atomic_write_text(uri, self.to_json())
         self.uri = uri
+
+
+def schema_differences(train: Manifest, eval: Manifest) -> list[str]:
+    """How the eval data's columns differ from the training data's, said for a person ([] when they match)."""
+    a, b = {f.name: f.type for f in train.schema}, {f.name: f.type for f in eval.schema}
+    out = []
+    if train.label != eval.label:
+        out.append(f"the label column is {train.label!r} in the training data but {eval.label!r} in the eval data")
+    missing, extra = [c for c in a if c not in b], [c for c in b if c not in a]
+    if missing:
+        out.append(f"the eval data lacks {', '.join(map(repr, missing))}")
+    if extra:
+        out.append(f"only the eval data has {', '.join(map(repr, extra))}")
+    out += [f"{c!r} is {a[c]} in the training data but {b[c]} in the eval data" for c in a if c in b and a[c] != b[c]]
+    return out
 
 
 def manifest_uri(path_or_dir: str) -> str:
@@ -114,6 +138,8 @@ def load_manifest(path_or_dir: str) -> Manifest:
             source=raw.get("source", ""),
             skipped_rows=int(raw.get("skipped_rows", 0)),
             bad_rows=list(raw.get("bad_rows", [])),
+            non_finite=dict(raw.get("non_finite") or {}),
+            label_summary=dict(raw.get("label_summary") or {}),
             schema=[Field(**f) for f in raw["schema"]["fields"]],
             shards=[Shard(path=s["path"], rows=int(s["rows"])) for s in raw["shards"]],
             uri=uri,

@@ -13,6 +13,7 @@ again from its first row.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import concurrent.futures
 import csv
@@ -48,6 +49,13 @@ SKIP_HINT = (
     "bad rows; skipped rows are counted in the manifest."
 )
 RESTART = "restart"
+# What prep does with NaN, infinite and empty cells of numeric and bool columns (parameter non_finite).
+NON_FINITE = ("fail", "drop", "zero")
+NON_FINITE_HINT = (
+    "Fix the data, or pass --non-finite drop to drop those rows or --non-finite zero to set those "
+    "cells to 0 (pipeline parameter non_finite); either is counted in the manifest."
+)
+MAX_NON_FINITE_ROWS = 5  # first rows named per column; the counts cover all of them
 
 # CSV is read in chunks of whole rows parsed on all CPUs, or, once a quote is seen, by pyarrow's
 # streaming reader, which reads up to 32 blocks ahead: 512 KB blocks keep that to ~20 MB of Arrow memory.
@@ -112,6 +120,9 @@ class SourceFile:
         self.fs, self.path, self.name, self.declared, self.label, self.bad = fs, path, name, declared, label, bad
         self.schema: pa.Schema | None = None
         self.rows = 0  # rows of the final attempt, after bad ones
+        # The lines of the rows of the table last yielded, when the precise pass knows them (else None:
+        # the rows are the file's records in order, none skipped).
+        self.lines: np.ndarray | None = None
 
     def batches(self) -> Iterator[pa.Table | str]:
         fmt = file_format(self.path)
@@ -124,8 +135,10 @@ class SourceFile:
                 yield item
         except OSError as e:
             raise DataError(f"Cannot read {self.name}: {e}. Check that it exists and the step may read it.") from None
-        except UnicodeDecodeError as e:
-            raise DataError(f"{self.name} is not UTF-8 text ({e}). Re-encode it as UTF-8.") from None
+        except (UnicodeDecodeError, _Binary):
+            if fmt == "parquet":
+                raise
+            raise _not_utf8(self.fs, self.path, self.name) from None
         _check_not_all_bad(self.rows, self.name, self.bad)
 
     # ------------------------------------------------------------ Parquet
@@ -326,6 +339,7 @@ class SourceFile:
             columns, types = _infer(open_records(), columns, text, name)
         convert = _from_text if text else _from_json
         values: dict[str, list] = {c: [] for c in columns}
+        lines: list[int] = []
         rows, pending, present = 0, 0, collections.Counter()
 
         def table() -> pa.Table:
@@ -333,6 +347,8 @@ class SourceFile:
             for c in columns:
                 present[c] += t.num_rows - t.column(c).null_count
                 values[c] = []
+            self.lines = np.array(lines, dtype=np.int64)
+            lines.clear()
             return t
 
         for line, record in open_records():
@@ -361,6 +377,7 @@ class SourceFile:
                 continue
             for c in columns:
                 values[c].append(row[c])
+            lines.append(line)
             rows, pending = rows + 1, pending + 1
             if pending == PRECISE_BATCH_ROWS:
                 yield table()
@@ -781,7 +798,140 @@ def _check_not_all_bad(rows: int, name: str, bad: BadRows) -> None:
         )
 
 
+# ---------------------------------------------------------------- NaN, infinite and empty cells
+
+
+class NonFinite:
+    """The NaN, infinite and empty cells of one file's numeric and bool columns, which training cannot use:
+    counts per column and the first few rows of each, as 1-based lines (`unit` "line") or, for rows a
+    fast pass read, 0-based indices among the file's records (`unit` "row", see `name_rows`)."""
+
+    KINDS = ("nan", "inf", "empty")
+
+    def __init__(self):
+        self.counts: dict[str, dict[str, int]] = {}  # column -> kind -> cells
+        self.first: dict[str, list[int]] = {}  # column -> the first rows (as `unit` says)
+        self.unit = "row"
+        self.rows = 0  # rows with any such cell
+
+    def scan(self, table: pa.Table, at: np.ndarray) -> np.ndarray | None:
+        """Count `table`'s cells; `at`: where each row is (in `unit`). The mask of its rows with any, or None."""
+        found = None
+        for name in table.column_names:
+            column = table.column(name)
+            t = column.type
+            if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t)):
+                continue
+            if not column.null_count and not (pa.types.is_floating(t) and not np.isfinite(pc.sum(column).as_py() or 0)):
+                continue  # one pass: a sum is finite unless a value is NaN or infinite (or it overflows)
+            masks = {"empty": column.is_null()}
+            if pa.types.is_floating(t):
+                masks["nan"] = pc.fill_null(pc.is_nan(column), False)
+                masks["inf"] = pc.fill_null(pc.is_inf(column), False)
+            counts = {k: pc.sum(m).as_py() or 0 for k, m in masks.items()}
+            if not any(counts.values()):
+                continue
+            column_counts = self.counts.setdefault(name, dict.fromkeys(self.KINDS, 0))
+            for k, n in counts.items():
+                column_counts[k] += n
+            bad = np.zeros(table.num_rows, dtype=bool)
+            for m in masks.values():
+                bad |= m.to_numpy(zero_copy_only=False)
+            first = self.first.setdefault(name, [])
+            if len(first) < MAX_NON_FINITE_ROWS:
+                first += at[np.flatnonzero(bad)[: MAX_NON_FINITE_ROWS - len(first)]].tolist()
+            found = bad if found is None else found | bad
+        if found is not None:
+            self.rows += int(found.sum())
+        return found
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+def treat_non_finite(table: pa.Table, bad: np.ndarray | None, policy: str) -> pa.Table:
+    """`table` as `policy` says: rows with NaN, infinite or empty numeric cells dropped, or those cells set to 0."""
+    if bad is None or policy == "fail":
+        return table
+    if policy == "drop":
+        return table.filter(pa.array(~bad))
+    columns = []
+    for column in table.columns:
+        t = column.type
+        if pa.types.is_floating(t):
+            column = pc.if_else(pc.or_(pc.is_nan(column), pc.is_inf(column)), pa.scalar(0, t), column)
+        if pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_boolean(t):
+            column = pc.fill_null(column, pa.scalar(False if pa.types.is_boolean(t) else 0, t))
+        columns.append(column)
+    return pa.Table.from_arrays(columns, schema=table.schema)
+
+
+def record_lines(fs, path: str, name: str, rows: set[int]) -> dict[int, int]:
+    """{record index: its first line} for the given 0-based indices of a CSV or JSON-lines file's records
+    (as a fast pass counts them: blank lines are no records), read up to the last one asked for."""
+    fmt, out, last = file_format(path), {}, max(rows, default=-1)
+    if fmt not in ("csv", "json") or last < 0:
+        return out
+    records = (
+        _csv_records(fs, path, name, _csv_header(fs, path, name)) if fmt == "csv" else _json_records(fs, path, name)
+    )
+    for i, (line, _) in enumerate(records):
+        if i in rows:
+            out[i] = line
+        if i >= last:
+            break
+    return out
+
+
 # ---------------------------------------------------------------- types and columns
+
+
+class _Binary(DataError):
+    """A column of bytes: in a CSV or JSON file, text that is not UTF-8 (said as such by SourceFile)."""
+
+
+def _not_utf8(fs, path: str, name: str) -> DataError:
+    """The error for a text file that is not UTF-8, naming the line (as an editor counts them), the CSV
+    column and the line's text around the first byte that is not."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, tail = 1, b""  # tail: the bytes of the current line before this chunk
+    with _open_binary(fs, path) as f:
+        while True:
+            data = f.read(1 << 20)
+            try:
+                decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                at = max(0, e.start - (len(e.object) - len(data)))  # e.object: the decoder's pending bytes + data
+                line += data.count(b"\n", 0, at)
+                start = data.rfind(b"\n", 0, at) + 1
+                text = (tail if start == 0 else b"") + data[start:].split(b"\n", 1)[0]
+                column = _csv_column(fs, path, text, at - start + (len(tail) if start == 0 else 0))
+                return DataError(
+                    f"{name} line {line}{column} is not UTF-8 text: {text[:80]!r}. Re-encode the file as UTF-8 "
+                    "(e.g. `iconv -f latin1 -t utf-8`), or fix that value."
+                )
+            if not data:
+                break
+            line += data.count(b"\n")
+            cut = data.rfind(b"\n")
+            tail = tail + data if cut < 0 else data[cut + 1 :]
+    return DataError(f"{name} is not UTF-8 text. Re-encode it as UTF-8.")
+
+
+def _csv_column(fs, path: str, text: bytes, at: int) -> str:
+    """ ", column 'c'": the CSV column holding byte `at` of `text`, a line of the CSV file; else ""."""
+    if file_format(path) != "csv":
+        return ""
+    with _open_binary(fs, path) as f:
+        first = f.read(1 << 16).split(b"\n", 1)[0]
+    header = next(csv.reader([first.decode("utf-8-sig", errors="replace").rstrip("\r")]), [])
+    # latin-1 keeps one character per byte, so a field's length is its length in the line (quotes aside).
+    end = 0
+    for i, value in enumerate(next(csv.reader([text.decode("latin-1")]), [])):
+        end += len(value) + 1
+        if at < end:
+            return f", column {header[i]!r}" if i < len(header) else ""
+    return ""
 
 
 def _supported(table: pa.Table, name: str) -> pa.Table:
@@ -803,7 +953,7 @@ def _supported(table: pa.Table, name: str) -> pa.Table:
         ):
             target = pa.string()
         else:
-            raise DataError(
+            raise (_Binary if pa.types.is_binary(t) or pa.types.is_large_binary(t) else DataError)(
                 f"Column {f.name!r} of {name} has type {t}, which elastic-step cannot train "
                 f"on; convert it to one of {', '.join(TYPES)} (or drop it) first."
             )

@@ -27,7 +27,18 @@ import pyarrow.parquet as pq
 
 from elastic_step.data import shuffle
 from elastic_step.data.api import MANIFEST_NAME, Field, Manifest, Shard
-from elastic_step.data.parse import FORMATS, MAX_BAD_ROWS, TYPE_NAMES, TYPES, combine, file_format
+from elastic_step.data.parse import (
+    FORMATS,
+    MAX_BAD_ROWS,
+    MAX_NON_FINITE_ROWS,
+    NON_FINITE,
+    NON_FINITE_HINT,
+    TYPE_NAMES,
+    TYPES,
+    combine,
+    file_format,
+    record_lines,
+)
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.util.atomic import atomic_directory
 from elastic_step.util.storage import check_writable, explain, on_disk
@@ -41,6 +52,7 @@ SHARD_BUFFER_BYTES = 16 << 20
 MAX_WRITER_THREADS = 4
 DICTIONARY_SAMPLE_ROWS = 4096
 SPLITS = ("eval", "train")  # in the order the key sort fills them
+MAX_DISTINCT_LABELS = 1000  # an integer label's distinct values are counted up to this many
 
 
 @dataclasses.dataclass
@@ -62,13 +74,17 @@ def prepare(
     seed: int = 0,
     row_group_rows: int = 1024,
     weight_column: str | None = None,
+    non_finite: str = "fail",
 ) -> PrepResult:
     """Read `source`, validate it, split it by `seed` and write OUTPUT/{train,eval}/ shards + manifest.json.
 
     A CSV file is parsed on all CPUs. With 4 CPUs or more, a source of several files (32 MB or more)
     is also parsed by a process per file, one for every two CPUs (forkserver): as for any such pool,
-    a script that calls prepare() needs `if __name__ == "__main__":`."""
-    _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows)
+    a script that calls prepare() needs `if __name__ == "__main__":`.
+
+    NaN, infinite and empty cells of numeric and bool columns are refused (`non_finite` "fail", with a
+    report of each column's), or their rows dropped ("drop"), or the cells set to 0 ("zero")."""
+    _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows, non_finite)
     if weight_column is not None and (not isinstance(weight_column, str) or not weight_column):
         raise ConfigError(f"weight_column must be a column name, got {weight_column!r}.")
     if weight_column is not None and weight_column == label:
@@ -98,6 +114,7 @@ def prepare(
             declared,
             label,
             on_bad_rows == "skip",
+            non_finite,
             seed,
             spill_dir,
             bits,
@@ -113,6 +130,9 @@ def prepare(
                 f"{', '.join(data_schema.names)}). Pass --label with one of them, or --label '' for data without one."
             )
         _check_weight_column(weight_column, data_schema, files[0][1])
+        found = _non_finite_report(fs, files, spilled)
+        if found and non_finite == "fail":
+            raise DataError(_non_finite_message(found) + " " + NON_FINITE_HINT)
         n = sum(s.rows for s in spilled)
         if n < 2:
             raise DataError(
@@ -135,6 +155,9 @@ def prepare(
                 source=source,
                 skipped_rows=skipped,
                 bad_rows=list(bad_rows),
+                non_finite={"policy": non_finite, "rows": sum(s.non_finite.rows for s in spilled), "columns": found}
+                if found
+                else {},
             )
             for split in SPLITS
         }
@@ -174,7 +197,7 @@ def _check_weight_column(weight_column: str | None, data_schema: pa.Schema, firs
         )
 
 
-def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows):
+def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows, non_finite):
     if not isinstance(source, str) or not source:
         raise ConfigError("No source given: pass the URI of a CSV, Parquet or JSON-lines file, folder or glob.")
     if not isinstance(output, str) or not output:
@@ -191,6 +214,8 @@ def _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows,
             raise ConfigError(f"{name} must be a positive integer, got {value!r}.")
     if on_bad_rows not in ("fail", "skip"):
         raise ConfigError(f"on_bad_rows must be 'fail' or 'skip', got {on_bad_rows!r}.")
+    if non_finite not in NON_FINITE:
+        raise ConfigError(f"non_finite must be one of {', '.join(map(repr, NON_FINITE))}, got {non_finite!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ConfigError(f"seed must be an integer, got {seed!r}.")
 
@@ -281,6 +306,44 @@ def _check_output_outside_source(source: str, output: str, fs, files) -> None:
         )
 
 
+def _non_finite_report(fs, files, spilled) -> dict[str, dict]:
+    """{column: {"nan", "inf", "empty": cells, "first": [{"file", "line" or "row"}]}} over every file, in
+    file order: the columns with NaN, infinite or empty numeric cells, and where the first few are."""
+    found: dict[str, dict] = {}
+    for (path, name), s in zip(files, spilled):
+        nf = s.non_finite
+        if not nf.counts:
+            continue
+        # A fast pass counted records: its first ones are named by their line, found now (only on these).
+        text = nf.unit == "row" and file_format(path) != "parquet"
+        lines = record_lines(fs, path, name, {i for f in nf.first.values() for i in f}) if text else {}
+        for column, counts in nf.counts.items():
+            entry = found.setdefault(column, {**dict.fromkeys(counts, 0), "first": []})
+            for kind, n in counts.items():
+                entry[kind] += n
+            for at in nf.first[column]:
+                if len(entry["first"]) < MAX_NON_FINITE_ROWS:
+                    if nf.unit == "line" or text:
+                        entry["first"].append({"file": name, "line": lines.get(at, at) if text else at})
+                    else:
+                        entry["first"].append({"file": name, "row": at + 1})
+    return found
+
+
+def _non_finite_message(found: dict[str, dict]) -> str:
+    words = {"nan": "NaN", "inf": "infinite", "empty": "empty"}
+    parts = []
+    for column, entry in found.items():
+        counts = ", ".join(f"{entry[k]} {w}" for k, w in words.items() if entry[k])
+        at: dict[tuple[str, str], list[str]] = {}  # (file, "line" or "row") -> numbers, in order
+        for f in entry["first"]:
+            unit = "line" if "line" in f else "row"
+            at.setdefault((f["file"], unit), []).append(str(f[unit]))
+        where = "; ".join(f"{file} {unit}{'s' if len(n) > 1 else ''} {', '.join(n)}" for (file, unit), n in at.items())
+        parts.append(f"column {column!r}: {counts} (first at {where})")
+    return "The data has NaN, infinite or empty numeric cells, which training cannot use: " + "; ".join(parts) + "."
+
+
 # ---------------------------------------------------------------- writing
 
 
@@ -336,15 +399,18 @@ def _write_splits(
     threads = min(MAX_WRITER_THREADS, shuffle.usable_cpus())
     pool = _Writers(threads)
     writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool, options) for s in SPLITS}
+    labels = {s: _LabelSummary(manifests[s].label) for s in SPLITS}
     try:
         position = 0
         for table in rows:
             head = max(0, min(n_eval - position, table.num_rows))
             if head:
                 writers["eval"].write(table.slice(0, head))
+                labels["eval"].add(table.slice(0, head))
             if head < table.num_rows:
                 writers["eval"].close()
                 writers["train"].write(table.slice(head))
+                labels["train"].add(table.slice(head))
             position += table.num_rows
             for w in writers.values():
                 w.release()
@@ -352,10 +418,50 @@ def _write_splits(
         for w in writers.values():
             w.close()
         pool.wait()
+        for split, summary in labels.items():
+            manifests[split].label_summary = summary.result()
     finally:
         pool.shutdown()
         for w in writers.values():
             w.abort()
+
+
+class _LabelSummary:
+    """One split's numeric label, as the check at train start compares it with the other split and the model:
+    its type, min and max, and for an integer or bool label the count of its distinct values while they are
+    few. Built from the rows as they are written (no extra pass)."""
+
+    def __init__(self, label: str | None):
+        self.label, self.type, self.integral = label, None, False
+        self.min = self.max = None
+        self.distinct: set | None = set()
+
+    def add(self, table: pa.Table) -> None:
+        if self.label is None or self.label not in table.column_names or not table.num_rows:
+            return
+        column = table.column(self.label)
+        t = column.type
+        integral = pa.types.is_integer(t) or pa.types.is_boolean(t)
+        if not (integral or pa.types.is_floating(t)):
+            return
+        self.type, self.integral = TYPE_NAMES.get(t, str(t)), integral
+        low, high = pc.min_max(column).values()
+        if low.as_py() is None:  # no value (prep refuses, drops or fills empty numeric cells)
+            return
+        self.min = low.as_py() if self.min is None else min(self.min, low.as_py())
+        self.max = high.as_py() if self.max is None else max(self.max, high.as_py())
+        if self.distinct is not None and integral:
+            self.distinct.update(pc.unique(column.drop_null()).to_pylist())
+            if len(self.distinct) > MAX_DISTINCT_LABELS:
+                self.distinct = None
+
+    def result(self) -> dict:
+        if self.type is None or self.min is None:
+            return {}
+        out = {"type": self.type, "min": self.min, "max": self.max}
+        if self.distinct is not None and self.integral:
+            out["distinct"] = len(self.distinct)
+        return out
 
 
 class _Writers:

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from elastic_step.data.parse import RESTART, BadRows, SourceFile, conform, file_format
+from elastic_step.data.parse import RESTART, BadRows, NonFinite, SourceFile, conform, file_format, treat_non_finite
 from elastic_step.errors import DataError
 from elastic_step.util.storage import protocols
 
@@ -203,6 +203,7 @@ class Spilled:
     bucket_bytes: np.ndarray  # in memory, per bucket: how pass 2 groups and splits them
     skipped: int
     bad_rows: list[dict]
+    non_finite: NonFinite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +215,7 @@ class _Task:
     declared: dict | None
     label: str | None
     skip: bool
+    non_finite: str
     seed: int
     folder: str
     bits: int
@@ -224,19 +226,27 @@ def _spill_file(task: _Task) -> Spilled:
     bad = BadRows(task.skip)
     source = SourceFile(task.fs, task.path, task.name, task.declared, task.label, bad)
     out = _Buckets(task.folder, 0, task.bits, task.unit)
-    rows = 0
+    non_finite = NonFinite()
+    rows = read = 0  # rows kept, rows read
     try:
         for item in source.batches():
             if item is RESTART:
                 out.forget()
-                rows = 0
+                non_finite.reset()
+                rows = read = 0
             elif item.num_rows:
-                out.add(item, row_keys(task.seed, task.index, rows, item.num_rows))
-                rows += item.num_rows
+                if source.lines is not None:
+                    non_finite.unit = "line"
+                at = source.lines if source.lines is not None else np.arange(read, read + item.num_rows)
+                read += item.num_rows
+                item = treat_non_finite(item, non_finite.scan(item, at), task.non_finite)
+                if item.num_rows:
+                    out.add(item, row_keys(task.seed, task.index, rows, item.num_rows))
+                    rows += item.num_rows
         out.close()
     finally:
         out.end_streams()  # on a failure: no file left open in a pool process that lives on
-    return Spilled(task.name, source.schema, rows, out.bytes, bad.count, bad.first)
+    return Spilled(task.name, source.schema, rows, out.bytes, bad.count, bad.first, non_finite)
 
 
 def spill(
@@ -245,6 +255,7 @@ def spill(
     declared,
     label,
     skip: bool,
+    non_finite: str,
     seed: int,
     folder: str,
     bits: int,
@@ -259,7 +270,7 @@ def spill(
     for b in range(1 << bits):
         os.makedirs(os.path.join(folder, f"{b:04d}"), exist_ok=True)
     tasks = [
-        _Task(fs, path, name, i, declared, label, skip, seed, folder, bits, unit)
+        _Task(fs, path, name, i, declared, label, skip, non_finite, seed, folder, bits, unit)
         for i, (path, name) in enumerate(files)
     ]
     if processes <= 1:

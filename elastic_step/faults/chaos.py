@@ -43,7 +43,7 @@ from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api
 from elastic_step.faults.process import kill_self
-from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.json_text import write_json
 
 log = logging.getLogger("elastic_step.master")
 
@@ -187,8 +187,8 @@ class Chaos(api.JobFaults):
         self.pending.remove(sig)
         self.fired.append({"action": sig.action, "instance": instance, "at_records": committed, "index": sig.index})
         if self.journal is not None:  # before the signal: a master that kills itself must leave it written
-            atomic_write_text(
-                self.journal, json.dumps({"job_id": self._job_id, "schedule": self.schedule, "fired": self.fired})
+            write_json(
+                self.journal, {"job_id": self._job_id, "schedule": self.schedule, "fired": self.fired}, indent=None
             )
 
     def checkpoint_written(self, ckpt_id: int) -> None:

@@ -11,14 +11,14 @@ on every member) at the last committed step, taken while no further step may com
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
 
 from elastic_step.faults.api import NO_FAULTS, JobFaults
 from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, fingerprint, parse_interval
-from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
+from elastic_step.util.atomic import atomic_write_bytes
+from elastic_step.util.json_text import write_json
 from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
@@ -134,7 +134,7 @@ class Checkpointer:
         ckpt_id, t0 = self.next_id, time.time()
         files = self._parts(ckpt_id)
         state = self._state()
-        atomic_write_text(self.store.part(ckpt_id, "ledger.json"), json.dumps(state))
+        write_json(self.store.part(ckpt_id, "ledger.json"), state, indent=None)
         self.faults.checkpoint_written(ckpt_id)
         records = state["ledger_records_committed"]
         self.store.commit(ckpt_id, [*files, "ledger.json"], records_committed=records, epoch=state["ledger"]["epoch"])

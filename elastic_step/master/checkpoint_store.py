@@ -29,7 +29,8 @@ import time
 import fsspec
 
 from elastic_step.errors import ConfigError
-from elastic_step.util.atomic import atomic_write_bytes, atomic_write_text
+from elastic_step.util.atomic import atomic_write_bytes
+from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable
 
 log = logging.getLogger("elastic_step.master")
@@ -117,11 +118,10 @@ class CheckpointStore:
             ) from None
 
     def write_watermark(self, records_committed: int) -> None:
-        atomic_write_text(
+        write_json(
             self.uri(WATERMARK),
-            json.dumps(
-                {"job_id": self.fingerprint["job_id"], "records_committed": records_committed, "at": time.time()}
-            ),
+            {"job_id": self.fingerprint["job_id"], "records_committed": records_committed, "at": time.time()},
+            indent=None,
         )
 
     def watermark(self) -> int | None:
@@ -188,7 +188,7 @@ class CheckpointStore:
             "files": {name: f"ckpt-{ckpt_id:06d}/{name}" for name in files},
             **meta,
         }
-        atomic_write_text(self.uri(MANIFEST), json.dumps(manifest, indent=1))
+        write_json(self.uri(MANIFEST), manifest, indent=1)
         for old in self.fs.glob(posixpath.join(self.path, "ckpt-*")):
             if posixpath.basename(old) != f"ckpt-{ckpt_id:06d}":
                 self.fs.rm(old, recursive=True)

@@ -8,7 +8,6 @@ end evaluates, exports the model and writes `summary.json`.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import pathlib
@@ -27,6 +26,7 @@ from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.data_check import check_splits
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
@@ -35,7 +35,7 @@ from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.report import write_report
-from elastic_step.util.atomic import atomic_write_text
+from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
 from elastic_step.util.uri import local_path
 
@@ -107,6 +107,7 @@ class TrainingJob:
         from elastic_step.model_def import load_model_def
 
         self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
+        check_splits(self.model_def, self.train, self.eval)  # eval data the model cannot take: said now
         self.ledger = Ledger(
             [ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
             cfg.records_per_task,
@@ -557,7 +558,7 @@ class TrainingJob:
                 "checkpoints": {"root": self.plan.checkpoint_root, **self.durable.summary()},
             }
         summary.update(extra)
-        atomic_write_text(str(self.output / SUMMARY_FILE), json.dumps(summary, indent=2, default=str))
+        write_json(str(self.output / SUMMARY_FILE), summary)
         write_report(summary, str(self.output / REPORT_FILE))
         return summary
 

@@ -59,6 +59,7 @@ def build(caching: bool = True):
         metric: str = "accuracy",
         publish_uri: str = "",
         eval_fraction: float = 0.2,
+        non_finite: str = "fail",
         seed: int = 0,
         checkpoint_uri: str = "",
         checkpoint_every: str = "60s",

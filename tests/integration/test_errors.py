@@ -83,6 +83,19 @@ def test_schema_mismatch(tmp_path):
     assert_clean_error(proc, "'b'")
 
 
+def test_non_finite_cells_name_their_column_lines_and_the_flag(tmp_path):
+    csv = tmp_path / "data.csv"
+    csv.write_text("a,b,label\n1,2.0,0\n3,NaN,1\n5,,0\n7,8.0,1\n")
+    args = cli_args(source_uri=csv, output=tmp_path / "out", label="label")
+    proc = run_cli("data", "prep", *args)
+    assert_clean_error(proc, "column 'b': 1 NaN, 1 empty", "lines 3, 4", "--non-finite drop", "--non-finite zero")
+    assert not (tmp_path / "out").exists()
+    proc = run_cli("data", "prep", *args, "--non-finite", "drop")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["non_finite_rows"] == 2 and result["train_rows"] + result["eval_rows"] == 2
+
+
 def test_missing_model_function(tmp_path, digits_data):
     model = write_model(tmp_path, "del feed\n")
     proc, _ = train(digits_data, tmp_path / "out", model=model)
@@ -90,7 +103,6 @@ def test_missing_model_function(tmp_path, digits_data):
     assert not (tmp_path / "out" / "model.keras").exists()
 
 
-@pytest.mark.slow
 def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
     model = write_model(
         tmp_path,
@@ -101,19 +113,16 @@ def test_model_that_raises_fails_the_job_with_its_error(tmp_path, digits_data):
     )
     out = tmp_path / "out"
     proc, summary = train(digits_data, out, model=model, max_workers=2)
-    msg = assert_clean_error(proc, "pixel column has the wrong scale", "feed()", "user_model.py")
-    # Named by whoever met it first: a worker's step, or the master's eval of the initial weights.
-    assert "(worker-" in msg or "(master)" in msg, msg
+    # Met by the master's check of the data, on the first records, before any instance started.
+    assert_clean_error(proc, "pixel column has the wrong scale", "feed()", "user_model.py", "before any worker started")
     assert proc.stderr.count("elastic-step: error:") == 1
-    assert proc.returncode == 1
-    # Not relaunched forever: the job failed on the first report of the user's error.
-    assert summary["status"] == "failed"
-    assert summary["workers"]["relaunched"] == 0
+    assert f'File "{model}", line' in proc.stderr and "in feed" in proc.stderr  # the user's own frame
+    assert proc.returncode == 2  # bad input, as a broken contract: no retry policy retries it
+    assert summary == {} and not (out / "logs").exists()  # nothing started, nothing relaunched
     assert not (out / "model.keras").exists()
     assert not (out / "saved_model").exists()
 
 
-@pytest.mark.slow
 def test_model_build_that_raises(tmp_path, digits_data):
     model = write_model(
         tmp_path,
@@ -124,8 +133,18 @@ def test_model_build_that_raises(tmp_path, digits_data):
     )
     proc, summary = train(digits_data, tmp_path / "out", model=model)
     assert_clean_error(proc, "layer sizes do not match", "model()")
-    assert summary["status"] == "failed"
+    assert proc.stderr.count("elastic-step: error:") == 1 and proc.returncode == 2
+    assert summary == {}  # found by the master's check of the labels, before any instance started
     assert not os.path.exists(tmp_path / "out" / "model.keras")
+
+
+def test_labels_past_the_models_classes_are_refused_before_training(tmp_path, digits_data):
+    model = write_model(tmp_path, "NUM_CLASSES = 9\n")  # labels 0..9 for 9 classes: TensorFlow would stop mid-step
+    proc, summary = train(digits_data, tmp_path / "out", model=model)
+    assert_clean_error(
+        proc, "The training data", "labels 0 to 9", "9 classes on its last axis", "give the model 10 outputs"
+    )
+    assert summary == {} and proc.returncode == 2
 
 
 def test_kubernetes_backend_without_a_cluster_is_a_clear_error(tmp_path, digits_data):

@@ -180,7 +180,7 @@ def test_chunks_cut_only_between_rows(tmp_path, small_blocks, layout):
 def test_text_that_is_not_utf8_in_a_later_block(tmp_path, small_blocks):
     path = tmp_path / "bin.csv"
     path.write_bytes(b"s,n\n" + b"abc,1\n" * 3000 + b"\xff\xfe,1\n")
-    with pytest.raises(DataError, match=r"Column 's' of bin\.csv has type binary"):
+    with pytest.raises(DataError, match=r"bin\.csv line 3002, column 's' is not UTF-8 text: b'\\xff\\xfe,1'"):
         read(path)
 
 

@@ -572,3 +572,111 @@ def test_a_weight_column_is_recorded_in_both_manifests_and_checked(tmp_path):
         prepare(src, str(tmp_path / "o3"), label="label", weight_column="name")
     with pytest.raises(ConfigError, match="weight column 'label' is the label"):
         prepare(src, str(tmp_path / "o4"), label="label", weight_column="label")
+
+
+# ---------------------------------------------------------------- NaN, infinite and empty numeric cells
+
+# Rows 2, 4, 6 (lines 4, 6, 8, the header being line 1) hold an empty, a NaN and an infinite cell.
+NON_FINITE_CSV = "id,x,y,name,label\n" + "".join(
+    f"{i},{'' if i == 2 else 'nan' if i == 4 else i * 0.5},{'-inf' if i == 6 else i},{'' if i == 3 else 'n'},{i % 2}\n"
+    for i in range(20)
+)
+
+
+def test_non_finite_cells_are_refused_with_each_columns_counts_and_first_lines(tmp_path):
+    src = write(tmp_path / "d.csv", NON_FINITE_CSV)
+    with pytest.raises(DataError) as e:
+        prepare(src, str(tmp_path / "out"), label="label")
+    text = str(e.value)
+    assert "column 'x': 1 NaN, 1 empty (first at " + src + " lines 4, 6)" in text
+    assert "column 'y': 1 infinite (first at " + src + " line 8)" in text
+    assert "'name'" not in text  # an empty text cell is a value, not a number that is missing
+    assert "--non-finite drop" in text and "--non-finite zero" in text
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_precise_pass_names_the_lines_past_the_bad_rows_it_skips(tmp_path):
+    # A malformed row (line 3) takes the precise pass; skipped, it must not shift the lines named after it.
+    src = write(tmp_path / "d.csv", "x,label\n1,0\n2,1,7\n\n3,1\nnan,0\n5,1\n")
+    with pytest.raises(DataError, match=r"column 'x': 1 NaN \(first at .*d\.csv line 6\)"):
+        prepare(src, str(tmp_path / "out"), label="label", on_bad_rows="skip")
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_non_finite_cells_in_json_lines_and_parquet(tmp_path, fmt):
+    x = [0.5, None, 1.5, float("inf"), 2.0]
+    if fmt == "jsonl":
+        src = write(tmp_path / "d.jsonl", "".join(json.dumps({"x": v, "label": 1}) + "\n" for v in x))
+        where = "lines 2, 4"
+    else:
+        src = str(tmp_path / "d.parquet")
+        pq.write_table(pa.table({"x": x, "label": [1] * 5}), src)
+        where = "rows 2, 4"
+    with pytest.raises(DataError, match=rf"column 'x': 1 infinite, 1 empty \(first at .*d\.{fmt} {where}\)"):
+        prepare(src, str(tmp_path / "out"), label="label")
+
+
+def test_non_finite_drop_and_zero(tmp_path):
+    src = write(tmp_path / "d.csv", NON_FINITE_CSV)
+    dropped = prepare(src, str(tmp_path / "drop"), label="label", non_finite="drop")
+    rows = rows_of(dropped.train) + rows_of(dropped.eval)
+    assert sorted(r["id"] for r in rows) == [i for i in range(20) if i not in (2, 4, 6)]
+    assert dropped.train.non_finite["policy"] == "drop" and dropped.train.non_finite["rows"] == 3
+    assert dropped.train.non_finite["columns"]["x"] == {
+        "nan": 1,
+        "inf": 0,
+        "empty": 1,
+        "first": [{"file": src, "line": 4}, {"file": src, "line": 6}],
+    }
+    assert load_manifest(dropped.train_uri).non_finite == dropped.train.non_finite
+    zeroed = prepare(src, str(tmp_path / "zero"), label="label", non_finite="zero")
+    rows = {r["id"]: r for r in rows_of(zeroed.train) + rows_of(zeroed.eval)}
+    assert sorted(rows) == list(range(20)) and zeroed.train.non_finite["rows"] == 3
+    assert (rows[2]["x"], rows[4]["x"], rows[6]["y"], rows[5]["x"], rows[3]["name"]) == (0.0, 0.0, 0.0, 2.5, None)
+    assert json.loads(pathlib.Path(zeroed.train_uri).read_text())["non_finite"]["policy"] == "zero"
+
+
+def test_non_finite_must_be_a_known_choice(tmp_path):
+    with pytest.raises(ConfigError, match=r"non_finite must be one of 'fail', 'drop', 'zero', got 'skip'"):
+        prepare(write(tmp_path / "d.csv", CSV), str(tmp_path / "out"), non_finite="skip")
+
+
+def test_text_that_is_not_utf8_names_its_line_and_column(tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b"id,text,label\n1,plain,0\n2,caf\xe9,1\n3,more,0\n")
+    with pytest.raises(DataError, match=r"latin1\.csv line 3, column 'text' is not UTF-8 text: b'2,caf\\xe9,1'"):
+        prepare(str(path), str(tmp_path / "out"), label="label")
+
+
+# ---------------------------------------------------------------- the label's summary, per split
+
+
+def test_each_split_records_its_labels_range_and_distinct_count(tmp_path):
+    src = write(tmp_path / "d.csv", "x,label,score\n" + "".join(f"{i},{i % 7 - 2},{i / 4}\n" for i in range(200)))
+    result = prepare(src, str(tmp_path / "out"), label="label", eval_fraction=0.5, shard_rows=16)
+    for m in (result.train, result.eval):
+        labels = [r["label"] for r in rows_of(m)]
+        expected = {"type": "int64", "min": min(labels), "max": max(labels), "distinct": len(set(labels))}
+        assert m.label_summary == expected
+        assert load_manifest(m.uri).label_summary == expected
+    scored = prepare(src, str(tmp_path / "score"), label="score")
+    scores = [r["score"] for r in rows_of(scored.train)]
+    assert scored.train.label_summary == {"type": "float64", "min": min(scores), "max": max(scores)}  # no count
+
+
+def test_many_distinct_labels_are_not_counted_and_no_label_has_no_summary(tmp_path):
+    n = prep_module.MAX_DISTINCT_LABELS * 3
+    src = write(tmp_path / "d.csv", "x,label\n" + "".join(f"{i},{i}\n" for i in range(n)))
+    train = prepare(src, str(tmp_path / "out"), label="label").train
+    assert set(train.label_summary) == {"type", "min", "max"}
+    assert prepare(src, str(tmp_path / "none"), label=None).train.label_summary == {}
+
+
+def test_non_finite_zero_sets_a_nan_label_to_0_and_its_summary_says_so(tmp_path):
+    src = write(tmp_path / "d.csv", "x,label\n" + "".join(f"{i},{'nan' if i == 3 else 2.0}\n" for i in range(10)))
+    result = prepare(src, str(tmp_path / "out"), label="label", non_finite="zero")
+    rows = {r["x"]: r["label"] for r in rows_of(result.train) + rows_of(result.eval)}
+    assert rows[3] == 0.0 and {v for x, v in rows.items() if x != 3} == {2.0}
+    assert result.train.non_finite["columns"]["label"]["nan"] == 1
+    split = result.train if any(r["x"] == 3 for r in rows_of(result.train)) else result.eval
+    assert split.label_summary == {"type": "float64", "min": 0.0, "max": 2.0}
