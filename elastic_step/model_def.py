@@ -64,10 +64,11 @@ class ModelDef:
             fix = f"Fix {function}() in that module"
         else:
             fix = "Check that feed() returns what model() and loss() expect"
-        first, *rest = cause or [""]
-        text = f"{what} raised {type(error).__name__} while {doing}{on}: {first}"
-        text += "".join(f"\n{line}" for line in rest)
-        text += f"\n{fix}; it must run with plain Keras too."
+        first, *rest = cause or ["(no message)"]
+        first += "" if first.endswith((".", "!", "?")) else "."
+        text = f"{what} raised {type(error).__name__} while {doing}{on}: {first} {fix}; it must run with plain Keras"
+        text += " too."
+        text += "".join(f"\n{line}" for line in rest)  # the rest of the error's own words
         if frames:
             text += "\nYour code, innermost last:\n" + "".join(traceback.format_list(frames)).rstrip()
         return ModelDefError(text)

@@ -37,10 +37,13 @@ import grpc
 import numpy as np
 
 from elastic_step.data.api import AppliedRecords
+from elastic_step.errors import ModelDefError
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc, tensors
+from elastic_step.ps.api import CHANGED_MODEL, CHANGED_MODEL_FIX, layout_mismatch
 from elastic_step.worker.collective import Aborted, PeerFailed, Ring, StateProvider, pull_state
+from elastic_step.worker.finite import require_finite, where
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -63,6 +66,7 @@ class AllReduceTrainer:
         self.applied_records = AppliedRecords()
         self.size = sum(int(v.shape.num_elements()) for v in trainable)
         sizes = [int(v.shape.num_elements()) for v in trainable]
+        self._offsets, self._names = np.cumsum(sizes)[:-1], [v.path for v in trainable]
 
         @tf.function(reduce_retracing=True)
         def grad_step(features, labels):
@@ -91,13 +95,17 @@ class AllReduceTrainer:
 
         self._grad_step, self._apply, self._flat_weights = grad_step, apply, flat_weights
 
-    def gradients(self, batch) -> tuple[float, np.ndarray, int]:
+    def gradients(self, batch, where: str = "") -> tuple[float, np.ndarray, int]:
+        """(loss, flat gradient, records) of one minibatch; `where`: its records, as a user finds them."""
         features, labels = self.model_def.feed(batch)
         try:
             loss, flat = self._grad_step(features, labels)
         except Exception as e:  # the user's model/loss failed on real data
-            raise self.model_def.user_error(e, "computing a training step") from e
-        return float(loss), flat.numpy(), int(len(labels))
+            raise self.model_def.user_error(e, "computing a training step", where=where) from e
+        loss, flat = float(loss), flat.numpy()
+        # Before the ring: no member applies an average that holds it.
+        require_finite(loss, np.split(flat, self._offsets), where or "a minibatch", self._names)
+        return loss, flat, int(len(labels))
 
     def apply(self, mean_grad: np.ndarray, lr: float) -> None:
         self.optimizer.learning_rate.assign(lr)
@@ -114,16 +122,20 @@ class AllReduceTrainer:
             self.applied_records.arrays(),
         )
 
-    def load_state(self, num_model: int, values: list[np.ndarray], applied: dict) -> None:
-        """A peer's state: its weights, its optimizer's, and the records they hold, which travel with them."""
+    def load_state(self, num_model: int, values: list[np.ndarray], applied: dict, there: str = "a peer's state"):
+        """A peer's state (`there` names it: a peer, a checkpoint): its weights, its optimizer's, and the records they
+        hold, which travel with them. Refused, naming the variable, unless every value has its variable's shape and
+        dtype."""
         targets = list(self.model.weights) + list(self.optimizer.variables)
-        if num_model != len(self.model.weights) or len(values) != len(targets):
-            raise RuntimeError(
-                f"peer state has {len(values)} tensors ({num_model} model weights); "
-                f"this model has {len(targets)} ({len(self.model.weights)})"
-            )
+        here = [(v.path, tuple(v.shape), v.dtype) for v in targets]
+        saved = [(a.shape, a.dtype) for a in values]
+        mismatch = layout_mismatch(here, saved, there)
+        if mismatch is None and num_model != len(self.model.weights):
+            mismatch = f"this model has {len(self.model.weights)} weights, {there} {num_model}"
+        if mismatch is not None:
+            raise ModelDefError(f"Cannot load {there}: {mismatch}: {CHANGED_MODEL}. {CHANGED_MODEL_FIX}")
         for var, value in zip(targets, values):
-            var.assign(value.reshape(tuple(var.shape)))
+            var.assign(value)
         self.applied_records = AppliedRecords.of(applied)
 
 
@@ -256,7 +268,7 @@ class AllReduceWorker:
                 self.report_peer(PeerFailed(peer, f"PullState: {e.code().name}"))
             time.sleep(0.05)
             return False
-        self.take_state(state)
+        self.take_state(state, f"the state of step {v.base_step} of {peer}")
         log.info(
             "pulled the state of step %d from %s (version %d, rank %d of %d)",
             state.step,
@@ -267,10 +279,10 @@ class AllReduceWorker:
         )
         return True
 
-    def take_state(self, state: tensors.MemberState) -> None:
-        """Another copy's state (a peer's, or a checkpoint's) becomes this member's, under the state lock."""
+    def take_state(self, state: tensors.MemberState, there: str) -> None:
+        """Another copy's state (a peer's, or a checkpoint's: `there`) becomes this member's, under the state lock."""
         with self.state.cv:
-            self.trainer.load_state(state.num_model, state.values, state.applied)
+            self.trainer.load_state(state.num_model, state.values, state.applied, there)
             self.applied_step = state.step
             self.state.applied_step = state.step
             self.state.cv.notify_all()
@@ -286,7 +298,7 @@ class AllReduceWorker:
             log.warning("could not load checkpoint %d's state from the master: %s", v.restore_checkpoint, e.code().name)
             time.sleep(0.2)
             return False
-        self.take_state(state)
+        self.take_state(state, f"checkpoint {v.restore_checkpoint}")
         self.restored_from = v.restore_checkpoint
         self.lease = None  # a lease of the previous master's ledger means nothing to this one
         log.info(
@@ -326,7 +338,8 @@ class AllReduceWorker:
             lo = hi
             ts, mb = self.lease.task_start, self.minibatch_size
             hi = min(self.lease.end, ts + ((lo - ts) // mb + 1) * mb)
-            loss, flat, n = self.trainer.gradients(self.readers.read(self.lease.shard, lo, hi))
+            at = where(self.lease.shard, self.lease.epoch, lo, hi)
+            loss, flat, n = self.trainer.gradients(self.readers.read(self.lease.shard, lo, hi), at)
             buf[:-2] += flat * n
             records += n
             loss_sum += loss * n

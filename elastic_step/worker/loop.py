@@ -26,6 +26,7 @@ from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
 from elastic_step.ps.client import ShardsMoved
+from elastic_step.worker.finite import where
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -233,7 +234,9 @@ def train_tasks(
                     # Before the step, not after: its gradient is then taken on values that hold every
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     settle(keep=pushes_in_flight - 1)
-                    result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
+                    result = trainer.compute(
+                        trainer.minibatch(fed, seq - t.start, hi - t.start), where(t.shard, t.epoch, seq, hi)
+                    )
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
                     reporter.pump()

@@ -22,6 +22,7 @@ import numpy as np
 
 from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, state_variables, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
+from elastic_step.worker.finite import require_finite
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -284,8 +285,9 @@ class PSTrainer:
         tf = self.tf
         return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), (features, labels))
 
-    def compute(self, batch: Minibatch) -> StepResult:
-        """Gradients of one minibatch at the worker's current parameters (still tensors)."""
+    def compute(self, batch: Minibatch, where: str = "") -> StepResult:
+        """Gradients of one minibatch at the worker's current parameters (still tensors). `where`: its records,
+        as a user finds them, for an error."""
         if self.table_names and self._ids_of is not None:
             self._pull_rows(batch)
         try:
@@ -294,8 +296,8 @@ class PSTrainer:
         except ShardsMoved:  # a refresh of the values while tracing met a lost shard: not the user's
             raise
         except Exception as e:  # the user's model/loss failed on real data
-            raise self.model_def.user_error(e, "computing a training step") from e
-        return StepResult(loss, dense, sparse)
+            raise self.model_def.user_error(e, "computing a training step", where=where) from e
+        return StepResult(loss, dense, sparse, where)
 
     def _step_for(self, specs):
         """The step traced once for any minibatch size: a concrete function skips the per-call
@@ -330,6 +332,8 @@ class PSTrainer:
     def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float]:
         dense = [g.numpy() for g in result.dense]
         rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
+        # Checked here, on the push thread, where the values are numpy anyway: nothing non-finite is pushed.
+        require_finite(float(result.loss), [*dense, *(v for _ids, v in rows.values())], result.where or "a minibatch")
         applied, replies = self.ps.push(key, dense, rows, want_dense=True)
         self._take_fresh(replies)
         if self.table_names and self._ids_of is None:
@@ -354,6 +358,7 @@ class StepResult(NamedTuple):
     loss: object  # scalar tensor
     dense: list  # per PS shard: flat gradient buffer
     sparse: list  # per embedding table: (unique ids, summed row gradients)
+    where: str = ""  # its records, as a user finds them
 
 
 class FedLease(NamedTuple):

@@ -134,3 +134,24 @@ def test_the_state_is_added_not_optimized_and_saved_with_the_weights():
     s.push(key(1, 8), change, [])
     s.restore(saved, generation=1)
     np.testing.assert_array_equal(s.dense_flat(), once)
+
+
+def one_layer(inputs: int, units: int):
+    x = keras.Input(shape=(inputs,))
+    return keras.Model(x, keras.layers.Dense(units, use_bias=False, name="projection")(x))
+
+
+def test_a_restore_checks_every_variables_shape_not_only_the_sizes():
+    """A (6, 4) kernel and a (4, 6) one have the same size and number of variables: restoring one into the other
+    would reshape it silently. The refusal names the variable, both shapes, and why."""
+    saved = ParameterShard(m := one_layer(6, 4), keras.optimizers.Adam(0.01), Placement.of(m, 1), 0).save()
+    other = ParameterShard(m := one_layer(4, 6), keras.optimizers.Adam(0.01), Placement.of(m, 1), 0)
+    before = other.dense_flat()
+    with pytest.raises(ValueError) as raised:
+        other.restore(saved, generation=1)
+    assert str(raised.value).startswith(
+        "'projection/kernel' is (4, 6) float32 in this model, (6, 4) float32 in the checkpoint's shard 0: "
+        "the model changed since the job started"
+    ), raised.value
+    np.testing.assert_array_equal(other.dense_flat(), before)  # nothing was restored
+    assert other.generation == 0

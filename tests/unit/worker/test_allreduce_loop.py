@@ -1,11 +1,18 @@
 """A step's contributions ride in the allreduced buffer: summing the members' slots hands every member
-all of them, exactly, for record indices far beyond float32's 2**24."""
+all of them, exactly, for record indices far beyond float32's 2**24. A member's trainer takes only a state that
+fits its model, and never hands the ring a gradient that is not finite."""
 
 from __future__ import annotations
 
-import numpy as np
+import json
+import textwrap
 
-from elastic_step.worker.allreduce_loop import contribution_slots, contributions
+import numpy as np
+import pytest
+
+from elastic_step.errors import DataError, ModelDefError
+from elastic_step.model_def import load_model_def
+from elastic_step.worker.allreduce_loop import AllReduceTrainer, contribution_slots, contributions
 
 
 def test_the_sum_of_the_members_slots_is_every_contribution_exactly():
@@ -18,3 +25,61 @@ def test_the_sum_of_the_members_slots_is_every_contribution_exactly():
 
 def test_a_member_without_data_contributes_nothing():
     assert contributions(contribution_slots(None, 0, 2)) == []
+
+
+MODEL = textwrap.dedent("""
+    import json, os
+
+    import keras
+    import numpy as np
+
+    def model():
+        units = json.load(open(os.path.join(os.path.dirname(__file__), "config.json")))["units"]
+        x = keras.Input(shape=(4,))
+        h = keras.layers.Dense(units, name="hidden")(x)
+        return keras.Model(x, keras.layers.Dense(1, name="out")(h))
+
+    def loss(labels, predictions):
+        return keras.ops.mean(keras.ops.square(labels - predictions))
+
+    def optimizer():
+        return keras.optimizers.Adam(0.01)
+
+    def feed(batch):
+        return batch["x"], batch["y"]
+""")
+
+
+def trainer(tmp_path, units: int) -> AllReduceTrainer:
+    """A member's trainer on a model whose width a file beside it sets, as a user's config file does."""
+    (tmp_path / "model_def.py").write_text(MODEL)
+    (tmp_path / "config.json").write_text(json.dumps({"units": units}))
+    model_def = load_model_def(str(tmp_path / "model_def.py"))
+    return AllReduceTrainer(model_def, model_def.model())
+
+
+def test_a_state_of_another_shape_is_refused_naming_the_variable(tmp_path):
+    """A resume after the config file changed the model: same layers, same number of variables, other shapes."""
+    saved = trainer(tmp_path, 8).state()
+    t = trainer(tmp_path, 6)
+    before = [v.numpy().copy() for v in t.model.weights]
+    with pytest.raises(ModelDefError) as raised:
+        t.load_state(*saved, there="checkpoint 3")
+    assert str(raised.value).startswith(
+        "Cannot load checkpoint 3: 'hidden/kernel' is (4, 6) float32 in this model, (4, 8) float32 in checkpoint 3: "
+        "the model changed since the job started"
+    ), raised.value
+    assert "--job-id" in str(raised.value)
+    for v, b in zip(t.model.weights, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    t.load_state(*trainer(tmp_path, 6).state(), there="checkpoint 3")  # the same model's state loads
+
+
+def test_a_gradient_that_is_not_finite_stops_before_the_ring_naming_the_records(tmp_path):
+    t = trainer(tmp_path, 3)
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
+    assert np.isfinite(t.gradients(batch, "records [0, 4) of part-0 in epoch 1")[0])
+    batch["x"][2, 1] = np.inf
+    with pytest.raises(DataError) as raised:
+        t.gradients(batch, "records [4, 8) of part-0 in epoch 1")
+    assert " on records [4, 8) of part-0 in epoch 1, before it was applied" in str(raised.value), raised.value

@@ -11,6 +11,7 @@ import pytest
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
+from elastic_step.errors import DataError  # noqa: E402
 from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.proto import rpc  # noqa: E402
@@ -224,3 +225,22 @@ def test_a_push_of_several_minibatches_updates_as_kerass_gradient_accumulation(t
         for name, value in after.items():
             np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
             assert not np.allclose(value, {**before, **tables}[name]), name  # the push moved it
+
+
+def test_a_minibatch_whose_loss_is_not_finite_is_never_pushed_and_names_its_records(trainer):
+    """As Keras's TerminateOnNaN: a NaN in a label makes the loss NaN; the job must stop on it, with the records
+    to look at, before the shard's values hold it (one NaN applied makes every value NaN)."""
+    t, ps, _ = trainer
+    before = ps.pull_dense()
+    rows = lease_rows(32, seed=5)
+    rows["y"][20] = np.nan
+    result = t.compute(t.minibatch(t.feed_lease(rows), 16, 32), "records [16, 32) of part-0 in epoch 2")
+    with pytest.raises(DataError) as raised:
+        t.push_finish(t.push_start(result, PushKey(9, 16, 32, 1, 0)))
+    assert "the loss became nan on records [16, 32) of part-0 in epoch 2" in str(raised.value), raised.value
+    assert "data prep" in str(raised.value) and "learning rate" in str(raised.value)
+    for a, b in zip(ps.pull_dense(), before):
+        np.testing.assert_array_equal(a, b)
+    # The records before it are finite: they push.
+    result = t.compute(t.minibatch(t.feed_lease(rows), 0, 16))
+    assert t.push_finish(t.push_start(result, PushKey(9, 0, 16, 1, 0)))[0]
