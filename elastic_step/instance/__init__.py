@@ -31,6 +31,7 @@ def instance_argv(
     host: str = "",
     strategy: str = "ps",
     global_batch: str = "scaled",
+    skip_non_finite: bool = False,
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -51,6 +52,8 @@ def instance_argv(
     ]
     if strategy != "ps":
         argv += ["--strategy", strategy, "--global-batch", global_batch]
+    if skip_non_finite:
+        argv.append("--skip-non-finite")
     return argv + (["--host", host] if host else [])
 
 
@@ -64,6 +67,9 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minibatch-size", type=int, default=64)
     p.add_argument("--strategy", default="ps", choices=["ps", "allreduce"])
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
+    p.add_argument(
+        "--skip-non-finite", action="store_true", help="skip a minibatch whose loss or gradient is not finite"
+    )
     p.add_argument(
         "--host",
         default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),

@@ -153,6 +153,14 @@ class ParameterShard:
                     f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
                     f"holds {self.dense_size} parameters"
                 )
+            if key.data_shard < 0:
+                # A minibatch a worker skipped (--skip-non-finite), its data shard named by its complement
+                # (data/api.py, skipped_key): nothing to apply, its records accounted for as skipped, once.
+                self.applied.add(key.idempotency)
+                self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
+                return True, self.version, self._values(out)
+            if not np.isfinite(flat_grad).all() or not all(np.isfinite(v).all() for _n, _i, v in emb_grads):
+                raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")
             rows = {name: (ids, values) for name, ids, values in emb_grads}
             ids_list, values_list = [], []
             for name, table in self.tables.items():

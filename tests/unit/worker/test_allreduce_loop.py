@@ -10,9 +10,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from elastic_step.errors import DataError, ModelDefError
+from elastic_step.data.api import skipped_key
+from elastic_step.errors import ConfigError, DataError
 from elastic_step.model_def import load_model_def
 from elastic_step.worker.allreduce_loop import AllReduceTrainer, contribution_slots, contributions
+from elastic_step.worker.finite import NonFinite
 
 
 def test_the_sum_of_the_members_slots_is_every_contribution_exactly():
@@ -25,6 +27,12 @@ def test_the_sum_of_the_members_slots_is_every_contribution_exactly():
 
 def test_a_member_without_data_contributes_nothing():
     assert contributions(contribution_slots(None, 0, 2)) == []
+
+
+def test_a_skipped_minibatch_rides_under_its_data_shards_complement():
+    skipped = (3, skipped_key(3, 5)[1], 1_000_000_000, 1_000_000_032)
+    total = contribution_slots(skipped, 1, 2) + contribution_slots((3, 0, 0, 32), 0, 2)
+    assert contributions(total) == [(3, 0, 0, 32), skipped]
 
 
 MODEL = textwrap.dedent("""
@@ -50,12 +58,12 @@ MODEL = textwrap.dedent("""
 """)
 
 
-def trainer(tmp_path, units: int) -> AllReduceTrainer:
+def trainer(tmp_path, units: int, non_finite: NonFinite | None = None) -> AllReduceTrainer:
     """A member's trainer on a model whose width a file beside it sets, as a user's config file does."""
     (tmp_path / "model_def.py").write_text(MODEL)
     (tmp_path / "config.json").write_text(json.dumps({"units": units}))
     model_def = load_model_def(str(tmp_path / "model_def.py"))
-    return AllReduceTrainer(model_def, model_def.model())
+    return AllReduceTrainer(model_def, model_def.model(), non_finite)
 
 
 def test_a_state_of_another_shape_is_refused_naming_the_variable(tmp_path):
@@ -63,7 +71,7 @@ def test_a_state_of_another_shape_is_refused_naming_the_variable(tmp_path):
     saved = trainer(tmp_path, 8).state()
     t = trainer(tmp_path, 6)
     before = [v.numpy().copy() for v in t.model.weights]
-    with pytest.raises(ModelDefError) as raised:
+    with pytest.raises(ConfigError) as raised:  # bad input, as a PS shard's refusal is: exit 2 in both strategies
         t.load_state(*saved, there="checkpoint 3")
     assert str(raised.value).startswith(
         "Cannot load checkpoint 3: 'hidden/kernel' is (4, 6) float32 in this model, (4, 8) float32 in checkpoint 3: "
@@ -83,3 +91,11 @@ def test_a_gradient_that_is_not_finite_stops_before_the_ring_naming_the_records(
     with pytest.raises(DataError) as raised:
         t.gradients(batch, "records [4, 8) of part-0 in epoch 1")
     assert " on records [4, 8) of part-0 in epoch 1, before it was applied" in str(raised.value), raised.value
+
+
+def test_a_skipped_minibatch_says_why_and_is_not_an_error(tmp_path):
+    t = trainer(tmp_path, 3, NonFinite(skip=True))
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
+    assert t.gradients(batch)[3] is None
+    batch["y"][1] = np.nan
+    assert t.gradients(batch, "records [4, 8) of part-0 in epoch 1")[3] == "the loss became nan"
