@@ -164,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
         master.fail(next((k for c, k in KINDS if isinstance(e, c)), "model_error"), e, minibatch_of(e))
         return EXIT_USER_ERROR
     except Exception as e:
-        # Raised in the user's code on a thread of ours (a push, a lease read ahead): still theirs,
-        # reported once as such, not relaunched into a crash loop.
         if model_def is None or not model_def.raised_in_user_code(e):
             # Not known to be the user's: the master relaunches, unless another instance failed the same way on
             # the same minibatch (master/relaunch.py). The exit code and traceback follow.
             log.error("failed%s: %s: %s", f" on {minibatch_of(e)}" if minibatch_of(e) else "", type(e).__name__, e)
             master.fail("internal", e, minibatch_of(e))
             raise
+        # Raised in the user's code on a thread of ours (a push, a lease read ahead): still theirs,
+        # reported once as such, not relaunched into a crash loop.
         error = model_def.user_error(e, "training")
         log.error("%s", error)
         master.fail("model_error", error, minibatch_of(e))
