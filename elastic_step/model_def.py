@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -40,30 +41,36 @@ class ModelDef:
         except Exception as e:  # the user's code raised: say where, keep the cause
             raise self.user_error(e, f"calling {name}()", name) from e
 
-    def user_error(self, error: BaseException, doing: str, function: str | None = None) -> ModelDefError:
-        """The user's error as theirs: the contract function it came from (the outermost frame in the
-        user's module, else `function`), the user's own frames of the traceback, and the fix.
-        Errors raised by TensorFlow while running a traced step have no such frames: the message then
-        points at what feeds what."""
+    def user_error(
+        self, error: BaseException, doing: str, function: str | None = None, where: str = ""
+    ) -> ModelDefError:
+        """The user's error as theirs, whole: its own words first (TensorFlow's, for an error raised while
+        a compiled step ran, not its "Graph execution error" framing), the contract function it came from
+        (the outermost of the user's frames, else `function`), those frames, innermost last, and the fix.
+        The frames are the Python traceback's, or, for an op that failed inside a compiled step, the ones
+        TensorFlow recorded where the op was defined. `where`: the records it failed on, when known."""
         if isinstance(error, ModelDefError):
             return error
-        frames = self._user_frames(error)
+        cause, defined_at = _cause(error)
+        frames = self._user_frames(error) or [f for f in defined_at if self._is_user_file(f.filename)]
         function = frames[0].name if frames else function
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        if lines and lines[0] == "in user code:":  # tf.function's framing: the error itself is last
-            lines = [lines[-1].removeprefix(f"{type(error).__name__}: ")]
-        first = lines[0] if lines else ""
         what = (
             f"{function}() in the model definition {self.spec!r}" if function else f"The model definition {self.spec!r}"
         )
-        fix = (
-            f"Fix {function}() in that module"
-            if function
-            else "Check that feed() returns what model() and loss() expect"
-        )
-        text = (
-            f"{what} raised {type(error).__name__}: {first} (while {doing}). {fix}; it must run with plain Keras too."
-        )
+        on = f" on {where}" if where else ""
+        if _raised_by_an_op(error):
+            # The op ran on real values: these records, as feed() gave them, are what to look at; fit fails
+            # the same way on them.
+            fix = f"Check those records and what feed() returns for them{f', and {function}()' if function else ''}"
+        elif function:
+            fix = f"Fix {function}() in that module"
+        else:
+            fix = "Check that feed() returns what model() and loss() expect"
+        first, *rest = cause or ["(no message)"]
+        first += "" if first.endswith((".", "!", "?")) else "."
+        text = f"{what} raised {type(error).__name__} while {doing}{on}: {first} {fix}; it must run with plain Keras"
+        text += " too."
+        text += "".join(f"\n{line}" for line in rest)  # the rest of the error's own words
         if frames:
             text += "\nYour code, innermost last:\n" + "".join(traceback.format_list(frames)).rstrip()
         return ModelDefError(text)
@@ -71,9 +78,12 @@ class ModelDef:
     def raised_in_user_code(self, error: BaseException) -> bool:
         return bool(self._user_frames(error))
 
+    def _is_user_file(self, filename: str) -> bool:
+        path = getattr(self.module, "__file__", "") or ""
+        return bool(path) and os.path.realpath(filename) == os.path.realpath(path)
+
     def _user_frames(self, error: BaseException) -> list[traceback.FrameSummary]:
-        path = os.path.realpath(getattr(self.module, "__file__", "") or "")
-        return [f for f in traceback.extract_tb(error.__traceback__) if os.path.realpath(f.filename) == path]
+        return [f for f in traceback.extract_tb(error.__traceback__) if self._is_user_file(f.filename)]
 
     def model(self):
         import keras
@@ -227,6 +237,52 @@ class ModelDef:
         if state_values is None:
             return loss
         return loss, {i: new_state[i] for i in state_values}
+
+
+# A line of an error's message longer than this is cut (a label error lists every label of the batch).
+LINE_CHARS = 500
+_DEFINED_AT = re.compile(r"^Detected at node .* defined at \(most recent call last\):$")
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>.+?)\s*$')
+# TensorFlow's framing around an op's message: the function it ran in, the node, the op's name.
+_NOISE = re.compile(
+    r"^\{\{function_node [^}]*\}\}\s*|\s*\[\[\{\{node [^}]*\}\}\]\]|\s*\[Op:[^\]]*\]( name:\s*\S*)?\s*$"
+)
+
+
+def _raised_by_an_op(error: BaseException) -> bool:
+    """A TensorFlow op failed on the values it was given (not while the step was traced)."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(error, tf.errors.OpError)
+
+
+def _cause(error: BaseException) -> tuple[list[str], list[traceback.FrameSummary]]:
+    """(the error's own words, line by line, without TensorFlow's framing; the frames TensorFlow recorded
+    where the failing op was defined, outermost first). A compiled step's error reads "Graph execution
+    error:", then "Detected at node ... defined at", those frames, and only then the op's message; an
+    error raised while tracing reads "in user code:", the frames, then the error itself."""
+    text = getattr(error, "message", None) if _raised_by_an_op(error) else None
+    lines = [line.rstrip() for line in str(text if isinstance(text, str) else error).splitlines()]
+    frames: list[traceback.FrameSummary] = []
+    words: list[str] = []
+    in_frames = False
+    for line in lines:
+        if line.strip() in ("Graph execution error:", "in user code:"):
+            in_frames = line.strip() == "in user code:"
+            continue
+        if _DEFINED_AT.match(line.strip()):
+            in_frames = True
+            continue
+        if in_frames and (m := _FRAME.match(line)):
+            frames.append(traceback.FrameSummary(m["file"], int(m["line"]), m["name"]))
+            continue
+        if in_frames and (not line.strip() or line.startswith("        ")):  # a frame's source line
+            continue
+        in_frames = False
+        line = _NOISE.sub("", line).strip()
+        if line:
+            line = line.removeprefix(f"{type(error).__name__}: ")
+            words.append(line if len(line) <= LINE_CHARS else line[:LINE_CHARS] + " ...")
+    return words, frames
 
 
 def _import_file(spec: str) -> types.ModuleType:

@@ -53,7 +53,7 @@ REQUIRED = _Required()  # the default of a parameter that has none: it must be g
 @dataclasses.dataclass(frozen=True)
 class Param:
     name: str  # Python, KFP and TrainConfig name; Argo's is the same with dashes
-    type: type  # int, float or str
+    type: type  # int, float, str or bool (a bool's flag alone means true; `--flag false` for a pipeline's value)
     default: object  # REQUIRED, or a value of `type` (None: not given)
     help: str  # one text for every surface: the CLI's help, Argo's and v1's descriptions, the docs
     on: frozenset[str]  # the surfaces (above)
@@ -225,6 +225,15 @@ PARAMS: tuple[Param, ...] = (
         metavar="K",
     ),
     Param(
+        "skip_non_finite",
+        bool,
+        False,
+        "skip a minibatch whose loss or gradient is NaN or infinite (nothing of it is applied; summary.json counts "
+        "the skipped records) instead of failing the job, as Keras's TerminateOnNaN would",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
         "backend",
         str,
         "auto",
@@ -382,7 +391,9 @@ def add_arguments(parser: argparse.ArgumentParser, surface: str, only: tuple[str
         if only and p.name not in only:
             continue
         kwargs: dict = {"dest": p.name, "help": p.help.replace("%", "%%")}
-        if p.type is not str:
+        if p.type is bool:  # `--flag` alone, or `--flag true|false` as a pipeline passes its value
+            kwargs.update(type=parse_bool, nargs="?", const=True, metavar="{true,false}")
+        elif p.type is not str:
             kwargs["type"] = p.type
         required = p.required if p.cli_required is None else p.cli_required
         if required:
@@ -394,6 +405,14 @@ def add_arguments(parser: argparse.ArgumentParser, surface: str, only: tuple[str
         if p.metavar:
             kwargs["metavar"] = p.metavar
         parser.add_argument(p.cli_flag, *p.aliases, **kwargs)
+
+
+def parse_bool(text: str) -> bool:
+    """A bool parameter's value as a command line or a pipeline gives it (Argo and v1 pass `True`/`False`)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(str(text).lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def values(args: argparse.Namespace, surface: str) -> dict:

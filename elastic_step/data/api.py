@@ -148,6 +148,14 @@ def load_manifest(path_or_dir: str) -> Manifest:
         raise DataError(f"The manifest {uri} lacks field {e}; re-run `elastic-step data prep`.") from None
 
 
+def skipped_key(epoch: int, data_shard: int) -> tuple[int, int]:
+    """A minibatch skipped, not applied (--skip-non-finite: its loss or gradient was not finite), is named by its
+    data shard's complement (~index, negative; the same function maps it back): in a push's key, a step's
+    contribution and AppliedRecords, so that it travels wherever applied ranges do (a checkpoint, a peer's state,
+    the shards' stats) and the audit tells the two apart."""
+    return epoch, ~data_shard
+
+
 class AppliedRecords:
     """The records whose updates a copy of the model holds (a PS shard's, or an allreduce member's):
     per (epoch, data shard index in the training manifest), the [start, end) range of each applied

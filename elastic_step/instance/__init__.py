@@ -32,6 +32,7 @@ def instance_argv(
     strategy: str = "ps",
     global_batch: str = "scaled",
     weight_column: str | None = None,
+    skip_non_finite: bool = False,
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -54,6 +55,8 @@ def instance_argv(
         argv += ["--strategy", strategy, "--global-batch", global_batch]
     if weight_column:  # the training data's sample weights (its manifest names the column)
         argv += ["--weight-column", weight_column]
+    if skip_non_finite:
+        argv.append("--skip-non-finite")
     return argv + (["--host", host] if host else [])
 
 
@@ -68,6 +71,9 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="ps", choices=["ps", "allreduce"])
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
     p.add_argument("--weight-column", default=None)
+    p.add_argument(
+        "--skip-non-finite", action="store_true", help="skip a minibatch whose loss or gradient is not finite"
+    )
     p.add_argument(
         "--host",
         default=os.environ.get("ELASTIC_STEP_POD_IP", "127.0.0.1"),

@@ -54,7 +54,8 @@ class MasterClient:
             self.stub.Heartbeat, pb.HeartbeatRequest(token=self.token, instance=self.me), timeout=10, retry_for=10
         ).stop
 
-    def fail(self, kind: str, error: BaseException) -> None:
+    def fail(self, kind: str, error: BaseException, minibatch: str = "") -> None:
+        """Tell the master why this instance fails (`minibatch`: the records it failed on, when known)."""
         try:
             rpc.call(
                 self.stub.ReportFailure,
@@ -64,12 +65,32 @@ class MasterClient:
                     kind=kind,
                     message=str(error),
                     traceback="".join(traceback.format_exception(error)),
+                    minibatch=minibatch,
                 ),
                 timeout=10,
                 retry_for=10,
             )
         except Exception:  # the exit code still tells the master
             logging.exception("could not report the failure to the master")
+
+    def report_skipped(self, records, why: str, step: int = -1) -> None:
+        """--skip-non-finite: this worker skipped the minibatch `records` (worker/records.py), for `why`."""
+        rpc.call(
+            self.stub.ReportSkipped,
+            pb.SkipReport(
+                token=self.token,
+                instance=self.me,
+                epoch=records.epoch,
+                data_shard=records.data_shard,
+                shard=records.shard,
+                start=records.start,
+                end=records.end,
+                why=why,
+                step=step,
+            ),
+            timeout=10,
+            retry_for=10,
+        )
 
     def close(self) -> None:
         self._channel.close()

@@ -35,6 +35,7 @@ class TrainConfig:
     strategy: str = _D["strategy"]
     global_batch: str = _D["global_batch"]  # allreduce: "scaled" (lr follows world size) or "fixed"
     seed: int = _D["seed"]
+    skip_non_finite: bool = _D["skip_non_finite"]  # skip a minibatch whose loss or gradient is not finite
     pushes_in_flight: int = _D["pushes_in_flight"]
     minibatches_per_push: int = _D["minibatches_per_push"]
     job_id: str = _D["job_id"]  # empty: the plan makes one up

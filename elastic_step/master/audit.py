@@ -8,11 +8,18 @@ Here those ranges are laid over the training manifest: per epoch, how many recor
 1 and more than 1 times. Nothing here reads the ledger. A record counts as applied once only when
 every holder applied it exactly once: a push lost on one shard, or applied twice on one, leaves the
 shards' parameters out of step with the data, whatever the other shards hold.
+
+With --skip-non-finite, a minibatch whose loss or gradient was not finite is skipped, not applied, and
+its holders account for it as such (AppliedRecords.skip). A record skipped once and never applied
+counts as skipped; one both skipped and applied, or skipped twice, as more than once. Exactly-once
+then means: every record applied once or skipped once.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from elastic_step.data.api import skipped_key
 
 EXACT, VIOLATED, UNAVAILABLE = "exact", "violated", "unavailable"
 
@@ -37,24 +44,28 @@ def audit(
     if not evidence:
         return {"source": source, "verdict": UNAVAILABLE, "reason": "no evidence from the model's state", "epochs": []}
     records = int(sum(shard_rows))
+    none = np.zeros((0, 2), np.int64)
     per_epoch, strays = [], 0
     for epoch in range(epochs):
-        never = once = more = disagree = 0
+        never = once = skipped = more = disagree = 0
         for index, rows in enumerate(shard_rows):
-            counts = np.stack(
-                [coverage(rows, shard.get((epoch, index), np.zeros((0, 2), np.int64))) for shard in evidence]
-            )
-            lo, hi = counts.min(axis=0), counts.max(axis=0)
-            agreed = lo == hi
+            # Per holder and record: applied + skipped (how many times it was accounted for), and skipped.
+            applied = np.stack([coverage(rows, shard.get((epoch, index), none)) for shard in evidence])
+            skips = np.stack([coverage(rows, shard.get(skipped_key(epoch, index), none)) for shard in evidence])
+            total = applied + skips
+            agreed = (total.min(axis=0) == total.max(axis=0)) & (skips.min(axis=0) == skips.max(axis=0))
+            total, skips = total[0], skips[0]
             disagree += int((~agreed).sum())
-            never += int((agreed & (lo == 0)).sum())
-            once += int((agreed & (lo == 1)).sum())
-            more += int((agreed & (lo > 1)).sum())
+            never += int((agreed & (total == 0)).sum())
+            once += int((agreed & (total == 1) & (skips == 0)).sum())
+            skipped += int((agreed & (total == 1) & (skips == 1)).sum())
+            more += int((agreed & (total > 1)).sum())
         per_epoch.append(
             {
                 "epoch": epoch,
                 "records": records,
                 "applied_once": once,
+                **({"skipped": skipped} if skipped else {}),
                 "never": never,
                 "more_than_once": more,
                 "shards_disagree": disagree,
@@ -63,13 +74,14 @@ def audit(
     # Anything applied that is not a record of an epoch and shard of this data set.
     for shard in evidence:
         for (epoch, index), ranges in shard.items():
+            index = skipped_key(epoch, index)[1] if index < 0 else index
             ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
             rows = shard_rows[index] if 0 <= index < len(shard_rows) and 0 <= epoch < epochs else 0
             strays += int(
                 (np.clip(ranges[:, 1], rows, None) - np.clip(ranges[:, 0], rows, None)).sum()
                 + (np.clip(ranges[:, 1], None, 0) - np.clip(ranges[:, 0], None, 0)).sum()
             )
-    exact = strays == 0 and all(e["applied_once"] == records for e in per_epoch)
+    exact = strays == 0 and all(e["applied_once"] + e.get("skipped", 0) == records for e in per_epoch)
     return {
         "source": source,
         "holders": len(evidence),
@@ -86,8 +98,14 @@ def describe(result: dict) -> str:
         return f"audit unavailable ({result.get('reason', 'no evidence')})"
     if result["verdict"] == EXACT:
         n = len(result["epochs"])
+        skipped = sum(e.get("skipped", 0) for e in result["epochs"])
+        if skipped:
+            return (
+                f"audit exact: every record of {n} epoch(s) applied exactly once or skipped once ({skipped} skipped "
+                f"as not finite), {result['where']}"
+            )
         return f"audit exact: every record of {n} epoch(s) applied exactly once, {result['where']}"
-    bad = [e for e in result["epochs"] if e["applied_once"] != e["records"]]
+    bad = [e for e in result["epochs"] if e["applied_once"] + e.get("skipped", 0) != e["records"]]
     parts = [
         f"epoch {e['epoch']}: {e['never']} never, {e['more_than_once']} more than once, "
         f"{e['shards_disagree']} differing between shards"

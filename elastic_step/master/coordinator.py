@@ -34,6 +34,10 @@ class Coordinator:
         self.samples: list[dict] = []  # progress over time, for the report
         self._alive_seen = 0  # membership.alive_samples already folded into a sample
         self.failure: dict | None = None
+        # A worker's failure not known to be the user's, by instance, until the relaunch policy sees it end.
+        self.failure_reports: dict[str, dict] = {}
+        # --skip-non-finite: the minibatches workers skipped, by (epoch, data shard, start, end).
+        self.skipped: dict[tuple[int, int, int, int], dict] = {}
         self.finished = threading.Event()  # training over (done or failed)
         self.stop_all = threading.Event()  # the master no longer needs any instance (PS included)
         self.loss_ema: float | None = None
@@ -275,13 +279,50 @@ class Coordinator:
             self._committed(now, loss, epoch_before)
             return True
 
-    def report_failure(self, instance: str, kind: str, message: str, tb: str) -> None:
-        """The job fails; the first failure is the one reported to the user."""
+    def report_failure(self, instance: str, kind: str, message: str, tb: str, minibatch: str = "") -> None:
+        """The job fails; the first failure is the one reported to the user. A worker's "internal" failure (an
+        error not known to be the user's) does not fail it: it is kept for the relaunch policy, which decides
+        when the worker ends (see `take_failure_report`). `minibatch`: the records it failed on, when known."""
         with self.lock:
-            self.record("failure", instance, f"{kind}: {message}")
-            if self.failure is None:
-                self.failure = {"instance": instance, "kind": kind, "message": message, "traceback": tb}
+            self.record("failure", instance, f"{kind}{f' on {minibatch}' if minibatch else ''}: {message}")
+            report = {"instance": instance, "kind": kind, "message": message, "traceback": tb, "minibatch": minibatch}
+            if kind == "internal":
+                self.failure_reports[instance] = report
+            elif self.failure is None:
+                self.failure = report
                 self.finished.set()
+
+    def take_failure_report(self, instance: str) -> dict | None:
+        """The failure `instance` reported before it ended, if any (once)."""
+        with self.lock:
+            return self.failure_reports.pop(instance, None)
+
+    def skipped_minibatch(
+        self, worker: str, epoch: int, data_shard: int, shard: str, start: int, end: int, why: str, step: int
+    ) -> None:
+        """--skip-non-finite: `worker` skipped records [start, end) of a data shard in `epoch` (allreduce: in
+        `step`). Counted once, whoever skipped it again (a successor of a lost worker, a step retried)."""
+        key = (epoch, data_shard, start, end)
+        at = f"records [{start}, {end}) of {shard} in epoch {epoch + 1}" + (f", step {step}" if step >= 0 else "")
+        with self.lock:
+            if key in self.skipped:
+                return
+            self.skipped[key] = {
+                "worker": worker,
+                "epoch": epoch,
+                "data_shard": shard,
+                "start": start,
+                "end": end,
+                **({"step": step} if step >= 0 else {}),
+                "why": why,
+            }
+            self.record("skipped", worker, f"{at}: {why}")
+        log.warning("%s skipped %s: %s (--skip-non-finite)", worker, at, why)
+
+    def skipped_summary(self) -> dict:
+        """summary.json's account of the skipped minibatches (lock held)."""
+        listed = sorted(self.skipped.values(), key=lambda s: (s["epoch"], s["data_shard"], s["start"]))
+        return {"minibatches": len(listed), "records": sum(s["end"] - s["start"] for s in listed), "skipped": listed}
 
     # ------------------------------------------------------------ backend side
     def on_instance_event(self, ev: InstanceEvent) -> tuple[int, int] | None:

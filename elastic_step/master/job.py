@@ -167,6 +167,7 @@ class TrainingJob:
             strategy=c.strategy,
             global_batch=c.global_batch,
             weight_column=self.train.weight_column,
+            skip_non_finite=c.skip_non_finite and inst.role == "worker",
         )
         if inst.role == "worker":
             return InstanceSpec(
@@ -314,12 +315,14 @@ class TrainingJob:
             return
         over = self.coord.finished.is_set()
         member = self.coord.membership.members[ev.instance]
+        report = self.coord.take_failure_report(str(ev.instance))
         decision = self.relaunch.on_end(
             ev,
             over,
             self.coord.failure is not None,
             member.crashes_without_progress,
             checkpoint=self.durable.can_restore(),
+            report=report,
         )
         if decision.action == "none":
             return
@@ -338,8 +341,11 @@ class TrainingJob:
         elif decision.action == "restore":
             self._restore_after_ps_loss(ev.instance, ev.time)
         elif decision.action == "fail" and self.coord.failure is None:
-            tail = self._log_tail(ev.instance)
-            self.coord.report_failure(str(ev.instance), "instance_failed", decision.reason, tail)
+            # The error whole, as the instance reported it; else what its log ends with.
+            tail = report["traceback"] if report else self._log_tail(ev.instance)
+            minibatch = report["minibatch"] if report else ""
+            kind = "same_error" if report else "instance_failed"
+            self.coord.report_failure(str(ev.instance), kind, decision.reason, tail, minibatch)
 
     def _restore_after_ps_loss(self, inst: InstanceId, lost_at: float) -> None:
         """Every shard and the ledger back to the last checkpoint, one cut (restoring the lost shard
@@ -360,7 +366,7 @@ class TrainingJob:
         except OSError:
             return ""
 
-    def _failure(self) -> JobFailed:
+    def _failure(self) -> ElasticStepError:
         f = self.coord.failure
         self.tensorboard.close()
         self._write_summary(status="failed", error=f)
@@ -373,7 +379,11 @@ class TrainingJob:
         detail = f["message"]
         if f["kind"] == "instance_failed" and f.get("traceback"):
             detail += "\nLast lines of its log:\n" + f["traceback"]
-        return JobFailed(f"Training failed{where}: {detail}")
+        elif f["kind"] == "same_error" and f.get("traceback"):
+            detail += "\nIts traceback:\n" + f["traceback"].rstrip()
+        # A worker's refusal of a state that does not fit the model (a changed model) is bad input, as the same
+        # refusal by a PS shard's restore is (master/checkpoint.py): the same exit code in both strategies.
+        return (ConfigError if f["kind"] == "config_error" else JobFailed)(f"Training failed{where}: {detail}")
 
     # ------------------------------------------------------------------ the end
     def _load_from_ps(self, model, with_stats: bool = False) -> list:
@@ -554,6 +564,7 @@ class TrainingJob:
                 "timeseries": list(coord.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
+                **({"skipped_non_finite": coord.skipped_summary()} if c.skip_non_finite or coord.skipped else {}),
                 **({"chaos": chaos_summary} if chaos_summary else {}),
                 "checkpoints": {"root": self.plan.checkpoint_root, **self.durable.summary()},
             }

@@ -3,7 +3,10 @@ the job, and why.
 
 A worker that was killed, preempted or scaled in is relaunched (the job keeps asking for
 max_workers; a pending one starts when there is room). A worker that failed through the
-user's model or data is not: relaunching it would fail the same way forever.
+user's model or data is not: relaunching it would fail the same way forever. Nor is one that
+failed with an error not known to be the user's, when another instance already failed with the
+same error on the same minibatch: the error is the data's or the code's, not the instance's, and
+a relaunch would only loop.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ class RelaunchPolicy:
     def __init__(self, max_relaunches: int):
         self.max_relaunches = max_relaunches
         self.relaunches = 0
+        # (minibatch, error) -> the instances that reported that error on that minibatch, in order
+        self.failed_on: dict[tuple[str, str], list[str]] = {}
 
     CRASH_LOOP = 3  # consecutive launches of one worker that crash before committing anything
+    SAME_ERROR = 2  # instances failing with one error on one minibatch: the error is final
 
     def on_end(
         self,
@@ -40,13 +46,17 @@ class RelaunchPolicy:
         reported_failure: bool,
         crashes_without_progress: int = 0,
         checkpoint: bool = False,
+        report: dict | None = None,
     ) -> Decision:
-        """`checkpoint`: the job has one to go back to (a lost PS is survivable only then)."""
+        """`checkpoint`: the job has one to go back to (a lost PS is survivable only then). `report`: the
+        failure the instance reported before it ended, if any (its `message` and the `minibatch` it was on)."""
         inst = ev.instance
         if job_over:
             return Decision("none", f"{inst} ended after training finished")
         if ev.exit_code == EXIT_USER_ERROR or reported_failure:
             return Decision("fail", f"{inst} failed on the user's model or data (exit {ev.exit_code})")
+        if (same := self._same_error(inst, report)) is not None:
+            return same
         if inst.role == "ps":
             if not checkpoint:
                 return Decision(
@@ -75,6 +85,23 @@ class RelaunchPolicy:
             return over
         why = {EventKind.LOST: ev.detail or "lost"}.get(ev.kind, f"exited with code {ev.exit_code}")
         return Decision("relaunch", f"{inst} {why} before training finished")
+
+    def _same_error(self, inst, report: dict | None) -> Decision | None:
+        """Fail when `report` is the error another instance already failed with on the same minibatch."""
+        if not report or not report.get("minibatch"):
+            return None
+        minibatch, error = report["minibatch"], report["message"].strip()
+        seen = self.failed_on.setdefault((minibatch, error), [])
+        seen.append(str(inst))
+        if len(seen) < self.SAME_ERROR:
+            return None
+        first, *rest = error.splitlines() or [""]
+        return Decision(
+            "fail",
+            f"{' and then '.join(seen)} failed with the same error on {minibatch}, so it is the data's or the "
+            f"code's, not the instance's: not relaunching it again. The error: {first}"
+            + "".join(f"\n{line}" for line in rest),
+        )
 
     def _over_budget(self, inst, ev: InstanceEvent) -> Decision | None:
         """A relaunch counts against the job's budget; past it, the job fails instead of spinning."""

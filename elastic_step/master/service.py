@@ -125,8 +125,19 @@ class MasterService(pb_grpc.MasterServicer):
     def ReportFailure(self, request, context):
         check_token(context, self.token, request.token)
         self.c.report_failure(
-            str(_instance(context, request.instance)), request.kind, request.message, request.traceback
+            str(_instance(context, request.instance)),
+            request.kind,
+            request.message,
+            request.traceback,
+            request.minibatch,
         )
+        return pb.Ack()
+
+    def ReportSkipped(self, request, context):
+        check_token(context, self.token, request.token)
+        r = request
+        worker = str(_instance(context, r.instance))
+        self.c.skipped_minibatch(worker, r.epoch, r.data_shard, r.shard, r.start, r.end, r.why, r.step)
         return pb.Ack()
 
     # ------------------------------------------------------------ --strategy allreduce

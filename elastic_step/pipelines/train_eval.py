@@ -49,6 +49,7 @@ def build(caching: bool = True):
         num_ps: int = 1,
         strategy: str = "ps",
         global_batch: str = "scaled",
+        skip_non_finite: bool = False,
         backend: str = "auto",
         worker_image: str = "",
         worker_cpu: str = "1",

@@ -59,6 +59,11 @@ class MasterStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.FailureReport.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
                 _registered_method=True)
+        self.ReportSkipped = channel.unary_unary(
+                '/elastic_step.Master/ReportSkipped',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SkipReport.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                _registered_method=True)
         self.Hold = channel.unary_unary(
                 '/elastic_step.Master/Hold',
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.HoldRequest.SerializeToString,
@@ -114,6 +119,12 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportFailure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportSkipped(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,6 +190,11 @@ def add_MasterServicer_to_server(servicer, server):
             'ReportFailure': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportFailure,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.FailureReport.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
+            ),
+            'ReportSkipped': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportSkipped,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SkipReport.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
             ),
             'Hold': grpc.unary_unary_rpc_method_handler(
@@ -341,6 +357,33 @@ class Master:
             target,
             '/elastic_step.Master/ReportFailure',
             elastic__step_dot_proto_dot_elastic__pb2.FailureReport.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportSkipped(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.Master/ReportSkipped',
+            elastic__step_dot_proto_dot_elastic__pb2.SkipReport.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
             options,
             channel_credentials,

@@ -139,3 +139,25 @@ class PushKey(NamedTuple):
     @property
     def idempotency(self) -> tuple[int, int]:
         return self.task_id, self.seq
+
+
+# Why a restore may not fit the model, and what to do: the job's checkpoints and members all hold one model.
+CHANGED_MODEL = "the model changed since the job started (its code, or a file or parameter model() reads)"
+CHANGED_MODEL_FIX = (
+    "Start a new job (another --job-id, or --resume never to start this one over), or build the model as it was."
+)
+
+
+def layout_mismatch(here: list[tuple[str, tuple, str]], saved: list[tuple[tuple, str]], there: str) -> str | None:
+    """The first variable whose shape or dtype differs between this model's variables, (name, shape, dtype), and a
+    saved state's values, (shape, dtype), in the same order, in words (`there` names the saved state); else a
+    difference in their numbers; None when they fit."""
+    for (name, shape, dtype), (saved_shape, saved_dtype) in zip(here, saved):
+        if tuple(shape) != tuple(saved_shape) or np.dtype(dtype) != np.dtype(saved_dtype):
+            return (
+                f"{name!r} is {tuple(shape)} {np.dtype(dtype).name} in this model, "
+                f"{tuple(saved_shape)} {np.dtype(saved_dtype).name} in {there}"
+            )
+    if len(here) != len(saved):
+        return f"this model has {len(here)} variables, {there} {len(saved)}"
+    return None

@@ -8,6 +8,7 @@ again by the worker that took over its remainder, changes the parameters only on
 from __future__ import annotations
 
 import io
+import json
 import logging
 import threading
 
@@ -19,7 +20,7 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.ps.api import Placement, PushKey, named_variables
+from elastic_step.ps.api import CHANGED_MODEL, Placement, PushKey, layout_mismatch, named_variables
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.push_slots import SharedSegments
 
@@ -82,6 +83,13 @@ class ParameterShard:
         self.state = state
         self.optimizer = optimizer
         self.optimizer.build(dense_vars + tables)
+        tables_named = self.tables.items()
+        # Every value a checkpoint of this shard holds, (name, shape, dtype), in order: a restore checks each.
+        self.layout = (
+            [(values[n].path, tuple(values[n].shape), values[n].dtype) for n in self.dense_names + state_names]
+            + [(f"{values[n].path} (its rows on shard {shard})", tuple(t.shape), t.dtype.name) for n, t in tables_named]
+            + [(v.path, tuple(v.shape), v.dtype) for v in self.optimizer.variables]
+        )
         weights_size = sum(int(v.shape.num_elements()) for v in dense_vars)
         self.dense_size = weights_size + int(state.shape.num_elements())
         self.version = 0
@@ -145,6 +153,14 @@ class ParameterShard:
                     f"push carries {flat_grad.size} dense gradients, shard {self.shard} "
                     f"holds {self.dense_size} parameters"
                 )
+            if key.data_shard < 0:
+                # A minibatch a worker skipped (--skip-non-finite), its data shard named by its complement
+                # (data/api.py, skipped_key): nothing to apply, its records accounted for as skipped, once.
+                self.applied.add(key.idempotency)
+                self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
+                return True, self.version, self._values(out)
+            if not np.isfinite(flat_grad).all() or not all(np.isfinite(v).all() for _n, _i, v in emb_grads):
+                raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")
             rows = {name: (ids, values) for name, ids, values in emb_grads}
             ids_list, values_list = [], []
             for name, table in self.tables.items():
@@ -207,6 +223,7 @@ class ParameterShard:
             arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
             arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
             arrays.update(self.applied_records.npz())
+            arrays["layout"] = np.array(json.dumps([(shape, str(dtype)) for _n, shape, dtype in self.layout]))
             arrays.update({f"touched/{n}": np.array(sorted(ids), np.int64) for n, ids in self.touched.items()})
             np.savez(buf, **arrays)
         return buf.getvalue()
@@ -215,13 +232,21 @@ class ParameterShard:
         """Back to the state `save` wrote (the shard's values, its optimizer's, what it applied), as
         generation `generation`: from here on, only pushes computed for it are applied."""
         saved = dict(np.load(io.BytesIO(npz), allow_pickle=False))
-        optimizer = [saved[f"optimizer/{i}"] for i in range(len(self.optimizer.variables))]
-        if (
+        optimizer = [saved[f"optimizer/{i}"] for i in range(len(self.optimizer.variables)) if f"optimizer/{i}" in saved]
+        there = f"the checkpoint's shard {self.shard}"
+        if "layout" in saved:  # every variable's shape and dtype
+            mismatch = layout_mismatch(self.layout, [(tuple(s), d) for s, d in json.loads(str(saved["layout"]))], there)
+        elif (  # a checkpoint written before layouts were saved: sizes and numbers only
             saved["dense"].size != self.dense_size
             or any(f"table/{n}" not in saved for n in self.tables)
+            or len(optimizer) != len(self.optimizer.variables)
             or f"optimizer/{len(optimizer)}" in saved
         ):
-            raise ValueError(f"the saved state is of another model: it does not fit shard {self.shard}")
+            mismatch = f"{there} holds another model's values"
+        else:
+            mismatch = None
+        if mismatch is not None:
+            raise ValueError(f"{mismatch}: {CHANGED_MODEL}")
         with self.lock:
             self.generation = generation
             offset = 0

@@ -13,12 +13,16 @@ import sys
 import threading
 import time
 
-from elastic_step.errors import DataError, ElasticStepError
+from elastic_step.errors import ConfigError, DataError, ElasticStepError
 from elastic_step.instance import EXIT_USER_ERROR, parse_args
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.util.process import quiet_tensorflow
+from elastic_step.worker.records import minibatch_of
 
 log = logging.getLogger("elastic_step.worker")
+
+# The kind of failure a user's error is reported as, by its class (the first that matches).
+KINDS = ((DataError, "data_error"), (ConfigError, "config_error"))
 
 
 def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) -> int:
@@ -29,9 +33,12 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     from elastic_step.faults.process import install_worker_faults
     from elastic_step.worker import collective
     from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
+    from elastic_step.worker.finite import NonFinite
 
     keras.utils.set_random_seed(args.seed)
-    trainer = AllReduceTrainer(model_def, model_def.model(), weight_column=args.weight_column)
+    trainer = AllReduceTrainer(
+        model_def, model_def.model(), NonFinite(args.skip_non_finite), weight_column=args.weight_column
+    )
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
@@ -87,6 +94,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     from elastic_step.data.reader import ReaderPool
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient
+    from elastic_step.worker.finite import NonFinite
     from elastic_step.worker.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
     from elastic_step.worker.trainer import PSTrainer
 
@@ -109,6 +117,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         minibatch_size=info.minibatch_size,
         minibatches_per_push=per_push,
         weight_column=args.weight_column,
+        non_finite=NonFinite(args.skip_non_finite, master.report_skipped),
     )
     trainer.refresh_dense()
     readers = ReaderPool()
@@ -155,16 +164,20 @@ def main(argv: list[str] | None = None) -> int:
         return (run_allreduce if args.strategy == "allreduce" else run)(args, model_def, master, stop)
     except ElasticStepError as e:
         log.error("%s", e)
-        master.fail("data_error" if isinstance(e, DataError) else "model_error", e)
+        master.fail(next((k for c, k in KINDS if isinstance(e, c)), "model_error"), e, minibatch_of(e))
         return EXIT_USER_ERROR
     except Exception as e:
+        if model_def is None or not model_def.raised_in_user_code(e):
+            # Not known to be the user's: the master relaunches, unless another instance failed the same way on
+            # the same minibatch (master/relaunch.py). The exit code and traceback follow.
+            log.error("failed%s: %s: %s", f" on {minibatch_of(e)}" if minibatch_of(e) else "", type(e).__name__, e)
+            master.fail("internal", e, minibatch_of(e))
+            raise
         # Raised in the user's code on a thread of ours (a push, a lease read ahead): still theirs,
         # reported once as such, not relaunched into a crash loop.
-        if model_def is None or not model_def.raised_in_user_code(e):
-            raise
         error = model_def.user_error(e, "training")
         log.error("%s", error)
-        master.fail("model_error", error)
+        master.fail("model_error", error, minibatch_of(e))
         return EXIT_USER_ERROR
     finally:
         master.close()

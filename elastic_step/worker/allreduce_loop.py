@@ -36,11 +36,15 @@ import zlib
 import grpc
 import numpy as np
 
-from elastic_step.data.api import AppliedRecords
+from elastic_step.data.api import AppliedRecords, skipped_key
+from elastic_step.errors import ConfigError
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc, tensors
+from elastic_step.ps.api import CHANGED_MODEL, CHANGED_MODEL_FIX, layout_mismatch
 from elastic_step.worker.collective import Aborted, PeerFailed, Ring, StateProvider, pull_state
+from elastic_step.worker.finite import NonFinite
+from elastic_step.worker.records import Records, working_on
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -50,13 +54,16 @@ MR = pb.MembershipReply
 class AllReduceTrainer:
     """The model, the user's optimizer, and compiled calls over one flat gradient buffer."""
 
-    def __init__(self, model_def, model, weight_column: str | None = None):
+    def __init__(self, model_def, model, non_finite: NonFinite | None = None, weight_column: str | None = None):
+        """`non_finite`: what to do with a minibatch whose loss or gradient is not finite (default: fail);
+        `weight_column`: the data's sample weights (named at prep), or None."""
         import tensorflow as tf
 
         self.tf = tf
         self.model_def = model_def
         self.model = model
         self.weight_column = weight_column  # the data's sample weights (named at prep), or None
+        self.non_finite = non_finite or NonFinite()
         self.optimizer = model_def.optimizer()
         trainable = model.trainable_variables
         self.optimizer.build(trainable)
@@ -65,6 +72,7 @@ class AllReduceTrainer:
         self.applied_records = AppliedRecords()
         self.size = sum(int(v.shape.num_elements()) for v in trainable)
         sizes = [int(v.shape.num_elements()) for v in trainable]
+        self._offsets, self._names = np.cumsum(sizes)[:-1], [v.path for v in trainable]
 
         @tf.function(reduce_retracing=True)
         def grad_step(data):
@@ -94,7 +102,9 @@ class AllReduceTrainer:
 
         self._grad_step, self._apply, self._flat_weights = grad_step, apply, flat_weights
 
-    def gradients(self, batch) -> tuple[float, np.ndarray, int]:
+    def gradients(self, batch, where=None) -> tuple[float, np.ndarray, int, str | None]:
+        """(loss, flat gradient, records, None) of one minibatch; `where`: its records (worker/records.py). When its
+        loss or gradient is not finite, fails, or, when skipping such minibatches, returns why in the last place."""
         tf = self.tf
         features, labels, weights = self.model_def.examples(batch, self.weight_column)
         data = (features, labels) if weights is None else (features, labels, weights)
@@ -104,8 +114,11 @@ class AllReduceTrainer:
         try:
             loss, flat = self._grad_step(data)
         except Exception as e:  # the user's model/loss failed on real data
-            raise self.model_def.user_error(e, "computing a training step") from e
-        return float(loss), flat.numpy(), len(next(iter(batch.values())))
+            raise self.model_def.user_error(e, "computing a training step", where=str(where or "")) from e
+        loss, flat = float(loss), flat.numpy()
+        # Before the ring: no member applies an average that holds it.
+        skipped = self.non_finite.check(loss, np.split(flat, self._offsets), where, self._names)
+        return loss, flat, len(next(iter(batch.values()))), skipped
 
     def apply(self, mean_grad: np.ndarray, lr: float) -> None:
         self.optimizer.learning_rate.assign(lr)
@@ -122,16 +135,20 @@ class AllReduceTrainer:
             self.applied_records.arrays(),
         )
 
-    def load_state(self, num_model: int, values: list[np.ndarray], applied: dict) -> None:
-        """A peer's state: its weights, its optimizer's, and the records they hold, which travel with them."""
+    def load_state(self, num_model: int, values: list[np.ndarray], applied: dict, there: str = "a peer's state"):
+        """A peer's state (`there` names it: a peer, a checkpoint): its weights, its optimizer's, and the records they
+        hold, which travel with them. Refused, naming the variable, unless every value has its variable's shape and
+        dtype."""
         targets = list(self.model.weights) + list(self.optimizer.variables)
-        if num_model != len(self.model.weights) or len(values) != len(targets):
-            raise RuntimeError(
-                f"peer state has {len(values)} tensors ({num_model} model weights); "
-                f"this model has {len(targets)} ({len(self.model.weights)})"
-            )
+        here = [(v.path, tuple(v.shape), v.dtype) for v in targets]
+        saved = [(a.shape, a.dtype) for a in values]
+        mismatch = layout_mismatch(here, saved, there)
+        if mismatch is None and num_model != len(self.model.weights):
+            mismatch = f"this model has {len(self.model.weights)} weights, {there} {num_model}"
+        if mismatch is not None:
+            raise ConfigError(f"Cannot load {there}: {mismatch}: {CHANGED_MODEL}. {CHANGED_MODEL_FIX}")
         for var, value in zip(targets, values):
-            var.assign(value.reshape(tuple(var.shape)))
+            var.assign(value)
         self.applied_records = AppliedRecords.of(applied)
 
 
@@ -158,7 +175,8 @@ def contribution_slots(contribution: tuple[int, int, int, int] | None, rank: int
 
 
 def contributions(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """Every member's (epoch, data shard, start, end) in a step, from the allreduced slots."""
+    """Every member's (epoch, data shard, start, end) in a step, from the allreduced slots. A skipped minibatch's
+    data shard is its complement (data/api.py, skipped_key)."""
     pairs = np.rint(slots).astype(np.int64).reshape(-1, 4, 2)
     ints = pairs[:, :, 0] * _LOW + pairs[:, :, 1]
     return [tuple(int(x) for x in c) for c in ints if c[3] > c[2]]
@@ -264,7 +282,7 @@ class AllReduceWorker:
                 self.report_peer(PeerFailed(peer, f"PullState: {e.code().name}"))
             time.sleep(0.05)
             return False
-        self.take_state(state)
+        self.take_state(state, f"the state of step {v.base_step} of {peer}")
         log.info(
             "pulled the state of step %d from %s (version %d, rank %d of %d)",
             state.step,
@@ -275,10 +293,10 @@ class AllReduceWorker:
         )
         return True
 
-    def take_state(self, state: tensors.MemberState) -> None:
-        """Another copy's state (a peer's, or a checkpoint's) becomes this member's, under the state lock."""
+    def take_state(self, state: tensors.MemberState, there: str) -> None:
+        """Another copy's state (a peer's, or a checkpoint's: `there`) becomes this member's, under the state lock."""
         with self.state.cv:
-            self.trainer.load_state(state.num_model, state.values, state.applied)
+            self.trainer.load_state(state.num_model, state.values, state.applied, there)
             self.applied_step = state.step
             self.state.applied_step = state.step
             self.state.cv.notify_all()
@@ -294,7 +312,7 @@ class AllReduceWorker:
             log.warning("could not load checkpoint %d's state from the master: %s", v.restore_checkpoint, e.code().name)
             time.sleep(0.2)
             return False
-        self.take_state(state)
+        self.take_state(state, f"checkpoint {v.restore_checkpoint}")
         self.restored_from = v.restore_checkpoint
         self.lease = None  # a lease of the previous master's ledger means nothing to this one
         log.info(
@@ -321,12 +339,14 @@ class AllReduceWorker:
             return "ok"
         return "none"
 
-    def compute(self, world: int):
+    def compute(self, world: int, step: int):
         """(flat buffer to allreduce, watermark after, records, loss, this member's contribution) for
-        this step's minibatches: one range of its lease, (epoch, data shard, start, end), or None."""
+        this step's minibatches: one range of its lease, (epoch, data shard, start, end), or None. A minibatch
+        skipped (--skip-non-finite) is a step's contribution of its own, under its data shard's complement: the
+        minibatches before it make this step's, it makes the next."""
         k = 1 if self.global_batch == "scaled" else max(1, math.ceil(self.view.max_workers / world))
         buf = np.zeros(self.trainer.size + 2, np.float32)
-        records, loss_sum = 0, 0.0
+        records, loss_sum, data_shard = 0, 0.0, self.lease.shard_index if self.lease else 0
         hi = self.lease.watermark if self.lease else 0
         for _ in range(k):
             if self.lease is None or hi >= self.lease.end:
@@ -334,12 +354,22 @@ class AllReduceWorker:
             lo = hi
             ts, mb = self.lease.task_start, self.minibatch_size
             hi = min(self.lease.end, ts + ((lo - ts) // mb + 1) * mb)
-            loss, flat, n = self.trainer.gradients(self.readers.read(self.lease.shard, lo, hi))
+            at = Records(self.lease.shard, self.lease.shard_index, self.lease.epoch, lo, hi)
+            with working_on(at):
+                loss, flat, n, skipped = self.trainer.gradients(self.readers.read(self.lease.shard, lo, hi), at)
+            if skipped is not None:
+                if records:  # the next step's
+                    hi = lo
+                else:
+                    data_shard = skipped_key(self.lease.epoch, data_shard)[1]
+                    self.master.report_skipped(at, skipped, step)
+                break
             buf[:-2] += flat * n
             records += n
             loss_sum += loss * n
         buf[-2], buf[-1] = records, loss_sum
-        contribution = (self.lease.epoch, self.lease.shard_index, self.lease.watermark, hi) if records else None
+        consumed = self.lease is not None and hi > self.lease.watermark
+        contribution = (self.lease.epoch, data_shard, self.lease.watermark, hi) if consumed else None
         return buf, hi, records, (loss_sum / records if records else float("nan")), contribution
 
     def run(self) -> str:
@@ -355,7 +385,7 @@ class AllReduceWorker:
                 if status == "done":
                     return "done"
                 world = len(self.view.members)
-                computed = (step, self.restored_from, *self.compute(world))
+                computed = (step, self.restored_from, *self.compute(world, step))
             _, _, buf, watermark, records, loss, contribution = computed
             v = self.view
             try:
@@ -373,7 +403,7 @@ class AllReduceWorker:
                             instance=self.master.me,
                             version=v.version,
                             step=step,
-                            task_id=self.lease.task_id if (self.lease and records) else -1,
+                            task_id=self.lease.task_id if (self.lease and contribution) else -1,
                             watermark=watermark,
                             records=records,
                             loss=loss if records else 0.0,
@@ -410,12 +440,12 @@ class AllReduceWorker:
             with self.state.cv:
                 if n > 0:
                     self.trainer.apply(total[:-2] / n, lr)
-                    for epoch, data_shard, start, end in contributions(slots):
-                        self.trainer.applied_records.add(epoch, data_shard, start, end)
+                for epoch, data_shard, start, end in contributions(slots):  # skipped ones too
+                    self.trainer.applied_records.add(epoch, data_shard, start, end)
                 self.applied_step = step
                 self.state.applied_step = step
                 self.state.cv.notify_all()
-            if self.lease is not None and records:
+            if self.lease is not None and contribution:
                 self.lease.watermark = watermark
             self.view = reply.membership
             if reply.done:

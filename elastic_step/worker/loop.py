@@ -26,6 +26,7 @@ from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
 from elastic_step.ps.client import ShardsMoved
+from elastic_step.worker.records import Records, working_on
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -157,7 +158,8 @@ def train_tasks(
             reporter.report(task_id, hi, records, loss, duplicate=not applied, last=last)
 
     def feed_lease(task):
-        return trainer.feed_lease(readers.read(task.shard, task.start, task.end))
+        with working_on(Records(task.shard, task.shard_index, task.epoch, task.start, task.end)):
+            return trainer.feed_lease(readers.read(task.shard, task.start, task.end))
 
     def lease_ahead(after: int, leaving: threading.Event):
         """(task, its fed rows) to start after task `after`, or None once the worker leaves that
@@ -233,7 +235,9 @@ def train_tasks(
                     # Before the step, not after: its gradient is then taken on values that hold every
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     settle(keep=pushes_in_flight - 1)
-                    result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start))
+                    at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
+                    with working_on(at):
+                        result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
                     reporter.pump()

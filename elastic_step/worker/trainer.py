@@ -20,8 +20,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from elastic_step.data.api import skipped_key
 from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, state_variables, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
+from elastic_step.worker.finite import NonFinite
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -38,13 +40,16 @@ class PSTrainer:
         minibatch_size: int = 64,
         minibatches_per_push: int = 1,
         weight_column: str | None = None,
+        non_finite: NonFinite | None = None,
     ):
+        """`non_finite`: what to do with a minibatch whose loss or gradient is not finite (default: fail)."""
         import keras
         import tensorflow as tf
 
         self.tf = tf
         self.model_def = model_def
         self.model = model
+        self.non_finite = non_finite or NonFinite()
         self.ps = ps
         self.generation = generation  # of the shards' state (see PushRequest.generation)
         self.placement = placement
@@ -289,8 +294,9 @@ class PSTrainer:
         tf = self.tf
         return tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), data)
 
-    def compute(self, batch: Minibatch) -> StepResult:
-        """Gradients of one minibatch at the worker's current parameters (still tensors)."""
+    def compute(self, batch: Minibatch, where=None) -> StepResult:
+        """Gradients of one minibatch at the worker's current parameters (still tensors). `where`: its records,
+        as a user finds them, for an error."""
         if self.table_names and self._ids_of is not None:
             self._pull_rows(batch)
         try:
@@ -299,8 +305,8 @@ class PSTrainer:
         except ShardsMoved:  # a refresh of the values while tracing met a lost shard: not the user's
             raise
         except Exception as e:  # the user's model/loss failed on real data
-            raise self.model_def.user_error(e, "computing a training step") from e
-        return StepResult(loss, dense, sparse)
+            raise self.model_def.user_error(e, "computing a training step", where=str(where or "")) from e
+        return StepResult(loss, dense, sparse, where)
 
     def _step_for(self, specs):
         """The step traced once for any minibatch size: a concrete function skips the per-call
@@ -335,11 +341,18 @@ class PSTrainer:
     def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float]:
         dense = [g.numpy() for g in result.dense]
         rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
+        loss = float(result.loss)
+        # Checked here, on the push thread, where the values are numpy anyway: nothing non-finite is applied.
+        if self.non_finite.check(loss, [*dense, *(v for _ids, v in rows.values())], result.where):
+            # Skipped: every shard gets the key of a skipped minibatch (its data shard's complement), applies
+            # nothing and accounts for its records as skipped (ps/server.py), so no shard applies part of it.
+            key = key._replace(data_shard=skipped_key(key.epoch, key.data_shard)[1])
+            dense, rows, loss = [np.zeros_like(g) for g in dense], {}, float("nan")
         applied, replies = self.ps.push(key, dense, rows, want_dense=True)
         self._take_fresh(replies)
         if self.table_names and self._ids_of is None:
             self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in rows.items()})
-        return applied, float(result.loss)
+        return applied, loss
 
     def _take_fresh(self, replies: list[tuple[int, np.ndarray]]) -> None:
         """Load each shard's values only when newer (by the shard's version) than what the model has:
@@ -359,6 +372,7 @@ class StepResult(NamedTuple):
     loss: object  # scalar tensor
     dense: list  # per PS shard: flat gradient buffer
     sparse: list  # per embedding table: (unique ids, summed row gradients)
+    where: object = None  # its records (finite.Records), as a user finds them
 
 
 class FedLease(NamedTuple):

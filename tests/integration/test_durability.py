@@ -16,6 +16,7 @@ import pytest
 from elastic_step.spec import cli_args
 from tests.integration.harness import SMALL_LEASES, run_cli, train
 from tests.integration.test_errors import assert_clean_error
+from tests.models import tally
 from tests.models.witness import TALLY_MODEL as TALLY
 from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
@@ -49,6 +50,12 @@ def test_a_master_killed_mid_epoch_is_resumed_by_the_retried_step_and_every_reco
     # The kill fired at `fired` records (its journal beside the checkpoints), after any cut that was due first.
     fired = json.loads((ckpts / "durable" / "chaos.json").read_text())["fired"][-1]["at_records"]
     assert killed_at <= fired and 0 < cut["records_committed"] <= fired
+    # A retry whose model changed through a setting model() reads is refused as bad input (exit 2, as in allreduce),
+    # naming the variable, and leaves the checkpoint to the retry with the model as it was.
+    changed = {tally.UNITS_ENV: "2"}
+    proc, _ = tally_job(tally_data, tmp_path / "changed", checkpoint_uri=ckpts, env=changed)
+    assert_clean_error(proc, f"checkpoint {cut['id']}", "'tally_", "2) float32 in this model", "the model changed")
+    assert proc.returncode == 2 and json.loads((ckpts / "durable" / "checkpoint.json").read_text()) == cut
     out = tmp_path / "attempt-2"
     proc, summary = tally_job(tally_data, out, checkpoint_uri=ckpts)  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -85,6 +92,14 @@ def test_allreduce_a_lost_ring_and_then_a_lost_master_both_go_back_to_the_last_c
     assert "every allreduce member was lost" in proc.stderr and "goes back to checkpoint" in proc.stderr
     cut = manifest(tmp_path)
     assert "members.npz" in cut["files"]
+    # A retry whose model changed through a setting model() reads (its file unchanged) is refused, naming the
+    # variable, as bad input (exit 2, as in ps mode), and leaves the checkpoint to the retry with the model as it was.
+    proc, _ = tally_job(tally_data, tmp_path, **allreduce, env={tally.UNITS_ENV: "2"})
+    assert_clean_error(
+        proc, f"Cannot load checkpoint {cut['id']}: 'tally_", "(3000, 2) float32 in this model", "--job-id"
+    )
+    assert proc.returncode == 2 and proc.stderr.count("elastic-step: error:") == 1
+    assert manifest(tmp_path) == cut
     # The retried step with two workers (the checkpoint does not fix the world size): both load it.
     proc, summary = tally_job(tally_data, tmp_path, **allreduce, min_workers=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

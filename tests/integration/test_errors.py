@@ -8,6 +8,7 @@ import os
 import socket
 import textwrap
 
+import numpy as np
 import pytest
 
 from elastic_step.spec import cli_args
@@ -208,3 +209,99 @@ def test_an_error_in_the_users_loss_is_theirs_once_with_their_traceback(tmp_path
     assert summary["status"] == "failed" and summary["workers"]["relaunched"] == 0
     assert "crash" not in proc.stderr.lower().split("elastic-step: error:")[-1]
     assert not (out / "model.keras").exists()
+
+
+# The tally model (tests/models/tally.py: each record's weights count its updates), whose loss is NaN on one
+# record: its label, as feed() gives it, is NaN (as a NaN in the data would be).
+NAN_TALLY = """
+POISONED = {poisoned}
+
+
+def loss(labels, predictions):
+    return -keras.ops.mean(predictions) + 0.0 * keras.ops.sum(labels)
+
+
+def feed(batch):
+    x, y = tally_feed(batch)
+    y[np.asarray(batch["id"]) == POISONED] = np.nan
+    return x, y
+"""
+
+
+def nan_tally(tmp_path, tally_data) -> tuple[str, int]:
+    from tests.models.witness import TALLY_MODEL, train_ids
+
+    poisoned = int(train_ids(tally_data["train"])[100])
+    path = tmp_path / "nan_tally.py"
+    source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
+    path.write_text(source + textwrap.dedent(NAN_TALLY.format(poisoned=poisoned)))
+    return str(path), poisoned
+
+
+def shard_ids(manifest_uri: str) -> dict[str, list[int]]:
+    """Each training data shard's record ids, in order, by the shard's URI."""
+    import pyarrow.parquet as pq
+
+    from elastic_step.data.api import load_manifest
+
+    m = load_manifest(manifest_uri)
+    return {m.shard_uri(s): pq.read_table(m.shard_uri(s), columns=["id"])["id"].to_pylist() for s in m.shards}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
+def test_a_minibatch_whose_loss_is_not_finite_is_skipped_when_asked_and_counted(tmp_path, tally_data, strategy):
+    """--skip-non-finite: the job goes on; nothing of the skipped minibatch is applied (the tally's weights say so,
+    not our bookkeeping); summary.json names it (records, worker) and the audit counts its records as skipped."""
+    from tests.models import tally
+
+    model, poisoned = nan_tally(tmp_path, tally_data)
+    epochs, out = 2, tmp_path / "out"
+    settings = {"global_batch": "fixed"} if strategy == "allreduce" else {"num_ps": 2}  # the tally adds 1 per step
+    proc, summary = train(
+        tally_data,
+        out,
+        model=model,
+        strategy=strategy,
+        epochs=epochs,
+        max_workers=2,
+        skip_non_finite="true",
+        minibatch_size=32,
+        records_per_task=128,
+        **settings,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    skipped = summary["skipped_non_finite"]
+    assert skipped["minibatches"] == epochs, skipped  # the poisoned record's minibatch, in each epoch
+    ids = shard_ids(tally_data["train"])
+    held = [ids[s["data_shard"]][s["start"] : s["end"]] for s in skipped["skipped"]]
+    assert all(poisoned in h for h in held), (poisoned, skipped)
+    assert all(s["worker"].startswith("worker-") and "the loss became nan" in s["why"] for s in skipped["skipped"])
+    assert skipped["records"] == sum(len(h) for h in held)
+    # The weights: the skipped minibatch's records were never applied, every other train record once per epoch.
+    rows, dense = tally.tallies(str(out / "model.keras"))
+    expected = np.zeros(tally.RECORDS)
+    for shard in ids.values():
+        expected[shard] = epochs
+    for h in held:
+        expected[h] -= 1
+    assert expected[poisoned] == 0
+    for name, got in (("embedding rows", rows), ("dense kernel", dense)):
+        wrong = np.nonzero(got != expected)[0]
+        assert wrong.size == 0, (name, wrong[:10].tolist(), got[wrong[:10]].tolist(), expected[wrong[:10]].tolist())
+    # The audit: the model state's own accounting, skipped records as skipped.
+    audit = summary["audit"]
+    assert audit["verdict"] == "exact", audit
+    assert [e.get("skipped", 0) for e in audit["epochs"]] == [len(h) for h in held], audit
+    assert "skipped" in proc.stderr and poisoned >= 0
+    assert "NaN" not in (out / "summary.json").read_text()  # strict JSON
+
+
+@pytest.mark.slow
+def test_a_loss_that_is_not_finite_fails_the_job_naming_the_records_and_the_worker(tmp_path, tally_data):
+    model, poisoned = nan_tally(tmp_path, tally_data)
+    proc, summary = train(tally_data, tmp_path / "out", model=model, max_workers=2, minibatch_size=32)
+    msg = assert_clean_error(proc, "the loss became nan on records [", "before it was applied", "--skip-non-finite")
+    assert "(worker-" in msg and " in epoch 1" in msg, msg
+    assert proc.stderr.count("elastic-step: error:") == 1
+    assert summary["status"] == "failed" and summary["workers"]["relaunched"] == 0

@@ -15,19 +15,24 @@ a record held twice by one allreduce step would count once. Nothing else is.)
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 
 RECORDS = 3000  # ids 0..RECORDS-1: the generated data set (see write_csv)
+# Tallies per record: 1. A test of a model changed through a setting model() reads (this file unchanged) sets more.
+UNITS_ENV = "TALLY_UNITS"
 
 
 def model() -> keras.Model:
+    units = int(os.environ.get(UNITS_ENV, "1"))
     ids = keras.Input(shape=(1,), dtype="int64", name="id")
     onehot = keras.Input(shape=(RECORDS,), dtype="float32", name="onehot")
     row = keras.layers.Flatten()(
-        keras.layers.Embedding(RECORDS, 1, embeddings_initializer="zeros", name="tally_rows")(ids)
+        keras.layers.Embedding(RECORDS, units, embeddings_initializer="zeros", name="tally_rows")(ids)
     )
-    dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros", name="tally_dense")(onehot)
+    dense = keras.layers.Dense(units, use_bias=False, kernel_initializer="zeros", name="tally_dense")(onehot)
     return keras.Model({"id": ids, "onehot": onehot}, keras.layers.Add()([row, dense]), name="tally")
 
 

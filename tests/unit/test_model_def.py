@@ -134,3 +134,87 @@ def test_training_loss_weighs_records_through_the_losss_own_reduction(tmp_path):
     got = md.training_loss(net, x, BATCH["y"], BATCH["w"])
     assert float(got) == pytest.approx(float(expected), rel=1e-6)
     assert abs(float(got) - float(md.training_loss(net, x, BATCH["y"]))) > 1e-3
+
+
+LABELS_MODEL = textwrap.dedent("""
+    import keras
+
+    def model():
+        x = keras.Input(shape=(4,))
+        return keras.Model(x, keras.layers.Dense(3)(x))
+
+    def loss(labels, predictions):
+        return per_example(labels, predictions)
+
+    def per_example(labels, predictions):
+        return keras.losses.sparse_categorical_crossentropy(labels, predictions, from_logits=True)
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1)
+
+    def feed(batch):
+        return batch["x"], batch["y"]
+""")
+
+
+def labels_model(tmp_path):
+    path = tmp_path / "labels.py"
+    path.write_text(LABELS_MODEL)
+    return load_model_def(str(path)), str(path)
+
+
+def test_an_op_that_fails_in_a_compiled_step_is_told_in_tensorflows_words_with_the_users_frames(tmp_path):
+    md, path = labels_model(tmp_path)
+    m = md.model()
+
+    @tf.function
+    def step(x, y):
+        return md.training_loss(m, x, y)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        step(np.zeros((4, 4), np.float32), np.array([0, 1, 2, 12]))
+    assert str(raised.value).startswith("Graph execution error")  # what there is to undo
+    text = str(md.user_error(raised.value, "computing a training step", where="records [0, 4)"))
+    first = text.splitlines()[0]
+    assert first.startswith(f"loss() in the model definition {path!r} raised InvalidArgumentError"), first
+    assert (
+        "while computing a training step on records [0, 4): Received a label value of 12 which is outside the "
+        "valid range of [0, 3)" in first
+    ), first
+    assert "Graph execution" not in text and "{{node" not in text and "[Op:" not in text, text
+    # The user's frames from where the op was defined, outermost first, and nobody else's.
+    frames = text.split("Your code, innermost last:\n")[1]
+    assert frames.index("in loss") < frames.index("in per_example"), frames
+    assert "return per_example(labels, predictions)" in frames  # the source line, as a traceback shows it
+    assert "elastic_step" not in frames and "keras" not in frames.replace("keras.losses", ""), frames
+    assert "Check those records and what feed() returns for them, and loss()" in text
+
+
+def test_an_op_that_fails_eagerly_loses_tensorflows_framing_too(tmp_path):
+    md, path = labels_model(tmp_path)
+    m = md.model()
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        md.loss_fn(np.array([0, 12]), m(np.zeros((2, 4), np.float32)))
+    first = str(md.user_error(raised.value, "evaluating the model")).splitlines()[0]
+    assert (
+        "raised InvalidArgumentError while evaluating the model: Received a label value of 12 which is outside the "
+        "valid range of [0, 3).  Label values: 0 12. Check those records" in first
+    ), first
+
+
+def test_a_python_error_while_tracing_names_the_function_and_its_frames(tmp_path):
+    md, path = labels_model(tmp_path)
+    md.module.per_example = lambda labels, predictions: {}["class weights"]
+    m = md.model()
+
+    @tf.function
+    def step(x, y):
+        return md.training_loss(m, x, y)
+
+    with pytest.raises(KeyError) as raised:
+        step(np.zeros((4, 4), np.float32), np.array([0, 1, 2, 1]))
+    text = str(md.user_error(raised.value, "computing a training step"))
+    assert text.startswith(
+        f"loss() in the model definition {path!r} raised KeyError while computing a training step: 'class weights'"
+    ), text
+    assert "Fix loss() in that module" in text and "in loss" in text.split("Your code")[1]

@@ -145,7 +145,7 @@ def test_one_checkpoint_layout(uri, output, expected):
 def test_every_parameter_is_documented_and_on_a_surface():
     for p in spec.PARAMS:
         assert p.help and p.on <= set(spec.SURFACES), p.name
-        assert p.type in (int, float, str) and (p.required or p.default is None or isinstance(p.default, p.type))
+        assert p.type in (int, float, str, bool) and (p.required or p.default is None or isinstance(p.default, p.type))
         assert not p.choices or p.required or p.default in p.choices, p.name
         assert set(p.steps) <= {spec.DATA_PREP, spec.ELASTIC_TRAIN, spec.EVALUATE, spec.PUBLISH_MODEL}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_step.data.api import AppliedRecords
+from elastic_step.data.api import AppliedRecords, skipped_key
 from elastic_step.master.audit import EXACT, UNAVAILABLE, VIOLATED, audit, coverage, describe
 from elastic_step.ps.api import PushKey
 
@@ -73,3 +73,30 @@ def test_no_evidence_is_no_verdict():
 
 def test_coverage_counts_overlaps():
     assert coverage(6, np.array([[0, 4], [2, 6], [3, 4]])).tolist() == [1, 1, 2, 3, 1, 1]
+
+
+def test_skipped_records_count_as_skipped_not_lost_and_a_skip_applied_too_is_caught():
+    """--skip-non-finite: a minibatch skipped on every shard is accounted for once, as skipped."""
+    keys = every_record(1)
+    nan = keys[3]  # skipped: never applied
+
+    def holder(*extra_skips: PushKey, applied_too: bool = False) -> dict:
+        records = AppliedRecords()
+        for k in keys:
+            if k != nan or applied_too:
+                records.add(k.epoch, k.data_shard, k.seq, k.end)
+        for k in (nan, *extra_skips):
+            records.add(*skipped_key(k.epoch, k.data_shard), k.seq, k.end)
+        return records.arrays()
+
+    result = audit(ROWS, 1, [holder(), holder()])
+    assert result["verdict"] == EXACT, result
+    assert result["epochs"][0] | {"applied_once": 137 - 16, "skipped": 16, "never": 0} == result["epochs"][0]
+    assert result["records_outside_the_data"] == 0
+    assert "16 skipped as not finite" in describe(result)
+    # Skipped and applied as well, or skipped twice: more than once.
+    assert audit(ROWS, 1, [holder(applied_too=True)])["epochs"][0]["more_than_once"] == 16
+    assert audit(ROWS, 1, [holder(nan)])["epochs"][0]["more_than_once"] == 16
+    # Skipped on one shard and applied on another: the shards disagree.
+    skipped_on_one = audit(ROWS, 1, [holder(), applied(*keys)])
+    assert skipped_on_one["verdict"] == VIOLATED and skipped_on_one["epochs"][0]["shards_disagree"] == 16

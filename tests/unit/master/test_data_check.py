@@ -89,7 +89,8 @@ def test_feed_failing_on_the_training_data_is_the_users_error_now(tmp_path, mode
     with pytest.raises(ModelDefError) as e:
         check_splits(model_def, train, eval_)
     text = str(e.value)
-    assert text.startswith("feed() in the model definition") and "raised KeyError: 'b'" in text
+    assert text.startswith("feed() in the model definition") and "raised KeyError while giving feed()" in text
+    assert ": 'b'." in text
     assert "the first 8 records of the training data" in text and "before any worker started" in text
     assert f'{model_def.spec}", line' in text and "in feed" in text  # the user's own frame
 
@@ -98,14 +99,17 @@ def test_feed_failing_on_eval_values_with_the_same_columns_is_the_users_error(tm
     model_def = load(tmp_path, MODEL.replace("def feed(batch):", FUSSY_FEED))
     train, _ = split(tmp_path, "t", "a,b,label", lambda i: f"{i / 20},{i % 3},{i % 2}")
     _, eval_ = split(tmp_path, "e", "a,b,label", lambda i: f"{-i / 20 - 1},{i % 3},{i % 2}")
-    with pytest.raises(ModelDefError, match=r"raised ValueError: a is negative .*first 8 records of the eval data"):
+    with pytest.raises(
+        ModelDefError,
+        match=r"raised ValueError while giving feed\(\) the first 8 records of the eval data .*: a is negative",
+    ):
         check_splits(model_def, train, eval_)
 
 
 def test_model_that_raises_is_the_users_error_now(tmp_path):
     model_def = load(tmp_path, MODEL.replace("    return keras.Sequential", "    raise RuntimeError('no')\n    return"))
     train, eval_ = split(tmp_path, "d", "a,b,label", lambda i: f"{i / 20},{i % 3},{i % 2}")
-    with pytest.raises(ModelDefError, match=r"model\(\) in the model definition .* raised RuntimeError: no"):
+    with pytest.raises(ModelDefError, match=r"model\(\) in the model definition .* raised RuntimeError while .*: no"):
         check_splits(model_def, train, eval_)
 
 

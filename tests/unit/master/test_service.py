@@ -101,6 +101,7 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
             "ReportFailure": lambda: bad.stub.ReportFailure(
                 pb.FailureReport(token=token, instance=me, kind="internal", message="boom"), timeout=10
             ),
+            "ReportSkipped": lambda: bad.stub.ReportSkipped(pb.SkipReport(token=token, instance=me), timeout=10),
             "GetMembership": lambda: bad.stub.GetMembership(pb.MembershipRequest(token=token, instance=me), timeout=10),
             "StepReady": lambda: bad.stub.StepReady(pb.StepReadyRequest(token=token, instance=me), timeout=10),
             "ReportPeerFailure": lambda: bad.stub.ReportPeerFailure(
@@ -319,3 +320,32 @@ def wait_until(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         time.sleep(0.01)
+
+
+def test_a_skipped_minibatch_is_counted_once_and_an_internal_failure_waits_for_the_relaunch_policy(master):
+    from elastic_step.worker.records import Records
+
+    w0, w1 = master.client(0), master.client(1)
+    at = Records("s0", 0, 1, 16, 24)
+    w0.report_skipped(at, "the loss became nan")
+    w1.report_skipped(at, "the loss became nan")  # the same minibatch again: a successor, a retried step
+    w1.report_skipped(Records("s1", 1, 1, 0, 8), "the gradient of 'dense/kernel' became inf", step=7)
+    summary = master.coord.skipped_summary()
+    assert (summary["minibatches"], summary["records"]) == (2, 16)
+    assert summary["skipped"][0] == {
+        "worker": "worker-0",
+        "epoch": 1,
+        "data_shard": "s0",
+        "start": 16,
+        "end": 24,
+        "why": "the loss became nan",
+    }
+    assert summary["skipped"][1]["step"] == 7
+    # An error not known to be the user's does not fail the job: the relaunch policy decides when w1 ends.
+    w1.fail("internal", OSError("disk gone"), minibatch=str(at))
+    assert master.coord.failure is None
+    report = master.coord.take_failure_report("worker-1")
+    assert report["message"] == "disk gone" and report["minibatch"] == str(at) and "OSError" in report["traceback"]
+    assert master.coord.take_failure_report("worker-1") is None
+    w0.fail("data_error", ValueError("bad row"), minibatch=str(at))
+    assert master.coord.failure["minibatch"] == str(at) and master.coord.finished.is_set()

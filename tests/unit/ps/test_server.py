@@ -9,6 +9,7 @@ from tests.unit.ps.keys import key
 
 keras = pytest.importorskip("keras")
 
+from elastic_step.data.api import skipped_key  # noqa: E402
 from elastic_step.ps import server  # noqa: E402
 from elastic_step.ps.api import Placement  # noqa: E402
 from elastic_step.ps.server import ParameterShard, updates_elementwise  # noqa: E402
@@ -134,3 +135,40 @@ def test_the_state_is_added_not_optimized_and_saved_with_the_weights():
     s.push(key(1, 8), change, [])
     s.restore(saved, generation=1)
     np.testing.assert_array_equal(s.dense_flat(), once)
+
+
+def one_layer(inputs: int, units: int):
+    x = keras.Input(shape=(inputs,))
+    return keras.Model(x, keras.layers.Dense(units, use_bias=False, name="projection")(x))
+
+
+def test_a_restore_checks_every_variables_shape_not_only_the_sizes():
+    """A (6, 4) kernel and a (4, 6) one have the same size and number of variables: restoring one into the other
+    would reshape it silently. The refusal names the variable, both shapes, and why."""
+    saved = ParameterShard(m := one_layer(6, 4), keras.optimizers.Adam(0.01), Placement.of(m, 1), 0).save()
+    other = ParameterShard(m := one_layer(4, 6), keras.optimizers.Adam(0.01), Placement.of(m, 1), 0)
+    before = other.dense_flat()
+    with pytest.raises(ValueError) as raised:
+        other.restore(saved, generation=1)
+    assert str(raised.value).startswith(
+        "'projection/kernel' is (4, 6) float32 in this model, (6, 4) float32 in the checkpoint's shard 0: "
+        "the model changed since the job started"
+    ), raised.value
+    np.testing.assert_array_equal(other.dense_flat(), before)  # nothing was restored
+    assert other.generation == 0
+
+
+def test_a_skipped_minibatch_is_never_applied_and_its_records_are_accounted_as_skipped():
+    """How a worker skips a minibatch (--skip-non-finite): its optimizer's state does not move either."""
+    s = shard(keras.optimizers.Adam(0.01))
+    before, slots = s.dense_flat(), [np.asarray(v.numpy()).copy() for v in s.optimizer.variables]
+    with pytest.raises(ValueError, match="not finite"):  # never applied, even unmarked
+        s.push(key(7, 64), np.full(s.dense_size, np.nan, np.float32), [])
+    applied, version, values = s.push(key(7, 64, data_shard=~0), np.zeros(s.dense_size, np.float32), [])
+    assert applied and version == 0  # accounted for, once, without an update
+    np.testing.assert_array_equal(values, before)
+    for v, b in zip(s.optimizer.variables, slots):
+        np.testing.assert_array_equal(np.asarray(v.numpy()), b)
+    k = key(7, 64)
+    assert {e: r.tolist() for e, r in s.applied_records.arrays().items()} == {skipped_key(0, 0): [[64, k.end]]}
+    assert not s.push(k, np.ones(s.dense_size, np.float32), [])[0]  # its key stays taken: a retry is a duplicate

@@ -4,10 +4,17 @@ records as fit does."""
 
 from __future__ import annotations
 
+import json
+import textwrap
+
 import numpy as np
 import pytest
 
-from elastic_step.worker.allreduce_loop import contribution_slots, contributions
+from elastic_step.data.api import skipped_key
+from elastic_step.errors import ConfigError, DataError
+from elastic_step.model_def import load_model_def
+from elastic_step.worker.allreduce_loop import AllReduceTrainer, contribution_slots, contributions
+from elastic_step.worker.finite import NonFinite
 
 
 def test_the_sum_of_the_members_slots_is_every_contribution_exactly():
@@ -63,9 +70,81 @@ def test_the_allreduce_step_weighs_records_as_fit_and_takes_mixed_inputs(tmp_pat
         "word": rng.choice(["x", "y", "z"], 12),
     }
     trainer = AllReduceTrainer(md, md.model())
-    loss, flat, n = trainer.gradients(rows)
+    loss, flat, n, skipped = trainer.gradients(rows)
     p = trainer.model(
         {"x": tf.constant(np.stack([rows["a"], rows["b"]], 1), tf.float32), "word": tf.constant(rows["word"][:, None])}
     ).numpy()[:, 0]
-    assert n == 12 and flat.size == trainer.size
+    assert n == 12 and flat.size == trainer.size and skipped is None
     assert loss == pytest.approx(float(np.sum(rows["w"] * (rows["y"] - p) ** 2) / 12), rel=1e-5)
+
+
+def test_a_skipped_minibatch_rides_under_its_data_shards_complement():
+    skipped = (3, skipped_key(3, 5)[1], 1_000_000_000, 1_000_000_032)
+    total = contribution_slots(skipped, 1, 2) + contribution_slots((3, 0, 0, 32), 0, 2)
+    assert contributions(total) == [(3, 0, 0, 32), skipped]
+
+
+MODEL = textwrap.dedent("""
+    import json, os
+
+    import keras
+    import numpy as np
+
+    def model():
+        units = json.load(open(os.path.join(os.path.dirname(__file__), "config.json")))["units"]
+        x = keras.Input(shape=(4,))
+        h = keras.layers.Dense(units, name="hidden")(x)
+        return keras.Model(x, keras.layers.Dense(1, name="out")(h))
+
+    def loss(labels, predictions):
+        return keras.ops.mean(keras.ops.square(labels - predictions))
+
+    def optimizer():
+        return keras.optimizers.Adam(0.01)
+
+    def feed(batch):
+        return batch["x"], batch["y"]
+""")
+
+
+def trainer(tmp_path, units: int, non_finite: NonFinite | None = None) -> AllReduceTrainer:
+    """A member's trainer on a model whose width a file beside it sets, as a user's config file does."""
+    (tmp_path / "model_def.py").write_text(MODEL)
+    (tmp_path / "config.json").write_text(json.dumps({"units": units}))
+    model_def = load_model_def(str(tmp_path / "model_def.py"))
+    return AllReduceTrainer(model_def, model_def.model(), non_finite)
+
+
+def test_a_state_of_another_shape_is_refused_naming_the_variable(tmp_path):
+    """A resume after the config file changed the model: same layers, same number of variables, other shapes."""
+    saved = trainer(tmp_path, 8).state()
+    t = trainer(tmp_path, 6)
+    before = [v.numpy().copy() for v in t.model.weights]
+    with pytest.raises(ConfigError) as raised:  # bad input, as a PS shard's refusal is: exit 2 in both strategies
+        t.load_state(*saved, there="checkpoint 3")
+    assert str(raised.value).startswith(
+        "Cannot load checkpoint 3: 'hidden/kernel' is (4, 6) float32 in this model, (4, 8) float32 in checkpoint 3: "
+        "the model changed since the job started"
+    ), raised.value
+    assert "--job-id" in str(raised.value)
+    for v, b in zip(t.model.weights, before):
+        np.testing.assert_array_equal(v.numpy(), b)
+    t.load_state(*trainer(tmp_path, 6).state(), there="checkpoint 3")  # the same model's state loads
+
+
+def test_a_gradient_that_is_not_finite_stops_before_the_ring_naming_the_records(tmp_path):
+    t = trainer(tmp_path, 3)
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
+    assert np.isfinite(t.gradients(batch, "records [0, 4) of part-0 in epoch 1")[0])
+    batch["x"][2, 1] = np.inf
+    with pytest.raises(DataError) as raised:
+        t.gradients(batch, "records [4, 8) of part-0 in epoch 1")
+    assert " on records [4, 8) of part-0 in epoch 1, before it was applied" in str(raised.value), raised.value
+
+
+def test_a_skipped_minibatch_says_why_and_is_not_an_error(tmp_path):
+    t = trainer(tmp_path, 3, NonFinite(skip=True))
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
+    assert t.gradients(batch)[3] is None
+    batch["y"][1] = np.nan
+    assert t.gradients(batch, "records [4, 8) of part-0 in epoch 1")[3] == "the loss became nan"

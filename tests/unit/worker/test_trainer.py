@@ -8,12 +8,17 @@ import textwrap
 import numpy as np
 import pytest
 
+from elastic_step.data.api import skipped_key
+from elastic_step.errors import DataError
+from elastic_step.proto import rpc, tensors
+from elastic_step.worker.finite import NonFinite
+from elastic_step.worker.records import Records
+
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
 from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
-from elastic_step.proto import rpc  # noqa: E402
 from elastic_step.ps.api import Placement, PushKey, load_named, named_variables  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
@@ -296,3 +301,42 @@ def test_feed_may_return_sample_weights_and_class_weight_weighs_by_label(tmp_pat
             assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
         finally:
             gen.close()
+
+
+def test_a_minibatch_whose_loss_is_not_finite_is_never_pushed_and_names_its_records(trainer):
+    """As Keras's TerminateOnNaN: a NaN in a label makes the loss NaN; the job must stop on it, with the records
+    to look at, before the shard's values hold it (one NaN applied makes every value NaN)."""
+    t, ps, _ = trainer
+    before = ps.pull_dense()
+    rows = lease_rows(32, seed=5)
+    rows["y"][20] = np.nan
+    result = t.compute(t.minibatch(t.feed_lease(rows), 16, 32), "records [16, 32) of part-0 in epoch 2")
+    with pytest.raises(DataError) as raised:
+        t.push_finish(t.push_start(result, PushKey(9, 16, 32, 1, 0)))
+    assert "the loss became nan on records [16, 32) of part-0 in epoch 2" in str(raised.value), raised.value
+    assert "data prep" in str(raised.value) and "learning rate" in str(raised.value)
+    for a, b in zip(ps.pull_dense(), before):
+        np.testing.assert_array_equal(a, b)
+    # The records before it are finite: they push.
+    result = t.compute(t.minibatch(t.feed_lease(rows), 0, 16))
+    assert t.push_finish(t.push_start(result, PushKey(9, 0, 16, 1, 0)))[0]
+
+
+def test_skipping_a_minibatch_whose_loss_is_not_finite_applies_nothing_of_it_and_tells_the_master(tmp_path):
+    """--skip-non-finite: the shards get the mark of a skipped minibatch (they apply nothing, account for its
+    records as skipped) and the master is told which records and why."""
+    told = []
+    skip = NonFinite(True, lambda at, why: told.append((at, why)))
+    for t, ps, _ps_model in serve(tmp_path, MODEL, non_finite=skip):
+        before = ps.pull_dense()
+        rows = lease_rows(32, seed=5)
+        rows["y"][20] = np.nan
+        at = Records("part-0", 0, 1, 16, 32)
+        result = t.compute(t.minibatch(t.feed_lease(rows), 16, 32), at)
+        applied, loss = t.push_finish(t.push_start(result, PushKey(9, 16, 32, 1, 0)))
+        assert applied and loss != loss  # accounted for; its loss is NaN, which the master leaves out
+        assert told == [(at, "the loss became nan")]
+        for a, b in zip(ps.pull_dense(), before):
+            np.testing.assert_array_equal(a, b)
+        evidence = tensors.decode_applied(ps.stats()[0].applied)  # what the audit reads
+        assert {k: v.tolist() for k, v in evidence.items()} == {skipped_key(1, 0): [[16, 32]]}
