@@ -38,6 +38,7 @@ import numpy as np
 
 from elastic_step.data.api import AppliedRecords
 from elastic_step.instance.master_client import MasterClient
+from elastic_step.optimizers import LearningRateScale
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc, tensors
 from elastic_step.worker.collective import Aborted, PeerFailed, Ring, StateProvider, pull_state
@@ -58,7 +59,7 @@ class AllReduceTrainer:
         self.optimizer = model_def.optimizer()
         trainable = model.trainable_variables
         self.optimizer.build(trainable)
-        self.base_lr = float(np.asarray(self.optimizer.learning_rate))
+        self.lr_scale = LearningRateScale(self.optimizer)
         # The records whose updates the weights hold: every member's contribution to each applied step.
         self.applied_records = AppliedRecords()
         self.size = sum(int(v.shape.num_elements()) for v in trainable)
@@ -99,8 +100,9 @@ class AllReduceTrainer:
             raise self.model_def.user_error(e, "computing a training step") from e
         return float(loss), flat.numpy(), int(len(labels))
 
-    def apply(self, mean_grad: np.ndarray, lr: float) -> None:
-        self.optimizer.learning_rate.assign(lr)
+    def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
+        """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`."""
+        self.lr_scale.set(lr_scale)
         self._apply(mean_grad)
 
     def checksum(self) -> int:
@@ -398,10 +400,10 @@ class AllReduceWorker:
             # COMMIT: apply the average (identical on every member), under the state lock.
             n = float(total[-2])
             world = len(v.members)
-            lr = self.trainer.base_lr * (world / max(1, v.max_workers) if self.global_batch == "scaled" else 1.0)
+            lr_scale = world / max(1, v.max_workers) if self.global_batch == "scaled" else 1.0
             with self.state.cv:
                 if n > 0:
-                    self.trainer.apply(total[:-2] / n, lr)
+                    self.trainer.apply(total[:-2] / n, lr_scale)
                     for epoch, data_shard, start, end in contributions(slots):
                         self.trainer.applied_records.add(epoch, data_shard, start, end)
                 self.applied_step = step

@@ -43,6 +43,11 @@ dropped from the training loss (eval loss 0.70 against 0.52, off by 0.17); the p
 evaluation's loss (the fast check fails: elastic_step/evaluation.py did just that before this test). A summed instead of
 averaged loss would be off by orders of magnitude.
 
+The optimizer modules (lr_schedule, weight_decay, ema) were checked against fit with the feature taken
+out (seed 0, digits): each moves fit's eval loss by more than the tolerance (schedule 0.26 against a
+constant rate's 0.14; weight decay 0.52 against 0.16, and against 0.19 without its global_clipnorm;
+moving averages 0.63 against 0.41, at a tighter clipnorm than the module's), so dropping one is caught.
+
 The ps side runs one push in flight (the default), so a lone worker's SGD is fit's, in sequence: the
 worker waits for its push before the next step. Before that wait moved ahead of the step, one in flight
 left each gradient one update stale (as `--pushes-in-flight 2` does now) and two left it two stale: 14
@@ -71,6 +76,9 @@ MODULES = {
     "l2_regularizer": (os.path.join(HERE, "models", "l2_regularizer.py"), "digits_data"),
     "dict_inputs": (os.path.join(HERE, "models", "dict_inputs.py"), "digits_data"),
     "embedding": (os.path.join(HERE, "models", "embedding.py"), "ctr_data"),
+    "lr_schedule": (os.path.join(HERE, "models", "lr_schedule.py"), "digits_data"),
+    "weight_decay": (os.path.join(HERE, "models", "weight_decay.py"), "digits_data"),
+    "ema": (os.path.join(HERE, "models", "ema.py"), "digits_data"),
     "sample_digits": (DIGITS_MODEL, "digits_data"),
     "sample_ctr": (CTR_MODEL, "ctr_data"),
 }
