@@ -34,6 +34,7 @@ from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
+from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
 from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
@@ -386,16 +387,20 @@ class TrainingJob:
         return (ConfigError if f["kind"] == "config_error" else JobFailed)(f"Training failed{where}: {detail}")
 
     # ------------------------------------------------------------------ the end
-    def _load_from_ps(self, model, with_stats: bool = False) -> list:
+    def _load_from_ps(self, model, with_stats: bool = False, final: bool = False) -> list:
         """Load the parameter servers' current weights and state into a model built from the model definition;
-        with `with_stats`, return each shard's Stats (counters and the audit's evidence)."""
+        with `with_stats`, return each shard's Stats (counters and the audit's evidence). `final`: the
+        values a finished training leaves (the optimizer's moving averages when it keeps them)."""
         from elastic_step.ps.api import Placement, load_named
         from elastic_step.ps.client import PSClient
 
         ps = PSClient(self.coord.ps_addresses, self.plan.token, Placement.of(model, self.cfg.num_ps))
         try:
-            values = ps.pull_dense_named()
-            values.update(ps.all_rows())
+            if final and self.model_def.optimizer().use_ema:
+                values = ps.final_named()
+            else:
+                values = ps.pull_dense_named()
+                values.update(ps.all_rows())
             stats = ps.stats() if with_stats else []
         finally:
             ps.close()
@@ -411,18 +416,21 @@ class TrainingJob:
         model = self.model_def.model()
         if self.allreduce:
             return model, None, [self._load_from_rank0(model, final=True)]
-        stats = self._load_from_ps(model, with_stats=True)
+        stats = self._load_from_ps(model, with_stats=True, final=True)
         return model, stats, [tensors.decode_applied(s.applied) for s in stats]
 
     def _load_from_rank0(self, model, final: bool = False) -> dict:
         """allreduce: the members' weights (identical on every member), from the first that answers.
-        `final`: the state of the last committed step; else whatever step the member is at. Returns
+        `final`: the state of the last committed step, finalized as `fit` leaves a model (with use_ema, the
+        moving averages); else whatever step the member is at. Returns
         the records those weights hold, as the member accounted them (the audit's evidence)."""
         from elastic_step.worker.collective import pull_state
 
         def load(num_model, values):
             for var, value in zip(model.weights, values[:num_model]):
                 var.assign(value.reshape(tuple(var.shape)))
+            if final:  # with use_ema, the moving averages the members' optimizer state holds
+                finalize(model, self.model_def.optimizer(), values[num_model:])
 
         rdv = self.rendezvous
         with self.coord.lock:

@@ -17,6 +17,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+# In a shard's saved state (ParameterShard.save) when its optimizer keeps moving averages (use_ema):
+# the values a finished model holds, the flat dense values' layout, and each table's rows on the shard.
+FINAL_DENSE = "final/dense"
+FINAL_TABLE = "final/table/"
+
 
 def variable_names(model) -> list[str]:
     """Stable, unique names of a model's trainable variables: creation order + short name.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import io
 import ipaddress
 import logging
 import queue
@@ -16,7 +17,7 @@ import numpy as np
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
-from elastic_step.ps.api import Placement, PushKey
+from elastic_step.ps.api import FINAL_DENSE, FINAL_TABLE, Placement, PushKey
 from elastic_step.ps.doorbell import REFUSED, Bell, Dropped, PushFailed
 from elastic_step.ps.push_slots import PushSlots, SharedMemoryUnavailable
 
@@ -283,6 +284,20 @@ class PSClient:
             name: self.pull_rows({name: np.arange(rows, dtype=np.int64)})[name]
             for name, (rows, _dim) in self.placement.embeddings.items()
         }
+
+    def final_named(self) -> dict[str, np.ndarray]:
+        """Every variable as a finished training leaves it, when the optimizer keeps moving averages
+        (use_ema): the averages, as `fit` leaves them (finalize_variable_values). From the shards' saved
+        state, which holds them (ParameterShard.save)."""
+        out: dict[str, np.ndarray] = {}
+        tables = {name: np.empty(shape, np.float32) for name, shape in self.placement.embeddings.items()}
+        for shard, npz in enumerate(self.save()):
+            saved = np.load(io.BytesIO(npz), allow_pickle=False)
+            out.update(self.placement.unflatten(shard, saved[FINAL_DENSE]))
+            for name, table in tables.items():
+                table[shard :: len(self.stubs)] = saved[FINAL_TABLE + name]
+        out.update(tables)
+        return out
 
     def stats(self) -> list[pb.PsStats]:
         return [s.Stats(pb.StatsRequest(token=self.token), timeout=self.timeout) for s in self.stubs]

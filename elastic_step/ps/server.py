@@ -16,11 +16,20 @@ import grpc
 import numpy as np
 
 from elastic_step.data.api import AppliedRecords
+from elastic_step.optimizers import moving_averages, without_clipping
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.ps.api import CHANGED_MODEL, Placement, PushKey, layout_mismatch, named_variables
+from elastic_step.ps.api import (
+    CHANGED_MODEL,
+    FINAL_DENSE,
+    FINAL_TABLE,
+    Placement,
+    PushKey,
+    layout_mismatch,
+    named_variables,
+)
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
 from elastic_step.ps.push_slots import SharedSegments
 
@@ -34,12 +43,11 @@ ELEMENTWISE_OPTIMIZERS = frozenset({"SGD", "Adam", "Adamax", "Nadam", "RMSprop",
 
 
 def updates_elementwise(optimizer) -> bool:
-    """True for a stock Keras optimizer without per-variable options (clipnorm clips each variable's
-    gradient on its own; weight decay can exclude variables by name)."""
+    """True for a stock Keras optimizer without per-variable options (weight decay can exclude
+    variables by name). Clipping is the workers' (see elastic_step/optimizers.py)."""
     return (
         type(optimizer).__name__ in ELEMENTWISE_OPTIMIZERS
         and type(optimizer).__module__.startswith("keras.")
-        and getattr(optimizer, "clipnorm", None) is None
         and not getattr(optimizer, "weight_decay", None)
     )
 
@@ -54,6 +62,9 @@ class ParameterShard:
         self.tf = tf
         self.shard = shard
         self.num_ps = placement.num_ps
+        # A norm to clip by spans every shard's gradients: the worker clips each push as the optimizer
+        # would, before splitting it over the shards.
+        optimizer = without_clipping(optimizer)
         values = named_variables(model)
         self.dense_names = placement.weights_on(shard)
         state_names = placement.state_on(shard)
@@ -65,7 +76,8 @@ class ParameterShard:
             flat = np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in self.dense_names])
             dense_vars = [tf.Variable(flat, name="dense_flat")]
         else:
-            dense_vars = [tf.Variable(values[n].numpy(), name=f"d{i}") for i, n in enumerate(self.dense_names)]
+            # Named as the model's variables, so that weight decay excludes the ones a user names.
+            dense_vars = [tf.Variable(values[n].numpy(), name=values[n].name) for n in self.dense_names]
         self.tables: dict[str, tf.Variable] = {
             name: tf.Variable(values[name].numpy()[shard :: self.num_ps], name=f"e{i}")
             for i, name in enumerate(placement.embeddings)
@@ -128,6 +140,16 @@ class ParameterShard:
             [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables],
         )
         self._read = tf.function(flat_values).get_concrete_function()
+        averages = moving_averages(optimizer, dense_vars + tables)
+        self._final = None
+        if averages is not None:  # use_ema: the final model holds the averages, as after fit
+            dense_averages, table_averages = averages[: len(dense_vars)], averages[len(dense_vars) :]
+
+            def final_values():
+                flat = tf.concat([tf.reshape(tf.cast(a, tf.float32), [-1]) for a in dense_averages] + [state], 0)
+                return flat, table_averages
+
+            self._final = tf.function(final_values).get_concrete_function()
 
     def push(
         self,
@@ -211,7 +233,9 @@ class ParameterShard:
     def save(self) -> bytes:
         """The shard's whole state at one moment, as an .npz: its values, its optimizer's variables
         (slots, step count), and the keys and records of the pushes it applied, so that a shard
-        restored from it skips what it had applied and the audit sees exactly what it holds."""
+        restored from it skips what it had applied and the audit sees exactly what it holds. With
+        use_ema, also the values a model finished now would hold (FINAL_DENSE, FINAL_TABLE + name):
+        the moving averages, laid out as the values are."""
         buf = io.BytesIO()
         with self.lock:
             arrays = {
@@ -225,6 +249,10 @@ class ParameterShard:
             arrays.update(self.applied_records.npz())
             arrays["layout"] = np.array(json.dumps([(shape, str(dtype)) for _n, shape, dtype in self.layout]))
             arrays.update({f"touched/{n}": np.array(sorted(ids), np.int64) for n, ids in self.touched.items()})
+            if self._final is not None:
+                flat, tables = self._final()
+                arrays[FINAL_DENSE] = flat.numpy()
+                arrays.update({FINAL_TABLE + n: t.numpy() for n, t in zip(self.tables, tables)})
             np.savez(buf, **arrays)
         return buf.getvalue()
 

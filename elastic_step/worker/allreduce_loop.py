@@ -18,8 +18,9 @@ checkpoint, every member of the first version loads the checkpoint's state from 
 Global batch (`--global-batch`):
   * `scaled` (default): each member does one minibatch of `minibatch_size` per step, so the global
     batch is world × minibatch_size and follows the membership; the learning rate is scaled
-    linearly with it: lr = base_lr × world / max_workers (base_lr is the model definition's
-    optimizer's, meant for the full-strength job), assigned before each apply.
+    linearly with it: lr = base_lr × trained / max_workers, where `trained` counts the members that
+    trained a minibatch in the step (a member whose lease ran out contributes none) and base_lr is the
+    model definition's optimizer's (or its schedule's), meant for the full-strength job.
   * `fixed`: the global batch stays ≈ max_workers × minibatch_size whatever the membership: each
     member accumulates ceil(max_workers / world) minibatches per step (fewer at the end of its
     lease), weighted by record counts; the learning rate is left alone.
@@ -39,6 +40,7 @@ import numpy as np
 from elastic_step.data.api import AppliedRecords, skipped_key
 from elastic_step.errors import ConfigError
 from elastic_step.instance.master_client import MasterClient
+from elastic_step.optimizers import LearningRateScale
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc, tensors
 from elastic_step.ps.api import CHANGED_MODEL, CHANGED_MODEL_FIX, layout_mismatch
@@ -67,7 +69,7 @@ class AllReduceTrainer:
         self.optimizer = model_def.optimizer()
         trainable = model.trainable_variables
         self.optimizer.build(trainable)
-        self.base_lr = float(np.asarray(self.optimizer.learning_rate))
+        self.lr_scale = LearningRateScale(self.optimizer)
         # The records whose updates the weights hold: every member's contribution to each applied step.
         self.applied_records = AppliedRecords()
         self.size = sum(int(v.shape.num_elements()) for v in trainable)
@@ -120,8 +122,9 @@ class AllReduceTrainer:
         skipped = self.non_finite.check(loss, np.split(flat, self._offsets), where, self._names)
         return loss, flat, len(next(iter(batch.values()))), skipped
 
-    def apply(self, mean_grad: np.ndarray, lr: float) -> None:
-        self.optimizer.learning_rate.assign(lr)
+    def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
+        """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`."""
+        self.lr_scale.set(lr_scale)
         self._apply(mean_grad)
 
     def checksum(self) -> int:
@@ -180,6 +183,17 @@ def contributions(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
     pairs = np.rint(slots).astype(np.int64).reshape(-1, 4, 2)
     ints = pairs[:, :, 0] * _LOW + pairs[:, :, 1]
     return [tuple(int(x) for x in c) for c in ints if c[3] > c[2]]
+
+
+def step_lr_scale(global_batch: str, taken: list[tuple[int, int, int, int]], max_workers: int) -> float:
+    """The factor on the optimizer's learning rate for a step that took `taken` (contributions()). `scaled`: the
+    global batch is that of the members that trained a minibatch in the step, and the rate follows it. A step that
+    one member trains alone (its lease outlasting the others' at an epoch's end) is a smaller batch: at the full
+    rate it would train those records harder than `fit` does. `fixed`: left alone."""
+    if global_batch != "scaled":
+        return 1.0
+    trained = sum(1 for _epoch, data_shard, _lo, _hi in taken if data_shard >= 0)  # skipped ones trained nothing
+    return trained / max(1, max_workers)
 
 
 class AllReduceWorker:
@@ -435,12 +449,12 @@ class AllReduceWorker:
                 continue
             # COMMIT: apply the average (identical on every member), under the state lock.
             n = float(total[-2])
-            world = len(v.members)
-            lr = self.trainer.base_lr * (world / max(1, v.max_workers) if self.global_batch == "scaled" else 1.0)
+            taken = contributions(slots)
+            lr_scale = step_lr_scale(self.global_batch, taken, v.max_workers)
             with self.state.cv:
                 if n > 0:
-                    self.trainer.apply(total[:-2] / n, lr)
-                for epoch, data_shard, start, end in contributions(slots):  # skipped ones too
+                    self.trainer.apply(total[:-2] / n, lr_scale)
+                for epoch, data_shard, start, end in taken:  # skipped ones too
                     self.trainer.applied_records.add(epoch, data_shard, start, end)
                 self.applied_step = step
                 self.state.applied_step = step

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from elastic_step.data.api import skipped_key
+from elastic_step.optimizers import clip_gradients, clips
 from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, state_variables, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
 from elastic_step.worker.finite import NonFinite
@@ -106,17 +107,25 @@ class PSTrainer:
                 return rows, tf.gather(g, rows)
             return tf.cast(g.indices, tf.int64), g.values
 
+        clipper = model_def.optimizer()  # its clipping options: the shards' copies do not clip
+        dense_pos = [i for i in range(len(trainable)) if i not in table_pos]
+
         def pack(grads, state_delta, tables):
             """One flat buffer per PS shard (one tensor on the wire instead of one per variable), and
-            each table's unique ids with their summed rows."""
-            dense = [
-                flat([state_delta[i] if kind == "state" else dense_grad(grads[i], i) for kind, i in layout])
-                for layout in layouts
-            ]
+            each table's unique ids with their summed rows, clipped as the user's optimizer clips a
+            step's gradients (a table's by the rows it touched: the rest of its gradient is zeros)."""
             sparse = []
             for ids, rows in tables:
                 ids, pos = tf.unique(ids)
                 sparse.append((ids, tf.math.unsorted_segment_sum(rows, pos, tf.size(ids))))
+            grads = {i: dense_grad(grads[i], i) for i in dense_pos}
+            if clips(clipper):
+                clipped = clip_gradients(clipper, [grads[i] for i in dense_pos] + [rows for _, rows in sparse])
+                grads = dict(zip(dense_pos, clipped))
+                sparse = [(ids, rows) for (ids, _), rows in zip(sparse, clipped[len(dense_pos) :])]
+            dense = [
+                flat([state_delta[i] if kind == "state" else grads[i] for kind, i in layout]) for layout in layouts
+            ]
             return dense, sparse
 
         def gradients(data, lo, hi, values, state):
@@ -149,7 +158,6 @@ class PSTrainer:
             # one minibatch to the next.
             values, state = unpack(flats)
             n = tf.cast((end[0] - begin[0] + minibatch_size - 1) // minibatch_size, tf.int32)
-            dense_pos = [i for i in range(len(trainable)) if i not in table_pos]
             tas = [
                 (
                     tf.TensorArray(tf.int64, size=n, infer_shape=False),

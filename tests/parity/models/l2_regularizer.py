@@ -1,8 +1,12 @@
-"""Habit: weight decay as an L2 `kernel_regularizer`, trained with plain SGD.
+"""Habits: weight decay as an L2 `kernel_regularizer`, trained with plain SGD; a loss function that
+returns per-example losses and leaves the reduction to Keras.
 
 Keras adds each layer's regularization loss to the loss `fit` minimises (and reports it in the
 loss `evaluate` returns); the user's `loss()` never mentions it. The penalty is strong enough to
-shape the weights, and plain SGD (unlike Adam) feels the loss's scale. Digits.
+shape the weights, and plain SGD (unlike Adam) feels the loss's scale.
+
+Keras users write `return keras.losses.sparse_categorical_crossentropy(y, p)` and let `compile` average
+it (returning a `[batch]` vector used to crash every elastic worker). Digits.
 """
 
 import keras
@@ -23,7 +27,7 @@ def model():
 
 
 def loss(labels, predictions):
-    return keras.ops.mean(keras.losses.sparse_categorical_crossentropy(labels, predictions))
+    return keras.losses.sparse_categorical_crossentropy(labels, predictions)
 
 
 def optimizer():

@@ -13,7 +13,7 @@ import pytest
 from elastic_step.data.api import skipped_key
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.model_def import load_model_def
-from elastic_step.worker.allreduce_loop import AllReduceTrainer, contribution_slots, contributions
+from elastic_step.worker.allreduce_loop import AllReduceTrainer, contribution_slots, contributions, step_lr_scale
 from elastic_step.worker.finite import NonFinite
 
 
@@ -148,3 +148,14 @@ def test_a_skipped_minibatch_says_why_and_is_not_an_error(tmp_path):
     assert t.gradients(batch)[3] is None
     batch["y"][1] = np.nan
     assert t.gradients(batch, "records [4, 8) of part-0 in epoch 1")[3] == "the loss became nan"
+
+
+def test_the_learning_rate_follows_the_members_that_trained_in_the_step():
+    """A step one member trains alone (the other's lease ran out) is half the global batch: half the rate."""
+    both, alone = [(0, 0, 0, 16), (0, 1, 512, 528)], [(0, 1, 528, 544)]
+    skipped = [(0, 1, 544, 560), (0, skipped_key(0, 0)[1], 16, 32)]
+    assert step_lr_scale("scaled", both, 2) == 1.0
+    assert step_lr_scale("scaled", alone, 2) == 0.5
+    assert step_lr_scale("scaled", skipped, 2) == 0.5  # a skipped minibatch trains nothing
+    assert step_lr_scale("scaled", both, 4) == 0.5  # two of four: the job at half strength
+    assert step_lr_scale("fixed", alone, 2) == 1.0
