@@ -57,7 +57,3 @@ class NonFinite:
             self.report(at, why)
         return why
 
-
-def require_finite(loss: float, gradients: Sequence[np.ndarray], at: Records | None, names: Sequence[str] = ()):
-    """Raise a DataError naming the minibatch `at` when its loss or a gradient is NaN or infinite."""
-    NonFinite().check(loss, gradients, at, names)
