@@ -100,6 +100,7 @@ VALUE_TYPES = {
     "String": ("string", "string", str, ""),
     "Integer": ("number", "number", int, 0),
     "Float": ("number", "number", float, 0.0),
+    "Boolean": ("boolean", "boolean", lambda v: str(v).lower() == "true", False),
     "Dataset": ("array", "string", str, "[]"),
 }
 # besides a typed-in value: a parent node's output, a file, a pipeline parameter (the KFP processor has them)
@@ -204,6 +205,7 @@ def test_the_palette_and_properties_panel_show_the_declared_interface(elyra, rel
         assert value_entry(field)["properties"]["value"] == {
             "type": widget,
             "default": cast(i["default"]) if "default" in i else empty,
+            **({"title": " "} if widget == "boolean" else {}),  # a checkbox: Elyra gives it a blank title
         }
         (param,) = [o for o in field["oneOf"] if o["properties"]["widget"]["default"] == "parameter"]
         assert param["uihints"]["value"] == {"ui:typefilter": i["type"]}  # pipeline parameters of that type
