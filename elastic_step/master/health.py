@@ -68,7 +68,7 @@ class Health:
         quiet = now - last
         if quiet > self.bound_s:
             return False, f"the master's pump has not turned for {quiet:.0f} s (bound {self.bound_s:.0f} s)"
-        return True, f"training: the master's pump turned {quiet:.1f} s ago"
+        return True, f"ok: the master's pump turned {quiet:.1f} s ago"
 
 
 class HealthServer:

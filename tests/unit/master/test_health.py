@@ -39,7 +39,7 @@ def test_alive_while_the_pump_turns_within_the_bound_and_not_after():
     clock.now += 11
     assert h.check() == (False, "the master's pump has not turned for 41 s (bound 30 s)")
     h.turned()
-    assert h.check() == (True, "training: the master's pump turned 0.0 s ago")
+    assert h.check() == (True, "ok: the master's pump turned 0.0 s ago")
 
 
 def test_busy_work_is_alive_however_long_and_the_bound_counts_from_its_end():
@@ -65,7 +65,7 @@ def test_the_endpoint_answers_200_then_503_with_the_reason_over_http():
     server = HealthServer(h, 0, "127.0.0.1")
     try:
         h.turned()
-        assert get(server.port) == (200, "training: the master's pump turned 0.0 s ago\n")
+        assert get(server.port) == (200, "ok: the master's pump turned 0.0 s ago\n")
         clock.now += 45
         assert get(server.port) == (503, "the master's pump has not turned for 45 s (bound 30 s)\n")
         assert get(server.port, "/other")[0] == 404
