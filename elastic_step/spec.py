@@ -306,6 +306,16 @@ PARAMS: tuple[Param, ...] = (
         _on(CONFIG),
     ),
     Param(
+        "health_port",
+        int,
+        -1,
+        "the master's liveness endpoint, HTTP GET /healthz on this port: 200 while its pump turns (or it is busy "
+        "cutting a checkpoint, restoring or saving the model), 503 once the pump has stalled; -1: 8080 when this "
+        "step runs in a Kubernetes pod, else none; 0: none",
+        _on(CONFIG, TRAIN),
+        metavar="PORT",
+    ),
+    Param(
         "progress",
         str,
         "auto",

@@ -15,6 +15,8 @@ that jobs in one process never share them):
 A process's hook points, installed by whoever drives them:
 - COLLECTIVE_UNDER_WAY(step, flush): a ring all-reduce member has sent its own chunk of `step` and
   received nothing yet; `flush()` returns once what it sent has left.
+- PUMP_TURN(committed): the master's pump begins a turn, `committed` records in; held there, the pump
+  stalls (what the step's health endpoint, master/health.py, reports) while its threads go on.
 - WATCH_REQUEST(watch): the Kubernetes pod watch (a PodWatch) is about to open a request; held
   there, it leaves what the pods do meanwhile unseen.
 """
@@ -60,4 +62,5 @@ class Hook:
 
 
 COLLECTIVE_UNDER_WAY = Hook("a step's collective is under way")
+PUMP_TURN = Hook("the master's pump begins a turn")
 WATCH_REQUEST = Hook("the pod watch opens a request")

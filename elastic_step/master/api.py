@@ -45,6 +45,7 @@ class TrainConfig:
     worker_priority_class: str = _D["worker_priority_class"]
     ps_priority_class: str = _D["ps_priority_class"]
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
+    health_port: int = _D["health_port"]  # -1: 8080 in a pod, else none; 0: none (master/health.py)
     progress: str = _D["progress"]
     checkpoint_every: str = _D["checkpoint_every"]  # a time (60s, 5m) or records (50000); 0: no checkpoints
     # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
@@ -97,6 +98,11 @@ class TrainConfig:
         from elastic_step.master.checkpoint_store import parse_interval
 
         parse_interval(self.checkpoint_every)
+        if not -1 <= self.health_port <= 65535:
+            raise ConfigError(
+                "--health-port must be a TCP port, 0 (no health endpoint) or -1 (8080 in a pod), "
+                f"got {self.health_port}."
+            )
         if self.progress not in BY_NAME["progress"].choices:
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")
         return self

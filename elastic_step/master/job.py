@@ -8,6 +8,7 @@ end evaluates, exports the model and writes `summary.json`.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import pathlib
@@ -20,6 +21,7 @@ import time
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
+from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
 from elastic_step.instance import TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
@@ -27,6 +29,7 @@ from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.data_check import check_splits
+from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
@@ -96,10 +99,14 @@ def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple
 
 
 class TrainingJob:
-    def __init__(self, cfg: TrainConfig, backend: Backend | None = None, staging: str | None = None):
+    def __init__(
+        self, cfg: TrainConfig, backend: Backend | None = None, staging: str | None = None, health: Health | None = None
+    ):
         """`backend`: one already started (tests), else the config's; `staging`: a local folder the job
-        writes in, for an output in an object store that train() uploads at the end."""
+        writes in, for an output in an object store that train() uploads at the end; `health`: what the
+        step's health endpoint answers from (train() serves it), told of every turn of the pump."""
         self.cfg = cfg.validate()
+        self.health = health or Health()
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
         self.output = pathlib.Path(output)  # where this job writes
@@ -253,18 +260,20 @@ class TrainingJob:
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
                 if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
-                    self.durable.shards_ready()
-                    if self.eval is not None and not self.eval_history:  # the curve starts at the initial weights
-                        self._load_weights()  # now: once the shards are open, workers push at once
-                        self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
+                    with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
+                        self.durable.shards_ready()
+                        if self.eval is not None and not self.eval_history:  # the curve starts at the initial weights
+                            self._load_weights()  # now: once the shards are open, workers push at once
+                            self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
                     self.coord.open_shards()
             self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
             if self.coord.failure:
                 raise self._failure()
             self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
-            self._evaluator.shutdown(wait=True)  # no model is built in two threads at once
-            model, ps_stats, evidence = self._final_model()
+            with self.health.busy("pulling the trained model"):
+                self._evaluator.shutdown(wait=True)  # no model is built in two threads at once
+                model, ps_stats, evidence = self._final_model()
         finally:
             self._evaluator.shutdown(wait=False, cancel_futures=True)
             self.coord.stop_all.set()
@@ -274,24 +283,31 @@ class TrainingJob:
                 self._input_server.stop()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
-        return self._finish(model, ps_stats, evidence)
+        with self.health.busy("evaluating and saving the model"):
+            return self._finish(model, ps_stats, evidence)
 
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""
         last_tick = 0.0
         evaluated, pending = self.ledger.epoch, None
         while not until() and self.coord.failure is None:
+            self.health.turned()
             for ev in self.backend.events(timeout=0.1):
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
+            faults_api.PUMP_TURN(committed)
             if self.terminated_at is not None:
-                if self.durable.last_cut(committed, now):
+                with self.health.busy("cutting a last checkpoint"):
+                    last = self.durable.last_cut(committed, now)
+                if last:
                     self.coord.report_failure("master", "terminated", "the master received SIGTERM", "")
                 continue
             # Events in the order of the records they wait for: a cut due at fewer records than a fault is
             # cut before the fault fires, even when one turn of a busy pump sees the records pass both.
-            self.durable.tick(committed, now)
+            # A checkpoint is written in a turn that began with its barrier up: that turn may take long.
+            with self.health.busy("cutting a checkpoint") if self.durable.cutting else contextlib.nullcontext():
+                self.durable.tick(committed, now)
             if not self.durable.cutting:
                 self.faults.tick(committed, self.backend, self.coord)
             # One curve point per finished epoch, skipping epochs that end while one is computed,
@@ -353,11 +369,13 @@ class TrainingJob:
         alone would leave the others holding updates it lost). The lost shard is relaunched and
         restored, the others restored in place, as a new generation: workers stay up, learn it from
         their next push (refused) and register again for the shards."""
-        manifest, generation = self.durable.rewind(inst.index, lost_at)
+        with self.health.busy("rewinding to the last checkpoint"):
+            manifest, generation = self.durable.rewind(inst.index, lost_at)
         self._launch(inst, relaunch=True)
         self._pump(until=self.coord.ps_ready.is_set)
         if self.coord.failure is None:
-            self.durable.restore_shards(manifest, generation)
+            with self.health.busy("restoring the parameter servers from the last checkpoint"):
+                self.durable.restore_shards(manifest, generation)
             self.durable.rewound(generation)
 
     def _log_tail(self, inst: InstanceId, lines: int = 15) -> str:
@@ -611,16 +629,24 @@ def train(cfg: TrainConfig) -> dict:
                 "Pass an --output the step may write to (a local folder, gs:// or s3://)."
             ) from None
     check_writable(cfg.output, "write the training step's output to", ConfigError)
-    if local_path(cfg.output) is not None:
-        return TrainingJob(cfg).run()
-    staging = tempfile.mkdtemp(prefix="elastic-step-output-")
-    try:
-        summary = TrainingJob(cfg, staging=staging).run()
-    except BaseException:
-        _upload(staging, cfg.output, failed=True)  # a failed job's summary, report and logs
-        raise
-    _upload(staging, cfg.output)
-    return summary
+    from elastic_step.backends.kubernetes.config import in_cluster, master_host
+
+    in_pod = in_cluster()
+    # Served from here to the step's end (the upload too): a probe that finds no endpoint counts a failure. In a
+    # pod, on the pod's IP, where the kubelet's probe asks (and a mesh's rewritten probe too).
+    with serving(cfg.validate().health_port, in_pod, master_host(in_pod)) as health:
+        if local_path(cfg.output) is not None:
+            return TrainingJob(cfg, health=health).run()
+        staging = tempfile.mkdtemp(prefix="elastic-step-output-")
+        try:
+            summary = TrainingJob(cfg, staging=staging, health=health).run()
+        except BaseException:
+            with health.busy("uploading the failed step's output"):
+                _upload(staging, cfg.output, failed=True)  # a failed job's summary, report and logs
+            raise
+        with health.busy("uploading the output"):
+            _upload(staging, cfg.output)
+        return summary
 
 
 def _upload(staging: str, uri: str, failed: bool = False) -> None:

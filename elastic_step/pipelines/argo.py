@@ -35,6 +35,7 @@ from hera.workflows import (
 from hera.workflows import models as m
 
 from elastic_step import __version__, spec
+from elastic_step.master import health
 
 IMAGE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
 TEMPLATE_NAME = "elastic-step-train-eval"
@@ -58,6 +59,23 @@ TRAIN_RETRY = RetryStrategy(
     retry_policy="Always",
     expression='lastRetry.status == "Error" || asInt(lastRetry.exitCode) not in [1, 2]',
     backoff=m.Backoff(duration="15s", factor="2"),
+)
+# The master's liveness probe (elastic_step/master/health.py). Its endpoint answers 503 once the master's pump has
+# not turned for 30 s, and 200 while the master is busy on purpose, however long that takes: cutting a checkpoint,
+# restoring the parameter servers, evaluating, saving and uploading the model. So the probe never kills a master for
+# being busy; the figures below only make it patient with the endpoint itself. initialDelaySeconds: the endpoint is
+# up before the job's work starts, but the interpreter and the CLI's imports come first, slower on a loaded node.
+# timeoutSeconds, and failureThreshold x periodSeconds (a minute): the answering thread shares the interpreter with
+# the master, and one long call that holds it (a large model's save) may leave an answer late; a late answer or two
+# must not kill a master. A stalled master is ended about 30 s + 60 s after its pump stopped (a frozen one, which
+# cannot answer at all, after 60 s), and the step's retry resumes the job from its last checkpoint (TRAIN_RETRY:
+# the kill's exit code, 137 or 143, is one it retries).
+HEALTH_PROBE = m.Probe(
+    http_get=m.HTTPGetAction(path=health.PATH, port=health.POD_PORT),
+    initial_delay_seconds=30,
+    timeout_seconds=5,
+    period_seconds=15,
+    failure_threshold=4,
 )
 
 # The workflow's parameters: (default or None when required, description), from the job spec: the KFP
@@ -144,6 +162,8 @@ def workflow_template() -> WorkflowTemplate:
                 TRAIN_JOB_ID,
                 "--progress",
                 "lines",
+                "--health-port",
+                str(health.POD_PORT),
                 *_flags(TRAIN_PARAMS),
             ],
             inputs=[Artifact(name="prepared", path=f"{WORK}/prepared"), *(Parameter(name=n) for n in TRAIN_PARAMS)],
@@ -156,6 +176,7 @@ def workflow_template() -> WorkflowTemplate:
             resources=Resources(cpu_request="1", memory_request="2Gi"),
             # With the same --job-id, the retried master adopts the job's worker and PS pods.
             retry_strategy=TRAIN_RETRY,
+            liveness_probe=HEALTH_PROBE,
             env=[
                 m.EnvVar(name="POD_NAME", value_from=_field("metadata.name")),  # owner of the job's pods
                 m.EnvVar(name="POD_UID", value_from=_field("metadata.uid")),

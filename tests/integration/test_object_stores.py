@@ -54,7 +54,8 @@ def test_prep_train_resume_evaluate_and_publish_all_in_the_bucket(store, tmp_pat
     cut = json.loads(fs.cat_file(f"{output}/checkpoints/in-bucket/checkpoint.json"))
     # The kill fired at `fired` records (its journal beside the checkpoints), after any cut that was due first.
     fired = json.loads(fs.cat_file(f"{output}/checkpoints/in-bucket/chaos.json"))["fired"][-1]["at_records"]
-    assert killed_at <= fired and 0 < cut["records_committed"] <= fired
+    # A cut abandoned (its barrier not held in time) would let the kill outrun it: the master's log says so.
+    assert killed_at <= fired and 0 < cut["records_committed"] <= fired, (cut, fired, proc.stderr[-3000:])
 
     proc, _ = train(data, output, model=TALLY_MODEL, env=server.env, **job)  # the retried step
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,12 @@ def s3_artifact(s3, bucket: str, node: dict, name: str, into: Path) -> Path:
 
 def shipped_template() -> dict:
     return yaml.safe_load(TEMPLATE.read_text())
+
+
+def shipped_template_probe() -> dict:
+    """The training step's liveness probe's httpGet, as the shipped template has it."""
+    train = next(t for t in shipped_template()["spec"]["templates"] if t["name"] == "elastic-train")
+    return train["container"]["livenessProbe"]["httpGet"]
 
 
 @pytest.fixture
@@ -449,6 +456,12 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
             lambda: progress() >= 0.15 and len(workers()) == 2, 300, interval=0.5, what="two workers training past 15 %"
         )
         first = {p.metadata.name for p in workers()}
+        # The training step's master answers its liveness probe's request, on the pod's IP and the probe's port
+        # (the request is made here: this control plane runs no real kubelet, so the probe itself never runs).
+        probe = shipped_template_probe()
+        ip = core.read_namespaced_pod(master_pod(), namespace).status.pod_ip
+        with urllib.request.urlopen(f"http://{ip}:{probe['port']}{probe['path']}", timeout=10) as answer:
+            assert answer.status == 200, answer.read()
         core.create_namespaced_pod(
             namespace,
             {

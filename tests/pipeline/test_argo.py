@@ -26,6 +26,7 @@ from hera.workflows import models
 from elastic_step.backends.kubernetes import _JOB_ID
 from elastic_step.cli import build_parser
 from elastic_step.errors import ConfigError, JobFailed, StepTerminated
+from elastic_step.master import health
 from elastic_step.pipelines.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
 from tests.infra.kube.harness.argo import lint
 
@@ -360,6 +361,20 @@ def test_the_training_step_retries_what_took_it_away_not_a_failed_job():
     for name, t in templates().items():
         if name != "elastic-train":
             assert "retryStrategy" not in t, name
+
+
+def test_the_training_step_is_probed_on_the_masters_health_endpoint():
+    """The training container's liveness probe asks the port the step's master serves /healthz on (its args say
+    which), and is patient enough that one late answer does not end a master; no other step is probed."""
+    train = templates()["elastic-train"]["container"]
+    probe = train["livenessProbe"]
+    values = {n: (v if v is not None else f"<{n}>") for n, (v, _) in PARAMETERS.items()}
+    args = build_parser().parse_args([_substitute(a, values) for a in train["args"]])
+    assert probe["httpGet"] == {"path": health.PATH, "port": args.health_port} and args.health_port == health.POD_PORT
+    assert probe["failureThreshold"] > 1 and probe["timeoutSeconds"] > 1 and probe["initialDelaySeconds"] > 0
+    for name, t in templates().items():
+        if name != "elastic-train":
+            assert "livenessProbe" not in t.get("container", {}), name
 
 
 def test_pods_run_as_the_image_user_in_a_writable_work_dir():

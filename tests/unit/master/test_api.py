@@ -30,3 +30,10 @@ def test_minibatches_per_push_is_one_unless_asked_and_only_for_the_ps_strategy()
         ConfigError, match="--minibatches-per-push 4 is for --strategy ps; with allreduce, --global-batch fixed"
     ):
         config(minibatches_per_push=4, strategy="allreduce").validate()
+
+
+@pytest.mark.parametrize("port", [-2, 65536])
+def test_a_health_port_that_is_no_port_is_a_clear_error(port):
+    assert config().validate().health_port == -1  # 8080 in a pod, none elsewhere
+    with pytest.raises(ConfigError, match=f"--health-port must be a TCP port, 0 .* or -1 .*, got {port}"):
+        config(health_port=port).validate()
