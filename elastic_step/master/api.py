@@ -45,6 +45,7 @@ class TrainConfig:
     worker_priority_class: str = _D["worker_priority_class"]
     ps_priority_class: str = _D["ps_priority_class"]
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
+    hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/hang.py)
     progress: str = _D["progress"]
     checkpoint_every: str = _D["checkpoint_every"]  # a time (60s, 5m) or records (50000); 0: no checkpoints
     # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
@@ -70,6 +71,11 @@ class TrainConfig:
             "minibatches_per_push",
         ):
             positive(name)
+        if not self.hang_timeout >= 0:  # NaN too
+            raise ConfigError(
+                f"--hang-timeout must be a number of seconds >= 0 (0: measured from each worker's pace), "
+                f"got {self.hang_timeout}."
+            )
         if self.pushes_in_flight > MAX_PUSHES_IN_FLIGHT:
             raise ConfigError(
                 f"--pushes-in-flight {self.pushes_in_flight} is more than {MAX_PUSHES_IN_FLIGHT}: "
