@@ -99,7 +99,9 @@ class Coordinator:
         for worker, r in ready.items():
             role, index = worker.rsplit("-", 1)
             self.membership.seen(InstanceId(role, int(index)), progressed=True)
-            self.hangs.committed(worker)
+            if r.records or self.hangs.idle(worker) is not None:
+                # A member's clock starts at its first step with records: one before (no lease yet) traced nothing.
+                self.hangs.committed(worker)
             self._replacement_committed(worker, now)
             if r.task_id < 0:
                 continue

@@ -159,11 +159,15 @@ def test_allreduce_the_silent_member_of_a_stalled_ring_is_hung_not_the_members_w
     from elastic_step.master.rendezvous import Ready
 
     coord.hung_workers(0.0)
-    for w in workers:  # step 1 commits with both
+    for w in workers:  # step 1 commits with no records: neither has traced its model yet, no clock runs
         rdv.step_ready(str(w), 1, 1, Ready(-1, 0, 0, 0.0, 7))
+    assert coord.hangs.idle("worker-0") is None and coord.hangs.idle("worker-1") is None
+    for w in workers:  # step 2, with records: both clocks start
+        rdv.step_ready(str(w), 1, 2, Ready(-1, 0, 32, 1.0, 7))
+    assert coord.hangs.idle("worker-0") == 0.0
     for w in workers:
         coord.membership.members[w].last_seen = 0.0  # this test's clock
-    # worker-1 freezes in step 2's collective; worker-0 waits on it, asking the master about the ring.
+    # worker-1 freezes in step 3's collective; worker-0 waits on it, asking the master about the ring.
     late, t = [], 0.0
     for _ in range(40):
         t += 0.1
