@@ -66,6 +66,7 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     assert proc.returncode == 0, proc.stderr[-3000:]
     fired = assert_chaos_fired(summary, 2)
     assert [(f["action"], f["instance"]) for f in fired] == [("slow", "worker-0"), ("stop", "worker-1")]
+    assert "chaos: worker-0 runs 10 times slower" in (out / "logs" / "worker-0.1.log").read_text()  # it was slowed
     events = summary["events"]
     hung = [e for e in events if e["kind"] == "hung"]
     # Only the frozen worker: not the slowed one, not one in its long first step, not its replacement in its own.
