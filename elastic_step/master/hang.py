@@ -3,7 +3,8 @@
 A worker that deadlocks, hangs on a read, is cut off from the network or is frozen keeps its lease, and the
 backend never says it is gone: only its missing progress does. Progress is a commit: a report the ledger took
 (ps), a step whose commit held the worker (allreduce). A worker's clock
-  * starts at its first commit of a launch: a first step that traces for a minute is not a hang;
+  * starts at its first commit of a launch (allreduce: its first step with records): a first step that traces
+    for a minute is not a hang;
   * runs only while the worker holds work the job waits on (a lease in ps, a place in the ring in allreduce),
     and only while the job lets it progress: not while it waits in a checkpoint's barrier, a state is being
     restored or an epoch is being evaluated (the caller says who runs, at each tick);
