@@ -244,18 +244,26 @@ def _legend(series) -> str:
 
 # ---------------------------------------------------------------- what happened when
 def markers(summary: dict) -> list[tuple[float, str, str]]:
-    """A red line where an instance was lost or ended early (labelled with the master's decision),
+    """A red line where an instance was lost, declared hung or ended early (labelled with the master's decision),
     a green one where a relaunched instance registered again, a dark red one where the job failed."""
     events = sorted((e for e in _rows(summary, "events") if num(e.get("t")) is not None), key=lambda e: num(e["t"]))
     out: list[tuple[float, str, str]] = []
     relaunched: set[str] = set()
     ended: dict[str, tuple[float, str]] = {}  # instance -> (t, what) of its last loss or exit
     chaos: dict[str, float] = {}
+    hung: dict[str, tuple[float, str]] = {}  # instance -> (t, what) of the master declaring it hung
     for e in events:
         kind, inst, detail, t = e.get("kind"), str(e.get("instance") or ""), str(e.get("detail") or ""), num(e["t"])
         if kind == "chaos":
             chaos[inst] = t
+        elif kind == "hung":
+            chaos.pop(inst, None)  # its end is the master's stop, not the chaos
+            bound = num(e.get("bound_s"))
+            hung[inst] = (t, "declared hung" + (f" (bound {bound:g} s)" if bound is not None else ""))
         elif kind in ("lost", "exited"):
+            if inst in hung:
+                ended[inst] = hung.pop(inst)
+                continue
             killed = inst in chaos and t - chaos.pop(inst) < 5.0
             what = "lost" if kind == "lost" else f"exited ({detail})" if detail else "exited"
             ended[inst] = (t, what + (" (chaos kill)" if killed else ""))

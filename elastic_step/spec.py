@@ -316,6 +316,18 @@ PARAMS: tuple[Param, ...] = (
         metavar="PORT",
     ),
     Param(
+        "hang_timeout",
+        float,
+        0.0,
+        "seconds a worker that holds a lease may go without committing progress before it is declared hung: "
+        "stopped, its lease requeued from its watermark, and replaced. 0: measured, max(30 s, 10 times its own "
+        "recent time between reports). Its clock starts at its first commit (a long first step is not a hang) and "
+        "stops while a checkpoint is cut, a state restored or an epoch evaluated",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        metavar="SECONDS",
+    ),
+    Param(
         "progress",
         str,
         "auto",

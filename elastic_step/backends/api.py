@@ -103,6 +103,10 @@ class Backend(abc.ABC):
     def kill(self, instance: InstanceId) -> None:
         """Kill at once (SIGKILL / delete with grace 0). Used by tests and chaos."""
 
+    def freeze(self, instance: InstanceId) -> None:
+        """Freeze the instance where it stands (SIGSTOP), as a hang would: chaos only (faults/chaos.py `stop:`)."""
+        raise ConfigError(f"--chaos stop: the {self.name} backend cannot freeze an instance; use --backend local.")
+
     @abc.abstractmethod
     def alive(self) -> set[InstanceId]:
         """Instances started and not yet ended."""

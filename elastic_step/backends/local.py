@@ -82,6 +82,7 @@ class LocalBackend(Backend):
         proc = self._signal(instance, signal.SIGTERM)
         if proc is None:
             return
+        self._signal(instance, signal.SIGCONT)  # a frozen process (chaos) takes its SIGTERM now, not after grace_s
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -90,6 +91,9 @@ class LocalBackend(Backend):
 
     def kill(self, instance: InstanceId) -> None:
         self._signal(instance, signal.SIGKILL)
+
+    def freeze(self, instance: InstanceId) -> None:
+        self._signal(instance, signal.SIGSTOP)
 
     def pid(self, instance: InstanceId) -> int | None:
         with self._lock:
@@ -111,6 +115,7 @@ class LocalBackend(Backend):
         alive = sorted(self.alive())
         for inst in alive:
             self._signal(inst, signal.SIGTERM)
+            self._signal(inst, signal.SIGCONT)
         for inst in alive:
             self.stop(inst, grace_s)
         if self._preloader is not None:

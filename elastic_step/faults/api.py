@@ -10,6 +10,7 @@ that jobs in one process never share them):
 - `tick(committed, backend, coord)`: every turn of the master's pump;
 - `checkpoint_written(ckpt_id)`: between a checkpoint's parts and its manifest (its commit point);
 - `resume(journal, job_id, resumable)`: the job has checkpoints, and `journal` beside them keeps what fires;
+- `instance_env(inst)`: variables for an instance's environment, at each launch (a worker's own faults);
 - `summary()`: summary.json's `chaos` section, or None for none.
 
 A process's hook points, installed by whoever drives them:
@@ -19,6 +20,8 @@ A process's hook points, installed by whoever drives them:
   stalls (what the step's health endpoint, master/health.py, reports) while its threads go on.
 - WATCH_REQUEST(watch): the Kubernetes pod watch (a PodWatch) is about to open a request; held
   there, it leaves what the pods do meanwhile unseen.
+- STEP_DONE(seconds): a worker computed a training step (ps: a minibatch's gradient; allreduce: a step's
+  minibatches), which took `seconds`; held there, the worker is that much slower.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ class JobFaults:
 
     def resume(self, journal: str, job_id: str, resumable: bool = True) -> None:
         pass
+
+    def instance_env(self, inst) -> dict[str, str]:
+        return {}
 
     def summary(self) -> dict | None:
         return None
@@ -64,3 +70,4 @@ class Hook:
 COLLECTIVE_UNDER_WAY = Hook("a step's collective is under way")
 PUMP_TURN = Hook("the master's pump begins a turn")
 WATCH_REQUEST = Hook("the pod watch opens a request")
+STEP_DONE = Hook("a worker computed a training step")

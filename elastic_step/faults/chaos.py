@@ -11,12 +11,20 @@ job's start by `for_job`):
   the step again with the same job id and output to resume it); `kill:master@checkpoint=2` does it
   after checkpoint 2's parts are written and before its manifest is (a master lost mid-checkpoint).
   `term:master@900` SIGTERMs it instead (the step's pod evicted or preempted, with a grace period).
+- `stop:worker-1@400` freezes worker-1 (SIGSTOP) once 400 records are committed, as a worker that
+  deadlocks, hangs on a read or is cut off from the network: it keeps its lease and says nothing, and
+  the master must declare it hung (master/hang.py). Workers only: a frozen PS or master is not detected yet.
+- `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
+  would): after each step but its first it sleeps 9 times as long as the step took, still reporting. The master
+  hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW); `@0` is the only start.
 - `random:4` or `random:4:seed=7`: a seeded random schedule of 4 signals, SIGKILL or SIGTERM, at
   record counts drawn over the job's first 90 %. Each goes to a worker that holds a lease when it
   fires (the seed ranks the workers), without waiting for full strength, so several fire in a run
   even while replacements are still starting. `random:4:seed=7:roles=worker,ps,master` also draws
   each signal's target among the roles listed: a parameter server (by index), or the master itself,
   whose step must then be run again (same job id and output), as a retry policy does.
+  `random:4:seed=7:actions=kill,term,stop` draws each signal's action among those listed (`stop`:
+  with roles=worker only). Without `actions=`, a seed draws the schedule it always drew.
 
 Nothing fires on wall time: a slower machine sees the same schedule at the same progress. A signal due
 while a checkpoint is being cut waits for it: the cut was due first, at fewer records. What fired goes
@@ -24,8 +32,8 @@ into summary.json (`chaos.fired`), so a test can fail loudly when its chaos neve
 With checkpoints on, it also goes to `chaos.json` beside them as it fires: a retried step (the same
 job, the same specs) skips what its predecessors fired, and reports it with its own.
 
-A worker's own faults (ELASTIC_STEP_COLLECTIVE_CHAOS) are in process.py: a worker process installs
-them without the master's machinery.
+A worker's own faults (ELASTIC_STEP_COLLECTIVE_CHAOS, and a slow worker's ELASTIC_STEP_SLOW) are in
+process.py: a worker process installs them without the master's machinery.
 """
 
 from __future__ import annotations
@@ -42,29 +50,33 @@ from collections.abc import Sequence
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api
-from elastic_step.faults.process import kill_self
+from elastic_step.faults.process import SLOW_ENV, kill_self
 from elastic_step.util.json_text import write_json
 
 log = logging.getLogger("elastic_step.master")
 
 ENV = "ELASTIC_STEP_CHAOS"  # a job's specs, when it is given none
 
-ACTIONS = ("kill", "term")
+ACTIONS = ("kill", "term")  # what a random schedule draws unless asked for others (`actions=`)
+SIGNALS = (*ACTIONS, "stop")
 MASTER = "master"  # a signal's target: the master itself
 ROLES = ("worker", "ps", MASTER)
 SPEC_HELP = (
-    "use kill:worker-0@400, term:worker-1@900, random:4:seed=7, random:4:seed=7:roles=worker,ps,master, "
-    "kill:master@900, term:master@900 or kill:master@checkpoint=2"
+    "use kill:worker-0@400, term:worker-1@900, stop:worker-1@400, slow:worker-1@0:x10, random:4:seed=7, "
+    "random:4:seed=7:roles=worker,ps,master, random:4:seed=7:actions=kill,term,stop, kill:master@900, "
+    "term:master@900 or kill:master@checkpoint=2"
 )
+STOP_WORKERS_ONLY = "stop freezes workers only: the master does not detect a frozen parameter server or master yet"
 
 
 @dataclasses.dataclass
 class Signal:
-    action: str  # kill | term
+    action: str  # kill | term | stop | slow
     at: int  # records committed
     target: InstanceId | str | None  # None: a worker holding a lease, ranked by `rank`; or MASTER
     rank: list[int] = dataclasses.field(default_factory=list)
     index: int = 0  # its place in the job's schedule
+    factor: float = 1.0  # slow: how many times slower
 
 
 def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
@@ -103,9 +115,12 @@ class Chaos(api.JobFaults):
                 "action": sig.action,
                 "at_records": sig.at,
                 "instance": str(sig.target) if sig.target else "any worker holding a lease",
+                **({"factor": sig.factor} if sig.action == "slow" else {}),
             }
             for sig in self.pending
         ]
+        # slow: the workers to slow, from their start (`instance_env`), whatever has fired
+        self.slow = {sig.target: sig.factor for sig in self.pending if sig.action == "slow"}
         if self.kill_at_checkpoint is not None:
             self.schedule.append({"action": "kill", "instance": "master", "at_checkpoint": self.kill_at_checkpoint})
 
@@ -117,18 +132,27 @@ class Chaos(api.JobFaults):
                 count, *options = rest.split(":")
                 opts = dict(o.split("=", 1) for o in options)
                 roles = opts.get("roles", "worker").split(",")
-                if set(opts) - {"seed", "roles"} or int(count) < 1 or not roles or set(roles) - set(ROLES):
+                actions = opts["actions"].split(",") if "actions" in opts else None
+                if (
+                    set(opts) - {"seed", "roles", "actions"}
+                    or int(count) < 1
+                    or not roles
+                    or set(roles) - set(ROLES)
+                    or (actions is not None and (not actions or set(actions) - set(SIGNALS)))
+                ):
                     raise ValueError
                 if "ps" in roles and num_ps < 1:
                     raise ElasticStepError(
                         f"--chaos {spec!r} targets parameter servers, and this job has none "
                         "(--strategy allreduce): leave ps out of roles=."
                     )
+                if actions and "stop" in actions and roles != ["worker"]:
+                    raise ElasticStepError(f"--chaos {spec!r}: {STOP_WORKERS_ONLY}; leave roles= out.")
                 rng = random.Random(int(opts.get("seed", 0)))
                 signals = []
                 for _ in range(int(count)):
                     sig = Signal(
-                        rng.choice(ACTIONS),
+                        rng.choice(actions or ACTIONS),
                         rng.randint(1, max(1, int(records_total * 0.9))),
                         None,
                         rng.sample(range(max_workers), max_workers),
@@ -141,10 +165,23 @@ class Chaos(api.JobFaults):
                     signals.append(sig)
                 return signals
             name, at = rest.split("@", 1)
+            if kind == "slow":
+                at, times = at.split(":x", 1)
+                target = InstanceId("worker", int(name.removeprefix("worker-")))
+                if not name.startswith("worker-") or not float(times) > 1:
+                    raise ValueError
+                if at != "0":
+                    raise ElasticStepError(
+                        f"--chaos {spec!r}: a worker is slowed from its start, as a slow node would be: use "
+                        f"slow:{name}@0:x{times}."
+                    )
+                return [Signal("slow", 0, target, factor=float(times))]
             if name == "master" and kind in ACTIONS and int(at) >= 0:
                 return [Signal(kind, int(at), MASTER)]
+            if kind == "stop" and not name.startswith("worker-"):
+                raise ElasticStepError(f"--chaos {spec!r}: {STOP_WORKERS_ONLY}.")
             role, index = name.rsplit("-", 1)
-            if kind not in ACTIONS or role not in ("worker", "ps") or int(at) < 0:
+            if kind not in SIGNALS or role not in ("worker", "ps") or int(at) < 0:
                 raise ValueError
             return [Signal(kind, int(at), InstanceId(role, int(index)))]
         except ValueError:
@@ -191,6 +228,11 @@ class Chaos(api.JobFaults):
                 self.journal, {"job_id": self._job_id, "schedule": self.schedule, "fired": self.fired}, indent=None
             )
 
+    def instance_env(self, inst: InstanceId) -> dict[str, str]:
+        """A slowed worker's process learns its factor from its environment, at every launch."""
+        factor = self.slow.get(inst)
+        return {SLOW_ENV: f"{factor:g}"} if factor else {}
+
     def checkpoint_written(self, ckpt_id: int) -> None:
         """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""
         if ckpt_id == self.kill_at_checkpoint:
@@ -211,6 +253,13 @@ class Chaos(api.JobFaults):
             kill_self(number)
             return
         alive = backend.alive()
+        if sig.action == "slow":
+            # Launched slow (instance_env): it fires, for the record, once the worker is training.
+            if sig.target in coord.membership.training():
+                self._fire(sig, str(sig.target), committed)
+                coord.record("chaos", str(sig.target), f"slow x{sig.factor:g} from its start")
+                log.info("chaos: %s runs %g times slower", sig.target, sig.factor)
+            return
         leased = set(coord.ledger.leases)
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
@@ -240,6 +289,8 @@ class Chaos(api.JobFaults):
         log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
         if sig.action == "kill":
             backend.kill(target)
+        elif sig.action == "stop":
+            backend.freeze(target)
         else:
             threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
 

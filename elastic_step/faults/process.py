@@ -1,9 +1,13 @@
-"""Faults a process injects into itself: its own signals, and a worker's kill mid-collective.
+"""Faults a process injects into itself: its own signals, a worker's kill mid-collective, a slow worker.
 
-A worker's spec (ELASTIC_STEP_COLLECTIVE_CHAOS, comma-separated; read by `install_worker_faults` as
-the worker starts): `worker-1@step=25` SIGKILLs worker-1 in the middle of step 25's ring all-reduce,
-once its own chunk of the step has left (its peers see a peer failure, not a hang). Apart from chaos.py,
-so that a worker process loads no more than the hook points it drives.
+Read by `install_worker_faults` as a worker starts:
+- ELASTIC_STEP_COLLECTIVE_CHAOS (comma-separated): `worker-1@step=25` SIGKILLs worker-1 in the middle of
+  step 25's ring all-reduce, once its own chunk of the step has left (its peers see a peer failure, not a hang).
+- ELASTIC_STEP_SLOW: `10` makes this worker ten times slower: after each step but its first (which traces the
+  model) it sleeps 9 times as long as the step took (a slow node, or one under heavy contention, that still
+  reports). The master sets it for
+  the workers `--chaos slow:worker-1@0:x10` names (chaos.py).
+Apart from chaos.py, so that a worker process loads no more than the hook points it drives.
 """
 
 from __future__ import annotations
@@ -11,10 +15,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 from elastic_step.faults import api
 
 COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"  # a worker's: "worker-1@step=25"
+SLOW_ENV = "ELASTIC_STEP_SLOW"  # a worker's: "10" (times slower)
 
 
 def kill_self(sig: int) -> None:
@@ -27,12 +33,29 @@ def kill_self(sig: int) -> None:
 
 
 def install_worker_faults(me: str) -> None:
-    """A worker process at its start: the collective kill ELASTIC_STEP_COLLECTIVE_CHAOS asks of `me`, if any."""
+    """A worker process at its start: the collective kill ELASTIC_STEP_COLLECTIVE_CHAOS asks of `me`, and the
+    slowness ELASTIC_STEP_SLOW asks of it, if any."""
+    factor = float(os.environ.get(SLOW_ENV) or 1)
+    if factor > 1:
+        logging.getLogger("elastic_step.worker").warning("chaos: %s runs %g times slower", me, factor)
+        api.STEP_DONE.install(_slow(factor))
     for spec in filter(None, os.environ.get(COLLECTIVE_ENV, "").split(",")):
         name, _, at = spec.partition("@step=")
         if name == me and at.isdigit():
             api.COLLECTIVE_UNDER_WAY.install(_collective_kill(int(at)))
             return
+
+
+def _slow(factor: float):
+    first = [True]
+
+    def fault(seconds: float) -> None:
+        if first[0]:  # the first step traces the model: its time is no pace, and ten times it would be minutes
+            first[0] = False
+            return
+        time.sleep((factor - 1) * seconds)
+
+    return fault
 
 
 def _collective_kill(at_step: int):

@@ -46,6 +46,7 @@ class TrainConfig:
     ps_priority_class: str = _D["ps_priority_class"]
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
     health_port: int = _D["health_port"]  # -1: 8080 in a pod, else none; 0: none (master/health.py)
+    hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/hang.py)
     progress: str = _D["progress"]
     checkpoint_every: str = _D["checkpoint_every"]  # a time (60s, 5m) or records (50000); 0: no checkpoints
     # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
@@ -71,6 +72,11 @@ class TrainConfig:
             "minibatches_per_push",
         ):
             positive(name)
+        if not self.hang_timeout >= 0:  # NaN too
+            raise ConfigError(
+                f"--hang-timeout must be a number of seconds >= 0 (0: measured from each worker's pace), "
+                f"got {self.hang_timeout}."
+            )
         if self.pushes_in_flight > MAX_PUSHES_IN_FLIGHT:
             raise ConfigError(
                 f"--pushes-in-flight {self.pushes_in_flight} is more than {MAX_PUSHES_IN_FLIGHT}: "

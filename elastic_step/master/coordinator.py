@@ -11,6 +11,7 @@ import threading
 import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
+from elastic_step.master.hang import HangWatch, Hung
 from elastic_step.master.ledger import Lease, Ledger, LedgerError
 from elastic_step.master.membership import Membership
 
@@ -18,10 +19,11 @@ log = logging.getLogger("elastic_step.master")
 
 
 class Coordinator:
-    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1):
+    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1, hang_timeout: float = 0.0):
         self.lock = threading.Lock()
         self.ledger = ledger
         self.membership = Membership()
+        self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/hang.py)
         self.num_ps = num_ps
         self.min_workers = min_workers
         self.training_started = False  # elastic, not gang: gated once, on min_workers
@@ -97,6 +99,9 @@ class Coordinator:
         for worker, r in ready.items():
             role, index = worker.rsplit("-", 1)
             self.membership.seen(InstanceId(role, int(index)), progressed=True)
+            if r.records or self.hangs.idle(worker) is not None:
+                # A member's clock starts at its first step with records: one before (no lease yet) traced nothing.
+                self.hangs.committed(worker)
             self._replacement_committed(worker, now)
             if r.task_id < 0:
                 continue
@@ -138,14 +143,15 @@ class Coordinator:
         with self.lock:
             if self.rendezvous is None or not self.rendezvous.peer_failed_locked(reporter, version, peer, detail):
                 return
-            remainder = self.ledger.release(peer, time.time())
-            if remainder is not None:
-                self.record("requeued", peer, f"records [{remainder[0]},{remainder[1]})")
+            self._release(peer, f"unreachable from {reporter}", time.time())
 
     # ------------------------------------------------------------ timeline
-    def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None) -> None:
+    def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None, **figures) -> None:
+        """An event of the timeline (summary.json, the report); `figures`: its numbers, as fields of their own."""
         t = time.time() if t is None else t
-        self.events.append({"t": round(t - self.t0, 4), "kind": kind, "instance": instance, "detail": detail})
+        self.events.append(
+            {"t": round(t - self.t0, 4), "kind": kind, "instance": instance, "detail": detail, **figures}
+        )
 
     # ------------------------------------------------------------ RPC side
     def register(self, inst: InstanceId, address: str) -> list[str]:
@@ -273,6 +279,7 @@ class Coordinator:
                 self.record("refused", worker, str(e))
                 return False
             self.membership.seen(inst, progressed=True)
+            self.hangs.committed(worker)
             self._replacement_committed(worker, now)
             if duplicate:
                 self.duplicates_suppressed += 1
@@ -333,19 +340,75 @@ class Coordinator:
             self.record(ev.kind.value, str(ev.instance), detail, t=ev.time)
             if ev.kind not in (EventKind.EXITED, EventKind.LOST) or ev.instance.role != "worker":
                 return None
-            worker = str(ev.instance)
-            if self.rendezvous is not None:
-                self.rendezvous.remove_locked(worker, detail or ev.kind.value, at=ev.time)
-            ahead = self.ledger.ahead.get(worker)
-            remainder = self.ledger.release(worker, ev.time)
+            remainder = self._release(str(ev.instance), detail or ev.kind.value, ev.time)
             if remainder is not None:
-                self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})")
                 log.info(
-                    "%s gone (%s): requeued its remainder [%d, %d) at once", worker, detail or ev.kind.value, *remainder
+                    "%s gone (%s): requeued its remainder [%d, %d) at once",
+                    ev.instance,
+                    detail or ev.kind.value,
+                    *remainder,
                 )
-            if ahead is not None:
-                self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})")
             return remainder
+
+    def _release(self, worker: str, why: str, t: float) -> tuple[int, int] | None:
+        """A worker is gone, or as good as gone (lock held): it leaves the ring, its leases' remainders are
+        requeued from their watermarks, and its clock stops. Returns its current lease's remainder."""
+        self.hangs.forget(worker)
+        if self.rendezvous is not None:
+            self.rendezvous.remove_locked(worker, why, at=t)
+        ahead = self.ledger.ahead.get(worker)
+        remainder = self.ledger.release(worker, t)
+        if remainder is not None:
+            self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})", t=t)
+        if ahead is not None:
+            self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})", t=t)
+        return remainder
+
+    # ------------------------------------------------------------ hangs
+    def heard_from(self, inst: InstanceId) -> None:
+        """Any call of the instance's: it is not frozen (allreduce: see `hung_workers`)."""
+        with self.lock:
+            self.membership.seen(inst)
+
+    def hung_workers(self, now: float, paused: bool = False) -> list[Hung]:
+        """Advance the workers' hang clocks; the workers past their bound (master/hang.py). A clock runs while
+        its worker holds work the job waits on and may progress: a lease, and not waiting in a checkpoint's
+        barrier (ps); a place in the ring, while steps may commit (allreduce). `paused`: the job holds every
+        worker (an epoch's evaluation)."""
+        with self.lock:
+            rdv = self.rendezvous
+            if paused or self.rewinding or self.finished.is_set():
+                running: set[str] = set()
+            elif rdv is None:
+                running = set(self.ledger.leases) - (self.held if self.holding else set())
+            elif rdv.hold_commits or rdv.restore_checkpoint:
+                running = set()
+            else:
+                running = {name for name, _ in rdv.members}
+            late = self.hangs.tick(now, running)
+            if rdv is not None:
+                # A ring stalls as a whole when one member does, and the members waiting on it keep asking the
+                # master whether the ring changed (every ~50 ms): the one that says nothing is the one stuck.
+                late = [h for h in late if now - self._last_heard(h.worker) > h.bound_s]
+            return late
+
+    def _last_heard(self, worker: str) -> float:
+        role, index = worker.rsplit("-", 1)
+        member = self.membership.members.get(InstanceId(role, int(index)))
+        return member.last_seen if member is not None else 0.0
+
+    def declare_hung(self, hung: Hung, now: float) -> tuple[int, int] | None:
+        """`hung` is as good as gone (its instance is being stopped): it gets no new lease, and its remainder
+        is requeued from its watermark at once, as for a kill. Returns the remainder."""
+        with self.lock:
+            role, index = hung.worker.rsplit("-", 1)
+            self.membership.declared_gone(InstanceId(role, int(index)), now)
+            figures = {"idle_s": round(hung.idle_s, 1), "bound_s": round(hung.bound_s, 1)}
+            self.record("hung", hung.worker, f"{hung}: declared hung, stopped and replaced", t=now, **figures)
+            remainder = self._release(hung.worker, f"declared hung, {hung}", now)
+        what = f"lease requeued, records [{remainder[0]}, {remainder[1]})" if remainder else "it held no lease"
+        log.warning("%s: %s: declared hung, %s", hung.worker, hung, what)
+        return remainder
 
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
         """A replacement of `inst` was launched; its first commit closes the recovery figure."""

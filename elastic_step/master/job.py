@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
@@ -124,7 +125,7 @@ class TrainingJob:
             cfg.seed,
         )
         self.allreduce = cfg.strategy == "allreduce"
-        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers)
+        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, cfg.hang_timeout)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
@@ -160,6 +161,8 @@ class TrainingJob:
         self._eval_model = None
         self._input_server: InputServer | None = None
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
+        self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
+        self._hung: set[InstanceId] = set()  # declared hung, stopped, their end not seen yet
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -179,7 +182,12 @@ class TrainingJob:
         )
         if inst.role == "worker":
             return InstanceSpec(
-                inst, argv, cpu=c.worker_cpu, memory=c.worker_memory, priority_class=c.worker_priority_class
+                inst,
+                argv,
+                env=self.faults.instance_env(inst),  # a worker's own faults (tests: a slow worker); none in production
+                cpu=c.worker_cpu,
+                memory=c.worker_memory,
+                priority_class=c.worker_priority_class,
             )
         # On the local backend every instance shares the step's cores: a shard's update is a few
         # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
@@ -264,7 +272,7 @@ class TrainingJob:
                         self.durable.shards_ready()
                         if self.eval is not None and not self.eval_history:  # the curve starts at the initial weights
                             self._load_weights()  # now: once the shards are open, workers push at once
-                            self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
+                            self._evaluation = self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
                     self.coord.open_shards()
             self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
@@ -319,14 +327,30 @@ class TrainingJob:
                 and (pending is None or pending.done())
             ):
                 evaluated = self.ledger.epoch
-                pending = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
+                pending = self._evaluation = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
+            self._stop_hung(time.time())
             if now - last_tick >= 0.5:
                 last_tick = now
                 sample = self.coord.sample(self.progress.rate(committed, now))
                 self.progress.show(sample)
                 self.tensorboard.progress(sample)
 
+    def _stop_hung(self, now: float) -> None:
+        """Workers past their hang bound (master/hang.py) are stopped through the backend, then their leases
+        requeued as for a kill; their end is then a loss, and the relaunch policy replaces them."""
+        evaluating = self._evaluation is not None and not self._evaluation.done()
+        for hung in self.coord.hung_workers(now, paused=evaluating):
+            inst = InstanceId("worker", int(hung.worker.rsplit("-", 1)[1]))
+            self._hung.add(inst)
+            self.backend.kill(inst)  # first: a stopped worker applies nothing after its lease is requeued
+            self.coord.declare_hung(hung, now)
+
     def _on_event(self, ev) -> None:
+        if ev.instance in self._hung and ev.kind in (EventKind.EXITED, EventKind.LOST):
+            # Its end is the stop it was declared hung for: a loss, whatever its exit code said.
+            self._hung.discard(ev.instance)
+            how = ev.detail or f"exit code {ev.exit_code}"
+            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"declared hung, then {how}")
         remainder = self.coord.on_instance_event(ev)
         if ev.kind not in (EventKind.EXITED, EventKind.LOST):
             return

@@ -53,6 +53,14 @@ class Membership:
             )
         self._sample(ev.time)
 
+    def declared_gone(self, inst: InstanceId, t: float) -> None:
+        """The master gave the instance up before its backend said it ended (declared hung): it trains no
+        more. Its end, when the backend reports it, is counted then."""
+        m = self.members.get(inst)
+        if m is not None and m.state != "gone":
+            m.state = "gone"
+            self._sample(t)
+
     def registered(self, inst: InstanceId, address: str = "") -> bool:
         """True when this is the launch's first registration (or at a new address)."""
         m = self.members.setdefault(inst, Member(inst))

@@ -162,6 +162,7 @@ class MasterService(pb_grpc.MasterServicer):
         check_token(context, self.token, request.token)
         rdv = self._rendezvous(context)
         inst = _instance(context, request.instance)
+        self.c.heard_from(inst)  # a member waiting on a stalled ring is not the one stalling it
         view = rdv.membership(str(inst), request.known_version, min(STEP_WAIT_S, max(0.0, request.wait_s)))
         return self._view(view)
 
@@ -171,6 +172,7 @@ class MasterService(pb_grpc.MasterServicer):
         check_token(context, self.token, request.token)
         rdv = self._rendezvous(context)
         inst = _instance(context, request.instance)
+        self.c.heard_from(inst)
         kind, view = rdv.step_ready(
             str(inst),
             request.version,

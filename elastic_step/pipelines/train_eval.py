@@ -50,6 +50,7 @@ def build(caching: bool = True):
         strategy: str = "ps",
         global_batch: str = "scaled",
         skip_non_finite: bool = False,
+        hang_timeout: float = 0.0,
         backend: str = "auto",
         worker_image: str = "",
         worker_cpu: str = "1",

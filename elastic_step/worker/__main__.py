@@ -30,7 +30,6 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     import keras
 
     from elastic_step.data.reader import ReaderPool
-    from elastic_step.faults.process import install_worker_faults
     from elastic_step.worker import collective
     from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
     from elastic_step.worker.finite import NonFinite
@@ -42,7 +41,6 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
-    install_worker_faults(me)  # tests: ELASTIC_STEP_COLLECTIVE_CHAOS
     ring = collective.Ring(args.token, me, args.host)
     server, port = collective.serve(collective.CollectiveService(args.token, state, ring.port), args.host)
     readers = ReaderPool()
@@ -157,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     master = MasterClient(args.master, args.token, "worker", args.index)
     model_def = None
+    from elastic_step.faults.process import install_worker_faults
+
+    install_worker_faults(f"worker-{args.index}")  # tests: ELASTIC_STEP_COLLECTIVE_CHAOS, ELASTIC_STEP_SLOW
     try:
         from elastic_step.model_def import load_model_def
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from elastic_step.data.api import AppliedRecords, skipped_key
 from elastic_step.errors import ConfigError
+from elastic_step.faults import api as faults
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.optimizers import LearningRateScale
 from elastic_step.proto import elastic_pb2 as pb
@@ -399,7 +400,9 @@ class AllReduceWorker:
                 if status == "done":
                     return "done"
                 world = len(self.view.members)
+                started = time.monotonic()
                 computed = (step, self.restored_from, *self.compute(world, step))
+                faults.STEP_DONE(time.monotonic() - started)
             _, _, buf, watermark, records, loss, contribution = computed
             v = self.view
             try:

@@ -56,4 +56,3 @@ class NonFinite:
         if self.report is not None:
             self.report(at, why)
         return why
-

@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 
+from elastic_step.faults import api as faults
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
@@ -236,8 +237,10 @@ def train_tasks(
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     settle(keep=pushes_in_flight - 1)
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
+                    started = time.monotonic()
                     with working_on(at):
                         result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
+                    faults.STEP_DONE(time.monotonic() - started)
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
                     reporter.pump()

@@ -162,6 +162,20 @@ def test_a_worker_that_exits_early_and_a_failed_ps_are_marked():
     assert labels == ["worker-1 exited (exit 0), relaunched", "ps-0 lost: job failed"]
 
 
+def test_a_worker_declared_hung_is_marked_with_its_bound_not_as_the_chaos_that_froze_it():
+    events = [
+        {"t": 1.0, "kind": "chaos", "instance": "worker-1", "detail": "stop at 400 records"},
+        {"t": 4.0, "kind": "hung", "instance": "worker-1", "detail": "no progress ...", "idle_s": 3.1, "bound_s": 3.0},
+        {"t": 4.01, "kind": "lost", "instance": "worker-1", "detail": "declared hung, then killed by SIGKILL"},
+        {"t": 4.01, "kind": "decision", "instance": "worker-1", "detail": "relaunch: worker-1 declared hung"},
+        {"t": 4.5, "kind": "registered", "instance": "worker-1", "detail": ""},
+    ]
+    assert markers({"events": events}) == [
+        (4.0, "#d62728", "worker-1 declared hung (bound 3 s), relaunched"),
+        (4.5, "#2ca02c", "worker-1 rejoined"),
+    ]
+
+
 def test_throughput_is_the_rate_between_samples():
     assert throughput_series(SUMMARY["timeseries"]) == [(1.0, 120.0), (2.0, 140.0)]
     # without record counts, the sample's own rate

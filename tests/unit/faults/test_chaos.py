@@ -29,11 +29,53 @@ def test_a_random_schedule_over_roles_is_seeded_and_workers_only_by_default():
     assert [s.at for s in mixed.pending] == sorted(s.at for s in mixed.pending)
 
 
+def test_a_seed_draws_the_schedule_it_always_drew_unless_actions_are_asked_for():
+    # The schedules these seeds drew before `stop` existed: tests and benchmarks rely on them.
+    mixed = Chaos(["random:6:seed=4:roles=worker,ps,master"], 10_000, 2, 2).pending
+    assert [(s.action, s.at, str(s.target)) for s in mixed] == [
+        ("term", 965, "ps-0"),
+        ("kill", 1090, "master"),
+        ("term", 1421, "master"),
+        ("kill", 4289, "master"),
+        ("term", 4453, "ps-1"),
+        ("kill", 4970, "ps-0"),
+    ]
+    assert [(s.action, s.at, s.rank) for s in Chaos(["random:4:seed=7"], 10_000, 3, 1).pending] == [
+        ("kill", 1409, [1, 2, 0]),
+        ("kill", 1487, [2, 1, 0]),
+        ("term", 2472, [1, 0, 2]),
+        ("kill", 5992, [2, 0, 1]),
+    ]
+    drawn = Chaos(["random:30:seed=7:actions=kill,term,stop"], 10_000, 3, 1).pending
+    assert {s.action for s in drawn} == {"kill", "term", "stop"} and all(s.target is None for s in drawn)
+    assert {s.action for s in Chaos(["random:10:seed=7:actions=stop"], 10_000, 3, 1).pending} == {"stop"}
+
+
+def test_stop_and_slow_are_scheduled_and_a_slowed_worker_learns_its_factor_at_every_launch():
+    chaos = Chaos(["stop:worker-1@400", "slow:worker-0@0:x10"], 10_000, 2, num_ps=1)
+    assert chaos.schedule == [
+        {"action": "slow", "at_records": 0, "instance": "worker-0", "factor": 10.0},
+        {"action": "stop", "at_records": 400, "instance": "worker-1"},
+    ]
+    assert chaos.instance_env(InstanceId("worker", 0)) == {"ELASTIC_STEP_SLOW": "10"}
+    assert chaos.instance_env(InstanceId("worker", 1)) == {}
+    chaos.pending.clear()  # all fired (a retried master's view): the worker is still launched slow
+    assert chaos.instance_env(InstanceId("worker", 0)) == {"ELASTIC_STEP_SLOW": "10"}
+
+
 @pytest.mark.parametrize(
     "spec, says",
     [
         ("random:3:roles=worker,db", "Bad --chaos spec"),
         ("random:3:roles=ps", "targets parameter servers, and this job has none"),
+        ("random:3:actions=kill,boom", "Bad --chaos spec"),
+        ("random:3:actions=stop:roles=worker,master", "stop freezes workers only"),
+        ("stop:ps-0@10", "stop freezes workers only"),
+        ("stop:master@10", "stop freezes workers only"),
+        ("slow:worker-1@500:x10", "use slow:worker-1@0:x10"),
+        ("slow:worker-1@0:x1", "Bad --chaos spec"),
+        ("slow:ps-0@0:x4", "Bad --chaos spec"),
+        ("slow:worker-1@0", "Bad --chaos spec"),
     ],
 )
 def test_bad_roles_are_clear_errors(spec, says):
@@ -101,3 +143,33 @@ def test_a_job_given_no_specs_takes_elastic_step_chaos_s(monkeypatch):
     assert chaos.specs(["kill:worker-1@5"]) == ("kill:worker-1@5",)
     monkeypatch.delenv(chaos.ENV)
     assert chaos.for_job((), 1000, 2, num_ps=1) is api.NO_FAULTS and api.NO_FAULTS.summary() is None
+
+
+def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
+    coord, backend = job
+    chaos = Chaos(["slow:worker-0@0:x4", "stop:worker-0@10"], 1000, 1, num_ps=1)
+    chaos.tick(0, backend, coord)
+    assert [(f["action"], f["instance"]) for f in chaos.fired] == [("slow", "worker-0")]
+    chaos.tick(15, backend, coord)
+    assert [f["action"] for f in chaos.fired] == ["slow", "stop"]
+    pid = backend.pid(InstanceId("worker", 0))
+    deadline = time.monotonic() + 30
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # stopped
+        assert time.monotonic() < deadline, "worker-0 was never frozen"
+        time.sleep(0.02)
+    assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
+
+
+def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_first(monkeypatch):
+    from elastic_step.faults import api, process
+
+    slept = []
+    monkeypatch.setattr(process.time, "sleep", slept.append)
+    monkeypatch.setenv(process.SLOW_ENV, "10")
+    process.install_worker_faults("worker-1")
+    try:
+        for seconds in (4.0, 0.02, 0.03):  # the first step traces: no pace to slow
+            api.STEP_DONE(seconds)
+    finally:
+        api.STEP_DONE.install(None)
+    assert slept == pytest.approx([0.18, 0.27])

@@ -1,0 +1,86 @@
+"""Hang detection: a worker that holds work the job waits on and commits nothing for longer than a bound is hung.
+
+A worker that deadlocks, hangs on a read, is cut off from the network or is frozen keeps its lease, and the
+backend never says it is gone: only its missing progress does. Progress is a commit: a report the ledger took
+(ps), a step whose commit held the worker (allreduce). A worker's clock
+  * starts at its first commit of a launch (allreduce: its first step with records): a first step that traces
+    for a minute is not a hang;
+  * runs only while the worker holds work the job waits on (a lease in ps, a place in the ring in allreduce),
+    and only while the job lets it progress: not while it waits in a checkpoint's barrier, a state is being
+    restored or an epoch is being evaluated (the caller says who runs, at each tick);
+  * counts at most MAX_TICK_S per tick, so that a master that stalls itself charges no worker for it.
+The bound is --hang-timeout when given, else max(FLOOR_S, FACTOR × the longest of the worker's last WINDOW
+times between commits), measured on the same clock: a worker that is always slow (a slow node, a heavy model)
+gets a bound as slow, and one that still reports is never declared hung.
+
+Plain data, no clock and no threads: the coordinator calls it under its lock, with `now`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Iterable
+
+FLOOR_S = 30.0  # no measured bound is shorter: a GC pause, a slow read or a busy node is not a hang
+FACTOR = 10.0  # times the worker's own recent pace
+WINDOW = 20  # commits whose spacing makes the pace
+MAX_TICK_S = 1.0  # the most one tick counts (the master's pump turns every 0.1 s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hung:
+    worker: str
+    idle_s: float  # running time since its last commit
+    bound_s: float
+    measured: bool  # the bound is the measured one (no --hang-timeout)
+
+    def __str__(self) -> str:
+        source = "" if self.measured else ", --hang-timeout"
+        idle = f"{self.idle_s:.0f}" if self.idle_s >= 10 else f"{self.idle_s:.1f}"
+        return f"no progress for {idle} s (bound {round(self.bound_s, 1):g} s{source})"
+
+
+class HangWatch:
+    def __init__(self, timeout_s: float = 0.0, floor_s: float = FLOOR_S, factor: float = FACTOR, window: int = WINDOW):
+        """`timeout_s`: --hang-timeout, the bound for every worker; 0: the measured bound."""
+        self.timeout_s, self.floor_s, self.factor, self.window = timeout_s, floor_s, factor, window
+        self._idle: dict[str, float] = {}  # worker -> running seconds since its last commit (once it committed)
+        self._gaps: dict[str, collections.deque[float]] = {}  # worker -> its last times between commits
+        self._running: frozenset[str] = frozenset()  # whose clock ran at the last tick
+        self._last_tick: float | None = None
+
+    def committed(self, worker: str) -> None:
+        """The worker committed: its clock starts (the first commit of a launch) or starts over."""
+        if worker in self._idle:
+            self._gaps.setdefault(worker, collections.deque(maxlen=self.window)).append(self._idle[worker])
+        self._idle[worker] = 0.0
+
+    def forget(self, worker: str) -> None:
+        """The worker is gone (or declared hung): its successor's clock starts at its own first commit."""
+        self._idle.pop(worker, None)
+        self._gaps.pop(worker, None)
+
+    def bound(self, worker: str) -> float:
+        if self.timeout_s > 0:
+            return self.timeout_s
+        return max(self.floor_s, self.factor * max(self._gaps.get(worker, ()), default=0.0))
+
+    def tick(self, now: float, running: Iterable[str]) -> list[Hung]:
+        """Advance the clocks of the workers `running` now (that ran at the previous tick too), and return
+        those past their bound."""
+        running = frozenset(running)
+        dt = 0.0 if self._last_tick is None else min(MAX_TICK_S, max(0.0, now - self._last_tick))
+        self._last_tick = now
+        late = []
+        for worker in sorted(running & self._running):
+            if worker not in self._idle:
+                continue  # not committed yet in this launch
+            self._idle[worker] += dt
+            if self._idle[worker] > (bound := self.bound(worker)):
+                late.append(Hung(worker, self._idle[worker], bound, measured=self.timeout_s <= 0))
+        self._running = running
+        return late
+
+    def idle(self, worker: str) -> float | None:
+        return self._idle.get(worker)

@@ -1,0 +1,84 @@
+"""Gray failures on the local backend, in both strategies: a worker frozen with SIGSTOP keeps its lease and says
+nothing, and the master must find it by its missing progress, declare it hung, requeue its lease from its
+watermark, stop it and replace it. In the same job, nothing else may be declared hung: every worker's first
+step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
+and one worker runs ten times slower than the others but still reports. Every record is still applied exactly
+once, by the tally model's weights and the audit.
+
+The bound is asserted as the master's decision (summary.json's events), never as a duration."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from tests.integration.harness import LEASES_OUTLAST_A_KILL, SMALL_LEASES, train
+from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 3
+HANG_TIMEOUT = 3  # seconds; the first step below takes twice as long
+FIRST_STEP_S = 6
+
+# The tally model whose first feed() in a worker process sleeps (the master's own calls, for evaluation, do not).
+SLOW_START = f"""
+import time
+
+from elastic_step.util.process import PARENT_ENV
+
+
+def feed(batch):
+    global _started
+    if os.environ.get(PARENT_ENV) and not globals().get("_started"):
+        _started = True
+        time.sleep({FIRST_STEP_S})  # a first step that traces for long
+    return tally_feed(batch)
+"""
+
+
+def slow_start_tally(tmp_path) -> str:
+    path = tmp_path / "slow_start_tally.py"
+    source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
+    path.write_text(source + textwrap.dedent(SLOW_START))
+    return str(path)
+
+
+@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
+def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally_data, tmp_path, strategy):
+    settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
+    out = tmp_path / "out"
+    proc, summary = train(
+        tally_data,
+        out,
+        "--chaos",
+        "slow:worker-0@0:x10",
+        "--chaos",
+        f"stop:worker-1@{tally_data['rows'] * 3 // 2}",  # mid-epoch: far from an epoch's evaluation
+        model=slow_start_tally(tmp_path),
+        strategy=strategy,
+        epochs=EPOCHS,
+        max_workers=3,
+        hang_timeout=HANG_TIMEOUT,
+        **(SMALL_LEASES | settings),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fired = assert_chaos_fired(summary, 2)
+    assert [(f["action"], f["instance"]) for f in fired] == [("slow", "worker-0"), ("stop", "worker-1")]
+    assert "chaos: worker-0 runs 10 times slower" in (out / "logs" / "worker-0.1.log").read_text()  # it was slowed
+    events = summary["events"]
+    hung = [e for e in events if e["kind"] == "hung"]
+    # Only the frozen worker: not the slowed one, not one in its long first step, not its replacement in its own.
+    assert [(e["instance"], e["bound_s"]) for e in hung] == [("worker-1", HANG_TIMEOUT)], hung
+    assert hung[0]["idle_s"] >= HANG_TIMEOUT and "declared hung" in hung[0]["detail"]
+    after = [e for e in events if e["t"] >= hung[0]["t"] and e["instance"] == "worker-1"]
+    assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after), after
+    assert any(e["kind"] == "decision" and e["detail"].startswith("relaunch:") for e in after), after
+    assert any(e["kind"] == "registered" for e in after), after  # its replacement joined
+    if strategy == "ps":  # its lease's remainder went back to the queue (allreduce: when it held one)
+        assert any(e["kind"] == "requeued" for e in after), after
+    assert "worker-1: no progress for" in proc.stderr and "declared hung" in proc.stderr
+    assert summary["workers"]["lost"] == 1 and summary["workers"]["relaunched"] == 1, summary["workers"]
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_audit_exact(summary, strategy)
