@@ -19,8 +19,10 @@ from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_f
 pytestmark = pytest.mark.slow
 
 EPOCHS = 3
-HANG_TIMEOUT = 3  # seconds; the first step below takes twice as long
-FIRST_STEP_S = 6
+# Seconds; the first step below takes twice as long. Wide enough that a healthy worker of a suite that runs beside
+# other jobs on two cores is never held that long between commits.
+HANG_TIMEOUT = 6
+FIRST_STEP_S = 12
 
 # The tally model whose first feed() in a worker process sleeps (the master's own calls, for evaluation, do not).
 SLOW_START = f"""
@@ -75,7 +77,8 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     after = [e for e in events if e["t"] >= hung[0]["t"] and e["instance"] == "worker-1"]
     assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after), after
     assert any(e["kind"] == "decision" and e["detail"].startswith("relaunch:") for e in after), after
-    assert any(e["kind"] == "registered" for e in after), after  # its replacement joined
+    # Its replacement started (it may find the job done before it registers: the others trained the rest).
+    assert any(e["kind"] == "running" for e in after), after
     if strategy == "ps":  # its lease's remainder went back to the queue (allreduce: when it held one)
         assert any(e["kind"] == "requeued" for e in after), after
     assert "worker-1: no progress for" in proc.stderr and "declared hung" in proc.stderr
