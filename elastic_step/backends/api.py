@@ -32,6 +32,12 @@ class InstanceId:
     def __str__(self) -> str:
         return f"{self.role}-{self.index}"
 
+    @classmethod
+    def parse(cls, name: str) -> InstanceId:
+        """The instance a name such as "worker-3" (its str) names."""
+        role, index = name.rsplit("-", 1)
+        return cls(role, int(index))
+
 
 @dataclasses.dataclass(frozen=True)
 class InstanceSpec:

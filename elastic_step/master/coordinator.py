@@ -97,8 +97,7 @@ class Coordinator:
         epoch_before = self.ledger.epoch
         records = sum(r.records for r in ready.values())
         for worker, r in ready.items():
-            role, index = worker.rsplit("-", 1)
-            self.membership.seen(InstanceId(role, int(index)), progressed=True)
+            self.membership.seen(InstanceId.parse(worker), progressed=True)
             if r.records or self.hangs.idle(worker) is not None:
                 # A member's clock starts at its first step with records: one before (no lease yet) traced nothing.
                 self.hangs.committed(worker)
@@ -393,16 +392,14 @@ class Coordinator:
             return late
 
     def _last_heard(self, worker: str) -> float:
-        role, index = worker.rsplit("-", 1)
-        member = self.membership.members.get(InstanceId(role, int(index)))
+        member = self.membership.members.get(InstanceId.parse(worker))
         return member.last_seen if member is not None else 0.0
 
     def declare_hung(self, hung: Hung, now: float) -> tuple[int, int] | None:
         """`hung` is as good as gone (its instance is being stopped): it gets no new lease, and its remainder
         is requeued from its watermark at once, as for a kill. Returns the remainder."""
         with self.lock:
-            role, index = hung.worker.rsplit("-", 1)
-            self.membership.declared_gone(InstanceId(role, int(index)), now)
+            self.membership.declared_gone(InstanceId.parse(hung.worker), now)
             figures = {"idle_s": round(hung.idle_s, 1), "bound_s": round(hung.bound_s, 1)}
             self.record("hung", hung.worker, f"{hung}: declared hung, stopped and replaced", t=now, **figures)
             remainder = self._release(hung.worker, f"declared hung, {hung}", now)

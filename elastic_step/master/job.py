@@ -340,7 +340,7 @@ class TrainingJob:
         requeued as for a kill; their end is then a loss, and the relaunch policy replaces them."""
         evaluating = self._evaluation is not None and not self._evaluation.done()
         for hung in self.coord.hung_workers(now, paused=evaluating):
-            inst = InstanceId("worker", int(hung.worker.rsplit("-", 1)[1]))
+            inst = InstanceId.parse(hung.worker)
             self._hung.add(inst)
             self.backend.kill(inst)  # first: a stopped worker applies nothing after its lease is requeued
             self.coord.declare_hung(hung, now)
