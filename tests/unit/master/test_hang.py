@@ -207,3 +207,20 @@ def test_the_start_up_clock_runs_only_while_the_worker_holds_work_and_stops_at_i
     watch.committed("worker-0")
     assert watch.starting("worker-0") is None and watch.idle("worker-0") == 0.0
     assert [h.what for h in run(watch, 15.0, 3.0)] != []  # from then on, --hang-timeout's bound
+
+
+def test_ps_a_leased_worker_that_never_commits_is_declared_hung_at_the_start_up_bound_not_at_the_timeout():
+    coord = ps_job(timeout=2.0)
+    lease = coord.ledger.leases["worker-0"]
+    coord.hung_workers(0.0)
+    other = coord.ledger.leases["worker-1"]
+    assert coord.report_progress(InstanceId("worker", 1), other.task.task_id, other.start + 20, 1.0, False)
+    late = ticks(coord, 0.0, 2.5)
+    assert [h.worker for h in late] == ["worker-1"]  # committed once: --hang-timeout's bound
+    coord.declare_hung(late[0], 2.5)
+    assert ticks(coord, 2.5, STARTUP_FLOOR_S - 5) == []  # stuck on its first read: still within the start-up bound
+    late = ticks(coord, STARTUP_FLOOR_S - 2.5, 5.0)
+    assert [(h.worker, h.what, h.bound_s) for h in late] == [("worker-0", "first commit", STARTUP_FLOOR_S)]
+    assert coord.declare_hung(late[0], STARTUP_FLOOR_S + 2.5) == (lease.start, lease.task.end)  # all of it
+    event = [e for e in coord.events if e["kind"] == "hung"][-1]
+    assert event["instance"] == "worker-0" and event["detail"].startswith("no first commit for")
