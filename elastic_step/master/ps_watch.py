@@ -64,25 +64,38 @@ class PSWatch:
             self._thread.join(timeout=PROBE_DEADLINE_S + 1)
 
     def _probe_forever(self) -> None:
-        stubs: dict[str, pb_grpc.ParameterServerStub] = {}
-        while not self._stop.wait(self.every_s):
-            with self.coord.lock:
-                addresses = list(self.coord.ps_addresses)
-            futures = {}
-            for shard, address in enumerate(addresses):
-                if not address:
-                    continue
-                if address not in stubs:
-                    stubs[address] = pb_grpc.ParameterServerStub(rpc.channel(address))
-                request = pb.StatsRequest(token=self.token, brief=True)
-                futures[shard, address] = stubs[address].Stats.future(request, timeout=PROBE_DEADLINE_S)
-            for (shard, address), future in futures.items():
-                try:
-                    future.result()
-                except grpc.RpcError:
-                    continue  # frozen (DEADLINE_EXCEEDED), or gone (the backend says so)
-                with self._lock:
-                    self._answered[shard] = (address, time.time())
+        channels: dict[str, grpc.Channel] = {}
+        try:
+            while not self._stop.wait(self.every_s):
+                self._probe(channels)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def _probe(self, channels: dict[str, grpc.Channel]) -> None:
+        """Ask every shard once, all at once; note who answered, and when."""
+        with self.coord.lock:
+            addresses = list(self.coord.ps_addresses)
+        for gone in set(channels) - set(addresses):  # a lost shard's old address
+            channels.pop(gone).close()
+        futures = []
+        for shard, address in enumerate(addresses):
+            if not address:
+                continue
+            if address not in channels:
+                channels[address] = rpc.channel(address)
+            request = pb.StatsRequest(token=self.token, brief=True)
+            future = pb_grpc.ParameterServerStub(channels[address]).Stats.future(request, timeout=PROBE_DEADLINE_S)
+            # Noted as it comes (a frozen shard's wait delays no other's answer).
+            future.add_done_callback(lambda f, shard=shard, address=address: self._answer(f, shard, address))
+            futures.append(future)
+        for future in futures:  # the next round goes out once this one is answered or given up
+            future.exception()
+
+    def _answer(self, future, shard: int, address: str) -> None:
+        if future.exception() is None:  # else frozen (DEADLINE_EXCEEDED), or gone (the backend says so)
+            with self._lock:
+                self._answered[shard] = (address, time.time())
 
     # ------------------------------------------------------------ the pump's side
     def silent(self, now: float) -> bool:
