@@ -322,7 +322,9 @@ PARAMS: tuple[Param, ...] = (
         "seconds a worker that holds a lease may go without committing progress before it is declared hung: "
         "stopped, its lease requeued from its watermark, and replaced. 0: measured, max(30 s, 10 times its own "
         "recent time between reports). Its clock starts at its first commit (a long first step is not a hang) and "
-        "stops while a checkpoint is cut, a state restored or an epoch evaluated",
+        "stops while a checkpoint is cut, a state restored or an epoch evaluated; before it, the start-up bound, "
+        "max(180 s, 3 times the job's slowest first commit), which this only lengthens. The same bound holds for a "
+        "parameter server that does not answer the master's probe (then restored from the last checkpoint)",
         _on(*_TRAINING),
         (ELASTIC_TRAIN,),
         metavar="SECONDS",

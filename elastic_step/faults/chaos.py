@@ -13,7 +13,9 @@ job's start by `for_job`):
   `term:master@900` SIGTERMs it instead (the step's pod evicted or preempted, with a grace period).
 - `stop:worker-1@400` freezes worker-1 (SIGSTOP) once 400 records are committed, as a worker that
   deadlocks, hangs on a read or is cut off from the network: it keeps its lease and says nothing, and
-  the master must declare it hung (master/hang.py). Workers only: a frozen PS or master is not detected yet.
+  the master must declare it hung (master/hang.py). `stop:ps-0@400` freezes a parameter server: the master's
+  probe finds it silent (master/ps_watch.py) and handles it as a lost PS. Not the master: its own liveness is
+  the step's health endpoint, which the platform probes.
 - `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
   would): after each step but its first it sleeps 9 times as long as the step took, still reporting. The master
   hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW); `@0` is the only start.
@@ -24,7 +26,7 @@ job's start by `for_job`):
   each signal's target among the roles listed: a parameter server (by index), or the master itself,
   whose step must then be run again (same job id and output), as a retry policy does.
   `random:4:seed=7:actions=kill,term,stop` draws each signal's action among those listed (`stop`:
-  with roles=worker only). Without `actions=`, a seed draws the schedule it always drew.
+  with roles among worker and ps). Without `actions=`, a seed draws the schedule it always drew.
 
 Nothing fires on wall time: a slower machine sees the same schedule at the same progress. A signal due
 while a checkpoint is being cut waits for it: the cut was due first, at fewer records. What fired goes
@@ -66,7 +68,10 @@ SPEC_HELP = (
     "random:4:seed=7:roles=worker,ps,master, random:4:seed=7:actions=kill,term,stop, kill:master@900, "
     "term:master@900 or kill:master@checkpoint=2"
 )
-STOP_WORKERS_ONLY = "stop freezes workers only: the master does not detect a frozen parameter server or master yet"
+STOP_NOT_MASTER = (
+    "stop freezes workers and parameter servers, not the master: a frozen master is the step's health endpoint's "
+    "to report (its liveness probe restarts the step)"
+)
 
 
 @dataclasses.dataclass
@@ -146,8 +151,8 @@ class Chaos(api.JobFaults):
                         f"--chaos {spec!r} targets parameter servers, and this job has none "
                         "(--strategy allreduce): leave ps out of roles=."
                     )
-                if actions and "stop" in actions and roles != ["worker"]:
-                    raise ElasticStepError(f"--chaos {spec!r}: {STOP_WORKERS_ONLY}; leave roles= out.")
+                if actions and "stop" in actions and MASTER in roles:
+                    raise ElasticStepError(f"--chaos {spec!r}: {STOP_NOT_MASTER}; leave master out of roles=.")
                 rng = random.Random(int(opts.get("seed", 0)))
                 signals = []
                 for _ in range(int(count)):
@@ -178,8 +183,8 @@ class Chaos(api.JobFaults):
                 return [Signal("slow", 0, target, factor=float(times))]
             if name == "master" and kind in ACTIONS and int(at) >= 0:
                 return [Signal(kind, int(at), MASTER)]
-            if kind == "stop" and not name.startswith("worker-"):
-                raise ElasticStepError(f"--chaos {spec!r}: {STOP_WORKERS_ONLY}.")
+            if kind == "stop" and name == MASTER:
+                raise ElasticStepError(f"--chaos {spec!r}: {STOP_NOT_MASTER}.")
             role, index = name.rsplit("-", 1)
             if kind not in SIGNALS or role not in ("worker", "ps") or int(at) < 0:
                 raise ValueError

@@ -35,6 +35,7 @@ from elastic_step.master.input_server import InputServer
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
+from elastic_step.master.ps_watch import PSWatch
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
@@ -151,6 +152,8 @@ class TrainingJob:
             token=started[1],
         )
         self.durable.token = self.plan.token
+        # ps: a shard that does not answer is declared hung and handled as a lost one (master/ps_watch.py).
+        self.ps_watch = None if self.allreduce else PSWatch(self.coord, self.plan.token, cfg.hang_timeout)
         if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
             self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
@@ -265,6 +268,8 @@ class TrainingJob:
                 self._launch(InstanceId("ps", i))
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
+            if self.ps_watch is not None:
+                self.ps_watch.start()
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
                 if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
@@ -284,6 +289,8 @@ class TrainingJob:
                 model, ps_stats, evidence = self._final_model()
         finally:
             self._evaluator.shutdown(wait=False, cancel_futures=True)
+            if self.ps_watch is not None:
+                self.ps_watch.close()
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)
@@ -339,11 +346,19 @@ class TrainingJob:
         """Workers past their hang bound (master/hang.py) are stopped through the backend, then their leases
         requeued as for a kill; their end is then a loss, and the relaunch policy replaces them."""
         evaluating = self._evaluation is not None and not self._evaluation.done()
-        for hung in self.coord.hung_workers(now, paused=evaluating):
+        ps_silent = self.ps_watch is not None and self.ps_watch.silent(now)  # a push waits on it: not the worker's
+        for hung in self.coord.hung_workers(now, paused=evaluating or ps_silent):
             inst = InstanceId.parse(hung.worker)
             self._hung.add(inst)
             self.backend.kill(inst)  # first: a stopped worker applies nothing after its lease is requeued
             self.coord.declare_hung(hung, now)
+        # A shard that does not answer: killed, and its end is a lost PS (a restore from the last checkpoint). A
+        # checkpoint's Save holds the pump itself, and the tick after it counts at most MAX_TICK_S of it.
+        for hung in self.ps_watch.hung(now) if self.ps_watch is not None else ():
+            inst = InstanceId.parse(hung.worker)
+            self._hung.add(inst)
+            self.backend.kill(inst)
+            self.ps_watch.declare_hung(hung, now)
 
     def _on_event(self, ev) -> None:
         if ev.instance in self._hung and ev.kind in (EventKind.EXITED, EventKind.LOST):
@@ -462,7 +477,8 @@ class TrainingJob:
         return model, stats, [tensors.decode_applied(s.applied) for s in stats]
 
     def _load_from_rank0(self, model, final: bool = False) -> dict:
-        """allreduce: the members' weights (identical on every member), from the first that answers.
+        """allreduce: the members' weights (identical on every member), from the first that answers, the one
+        heard from last asked first.
         `final`: the state of the last committed step, finalized as `fit` leaves a model (with use_ema, the
         moving averages); else whatever step the member is at. Returns
         the records those weights hold, as the member accounted them (the audit's evidence)."""
@@ -477,6 +493,11 @@ class TrainingJob:
         rdv = self.rendezvous
         with self.coord.lock:
             members, step, restoring = list(rdv.members), rdv.committed_step, rdv.restore_checkpoint
+            # The member heard from last first: one that has said nothing since the others' last step may be
+            # frozen, and a pull from it would hold an epoch's evaluation (which holds the hang clocks) for its
+            # timeout. Every member holds the same weights.
+            heard = self.coord.membership.members
+            members.sort(key=lambda m: -getattr(heard.get(InstanceId.parse(m[0])), "last_seen", 0.0))
         if restoring and self.durable.member_state is not None:
             # No step committed since a checkpoint was restored: its state is the model (members may not
             # have loaded it yet).

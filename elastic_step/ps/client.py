@@ -25,7 +25,8 @@ log = logging.getLogger("elastic_step.ps")
 
 
 class ShardsMoved(Exception):
-    """A push cannot be applied any more: a shard is unreachable (lost), or it was restored to a
+    """A push cannot be applied any more: a shard is unreachable (lost), does not answer within the call's
+    deadline (frozen: the master finds it by its own probe, and handles it as lost), or it was restored to a
     checkpoint and refuses pushes computed before that. The worker drops what it holds and registers
     again for the shards' new addresses and generation."""
 
@@ -45,10 +46,10 @@ def moved_shards_named():
 
 def shards_moved(error: BaseException) -> bool:
     if isinstance(error, grpc.RpcError):
-        return error.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)
+        return error.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     if isinstance(error, PushFailed):
         return str(error).startswith(REFUSED)
-    return isinstance(error, (ConnectionError, BrokenPipeError))
+    return isinstance(error, (ConnectionError, BrokenPipeError, TimeoutError))  # TimeoutError: a silent doorbell
 
 
 class SharedPath(NamedTuple):

@@ -404,6 +404,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         reply = pb.PsStats(
             shard=s.shard, pushes_applied=len(s.applied), pushes_skipped=s.skipped, dense_parameters=s.dense_size
         )
+        if request.brief:  # a liveness probe: an answer is all it needs, and it must not wait on a push
+            return reply
         with s.lock:
             for name, ids in s.touched.items():
                 t = reply.touched.add(name=name)

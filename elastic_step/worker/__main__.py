@@ -91,7 +91,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
 
     from elastic_step.data.reader import ReaderPool
     from elastic_step.ps.api import Placement
-    from elastic_step.ps.client import PSClient
+    from elastic_step.ps.client import PSClient, ShardsMoved
     from elastic_step.worker.finite import NonFinite
     from elastic_step.worker.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
     from elastic_step.worker.trainer import PSTrainer
@@ -117,19 +117,27 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         weight_column=args.weight_column,
         non_finite=NonFinite(args.skip_non_finite, master.report_skipped),
     )
-    trainer.refresh_dense()
     readers = ReaderPool()
 
     def rejoin() -> None:
         """Wait until the master has every shard back (relaunched, restored to its last checkpoint, a new
-        generation), then push to them."""
-        info = shards(master, stop, newer_than=trainer.generation)
-        if info is not None:
+        generation), then push to them; again if they move meanwhile (one more shard lost, or frozen)."""
+        while (info := shards(master, stop, newer_than=trainer.generation)) is not None:
             new = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
-            trainer.reconnect(new, info.ps_generation).close()
+            try:
+                trainer.reconnect(new, info.ps_generation).close()
+            except ShardsMoved as e:
+                log.warning("the PS shards moved again (%s): registering again", str(e).splitlines()[0][:200])
+                continue
             log.info("the PS shards are back at generation %d: training on", info.ps_generation)
+            return
 
     try:
+        try:
+            trainer.refresh_dense()
+        except ShardsMoved as e:  # lost or frozen before this worker's first pull: as after any loss, not a crash
+            log.warning("the PS shards moved before my first pull (%s): registering again", str(e).splitlines()[0][:99])
+            rejoin()
         why = train_tasks(
             master,
             trainer,

@@ -2,8 +2,11 @@
 nothing, and the master must find it by its missing progress, declare it hung, requeue its lease from its
 watermark, stop it and replace it. In the same job, nothing else may be declared hung: every worker's first
 step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
-and one worker runs ten times slower than the others but still reports. Every record is still applied exactly
-once, by the tally model's weights and the audit.
+and one worker runs ten times slower than the others but still reports. In ps mode, later in the same job, the
+parameter server is frozen too: the master's probe finds it silent, declares it hung, kills it and restores
+every shard from the last checkpoint, and the workers whose pushes waited on it wait for the shards' new
+generation instead of crashing. Every record is still applied exactly once, by the tally model's weights and
+the audit.
 
 The bound is asserted as the master's decision (summary.json's events), never as a duration."""
 
@@ -49,7 +52,12 @@ def slow_start_tally(tmp_path) -> str:
 
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally_data, tmp_path, strategy):
+    rows = tally_data["rows"]
     settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
+    # ps: the PS frozen later, mid-epoch too; a checkpoint every epoch's records, to go back to.
+    frozen_ps = ["--chaos", f"stop:ps-0@{rows * 5 // 2}"] if strategy == "ps" else []
+    if strategy == "ps":
+        settings = settings | {"checkpoint_every": str(rows)}
     out = tmp_path / "out"
     proc, summary = train(
         tally_data,
@@ -57,7 +65,8 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         "--chaos",
         "slow:worker-0@0:x10",
         "--chaos",
-        f"stop:worker-1@{tally_data['rows'] * 3 // 2}",  # mid-epoch: far from an epoch's evaluation
+        f"stop:worker-1@{rows * 3 // 2}",  # mid-epoch: far from an epoch's evaluation
+        *frozen_ps,
         model=slow_start_tally(tmp_path),
         strategy=strategy,
         epochs=EPOCHS,
@@ -71,11 +80,14 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     # Said first when the stop never fired: who, if anyone, was declared hung instead (a job below full strength
     # fires no named stop).
     assert ("stop", "worker-1") in [(f["action"], f["instance"]) for f in summary["chaos"]["fired"]], hung
-    fired = assert_chaos_fired(summary, 2)
-    assert [(f["action"], f["instance"]) for f in fired] == [("slow", "worker-0"), ("stop", "worker-1")]
+    fired = assert_chaos_fired(summary, 3 if frozen_ps else 2)
+    frozen = [("stop", "ps-0")] if frozen_ps else []
+    assert [(f["action"], f["instance"]) for f in fired] == [("slow", "worker-0"), ("stop", "worker-1"), *frozen]
     assert "chaos: worker-0 runs 10 times slower" in (out / "logs" / "worker-0.1.log").read_text()  # it was slowed
-    # Only the frozen worker: not the slowed one, not one in its long first step, not its replacement in its own.
-    assert [(e["instance"], e["bound_s"]) for e in hung] == [("worker-1", HANG_TIMEOUT)], hung
+    # Only the frozen ones: not the slowed worker, not one in its long first step, not its replacement in its own,
+    # not the workers whose pushes waited on the frozen PS.
+    expected = [("worker-1", HANG_TIMEOUT)] + ([("ps-0", HANG_TIMEOUT)] if frozen_ps else [])
+    assert [(e["instance"], e["bound_s"]) for e in hung] == expected, hung
     assert hung[0]["idle_s"] >= HANG_TIMEOUT and "declared hung" in hung[0]["detail"]
     after = [e for e in events if e["t"] >= hung[0]["t"] and e["instance"] == "worker-1"]
     assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after), after
@@ -86,5 +98,14 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         assert any(e["kind"] == "requeued" for e in after), after
     assert "worker-1: no progress for" in proc.stderr and "declared hung" in proc.stderr
     assert summary["workers"]["lost"] == 1 and summary["workers"]["relaunched"] == 1, summary["workers"]
+    # No worker whose push waited on the frozen PS crashed: the only decisions are worker-1's and the PS's.
+    decided = [(e["instance"], e["detail"].split(":")[0]) for e in events if e["kind"] == "decision"]
+    assert decided == [("worker-1", "relaunch")] + ([("ps-0", "restore")] if frozen_ps else []), decided
+    if frozen_ps:
+        ps_hung = hung[1]
+        assert ps_hung["idle_s"] >= HANG_TIMEOUT and "no answer for" in ps_hung["detail"], ps_hung
+        after_ps = [e for e in events if e["t"] >= ps_hung["t"] and e["instance"] == "ps-0"]
+        assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after_ps), after_ps
+        assert "ps-0: no answer for" in proc.stderr, proc.stderr[-3000:]
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)

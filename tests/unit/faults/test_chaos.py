@@ -49,6 +49,8 @@ def test_a_seed_draws_the_schedule_it_always_drew_unless_actions_are_asked_for()
     drawn = Chaos(["random:30:seed=7:actions=kill,term,stop"], 10_000, 3, 1).pending
     assert {s.action for s in drawn} == {"kill", "term", "stop"} and all(s.target is None for s in drawn)
     assert {s.action for s in Chaos(["random:10:seed=7:actions=stop"], 10_000, 3, 1).pending} == {"stop"}
+    frozen = Chaos(["random:10:seed=7:actions=stop:roles=worker,ps"], 10_000, 3, 2).pending
+    assert {s.action for s in frozen} == {"stop"} and {s.target.role for s in frozen if s.target} == {"ps"}
 
 
 def test_stop_and_slow_are_scheduled_and_a_slowed_worker_learns_its_factor_at_every_launch():
@@ -69,9 +71,8 @@ def test_stop_and_slow_are_scheduled_and_a_slowed_worker_learns_its_factor_at_ev
         ("random:3:roles=worker,db", "Bad --chaos spec"),
         ("random:3:roles=ps", "targets parameter servers, and this job has none"),
         ("random:3:actions=kill,boom", "Bad --chaos spec"),
-        ("random:3:actions=stop:roles=worker,master", "stop freezes workers only"),
-        ("stop:ps-0@10", "stop freezes workers only"),
-        ("stop:master@10", "stop freezes workers only"),
+        ("random:3:actions=stop:roles=worker,master", "not the master"),
+        ("stop:master@10", "not the master"),
         ("slow:worker-1@500:x10", "use slow:worker-1@0:x10"),
         ("slow:worker-1@0:x1", "Bad --chaos spec"),
         ("slow:ps-0@0:x4", "Bad --chaos spec"),
@@ -147,16 +148,18 @@ def test_a_job_given_no_specs_takes_elastic_step_chaos_s(monkeypatch):
 
 def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
     coord, backend = job
-    chaos = Chaos(["slow:worker-0@0:x4", "stop:worker-0@10"], 1000, 1, num_ps=1)
+    chaos = Chaos(["slow:worker-0@0:x4", "stop:worker-0@10", "stop:ps-0@20"], 1000, 1, num_ps=1)
     chaos.tick(0, backend, coord)
     assert [(f["action"], f["instance"]) for f in chaos.fired] == [("slow", "worker-0")]
     chaos.tick(15, backend, coord)
-    assert [f["action"] for f in chaos.fired] == ["slow", "stop"]
-    pid = backend.pid(InstanceId("worker", 0))
-    deadline = time.monotonic() + 30
-    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # stopped
-        assert time.monotonic() < deadline, "worker-0 was never frozen"
-        time.sleep(0.02)
+    chaos.tick(25, backend, coord)
+    assert [(f["action"], f["instance"]) for f in chaos.fired][1:] == [("stop", "worker-0"), ("stop", "ps-0")]
+    for inst in (InstanceId("worker", 0), InstanceId("ps", 0)):
+        pid = backend.pid(inst)
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # stopped
+            assert time.monotonic() < deadline, f"{inst} was never frozen"
+            time.sleep(0.02)
     assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
 
 

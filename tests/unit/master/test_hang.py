@@ -7,7 +7,7 @@ import pytest
 
 from elastic_step.backends.api import InstanceId
 from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.hang import FACTOR, FLOOR_S, MAX_TICK_S, HangWatch, Hung
+from elastic_step.master.hang import FACTOR, FLOOR_S, MAX_TICK_S, STARTUP_FACTOR, STARTUP_FLOOR_S, HangWatch, Hung
 from elastic_step.master.ledger import Ledger, ShardInfo
 
 
@@ -177,3 +177,50 @@ def test_allreduce_the_silent_member_of_a_stalled_ring_is_hung_not_the_members_w
     assert coord.hangs.idle("worker-0") > 2.0  # its clock ran past the bound too: it was heard from
     coord.declare_hung(late[0], t)
     assert [n for n, _ in rdv.members] == ["worker-0"]  # the ring goes on without it
+
+
+# ------------------------------------------------------------------ the start-up bound
+def test_a_worker_that_never_commits_is_hung_after_the_start_up_bound_which_the_job_s_first_steps_lengthen():
+    watch = HangWatch(timeout_s=2.0)
+    assert watch.startup_bound() == STARTUP_FLOOR_S  # --hang-timeout does not shorten it
+    assert run(watch, 0.0, STARTUP_FLOOR_S - 1, step=0.5) == []  # minutes of a first step: no alarm
+    late = run(watch, STARTUP_FLOOR_S - 1, 2.0, step=0.5)
+    assert late and late[0].what == "first commit" and late[0].bound_s == STARTUP_FLOOR_S
+    assert str(late[0]).startswith("no first commit for") and "(start-up bound 180 s)" in str(late[0])
+    # Another worker's first commit came after 99.5 s of its clock (its first tick counts nothing): 3 × that.
+    other = HangWatch()
+    run(other, 0.0, 100.0, running=("worker-1",), step=0.5)
+    other.committed("worker-1")
+    assert other.starting("worker-1") is None and other.startup_bound() == pytest.approx(STARTUP_FACTOR * 99.5)
+    assert HangWatch(timeout_s=600.0).startup_bound() == 600.0  # a longer --hang-timeout lengthens it
+    # A forgotten worker's successor starts its own start-up clock.
+    other.forget("worker-1")
+    assert other.starting("worker-1") is None and other.idle("worker-1") is None
+
+
+def test_the_start_up_clock_runs_only_while_the_worker_holds_work_and_stops_at_its_first_commit():
+    watch = HangWatch(timeout_s=2.0)
+    run(watch, 0.0, 10.0, running=())  # no lease yet (building its model, waiting for the shards)
+    assert watch.starting("worker-0") is None
+    run(watch, 10.0, 5.0)
+    assert watch.starting("worker-0") == pytest.approx(4.9)  # the first tick that sees it running counts nothing
+    watch.committed("worker-0")
+    assert watch.starting("worker-0") is None and watch.idle("worker-0") == 0.0
+    assert [h.what for h in run(watch, 15.0, 3.0)] != []  # from then on, --hang-timeout's bound
+
+
+def test_ps_a_leased_worker_that_never_commits_is_declared_hung_at_the_start_up_bound_not_at_the_timeout():
+    coord = ps_job(timeout=2.0)
+    lease = coord.ledger.leases["worker-0"]
+    coord.hung_workers(0.0)
+    other = coord.ledger.leases["worker-1"]
+    assert coord.report_progress(InstanceId("worker", 1), other.task.task_id, other.start + 20, 1.0, False)
+    late = ticks(coord, 0.0, 2.5)
+    assert [h.worker for h in late] == ["worker-1"]  # committed once: --hang-timeout's bound
+    coord.declare_hung(late[0], 2.5)
+    assert ticks(coord, 2.5, STARTUP_FLOOR_S - 5) == []  # stuck on its first read: still within the start-up bound
+    late = ticks(coord, STARTUP_FLOOR_S - 2.5, 5.0)
+    assert [(h.worker, h.what, h.bound_s) for h in late] == [("worker-0", "first commit", STARTUP_FLOOR_S)]
+    assert coord.declare_hung(late[0], STARTUP_FLOOR_S + 2.5) == (lease.start, lease.task.end)  # all of it
+    event = [e for e in coord.events if e["kind"] == "hung"][-1]
+    assert event["instance"] == "worker-0" and event["detail"].startswith("no first commit for")
