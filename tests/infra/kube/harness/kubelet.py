@@ -33,6 +33,8 @@
   ``containerStatuses`` (and ``initContainerStatuses``); restartPolicy Always/OnFailure restart
   a container's process, counting its ``restartCount``; a failed init container fails the pod
   under restartPolicy Never;
+* freezes a pod and resumes it (:meth:`ProcessKubelet.freeze`, :meth:`ProcessKubelet.resume`): SIGSTOP / SIGCONT
+  to every process of its containers, for tests of hung workers;
 * honours graceful deletion: when ``deletionTimestamp`` is set, SIGTERM to every container,
   SIGKILL to their process groups after ``deletionGracePeriodSeconds``, terminal status, then
   DELETE with grace period 0 (uid precondition) so the pod disappears and e.g. the
@@ -210,6 +212,29 @@ class ProcessKubelet(Service):
         return {
             w.ref: w.primary.proc.pid for w in workers if w.primary.proc is not None and w.primary.proc.poll() is None
         }
+
+    def processes(self, namespace: str, name: str) -> set[int]:
+        """The host PIDs of every process of the pod ``namespace/name`` running here (none when there is none)."""
+        with self._lock:
+            found = [w for w in self._workers.values() if w.namespace == namespace and w.pod_name == name]
+        return found[-1].processes() if found else set()
+
+    def freeze(self, namespace: str, name: str) -> set[int]:
+        """SIGSTOP every process of the pod ``namespace/name`` (all its containers, whatever their process groups):
+        a hung pod the API still calls Running, as this kubelet goes on heartbeating. Deleting it still kills it
+        (SIGKILL reaches a stopped process). Returns the stopped host PIDs."""
+        return self._pod(namespace, name).freeze()
+
+    def resume(self, namespace: str, name: str) -> set[int]:
+        """SIGCONT every process of the pod ``namespace/name``. Returns their host PIDs."""
+        return self._pod(namespace, name).resume()
+
+    def _pod(self, namespace: str, name: str) -> PodWorker:
+        with self._lock:
+            found = [w for w in self._workers.values() if w.namespace == namespace and w.pod_name == name]
+        if not found or not found[-1].processes():
+            raise LookupError(f"pod {namespace}/{name} has no running process on node {self.name}")
+        return found[-1]
 
     # ---- node and lease ------------------------------------------------------------------
     def _node_status(self) -> dict:

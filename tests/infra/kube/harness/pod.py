@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .mounts import Mount, in_namespaces, namespace_init, private_dev_shm
+from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
 from .process import die_with_parent
 
 TERMINAL = ("Succeeded", "Failed")
@@ -219,6 +219,9 @@ class Container:
         self.kill()  # what the container left behind
         return 128 - rc if rc < 0 else rc  # -SIG -> 128+SIG, as container runtimes report it
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def kill(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -290,6 +293,33 @@ class PodWorker(threading.Thread):
             self._report = report
             self._deadline = time.monotonic()
             self._cv.notify_all()
+
+    # -- called from tests (ProcessKubelet.freeze / resume)
+    def processes(self) -> set[int]:
+        """The host PIDs of every process of the pod's running containers (their PID namespaces, wrappers included)."""
+        return {pid for c in self.inits + self.containers if c.running() for pid in namespace_pids(c.proc.pid)}
+
+    def freeze(self) -> set[int]:
+        """SIGSTOP every process of the pod, as a deadlock, a hung read or a frozen node leaves one: alive to the
+        API and to this kubelet, silent to its peers. Repeated until a pass finds no process it had not stopped
+        (one may fork while the others are being stopped). The stopped PIDs."""
+        stopped: set[int] = set()
+        while pids := self.processes() - stopped:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            stopped |= pids
+        self.k.log.info("%s: froze %d processes: %s", self.ref, len(stopped), sorted(stopped))
+        return stopped
+
+    def resume(self) -> set[int]:
+        """SIGCONT every process of the pod (a frozen one, or a node whose network returns). The PIDs."""
+        pids = self.processes()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.k.log.info("%s: resumed %d processes", self.ref, len(pids))
+        return pids
 
     # -- called from the containers' threads
     @property
