@@ -14,6 +14,7 @@ from kubernetes import client, watch
 
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.pod import Image
+from tests.infra.kube.harness.process import alive, stopped
 
 pytestmark = pytest.mark.kubernetes
 
@@ -394,16 +395,6 @@ def test_pod_ignoring_sigterm_is_killed_after_grace_period(core, node, namespace
         os.kill(pid, 0)
 
 
-def state(pid: int) -> str | None:
-    """A process's state letter (T: stopped), None once it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            letter = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    return None if letter in "ZX" else letter
-
-
 def test_a_frozen_pod_stays_running_to_the_api_resumes_and_dies_when_deleted(core, node, namespace, tmp_path):
     """freeze() stops every process of the pod, one in a session of its own too (outside the container's process
     group); the API still calls the pod Running. resume() lets them go on. A frozen pod deleted with grace 0 is
@@ -426,18 +417,18 @@ def test_a_frozen_pod_stays_running_to_the_api_resumes_and_dies_when_deleted(cor
     )
     wait_phase(core, namespace, "frozen", ("Running",))
     wait_for(lambda: ticks.exists() and len(node.processes(namespace, "frozen")) >= 4, 30, what="its child")
-    stopped = node.freeze(namespace, "frozen")
-    assert len(stopped) >= 4, stopped  # the wrapper, the init, the command, its child in a session of its own
-    assert {pid: state(pid) for pid in stopped} == dict.fromkeys(stopped, "T")
+    frozen = node.freeze(namespace, "frozen")
+    assert len(frozen) >= 4, frozen  # the wrapper, the init, the command, its child in a session of its own
+    assert [pid for pid in frozen if not stopped(pid)] == []
     seen = ticks.read_text().count("tick")
     assert read(core, namespace, "frozen").status.phase == "Running"
-    assert node.resume(namespace, "frozen") == stopped
+    assert node.resume(namespace, "frozen") == frozen
     wait_for(lambda: ticks.read_text().count("tick") > seen + 2, 30, what="ticks after resume")
-    assert "T" not in {state(pid) for pid in stopped}
-    assert node.freeze(namespace, "frozen") == stopped
+    assert [pid for pid in frozen if stopped(pid)] == []
+    assert node.freeze(namespace, "frozen") == frozen
     core.delete_namespaced_pod("frozen", namespace, grace_period_seconds=0)
     wait_gone(core, namespace, "frozen")
-    wait_for(lambda: not any(state(pid) for pid in stopped), 30, what="every frozen process killed")
+    wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what="every frozen process killed")
     with pytest.raises(LookupError, match="has no running process"):
         node.freeze(namespace, "frozen")
 
