@@ -21,8 +21,8 @@ import pytest
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.process import alive, stopped
 from tests.integration.harness import LEASES_OUTLAST_A_KILL
-from tests.kubernetes.jobs import start_train, tally_job
-from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.kubernetes.jobs import start_train, tally_job, train
+from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig, secret_exists  # noqa: F401
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
 
 EPOCHS = 4
@@ -127,3 +127,15 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
 
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)
+
+
+def test_chaos_stop_is_refused_at_the_jobs_start(core, node, namespace, tally_data, sa_kubeconfig, tmp_path):
+    """The master cannot freeze a pod: a `stop` fails the job before anything trains, with why and what to do,
+    and leaves nothing behind (no pod, no token Secret)."""
+    params = tally_job("stop-refused", tally_data, tmp_path / "out", 1)
+    proc, _ = train(sa_kubeconfig, namespace, "--chaos", "stop:worker-1@100", timeout=300, **params)
+    assert proc.returncode != 0
+    assert "--chaos stop: the kubernetes backend cannot freeze an instance" in proc.stderr, proc.stderr[-3000:]
+    assert "Use --backend local" in proc.stderr
+    assert job_pods(core, namespace, "stop-refused") == []
+    assert not secret_exists(core, namespace, "stop-refused-token")
