@@ -433,6 +433,40 @@ def test_a_frozen_pod_stays_running_to_the_api_resumes_and_dies_when_deleted(cor
         node.freeze(namespace, "frozen")
 
 
+def test_a_pod_whose_kill_is_held_lives_on_after_its_deletion_until_released(core, node, namespace, tmp_path):
+    """hold_kill(): the pod deleted with grace 0 is gone from the API at once, and its processes, frozen, live on (a
+    node cut off from the apiserver); resumed, they run (a zombie); release_kill() kills them."""
+    ticks = tmp_path / "ticks"
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "held",
+            py(f"""
+        import time
+        while True:
+            with open({str(ticks)!r}, "a") as f:
+                f.write("tick\\n")
+            time.sleep(0.05)
+    """),
+        ),
+    )
+    wait_phase(core, namespace, "held", ("Running",))
+    wait_for(ticks.exists, 30, what="its first tick")
+    frozen = node.freeze(namespace, "held")
+    node.hold_kill(namespace, "held")
+    core.delete_namespaced_pod("held", namespace, grace_period_seconds=0)
+    wait_gone(core, namespace, "held")
+    assert node.processes(namespace, "held") == frozen and all(stopped(pid) for pid in frozen)
+    seen = ticks.read_text().count("tick")
+    assert node.resume(namespace, "held") == frozen
+    wait_for(lambda: ticks.read_text().count("tick") > seen + 2, 30, what="the zombie's ticks")
+    node.release_kill(namespace, "held")
+    wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what="the zombie killed")
+    assert node.processes(namespace, "held") == set()
+    with pytest.raises(LookupError, match="no kill held"):
+        node.release_kill(namespace, "held")
+
+
 # ----------------------------------------------------------------------------- /dev/shm
 
 

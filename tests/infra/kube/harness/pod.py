@@ -266,6 +266,8 @@ class PodWorker(threading.Thread):
         self._report = True
         self._delete_sent = False
         self._done = False  # set (under _cv) once deletion requests are no longer acted upon
+        self._holding = False  # hold_kill(): deletions are seen, and acted upon only at release_kill()
+        self._held: tuple[str, int | bool] | None = None  # what to do then: ("delete", grace) or ("kill", report)
 
     @property
     def primary(self) -> Container:
@@ -278,6 +280,11 @@ class PodWorker(threading.Thread):
         with self._cv:
             if self._done:
                 return False
+            if self._holding:
+                if self._held is None:
+                    self._held = ("delete", grace)
+                    self.k.log.info("%s: deletion requested, grace %ss: held", self.ref, grace)
+                return True
             deadline = time.monotonic() + max(0, grace)
             if self._deadline is None or deadline < self._deadline:
                 self._deadline = deadline
@@ -289,10 +296,32 @@ class PodWorker(threading.Thread):
 
     def kill(self, report: bool) -> None:
         with self._cv:
+            if self._holding:
+                self._held = ("kill", report)
+                self.k.log.info("%s: kill held", self.ref)
+                return
             self._deleting = True
             self._report = report
             self._deadline = time.monotonic()
             self._cv.notify_all()
+
+    # -- called from tests (ProcessKubelet.hold_kill / release_kill)
+    def hold_kill(self) -> None:
+        """From now on the pod's deletion is seen but not acted upon: its processes live on, as on a node cut off
+        from the apiserver (or a pod in a long grace period) after the pod was deleted."""
+        with self._cv:
+            self._holding = True
+
+    def release_kill(self) -> None:
+        """Act upon the deletion held since hold_kill(), if any, as a node whose network returns does."""
+        with self._cv:
+            self._holding, held, self._held = False, self._held, None
+        if held is not None:
+            self.k.log.info("%s: released: %s", self.ref, held[0])
+            if held[0] == "kill":
+                self.kill(bool(held[1]))
+            elif not self.request_delete(int(held[1])):
+                self.k.delete_now(self.namespace, self.pod_name, self.uid)
 
     # -- called from tests (ProcessKubelet.freeze / resume)
     def processes(self) -> set[int]:
