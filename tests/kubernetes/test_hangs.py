@@ -12,6 +12,7 @@ decision (summary.json's events), never as a duration."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 from pathlib import Path
@@ -26,6 +27,7 @@ from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubecon
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
 
 EPOCHS = 4
+ZOMBIE_EPOCHS = 12  # the job must still train when the zombie comes back (the tally trains an epoch in ~0.5 s)
 # Seconds. Wide enough that a healthy worker of a suite that runs beside other jobs on two cores is never held that
 # long between commits; far below the node controller's 300 s eviction, which a frozen pod on a live node never gets.
 HANG_TIMEOUT = 10
@@ -65,16 +67,31 @@ def instance_pods(core, namespace: str, job: str, index: int) -> list[str]:
     return sorted(p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector=selector).items)
 
 
-@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
+# The zombie cases wait for fencing: a launch the master declared lost must apply nothing when it comes back.
+NEEDS_FENCING = pytest.mark.skip(reason="needs fencing: a resumed zombie's pushes, frames and reports refused")
+
+
+@pytest.mark.parametrize(
+    "strategy, zombie",
+    [
+        pytest.param("ps", False, id="ps"),
+        pytest.param("allreduce", False, id="allreduce"),
+        pytest.param("ps", True, marks=NEEDS_FENCING, id="ps-zombie"),
+        pytest.param("allreduce", True, marks=NEEDS_FENCING, id="allreduce-zombie"),
+    ],
+)
 def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
-    control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path, strategy
+    control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path, strategy, zombie
 ):
+    """`zombie`: the frozen pod's kill is held (a node cut off from the apiserver: the pod is gone from the API, its
+    processes are not), and it is resumed once its replacement exists, as when the node's network returns."""
     job, out, log, marker = f"hang-{strategy}", tmp_path / "out", tmp_path / "master.log", tmp_path / "marked"
     frozen_pod = f"{job}-worker-1"  # its first launch; its replacement is {job}-worker-1-2
     # Mid-epoch 2 of the job: worker-1 feeds about half of each epoch, far from an epoch's evaluation.
     model = marked_tally(tmp_path, frozen_pod, tally_data["rows"] * 3 // 4, marker)
     settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
-    params = tally_job(job, tally_data, out, EPOCHS, strategy=strategy, hang_timeout=HANG_TIMEOUT, **settings)
+    epochs = ZOMBIE_EPOCHS if zombie else EPOCHS
+    params = tally_job(job, tally_data, out, epochs, strategy=strategy, hang_timeout=HANG_TIMEOUT, **settings)
     master = start_train(sa_kubeconfig, namespace, log, **(params | {"model_def": model}))
     replacement: list[str] = []
     try:
@@ -82,6 +99,8 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
         assert marker.exists(), f"worker-1 never reached its mark: the test proved nothing\n{log.read_text()[-3000:]}"
         frozen = node.freeze(namespace, frozen_pod)
         assert frozen and all(stopped(pid) for pid in frozen), frozen
+        if zombie:
+            node.hold_kill(namespace, frozen_pod)
 
         # Its replacement's pod is created (or the job ended first): the API then holds one pod of worker-1, the new.
         def replaced() -> bool:
@@ -89,14 +108,22 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
             return f"{frozen_pod}-2" in replacement or master.poll() is not None
 
         wait_for(replaced, 240, interval=0.1, what="worker-1's replacement pod")
-        # ZOMBIE: a frozen pod resumed after it was declared hung and before its kill lands (a partitioned node whose
-        # network returns) must apply nothing: its pushes refused by the PS (the shard's own refusal count), its
-        # ring frames refused, its reports and lease requests refused by the master, and it exits "fenced: ...".
-        # Needs fencing (a launch identity the master fences when it declares the launch lost) and a way to hold
-        # the frozen pod's kill: here, a kubelet that does not act on the pod's deletion until the test resumes the
-        # pod (node.resume(namespace, frozen_pod)), as a node cut off from the apiserver does not.
+        if zombie:
+            assert master.poll() is None, "the job ended before the zombie could come back: the test proved nothing"
+            node.resume(namespace, frozen_pod)
+            # It may apply nothing, and exits by itself once it learns it is fenced.
+            wait_for(lambda: not node.processes(namespace, frozen_pod), 120, what="the zombie's own exit")
+            zombie_log = node.log_path(namespace, frozen_pod).read_text()
+            assert "fenced: " in zombie_log, zombie_log[-3000:]
+            # FENCING: the refusals, each by its own witness (names to be settled with fencing's work):
+            #   ps: the PS shards' own count of refused pushes (a shard's status or log), > 0;
+            #   allreduce: a ring peer's refusal of the zombie's frames, or the master's refusal event in summary.json;
+            #   both: the master's refusal of its reports / lease requests; its exit code the fenced one, not a crash.
         master.wait(timeout=400)
     finally:
+        if zombie:
+            with contextlib.suppress(LookupError):
+                node.release_kill(namespace, frozen_pod)  # its node's network returns: the kubelet kills what is left
         if master.poll() is None:
             master.kill()
     text = log.read_text()
@@ -120,12 +147,12 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
 
     # Its pod deleted with grace 0: every frozen process killed (SIGKILL reaches a stopped process), and no second
     # pod of worker-1 beside its replacement.
-    assert [pid for pid in frozen if alive(pid)] == [], frozen
+    wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what=f"the frozen processes {sorted(frozen)} killed")
     assert f"pod {frozen_pod} deleted with grace 0" in text, text[-3000:]
     assert replacement in ([], [f"{frozen_pod}-2"]), replacement  # empty: the job ended before it was created
     assert job_pods(core, namespace, job) == []
 
-    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_each_record_applied_exactly(out, tally_data, epochs)
     assert_audit_exact(summary, strategy)
 
 
