@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
-from .process import die_with_parent
+from .process import alive, die_with_parent, stopped, wait_for
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -332,14 +332,22 @@ class PodWorker(threading.Thread):
         """SIGSTOP every process of the pod, as a deadlock, a hung read or a frozen node leaves one: alive to the
         API and to this kubelet, silent to its peers. Repeated until a pass finds no process it had not stopped
         (one may fork while the others are being stopped). The stopped PIDs."""
-        stopped: set[int] = set()
-        while pids := self.processes() - stopped:
+        signalled: set[int] = set()
+        while pids := self.processes() - signalled:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
-            stopped |= pids
-        self.k.log.info("%s: froze %d processes: %s", self.ref, len(stopped), sorted(stopped))
-        return stopped
+            signalled |= pids
+        # A stop lands when each process next runs (a busy one on a loaded machine, one in a system call): until then
+        # it may still send a frame.
+        wait_for(
+            lambda: all(stopped(pid) or not alive(pid) for pid in signalled),
+            30,
+            interval=0.01,
+            what=f"{self.ref}'s processes {sorted(signalled)} stopped",
+        )
+        self.k.log.info("%s: froze %d processes: %s", self.ref, len(signalled), sorted(signalled))
+        return signalled
 
     def resume(self) -> set[int]:
         """SIGCONT every process of the pod (a frozen one, or a node whose network returns). The PIDs."""
