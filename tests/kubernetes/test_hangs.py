@@ -90,6 +90,9 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
     # Mid-epoch 2 of the job: worker-1 feeds about half of each epoch, far from an epoch's evaluation.
     model = marked_tally(tmp_path, frozen_pod, tally_data["rows"] * 3 // 4, marker)
     settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
+    # Both workers before the first lease: an epoch takes about a second, and worker-0 alone could train the job
+    # while worker-1's pod still imports TensorFlow, so worker-1 would never reach its mark.
+    settings = settings | {"min_workers": 2}
     epochs = ZOMBIE_EPOCHS if zombie else EPOCHS
     params = tally_job(job, tally_data, out, epochs, strategy=strategy, hang_timeout=HANG_TIMEOUT, **settings)
     master = start_train(sa_kubeconfig, namespace, log, **(params | {"model_def": model}))
