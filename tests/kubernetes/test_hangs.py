@@ -122,6 +122,8 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
             #   ps: the PS shards' own count of refused pushes (a shard's status or log), > 0;
             #   allreduce: a ring peer's refusal of the zombie's frames, or the master's refusal event in summary.json;
             #   both: the master's refusal of its reports / lease requests; its exit code the fenced one, not a crash.
+            # Without fencing (tried): in ps the master refuses its next report and it exits 0, "no more tasks"; in
+            # allreduce it is told it was evicted, rejoins the ring as worker-1 beside its replacement and trains on.
         master.wait(timeout=400)
     finally:
         if zombie:
