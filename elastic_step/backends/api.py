@@ -109,9 +109,18 @@ class Backend(abc.ABC):
     def kill(self, instance: InstanceId) -> None:
         """Kill at once (SIGKILL / delete with grace 0). Used by tests and chaos."""
 
+    can_freeze = False  # whether `freeze` can reach the instance's processes
+
     def freeze(self, instance: InstanceId) -> None:
         """Freeze the instance where it stands (SIGSTOP), as a hang would: chaos only (faults/chaos.py `stop:`)."""
-        raise ConfigError(f"--chaos stop: the {self.name} backend cannot freeze an instance; use --backend local.")
+        raise ConfigError(self.cannot_freeze())
+
+    def cannot_freeze(self) -> str:
+        return (
+            f"--chaos stop: the {self.name} backend cannot freeze an instance: the master starts and deletes "
+            "its instances but cannot reach into their processes to stop them. Use --backend local, or freeze "
+            "the instance from outside (its node; the Kubernetes tests freeze a pod through their process kubelet)."
+        )
 
     @abc.abstractmethod
     def alive(self) -> set[InstanceId]:

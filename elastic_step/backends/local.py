@@ -21,6 +21,7 @@ from elastic_step.util.process import PARENT_ENV
 
 class LocalBackend(Backend):
     name = "local"
+    can_freeze = True
 
     def __init__(self, log_dir: str | os.PathLike, env: dict[str, str] | None = None, preload: bool = False):
         super().__init__()

@@ -7,6 +7,8 @@ tests hold the pod watch through WATCH_REQUEST themselves.
 
 A job's hook points, on the object `faults.chaos.for_job` makes at the job's start (one per job, so
 that jobs in one process never share them):
+- `check_backend(backend)`: the job's backend, once made: a fault it cannot deliver fails the job there, before
+  anything trains;
 - `tick(committed, backend, coord)`: every turn of the master's pump;
 - `checkpoint_written(ckpt_id)`: between a checkpoint's parts and its manifest (its commit point);
 - `resume(journal, job_id, resumable)`: the job has checkpoints, and `journal` beside them keeps what fires;
@@ -31,6 +33,9 @@ from collections.abc import Callable
 
 class JobFaults:
     """A job's hook points; this one injects nothing (see the module)."""
+
+    def check_backend(self, backend) -> None:
+        pass
 
     def tick(self, committed: int, backend, coord) -> None:
         pass

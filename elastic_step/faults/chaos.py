@@ -16,6 +16,7 @@ job's start by `for_job`):
   the master must declare it hung (master/hang.py). `stop:ps-0@400` freezes a parameter server: the master's
   probe finds it silent (master/ps_watch.py) and handles it as a lost PS. Not the master: its own liveness is
   the step's health endpoint, which the platform probes.
+  The local backend only (a backend that cannot reach into its instances' processes refuses it at the job's start).
 - `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
   would): after each step but its first it sleeps 9 times as long as the step took, still reporting. The master
   hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW); `@0` is the only start.
@@ -50,7 +51,7 @@ import threading
 from collections.abc import Sequence
 
 from elastic_step.backends.api import Backend, InstanceId
-from elastic_step.errors import ElasticStepError
+from elastic_step.errors import ConfigError, ElasticStepError
 from elastic_step.faults import api
 from elastic_step.faults.process import SLOW_ENV, kill_self
 from elastic_step.util.json_text import write_json
@@ -243,6 +244,11 @@ class Chaos(api.JobFaults):
         if ckpt_id == self.kill_at_checkpoint:
             log.warning("chaos: SIGKILL the master between checkpoint %d's parts and its manifest", ckpt_id)
             kill_self(signal.SIGKILL)
+
+    def check_backend(self, backend: Backend) -> None:
+        """A `stop` this backend cannot deliver fails the job at its start, not when it is due mid-training."""
+        if any(sig.action == "stop" for sig in self.pending) and not backend.can_freeze:
+            raise ConfigError(backend.cannot_freeze())
 
     def tick(self, committed: int, backend: Backend, coord) -> None:
         """Fire the next signal whose threshold has passed, if its target is ready (one per tick)."""

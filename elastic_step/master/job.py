@@ -143,6 +143,11 @@ class TrainingJob:
         else:  # starts processes: after every check
             started = make_backend(cfg, job_id, self.output / "logs")
         self.backend = started[0]
+        try:
+            self.faults.check_backend(self.backend)
+        except ConfigError:
+            self.backend.close()
+            raise
         self.plan = JobPlan(
             job_id=job_id,
             output=output,

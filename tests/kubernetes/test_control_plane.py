@@ -14,6 +14,7 @@ from kubernetes import client, watch
 
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.pod import Image
+from tests.infra.kube.harness.process import alive, stopped
 
 pytestmark = pytest.mark.kubernetes
 
@@ -392,6 +393,78 @@ def test_pod_ignoring_sigterm_is_killed_after_grace_period(core, node, namespace
     assert (last.status.phase, term.exit_code, term.signal) == ("Failed", 137, 9), term
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_frozen_pod_stays_running_to_the_api_resumes_and_dies_when_deleted(core, node, namespace, tmp_path):
+    """freeze() stops every process of the pod, one in a session of its own too (outside the container's process
+    group); the API still calls the pod Running. resume() lets them go on. A frozen pod deleted with grace 0 is
+    gone, and so is every one of its processes: SIGKILL reaches a stopped process."""
+    ticks = tmp_path / "ticks"
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "frozen",
+            py(f"""
+        import os, subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+        while True:
+            with open({str(ticks)!r}, "a") as f:
+                f.write("tick\\n")
+            time.sleep(0.05)
+    """),
+            terminationGracePeriodSeconds=3600,
+        ),
+    )
+    wait_phase(core, namespace, "frozen", ("Running",))
+    wait_for(lambda: ticks.exists() and len(node.processes(namespace, "frozen")) >= 4, 30, what="its child")
+    frozen = node.freeze(namespace, "frozen")
+    assert len(frozen) >= 4, frozen  # the wrapper, the init, the command, its child in a session of its own
+    assert [pid for pid in frozen if not stopped(pid)] == []
+    seen = ticks.read_text().count("tick")
+    assert read(core, namespace, "frozen").status.phase == "Running"
+    assert node.resume(namespace, "frozen") == frozen
+    wait_for(lambda: ticks.read_text().count("tick") > seen + 2, 30, what="ticks after resume")
+    assert [pid for pid in frozen if stopped(pid)] == []
+    assert node.freeze(namespace, "frozen") == frozen
+    core.delete_namespaced_pod("frozen", namespace, grace_period_seconds=0)
+    wait_gone(core, namespace, "frozen")
+    wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what="every frozen process killed")
+    with pytest.raises(LookupError, match="has no running process"):
+        node.freeze(namespace, "frozen")
+
+
+def test_a_pod_whose_kill_is_held_lives_on_after_its_deletion_until_released(core, node, namespace, tmp_path):
+    """hold_kill(): the pod deleted with grace 0 is gone from the API at once, and its processes, frozen, live on (a
+    node cut off from the apiserver); resumed, they run (a zombie); release_kill() kills them."""
+    ticks = tmp_path / "ticks"
+    core.create_namespaced_pod(
+        namespace,
+        pod_body(
+            "held",
+            py(f"""
+        import time
+        while True:
+            with open({str(ticks)!r}, "a") as f:
+                f.write("tick\\n")
+            time.sleep(0.05)
+    """),
+        ),
+    )
+    wait_phase(core, namespace, "held", ("Running",))
+    wait_for(ticks.exists, 30, what="its first tick")
+    frozen = node.freeze(namespace, "held")
+    node.hold_kill(namespace, "held")
+    core.delete_namespaced_pod("held", namespace, grace_period_seconds=0)
+    wait_gone(core, namespace, "held")
+    assert node.processes(namespace, "held") == frozen and all(stopped(pid) for pid in frozen)
+    seen = ticks.read_text().count("tick")
+    assert node.resume(namespace, "held") == frozen
+    wait_for(lambda: ticks.read_text().count("tick") > seen + 2, 30, what="the zombie's ticks")
+    node.release_kill(namespace, "held")
+    wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what="the zombie killed")
+    assert node.processes(namespace, "held") == set()
+    with pytest.raises(LookupError, match="no kill held"):
+        node.release_kill(namespace, "held")
 
 
 # ----------------------------------------------------------------------------- /dev/shm

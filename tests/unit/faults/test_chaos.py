@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from elastic_step.backends.api import InstanceId
-from elastic_step.errors import ElasticStepError
+from elastic_step.backends.api import Backend, InstanceId
+from elastic_step.backends.local import LocalBackend
+from elastic_step.errors import ConfigError, ElasticStepError
 from elastic_step.faults.chaos import MASTER, Chaos
 
 
@@ -176,3 +177,17 @@ def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_firs
     finally:
         api.STEP_DONE.install(None)
     assert slept == pytest.approx([0.18, 0.27])
+
+
+def test_a_stop_is_refused_at_the_jobs_start_by_a_backend_that_cannot_freeze():
+    class Remote(Backend):  # the Kubernetes backend's case: it deletes pods, it cannot reach into their processes
+        name = "remote"
+        start = stop = kill = alive = master_address = None
+
+    Chaos(["kill:worker-0@10"], 1000, 2).check_backend(Remote())  # nothing to freeze
+    for spec in ("stop:worker-1@10", "random:3:seed=1:actions=stop"):
+        with pytest.raises(ConfigError, match="the remote backend cannot freeze an instance: .* Use --backend local"):
+            Chaos([spec], 1000, 2).check_backend(Remote())
+    with pytest.raises(ConfigError, match="cannot freeze"):
+        Remote().freeze(InstanceId("worker", 1))
+    assert LocalBackend.can_freeze

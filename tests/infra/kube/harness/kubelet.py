@@ -33,6 +33,10 @@
   ``containerStatuses`` (and ``initContainerStatuses``); restartPolicy Always/OnFailure restart
   a container's process, counting its ``restartCount``; a failed init container fails the pod
   under restartPolicy Never;
+* freezes a pod and resumes it (:meth:`ProcessKubelet.freeze`, :meth:`ProcessKubelet.resume`): SIGSTOP / SIGCONT
+  to every process of its containers, for tests of hung workers; and holds a pod's kill
+  (:meth:`ProcessKubelet.hold_kill`, :meth:`ProcessKubelet.release_kill`): its deletion is seen and not acted upon,
+  as on a node cut off from the apiserver, so a deleted pod's processes live on beside its replacement (a zombie);
 * honours graceful deletion: when ``deletionTimestamp`` is set, SIGTERM to every container,
   SIGKILL to their process groups after ``deletionGracePeriodSeconds``, terminal status, then
   DELETE with grace period 0 (uid precondition) so the pod disappears and e.g. the
@@ -153,6 +157,7 @@ class ProcessKubelet(Service):
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._workers: dict[str, PodWorker] = {}  # uid -> worker, until the pod is gone
+        self._kept: dict[str, PodWorker] = {}  # uid -> worker whose kill is held (hold_kill), gone or not
         self._threads: list[threading.Thread] = []
         self._watch_resp = None
         self.node_uid = None
@@ -178,8 +183,10 @@ class ProcessKubelet(Service):
                 else:
                     resp.connection.sock.shutdown(2)
         with self._lock:
-            workers = list(self._workers.values())
+            workers = list(self._workers.values()) + [w for w in self._kept.values() if w.uid not in self._workers]
+            self._kept.clear()
         for w in workers:
+            w.release_kill()
             w.kill(report=False)
         for w in workers:
             w.join(timeout)
@@ -210,6 +217,51 @@ class ProcessKubelet(Service):
         return {
             w.ref: w.primary.proc.pid for w in workers if w.primary.proc is not None and w.primary.proc.poll() is None
         }
+
+    def processes(self, namespace: str, name: str) -> set[int]:
+        """The host PIDs of every process of the pod ``namespace/name`` running here (none when there is none)."""
+        return {pid for w in self._pods() if w.namespace == namespace and w.pod_name == name for pid in w.processes()}
+
+    def freeze(self, namespace: str, name: str) -> set[int]:
+        """SIGSTOP every process of the pod ``namespace/name`` (all its containers, whatever their process groups):
+        a hung pod the API still calls Running, as this kubelet goes on heartbeating. Deleting it still kills it
+        (SIGKILL reaches a stopped process). Returns the stopped host PIDs."""
+        return self._pod(namespace, name).freeze()
+
+    def resume(self, namespace: str, name: str) -> set[int]:
+        """SIGCONT every process of the pod ``namespace/name``. Returns their host PIDs."""
+        return self._pod(namespace, name).resume()
+
+    def hold_kill(self, namespace: str, name: str) -> None:
+        """Until release_kill: the pod's deletion (graceful or not, the pod gone from the API or not) is seen and not
+        acted upon, so its processes live on, as on a node cut off from the apiserver after its pod was force-deleted:
+        the API may then hold its replacement beside them (a zombie, when resumed)."""
+        w = self._pod(namespace, name)
+        w.hold_kill()
+        with self._lock:
+            self._kept[w.uid] = w
+
+    def release_kill(self, namespace: str, name: str) -> None:
+        """Act upon the pod's held deletion, if any, as the node does once its network returns."""
+        with self._lock:
+            found = [w for w in self._kept.values() if w.namespace == namespace and w.pod_name == name]
+            for w in found:
+                del self._kept[w.uid]
+        if not found:
+            raise LookupError(f"pod {namespace}/{name}: no kill held on node {self.name}")
+        for w in found:
+            w.release_kill()
+
+    def _pods(self) -> list[PodWorker]:
+        """Every pod this kubelet runs: those the API holds, and those deleted there whose kill is held."""
+        with self._lock:
+            return list(self._workers.values()) + [w for w in self._kept.values() if w.uid not in self._workers]
+
+    def _pod(self, namespace: str, name: str) -> PodWorker:
+        found = [w for w in self._pods() if w.namespace == namespace and w.pod_name == name and w.processes()]
+        if not found:
+            raise LookupError(f"pod {namespace}/{name} has no running process on node {self.name}")
+        return found[-1]
 
     # ---- node and lease ------------------------------------------------------------------
     def _node_status(self) -> dict:

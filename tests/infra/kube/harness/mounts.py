@@ -5,6 +5,8 @@ which on a shared PID namespace ends every process of the machine)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
 import shutil
 import subprocess
@@ -107,6 +109,25 @@ def namespace_init(wrapper_pid: int) -> int | None:
     except OSError:
         return None
     return int(children[0]) if children else None
+
+
+def namespace_pids(wrapper_pid: int) -> set[int]:
+    """Every process of the container the wrapper ``wrapper_pid`` runs (host PIDs): the wrapper and all the processes
+    of its PID namespace, whatever their process group or session (a command may start one of its own)."""
+    init = namespace_init(wrapper_pid)
+    pids = {wrapper_pid}
+    if init is None:
+        return pids
+    try:
+        ns = os.readlink(f"/proc/{init}/ns/pid")
+    except OSError:
+        return pids
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{entry}/ns/pid") == ns:
+                    pids.add(int(entry))
+    return pids
 
 
 def _tool(name: str) -> str:

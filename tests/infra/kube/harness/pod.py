@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .mounts import Mount, in_namespaces, namespace_init, private_dev_shm
-from .process import die_with_parent
+from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
+from .process import alive, die_with_parent, stopped, wait_for
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -219,6 +219,9 @@ class Container:
         self.kill()  # what the container left behind
         return 128 - rc if rc < 0 else rc  # -SIG -> 128+SIG, as container runtimes report it
 
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def kill(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -263,6 +266,8 @@ class PodWorker(threading.Thread):
         self._report = True
         self._delete_sent = False
         self._done = False  # set (under _cv) once deletion requests are no longer acted upon
+        self._holding = False  # hold_kill(): deletions are seen, and acted upon only at release_kill()
+        self._held: tuple[str, int | bool] | None = None  # what to do then: ("delete", grace) or ("kill", report)
 
     @property
     def primary(self) -> Container:
@@ -275,6 +280,11 @@ class PodWorker(threading.Thread):
         with self._cv:
             if self._done:
                 return False
+            if self._holding:
+                if self._held is None:
+                    self._held = ("delete", grace)
+                    self.k.log.info("%s: deletion requested, grace %ss: held", self.ref, grace)
+                return True
             deadline = time.monotonic() + max(0, grace)
             if self._deadline is None or deadline < self._deadline:
                 self._deadline = deadline
@@ -286,10 +296,67 @@ class PodWorker(threading.Thread):
 
     def kill(self, report: bool) -> None:
         with self._cv:
+            if self._holding:
+                self._held = ("kill", report)
+                self.k.log.info("%s: kill held", self.ref)
+                return
             self._deleting = True
             self._report = report
             self._deadline = time.monotonic()
             self._cv.notify_all()
+
+    # -- called from tests (ProcessKubelet.hold_kill / release_kill)
+    def hold_kill(self) -> None:
+        """From now on the pod's deletion is seen but not acted upon: its processes live on, as on a node cut off
+        from the apiserver (or a pod in a long grace period) after the pod was deleted."""
+        with self._cv:
+            self._holding = True
+
+    def release_kill(self) -> None:
+        """Act upon the deletion held since hold_kill(), if any, as a node whose network returns does."""
+        with self._cv:
+            self._holding, held, self._held = False, self._held, None
+        if held is not None:
+            self.k.log.info("%s: released: %s", self.ref, held[0])
+            if held[0] == "kill":
+                self.kill(bool(held[1]))
+            elif not self.request_delete(int(held[1])):
+                self.k.delete_now(self.namespace, self.pod_name, self.uid)
+
+    # -- called from tests (ProcessKubelet.freeze / resume)
+    def processes(self) -> set[int]:
+        """The host PIDs of every process of the pod's running containers (their PID namespaces, wrappers included)."""
+        return {pid for c in self.inits + self.containers if c.running() for pid in namespace_pids(c.proc.pid)}
+
+    def freeze(self) -> set[int]:
+        """SIGSTOP every process of the pod, as a deadlock, a hung read or a frozen node leaves one: alive to the
+        API and to this kubelet, silent to its peers. Repeated until a pass finds no process it had not stopped
+        (one may fork while the others are being stopped). The stopped PIDs."""
+        signalled: set[int] = set()
+        while pids := self.processes() - signalled:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+            signalled |= pids
+        # A stop lands when each process next runs (a busy one on a loaded machine, one in a system call): until then
+        # it may still send a frame.
+        wait_for(
+            lambda: all(stopped(pid) or not alive(pid) for pid in signalled),
+            30,
+            interval=0.01,
+            what=f"{self.ref}'s processes {sorted(signalled)} stopped",
+        )
+        self.k.log.info("%s: froze %d processes: %s", self.ref, len(signalled), sorted(signalled))
+        return signalled
+
+    def resume(self) -> set[int]:
+        """SIGCONT every process of the pod (a frozen one, or a node whose network returns). The PIDs."""
+        pids = self.processes()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self.k.log.info("%s: resumed %d processes", self.ref, len(pids))
+        return pids
 
     # -- called from the containers' threads
     @property

@@ -93,6 +93,25 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed process nobody has reaped yet is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state T)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def wait_for(predicate, timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
     """Poll ``predicate`` until it returns something truthy; return that value."""
     deadline = time.monotonic() + timeout
