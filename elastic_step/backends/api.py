@@ -113,6 +113,10 @@ class Backend(abc.ABC):
         """Freeze the instance where it stands (SIGSTOP), as a hang would: chaos only (faults/chaos.py `stop:`)."""
         raise ConfigError(f"--chaos stop: the {self.name} backend cannot freeze an instance; use --backend local.")
 
+    def thaw(self, instance: InstanceId) -> None:
+        """Resume an instance `freeze` froze (SIGCONT): chaos only (faults/chaos.py `stop:...:resume`, a zombie)."""
+        raise ConfigError(f"--chaos stop: the {self.name} backend cannot resume an instance; use --backend local.")
+
     @abc.abstractmethod
     def alive(self) -> set[InstanceId]:
         """Instances started and not yet ended."""

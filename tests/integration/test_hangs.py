@@ -57,7 +57,8 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         "--chaos",
         "slow:worker-0@0:x10",
         "--chaos",
-        f"stop:worker-1@{tally_data['rows'] * 3 // 2}",  # mid-epoch: far from an epoch's evaluation
+        # Mid-epoch, far from an epoch's evaluation; resumed once declared hung, before its kill: a zombie.
+        f"stop:worker-1@{tally_data['rows'] * 3 // 2}:resume",
         model=slow_start_tally(tmp_path),
         strategy=strategy,
         epochs=EPOCHS,
@@ -78,7 +79,23 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     assert [(e["instance"], e["bound_s"]) for e in hung] == [("worker-1", HANG_TIMEOUT)], hung
     assert hung[0]["idle_s"] >= HANG_TIMEOUT and "declared hung" in hung[0]["detail"]
     after = [e for e in events if e["t"] >= hung[0]["t"] and e["instance"] == "worker-1"]
-    assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after), after
+    # Fenced before its lease was requeued, then resumed: refused, it ended by itself (EXIT_FENCED), not killed.
+    assert [f["instance"] for f in summary["chaos"]["resumed"]] == ["worker-1"], summary["chaos"]
+    fenced = [e for e in events if e["kind"] == "fenced" and e["instance"] == "worker-1"]
+    assert fenced and fenced[0]["launch"] == 1 and "declared hung" in fenced[0]["detail"], fenced
+    requeued = [i for i, e in enumerate(events) if e["kind"] == "requeued" and e["instance"] == "worker-1"]
+    assert all(events.index(fenced[0]) < i for i in requeued), events  # the timeline's order, not its clock
+    zombie_log = (out / "logs" / "worker-1.1.log").read_text()
+    assert "fenced: worker-1 launch 1" in zombie_log, zombie_log[-3000:]
+    assert any(e["kind"] == "lost" and e["detail"] == "declared hung, then exit code 4" for e in after), after
+    # The zombie's work was refused where it went: its pushes by the PS shards (their own count), its calls by
+    # the master (allreduce: its step reports and ring membership).
+    refused_pushes = sum(s["pushes_fenced"] for s in summary.get("ps", []))
+    refused_calls = summary["fencing"]["fenced"]["worker-1"]["refused"]
+    if strategy == "ps":
+        assert refused_pushes >= 1, (summary["ps"], summary["fencing"], zombie_log[-3000:])
+    else:
+        assert refused_calls >= 1 and any(e["kind"] == "fence_refused" for e in after), summary["fencing"]
     assert any(e["kind"] == "decision" and e["detail"].startswith("relaunch:") for e in after), after
     # Its replacement started (it may find the job done before it registers: the others trained the rest).
     assert any(e["kind"] == "running" for e in after), after
