@@ -384,6 +384,11 @@ class Coordinator:
             if refusal is not None and self.fences.fenced[str(inst)].refused == 1:
                 self.record("fence_refused", str(inst), f"launch {launch}: {call} refused", launch=launch)
                 log.warning("%s launch %d called %s: refused, %s", inst, launch, call, refusal)
+            member = self.membership.members.get(inst)
+            if refusal is None and member is not None and launch > member.launches:
+                # An instance a previous master launched, adopted by this one (a pod kept as it was): its number
+                # is the one to fence, and its successor's comes after it.
+                member.launches = launch
             return refusal
 
     # ------------------------------------------------------------ hangs

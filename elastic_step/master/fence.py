@@ -10,7 +10,9 @@ launch is *fenced*:
   * the PS shards are told (ParameterServer.Fence, before its lease is requeued) and refuse its pushes;
   * the worker, refused, logs the refusal and exits at once (EXIT_FENCED), a loss the master already counted.
 Per worker, every launch up to the highest fenced one is fenced: launches only grow, and a successor's is higher.
-A call that names no launch (0) is never refused: nothing launched by a master sends one.
+A call that names no launch (0) is never refused: nothing launched by a master sends one. A call naming a launch
+above the master's own count is an instance a previous master launched and this one adopted (a pod kept as it was):
+the count rises to it, so that it is the launch fenced, and its successor's number comes after it.
 
 Plain data, no clock and no threads: the coordinator keeps it under its lock.
 """

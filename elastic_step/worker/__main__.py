@@ -41,7 +41,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
-    ring = collective.Ring(args.token, me, args.host)
+    ring = collective.Ring(args.token, me, args.host, launch=args.launch)
     server, port = collective.serve(collective.CollectiveService(args.token, state, ring.port), args.host)
     readers = ReaderPool()
     try:

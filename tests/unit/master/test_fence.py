@@ -57,6 +57,9 @@ def test_a_fenced_launch_is_refused_at_every_call_and_its_successor_is_not(maste
     master.coord.membership.launched(inst, relaunch=True)
     successor = launch_of(master, 0, 2)
     successor.register()  # not refused
+    # A pod a previous master launched (its 5th launch), kept and adopted by this master: the count rises to it.
+    launch_of(master, 0, 5).register()
+    assert master.coord.membership.members[inst].launches == 5 and master.coord.fence(inst, "lost") == 5
     assert fenced(RuntimeError("an error of its own")) is None
 
 
