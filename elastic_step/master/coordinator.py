@@ -379,6 +379,11 @@ class Coordinator:
 
     def fenced_call(self, inst: InstanceId, launch: int, call: str) -> str | None:
         """Why a call of `inst`'s launch `launch` is refused, or None. Its first refusal makes the timeline."""
+        member = self.membership.members.get(inst)
+        if launch <= 0 or (str(inst) not in self.fences.fenced and (member is None or launch <= member.launches)):
+            # Every call asks: the usual answer without the lock. A fence that lands meanwhile is one the call came
+            # before, and the ledger refuses what it reports once the lease is requeued.
+            return None
         with self.lock:
             refusal = self.fences.refusal(str(inst), launch)
             if refusal is not None and self.fences.fenced[str(inst)].refused == 1:
