@@ -24,7 +24,7 @@ from elastic_step.data.api import load_manifest
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
 from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
-from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
+from elastic_step.instance import EXIT_FENCED, LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
@@ -393,6 +393,9 @@ class TrainingJob:
             self._hung.discard(ev.instance)
             how = ev.detail or f"exit code {ev.exit_code}"
             ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"declared hung, then {how}")
+        elif ev.kind == EventKind.EXITED and ev.exit_code == EXIT_FENCED:
+            # Refused as a launch the master had given up: the loss it was given up for, never a crash.
+            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"fenced, then exit code {EXIT_FENCED}")
         remainder = self.coord.on_instance_event(ev)
         if ev.kind not in (EventKind.EXITED, EventKind.LOST):
             return
