@@ -2,8 +2,10 @@
 nothing, and the master must find it by its missing progress, declare it hung, requeue its lease from its
 watermark, stop it and replace it. In the same job, nothing else may be declared hung: every worker's first
 step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
-and one worker runs ten times slower than the others but still reports. Every record is still applied exactly
-once, by the tally model's weights and the audit.
+and one worker runs ten times slower than the others but still reports. The frozen worker is resumed once declared
+hung, before its kill (a zombie, as a pod in its grace period or a partitioned node back): fenced before its lease
+was requeued, it is refused (its pushes by the PS shards, its calls by the master) and exits by itself. Every record
+is still applied exactly once, by the tally model's weights and the audit.
 
 The bound is asserted as the master's decision (summary.json's events), never as a duration."""
 
