@@ -260,6 +260,8 @@ def markers(summary: dict) -> list[tuple[float, str, str]]:
             chaos.pop(inst, None)  # its end is the master's stop, not the chaos
             bound = num(e.get("bound_s"))
             hung[inst] = (t, "declared hung" + (f" (bound {bound:g} s)" if bound is not None else ""))
+        elif kind == "fence_refused" and inst in hung:  # it came back, fenced: what it sent was refused
+            hung[inst] = (hung[inst][0], hung[inst][1] + ", came back fenced")
         elif kind in ("lost", "exited"):
             if inst in hung:
                 ended[inst] = hung.pop(inst)
@@ -638,15 +640,25 @@ def _recovery(summary: dict) -> str:
         ("records applied twice", str(sum(_int(r.get("double_applied")) for r in _rows(ledger, "epochs")))),
         ("duplicate pushes suppressed by the parameter servers", str(_int(ledger.get("duplicate_pushes_suppressed")))),
     ]
+    fencing = summary.get("fencing") if isinstance(summary.get("fencing"), dict) else {}
+    if fencing.get("fenced"):  # worker launches given up; their calls and pushes refused (guarantees.md)
+        refused_pushes = sum(_int(p.get("pushes_fenced")) for p in _rows(summary, "ps"))
+        facts.append(
+            (
+                "fenced worker launches (refused: calls to the master, pushes)",
+                f"{', '.join(sorted(fencing['fenced']))} ({_int(fencing.get('refused'))}, {refused_pushes})",
+            )
+        )
     out = "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in facts) + "</dl>"
     ps = _rows(summary, "ps")
     if ps:
         out += (
             '<table id="ps"><thead><tr><th>PS shard</th><th>pushes applied</th><th>duplicates skipped</th>'
-            "<th>dense parameters</th></tr></thead><tbody>"
+            "<th>fenced pushes refused</th><th>dense parameters</th></tr></thead><tbody>"
             + "".join(
                 f"<tr><td>{esc(p.get('shard', i))}</td><td>{_int(p.get('pushes_applied'))}</td>"
-                f"<td>{_int(p.get('pushes_skipped'))}</td><td>{_int(p.get('dense_parameters')):,}</td></tr>"
+                f"<td>{_int(p.get('pushes_skipped'))}</td><td>{_int(p.get('pushes_fenced'))}</td>"
+                f"<td>{_int(p.get('dense_parameters')):,}</td></tr>"
                 for i, p in enumerate(ps)
             )
             + "</tbody></table>"

@@ -122,6 +122,10 @@ class Backend(abc.ABC):
             "the instance from outside (its node; the Kubernetes tests freeze a pod through their process kubelet)."
         )
 
+    def thaw(self, instance: InstanceId) -> None:
+        """Resume an instance `freeze` froze (SIGCONT): chaos only (faults/chaos.py `stop:...:resume`, a zombie)."""
+        raise ConfigError(f"--chaos stop: the {self.name} backend cannot resume an instance; use --backend local.")
+
     @abc.abstractmethod
     def alive(self) -> set[InstanceId]:
         """Instances started and not yet ended."""

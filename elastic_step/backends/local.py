@@ -96,6 +96,9 @@ class LocalBackend(Backend):
     def freeze(self, instance: InstanceId) -> None:
         self._signal(instance, signal.SIGSTOP)
 
+    def thaw(self, instance: InstanceId) -> None:
+        self._signal(instance, signal.SIGCONT)
+
     def pid(self, instance: InstanceId) -> int | None:
         with self._lock:
             proc = self._procs.get(instance)

@@ -13,6 +13,9 @@ that jobs in one process never share them):
 - `checkpoint_written(ckpt_id)`: between a checkpoint's parts and its manifest (its commit point);
 - `resume(journal, job_id, resumable)`: the job has checkpoints, and `journal` beside them keeps what fires;
 - `instance_env(inst)`: variables for an instance's environment, at each launch (a worker's own faults);
+- `kill_deferred(inst, backend)`: a worker was declared hung and fenced, and is about to be killed: how long its
+  kill waits for it to end by itself (0: not at all), so a fault can resume it first (a zombie: a pod in its grace
+  period, a partitioned node whose network returns);
 - `summary()`: summary.json's `chaos` section, or None for none.
 
 A process's hook points, installed by whoever drives them:
@@ -48,6 +51,9 @@ class JobFaults:
 
     def instance_env(self, inst) -> dict[str, str]:
         return {}
+
+    def kill_deferred(self, inst, backend) -> float:
+        return 0.0
 
     def summary(self) -> dict | None:
         return None

@@ -16,6 +16,9 @@ job's start by `for_job`):
   the master must declare it hung (master/hang.py). `stop:ps-0@400` freezes a parameter server: the master's
   probe finds it silent (master/ps_watch.py) and handles it as a lost PS. Not the master: its own liveness is
   the step's health endpoint, which the platform probes.
+  `stop:worker-1@400:resume` makes it a zombie: once the master declares it hung (and fences it), it is resumed
+  (SIGCONT) before its kill, and the kill waits up to ZOMBIE_KILL_AFTER_S for it to end by itself, as a pod in its
+  grace period or a partitioned node whose network returns. Fenced, it must apply nothing, and exit.
   The local backend only (a backend that cannot reach into its instances' processes refuses it at the job's start).
 - `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
   would): after each step but its first it sleeps 9 times as long as the step took, still reporting. The master
@@ -65,7 +68,8 @@ SIGNALS = (*ACTIONS, "stop")
 MASTER = "master"  # a signal's target: the master itself
 ROLES = ("worker", "ps", MASTER)
 SPEC_HELP = (
-    "use kill:worker-0@400, term:worker-1@900, stop:worker-1@400, slow:worker-1@0:x10, random:4:seed=7, "
+    "use kill:worker-0@400, term:worker-1@900, stop:worker-1@400, stop:worker-1@400:resume, slow:worker-1@0:x10, "
+    "random:4:seed=7, "
     "random:4:seed=7:roles=worker,ps,master, random:4:seed=7:actions=kill,term,stop, kill:master@900, "
     "term:master@900 or kill:master@checkpoint=2"
 )
@@ -73,6 +77,7 @@ STOP_NOT_MASTER = (
     "stop freezes workers and parameter servers, not the master: a frozen master is the step's health endpoint's "
     "to report (its liveness probe restarts the step)"
 )
+ZOMBIE_KILL_AFTER_S = 60.0  # stop:...:resume: the most a resumed worker's kill waits for it to end by itself
 
 
 @dataclasses.dataclass
@@ -83,6 +88,7 @@ class Signal:
     rank: list[int] = dataclasses.field(default_factory=list)
     index: int = 0  # its place in the job's schedule
     factor: float = 1.0  # slow: how many times slower
+    resume: bool = False  # stop: resumed once declared hung, before its kill (a zombie)
 
 
 def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
@@ -122,11 +128,14 @@ class Chaos(api.JobFaults):
                 "at_records": sig.at,
                 "instance": str(sig.target) if sig.target else "any worker holding a lease",
                 **({"factor": sig.factor} if sig.action == "slow" else {}),
+                **({"resume": "once declared hung"} if sig.resume else {}),
             }
             for sig in self.pending
         ]
         # slow: the workers to slow, from their start (`instance_env`), whatever has fired
         self.slow = {sig.target: sig.factor for sig in self.pending if sig.action == "slow"}
+        self.zombies: set[InstanceId] = set()  # frozen by a stop:...:resume, to resume once declared hung
+        self.resumed: list[dict] = []
         if self.kill_at_checkpoint is not None:
             self.schedule.append({"action": "kill", "instance": "master", "at_checkpoint": self.kill_at_checkpoint})
 
@@ -186,10 +195,16 @@ class Chaos(api.JobFaults):
                 return [Signal(kind, int(at), MASTER)]
             if kind == "stop" and name == MASTER:
                 raise ElasticStepError(f"--chaos {spec!r}: {STOP_NOT_MASTER}.")
+            at, resume = at.split(":", 1) if kind == "stop" and ":" in at else (at, "")
+            if resume not in ("", "resume"):
+                raise ValueError
+            if resume and not name.startswith("worker-"):
+                zombie = "resume makes a zombie of a worker only"
+                raise ElasticStepError(f"--chaos {spec!r}: {zombie}; use stop:{name}@{at}.")
             role, index = name.rsplit("-", 1)
             if kind not in SIGNALS or role not in ("worker", "ps") or int(at) < 0:
                 raise ValueError
-            return [Signal(kind, int(at), InstanceId(role, int(index)))]
+            return [Signal(kind, int(at), InstanceId(role, int(index)), resume=bool(resume))]
         except ValueError:
             raise ElasticStepError(f"Bad --chaos spec {spec!r}: {SPEC_HELP}.") from None
 
@@ -238,6 +253,16 @@ class Chaos(api.JobFaults):
         """A slowed worker's process learns its factor from its environment, at every launch."""
         factor = self.slow.get(inst)
         return {SLOW_ENV: f"{factor:g}"} if factor else {}
+
+    def kill_deferred(self, inst: InstanceId, backend: Backend) -> float:
+        """A zombie (stop:...:resume) was declared hung and fenced: resume it, and let its kill wait."""
+        if inst not in self.zombies:
+            return 0.0
+        self.zombies.discard(inst)
+        backend.thaw(inst)
+        self.resumed.append({"action": "resume", "instance": str(inst)})
+        log.warning("chaos: %s resumed (SIGCONT) after it was declared hung, before its kill: a zombie", inst)
+        return ZOMBIE_KILL_AFTER_S
 
     def checkpoint_written(self, ckpt_id: int) -> None:
         """Called between a checkpoint's parts and its manifest: the master dies there, if asked to."""
@@ -302,6 +327,8 @@ class Chaos(api.JobFaults):
             backend.kill(target)
         elif sig.action == "stop":
             backend.freeze(target)
+            if sig.resume:
+                self.zombies.add(target)
         else:
             threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
 
@@ -312,4 +339,5 @@ class Chaos(api.JobFaults):
             "schedule": self.schedule,
             "fired": list(self.fired),
             "not_fired": [{"action": s.action, "at_records": s.at} for s in self.pending],
+            **({"resumed": list(self.resumed)} if self.resumed else {}),
         }

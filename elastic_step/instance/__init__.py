@@ -18,6 +18,27 @@ TOKEN_ENV = "ELASTIC_STEP_TOKEN"
 # Exit code of an instance that failed through the user's model or data: the master does not
 # relaunch it, it fails the job with the reported error.
 EXIT_USER_ERROR = 3
+# Which launch of its role-index an instance is (1, 2, ...), from the master at every launch, on every backend:
+# every call to the master and every push carries it, so that a launch the master gave up is told from its
+# successor and refused (fenced).
+LAUNCH_ENV = "ELASTIC_STEP_LAUNCH"
+# Exit code of a worker that was refused as fenced: the master had given it up (declared it lost) and requeued its
+# lease; it applied nothing since, and exits at once. The master counts its end as the loss it declared.
+EXIT_FENCED = 4
+FENCED = "fenced: "  # how every refusal of a fenced launch begins (the master's, a PS shard's)
+
+
+def fenced(error: BaseException | None) -> str | None:
+    """The refusal, when `error` (or an error it was raised from) is one of a fenced launch; else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        details = getattr(error, "details", None)
+        text = details() if callable(details) else str(error)
+        if text and FENCED in text:
+            return text[text.index(FENCED) :].splitlines()[0]
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def instance_argv(
@@ -81,6 +102,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     die_with_parent()
+    args.launch = int(os.environ.get(LAUNCH_ENV) or 0)
     args.token = os.environ.get(TOKEN_ENV, "")
     if not args.token:
         p.error(f"{TOKEN_ENV} is not set: the master passes the job token in the environment")

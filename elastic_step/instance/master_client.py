@@ -13,9 +13,9 @@ from elastic_step.proto import rpc
 
 
 class MasterClient:
-    def __init__(self, address: str, token: str, role: str, index: int):
+    def __init__(self, address: str, token: str, role: str, index: int, launch: int = 0):
         self.token = token
-        self.me = pb.Instance(role=role, index=index)
+        self.me = pb.Instance(role=role, index=index, launch=launch)
         self._channel = rpc.channel(address)
         self.stub = pb_grpc.MasterStub(self._channel)
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
+from elastic_step.master.fence import Fences
 from elastic_step.master.hang import HangWatch, Hung
 from elastic_step.master.ledger import Lease, Ledger, LedgerError
 from elastic_step.master.membership import Membership
@@ -24,6 +25,7 @@ class Coordinator:
         self.ledger = ledger
         self.membership = Membership()
         self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/hang.py)
+        self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/fence.py)
         self.num_ps = num_ps
         self.min_workers = min_workers
         self.training_started = False  # elastic, not gang: gated once, on min_workers
@@ -362,6 +364,37 @@ class Coordinator:
         if ahead is not None:
             self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})", t=t)
         return remainder
+
+    # ------------------------------------------------------------ fencing (master/fence.py)
+    def fence(self, inst: InstanceId, why: str) -> int:
+        """The master gives `inst`'s current launch up: fence it (before its lease is requeued). Returns the launch
+        fenced, 0 when there was none to fence (already fenced, or not a worker)."""
+        with self.lock:
+            member = self.membership.members.get(inst)
+            if inst.role != "worker" or member is None or not self.fences.fence(str(inst), member.launches, why):
+                return 0
+            self.record("fenced", str(inst), f"launch {member.launches}: {why}", launch=member.launches)
+            log.info("%s launch %d fenced (%s): its calls and pushes are refused", inst, member.launches, why)
+            return member.launches
+
+    def fenced_call(self, inst: InstanceId, launch: int, call: str) -> str | None:
+        """Why a call of `inst`'s launch `launch` is refused, or None. Its first refusal makes the timeline."""
+        member = self.membership.members.get(inst)
+        if launch <= 0 or (str(inst) not in self.fences.fenced and (member is None or launch <= member.launches)):
+            # Every call asks: the usual answer without the lock. A fence that lands meanwhile is one the call came
+            # before, and the ledger refuses what it reports once the lease is requeued.
+            return None
+        with self.lock:
+            refusal = self.fences.refusal(str(inst), launch)
+            if refusal is not None and self.fences.fenced[str(inst)].refused == 1:
+                self.record("fence_refused", str(inst), f"launch {launch}: {call} refused", launch=launch)
+                log.warning("%s launch %d called %s: refused, %s", inst, launch, call, refusal)
+            member = self.membership.members.get(inst)
+            if refusal is None and member is not None and launch > member.launches:
+                # An instance a previous master launched, adopted by this one (a pod kept as it was): its number
+                # is the one to fence, and its successor's comes after it.
+                member.launches = launch
+            return refusal
 
     # ------------------------------------------------------------ hangs
     def heard_from(self, inst: InstanceId) -> None:

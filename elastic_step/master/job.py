@@ -24,7 +24,7 @@ from elastic_step.data.api import load_manifest
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
 from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
-from elastic_step.instance import TOKEN_ENV, instance_argv
+from elastic_step.instance import EXIT_FENCED, LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
@@ -50,6 +50,7 @@ log = logging.getLogger("elastic_step.master")
 EPOCH_EVAL_RECORDS = 4096  # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
+FENCE_DEADLINE_S = 2.0  # the most the pump waits for the PS shards to hear that a worker launch is fenced
 
 
 def make_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str]:
@@ -171,10 +172,13 @@ class TrainingJob:
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
         self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
         self._hung: set[InstanceId] = set()  # declared hung, stopped, their end not seen yet
+        self._kill_at: dict[InstanceId, float] = {}  # declared hung, their kill deferred (faults only) until then
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
         c = self.cfg
+        # Which launch this is: every call and push of the instance's carries it, so a given-up one is fenced.
+        launch = {LAUNCH_ENV: str(self.coord.membership.members[inst].launches)}
         argv = instance_argv(
             inst.role,
             self.master_address,
@@ -192,7 +196,7 @@ class TrainingJob:
             return InstanceSpec(
                 inst,
                 argv,
-                env=self.faults.instance_env(inst),  # a worker's own faults (tests: a slow worker); none in production
+                env={**launch, **self.faults.instance_env(inst)},  # a worker's own faults (tests: a slow worker)
                 cpu=c.worker_cpu,
                 memory=c.worker_memory,
                 priority_class=c.worker_priority_class,
@@ -201,7 +205,7 @@ class TrainingJob:
         # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
         # would take cores from the workers' steps.
         env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"} if self.plan.backend == "local" else {}
-        return InstanceSpec(inst, argv, env=env, priority_class=c.ps_priority_class)
+        return InstanceSpec(inst, argv, env={**launch, **env}, priority_class=c.ps_priority_class)
 
     def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
         self.coord.membership.launched(inst, relaunch)
@@ -348,14 +352,21 @@ class TrainingJob:
                 self.tensorboard.progress(sample)
 
     def _stop_hung(self, now: float) -> None:
-        """Workers past their hang bound (master/hang.py) are stopped through the backend, then their leases
-        requeued as for a kill; their end is then a loss, and the relaunch policy replaces them."""
+        """Workers past their hang bound (master/hang.py) are fenced (master/fence.py), stopped through the backend,
+        then their leases requeued as for a kill; their end is then a loss, and the relaunch policy replaces them."""
         evaluating = self._evaluation is not None and not self._evaluation.done()
         ps_silent = self.ps_watch is not None and self.ps_watch.silent(now)  # a push waits on it: not the worker's
         for hung in self.coord.hung_workers(now, paused=evaluating or ps_silent):
             inst = InstanceId.parse(hung.worker)
             self._hung.add(inst)
-            self.backend.kill(inst)  # first: a stopped worker applies nothing after its lease is requeued
+            # First: nothing it sends after its lease is requeued is applied, should it outlive its kill.
+            self._fence(inst, f"declared hung: {hung}", tell_shards=True)
+            # Faults only (a zombie): the kill waits for the instance to end by itself (it is fenced) or the limit.
+            if (wait_s := self.faults.kill_deferred(inst, self.backend)) > 0:
+                self._kill_at[inst] = now + wait_s
+                log.warning("%s: its kill waits up to %.0f s for it to end by itself (a fault: a zombie)", inst, wait_s)
+            else:
+                self.backend.kill(inst)
             self.coord.declare_hung(hung, now)
         # A shard that does not answer: killed, and its end is a lost PS (a restore from the last checkpoint). A
         # checkpoint's Save holds the pump itself, and the tick after it counts at most MAX_TICK_S of it.
@@ -364,13 +375,47 @@ class TrainingJob:
             self._hung.add(inst)
             self.backend.kill(inst)
             self.ps_watch.declare_hung(hung, now)
+        for inst, at in list(self._kill_at.items()):
+            if now >= at:
+                del self._kill_at[inst]
+                log.warning("%s: declared hung, fenced, and still running when its deferred kill came: killed", inst)
+                self.backend.kill(inst)
+
+    def _fence(self, inst: InstanceId, why: str, tell_shards: bool) -> None:
+        """Give `inst`'s launch up: the master refuses its calls from now on and, with `tell_shards`, the PS shards
+        its pushes (a short deadline: a shard that does not answer is stopped as a frozen PS, not waited for)."""
+        launch = self.coord.fence(inst, why)
+        if not launch or not tell_shards or self.allreduce or not self.coord.ps_ready.is_set():
+            return
+        from elastic_step.ps.client import PSClient
+
+        ps = PSClient(list(self.coord.ps_addresses), self.plan.token)
+        try:
+            failed = ps.fence(inst.index, launch, timeout=FENCE_DEADLINE_S)
+        finally:
+            ps.close()
+        if failed:
+            log.warning("%s launch %d: not every PS shard was told it is fenced: %s", inst, launch, "; ".join(failed))
+            self.coord.record("fence_unsent", str(inst), "; ".join(failed), launch=launch)
 
     def _on_event(self, ev) -> None:
+        if ev.instance.role == "worker" and (
+            ev.kind == EventKind.LOST or (ev.kind == EventKind.EXITED and ev.exit_code not in (0, None))
+        ):
+            # A loss: its lease is requeued below. One lost may still run (a pod deleted on a partitioned node), so
+            # the shards hear of it too; one that exited sends nothing more.
+            why = ev.detail or f"{ev.kind.value}, exit code {ev.exit_code}"
+            self._fence(ev.instance, why, tell_shards=ev.kind == EventKind.LOST)
+        if ev.kind in (EventKind.EXITED, EventKind.LOST):
+            self._kill_at.pop(ev.instance, None)
         if ev.instance in self._hung and ev.kind in (EventKind.EXITED, EventKind.LOST):
             # Its end is the stop it was declared hung for: a loss, whatever its exit code said.
             self._hung.discard(ev.instance)
             how = ev.detail or f"exit code {ev.exit_code}"
             ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"declared hung, then {how}")
+        elif ev.kind == EventKind.EXITED and ev.exit_code == EXIT_FENCED:
+            # Refused as a launch the master had given up: the loss it was given up for, never a crash.
+            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"fenced, then exit code {EXIT_FENCED}")
         remainder = self.coord.on_instance_event(ev)
         if ev.kind not in (EventKind.EXITED, EventKind.LOST):
             return
@@ -640,6 +685,7 @@ class TrainingJob:
                 "timeseries": list(coord.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
+                "fencing": coord.fences.summary(),
                 **({"skipped_non_finite": coord.skipped_summary()} if c.skip_non_finite or coord.skipped else {}),
                 **({"chaos": chaos_summary} if chaos_summary else {}),
                 "checkpoints": {"root": self.plan.checkpoint_root, **self.durable.summary()},
@@ -658,6 +704,7 @@ def ps_summary(stats) -> dict:
         "shard": stats.shard,
         "pushes_applied": stats.pushes_applied,
         "pushes_skipped": stats.pushes_skipped,
+        "pushes_fenced": stats.pushes_fenced,  # refused: a fenced worker launch's (master/fence.py)
         "dense_parameters": stats.dense_parameters,
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},

@@ -20,13 +20,6 @@ WAIT_S = 0.05
 STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
 
 
-def _instance(context, msg: pb.Instance) -> InstanceId:
-    try:
-        return InstanceId(msg.role, msg.index)
-    except Exception as e:  # noqa: BLE001 - any malformed identity is the caller's error
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-
 # Progress reports the master budgets for, per second, over all workers: about 40 % of what one
 # master serves (bench/master_capacity.py: ~2 500 reports/s), leaving the rest for GetTask, heartbeats
 # and each lease's last report, which goes unpaced.
@@ -67,9 +60,19 @@ class MasterService(pb_grpc.MasterServicer):
         # A URI as instances open it: a file local to the step, served by the master (input_server.py).
         self.locate: Callable[[str], str] = lambda uri: uri
 
+    def _instance(self, context, call: str, msg: pb.Instance) -> InstanceId:
+        """The caller, unless its launch is fenced (master/fence.py): then the call is refused, PERMISSION_DENIED."""
+        try:
+            inst = InstanceId(msg.role, msg.index)
+        except Exception as e:  # noqa: BLE001 - any malformed identity is the caller's error
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if (refusal := self.c.fenced_call(inst, msg.launch, call)) is not None:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+        return inst
+
     def Register(self, request, context):
         check_token(context, self.token, request.token)
-        addrs = self.c.register(_instance(context, request.instance), request.address)
+        addrs = self.c.register(self._instance(context, "Register", request.instance), request.address)
         return pb.RegisterResponse(
             job_id=self.job_id,
             ps_addresses=addrs,
@@ -83,7 +86,7 @@ class MasterService(pb_grpc.MasterServicer):
 
     def Heartbeat(self, request, context):
         check_token(context, self.token, request.token)
-        inst = _instance(context, request.instance)
+        inst = self._instance(context, "Heartbeat", request.instance)
         with self.c.lock:
             self.c.membership.seen(inst)
         return pb.HeartbeatResponse(stop=self.c.stop_all.is_set())
@@ -91,7 +94,8 @@ class MasterService(pb_grpc.MasterServicer):
     def GetTask(self, request, context):
         check_token(context, self.token, request.token)
         lease = self.c.get_task(
-            _instance(context, request.instance), after=request.ahead_of if request.HasField("ahead_of") else None
+            self._instance(context, "GetTask", request.instance),
+            after=request.ahead_of if request.HasField("ahead_of") else None,
         )
         if lease == "done":
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
@@ -114,18 +118,24 @@ class MasterService(pb_grpc.MasterServicer):
     def ReportProgress(self, request, context):
         check_token(context, self.token, request.token)
         ok = self.c.report_progress(
-            _instance(context, request.instance), request.task_id, request.watermark, request.loss, request.duplicate
+            self._instance(context, "ReportProgress", request.instance),
+            request.task_id,
+            request.watermark,
+            request.loss,
+            request.duplicate,
         )
         return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
 
     def Hold(self, request, context):
         check_token(context, self.token, request.token)
-        return pb.HoldReply(released=self.c.hold(_instance(context, request.instance), min(request.wait_s, 5.0)))
+        return pb.HoldReply(
+            released=self.c.hold(self._instance(context, "Hold", request.instance), min(request.wait_s, 5.0))
+        )
 
     def ReportFailure(self, request, context):
         check_token(context, self.token, request.token)
         self.c.report_failure(
-            str(_instance(context, request.instance)),
+            str(self._instance(context, "ReportFailure", request.instance)),
             request.kind,
             request.message,
             request.traceback,
@@ -136,7 +146,7 @@ class MasterService(pb_grpc.MasterServicer):
     def ReportSkipped(self, request, context):
         check_token(context, self.token, request.token)
         r = request
-        worker = str(_instance(context, r.instance))
+        worker = str(self._instance(context, "ReportSkipped", r.instance))
         self.c.skipped_minibatch(worker, r.epoch, r.data_shard, r.shard, r.start, r.end, r.why, r.step)
         return pb.Ack()
 
@@ -161,7 +171,7 @@ class MasterService(pb_grpc.MasterServicer):
     def GetMembership(self, request, context):
         check_token(context, self.token, request.token)
         rdv = self._rendezvous(context)
-        inst = _instance(context, request.instance)
+        inst = self._instance(context, "GetMembership", request.instance)
         self.c.heard_from(inst)  # a member waiting on a stalled ring is not the one stalling it
         view = rdv.membership(str(inst), request.known_version, min(STEP_WAIT_S, max(0.0, request.wait_s)))
         return self._view(view)
@@ -171,7 +181,7 @@ class MasterService(pb_grpc.MasterServicer):
 
         check_token(context, self.token, request.token)
         rdv = self._rendezvous(context)
-        inst = _instance(context, request.instance)
+        inst = self._instance(context, "StepReady", request.instance)
         self.c.heard_from(inst)
         kind, view = rdv.step_ready(
             str(inst),
@@ -198,7 +208,7 @@ class MasterService(pb_grpc.MasterServicer):
     def ReportPeerFailure(self, request, context):
         check_token(context, self.token, request.token)
         self._rendezvous(context)
-        inst = _instance(context, request.instance)
+        inst = self._instance(context, "ReportPeerFailure", request.instance)
         self.c.allreduce_peer_failed(str(inst), request.version, request.peer, request.detail)
         return pb.Ack()
 

@@ -695,6 +695,11 @@ class ParameterServerStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.StatsRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.PsStats.FromString,
                 _registered_method=True)
+        self.Fence = channel.unary_unary(
+                '/elastic_step.ParameterServer/Fence',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.FenceRequest.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -750,6 +755,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fence(self, request, context):
+        """refuse a fenced worker launch's pushes from now on
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -792,6 +804,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StatsRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.PsStats.SerializeToString,
+            ),
+            'Fence': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fence,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.FenceRequest.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1010,6 +1027,33 @@ class ParameterServer:
             '/elastic_step.ParameterServer/Stats',
             elastic__step_dot_proto_dot_elastic__pb2.StatsRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.PsStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/elastic_step.ParameterServer/Fence',
+            elastic__step_dot_proto_dot_elastic__pb2.FenceRequest.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,11 +135,14 @@ class PushKey(NamedTuple):
     epoch: int
     data_shard: int  # the data shard's index in the training manifest
     generation: int = 0  # the shards' state it was computed for (see PushRequest.generation)
+    worker: int = -1  # who pushes: the worker's index and launch (see PushRequest.worker); a fenced launch's
+    launch: int = 0  # pushes are refused
 
     @classmethod
     def of(cls, request) -> PushKey:
         """The key a PushRequest carries."""
-        return cls(request.task_id, request.seq, request.end, request.epoch, request.data_shard, request.generation)
+        r = request
+        return cls(r.task_id, r.seq, r.end, r.epoch, r.data_shard, r.generation, r.worker, r.launch)
 
     @property
     def idempotency(self) -> tuple[int, int]:

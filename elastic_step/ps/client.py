@@ -84,11 +84,14 @@ class PSClient:
         timeout: float = 60.0,
         pushes_in_flight: int = 2,
         shared_memory: bool = True,
+        pusher: tuple[int, int] = (-1, 0),
     ):
+        """`pusher`: the worker's (index, launch) that every push carries (see PushRequest.worker)."""
         if placement is not None and len(addresses) != placement.num_ps:
             raise ValueError(f"{len(addresses)} PS addresses for {placement.num_ps} shards")
         self.token = token
         self.placement = placement
+        self.pusher = pusher
         self.timeout = timeout
         self.addresses = list(addresses)
         self._channels = [rpc.channel(a) for a in addresses]
@@ -165,6 +168,8 @@ class PSClient:
                 epoch=key.epoch,
                 data_shard=key.data_shard,
                 generation=key.generation,
+                worker=self.pusher[0],
+                launch=self.pusher[1],
                 want_dense=want_dense,
             )
             for _ in self.stubs
@@ -316,6 +321,20 @@ class PSClient:
         ]
         for f in futures:
             f.result()
+
+    def fence(self, worker: int, launch: int, timeout: float) -> list[str]:
+        """Every shard refuses worker `worker`'s pushes of launches up to `launch` from now on. Returns, per
+        shard that could not be told within `timeout`, why (a shard that does not answer is a frozen PS's
+        business: the master's PS watch)."""
+        request = pb.FenceRequest(token=self.token, instance=pb.Instance(role="worker", index=worker, launch=launch))
+        calls = [s.Fence.future(request, timeout=timeout) for s in self.stubs]
+        failed = []
+        for shard, call in enumerate(calls):
+            try:
+                call.result()
+            except grpc.RpcError as e:
+                failed.append(f"shard {shard}: {e.code().name} {e.details()}")
+        return failed
 
     def close(self) -> None:
         for shard, shared in self._shared.items():

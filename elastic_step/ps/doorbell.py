@@ -27,7 +27,8 @@ from elastic_step.ps.api import PushKey
 log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")  # segment, slot, the segment's nonce
-RING = struct.Struct("<qqqiiq?")  # a PushKey (task_id, seq, end, epoch, data_shard, generation), want_dense
+# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense
+RING = struct.Struct("<qqqiiqiq?")
 ANSWER = struct.Struct("<B?q")  # status, applied, version; a UTF-8 reason follows unless OK
 OK, DROPPED, FAILED = 0, 1, 2
 REFUSED = "refused: "  # a FAILED answer's reason starts so when the shard refused the push (Refused)
@@ -40,6 +41,10 @@ class Dropped(Exception):
 
 class PushFailed(Exception):
     """The shard could not apply a push; the message is its reason."""
+
+
+class FencedPush(Exception):
+    """The push is of a worker launch the master fenced: refused, and never retried (its reason says "fenced: ")."""
 
 
 class Refused(Exception):
@@ -107,6 +112,9 @@ class DoorbellServer:
                     return
                 except Refused as e:
                     conn.send(ANSWER.pack(FAILED, False, 0) + f"{REFUSED}{e}".encode()[:MAX_REASON])
+                    continue
+                except FencedPush as e:
+                    conn.send(ANSWER.pack(FAILED, False, 0) + str(e).encode()[:MAX_REASON])
                     continue
                 except Exception as e:  # the worker gets the reason, as from gRPC
                     log.exception("push through the doorbell failed")

@@ -30,7 +30,7 @@ from elastic_step.ps.api import (
     layout_mismatch,
     named_variables,
 )
-from elastic_step.ps.doorbell import DoorbellServer, Dropped, Refused
+from elastic_step.ps.doorbell import DoorbellServer, Dropped, FencedPush, Refused
 from elastic_step.ps.push_slots import SharedSegments
 
 log = logging.getLogger("elastic_step.ps")
@@ -108,6 +108,7 @@ class ParameterShard:
         self.applied: set[tuple[int, int]] = set()
         self.applied_records = AppliedRecords()
         self.generation = 0  # bumped by each restore: pushes of another generation are refused
+        self.fences = PushFences(shard)  # worker launches the master gave up: their pushes are refused
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
@@ -161,6 +162,7 @@ class ParameterShard:
         """Apply a keyed push at most once, and account for its records. Returns (applied, version,
         the shard's flat dense values at that version), the values written into `out` when given (a
         shared push slot)."""
+        self.fences.check(key)
         with self.lock:
             if key.generation != self.generation:
                 raise StaleGeneration(
@@ -293,6 +295,41 @@ class ParameterShard:
             self.touched = {n: set(saved.get(f"touched/{n}", np.zeros(0, np.int64)).tolist()) for n in self.tables}
 
 
+class PushFences:
+    """The worker launches the master fenced (declared lost, their leases requeued): their pushes are refused and
+    counted, whatever their key, so a zombie (a frozen worker resumed, a partitioned pod back) applies nothing beside
+    its successor. Per worker, every launch up to the highest fenced one: launches only grow. A push that names no
+    launch (0) is not fenced."""
+
+    def __init__(self, shard: int):
+        self.shard = shard
+        self.lock = threading.Lock()
+        self.through: dict[int, int] = {}  # worker index -> highest fenced launch
+        self.refused = 0
+
+    def fence(self, worker: int, launch: int) -> None:
+        with self.lock:
+            if launch > self.through.get(worker, 0):
+                self.through[worker] = launch
+                log.info("worker-%d launch %d fenced: its pushes are refused from now on", worker, launch)
+
+    def check(self, key: PushKey) -> None:
+        """Raise FencedPush when `key`'s launch is fenced."""
+        if key.launch <= 0 or key.launch > self.through.get(key.worker, 0):
+            return
+        with self.lock:
+            self.refused += 1
+            n = self.refused
+        log.warning(
+            "refused a push of worker-%d launch %d (task %d, records [%d, %d)): fenced; %d push(es) refused so far",
+            key.worker, key.launch, key.task_id, key.seq, key.end, n,
+        )  # fmt: skip
+        raise FencedPush(
+            f"fenced: worker-{key.worker} launch {key.launch} was given up by the master; shard {self.shard} "
+            "refuses its pushes"
+        )
+
+
 class StaleGeneration(Exception):
     """A push computed for the shards' state before they were restored: never applied."""
 
@@ -341,6 +378,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except StaleGeneration as e:  # ABORTED, not FAILED_PRECONDITION: that one means a dropped slot
             context.abort(grpc.StatusCode.ABORTED, str(e))
+        except FencedPush as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         reply = pb.PushResponse(applied=applied, version=version)
         if request.want_dense and out is None:
             tensors.encode(values, reply.dense_flat)
@@ -398,11 +437,22 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot restore shard {self.shard.shard}: {e}")
         return pb.Ack()
 
+    def Fence(self, request, context):
+        check_token(context, self.token, request.token)
+        if request.instance.role != "worker" or request.instance.launch <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"only a worker launch is fenced, not {request.instance}")
+        self.shard.fences.fence(request.instance.index, request.instance.launch)
+        return pb.Ack()
+
     def Stats(self, request, context):
         check_token(context, self.token, request.token)
         s = self.shard
         reply = pb.PsStats(
-            shard=s.shard, pushes_applied=len(s.applied), pushes_skipped=s.skipped, dense_parameters=s.dense_size
+            shard=s.shard,
+            pushes_applied=len(s.applied),
+            pushes_skipped=s.skipped,
+            dense_parameters=s.dense_size,
+            pushes_fenced=s.fences.refused,
         )
         if request.brief:  # a liveness probe: an answer is all it needs, and it must not wait on a push
             return reply

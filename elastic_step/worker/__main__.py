@@ -14,7 +14,7 @@ import threading
 import time
 
 from elastic_step.errors import ConfigError, DataError, ElasticStepError
-from elastic_step.instance import EXIT_USER_ERROR, parse_args
+from elastic_step.instance import EXIT_FENCED, EXIT_USER_ERROR, fenced, parse_args
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.util.process import quiet_tensorflow
 from elastic_step.worker.records import minibatch_of
@@ -41,7 +41,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
     state = collective.StateProvider()
     state.snapshot = trainer.state
     me = f"worker-{args.index}"
-    ring = collective.Ring(args.token, me, args.host)
+    ring = collective.Ring(args.token, me, args.host, launch=args.launch)
     server, port = collective.serve(collective.CollectiveService(args.token, state, ring.port), args.host)
     readers = ReaderPool()
     try:
@@ -103,7 +103,8 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     if info is None:  # stopped before the shards were up
         return 0
     depth = info.pushes_in_flight or PUSH_DEPTH
-    ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
+    me = (args.index, args.launch)  # every push says whose launch it is: a fenced one's are refused
+    ps = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth, pusher=me)
     per_push = info.minibatches_per_push or 1
     trainer = PSTrainer(
         model_def,
@@ -123,7 +124,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         """Wait until the master has every shard back (relaunched, restored to its last checkpoint, a new
         generation), then push to them; again if they move meanwhile (one more shard lost, or frozen)."""
         while (info := shards(master, stop, newer_than=trainer.generation)) is not None:
-            new = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth)
+            new = PSClient(list(info.ps_addresses), args.token, placement, pushes_in_flight=depth, pusher=me)
             try:
                 trainer.reconnect(new, info.ps_generation).close()
             except ShardsMoved as e:
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_tensorflow()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    master = MasterClient(args.master, args.token, "worker", args.index)
+    master = MasterClient(args.master, args.token, "worker", args.index, args.launch)
     model_def = None
     from elastic_step.faults.process import install_worker_faults
 
@@ -172,10 +173,18 @@ def main(argv: list[str] | None = None) -> int:
         model_def = load_model_def(args.model_def)
         return (run_allreduce if args.strategy == "allreduce" else run)(args, model_def, master, stop)
     except ElasticStepError as e:
+        if (refusal := fenced(e)) is not None:
+            log.error("%s", refusal)
+            return EXIT_FENCED
         log.error("%s", e)
         master.fail(next((k for c, k in KINDS if isinstance(e, c)), "model_error"), e, minibatch_of(e))
         return EXIT_USER_ERROR
     except Exception as e:
+        if (refusal := fenced(e)) is not None:
+            # The master gave this launch up (declared it lost) and requeued its lease: nothing of ours is applied
+            # any more, and a successor trains in our place. Leave at once, reporting nothing.
+            log.error("%s", refusal)
+            return EXIT_FENCED
         if model_def is None or not model_def.raised_in_user_code(e):
             # Not known to be the user's: the master relaunches, unless another instance failed the same way on
             # the same minibatch (master/relaunch.py). The exit code and traceback follow.

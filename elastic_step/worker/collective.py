@@ -122,8 +122,9 @@ class Ring:
     ports of its peers' listeners (asked once per peer). `shared_memory`: offer a right neighbour at
     this member's own host address a shared-memory lane (used if it is on this host)."""
 
-    def __init__(self, token: str, me: str, host: str, shared_memory: bool = True):
-        self.token, self.me, self.shared_memory = token, me, shared_memory
+    def __init__(self, token: str, me: str, host: str, shared_memory: bool = True, launch: int = 0):
+        """`launch`: this process's launch of `me` (instance/__init__.py, LAUNCH_ENV), which its ring hellos name."""
+        self.token, self.me, self.shared_memory, self.launch = token, me, shared_memory, launch
         self.listener = RingListener(token, host)
         self.port = self.listener.port
         # (name, gRPC address) -> OutLink. A link to a peer that is no longer the right neighbour stays
@@ -156,7 +157,7 @@ class Ring:
         # /dev/shm) of their own, and would only make and drop one.
         shared = self.shared_memory and host == rpc.host_of(me[1])
         try:
-            link = connect(peer, host, self._ports[address], self.token, me, shared)
+            link = connect(peer, host, self._ports[address], self.token, me, shared, self.launch)
         except PeerFailed:
             del self._ports[address]  # a relaunched peer at the same address listens elsewhere
             raise

@@ -5,17 +5,19 @@ server, which tells peers the port: `Collective.RingEndpoint`). A member writes 
 neighbour over one connection (`OutLink`: over TCP, with a sender thread) and reads its left
 neighbour's connection itself (`InLink`), so sending, receiving and reducing overlap.
 
-A connection opens with a hello: magic, the job token, the sender's name and gRPC address (a peer
+A connection opens with a hello: magic, the job token, the sender's name, gRPC address and launch (a peer
 relaunched under the same name is another peer), and the name of a shared-memory lane (ring_lane.py)
 or nothing. The listener answers ACCEPTED and whether it mapped the lane, or REFUSED with a reason and
-closes: a connection without the job's token carries no data. Then frames: a header (version, step,
-phase, round, offset, count, origin, where), and `count` raw little-endian float32 values, the step's
-values from `offset` on, that follow it over TCP, read with recv_into straight into numpy memory, or
-that lie at `origin + offset` in the sender's lane or in the ring's shared result (`where`; `origin`:
-where the step's buffer begins there). Through a lane, the sender announces the lane's growth (a
-LANE_GROWN frame), or that it could not grow it and goes on over TCP (LANE_DROPPED), and names the
-ring's shared result (RESULT_SHARED, ring_result.py); nothing comes back (ring_lane.py says why none
-is needed).
+closes: a connection without the job's token carries no data, and neither does one of a launch older than
+one of the same name that connected since (a zombie: the master fenced it when it gave it up, and its
+successor took its place): its connection is refused, and an open one of it closed, its frames unread.
+Then frames: a header (version, step, phase, round, offset, count, origin, where), and `count` raw
+little-endian float32 values, the step's values from `offset` on, that follow it over TCP, read with
+recv_into straight into numpy memory, or that lie at `origin + offset` in the sender's lane or in the
+ring's shared result (`where`; `origin`: where the step's buffer begins there). Through a lane, the
+sender announces the lane's growth (a LANE_GROWN frame), or that it could not grow it and goes on over
+TCP (LANE_DROPPED), and names the ring's shared result (RESULT_SHARED, ring_result.py); nothing comes
+back (ring_lane.py says why none is needed).
 
 Frames of one attempt arrive in the order the receiver expects them. A frame of an older
 (version, step) is read and dropped, so stale data is never mixed into a newer step; a frame of a
@@ -50,8 +52,9 @@ log = logging.getLogger("elastic_step.worker")
 POLL_S = 0.05
 PEER_TIMEOUT_S = 120.0
 HELLO_TIMEOUT_S = 10.0
-MAGIC = b"ESR5"  # 5: frames may lie in the ring's shared result
+MAGIC = b"ESR6"  # 6: the hello names the sender's launch
 HELLO = struct.Struct("<4sHHHH")  # magic; lengths of the token, the sender's name and address, the lane's name
+LAUNCH = struct.Struct("<q")  # the sender's launch, after the hello's strings
 FRAME = struct.Struct("<qqiiqqqi")  # version, step, phase, round, offset, count (float32 values), origin, where
 LANE_GROWN = -1  # a frame's phase: the lane is now `offset` bytes long
 LANE_DROPPED = -2  # a frame's phase: payloads follow over TCP from now on
@@ -392,9 +395,11 @@ class OutLink:
                 views[0] = views[0][n:]
 
 
-def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str], shared: bool = True) -> OutLink:
+def connect(
+    peer: str, host: str, port: int, token: str, me: tuple[str, str], shared: bool = True, launch: int = 0
+) -> OutLink:
     """A connection to `peer`'s ring listener, admitted with the job token, from `me` (name, gRPC
-    address); with a shared-memory lane if `shared` and the peer can map it. Raises PeerFailed."""
+    address) at its `launch`; with a shared-memory lane if `shared` and the peer can map it. Raises PeerFailed."""
     try:
         sock = socket.create_connection((host, port), timeout=HELLO_TIMEOUT_S)
     except OSError as e:
@@ -410,6 +415,7 @@ def connect(peer: str, host: str, port: int, token: str, me: tuple[str, str], sh
             + name_b
             + address_b
             + lane_b
+            + LAUNCH.pack(launch)
         )
         answer = _recv_exact(sock, 1)
         if answer != ACCEPTED:
@@ -445,6 +451,8 @@ class RingListener:
         self.cv = threading.Condition()
         self.links: dict[tuple[str, str], InLink] = {}
         self.replaced: list[InLink] = []
+        self.launches: dict[str, int] = {}  # peer name -> the newest launch of it that connected
+        self.fenced_refused = 0  # connections of an older launch refused or closed (see the module)
         threading.Thread(target=self._accept, name="ring-listener", daemon=True).start()
 
     def _accept(self) -> None:
@@ -468,9 +476,12 @@ class RingListener:
                 _recv_exact(conn, address_len).decode(errors="replace"),
                 _recv_exact(conn, lane_len).decode(errors="replace"),
             )
+            (launch,) = LAUNCH.unpack(_recv_exact(conn, LAUNCH.size))
             if not hmac.compare_digest(token, self.token):
                 log.warning("refused a ring connection from %s (%s): wrong job token", name, conn.getpeername())
                 return self._refuse(conn, "wrong job token")
+            if (refusal := self._fenced(name, address, launch)) is not None:
+                return self._refuse(conn, refusal)
             lane = Lane.attach(lane_name) if lane_name else None
             _tune(conn)
             conn.sendall(ACCEPTED + (ACCEPTED if lane is not None else REFUSED))
@@ -486,6 +497,23 @@ class RingListener:
                 self.replaced.append(old)  # closed by the reader's thread, which may be reading it
             self.links[(name, address)] = InLink(conn, name, lane)
             self.cv.notify_all()
+
+    def _fenced(self, name: str, address: str, launch: int) -> str | None:
+        """Why a connection of `name`'s `launch` is refused (a newer launch of it connected before), or None. A newer
+        launch closes the older ones' connections. Launch 0 (not told) is never refused."""
+        with self.cv:
+            newest = self.launches.get(name, 0)
+            if launch <= 0 or launch >= newest:
+                self.launches[name] = max(newest, launch)
+                stale = [key for key in self.links if key[0] == name and key[1] != address] if launch > newest else []
+                for key in stale:  # an older launch's: closed by the reader's thread, which may be reading it
+                    self.replaced.append(self.links.pop(key))
+                    self.fenced_refused += 1
+                    log.warning("closed the ring connection of %s at %s: launch %d of it connected since", *key, launch)
+                return None
+            self.fenced_refused += 1
+        log.warning("refused a ring connection of %s launch %d: launch %d of it connected since", name, launch, newest)
+        return f"fenced: {name} launch {launch}: launch {newest} of it joined the ring since"
 
     @staticmethod
     def _refuse(conn: socket.socket, reason: str) -> None:

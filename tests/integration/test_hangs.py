@@ -2,11 +2,13 @@
 nothing, and the master must find it by its missing progress, declare it hung, requeue its lease from its
 watermark, stop it and replace it. In the same job, nothing else may be declared hung: every worker's first
 step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
-and one worker runs ten times slower than the others but still reports. In ps mode, later in the same job, the
-parameter server is frozen too: the master's probe finds it silent, declares it hung, kills it and restores
-every shard from the last checkpoint, and the workers whose pushes waited on it wait for the shards' new
-generation instead of crashing. Every record is still applied exactly once, by the tally model's weights and
-the audit.
+and one worker runs ten times slower than the others but still reports. The frozen worker is resumed once declared
+hung, before its kill (a zombie, as a pod in its grace period or a partitioned node back): fenced before its lease
+was requeued, it is refused (its pushes by the PS shards, its calls by the master) and exits by itself. In ps mode,
+later in the same job, the parameter server is frozen too: the master's probe finds it silent, declares it hung,
+kills it and restores every shard from the last checkpoint, and the workers whose pushes waited on it wait for the
+shards' new generation instead of crashing. Every record is still applied exactly once, by the tally model's
+weights and the audit.
 
 The bound is asserted as the master's decision (summary.json's events), never as a duration."""
 
@@ -65,7 +67,8 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         "--chaos",
         "slow:worker-0@0:x10",
         "--chaos",
-        f"stop:worker-1@{rows * 3 // 2}",  # mid-epoch: far from an epoch's evaluation
+        # Mid-epoch, far from an epoch's evaluation; resumed once declared hung, before its kill: a zombie.
+        f"stop:worker-1@{rows * 3 // 2}:resume",
         *frozen_ps,
         model=slow_start_tally(tmp_path),
         strategy=strategy,
@@ -90,7 +93,25 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     assert [(e["instance"], e["bound_s"]) for e in hung] == expected, hung
     assert hung[0]["idle_s"] >= HANG_TIMEOUT and "declared hung" in hung[0]["detail"]
     after = [e for e in events if e["t"] >= hung[0]["t"] and e["instance"] == "worker-1"]
-    assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after), after
+    # Fenced before its lease was requeued, then resumed: refused, it ended by itself (EXIT_FENCED), not killed.
+    assert [f["instance"] for f in summary["chaos"]["resumed"]] == ["worker-1"], summary["chaos"]
+    fenced = [e for e in events if e["kind"] == "fenced" and e["instance"] == "worker-1"]
+    assert fenced and fenced[0]["launch"] == 1 and "declared hung" in fenced[0]["detail"], fenced
+    requeued = [i for i, e in enumerate(events) if e["kind"] == "requeued" and e["instance"] == "worker-1"]
+    assert all(events.index(fenced[0]) < i for i in requeued), events  # the timeline's order, not its clock
+    zombie_log = (out / "logs" / "worker-1.1.log").read_text()
+    assert "fenced: worker-1 launch 1" in zombie_log, zombie_log[-3000:]
+    assert any(e["kind"] == "lost" and e["detail"] == "declared hung, then exit code 4" for e in after), after
+    # The zombie's work was refused where it went: its pushes by the PS shards (their own count), its calls by
+    # the master (allreduce: its step reports and ring membership).
+    # The first launch's log: in ps the shard is frozen later and relaunched, with a count of its own.
+    ps_log = (out / "logs" / "ps-0.1.log").read_text() if strategy == "ps" else ""
+    refused_pushes = ps_log.count("refused a push of worker-1 launch 1")
+    refused_calls = summary["fencing"]["fenced"]["worker-1"]["refused"]
+    if strategy == "ps":
+        assert refused_pushes >= 1, (summary["fencing"], ps_log[-2000:], zombie_log[-3000:])
+    else:
+        assert refused_calls >= 1 and any(e["kind"] == "fence_refused" for e in after), summary["fencing"]
     assert any(e["kind"] == "decision" and e["detail"].startswith("relaunch:") for e in after), after
     # Its replacement started (it may find the job done before it registers: the others trained the rest).
     assert any(e["kind"] == "running" for e in after), after

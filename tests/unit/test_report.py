@@ -176,6 +176,23 @@ def test_a_worker_declared_hung_is_marked_with_its_bound_not_as_the_chaos_that_f
     ]
 
 
+def test_a_zombie_is_marked_as_fenced_and_its_refusals_counted():
+    events = [
+        {"t": 4.0, "kind": "fenced", "instance": "worker-1", "detail": "launch 1: declared hung", "launch": 1},
+        {"t": 4.0, "kind": "hung", "instance": "worker-1", "detail": "no progress ...", "idle_s": 3.1, "bound_s": 3.0},
+        {"t": 4.02, "kind": "fence_refused", "instance": "worker-1", "detail": "launch 1: GetTask refused"},
+        {"t": 4.05, "kind": "lost", "instance": "worker-1", "detail": "declared hung, then exit code 4"},
+        {"t": 4.05, "kind": "decision", "instance": "worker-1", "detail": "relaunch: worker-1 declared hung"},
+    ]
+    assert markers({"events": events}) == [
+        (4.0, "#d62728", "worker-1 declared hung (bound 3 s), came back fenced, relaunched")
+    ]
+    fencing = {"fenced": {"worker-1": {"launch": 1, "why": "declared hung", "refused": 2}}, "refused": 2}
+    ps = [{**SUMMARY["ps"][0], "pushes_fenced": 1}]
+    text = " ".join(parse(render_report({**SUMMARY, "events": events, "fencing": fencing, "ps": ps})).texts)
+    assert "fenced worker launches (refused: calls to the master, pushes) worker-1 (2, 1)" in text
+
+
 def test_throughput_is_the_rate_between_samples():
     assert throughput_series(SUMMARY["timeseries"]) == [(1.0, 120.0), (2.0, 140.0)]
     # without record counts, the sample's own rate

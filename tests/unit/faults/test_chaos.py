@@ -11,6 +11,7 @@ import pytest
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.backends.local import LocalBackend
 from elastic_step.errors import ConfigError, ElasticStepError
+from elastic_step.faults import chaos as chaos_module
 from elastic_step.faults.chaos import MASTER, Chaos
 
 
@@ -78,6 +79,8 @@ def test_stop_and_slow_are_scheduled_and_a_slowed_worker_learns_its_factor_at_ev
         ("slow:worker-1@0:x1", "Bad --chaos spec"),
         ("slow:ps-0@0:x4", "Bad --chaos spec"),
         ("slow:worker-1@0", "Bad --chaos spec"),
+        ("stop:worker-1@10:later", "Bad --chaos spec"),
+        ("kill:worker-1@10:resume", "Bad --chaos spec"),
     ],
 )
 def test_bad_roles_are_clear_errors(spec, says):
@@ -162,6 +165,34 @@ def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
             assert time.monotonic() < deadline, f"{inst} was never frozen"
             time.sleep(0.02)
     assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
+
+
+def _state(pid: int) -> str:
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_zombie_is_resumed_once_declared_hung_and_its_kill_deferred(job):
+    coord, backend = job
+    with pytest.raises(ElasticStepError, match="resume makes a zombie of a worker only; use stop:ps-0@10"):
+        Chaos(["stop:ps-0@10:resume"], 1000, 1, num_ps=1)
+    chaos = Chaos(["stop:worker-0@10:resume"], 1000, 1, num_ps=1)
+    zombie = {"action": "stop", "at_records": 10, "instance": "worker-0", "resume": "once declared hung"}
+    assert chaos.schedule == [zombie]
+    worker = InstanceId("worker", 0)
+    assert chaos.kill_deferred(worker, backend) == 0.0  # not frozen yet: nothing to resume
+    chaos.tick(15, backend, coord)
+    pid = backend.pid(worker)
+    deadline = time.monotonic() + 30
+    while _state(pid) != "T":
+        assert time.monotonic() < deadline, "worker-0 was never frozen"
+        time.sleep(0.02)
+    assert chaos.kill_deferred(InstanceId("worker", 1), backend) == 0.0  # another worker is killed at once
+    assert chaos.kill_deferred(worker, backend) == chaos_module.ZOMBIE_KILL_AFTER_S
+    while _state(pid) == "T":
+        assert time.monotonic() < deadline, "worker-0 was never resumed"
+        time.sleep(0.02)
+    assert chaos.kill_deferred(worker, backend) == 0.0  # once: its successor is killed at once when hung
+    assert chaos.summary()["resumed"] == [{"action": "resume", "instance": "worker-0"}]
 
 
 def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_first(monkeypatch):

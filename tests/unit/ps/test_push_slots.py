@@ -189,3 +189,27 @@ def test_only_our_segments_under_dev_shm_are_mapped(tmp_path):
             segments.attach(link, bytes(16), 4, 1)
     finally:
         os.unlink(link)
+
+
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["doorbell", "grpc"])
+def test_a_fenced_launch_s_pushes_are_refused_whichever_way_they_come(serve, shared_memory):
+    from elastic_step.instance import fenced
+
+    service, client = serve(keras.optimizers.SGD(0.1))
+    zombie, successor = (
+        client(shared_memory=shared_memory, pusher=(1, 1)),
+        client(shared_memory=shared_memory, pusher=(1, 2)),
+    )
+    g = np.ones(service.shard.dense_size, np.float32)
+    assert zombie.push(key(3, 0), [g], {})[0]  # not fenced yet
+    master = PSClient([zombie.addresses[0]], TOKEN)  # as the master tells the shards
+    try:
+        assert master.fence(1, 1, timeout=10) == []
+    finally:
+        master.close()
+    with pytest.raises(Exception) as refused:
+        zombie.push(key(3, 64), [g], {})
+    assert fenced(refused.value).startswith("fenced: worker-1 launch 1 was given up by the master")
+    assert service.shard.fences.refused == 1 and service.shard.version == 1
+    assert successor.push(key(3, 64), [g], {})[0] and service.shard.version == 2  # its remainder, from the successor
+    assert (service.grpc_pushes == 0) == shared_memory  # the way asked for

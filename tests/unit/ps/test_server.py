@@ -172,3 +172,19 @@ def test_a_skipped_minibatch_is_never_applied_and_its_records_are_accounted_as_s
     k = key(7, 64)
     assert {e: r.tolist() for e, r in s.applied_records.arrays().items()} == {skipped_key(0, 0): [[64, k.end]]}
     assert not s.push(k, np.ones(s.dense_size, np.float32), [])[0]  # its key stays taken: a retry is a duplicate
+
+
+def test_a_fenced_launch_s_pushes_are_refused_and_counted_its_successor_s_applied():
+    s = shard(keras.optimizers.SGD(0.1))
+    g = np.ones(s.dense_size, np.float32)
+    zombie, successor = key(7, 64)._replace(worker=1, launch=1), key(7, 64)._replace(worker=1, launch=2)
+    s.fences.fence(1, 1)
+    with pytest.raises(server.FencedPush, match="^fenced: worker-1 launch 1"):
+        s.push(zombie, g, [])
+    assert s.fences.refused == 1 and s.version == 0 and not s.applied  # nothing applied, nothing accounted
+    assert s.push(successor, g, [])[0] and s.version == 1
+    assert s.push(key(8, 0), g, [])[0]  # a push that names no launch is never refused
+    s.fences.fence(1, 2)
+    with pytest.raises(server.FencedPush):
+        s.push(successor._replace(seq=72), g, [])
+    assert s.fences.refused == 2

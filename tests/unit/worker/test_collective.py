@@ -252,6 +252,28 @@ def test_a_connection_without_the_job_token_is_refused(members):
         other.close()
 
 
+def test_a_ring_connection_of_a_launch_older_than_one_that_connected_is_refused_and_its_open_one_closed(members):
+    (a,) = members(1)
+    listener, token = a.ring.listener, TOKEN
+    zombie = ring_transport.connect(a.name, "127.0.0.1", a.ring.port, token, ("worker-1", "127.0.0.1:1"), launch=1)
+    successor = ring_transport.connect(a.name, "127.0.0.1", a.ring.port, token, ("worker-1", "127.0.0.1:2"), launch=2)
+    try:
+        deadline = time.monotonic() + 10
+        while ("worker-1", "127.0.0.1:2") not in listener.links and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The successor's connection closed the zombie's (its frames are never read), and the zombie cannot connect
+        # again: what it sends after it was given up is refused, not merely left unread.
+        assert list(listener.links) == [("worker-1", "127.0.0.1:2")] and listener.fenced_refused == 1
+        with pytest.raises(PeerFailed, match="fenced: worker-1 launch 1: launch 2 of it joined the ring since"):
+            ring_transport.connect(a.name, "127.0.0.1", a.ring.port, token, ("worker-1", "127.0.0.1:1"), launch=1)
+        assert listener.fenced_refused == 2
+        # A hello that names no launch, as before launches: never refused.
+        ring_transport.connect(a.name, "127.0.0.1", a.ring.port, token, ("worker-1", "127.0.0.1:3")).close()
+    finally:
+        zombie.close()
+        successor.close()
+
+
 PEER = """
 import sys, numpy as np
 from elastic_step.faults.process import install_worker_faults
