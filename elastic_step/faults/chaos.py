@@ -11,10 +11,10 @@ job's start by `for_job`):
   the step again with the same job id and output to resume it); `kill:master@checkpoint=2` does it
   after checkpoint 2's parts are written and before its manifest is (a master lost mid-checkpoint).
   `term:master@900` SIGTERMs it instead (the step's pod evicted or preempted, with a grace period).
-- `stop:worker-1@400` freezes worker-1 (SIGSTOP) once 400 records are committed, as a worker that
-  deadlocks, hangs on a read or is cut off from the network: it keeps its lease and says nothing, and
-  the master must declare it hung (master/hang.py). `stop:ps-0@400` freezes a parameter server: the master's
-  probe finds it silent (master/ps_watch.py) and handles it as a lost PS. Not the master: its own liveness is
+- `stop:worker-1@400` freezes worker-1 (SIGSTOP) once 400 records are committed, mid-lease and after its first
+  commit, as a worker that deadlocks, hangs on a read or is cut off from the network: it keeps its lease and says
+  nothing, and the master must declare it hung (master/hang.py). `stop:ps-0@400` freezes a parameter server: the
+  master's probe finds it silent (master/ps_watch.py) and handles it as a lost PS. Not the master: its own liveness is
   the step's health endpoint, which the platform probes.
   `stop:worker-1@400:resume` makes it a zombie: once the master declares it hung (and fences it), it is resumed
   (SIGCONT) before its kill, and the kill waits up to ZOMBIE_KILL_AFTER_S for it to end by itself, as a pod in its
@@ -297,6 +297,10 @@ class Chaos(api.JobFaults):
                 log.info("chaos: %s runs %g times slower", sig.target, sig.factor)
             return
         leased = set(coord.ledger.leases)
+        if sig.action == "stop":
+            # A freeze lands mid-lease, after the worker's first commit of its launch: before it, a freeze is a
+            # start-up hang, which has a bound of minutes (master/hang.py), not the one a test gives.
+            leased = {w for w in leased if coord.hangs.idle(w) is not None}
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
                 return

@@ -155,6 +155,9 @@ def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
     chaos = Chaos(["slow:worker-0@0:x4", "stop:worker-0@10", "stop:ps-0@20"], 1000, 1, num_ps=1)
     chaos.tick(0, backend, coord)
     assert [(f["action"], f["instance"]) for f in chaos.fired] == [("slow", "worker-0")]
+    chaos.tick(15, backend, coord)  # not before the worker's first commit: a start-up hang is another bound's
+    assert len(chaos.fired) == 1
+    _commit_once(coord)
     chaos.tick(15, backend, coord)
     chaos.tick(25, backend, coord)
     assert [(f["action"], f["instance"]) for f in chaos.fired][1:] == [("stop", "worker-0"), ("stop", "ps-0")]
@@ -165,6 +168,12 @@ def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
             assert time.monotonic() < deadline, f"{inst} was never frozen"
             time.sleep(0.02)
     assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
+
+
+def _commit_once(coord) -> None:
+    """worker-0 reports its lease's first minibatch: its first commit of the launch."""
+    lease = coord.ledger.leases["worker-0"]
+    assert coord.report_progress(InstanceId("worker", 0), lease.task.task_id, lease.start + 10, 0.0, False)
 
 
 def _state(pid: int) -> str:
@@ -180,6 +189,7 @@ def test_a_zombie_is_resumed_once_declared_hung_and_its_kill_deferred(job):
     assert chaos.schedule == [zombie]
     worker = InstanceId("worker", 0)
     assert chaos.kill_deferred(worker, backend) == 0.0  # not frozen yet: nothing to resume
+    _commit_once(coord)
     chaos.tick(15, backend, coord)
     pid = backend.pid(worker)
     deadline = time.monotonic() + 30
