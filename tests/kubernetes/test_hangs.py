@@ -1,14 +1,19 @@
 """A hung worker on the real control plane, in both strategies: every process of one worker pod frozen (SIGSTOP, by
 the process kubelet, as a deadlock or a hung read leaves a pod: Running to the API, its node heartbeating, so no node
 controller eviction ever comes). The master (the real CLI, with the shipped Role's rights only) must find it by its
-missing progress alone, declare it hung within its --hang-timeout, delete its pod through the backend (grace 0),
-requeue its work and replace it; the frozen processes must really die and no second pod of that worker may be left.
-Every record is still applied exactly once, by the tally weights and the audit.
+missing progress alone, declare it hung within its --hang-timeout, fence its launch, delete its pod through the
+backend (grace 0), requeue its work and replace it. The frozen pod's node holds that kill (cut off from the
+apiserver), and its processes are resumed once the master has fenced them, beside their replacement: a zombie. It
+must apply nothing (ps: its pushes refused by the PS shard; allreduce: its calls by the master) and exit by itself
+with the fenced exit code; then the node's kill lands, and no second pod of that worker is left. Every record is
+still applied exactly once, by the tally weights and the audit. (That a grace-0 deletion kills a frozen pod's
+processes, SIGKILL reaching a stopped process, is the process kubelet's own test, in test_control_plane.py.)
 
 The freeze fires on training progress: the frozen worker's own model writes a marker once it has fed a set number
 of records, and holds its work while the test freezes its pod. The product cannot freeze a pod (it cannot exec into
-one): chaos `stop:` is refused on this backend, so the harness does it. The bound is asserted as the master's recorded
-decision (summary.json's events), never as a duration."""
+one): chaos `stop:` is refused on this backend, so the harness does it. The resume waits on the master's logged
+fence, not on time. The bound is asserted as the master's recorded decision (summary.json's events), never as a
+duration."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from elastic_step.instance import EXIT_FENCED
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.process import alive, stopped
 from tests.integration.harness import LEASES_OUTLAST_A_KILL
@@ -26,8 +32,8 @@ from tests.kubernetes.jobs import start_train, tally_job, train
 from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig, secret_exists  # noqa: F401
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
 
-EPOCHS = 4
-ZOMBIE_EPOCHS = 12  # the job must still train when the zombie comes back (the tally trains an epoch in ~0.5 s)
+EPOCHS = 12  # the job must still train when the zombie comes back (the tally trains an epoch in ~0.5 s)
+FENCED = "worker-1 launch 1 fenced"  # the master's log, as it fences the frozen launch
 # Seconds. Wide enough that a healthy worker of a suite that runs beside other jobs on two cores is never held that
 # long between commits; far below the node controller's 300 s eviction, which a frozen pod on a live node never gets.
 HANG_TIMEOUT = 10
@@ -67,24 +73,14 @@ def instance_pods(core, namespace: str, job: str, index: int) -> list[str]:
     return sorted(p.metadata.name for p in core.list_namespaced_pod(namespace, label_selector=selector).items)
 
 
-# The zombie cases wait for fencing: a launch the master declared lost must apply nothing when it comes back.
-NEEDS_FENCING = pytest.mark.skip(reason="needs fencing: a resumed zombie's pushes, frames and reports refused")
-
-
-@pytest.mark.parametrize(
-    "strategy, zombie",
-    [
-        pytest.param("ps", False, id="ps"),
-        pytest.param("allreduce", False, id="allreduce"),
-        pytest.param("ps", True, marks=NEEDS_FENCING, id="ps-zombie"),
-        pytest.param("allreduce", True, marks=NEEDS_FENCING, id="allreduce-zombie"),
-    ],
-)
-def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
-    control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path, strategy, zombie
+@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
+def test_a_frozen_worker_pod_is_declared_hung_fenced_replaced_and_refused_when_it_comes_back(
+    control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path, strategy
 ):
-    """`zombie`: the frozen pod's kill is held (a node cut off from the apiserver: the pod is gone from the API, its
-    processes are not), and it is resumed once its replacement exists, as when the node's network returns."""
+    """The frozen pod's kill is held (a node cut off from the apiserver: the pod is gone from the API, its processes
+    are not), and it is resumed once the master has fenced it, as when the node's network returns: a zombie beside
+    its replacement. It applies nothing (ps: the PS refuses its pushes; allreduce: the master refuses its calls, the
+    ring its frames) and exits by itself, fenced; then the node's kill lands."""
     job, out, log, marker = f"hang-{strategy}", tmp_path / "out", tmp_path / "master.log", tmp_path / "marked"
     frozen_pod = f"{job}-worker-1"  # its first launch; its replacement is {job}-worker-1-2
     # Mid-epoch 2 of the job: worker-1 feeds about half of each epoch, far from an epoch's evaluation.
@@ -93,42 +89,43 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
     # Both workers before the first lease: an epoch takes about a second, and worker-0 alone could train the job
     # while worker-1's pod still imports TensorFlow, so worker-1 would never reach its mark.
     settings = settings | {"min_workers": 2}
-    epochs = ZOMBIE_EPOCHS if zombie else EPOCHS
-    params = tally_job(job, tally_data, out, epochs, strategy=strategy, hang_timeout=HANG_TIMEOUT, **settings)
+    params = tally_job(job, tally_data, out, EPOCHS, strategy=strategy, hang_timeout=HANG_TIMEOUT, **settings)
     master = start_train(sa_kubeconfig, namespace, log, **(params | {"model_def": model}))
-    replacement: list[str] = []
+    held = False
     try:
         wait_for(lambda: marker.exists() or master.poll() is not None, 300, interval=0.05, what="worker-1's mark")
         assert marker.exists(), f"worker-1 never reached its mark: the test proved nothing\n{log.read_text()[-3000:]}"
         frozen = node.freeze(namespace, frozen_pod)
         assert frozen and all(stopped(pid) for pid in frozen), frozen
-        if zombie:
-            node.hold_kill(namespace, frozen_pod)
+        node.hold_kill(namespace, frozen_pod)
+        held = True
 
-        # Its replacement's pod is created (or the job ended first): the API then holds one pod of worker-1, the new.
-        def replaced() -> bool:
-            replacement[:] = instance_pods(core, namespace, job, 1)
-            return f"{frozen_pod}-2" in replacement or master.poll() is not None
+        # The master's decision, as it makes it: worker-1's launch fenced, then its pod deleted (the kill held).
+        def decided() -> bool:
+            text = log.read_text()
+            return (FENCED in text and f"pod {frozen_pod} deleted with grace 0" in text) or master.poll() is not None
 
-        wait_for(replaced, 240, interval=0.1, what="worker-1's replacement pod")
-        if zombie:
-            assert master.poll() is None, "the job ended before the zombie could come back: the test proved nothing"
-            node.resume(namespace, frozen_pod)
-            # It may apply nothing, and exits by itself once it learns it is fenced.
-            wait_for(lambda: not node.processes(namespace, frozen_pod), 120, what="the zombie's own exit")
-            zombie_log = node.log_path(namespace, frozen_pod).read_text()
-            assert "fenced: " in zombie_log, zombie_log[-3000:]
-            # FENCING: the refusals, each by its own witness (names to be settled with fencing's work):
-            #   ps: the PS shards' own count of refused pushes (a shard's status or log), > 0;
-            #   allreduce: a ring peer's refusal of the zombie's frames, or the master's refusal event in summary.json;
-            #   both: the master's refusal of its reports / lease requests; its exit code the fenced one, not a crash.
-            # Without fencing (tried): in ps the master refuses its next report and it exits 0, "no more tasks"; in
-            # allreduce it is told it was evicted, rejoins the ring as worker-1 beside its replacement and trains on.
+        wait_for(decided, 240, interval=0.1, what="the master to fence worker-1 and delete its pod")
+        assert master.poll() is None, f"the job ended before worker-1 was fenced\n{log.read_text()[-4000:]}"
+        assert node.processes(namespace, frozen_pod) == frozen, "the frozen pod's kill was not held"
+        # Gone from the API at once, its processes not: the API holds its replacement at most, never both.
+        assert (pods := instance_pods(core, namespace, job, 1)) in ([], [f"{frozen_pod}-2"]), pods
+        # Its node's network returns: the zombie runs on beside its replacement. It may apply nothing, and exits by
+        # itself once refused.
+        node.resume(namespace, frozen_pod)
+        wait_for(lambda: not node.processes(namespace, frozen_pod), 120, what="the zombie's own exit")
+        assert (pods := instance_pods(core, namespace, job, 1)) in ([], [f"{frozen_pod}-2"]), pods
+        exit_codes = node.exit_codes(namespace, frozen_pod)
+        zombie_log = node.log_path(namespace, frozen_pod).read_text()
+        assert exit_codes == {"worker": EXIT_FENCED}, (exit_codes, zombie_log[-3000:])
+        assert "fenced: worker-1 launch 1" in zombie_log, zombie_log[-3000:]
+        node.release_kill(namespace, frozen_pod)  # the node acts on the deletion it held: nothing is left to kill
+        held = False
         master.wait(timeout=400)
     finally:
-        if zombie:
+        if held:
             with contextlib.suppress(LookupError):
-                node.release_kill(namespace, frozen_pod)  # its node's network returns: the kubelet kills what is left
+                node.release_kill(namespace, frozen_pod)
         if master.poll() is None:
             master.kill()
     text = log.read_text()
@@ -143,6 +140,11 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
     assert hung[0]["idle_s"] >= HANG_TIMEOUT and HANG_TIMEOUT < EVICTION_S, hung
     assert "worker-1: no progress for" in text and "declared hung" in text, text[-3000:]
     after = [e for e in events if e["t"] >= hung[0]["t"] and e["instance"] == "worker-1"]
+    # Fenced (its first launch) before its lease was requeued: the timeline's order, not its clock.
+    fenced = [e for e in events if e["kind"] == "fenced" and e["instance"] == "worker-1"]
+    assert [e["launch"] for e in fenced] == [1] and "declared hung" in fenced[0]["detail"], fenced
+    requeued = [i for i, e in enumerate(events) if e["kind"] == "requeued" and e["instance"] == "worker-1"]
+    assert all(events.index(fenced[0]) < i for i in requeued), events
     assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after), after
     assert any(e["kind"] == "decision" and e["detail"].startswith("relaunch:") for e in after), after
     assert any(e["kind"] == "running" for e in after), after  # the replacement pod ran
@@ -150,14 +152,22 @@ def test_a_frozen_worker_pod_is_declared_hung_deleted_and_replaced(
         assert any(e["kind"] == "requeued" for e in after), after
     assert summary["workers"]["lost"] == 1 and summary["workers"]["relaunched"] == 1, summary["workers"]
 
-    # Its pod deleted with grace 0: every frozen process killed (SIGKILL reaches a stopped process), and no second
-    # pod of worker-1 beside its replacement.
-    wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what=f"the frozen processes {sorted(frozen)} killed")
-    assert f"pod {frozen_pod} deleted with grace 0" in text, text[-3000:]
-    assert replacement in ([], [f"{frozen_pod}-2"]), replacement  # empty: the job ended before it was created
-    assert job_pods(core, namespace, job) == []
+    # The zombie's work was refused where it went, each by its own witness.
+    refused_calls = summary["fencing"]["fenced"]["worker-1"]["refused"]
+    if strategy == "ps":  # the PS shard's own count and log
+        ps_log = node.log_path(namespace, f"{job}-ps-0").read_text()
+        refused_pushes = ps_log.count("refused a push of worker-1 launch 1")
+        assert refused_pushes >= 1 and summary["ps"][0]["pushes_fenced"] >= 1, (summary["ps"], zombie_log[-3000:])
+    else:  # the master's (its step reports, ring membership), and the first refusal on the timeline
+        assert refused_calls >= 1 and any(e["kind"] == "fence_refused" for e in after), summary["fencing"]
 
-    assert_each_record_applied_exactly(out, tally_data, epochs)
+    # Its pod deleted with grace 0 (the node held that kill until the zombie had ended by itself), and no second pod
+    # of worker-1 beside its replacement.
+    assert not any(alive(pid) for pid in frozen), sorted(frozen)
+    assert f"pod {frozen_pod} deleted with grace 0" in text, text[-3000:]
+    assert instance_pods(core, namespace, job, 1) == [] and job_pods(core, namespace, job) == []
+
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary, strategy)
 
 

@@ -33,6 +33,7 @@
   ``containerStatuses`` (and ``initContainerStatuses``); restartPolicy Always/OnFailure restart
   a container's process, counting its ``restartCount``; a failed init container fails the pod
   under restartPolicy Never;
+* tells a pod's containers' exit codes (:meth:`ProcessKubelet.exit_codes`), a deleted one's whose kill is held too;
 * freezes a pod and resumes it (:meth:`ProcessKubelet.freeze`, :meth:`ProcessKubelet.resume`): SIGSTOP / SIGCONT
   to every process of its containers, for tests of hung workers; and holds a pod's kill
   (:meth:`ProcessKubelet.hold_kill`, :meth:`ProcessKubelet.release_kill`): its deletion is seen and not acted upon,
@@ -221,6 +222,18 @@ class ProcessKubelet(Service):
     def processes(self, namespace: str, name: str) -> set[int]:
         """The host PIDs of every process of the pod ``namespace/name`` running here (none when there is none)."""
         return {pid for w in self._pods() if w.namespace == namespace and w.pod_name == name for pid in w.processes()}
+
+    def exit_codes(self, namespace: str, name: str) -> dict[str, int]:
+        """Container name -> exit code, for every container of the pod ``namespace/name`` run here that ended for
+        good (as its ``containerStatuses`` say), a deleted pod's whose kill is held included: the API no longer holds
+        that one's status."""
+        return {
+            c.name: c.terminated["exitCode"]
+            for w in self._pods()
+            if w.namespace == namespace and w.pod_name == name
+            for c in w.containers
+            if c.terminated is not None
+        }
 
     def freeze(self, namespace: str, name: str) -> set[int]:
         """SIGSTOP every process of the pod ``namespace/name`` (all its containers, whatever their process groups):
