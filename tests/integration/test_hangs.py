@@ -2,8 +2,10 @@
 nothing, and the master must find it by its missing progress, declare it hung, requeue its lease from its
 watermark, stop it and replace it. In the same job, nothing else may be declared hung: every worker's first
 step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
-and one worker runs ten times slower than the others but still reports. Every record is still applied exactly
-once, by the tally model's weights and the audit.
+and one worker runs much slower than the others but still reports. In `ps` that worker turns slow mid-epoch (a
+hundred times: a straggler), and the idle workers take its work at the epochs' ends (master/straggler.py): its
+lease ahead, or its current lease's tail. Every record is still applied exactly once, by the tally model's weights
+and the audit.
 
 The bound is asserted as the master's decision (summary.json's events), never as a duration."""
 
@@ -50,12 +52,15 @@ def slow_start_tally(tmp_path) -> str:
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally_data, tmp_path, strategy):
     settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
+    # allreduce: every step waits for the slowest member, so ten times is enough (and a hundred would be long).
+    # ps: slowed once training is under way, through the gate its process looks for.
+    times, slow_at = (100, tally_data["rows"] // 2) if strategy == "ps" else (10, 0)
     out = tmp_path / "out"
     proc, summary = train(
         tally_data,
         out,
         "--chaos",
-        "slow:worker-0@0:x10",
+        f"slow:worker-0@{slow_at}:x{times}",
         "--chaos",
         f"stop:worker-1@{tally_data['rows'] * 3 // 2}",  # mid-epoch: far from an epoch's evaluation
         model=slow_start_tally(tmp_path),
@@ -73,7 +78,16 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     assert ("stop", "worker-1") in [(f["action"], f["instance"]) for f in summary["chaos"]["fired"]], hung
     fired = assert_chaos_fired(summary, 2)
     assert [(f["action"], f["instance"]) for f in fired] == [("slow", "worker-0"), ("stop", "worker-1")]
-    assert "chaos: worker-0 runs 10 times slower" in (out / "logs" / "worker-0.1.log").read_text()  # it was slowed
+    log = (out / "logs" / "worker-0.1.log").read_text()
+    assert f"chaos: worker-0 runs {times} times slower{' from now' if slow_at else ''}" in log  # it was slowed
+    assert fired[0]["at_records"] >= slow_at
+    if strategy == "ps":
+        # Its work went to idle workers, and only its: a healthy worker is never taken for a straggler.
+        stragglers = [e for e in events if e["kind"] == "straggler"]
+        assert stragglers and {e["instance"] for e in stragglers} == {"worker-0"}, stragglers
+        assert all(e["holder_records_per_s"] * 4 <= e["idle_records_per_s"] for e in stragglers), stragglers
+        assert all("re-leased to worker-" in e["detail"] and e["records"] > 0 for e in stragglers), stragglers
+        assert "is a straggler:" in proc.stderr
     # Only the frozen worker: not the slowed one, not one in its long first step, not its replacement in its own.
     assert [(e["instance"], e["bound_s"]) for e in hung] == [("worker-1", HANG_TIMEOUT)], hung
     assert hung[0]["idle_s"] >= HANG_TIMEOUT and "declared hung" in hung[0]["detail"]
