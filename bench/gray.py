@@ -98,15 +98,15 @@ def main() -> None:
                 base = job(data, strategy, args.epochs, 3, hang_timeout=args.hang_timeout)
                 frozen.append(run(work / f"{strategy}-stop-{r}", "--chaos", f"stop:worker-1@{at}", **base))
                 killed.append(run(work / f"{strategy}-kill-{r}", "--chaos", f"kill:worker-1@{at}", **base))
-                slowed.append(
-                    run(work / f"{strategy}-slow-{r}", "--chaos", "slow:worker-3@0:x10", **job(data, strategy, args.epochs, 4))
-                )
+                four = job(data, strategy, args.epochs, 4)
+                slowed.append(run(work / f"{strategy}-slow-{r}", "--chaos", "slow:worker-3@0:x10", **four))
                 healthy.append(run(work / f"{strategy}-three-{r}", **job(data, strategy, args.epochs, 3)))
             hung = [e for s in frozen for e in s["events"] if e["kind"] == "hung"]
             print(f"\n{strategy}: digits CNN, {args.rows} records x {args.epochs} epochs, {args.runs} runs each")
             print(f"  freeze -> re-leased (s): {fmt([to_released(s) for s in frozen])}")
             print(f"  kill   -> re-leased (s): {fmt([to_released(s) for s in killed])}")
-            print(f"  hangs declared: {len(hung)} of {args.runs} freezes, bound {sorted({e['bound_s'] for e in hung})} s")
+            bounds = sorted({e["bound_s"] for e in hung})
+            print(f"  hangs declared: {len(hung)} of {args.runs} freezes, bound {bounds} s")
             requeued = [sum(e["requeued"] for e in s["ledger"]["epochs"]) for s in frozen + killed]
             print(
                 f"  records requeued per freeze / per kill: {requeued[: args.runs]} / {requeued[args.runs :]}; "
