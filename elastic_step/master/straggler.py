@@ -31,6 +31,9 @@ FACTOR = 4.0  # a holder at least this many times slower than the idle worker is
 MIN_TAIL_S = 1.0  # the least work, at the straggler's pace, worth handing over
 WINDOW = 20  # reports whose paces make a worker's pace
 MIN_SAMPLES = 3  # reports before a worker's pace counts
+# A search that found nothing is not made again for this long: at an epoch's end every idle worker asks for work
+# every 50 ms, and a search looks at every lease (a large job has many).
+RESEARCH_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,29 +70,34 @@ class StragglerWatch:
     def __init__(self, factor: float = FACTOR, min_tail_s: float = MIN_TAIL_S, window: int = WINDOW):
         self.factor, self.min_tail_s, self.window, self.min_samples = factor, min_tail_s, window, MIN_SAMPLES
         self._paces: dict[str, collections.deque[float]] = {}
+        self._pace: dict[str, float] = {}  # worker -> the median of its paces, once it has MIN_SAMPLES
         self._last: dict[str, tuple[int, float]] = {}  # worker -> (task_id, when) of its last report
+        self._found_nothing_at = float("-inf")
 
     def reported(self, worker: str, task_id: int, records: int, now: float) -> None:
         """A report of `records` newly committed; a pace sample when the worker's previous one was of this lease."""
         last = self._last.get(worker)
         if last is not None and last[0] == task_id and now > last[1] and records > 0:
-            self._paces.setdefault(worker, collections.deque(maxlen=self.window)).append(records / (now - last[1]))
+            paces = self._paces.setdefault(worker, collections.deque(maxlen=self.window))
+            paces.append(records / (now - last[1]))
+            if len(paces) >= self.min_samples:
+                self._pace[worker] = statistics.median(paces)
         self._last[worker] = (task_id, now)
 
     def forget(self, worker: str) -> None:
         """Gone: a relaunched worker (on another node, perhaps) measures its pace afresh."""
         self._paces.pop(worker, None)
+        self._pace.pop(worker, None)
         self._last.pop(worker, None)
 
     def pace(self, worker: str) -> float | None:
-        paces = self._paces.get(worker, ())
-        return statistics.median(paces) if len(paces) >= self.min_samples else None
+        return self._pace.get(worker)
 
     def pick(self, idle: str, ledger, now: float) -> Handover | None:
         """Whose work `idle` (holding no lease, the queue empty) should take, if anyone's: the straggler that would
         take longest, its lease ahead first (all of it is still to do), else the tail of its current lease."""
         to_pace = self.pace(idle)
-        if to_pace is None:
+        if to_pace is None or now - self._found_nothing_at < RESEARCH_S:
             return None
         best = None
         for holder, lease in ledger.leases.items():
@@ -101,6 +109,7 @@ class StragglerWatch:
             if left / pace >= self.min_tail_s and (best is None or left / pace > best[0]):
                 best = (left / pace, holder, pace, lease, ahead)
         if best is None:
+            self._found_nothing_at = now
             return None
         holder_s, holder, pace, lease, ahead = best
         if ahead is not None:

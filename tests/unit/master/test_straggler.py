@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.straggler import StragglerWatch
+from elastic_step.master.straggler import RESEARCH_S, StragglerWatch
 
 
 def _paced(watch: StragglerWatch, worker: str, records_per_s: float, reports: int = 5, task_id: int = 999) -> None:
@@ -46,7 +46,7 @@ def test_no_handover_between_workers_of_a_like_pace_for_a_short_tail_or_before_p
     _paced(watch, "fast", 90.0)
     assert watch.pick("fast", ledger, 1.0) is None  # the holder's pace is not known yet
     _paced(watch, "slow", 30.0)  # 3x slower: a busy node, not a straggler
-    assert watch.pick("fast", ledger, 1.0) is None
+    assert watch.pick("fast", ledger, 2.0) is None
     watch = StragglerWatch()
     _paced(watch, "fast", 90.0)
     _paced(watch, "slow", 250.0)  # 200 records at 250/s: under MIN_TAIL_S
@@ -55,6 +55,16 @@ def test_no_handover_between_workers_of_a_like_pace_for_a_short_tail_or_before_p
     _paced(watch, "slow", 10.0)
     _paced(watch, "fast", 90.0, reports=2)  # one sample: not a pace yet
     assert watch.pick("fast", ledger, 1.0) is None
+
+
+def test_a_search_that_found_nothing_is_not_made_again_at_once():
+    ledger, _ = _ledger()
+    watch = StragglerWatch()
+    _paced(watch, "fast", 90.0)
+    assert watch.pick("fast", ledger, 1.0) is None  # nothing: the holder's pace is not known yet
+    _paced(watch, "slow", 10.0)
+    assert watch.pick("fast", ledger, 1.1) is None  # every idle worker asks every 50 ms: not searched again yet
+    assert watch.pick("fast", ledger, 1.0 + RESEARCH_S).holder == "slow"
 
 
 def test_a_pace_is_a_median_of_reports_within_one_lease_so_a_pause_or_a_wait_for_work_is_no_pace():
