@@ -5,8 +5,9 @@
 Per strategy, side by side in one run, each pair alternating, `--runs` times:
   * freeze against kill: worker-1 frozen with SIGSTOP (`stop:`) mid-training, against worker-1 SIGKILLed at the
     same progress (`kill:`). Figures: from the chaos to its lease remainder leased again (the master's
-    timeline: the `chaos` event to the next `re-leased` one; for the freeze that is the hang bound plus the
-    requeue), the records requeued, and the records trained again (ps: minibatches pushed twice, the second
+    timeline: the `chaos` event to the `hung` or `lost` one, plus the ledger's requeue latency; for the freeze,
+    the hang bound is most of it; `-` when it held nothing to requeue), the records requeued, and the records
+    trained again (ps: minibatches pushed twice, the second
     skipped by the shards; allreduce: committed records the ring rewound). The freeze's bound is
     `--hang-timeout`: the measured one (master/hang.py) has a 30 s floor.
   * a straggler against its absence: 4 workers, one slowed ten times from its start (`slow:worker-3@0:x10`),
@@ -54,11 +55,15 @@ def exact(s: dict) -> bool:
 
 
 def to_released(s: dict) -> float | None:
-    """Seconds from the chaos signal to the next re-lease of a remainder (the master's timeline)."""
+    """Seconds from the chaos signal to its target's lease remainder leased again (the master's timeline): to the
+    master's decision that it is gone (a `hung` or `lost` event), then the ledger's requeue latency."""
     events = s["events"]
-    fired = next((e["t"] for e in events if e["kind"] == "chaos"), None)
-    again = next((e["t"] for e in events if e["kind"] == "re-leased" and fired is not None and e["t"] >= fired), None)
-    return None if again is None else again - fired
+    chaos = next((e for e in events if e["kind"] == "chaos"), None)
+    gone = next(
+        (e["t"] for e in events if chaos and e["kind"] in ("hung", "lost") and e["instance"] == chaos["instance"]), None
+    )
+    latency = s["recovery"]["requeue_latency_s"]
+    return None if gone is None or not latency else gone - chaos["t"] + latency[0]
 
 
 def retrained(s: dict) -> int:
