@@ -28,7 +28,7 @@ import math
 import statistics
 
 FACTOR = 4.0  # a holder at least this many times slower than the idle worker is a straggler
-MIN_TAIL_S = 1.0  # the least work, at the straggler's pace, worth handing over
+MIN_TAIL_S = 0.25  # the least work, at the straggler's pace, worth handing over: about what a lease costs to start
 WINDOW = 20  # reports whose paces make a worker's pace
 MIN_SAMPLES = 3  # reports before a worker's pace counts
 # A search that found nothing is not made again for this long: at an epoch's end every idle worker asks for work

@@ -48,8 +48,8 @@ def test_no_handover_between_workers_of_a_like_pace_for_a_short_tail_or_before_p
     _paced(watch, "slow", 30.0)  # 3x slower: a busy node, not a straggler
     assert watch.pick("fast", ledger, 2.0) is None
     watch = StragglerWatch()
-    _paced(watch, "fast", 90.0)
-    _paced(watch, "slow", 250.0)  # 200 records at 250/s: under MIN_TAIL_S
+    _paced(watch, "fast", 9000.0)
+    _paced(watch, "slow", 1000.0)  # 9x slower, but 200 records at 1000/s: under MIN_TAIL_S
     assert watch.pick("fast", ledger, 1.0) is None
     watch = StragglerWatch()
     _paced(watch, "slow", 10.0)
