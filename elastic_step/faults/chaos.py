@@ -22,7 +22,10 @@ job's start by `for_job`):
   The local backend only (a backend that cannot reach into its instances' processes refuses it at the job's start).
 - `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
   would): after each step but its first it sleeps 9 times as long as the step took, still reporting. The master
-  hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW); `@0` is the only start.
+  hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW). `slow:worker-1@400:x10` slows it
+  once 400 records are committed (a node that turns slow), and every launch of it after that: the master opens
+  a gate, a file its process looks for after each step, so it reaches workers that share the master's
+  filesystem (the local backend, the test kubelet), not pods on other nodes.
 - `random:4` or `random:4:seed=7`: a seeded random schedule of 4 signals, SIGKILL or SIGTERM, at
   record counts drawn over the job's first 90 %. Each goes to a worker that holds a lease when it
   fires (the seed ranks the workers), without waiting for full strength, so several fire in a run
@@ -50,6 +53,7 @@ import logging
 import os
 import random
 import signal
+import tempfile
 import threading
 from collections.abc import Sequence
 
@@ -69,6 +73,7 @@ MASTER = "master"  # a signal's target: the master itself
 ROLES = ("worker", "ps", MASTER)
 SPEC_HELP = (
     "use kill:worker-0@400, term:worker-1@900, stop:worker-1@400, stop:worker-1@400:resume, slow:worker-1@0:x10, "
+    "slow:worker-1@400:x10, "
     "random:4:seed=7, "
     "random:4:seed=7:roles=worker,ps,master, random:4:seed=7:actions=kill,term,stop, kill:master@900, "
     "term:master@900 or kill:master@checkpoint=2"
@@ -132,8 +137,12 @@ class Chaos(api.JobFaults):
             }
             for sig in self.pending
         ]
-        # slow: the workers to slow, from their start (`instance_env`), whatever has fired
-        self.slow = {sig.target: sig.factor for sig in self.pending if sig.action == "slow"}
+        # slow: the workers to slow (`instance_env`): from their start, or from a gate the signal opens
+        slowed = [sig for sig in self.pending if sig.action == "slow"]
+        if len({sig.target for sig in slowed}) < len(slowed):
+            raise ElasticStepError(f"--chaos {specs}: one slow: spec per worker.")
+        self.slow = {sig.target: sig for sig in slowed}
+        self._gates = tempfile.mkdtemp(prefix="elastic-step-slow-") if any(sig.at for sig in slowed) else ""
         self.zombies: set[InstanceId] = set()  # frozen by a stop:...:resume, to resume once declared hung
         self.resumed: list[dict] = []
         if self.kill_at_checkpoint is not None:
@@ -183,14 +192,9 @@ class Chaos(api.JobFaults):
             if kind == "slow":
                 at, times = at.split(":x", 1)
                 target = InstanceId("worker", int(name.removeprefix("worker-")))
-                if not name.startswith("worker-") or not float(times) > 1:
+                if not name.startswith("worker-") or not float(times) > 1 or int(at) < 0:
                     raise ValueError
-                if at != "0":
-                    raise ElasticStepError(
-                        f"--chaos {spec!r}: a worker is slowed from its start, as a slow node would be: use "
-                        f"slow:{name}@0:x{times}."
-                    )
-                return [Signal("slow", 0, target, factor=float(times))]
+                return [Signal("slow", int(at), target, factor=float(times))]
             if name == "master" and kind in ACTIONS and int(at) >= 0:
                 return [Signal(kind, int(at), MASTER)]
             if kind == "stop" and name == MASTER:
@@ -250,9 +254,15 @@ class Chaos(api.JobFaults):
             )
 
     def instance_env(self, inst: InstanceId) -> dict[str, str]:
-        """A slowed worker's process learns its factor from its environment, at every launch."""
-        factor = self.slow.get(inst)
-        return {SLOW_ENV: f"{factor:g}"} if factor else {}
+        """A slowed worker's process learns its factor from its environment, at every launch: slow from its start,
+        or once its gate opens (a signal at R > 0 still pending)."""
+        sig = self.slow.get(inst)
+        if sig is None:
+            return {}
+        return {SLOW_ENV: f"{sig.factor:g}" + (f"@{self._gate(sig)}" if sig in self.pending and sig.at else "")}
+
+    def _gate(self, sig: Signal) -> str:
+        return os.path.join(self._gates, str(sig.target))
 
     def kill_deferred(self, inst: InstanceId, backend: Backend) -> float:
         """A zombie (stop:...:resume) was declared hung and fenced: resume it, and let its kill wait."""
@@ -290,11 +300,15 @@ class Chaos(api.JobFaults):
             return
         alive = backend.alive()
         if sig.action == "slow":
-            # Launched slow (instance_env): it fires, for the record, once the worker is training.
+            # At 0, launched slow (instance_env): it fires, for the record, once the worker is training. Later, the
+            # gate its process looks for opens.
             if sig.target in coord.membership.training():
+                if sig.at:
+                    open(self._gate(sig), "w").close()
                 self._fire(sig, str(sig.target), committed)
-                coord.record("chaos", str(sig.target), f"slow x{sig.factor:g} from its start")
-                log.info("chaos: %s runs %g times slower", sig.target, sig.factor)
+                since = f"at {committed} records" if sig.at else "from its start"
+                coord.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
+                log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
             return
         leased = set(coord.ledger.leases)
         if sig.action == "stop":

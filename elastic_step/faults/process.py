@@ -5,8 +5,8 @@ Read by `install_worker_faults` as a worker starts:
   step 25's ring all-reduce, once its own chunk of the step has left (its peers see a peer failure, not a hang).
 - ELASTIC_STEP_SLOW: `10` makes this worker ten times slower: after each step but its first (which traces the
   model) it sleeps 9 times as long as the step took (a slow node, or one under heavy contention, that still
-  reports). The master sets it for
-  the workers `--chaos slow:worker-1@0:x10` names (chaos.py).
+  reports). `10@/a/gate` does so once the file /a/gate exists (looked for after each step until then). The master
+  sets it for the workers `--chaos slow:worker-1@R:x10` names (chaos.py), and opens the gate at R records.
 Apart from chaos.py, so that a worker process loads no more than the hook points it drives.
 """
 
@@ -35,10 +35,12 @@ def kill_self(sig: int) -> None:
 def install_worker_faults(me: str) -> None:
     """A worker process at its start: the collective kill ELASTIC_STEP_COLLECTIVE_CHAOS asks of `me`, and the
     slowness ELASTIC_STEP_SLOW asks of it, if any."""
-    factor = float(os.environ.get(SLOW_ENV) or 1)
-    if factor > 1:
-        logging.getLogger("elastic_step.worker").warning("chaos: %s runs %g times slower", me, factor)
-        api.STEP_DONE.install(_slow(factor))
+    factor, _, gate = (os.environ.get(SLOW_ENV) or "1").partition("@")
+    if float(factor) > 1:
+        logging.getLogger("elastic_step.worker").warning(
+            "chaos: %s runs %s times slower%s", me, factor, f" once {gate} exists" if gate else ""
+        )
+        api.STEP_DONE.install(_slow(float(factor), gate, me))
     for spec in filter(None, os.environ.get(COLLECTIVE_ENV, "").split(",")):
         name, _, at = spec.partition("@step=")
         if name == me and at.isdigit():
@@ -46,13 +48,18 @@ def install_worker_faults(me: str) -> None:
             return
 
 
-def _slow(factor: float):
-    first = [True]
+def _slow(factor: float, gate: str = "", me: str = ""):
+    first, shut = [True], [bool(gate)]
 
     def fault(seconds: float) -> None:
         if first[0]:  # the first step traces the model: its time is no pace, and ten times it would be minutes
             first[0] = False
             return
+        if shut[0]:
+            if not os.path.exists(gate):  # a stat per step, until the master opens it
+                return
+            shut[0] = False
+            logging.getLogger("elastic_step.worker").warning("chaos: %s runs %g times slower from now", me, factor)
         time.sleep((factor - 1) * seconds)
 
     return fault

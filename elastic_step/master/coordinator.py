@@ -13,8 +13,9 @@ import time
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.master.fence import Fences
 from elastic_step.master.hang import HangWatch, Hung
-from elastic_step.master.ledger import Lease, Ledger, LedgerError
+from elastic_step.master.ledger import Lease, LeaseOver, Ledger, LedgerError
 from elastic_step.master.membership import Membership
+from elastic_step.master.straggler import StragglerWatch
 
 log = logging.getLogger("elastic_step.master")
 
@@ -26,6 +27,7 @@ class Coordinator:
         self.membership = Membership()
         self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/hang.py)
         self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/fence.py)
+        self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/straggler.py)
         self.num_ps = num_ps
         self.min_workers = min_workers
         self.training_started = False  # elastic, not gang: gated once, on min_workers
@@ -256,6 +258,8 @@ class Coordinator:
             worker = str(inst)
             had = self.ledger.held(worker)
             lease = self.ledger.lease(worker, time.time(), after=after)
+            if lease is None and after is None and not had and self.rendezvous is None and not self.holding:
+                lease = self._take_from_straggler(worker, time.time())
             if lease is not None and lease not in had and lease.start != lease.task.start:
                 # Only re-leases make the timeline: a lost worker's remainder finding a new home.
                 self.record(
@@ -265,6 +269,16 @@ class Coordinator:
                 )
             return lease
 
+    def _take_from_straggler(self, idle: str, now: float) -> Lease | None:
+        """ps, lock held: `idle` asks for work and the queue is empty; it takes a straggler's, if one holds some."""
+        handover = self.stragglers.pick(idle, self.ledger, now)
+        if handover is None:
+            return None
+        lease = self.ledger.hand_over(handover.holder, idle, now, cut=handover.cut)
+        self.record("straggler", handover.holder, str(handover), t=now, **handover.figures())
+        log.warning("%s is a straggler: %s", handover.holder, handover)
+        return lease
+
     def report_progress(self, inst: InstanceId, task_id: int, watermark: int, loss: float, duplicate: bool) -> bool:
         """Commit a minibatch. Returns False when the report is refused (the worker must stop)."""
         now = time.time()
@@ -273,19 +287,26 @@ class Coordinator:
             epoch_before = self.ledger.epoch
             if self.rewinding:  # the ledger went back to a checkpoint: this lease is gone
                 return False
+            over = None
             try:
-                self.ledger.report(worker, task_id, watermark)
+                fresh = self.ledger.report(worker, task_id, watermark)
+            except LeaseOver as e:  # a straggler's tail went to another worker: what is below the cut is committed
+                over, fresh = e, 0
             except LedgerError as e:
                 log.warning("refused a progress report: %s", e)
                 self.record("refused", worker, str(e))
                 return False
             self.membership.seen(inst, progressed=True)
             self.hangs.committed(worker)
+            self.stragglers.reported(worker, task_id, fresh, now)
             self._replacement_committed(worker, now)
             if duplicate:
                 self.duplicates_suppressed += 1
             self._committed(now, loss, epoch_before)
-            return True
+            if over is not None:
+                log.info("%s: lease over: %s", worker, over)
+                self.record("lease_over", worker, str(over))
+            return over is None
 
     def report_failure(self, instance: str, kind: str, message: str, tb: str, minibatch: str = "") -> None:
         """The job fails; the first failure is the one reported to the user. A worker's "internal" failure (an
@@ -355,6 +376,7 @@ class Coordinator:
         """A worker is gone, or as good as gone (lock held): it leaves the ring, its leases' remainders are
         requeued from their watermarks, and its clock stops. Returns its current lease's remainder."""
         self.hangs.forget(worker)
+        self.stragglers.forget(worker)
         if self.rendezvous is not None:
             self.rendezvous.remove_locked(worker, why, at=t)
         ahead = self.ledger.ahead.get(worker)

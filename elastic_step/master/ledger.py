@@ -8,6 +8,12 @@ current one's last report arrives (reports come in order). When a worker is lost
 remainders `[watermark, end)` go back to the front of the queue. Epochs never overlap: epoch e+1 is
 cut only when every record of epoch e is committed.
 
+A straggler's work may be *handed over* to an idle worker (see master/straggler.py for when): its lease ahead
+whole, or the tail `[cut, end)` of its current lease, which then ends at `cut`. The tail keeps the task's id and
+its minibatch boundaries (the cut is on one), so whichever of the two pushes a minibatch first, the shards apply
+it once (its push key is the same); the ledger commits the tail from its new holder only, and the straggler's
+reports past the cut are refused with `LeaseOver`: it stops and asks for new work.
+
 The ledger is plain data and deterministic (no clock, no threads): callers pass `now`,
 the service wraps it in a lock, and a property-based test drives it directly.
 """
@@ -77,6 +83,10 @@ class LedgerError(Exception):
     """A report that contradicts the ledger (wrong worker, unknown task, watermark out of range)."""
 
 
+class LeaseOver(LedgerError):
+    """A report of work that was handed over to another worker (see `Ledger.hand_over`): the lease is over."""
+
+
 class Ledger:
     def __init__(
         self, shards: Iterable[ShardInfo], records_per_task: int, epochs: int, minibatch_size: int = 1, seed: int = 0
@@ -107,6 +117,7 @@ class Ledger:
         self._lost_at: dict[int, float] = {}  # task_id -> when its remainder was requeued
         self.requeue_latencies: list[float] = []
         self.trained_again = 0  # records committed, then rewound (see rewind)
+        self._handed_over: set[tuple[str, int]] = set()  # (worker, task_id) whose work went to another worker
         self._advance_epoch()
 
     # ------------------------------------------------------------------ state
@@ -149,7 +160,14 @@ class Ledger:
     def report(self, worker: str, task_id: int, watermark: int) -> int:
         """Commit the worker's records up to `watermark`; returns how many were newly committed."""
         lease = self.leases.get(worker)
+        over = (worker, task_id) in self._handed_over
+        if over and lease is not None and lease.task.task_id == task_id and watermark > lease.task.end:
+            # It trained on past the cut before it knew: what is below the cut is its, the rest another's.
+            self.report(worker, task_id, lease.task.end)
+            lease = None
         if lease is None or lease.task.task_id != task_id:
+            if over:
+                raise LeaseOver(f"{worker} reported task {task_id} past the cut: its tail was handed over")
             raise LedgerError(f"{worker} reported task {task_id} it does not hold")
         if not lease.watermark <= watermark <= lease.task.end:
             raise LedgerError(
@@ -167,6 +185,26 @@ class Ledger:
                 self.leases[worker] = self.ahead.pop(worker)
             self._maybe_finish_epoch()
         return fresh
+
+    def hand_over(self, holder: str, to: str, now: float, cut: int | None = None) -> Lease:
+        """Give part of a straggler's work to `to`, a worker that holds no lease: without `cut`, the straggler's
+        lease ahead, whole; with it, the tail `[cut, end)` of its current lease, `cut` on a minibatch boundary
+        above its watermark. Returns `to`'s new lease (see the module's docstring for why it is safe)."""
+        if to in self.leases or to in self.ahead:
+            raise LedgerError(f"{to} holds a lease: it takes no other worker's")
+        if cut is None:
+            lease = self.ahead.pop(holder)
+            lease.worker, lease.leased_at = to, now
+        else:
+            current = self.leases[holder]
+            task = current.task
+            if not current.watermark < cut < task.end or (cut - task.start) % self.minibatch_size:
+                raise LedgerError(f"cut {cut} is not a minibatch boundary inside [{current.watermark}, {task.end})")
+            lease = Lease(task=task, start=cut, watermark=cut, worker=to, leased_at=now)
+            current.task = dataclasses.replace(task, end=cut)
+        self._handed_over.add((holder, lease.task.task_id))
+        self.leases[to] = lease
+        return lease
 
     def held(self, worker: str) -> list[Lease]:
         """The worker's leases: current first, then the one ahead."""
@@ -206,6 +244,7 @@ class Ledger:
         self.ahead.clear()
         self.committed.clear()
         self._lost_at.clear()
+        self._handed_over.clear()
         self._advance_epoch()
         return again
 
@@ -214,13 +253,14 @@ class Ledger:
         """The ledger as plain data, for a checkpoint. Leases are not carried over: a restored ledger
         puts their remainders (and leases ahead) back at the front of the queue, where whoever holds
         the job next takes them, under the same task ids and minibatch boundaries as before."""
-        held = [
-            (lease.task.task_id, lease.watermark)
-            for lease in [*self.leases.values(), *self.ahead.values()]
-            if lease.watermark < lease.task.end
+        held = [(lease.task, lease.watermark) for lease in [*self.leases.values(), *self.ahead.values()]]
+        queue = [
+            # A task cut short by a hand-over (see hand_over) carries its own end.
+            [task.task_id, start] + ([task.end] if task.end != self.tasks[task.task_id].end else [])
+            for task, start in [*held, *self.queue]
+            if start < task.end
         ]
-        queue = held + [(task.task_id, start) for task, start in self.queue]
-        live = {t for t, _ in queue} | {t for t, task in self.tasks.items() if task.epoch == self.epoch}
+        live = {t for t, *_ in queue} | {t for t, task in self.tasks.items() if task.epoch == self.epoch}
         return {
             "epoch": self.epoch,
             "next_id": self._next_id,
@@ -245,10 +285,14 @@ class Ledger:
         self.accounts = [EpochAccount(**a) for a in cut["accounts"]]
         self.tasks = {int(t): TaskDef(int(t), e, uri, lo, hi) for t, (e, uri, lo, hi) in cut["tasks"].items()}
         self.committed = {int(t): [list(iv) for iv in ivs] for t, ivs in cut["committed"].items()}
-        self.queue = collections.deque((self.tasks[t], start) for t, start in cut["queue"])
+        self.queue = collections.deque(
+            (dataclasses.replace(self.tasks[t], end=end[0]) if end else self.tasks[t], start)
+            for t, start, *end in cut["queue"]
+        )
         self.leases.clear()
         self.ahead.clear()
         self._lost_at.clear()
+        self._handed_over.clear()
         return again
 
     # ------------------------------------------------------------------ internals
@@ -277,6 +321,7 @@ class Ledger:
 
     def _advance_epoch(self) -> None:
         self.epoch += 1
+        self._handed_over.clear()  # a straggler's reports of a past epoch are refused as any stale ones
         if self.done:
             return
         self.accounts.append(EpochAccount(epoch=self.epoch, records=self.records_per_epoch))

@@ -2,13 +2,14 @@
 nothing, and the master must find it by its missing progress, declare it hung, requeue its lease from its
 watermark, stop it and replace it. In the same job, nothing else may be declared hung: every worker's first
 step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
-and one worker runs ten times slower than the others but still reports. The frozen worker is resumed once declared
-hung, before its kill (a zombie, as a pod in its grace period or a partitioned node back): fenced before its lease
-was requeued, it is refused (its pushes by the PS shards, its calls by the master) and exits by itself. In ps mode,
-later in the same job, the parameter server is frozen too: the master's probe finds it silent, declares it hung,
-kills it and restores every shard from the last checkpoint, and the workers whose pushes waited on it wait for the
-shards' new generation instead of crashing. Every record is still applied exactly once, by the tally model's
-weights and the audit.
+and one worker runs ten times slower than the others but still reports: in ps it turns slow mid-epoch (a
+straggler), and the idle workers take its work at the epochs' ends (master/straggler.py): its lease ahead, or its
+current lease's tail. The frozen worker is resumed once declared hung, before its kill (a zombie, as a pod in its
+grace period or a partitioned node back): fenced before its lease was requeued, it is refused (its pushes by the PS
+shards, its calls by the master) and exits by itself. In ps mode, later in the same job, the parameter server is
+frozen too: the master's probe finds it silent, declares it hung, kills it and restores every shard from the last
+checkpoint, and the workers whose pushes waited on it wait for the shards' new generation instead of crashing.
+Every record is still applied exactly once, by the tally model's weights and the audit.
 
 The bound is asserted as the master's decision (summary.json's events), never as a duration."""
 
@@ -60,12 +61,14 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     frozen_ps = ["--chaos", f"stop:ps-0@{rows * 5 // 2}"] if strategy == "ps" else []
     if strategy == "ps":
         settings = settings | {"checkpoint_every": str(rows)}
+    # ps: slowed once training is under way (through the gate its process looks for), to be a straggler.
+    slow_at = rows // 2 if strategy == "ps" else 0
     out = tmp_path / "out"
     proc, summary = train(
         tally_data,
         out,
         "--chaos",
-        "slow:worker-0@0:x10",
+        f"slow:worker-0@{slow_at}:x10",
         "--chaos",
         # Mid-epoch, far from an epoch's evaluation; resumed once declared hung, before its kill: a zombie.
         f"stop:worker-1@{rows * 3 // 2}:resume",
@@ -86,7 +89,16 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     fired = assert_chaos_fired(summary, 3 if frozen_ps else 2)
     frozen = [("stop", "ps-0")] if frozen_ps else []
     assert [(f["action"], f["instance"]) for f in fired] == [("slow", "worker-0"), ("stop", "worker-1"), *frozen]
-    assert "chaos: worker-0 runs 10 times slower" in (out / "logs" / "worker-0.1.log").read_text()  # it was slowed
+    log = (out / "logs" / "worker-0.1.log").read_text()
+    assert f"chaos: worker-0 runs 10 times slower{' from now' if slow_at else ''}" in log  # it was slowed
+    assert fired[0]["at_records"] >= slow_at
+    if strategy == "ps":
+        # Its work went to idle workers, and only its: a healthy worker is never taken for a straggler.
+        stragglers = [e for e in events if e["kind"] == "straggler"]
+        assert stragglers and {e["instance"] for e in stragglers} == {"worker-0"}, stragglers
+        assert all(e["holder_records_per_s"] * 4 <= e["idle_records_per_s"] for e in stragglers), stragglers
+        assert all("re-leased to worker-" in e["detail"] and e["records"] > 0 for e in stragglers), stragglers
+        assert "is a straggler:" in proc.stderr
     # Only the frozen ones: not the slowed worker, not one in its long first step, not its replacement in its own,
     # not the workers whose pushes waited on the frozen PS.
     expected = [("worker-1", HANG_TIMEOUT)] + ([("ps-0", HANG_TIMEOUT)] if frozen_ps else [])

@@ -193,6 +193,24 @@ def test_a_zombie_is_marked_as_fenced_and_its_refusals_counted():
     assert "fenced worker launches (refused: calls to the master, pushes) worker-1 (2, 1)" in text
 
 
+def test_a_stragglers_handover_is_marked_with_its_paces():
+    events = [
+        {
+            "t": 7.0,
+            "kind": "straggler",
+            "instance": "worker-0",
+            "detail": "...",
+            "holder_records_per_s": 40.0,
+            "idle_records_per_s": 390.5,
+            "holder_s": 9.6,
+            "records": 320,
+        }
+    ]
+    assert markers({"events": events}) == [
+        (7.0, "#ff7f0e", "worker-0 straggler (40 against 390.5 records/s): 320 records re-leased")
+    ]
+
+
 def test_throughput_is_the_rate_between_samples():
     assert throughput_series(SUMMARY["timeseries"]) == [(1.0, 120.0), (2.0, 140.0)]
     # without record counts, the sample's own rate

@@ -4,6 +4,7 @@ a master's restarts (the journal beside the checkpoints)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -75,7 +76,7 @@ def test_stop_and_slow_are_scheduled_and_a_slowed_worker_learns_its_factor_at_ev
         ("random:3:actions=kill,boom", "Bad --chaos spec"),
         ("random:3:actions=stop:roles=worker,master", "not the master"),
         ("stop:master@10", "not the master"),
-        ("slow:worker-1@500:x10", "use slow:worker-1@0:x10"),
+        ("slow:worker-1@-5:x10", "Bad --chaos spec"),
         ("slow:worker-1@0:x1", "Bad --chaos spec"),
         ("slow:ps-0@0:x4", "Bad --chaos spec"),
         ("slow:worker-1@0", "Bad --chaos spec"),
@@ -232,3 +233,33 @@ def test_a_stop_is_refused_at_the_jobs_start_by_a_backend_that_cannot_freeze():
     with pytest.raises(ConfigError, match="cannot freeze"):
         Remote().freeze(InstanceId("worker", 1))
     assert LocalBackend.can_freeze
+
+
+def test_a_worker_slowed_later_is_slowed_once_its_gate_opens_and_later_launches_of_it_start_slow(job, monkeypatch):
+    from elastic_step.faults import api, process
+
+    coord, backend = job
+    chaos = Chaos(["slow:worker-0@10:x4"], 1000, 1, num_ps=1)
+    assert chaos.schedule == [{"action": "slow", "at_records": 10, "instance": "worker-0", "factor": 4.0}]
+    factor, gate = chaos.instance_env(InstanceId("worker", 0))[process.SLOW_ENV].split("@")
+    assert factor == "4" and not os.path.exists(gate)
+    slept = []
+    monkeypatch.setattr(process.time, "sleep", slept.append)
+    monkeypatch.setenv(process.SLOW_ENV, f"{factor}@{gate}")
+    process.install_worker_faults("worker-0")
+    try:
+        api.STEP_DONE(4.0)  # its first step
+        api.STEP_DONE(0.02)
+        chaos.tick(5, backend, coord)
+        assert not chaos.fired and not os.path.exists(gate)
+        api.STEP_DONE(0.02)
+        chaos.tick(15, backend, coord)
+        assert [(f["action"], f["at_records"]) for f in chaos.fired] == [("slow", 15)] and os.path.exists(gate)
+        api.STEP_DONE(0.02)
+    finally:
+        api.STEP_DONE.install(None)
+    assert slept == pytest.approx([0.06])
+    assert chaos.instance_env(InstanceId("worker", 0)) == {process.SLOW_ENV: "4"}  # fired: a relaunch starts slow
+    assert "slow x4 at 15 records" in [e["detail"] for e in coord.events if e["kind"] == "chaos"]
+    with pytest.raises(ElasticStepError, match="one slow: spec per worker"):
+        Chaos(["slow:worker-1@0:x2", "slow:worker-1@40:x3"], 10_000, 2, num_ps=1)

@@ -1,4 +1,5 @@
-"""The coordinator's progress samples (the report's and TensorBoard's time series)."""
+"""The coordinator: its progress samples (the report's and TensorBoard's time series), and a straggler's work
+handed over to an idle worker."""
 
 from __future__ import annotations
 
@@ -25,3 +26,30 @@ def test_a_worker_lost_and_back_between_two_samples_still_shows_as_a_dip():
     assert len(coord.membership.training()) == 2
     assert coord.sample(0.0)["workers_alive"] == 1  # the fewest since the previous sample
     assert coord.sample(0.0)["workers_alive"] == 2  # and back
+
+
+def test_an_idle_worker_takes_a_stragglers_tail_and_the_stragglers_report_past_the_cut_stops_it():
+    coord = Coordinator(Ledger([ShardInfo("s", 640)], 640, 1, 32), num_ps=1)
+    coord.training_started = True
+    for w in (W0, W1):
+        coord.membership.launched(w, relaunch=False)
+        coord.membership.registered(w)
+    slow = coord.get_task(W0)
+    assert coord.get_task(W1) is None  # one task, leased: nothing for worker-1, and no pace known yet
+    for n in range(1, 5):  # worker-0 at 32 records a report, and worker-1's pace, far faster, from another lease
+        coord.stragglers.reported("worker-0", slow.task.task_id, 32, n * 1.0)
+        coord.stragglers.reported("worker-1", 99, 320, n * 1.0)
+    assert coord.report_progress(W0, slow.task.task_id, 64, 0.1, False)
+    tail = coord.get_task(W1)
+    straggler = [e for e in coord.events if e["kind"] == "straggler"]
+    assert [(e["instance"], e["records"]) for e in straggler] == [("worker-0", 640 - tail.start)]
+    assert (
+        tail.task.task_id == slow.task.task_id
+        and tail.start > 64
+        and coord.ledger.leases["worker-0"].task.end == tail.start
+    )
+    # worker-0 trained on past its cut before it knew: below the cut is committed, and it is told to stop.
+    assert not coord.report_progress(W0, slow.task.task_id, tail.start + 32, 0.1, False)
+    assert coord.ledger.account.committed == tail.start and [e["kind"] for e in coord.events][-1] == "lease_over"
+    assert coord.report_progress(W1, tail.task.task_id, 640, 0.1, True)
+    assert coord.ledger.done and coord.finished.is_set() and coord.ledger.accounts[0].double_applied == 0

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from elastic_step.errors import ConfigError
-from elastic_step.master.ledger import Ledger, LedgerError, ShardInfo
+from elastic_step.master.ledger import LeaseOver, Ledger, LedgerError, ShardInfo
 
 
 def _queued(ledger: Ledger) -> list[tuple[str, int, int]]:
@@ -238,6 +238,50 @@ def test_requeue_latency_is_recorded_when_the_remainder_is_leased_again():
     assert ledger.requeue_latencies == [pytest.approx(2.5), 0.0]
 
 
+def test_a_stragglers_tail_is_handed_over_under_the_same_task_and_boundaries_and_its_reports_past_the_cut_end_it():
+    ledger = Ledger([ShardInfo("a", 20)], records_per_task=20, epochs=1, minibatch_size=2)
+    slow = ledger.lease("slow", 0.0)
+    ledger.report("slow", slow.task.task_id, 4)
+    tail = ledger.hand_over("slow", "fast", 1.0, cut=10)
+    assert (tail.task.task_id, tail.task.start, tail.start, tail.task.end) == (slow.task.task_id, 0, 10, 20)
+    assert ledger.leases["slow"].task.end == 10  # the straggler keeps [4, 10)
+    with pytest.raises(LedgerError):
+        ledger.hand_over("slow", "other", 1.0, cut=7)  # off the minibatch boundaries
+    ledger.report("fast", tail.task.task_id, 14)
+    with pytest.raises(LeaseOver):  # the straggler trained on past its cut: up to the cut is its
+        ledger.report("slow", slow.task.task_id, 12)
+    assert ledger.accounts[0].committed == 14 and "slow" not in ledger.leases
+    with pytest.raises(LeaseOver):  # and its later reports of that task are refused the same way
+        ledger.report("slow", slow.task.task_id, 16)
+    ledger.report("fast", tail.task.task_id, 20)
+    assert ledger.done and ledger.accounts[0].committed == 20 and ledger.accounts[0].double_applied == 0
+
+
+def test_a_stragglers_lease_ahead_is_handed_over_whole_and_a_cut_short_lease_survives_a_checkpoint():
+    ledger = Ledger([ShardInfo("a", 30)], records_per_task=10, epochs=1, minibatch_size=2)
+    slow = ledger.lease("slow", 0.0)
+    ahead = ledger.lease("slow", 0.0, after=slow.task.task_id)
+    assert ledger.hand_over("slow", "fast", 1.0) is ahead and "slow" not in ledger.ahead
+    with pytest.raises(LedgerError):
+        ledger.hand_over("slow", "fast", 1.0, cut=slow.task.start + 4)  # "fast" holds a lease now
+    task = slow.task
+    ledger.hand_over("slow", "third", 1.0, cut=task.start + 4)
+    restored = Ledger([ShardInfo("a", 30)], records_per_task=10, epochs=1, minibatch_size=2)
+    restored.restore(json.loads(json.dumps(ledger.cut())))
+    # Every record outstanding once: the straggler's lease ends at its cut, the tail is whole.
+    outstanding = sorted((t.task_id, start, t.end) for t, start in restored.queue)
+    assert outstanding == sorted(
+        [
+            (task.task_id, task.start, task.start + 4),
+            (task.task_id, task.start + 4, task.end),
+            (ahead.task.task_id, ahead.task.start, ahead.task.end),
+            *[(t.task_id, s, t.end) for t, s in ledger.queue],
+        ]
+    )
+    _drain(restored)
+    assert restored.accounts[0].committed == 30 and restored.accounts[0].double_applied == 0
+
+
 def test_the_same_worker_name_relaunched_after_a_loss_resumes_at_the_watermark():
     ledger = Ledger([ShardInfo("a", 8)], records_per_task=8, epochs=1, minibatch_size=2)
     lease = ledger.lease("worker-0", 0.0)
@@ -456,6 +500,35 @@ class LedgerMachine(RuleBasedStateMachine):
         elif len(self.alive) < 6:
             self.alive.append(f"w{self.next_name}")
             self.next_name += 1
+
+    @rule(i=st.integers(0, 100), j=st.integers(0, 100), cut_at=st.integers(1, 6), past=st.integers(0, 3))
+    def hand_over(self, i, j, cut_at, past):
+        """A straggler's work goes to an idle worker: its lease ahead, or its current lease's tail from a cut; then,
+        perhaps, the straggler reports `past` minibatches beyond its cut, not knowing yet."""
+        holder = self._holder(i)
+        idle = [w for w in self.alive if w not in self.ledger.leases]
+        if holder is None or not idle:
+            return
+        to, lease, ahead = idle[j % len(idle)], self.ledger.leases[holder], self.ledger.ahead.get(holder)
+        if ahead is not None:
+            got = self.ledger.hand_over(holder, to, self.now)
+            assert got is ahead and self.ledger.leases[to] is ahead and holder not in self.ledger.ahead
+            return
+        task, cut = lease.task, lease.watermark + cut_at * self.minibatch
+        if cut >= task.end:
+            with pytest.raises(LedgerError):
+                self.ledger.hand_over(holder, to, self.now, cut=cut)
+            return
+        got = self.ledger.hand_over(holder, to, self.now, cut=cut)
+        assert (got.task.task_id, got.task.start, got.start, got.task.end) == (task.task_id, task.start, cut, task.end)
+        assert self.ledger.leases[holder].task.end == cut
+        if past:
+            old = self.ledger.leases[holder].watermark
+            with pytest.raises(LeaseOver):
+                self.ledger.report(holder, task.task_id, min(task.end, cut + past * self.minibatch))
+            for r in range(old, cut):  # what it trained below the cut is committed, the rest is not
+                self.shadow[(task.epoch, task.shard, r)] = task.task_id
+            assert holder not in self.ledger.leases or self.ledger.leases[holder].task.task_id != task.task_id
 
     @rule(
         kind=st.sampled_from(["repeat", "lost", "stranger"]),
