@@ -3,7 +3,6 @@ answering; the shard's clock and bound are master/hang.py's, and a silent shard 
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -13,36 +12,14 @@ from elastic_step.master import ps_watch
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.ps_watch import PSWatch
-from elastic_step.proto import elastic_pb2 as pb
-from elastic_step.proto import elastic_pb2_grpc as pb_grpc
-from elastic_step.proto import rpc
-
-
-class Shard(pb_grpc.ParameterServerServicer):
-    """A shard's Stats, which stops answering while `frozen` is set (as a stopped process's port does: the
-    connection is there, no answer comes)."""
-
-    def __init__(self):
-        self.frozen = threading.Event()
-        self.briefs = 0
-
-    def Stats(self, request, context):
-        rpc.check_token(context, "token", request.token)
-        self.briefs += request.brief
-        while self.frozen.is_set() and context.is_active():
-            time.sleep(0.05)
-        return pb.PsStats(shard=0)
+from tests.unit.ps.frozen_shard import FrozenShard, serving
 
 
 @pytest.fixture
 def shard():
-    servicer, server = Shard(), rpc.server(max_workers=4)
-    pb_grpc.add_ParameterServerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    servicer.frozen.clear()
-    server.stop(grace=0)
+    servicer = FrozenShard()
+    with serving(servicer) as address:
+        yield servicer, address
 
 
 def until(watch: PSWatch, seconds: float, done=lambda late: bool(late)) -> list:
