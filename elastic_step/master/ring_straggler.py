@@ -27,6 +27,9 @@ FACTOR = 4.0  # a member at least this many times slower than the others' median
 WINDOW = 20  # committed steps whose paces make a member's pace
 SKIP = 3  # a member's first steps with records of a launch: tracing, not pace
 MIN_SAMPLES = 10  # steps before a member's pace counts
+# The least a straggler must cost each step: below it, a model so small that a scheduler's hiccup is a large ratio,
+# and leaving a member out (a ring re-formed, a replacement started: seconds) would take long to pay back.
+MIN_COST_S = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +109,9 @@ class RingPaceWatch:
         others = [p for w, p in paces.items() if w != slowest]
         per_record = statistics.median(p[0] for p in others)
         ratio = paces[slowest][0] / per_record
-        if ratio < self.factor or ratio <= n / (n - 1):
-            return None
         others_step = statistics.median(p[1] for p in others)
+        if ratio < self.factor or ratio <= n / (n - 1) or paces[slowest][1] - others_step < MIN_COST_S:
+            return None
         again = slowest in self._left_out
         self._left_out.add(slowest)
         return Straggler(slowest, paces[slowest][1], others_step, ratio, n, again)
