@@ -12,8 +12,9 @@ Per strategy, side by side in one run, each pair alternating, `--runs` times:
     `--hang-timeout`: the measured one (master/hang.py) has a 30 s floor.
   * a straggler against its absence: 4 workers, one slowed ten times from its start (`slow:worker-3@0:x10`),
     against 3 healthy workers alone. Figure: throughput (records/s between the first and the last commit, the
-    master's own), best against best, with the spread (slowest/best), and how many times the master handed a
-    straggler's work over (ps; allreduce has no such remedy: master/straggler.py says why).
+    master's own), best against best, with the spread (slowest/best), and the master's straggler decisions per run
+    (ps: a straggler's work handed over to an idle worker; allreduce: the straggler left out of the ring, replaced,
+    and its replacement, as slow, left out for good).
 Every run's ledger must come out exact; the bench stops if one does not.
 
 The model is the digits CNN (bench/models/digits_cnn.py) on the digits repeated to `--rows` records: its step is
@@ -119,11 +120,11 @@ def main() -> None:
             )
             rate = [s["throughput_records_per_s"] for s in slowed]
             base_rate = [s["throughput_records_per_s"] for s in healthy]
-            handovers = [sum(e["kind"] == "straggler" for e in s["events"]) for s in slowed]
+            decisions = [sum(e["kind"] == "straggler" for e in s["events"]) for s in slowed]
             print(
                 f"  throughput, 4 workers one slowed x10: {max(rate):.0f} rec/s (spread {max(rate) / min(rate):.2f}); "
                 f"3 healthy workers: {max(base_rate):.0f} rec/s (spread {max(base_rate) / min(base_rate):.2f}); "
-                f"ratio {max(rate) / max(base_rate):.2f} (goal >= 0.85); straggler hand-overs per run: {handovers}"
+                f"ratio {max(rate) / max(base_rate):.2f} (goal >= 0.85); straggler decisions per run: {decisions}"
             )
 
 

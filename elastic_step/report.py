@@ -19,7 +19,7 @@ from elastic_step.util.atomic import atomic_write_text
 W, PAD_L, PAD_R, PAD_B, PLOT_H = 720, 58, 18, 34, 150
 LABEL_ROW, LABEL_ROWS, CHAR_W = 12, 3, 5.6
 LOST, JOINED, FAILED = "#d62728", "#2ca02c", "#8b0000"
-STRAGGLER = "#ff7f0e"  # a straggler's work handed over to an idle worker
+STRAGGLER = "#ff7f0e"  # a straggler: its work handed over to an idle worker (ps), or left out of the ring
 LOSS, EVAL, RATE, ALIVE = "#1f77b4", "#9467bd", "#ff7f0e", "#3b6ea5"
 EVAL_COLOURS = [EVAL, "#8c564b", "#e377c2", "#17becf"]
 CHART_IDS = ("chart-loss", "chart-eval", "chart-throughput", "chart-workers", "chart-ledger")
@@ -247,7 +247,7 @@ def _legend(series) -> str:
 def markers(summary: dict) -> list[tuple[float, str, str]]:
     """A red line where an instance was lost, declared hung or ended early (labelled with the master's decision),
     a green one where a relaunched instance registered again, an orange one where a straggler's work was handed
-    over to an idle worker, a dark red one where the job failed."""
+    over to an idle worker (ps) or it was left out of the ring (allreduce), a dark red one where the job failed."""
     events = sorted((e for e in _rows(summary, "events") if num(e.get("t")) is not None), key=lambda e: num(e["t"]))
     out: list[tuple[float, str, str]] = []
     relaunched: set[str] = set()
@@ -279,6 +279,10 @@ def markers(summary: dict) -> list[tuple[float, str, str]]:
                 relaunched.add(inst)
             elif action == "fail":
                 out.append((at, FAILED, f"{inst} {what}: job failed"))
+        elif kind == "straggler" and e.get("step_s") is not None:  # allreduce: left out of the ring
+            step_s, others = num(e.get("step_s")), num(e.get("others_step_s"))
+            what = f" ({step_s:g} against {others:g} s a step)" if others is not None else ""
+            out.append((t, STRAGGLER, f"{inst} straggler{what}: {e.get('action') or 'left out of the ring'}"))
         elif kind == "straggler":
             pace, idle = num(e.get("holder_records_per_s")), num(e.get("idle_records_per_s"))
             what = f" ({pace:g} against {idle:g} records/s)" if pace is not None and idle is not None else ""

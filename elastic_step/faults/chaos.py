@@ -320,10 +320,11 @@ class Chaos(api.JobFaults):
                 return
             target = sig.target
         elif sig.target is not None:
-            # In threshold order, each at full strength and while its target holds a lease, so the
-            # signal cuts a task short and leaves a remainder, whatever this machine's speed.
+            # In threshold order, each at full strength (the workers the job keeps: not those it left out for
+            # good) and while its target holds a lease, so the signal cuts a task short and leaves a remainder,
+            # whatever this machine's speed.
             if (
-                len(coord.membership.training()) < self.max_workers
+                len(coord.membership.training()) < self.max_workers - len(coord.retired)
                 or sig.target not in alive
                 or str(sig.target) not in leased
             ):

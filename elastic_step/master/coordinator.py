@@ -15,6 +15,7 @@ from elastic_step.master.fence import Fences
 from elastic_step.master.hang import HangWatch, Hung
 from elastic_step.master.ledger import Lease, LeaseOver, Ledger, LedgerError
 from elastic_step.master.membership import Membership
+from elastic_step.master.ring_straggler import RingPaceWatch, Straggler
 from elastic_step.master.straggler import StragglerWatch
 
 log = logging.getLogger("elastic_step.master")
@@ -28,6 +29,8 @@ class Coordinator:
         self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/hang.py)
         self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/fence.py)
         self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/straggler.py)
+        self.ring_paces = RingPaceWatch()  # allreduce: whom the ring leaves out (see master/ring_straggler.py)
+        self.retired: set[str] = set()  # workers left out for good: the job trains on without them
         self.num_ps = num_ps
         self.min_workers = min_workers
         self.training_started = False  # elastic, not gang: gated once, on min_workers
@@ -100,6 +103,7 @@ class Coordinator:
         """An allreduce step commits (lock held): every member's watermark at once. True when done."""
         epoch_before = self.ledger.epoch
         records = sum(r.records for r in ready.values())
+        self.ring_paces.committed({worker: (r.compute_s, r.records) for worker, r in ready.items()})
         for worker, r in ready.items():
             self.membership.seen(InstanceId.parse(worker), progressed=True)
             if r.records or self.hangs.idle(worker) is not None:
@@ -377,6 +381,7 @@ class Coordinator:
         requeued from their watermarks, and its clock stops. Returns its current lease's remainder."""
         self.hangs.forget(worker)
         self.stragglers.forget(worker)
+        self.ring_paces.forget(worker)
         if self.rendezvous is not None:
             self.rendezvous.remove_locked(worker, why, at=t)
         ahead = self.ledger.ahead.get(worker)
@@ -460,6 +465,32 @@ class Coordinator:
             remainder = self._release(hung.worker, f"declared hung, {hung}", now)
         what = f"lease requeued, records [{remainder[0]}, {remainder[1]})" if remainder else "it held no lease"
         log.warning("%s: %s: declared hung, %s", hung.worker, hung, what)
+        return remainder
+
+    def ring_straggler(self, paused: bool = False) -> Straggler | None:
+        """allreduce: the member to leave out of the ring as a straggler, if any (master/ring_straggler.py). None
+        while the ring does not train at its own pace: `paused` (an epoch's evaluation), a checkpoint's hold, a
+        restore."""
+        with self.lock:
+            rdv = self.rendezvous
+            self.ring_paces.quiet = paused
+            if rdv is None or paused or self.rewinding or self.finished.is_set() or rdv.done:
+                return None
+            if rdv.hold_commits or rdv.restore_checkpoint:
+                return None
+            return self.ring_paces.pick([name for name, _ in rdv.members], self.min_workers)
+
+    def declare_straggler(self, straggler: Straggler, now: float) -> tuple[int, int] | None:
+        """`straggler` leaves the ring (its instance is being stopped), as a hung member does: it gets no new
+        lease and its remainder is requeued from its watermark at once. Returns the remainder."""
+        worker = straggler.worker
+        with self.lock:
+            self.membership.declared_gone(InstanceId.parse(worker), now)
+            if straggler.again:
+                self.retired.add(worker)
+            self.record("straggler", worker, str(straggler), t=now, **straggler.figures())
+            remainder = self._release(worker, f"a straggler, {straggler.action}", now)
+        log.warning("%s is a straggler: %s", worker, straggler)
         return remainder
 
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:

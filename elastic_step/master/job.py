@@ -172,6 +172,7 @@ class TrainingJob:
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
         self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
         self._hung: set[InstanceId] = set()  # declared hung, stopped, their end not seen yet
+        self._left_out: set[InstanceId] = set()  # allreduce stragglers left out of the ring, their end not seen yet
         self._kill_at: dict[InstanceId, float] = {}  # declared hung, their kill deferred (faults only) until then
 
     # ------------------------------------------------------------------ launching
@@ -368,6 +369,15 @@ class TrainingJob:
             else:
                 self.backend.kill(inst)
             self.coord.declare_hung(hung, now)
+        # allreduce: a member that holds every step to its pace leaves the ring as a hung one does.
+        if self.allreduce and (straggler := self.coord.ring_straggler(paused=evaluating)) is not None:
+            inst = InstanceId.parse(straggler.worker)
+            self._left_out.add(inst)
+            self._fence(inst, f"left out of the ring as a straggler: {straggler}", tell_shards=False)
+            if straggler.again:
+                self.relaunch.retire(inst, f"left out of the ring for good as a straggler: {straggler}")
+            self.backend.kill(inst)
+            self.coord.declare_straggler(straggler, now)
         # A shard that does not answer: killed, and its end is a lost PS (a restore from the last checkpoint). A
         # checkpoint's Save holds the pump itself, and the tick after it counts at most MAX_TICK_S of it.
         for hung in self.ps_watch.hung(now) if self.ps_watch is not None else ():
@@ -413,6 +423,10 @@ class TrainingJob:
             self._hung.discard(ev.instance)
             how = ev.detail or f"exit code {ev.exit_code}"
             ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"declared hung, then {how}")
+        elif ev.instance in self._left_out and ev.kind in (EventKind.EXITED, EventKind.LOST):
+            self._left_out.discard(ev.instance)
+            how = ev.detail or f"exit code {ev.exit_code}"
+            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"left out as a straggler, then {how}")
         elif ev.kind == EventKind.EXITED and ev.exit_code == EXIT_FENCED:
             # Refused as a launch the master had given up: the loss it was given up for, never a crash.
             ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"fenced, then exit code {EXIT_FENCED}")

@@ -6,7 +6,8 @@ max_workers; a pending one starts when there is room). A worker that failed thro
 user's model or data is not: relaunching it would fail the same way forever. Nor is one that
 failed with an error not known to be the user's, when another instance already failed with the
 same error on the same minibatch: the error is the data's or the code's, not the instance's, and
-a relaunch would only loop.
+a relaunch would only loop. Nor is a worker the master left out for good (an allreduce straggler whose
+replacement was as slow: master/ring_straggler.py): the job trains on without it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ log = logging.getLogger("elastic_step.master")
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    action: str  # "relaunch" | "restore" | "fail" | "none"
+    action: str  # "relaunch" | "restore" | "fail" | "retire" | "none"
     reason: str
 
 
@@ -35,6 +36,11 @@ class RelaunchPolicy:
         self.relaunches = 0
         # (minibatch, error) -> the instances that reported that error on that minibatch, in order
         self.failed_on: dict[tuple[str, str], list[str]] = {}
+        self.retired: dict[str, str] = {}  # instance -> why it is not relaunched when it ends (see `retire`)
+
+    def retire(self, inst, why: str) -> None:
+        """`inst` is being stopped and left out for good: its end is not relaunched."""
+        self.retired[str(inst)] = why
 
     CRASH_LOOP = 3  # consecutive launches of one worker that crash before committing anything
     SAME_ERROR = 2  # instances failing with one error on one minibatch: the error is final
@@ -81,6 +87,8 @@ class RelaunchPolicy:
                 f"{inst} crashed (exit {ev.exit_code}) {crashes_without_progress} times "
                 "in a row before committing any record: not relaunching a crash loop",
             )
+        if (why := self.retired.pop(str(inst), None)) is not None:
+            return Decision("retire", f"{inst} is not relaunched: {why}")
         if (over := self._over_budget(inst, ev)) is not None:
             return over
         why = {EventKind.LOST: ev.detail or "lost"}.get(ev.kind, f"exited with code {ev.exit_code}")

@@ -46,6 +46,7 @@ class Ready:
     records: int
     loss: float
     checksum: int
+    compute_s: float = 0.0  # the member's own time for the step's minibatches (master/ring_straggler.py)
 
 
 @dataclasses.dataclass

@@ -187,7 +187,14 @@ class MasterService(pb_grpc.MasterServicer):
             str(inst),
             request.version,
             request.step,
-            Ready(request.task_id, request.watermark, request.records, request.loss, request.checksum),
+            Ready(
+                request.task_id,
+                request.watermark,
+                request.records,
+                request.loss,
+                request.checksum,
+                request.compute_s,
+            ),
             wait_s=STEP_WAIT_S,
         )
         k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)

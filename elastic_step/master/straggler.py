@@ -14,8 +14,8 @@ its last WINDOW: the time it waits for work, a checkpoint's barrier or a pause o
 among many. A machine that is busy slows every worker alike, and the decision is a ratio of paces, so a healthy
 worker is never taken for a straggler because the machine is loaded.
 
-allreduce has no such remedy and needs none here: a step takes every member's minibatch together, so a slow
-member slows every step, not an epoch's tail (see docs/guarantees.md).
+allreduce needs another remedy: a step takes every member's minibatch together, so a slow member slows every
+step, not only an epoch's tail. There the master leaves it out of the ring (master/ring_straggler.py).
 
 Plain data, no clock and no threads: the coordinator calls it under its lock, with `now`.
 """

@@ -390,8 +390,8 @@ class AllReduceWorker:
     def run(self) -> str:
         if not self.join():
             return "done"
-        # (step, checkpoint restored from, buf, watermark, records, loss, contribution): kept across retries
-        # of the step, but not across a restore (its lease and weights were a previous master's).
+        # (step, checkpoint restored from, buf, watermark, records, loss, contribution, compute_s): kept across
+        # retries of the step, but not across a restore (its lease and weights were a previous master's).
         computed = None
         while not self.stop.is_set():
             step = self.applied_step + 1
@@ -403,7 +403,10 @@ class AllReduceWorker:
                 started = time.monotonic()
                 computed = (step, self.restored_from, *self.compute(world, step))
                 faults.STEP_DONE(time.monotonic() - started)
-            _, _, buf, watermark, records, loss, contribution = computed
+                # Its own pace, which the master cannot see otherwise: the collective ends every member's step
+                # together (master/ring_straggler.py).
+                computed = (*computed, time.monotonic() - started)
+            _, _, buf, watermark, records, loss, contribution, compute_s = computed
             v = self.view
             try:
                 payload = np.concatenate([buf, contribution_slots(contribution, v.rank, len(v.members))])
@@ -425,6 +428,7 @@ class AllReduceWorker:
                             records=records,
                             loss=loss if records else 0.0,
                             checksum=checksum,
+                            compute_s=compute_s,
                         ),
                     )
                     if reply.kind != pb.StepReadyReply.WAIT:

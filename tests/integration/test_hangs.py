@@ -4,11 +4,14 @@ watermark, stop it and replace it. In the same job, nothing else may be declared
 step is long (its first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too,
 and one worker runs ten times slower than the others but still reports: in ps it turns slow mid-epoch (a
 straggler), and the idle workers take its work at the epochs' ends (master/straggler.py): its lease ahead, or its
-current lease's tail. The frozen worker is resumed once declared hung, before its kill (a zombie, as a pod in its
-grace period or a partitioned node back): fenced before its lease was requeued, it is refused (its pushes by the PS
-shards, its calls by the master) and exits by itself. In ps mode, later in the same job, the parameter server is
-frozen too: the master's probe finds it silent, declares it hung, kills it and restores every shard from the last
-checkpoint, and the workers whose pushes waited on it wait for the shards' new generation instead of crashing.
+current lease's tail. In allreduce, where every step waits on it, it is slow from its start: the master finds it a
+straggler by its own time per step, leaves it out of the ring and replaces it, and leaves out for good its
+replacement, slow again (master/ring_straggler.py); the job trains on without it. The frozen worker is resumed
+once declared hung, before its kill (a zombie, as a pod in its grace period or a partitioned node back): fenced
+before its lease was requeued, it is refused (its pushes by the PS shards, its calls by the master) and exits by
+itself. In ps mode, later in the same job, the parameter server is frozen too: the master's probe finds it silent,
+declares it hung, kills it and restores every shard from the last checkpoint, and the workers whose pushes waited on
+it wait for the shards' new generation instead of crashing.
 Every record is still applied exactly once, by the tally model's weights and the audit.
 
 The bound is asserted as the master's decision (summary.json's events), never as a duration."""
@@ -25,6 +28,10 @@ from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_f
 pytestmark = pytest.mark.slow
 
 EPOCHS = 3
+# allreduce: a ring of two fast members runs a hundred tally steps a second. Enough steps, each a little longer, that
+# the job still trains when the straggler's replacement has joined the ring and shown its pace.
+RING_EPOCHS = 12
+RING_STEP_S = 0.01
 # Seconds; the first step below takes twice as long. Wide enough that a healthy worker of a suite that runs beside
 # other jobs on two cores is never held that long between commits.
 HANG_TIMEOUT = 6
@@ -42,14 +49,17 @@ def feed(batch):
     if os.environ.get(PARENT_ENV) and not globals().get("_started"):
         _started = True
         time.sleep({FIRST_STEP_S})  # a first step that traces for long
+    elif os.environ.get(PARENT_ENV):
+        time.sleep(STEP_S)
     return tally_feed(batch)
 """
 
 
-def slow_start_tally(tmp_path) -> str:
+def slow_start_tally(tmp_path, step_s: float = 0.0) -> str:
+    """The tally model whose first step in a worker takes FIRST_STEP_S, and every other one `step_s` more."""
     path = tmp_path / "slow_start_tally.py"
     source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
-    path.write_text(source + textwrap.dedent(SLOW_START))
+    path.write_text(source + textwrap.dedent(SLOW_START) + f"\nSTEP_S = {step_s}\n")
     return str(path)
 
 
@@ -63,6 +73,7 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         settings = settings | {"checkpoint_every": str(rows)}
     # ps: slowed once training is under way (through the gate its process looks for), to be a straggler.
     slow_at = rows // 2 if strategy == "ps" else 0
+    epochs = EPOCHS if strategy == "ps" else RING_EPOCHS
     out = tmp_path / "out"
     proc, summary = train(
         tally_data,
@@ -73,9 +84,9 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         # Mid-epoch, far from an epoch's evaluation; resumed once declared hung, before its kill: a zombie.
         f"stop:worker-1@{rows * 3 // 2}:resume",
         *frozen_ps,
-        model=slow_start_tally(tmp_path),
+        model=slow_start_tally(tmp_path, 0.0 if strategy == "ps" else RING_STEP_S),
         strategy=strategy,
-        epochs=EPOCHS,
+        epochs=epochs,
         max_workers=3,
         hang_timeout=HANG_TIMEOUT,
         **(SMALL_LEASES | settings),
@@ -99,6 +110,20 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         assert all(e["holder_records_per_s"] * 4 <= e["idle_records_per_s"] for e in stragglers), stragglers
         assert all("re-leased to worker-" in e["detail"] and e["records"] > 0 for e in stragglers), stragglers
         assert "is a straggler:" in proc.stderr
+    else:
+        # Every step waits on it: left out of the ring and replaced; its replacement, slowed again (`slow:` applies
+        # to every launch), left out for good and not relaunched. By its own pace against the others', never theirs.
+        stragglers = [e for e in events if e["kind"] == "straggler"]
+        assert [(e["instance"], e["action"]) for e in stragglers] == [
+            ("worker-0", "left out of the ring, replaced"),
+            ("worker-0", "left out of the ring for good"),
+        ], stragglers
+        assert all(e["ratio"] >= 4 and e["step_s"] > e["others_step_s"] for e in stragglers), stragglers
+        assert "worker-0 is a straggler: " in proc.stderr and "worker-0 is not relaunched: left out" in proc.stderr
+        assert "chaos: worker-0 runs 10 times slower" in (out / "logs" / "worker-0.2.log").read_text()
+        assert not (out / "logs" / "worker-0.3.log").exists()
+        lost = [e["detail"] for e in events if e["kind"] == "lost" and e["instance"] == "worker-0"]
+        assert len(lost) == 2 and all(d.startswith("left out as a straggler, then") for d in lost), lost
     # Only the frozen ones: not the slowed worker, not one in its long first step, not its replacement in its own,
     # not the workers whose pushes waited on the frozen PS.
     expected = [("worker-1", HANG_TIMEOUT)] + ([("ps-0", HANG_TIMEOUT)] if frozen_ps else [])
@@ -130,15 +155,22 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     if strategy == "ps":  # its lease's remainder went back to the queue (allreduce: when it held one)
         assert any(e["kind"] == "requeued" for e in after), after
     assert "worker-1: no progress for" in proc.stderr and "declared hung" in proc.stderr
-    assert summary["workers"]["lost"] == 1 and summary["workers"]["relaunched"] == 1, summary["workers"]
-    # No worker whose push waited on the frozen PS crashed: the only decisions are worker-1's and the PS's.
+    # No worker whose push waited on the frozen PS crashed: the only decisions are worker-1's and the PS's (and in
+    # allreduce the straggler's).
     decided = [(e["instance"], e["detail"].split(":")[0]) for e in events if e["kind"] == "decision"]
-    assert decided == [("worker-1", "relaunch")] + ([("ps-0", "restore")] if frozen_ps else []), decided
+    if strategy == "ps":
+        assert summary["workers"]["lost"] == 1 and summary["workers"]["relaunched"] == 1, summary["workers"]
+        assert decided == [("worker-1", "relaunch")] + ([("ps-0", "restore")] if frozen_ps else []), decided
+    else:
+        assert summary["workers"]["lost"] == 3 and summary["workers"]["relaunched"] == 2, summary["workers"]
+        assert [d for d in decided if d[0] == "worker-1"] == [("worker-1", "relaunch")], decided
+        assert [d for d in decided if d[0] == "worker-0"] == [("worker-0", "relaunch"), ("worker-0", "retire")], decided
+        assert len(decided) == 3, decided
     if frozen_ps:
         ps_hung = hung[1]
         assert ps_hung["idle_s"] >= HANG_TIMEOUT and "no answer for" in ps_hung["detail"], ps_hung
         after_ps = [e for e in events if e["t"] >= ps_hung["t"] and e["instance"] == "ps-0"]
         assert any(e["kind"] == "lost" and "declared hung" in e["detail"] for e in after_ps), after_ps
         assert "ps-0: no answer for" in proc.stderr, proc.stderr[-3000:]
-    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_each_record_applied_exactly(out, tally_data, epochs)
     assert_audit_exact(summary, strategy)

@@ -211,6 +211,15 @@ def test_a_stragglers_handover_is_marked_with_its_paces():
     ]
 
 
+def test_an_allreduce_straggler_left_out_of_the_ring_is_marked_with_its_paces_in_the_same_style():
+    ring = {"t": 9.0, "kind": "straggler", "instance": "worker-0", "step_s": 0.42, "others_step_s": 0.04}
+    events = [ring | {"action": "left out of the ring, replaced"}, ring | {"t": 30.0, "action": "left out for good"}]
+    assert markers({"events": events}) == [
+        (9.0, "#ff7f0e", "worker-0 straggler (0.42 against 0.04 s a step): left out of the ring, replaced"),
+        (30.0, "#ff7f0e", "worker-0 straggler (0.42 against 0.04 s a step): left out for good"),
+    ]
+
+
 def test_throughput_is_the_rate_between_samples():
     assert throughput_series(SUMMARY["timeseries"]) == [(1.0, 120.0), (2.0, 140.0)]
     # without record counts, the sample's own rate

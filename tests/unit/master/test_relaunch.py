@@ -54,3 +54,13 @@ def test_a_lost_worker_is_relaunched_and_a_users_error_fails_at_once():
     assert policy.on_end(lost, False, False).action == "fail"  # over the budget
     assert policy.on_end(crashed(W1), False, True).action == "fail"  # reported the user's error
     assert policy.on_end(crashed(W1), True, False).action == "none"  # training was over
+
+
+def test_a_worker_left_out_for_good_is_not_relaunched_and_costs_no_relaunch():
+    policy = RelaunchPolicy(max_relaunches=20)
+    policy.retire(W0, "left out of the ring for good as a straggler")
+    lost = InstanceEvent(EventKind.LOST, W0, detail="left out as a straggler, then exit code -9")
+    decision = policy.on_end(lost, False, False)
+    assert decision.action == "retire" and "worker-0 is not relaunched: left out" in decision.reason, decision
+    assert policy.relaunches == 0
+    assert policy.on_end(lost, False, False).action == "relaunch"  # once: a later launch of it is its own
