@@ -93,14 +93,27 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (a killed process nobody has reaped yet is dead)."""
+def alive(pid: int, since: int | None = None) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed process nobody has reaped yet is dead). With
+    ``since`` (its ``started``): that very process, not a later one given the same PID (PIDs are reused, soon on a
+    busy machine with a small pid_max)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return False
-    return state not in ("Z", "X")
+    if since is not None and int(fields[19]) != since:
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot): with its PID, it names one process. None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError):
+        return None
 
 
 def stopped(pid: int) -> bool:
