@@ -139,16 +139,18 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     zombie_log = (out / "logs" / "worker-1.1.log").read_text()
     assert "fenced: worker-1 launch 1" in zombie_log, zombie_log[-3000:]
     assert any(e["kind"] == "lost" and e["detail"] == "declared hung, then exit code 4" for e in after), after
-    # The zombie's work was refused where it went: its pushes by the PS shards (their own count), its calls by
-    # the master (allreduce: its step reports and ring membership).
+    # The zombie's work was refused where it went first, which is where it was frozen: mid-step, its next push (ps:
+    # by the PS shard, on its own count); between steps, its next call to the master (allreduce: its step report,
+    # after its ring is gone). Whoever refused it, the other side agrees. (The shard's refusal alone, every time:
+    # tests/unit/ps/test_server.py; on the real control plane, where the pod freezes mid-step: tests/kubernetes.)
     # The first launch's log: in ps the shard is frozen later and relaunched, with a count of its own.
     ps_log = (out / "logs" / "ps-0.1.log").read_text() if strategy == "ps" else ""
     refused_pushes = ps_log.count("refused a push of worker-1 launch 1")
     refused_calls = summary["fencing"]["fenced"]["worker-1"]["refused"]
-    if strategy == "ps":
-        assert refused_pushes >= 1, (summary["fencing"], ps_log[-2000:], zombie_log[-3000:])
-    else:
-        assert refused_calls >= 1 and any(e["kind"] == "fence_refused" for e in after), summary["fencing"]
+    by_shard = "refuses its pushes" in zombie_log
+    assert refused_pushes >= by_shard and refused_calls >= (not by_shard), (summary["fencing"], ps_log[-2000:])
+    if refused_calls:
+        assert any(e["kind"] == "fence_refused" for e in after), after
     assert any(e["kind"] == "decision" and e["detail"].startswith("relaunch:") for e in after), after
     # Its replacement started (it may find the job done before it registers: the others trained the rest).
     assert any(e["kind"] == "running" for e in after), after
