@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import os
 import pathlib
@@ -24,18 +23,18 @@ from elastic_step.data.api import load_manifest
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
 from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
-from elastic_step.instance import EXIT_FENCED, LAUNCH_ENV, TOKEN_ENV, instance_argv
+from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.data_check import check_splits
+from elastic_step.master.gray import GrayFailures
 from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
-from elastic_step.master.ps_watch import PSWatch
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
@@ -50,7 +49,6 @@ log = logging.getLogger("elastic_step.master")
 EPOCH_EVAL_RECORDS = 4096  # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
-FENCE_DEADLINE_S = 2.0  # the most the pump waits for the PS shards to hear that a worker launch is fenced
 
 
 def make_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple[Backend, str]:
@@ -158,8 +156,10 @@ class TrainingJob:
             token=started[1],
         )
         self.durable.token = self.plan.token
-        # ps: a shard that does not answer is declared hung and handled as a lost one (master/ps_watch.py).
-        self.ps_watch = None if self.allreduce else PSWatch(self.coord, self.plan.token, cfg.hang_timeout)
+        # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray.py).
+        self.gray = GrayFailures(
+            self.coord, self.backend, self.faults, self.relaunch, self.plan.token, self.allreduce, cfg.hang_timeout
+        )
         if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
             self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
@@ -171,9 +171,6 @@ class TrainingJob:
         self._input_server: InputServer | None = None
         self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
         self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
-        self._hung: set[InstanceId] = set()  # declared hung, stopped, their end not seen yet
-        self._left_out: set[InstanceId] = set()  # allreduce stragglers left out of the ring, their end not seen yet
-        self._kill_at: dict[InstanceId, float] = {}  # declared hung, their kill deferred (faults only) until then
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -278,8 +275,7 @@ class TrainingJob:
                 self._launch(InstanceId("ps", i))
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
-            if self.ps_watch is not None:
-                self.ps_watch.start()
+            self.gray.start()
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)
                 if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
@@ -299,8 +295,7 @@ class TrainingJob:
                 model, ps_stats, evidence = self._final_model()
         finally:
             self._evaluator.shutdown(wait=False, cancel_futures=True)
-            if self.ps_watch is not None:
-                self.ps_watch.close()
+            self.gray.close()
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)
@@ -345,91 +340,15 @@ class TrainingJob:
             ):
                 evaluated = self.ledger.epoch
                 pending = self._evaluation = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
-            self._stop_hung(time.time())
+            self.gray.tick(time.time(), evaluating=self._evaluation is not None and not self._evaluation.done())
             if now - last_tick >= 0.5:
                 last_tick = now
                 sample = self.coord.sample(self.progress.rate(committed, now))
                 self.progress.show(sample)
                 self.tensorboard.progress(sample)
 
-    def _stop_hung(self, now: float) -> None:
-        """Workers past their hang bound (master/hang.py) are fenced (master/fence.py), stopped through the backend,
-        then their leases requeued as for a kill; their end is then a loss, and the relaunch policy replaces them."""
-        evaluating = self._evaluation is not None and not self._evaluation.done()
-        ps_silent = self.ps_watch is not None and self.ps_watch.silent(now)  # a push waits on it: not the worker's
-        for hung in self.coord.hung_workers(now, paused=evaluating or ps_silent):
-            inst = InstanceId.parse(hung.worker)
-            self._hung.add(inst)
-            # First: nothing it sends after its lease is requeued is applied, should it outlive its kill.
-            self._fence(inst, f"declared hung: {hung}", tell_shards=True)
-            # Faults only (a zombie): the kill waits for the instance to end by itself (it is fenced) or the limit.
-            if (wait_s := self.faults.kill_deferred(inst, self.backend)) > 0:
-                self._kill_at[inst] = now + wait_s
-                log.warning("%s: its kill waits up to %.0f s for it to end by itself (a fault: a zombie)", inst, wait_s)
-            else:
-                self.backend.kill(inst)
-            self.coord.declare_hung(hung, now)
-        # allreduce: a member that holds every step to its pace leaves the ring as a hung one does.
-        if self.allreduce and (straggler := self.coord.ring_straggler(paused=evaluating)) is not None:
-            inst = InstanceId.parse(straggler.worker)
-            self._left_out.add(inst)
-            self._fence(inst, f"left out of the ring as a straggler: {straggler}", tell_shards=False)
-            if straggler.again:
-                self.relaunch.retire(inst, f"left out of the ring for good as a straggler: {straggler}")
-            self.backend.kill(inst)
-            self.coord.declare_straggler(straggler, now)
-        # A shard that does not answer: killed, and its end is a lost PS (a restore from the last checkpoint). A
-        # checkpoint's Save holds the pump itself, and the tick after it counts at most MAX_TICK_S of it.
-        for hung in self.ps_watch.hung(now) if self.ps_watch is not None else ():
-            inst = InstanceId.parse(hung.worker)
-            self._hung.add(inst)
-            self.backend.kill(inst)
-            self.ps_watch.declare_hung(hung, now)
-        for inst, at in list(self._kill_at.items()):
-            if now >= at:
-                del self._kill_at[inst]
-                log.warning("%s: declared hung, fenced, and still running when its deferred kill came: killed", inst)
-                self.backend.kill(inst)
-
-    def _fence(self, inst: InstanceId, why: str, tell_shards: bool) -> None:
-        """Give `inst`'s launch up: the master refuses its calls from now on and, with `tell_shards`, the PS shards
-        its pushes (a short deadline: a shard that does not answer is stopped as a frozen PS, not waited for)."""
-        launch = self.coord.fence(inst, why)
-        if not launch or not tell_shards or self.allreduce or not self.coord.ps_ready.is_set():
-            return
-        from elastic_step.ps.client import PSClient
-
-        ps = PSClient(list(self.coord.ps_addresses), self.plan.token)
-        try:
-            failed = ps.fence(inst.index, launch, timeout=FENCE_DEADLINE_S)
-        finally:
-            ps.close()
-        if failed:
-            log.warning("%s launch %d: not every PS shard was told it is fenced: %s", inst, launch, "; ".join(failed))
-            self.coord.record("fence_unsent", str(inst), "; ".join(failed), launch=launch)
-
     def _on_event(self, ev) -> None:
-        if ev.instance.role == "worker" and (
-            ev.kind == EventKind.LOST or (ev.kind == EventKind.EXITED and ev.exit_code not in (0, None))
-        ):
-            # A loss: its lease is requeued below. One lost may still run (a pod deleted on a partitioned node), so
-            # the shards hear of it too; one that exited sends nothing more.
-            why = ev.detail or f"{ev.kind.value}, exit code {ev.exit_code}"
-            self._fence(ev.instance, why, tell_shards=ev.kind == EventKind.LOST)
-        if ev.kind in (EventKind.EXITED, EventKind.LOST):
-            self._kill_at.pop(ev.instance, None)
-        if ev.instance in self._hung and ev.kind in (EventKind.EXITED, EventKind.LOST):
-            # Its end is the stop it was declared hung for: a loss, whatever its exit code said.
-            self._hung.discard(ev.instance)
-            how = ev.detail or f"exit code {ev.exit_code}"
-            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"declared hung, then {how}")
-        elif ev.instance in self._left_out and ev.kind in (EventKind.EXITED, EventKind.LOST):
-            self._left_out.discard(ev.instance)
-            how = ev.detail or f"exit code {ev.exit_code}"
-            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"left out as a straggler, then {how}")
-        elif ev.kind == EventKind.EXITED and ev.exit_code == EXIT_FENCED:
-            # Refused as a launch the master had given up: the loss it was given up for, never a crash.
-            ev = dataclasses.replace(ev, kind=EventKind.LOST, detail=f"fenced, then exit code {EXIT_FENCED}")
+        ev = self.gray.on_end(ev)
         remainder = self.coord.on_instance_event(ev)
         if ev.kind not in (EventKind.EXITED, EventKind.LOST):
             return
