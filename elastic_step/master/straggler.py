@@ -11,8 +11,9 @@ first, and the straggler's reports past the cut are refused (it stops, and asks 
 
 A pace is a worker's records per second between two reports of one lease (a report is a commit), the median of
 its last WINDOW: the time it waits for work, a checkpoint's barrier or a pause of the machine is one sample
-among many. A machine that is busy slows every worker alike, and the decision is a ratio of paces, so a healthy
-worker is never taken for a straggler because the machine is loaded.
+among many. A machine that is busy slows every worker alike, and the decision is a ratio of paces, so load alone
+makes no straggler; contention that falls on one worker more than the others may, for a while, and the hand-over
+then costs nothing (exactly-once holds whoever pushes first).
 
 allreduce needs another remedy: a step takes every member's minibatch together, so a slow member slows every
 step, not only an epoch's tail. There the master leaves it out of the ring (master/ring_straggler.py).
