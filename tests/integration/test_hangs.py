@@ -68,7 +68,7 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     rows = tally_data["rows"]
     settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
     # ps: the PS frozen later, mid-epoch too; a checkpoint every epoch's records, to go back to.
-    frozen_ps = ["--chaos", f"stop:ps-0@{rows * 5 // 2}"] if strategy == "ps" else []
+    frozen_ps = ["--chaos", f"stop:ps-0@{rows * 9 // 4}"] if strategy == "ps" else []
     if strategy == "ps":
         settings = settings | {"checkpoint_every": str(rows)}
     # ps: slowed once training is under way (through the gate its process looks for), to be a straggler.
