@@ -82,6 +82,7 @@ STOP_NOT_MASTER = (
     "stop freezes workers and parameter servers, not the master: a frozen master is the step's health endpoint's "
     "to report (its liveness probe restarts the step)"
 )
+STOP_MINIBATCHES_LEFT = 4  # a stop lands at a worker with at least this many minibatches of its lease still to commit
 ZOMBIE_KILL_AFTER_S = 60.0  # stop:...:resume: the most a resumed worker's kill waits for it to end by itself
 
 
@@ -314,7 +315,14 @@ class Chaos(api.JobFaults):
         if sig.action == "stop":
             # A freeze lands mid-lease, after the worker's first commit of its launch: before it, a freeze is a
             # start-up hang, which has a bound of minutes (master/hang.py), not the one a test gives.
-            leased = {w for w in leased if coord.hangs.idle(w) is not None}
+            # And with minibatches left beyond those its reports in flight may still commit, so that it holds work.
+            left = STOP_MINIBATCHES_LEFT * coord.ledger.minibatch_size
+            leased = {
+                w
+                for w in leased
+                if coord.hangs.idle(w) is not None
+                and coord.ledger.leases[w].task.end - coord.ledger.leases[w].watermark >= left
+            }
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
                 return
