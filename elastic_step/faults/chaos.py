@@ -317,11 +317,11 @@ class Chaos(api.JobFaults):
             # start-up hang, which has a bound of minutes (master/hang.py), not the one a test gives.
             # And with minibatches left beyond those its reports in flight may still commit, so that it holds work.
             left = STOP_MINIBATCHES_LEFT * coord.ledger.minibatch_size
+            leases = coord.ledger.leases
             leased = {
                 w
                 for w in leased
-                if coord.hangs.idle(w) is not None
-                and coord.ledger.leases[w].task.end - coord.ledger.leases[w].watermark >= left
+                if coord.hangs.idle(w) is not None and leases[w].task.end - leases[w].watermark >= left
             }
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
