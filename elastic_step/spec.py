@@ -299,6 +299,17 @@ PARAMS: tuple[Param, ...] = (
         (ELASTIC_TRAIN,),
     ),
     Param(
+        "queue",
+        str,
+        "",
+        "kubernetes: the Kueue LocalQueue of the job's pods, in the step's namespace: each worker is a workload of "
+        "its own, admitted as the quota allows, and the parameter servers one group, admitted whole (empty: none, "
+        "the pods are created directly)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        metavar="LOCALQUEUE",
+    ),
+    Param(
         "max_relaunches",
         int,
         20,

@@ -44,6 +44,7 @@ class TrainConfig:
     worker_memory: str = _D["worker_memory"]
     worker_priority_class: str = _D["worker_priority_class"]
     ps_priority_class: str = _D["ps_priority_class"]
+    queue: str = _D["queue"]  # a Kueue LocalQueue (backends/kubernetes/kueue.py)
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
     health_port: int = _D["health_port"]  # -1: 8080 in a pod, else none; 0: none (master/health.py)
     hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/hang.py)

@@ -57,6 +57,7 @@ def build(caching: bool = True):
         worker_memory: str = "2Gi",
         worker_priority_class: str = "",
         ps_priority_class: str = "",
+        queue: str = "",
         threshold: float = 0.9,
         metric: str = "accuracy",
         publish_uri: str = "",

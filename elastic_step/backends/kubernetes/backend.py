@@ -18,6 +18,7 @@ import threading
 import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
+from elastic_step.backends.kubernetes import kueue
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
 from elastic_step.backends.kubernetes.config import (
     DEFAULT_IMAGE,
@@ -68,6 +69,8 @@ class KubernetesBackend(Backend):
         pod_spec: dict | None = None,
         pod_labels: dict | None = None,
         master_ip: str | None = None,
+        queue: str = "",
+        num_ps: int = 0,
         grace_s: int = 30,
         watch_timeout_s: int = 240,
         preflight: bool = True,
@@ -97,6 +100,7 @@ class KubernetesBackend(Backend):
         self.pod_spec = load_pod_spec(pod_spec)
         self.pod_labels = load_pod_labels(pod_labels)
         self.master_ip = master_ip or master_host(in_cluster)
+        self.queue, self.num_ps = queue, int(num_ps)
         self.grace_s = int(grace_s)
         self.watch_timeout_s = int(watch_timeout_s)
         self.selector = f"{LABEL_JOB}={job_id}"
@@ -109,7 +113,9 @@ class KubernetesBackend(Backend):
         self._closed = threading.Event()
 
         if preflight:
-            check_permissions(self.k8s, self.api, self.namespace, self._call)
+            check_permissions(self.k8s, self.api, self.namespace, self._call, kueue.NEEDED if queue else ())
+        if queue:
+            kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
         self.token, self.token_reused = ensure_secret(
             self._call,
             self.core,
@@ -147,7 +153,7 @@ class KubernetesBackend(Backend):
         """The backend of `cfg` (namespace, credentials, owner, pod spec from the environment) for the job
         `job_id` with a new `token`. A restarted master reuses the job's Secret: `backend.token` is then
         the stored token, which the job's plan takes (master/plan.py)."""
-        return cls(job_id, token, image=cfg.worker_image or None, **kwargs)
+        return cls(job_id, token, image=cfg.worker_image or None, queue=cfg.queue, num_ps=cfg.num_ps, **kwargs)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -379,6 +385,8 @@ class KubernetesBackend(Backend):
                 default_priority=self._default_priority.get(inst.role),
                 owner_refs=owner_refs(self.owner),
                 pod_labels=self.pod_labels,
+                queue=self.queue,
+                num_ps=self.num_ps,
             )
             try:
                 r = self._call(

@@ -25,6 +25,7 @@ import time
 
 from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.config import POD_IP_ENV
+from elastic_step.backends.kubernetes.kueue import eviction_cause, queue_metadata
 from elastic_step.errors import ConfigError
 from elastic_step.instance import TOKEN_ENV
 
@@ -128,6 +129,8 @@ def _terminated(obj: dict) -> dict | None:
 
 def _deletion_cause(obj: dict) -> str:
     name = obj["metadata"]["name"]
+    if cause := eviction_cause(obj):
+        return cause
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
             if c.get("reason") == "PreemptionByScheduler":
@@ -148,6 +151,8 @@ def pod_body(
     default_priority: str | None,
     owner_refs: list[dict],
     pod_labels: dict[str, dict[str, str]] | None = None,
+    queue: str = "",
+    num_ps: int = 0,
 ) -> dict:
     """The pod of `launch` (named already); `default_priority`: the role's PriorityClass when the
     instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win."""
@@ -179,18 +184,18 @@ def pod_body(
     priority = spec.priority_class or default_priority
     if priority:
         body_spec["priorityClassName"] = priority
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": launch.name,
-            "namespace": namespace,
-            "labels": {
-                **(pod_labels or {}).get("*", {}),
-                **(pod_labels or {}).get(inst.role, {}),
-                **job_labels(job_id, inst, launch.number),
-            },
-            "ownerReferences": owner_refs,
+    queue_labels, annotations = queue_metadata(queue, inst.role, job_id, num_ps)
+    metadata = {
+        "name": launch.name,
+        "namespace": namespace,
+        "labels": {
+            **(pod_labels or {}).get("*", {}),
+            **(pod_labels or {}).get(inst.role, {}),
+            **queue_labels,
+            **job_labels(job_id, inst, launch.number),
         },
-        "spec": body_spec,
+        "ownerReferences": owner_refs,
     }
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": body_spec}
