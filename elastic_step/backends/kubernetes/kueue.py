@@ -43,11 +43,11 @@ def eviction_cause(obj: dict) -> str | None:
     """Why Kueue stopped this pod (its TerminationTarget condition), or None when Kueue did not."""
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("type") == EVICTED_CONDITION and c.get("status") == "True":
-            reason = c.get("reason") or "evicted"
-            # WorkloadEvictedDueToPreempted -> "preempted"; other reasons are named as Kueue gives them
-            short = reason.removeprefix("WorkloadEvictedDueTo").lower() or reason
+            # The reason is the workload's: WorkloadEvictedDueTo<Preempted|PodsReadyTimeout|NodeFailures|...>
+            why = (c.get("reason") or "").removeprefix("WorkloadEvictedDueTo")
+            what = "preempted" if why == "Preempted" else f"evicted ({why})" if why else "evicted"
             message = f": {c['message']}" if c.get("message") else ""
-            return f"{short} by Kueue (pod {obj['metadata']['name']}){message}"
+            return f"{what} by Kueue (pod {obj['metadata']['name']}){message}"
     return None
 
 

@@ -1,0 +1,224 @@
+"""The job through Kueue's queues, on the real control plane, with Kueue's real manager deciding: every admission,
+wait, preemption and reclaim below is Kueue's, read back from its own Workload objects, not from our code. The master
+(the real CLI, with the shipped Role's rights only) gives its pods a LocalQueue (`queue`): each worker a workload of
+its own, the parameter servers one group. It trains with the workers Kueue admits, treats an eviction as a loss
+(the lease requeued, the replacement waiting in the queue) and takes back workers as Kueue admits them again.
+Every record is still applied exactly once, by the tally weights and the audit.
+
+Training is paced (each worker feeds a lease every PACE_S while the test holds the job), so that it cannot end
+before the test has taken each step; every step waits on a state of the cluster or of the master's log, never on
+time, and the hold is lifted at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from tests.infra.kube.harness import wait_for
+from tests.kubernetes.jobs import start_train, tally_job
+from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
+
+EPOCHS = 40  # held: far longer than the test's steps; released: a few seconds an epoch at most
+PACE_S = 1.0  # while held, each worker feeds one lease (128 records) per PACE_S
+GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
+WORKER = {"cpu": "1", "memory": "1Gi"}  # each worker pod's requests (= limits)
+
+PACED = """
+import time
+
+
+def feed(batch):
+    if os.path.exists({hold!r}):
+        time.sleep({pace})
+    return tally_feed(batch)
+"""
+
+
+def paced_tally(tmp_path: Path, hold: Path) -> str:
+    path = tmp_path / "paced_tally.py"
+    source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
+    path.write_text(source + textwrap.dedent(PACED.format(hold=str(hold), pace=PACE_S)))
+    return str(path)
+
+
+def workloads(control_plane, namespace: str) -> list[dict]:
+    """Kueue's Workload objects in `namespace`: Kueue's own record of what it admitted, evicted or keeps waiting."""
+    api = client.CustomObjectsApi(control_plane.api_client())
+    return api.list_namespaced_custom_object(GROUP, VERSION, namespace, "workloads")["items"]
+
+
+def condition(wl: dict, kind: str) -> dict:
+    return next((c for c in (wl.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
+
+
+def owner_pod(wl: dict) -> str:
+    return next((o["name"] for o in wl["metadata"].get("ownerReferences") or [] if o["kind"] == "Pod"), "")
+
+
+def worker_workloads(control_plane, namespace: str, job: str) -> dict[str, str]:
+    """{worker pod: "admitted" | "pending" | "evicted" | "finished"} of the job's live worker workloads, by Kueue."""
+    out = {}
+    for wl in workloads(control_plane, namespace):
+        pod = owner_pod(wl)
+        if not pod.startswith(f"{job}-worker-"):
+            continue
+        if condition(wl, "Finished").get("status") == "True":
+            out[pod] = "finished"
+        elif condition(wl, "Evicted").get("status") == "True":
+            out[pod] = "evicted"
+        elif condition(wl, "Admitted").get("status") == "True":
+            out[pod] = "admitted"
+        else:
+            out[pod] = "pending"
+    return out
+
+
+def gated(pod: client.V1Pod) -> bool:
+    return any(g.name == "kueue.x-k8s.io/admission" for g in pod.spec.scheduling_gates or [])
+
+
+def running_workers(core, namespace: str, job: str) -> list[str]:
+    return sorted(
+        p.metadata.name
+        for p in job_pods(core, namespace, job)
+        if p.metadata.labels.get("elastic-step/role") == "worker"
+        and p.status.phase == "Running"
+        and not p.metadata.deletion_timestamp
+    )
+
+
+def preempted(log: Path) -> set[str]:
+    """The workers the master logged as preempted by Kueue (its relaunch decision names the cause)."""
+    return set(re.findall(r"(worker-\d+) preempted by Kueue", log.read_text()))
+
+
+def registrations(log: Path) -> int:
+    return len(re.findall(r"worker-\d+ registered", log.read_text()))
+
+
+def urgent_pod(core, namespace: str, name: str, queue: str, cpu: str, priority_class: str) -> None:
+    """Another team's workload in a queue: a plain pod Kueue admits (or not) by its quota and priority."""
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {"name": name, "labels": {"kueue.x-k8s.io/queue-name": queue}},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 1,
+                "priorityClassName": priority_class,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "busybox",
+                        "command": ["sleep", "3600"],
+                        "resources": {
+                            "requests": {"cpu": cpu, "memory": "1Gi"},
+                            "limits": {"cpu": cpu, "memory": "1Gi"},
+                        },
+                    }
+                ],
+            },
+        },
+    )
+
+
+@pytest.fixture
+def urgent_priority(control_plane):
+    """A PriorityClass above the workers' elastic-low and below the core's elastic-high."""
+    api = client.SchedulingV1Api(control_plane.api_client())
+    with contextlib.suppress(client.ApiException):
+        api.create_priority_class({"metadata": {"name": "team-urgent"}, "value": 100, "preemptionPolicy": "Never"})
+    return "team-urgent"
+
+
+def run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job: str, queue: str, steps) -> tuple[dict, str, Path]:
+    """Start the job in `queue`, held; run `steps(master, log)`; release it and wait for its end. Returns (summary,
+    the master's log, output dir)."""
+    out, log, hold = tmp_path / "out", tmp_path / "master.log", tmp_path / "hold"
+    hold.write_text("")
+    params = tally_job(
+        job, tally_data, out, EPOCHS, max_workers=4, min_workers=1, queue=queue, worker_memory=WORKER["memory"]
+    )
+    master = start_train(sa_kubeconfig, namespace, log, **(params | {"model_def": paced_tally(tmp_path, hold)}))
+    try:
+        steps(master, log)
+        assert master.poll() is None, f"the job ended before the test's last step\n{log.read_text()[-4000:]}"
+        hold.unlink()
+        master.wait(timeout=400)
+    finally:
+        if master.poll() is None:
+            master.kill()
+    text = log.read_text()
+    assert master.returncode == 0, text[-4000:]
+    return json.loads((out / "summary.json").read_text()), text, out
+
+
+def kueue_losses(summary: dict) -> list[dict]:
+    return [e for e in summary["events"] if e["kind"] == "lost" and "by Kueue" in e["detail"]]
+
+
+def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_the_core(
+    control_plane, kueue, core, node, namespace, tally_data, priority_classes, urgent_priority, sa_kubeconfig, tmp_path
+):
+    """A quota of 2 workers' cpu, max_workers 4: exactly 2 train and 2 wait as pending workloads; raising the quota
+    admits them and they join. Then a higher-priority workload takes 2 workers' quota: Kueue preempts 2 workers
+    (never the PS, whose priority is the core's), the job trains on with 2, and once that workload ends Kueue admits
+    the workers' replacements."""
+    job = "quota"
+    cq = kueue.cluster_queue(
+        f"{namespace}-cq", quotas={"cpu": "2", "memory": "16Gi"}, preemption={"withinClusterQueue": "LowerPriority"}
+    )
+    kueue.local_queue(namespace, "team", cq)
+
+    def steps(master, log):
+        # Kueue admits two workers and keeps two waiting: their workloads pending, their pods gated.
+        wait_for(
+            lambda: (
+                (
+                    sorted(worker_workloads(control_plane, namespace, job).values()).count("pending") == 2
+                    and registrations(log) >= 2
+                )
+                or master.poll() is not None
+            ),
+            300,
+            what="two workers admitted and two pending",
+        )
+        states = worker_workloads(control_plane, namespace, job)
+        assert sorted(states.values()) == ["admitted", "admitted", "pending", "pending"], states
+        waiting = sorted(p for p, s in states.items() if s == "pending")
+        assert all(gated(core.read_namespaced_pod(p, namespace)) for p in waiting), waiting
+        assert len(running_workers(core, namespace, job)) == 2
+        # More quota: Kueue admits the two waiting workers, and they join the job.
+        kueue.set_quota(cq, "cpu", "4")
+        wait_for(lambda: registrations(log) >= 4 or master.poll() is not None, 240, what="all four workers")
+        assert sorted(worker_workloads(control_plane, namespace, job).values()) == ["admitted"] * 4
+        # Another workload, of a higher priority than the workers', in the same ClusterQueue: Kueue preempts two.
+        urgent_pod(core, namespace, "urgent", "team", "2", urgent_priority)
+        wait_for(
+            lambda: (
+                "by Kueue" in log.read_text() and log.read_text().count("by Kueue") >= 2 or master.poll() is not None
+            ),
+            240,
+            what="two workers preempted by Kueue",
+        )
+        wait_for(lambda: core.read_namespaced_pod("urgent", namespace).status.phase == "Running", 120, what="urgent")
+        assert len(running_workers(core, namespace, job)) <= 2
+        before = registrations(log)
+        # That workload ends: Kueue admits the replacements, which join.
+        core.delete_namespaced_pod("urgent", namespace, grace_period_seconds=0)
+        wait_for(lambda: registrations(log) >= before + 2 or master.poll() is not None, 240, what="replacements")
+
+    summary, text, out = run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job, "team", steps)
+    losses = kueue_losses(summary)
+    assert len(losses) == 2 and all(e["instance"].startswith("worker-") for e in losses), losses
+    assert all("preempted by Kueue" in e["detail"] for e in losses), losses
+    assert not any(e["kind"] == "lost" and e["instance"].startswith("ps-") for e in summary["events"])
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_audit_exact(summary, "ps")
