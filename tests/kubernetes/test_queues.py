@@ -202,9 +202,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         # Another workload, of a higher priority than the workers', in the same ClusterQueue: Kueue preempts two.
         urgent_pod(core, namespace, "urgent", "team", "2", urgent_priority)
         wait_for(
-            lambda: (
-                "by Kueue" in log.read_text() and log.read_text().count("by Kueue") >= 2 or master.poll() is not None
-            ),
+            lambda: len(preempted(log)) >= 2 or master.poll() is not None,
             240,
             what="two workers preempted by Kueue",
         )
