@@ -29,6 +29,7 @@ EPOCHS = 40  # held: far longer than the test's steps; released: a few seconds a
 PACE_S = 1.0  # while held, each worker feeds one lease (128 records) per PACE_S
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 WORKER = {"cpu": "1", "memory": "1Gi"}  # each worker pod's requests (= limits)
+PS_CPU = "500m"  # the PS pod's: the core holds quota too, so a workload above its priority can take it
 
 PACED = """
 import time
@@ -129,22 +130,43 @@ def urgent_pod(core, namespace: str, name: str, queue: str, cpu: str, priority_c
     )
 
 
+def priority_class(control_plane, name: str, value: int) -> str:
+    api = client.SchedulingV1Api(control_plane.api_client())
+    with contextlib.suppress(client.ApiException):  # made by an earlier test of the session
+        api.create_priority_class({"metadata": {"name": name}, "value": value, "preemptionPolicy": "Never"})
+    return name
+
+
 @pytest.fixture
 def urgent_priority(control_plane):
-    """A PriorityClass above the workers' elastic-low and below the core's elastic-high."""
-    api = client.SchedulingV1Api(control_plane.api_client())
-    with contextlib.suppress(client.ApiException):
-        api.create_priority_class({"metadata": {"name": "team-urgent"}, "value": 100, "preemptionPolicy": "Never"})
-    return "team-urgent"
+    """Above the workers' elastic-low, below the core's elastic-high."""
+    return priority_class(control_plane, "team-urgent", 100)
 
 
-def run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job: str, queue: str, steps) -> tuple[dict, str, Path]:
+@pytest.fixture
+def critical_priority(control_plane):
+    """Above the core's elastic-high."""
+    return priority_class(control_plane, "team-critical", 5000)
+
+
+def run_held(
+    sa_kubeconfig, namespace, tmp_path, tally_data, job: str, queue: str, steps, **settings
+) -> tuple[dict, str, Path]:
     """Start the job in `queue`, held; run `steps(master, log)`; release it and wait for its end. Returns (summary,
     the master's log, output dir)."""
     out, log, hold = tmp_path / "out", tmp_path / "master.log", tmp_path / "hold"
     hold.write_text("")
     params = tally_job(
-        job, tally_data, out, EPOCHS, max_workers=4, min_workers=1, queue=queue, worker_memory=WORKER["memory"]
+        job,
+        tally_data,
+        out,
+        EPOCHS,
+        max_workers=4,
+        min_workers=1,
+        queue=queue,
+        worker_memory=WORKER["memory"],
+        ps_cpu=PS_CPU,
+        **settings,
     )
     master = start_train(sa_kubeconfig, namespace, log, **(params | {"model_def": paced_tally(tmp_path, hold)}))
     try:
@@ -165,15 +187,27 @@ def kueue_losses(summary: dict) -> list[dict]:
 
 
 def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_the_core(
-    control_plane, kueue, core, node, namespace, tally_data, priority_classes, urgent_priority, sa_kubeconfig, tmp_path
+    control_plane,
+    kueue,
+    core,
+    node,
+    namespace,
+    tally_data,
+    priority_classes,
+    urgent_priority,
+    critical_priority,
+    sa_kubeconfig,
+    tmp_path,
 ):
     """A quota of 2 workers' cpu, max_workers 4: exactly 2 train and 2 wait as pending workloads; raising the quota
     admits them and they join. Then a higher-priority workload takes 2 workers' quota: Kueue preempts 2 workers
     (never the PS, whose priority is the core's), the job trains on with 2, and once that workload ends Kueue admits
-    the workers' replacements."""
+    the workers' replacements. Last, a workload above the core's own priority takes the whole quota: Kueue preempts
+    the PS group too; once it ends, the job resumes from its last checkpoint."""
     job = "quota"
+    # Room for the core (the PS: PS_CPU) and two workers.
     cq = kueue.cluster_queue(
-        f"{namespace}-cq", quotas={"cpu": "2", "memory": "16Gi"}, preemption={"withinClusterQueue": "LowerPriority"}
+        f"{namespace}-cq", quotas={"cpu": "2500m", "memory": "16Gi"}, preemption={"withinClusterQueue": "LowerPriority"}
     )
     kueue.local_queue(namespace, "team", cq)
 
@@ -196,7 +230,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         assert all(gated(core.read_namespaced_pod(p, namespace)) for p in waiting), waiting
         assert len(running_workers(core, namespace, job)) == 2
         # More quota: Kueue admits the two waiting workers, and they join the job.
-        kueue.set_quota(cq, "cpu", "4")
+        kueue.set_quota(cq, "cpu", "4500m")
         wait_for(lambda: registrations(log) >= 4 or master.poll() is not None, 240, what="all four workers")
         assert sorted(worker_workloads(control_plane, namespace, job).values()) == ["admitted"] * 4
         # Another workload, of a higher priority than the workers', in the same ClusterQueue: Kueue preempts two.
@@ -212,11 +246,79 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         # That workload ends: Kueue admits the replacements, which join.
         core.delete_namespaced_pod("urgent", namespace, grace_period_seconds=0)
         wait_for(lambda: registrations(log) >= before + 2 or master.poll() is not None, 240, what="replacements")
+        # A workload above even the core's priority takes the whole quota: Kueue preempts the PS group too, and the
+        # job waits. Once it ends, Kueue admits the core and the workers again, and the job resumes from its last
+        # checkpoint (every shard restored).
+        wait_for(lambda: "checkpoint 2 written" in log.read_text() or master.poll() is not None, 240, what="a cut")
+        urgent_pod(core, namespace, "critical", "team", "4500m", critical_priority)
+        wait_for(
+            lambda: (
+                "parameter server ps-0 was lost (preempted by Kueue" in log.read_text() or master.poll() is not None
+            ),
+            240,
+            what="core",
+        )
+        wait_for(lambda: core.read_namespaced_pod("critical", namespace).status.phase == "Running", 120, what="it")
+        core.delete_namespaced_pod("critical", namespace, grace_period_seconds=0)
+        wait_for(lambda: "restored" in log.read_text() or master.poll() is not None, 240, what="the core's restore")
 
-    summary, text, out = run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job, "team", steps)
+    summary, text, out = run_held(
+        sa_kubeconfig, namespace, tmp_path, tally_data, job, "team", steps, checkpoint_every=str(tally_data["rows"] * 2)
+    )
     losses = kueue_losses(summary)
-    assert len(losses) == 2 and all(e["instance"].startswith("worker-") for e in losses), losses
     assert all("preempted by Kueue" in e["detail"] for e in losses), losses
-    assert not any(e["kind"] == "lost" and e["instance"].startswith("ps-") for e in summary["events"])
+    # The urgent workload took two workers and no PS: the core went only to the workload above its own priority.
+    (critical,) = [i for i, e in enumerate(losses) if e["instance"] == "ps-0"]
+    assert [e["instance"].split("-")[0] for e in losses[:critical]] == ["worker", "worker"], losses
+    assert "due to prioritization in the ClusterQueue" in losses[0]["detail"], losses  # Kueue's own words
+    (restore,) = summary["checkpoints"]["ps_restores"]
+    assert restore["ps"] == 0 and restore["from_checkpoint"] >= 2, restore
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_audit_exact(summary, "ps")
+
+
+def cluster_usage(control_plane, cq: str) -> dict[str, dict]:
+    """Kueue's own account of a ClusterQueue's usage: {resource: {"total": .., "borrowed": ..}}."""
+    api = client.CustomObjectsApi(control_plane.api_client())
+    status = api.get_cluster_custom_object(GROUP, VERSION, "clusterqueues", cq).get("status") or {}
+    return {r["name"]: r for f in status.get("flavorsUsage") or [] for r in f.get("resources") or []}
+
+
+def test_the_job_borrows_idle_quota_in_its_cohort_and_gives_it_back(
+    control_plane, kueue, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path
+):
+    """Its own ClusterQueue holds the core and one worker; another ClusterQueue of the same cohort lends its idle quota,
+    so Kueue admits all four workers. That queue's own workload arrives: Kueue reclaims its quota, preempting the
+    borrowing workers, and the job trains on with one. Once that workload ends, the job borrows again."""
+    job = "cohort"
+    cohort = f"{namespace}-cohort"
+    ours = kueue.cluster_queue(f"{namespace}-a", quotas={"cpu": "1500m", "memory": "16Gi"}, cohort=cohort)
+    theirs = kueue.cluster_queue(
+        f"{namespace}-b",
+        quotas={"cpu": "3", "memory": "16Gi"},
+        cohort=cohort,
+        preemption={"reclaimWithinCohort": "Any"},
+    )
+    kueue.local_queue(namespace, "team-a", ours)
+    kueue.local_queue(namespace, "team-b", theirs)
+
+    def steps(master, log):
+        wait_for(lambda: registrations(log) >= 4 or master.poll() is not None, 300, what="four workers, borrowing")
+        assert sorted(worker_workloads(control_plane, namespace, job).values()) == ["admitted"] * 4
+        assert cluster_usage(control_plane, ours)["cpu"].get("borrowed") == "3", cluster_usage(control_plane, ours)
+        # Their own workload: Kueue reclaims the three lent cpus, from the workers that borrowed them.
+        urgent_pod(core, namespace, "theirs", "team-b", "3", "elastic-low")
+        wait_for(lambda: len(preempted(log)) >= 3 or master.poll() is not None, 240, what="the quota reclaimed")
+        wait_for(lambda: core.read_namespaced_pod("theirs", namespace).status.phase == "Running", 120, what="theirs")
+        assert len(running_workers(core, namespace, job)) <= 1
+        before = registrations(log)
+        # Their workload ends: the job borrows the idle quota again.
+        core.delete_namespaced_pod("theirs", namespace, grace_period_seconds=0)
+        wait_for(lambda: registrations(log) >= before + 3 or master.poll() is not None, 240, what="borrowing again")
+
+    summary, text, out = run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job, "team-a", steps)
+    losses = kueue_losses(summary)
+    assert len(losses) == 3 and all(e["instance"].startswith("worker-") for e in losses), losses
+    assert all("due to reclamation within the cohort" in e["detail"] for e in losses), losses  # Kueue's words
     assert_each_record_applied_exactly(out, tally_data, EPOCHS)
     assert_audit_exact(summary, "ps")
