@@ -5,48 +5,27 @@ its own, the parameter servers one group. It trains with the workers Kueue admit
 (the lease requeued, the replacement waiting in the queue) and takes back workers as Kueue admits them again.
 Every record is still applied exactly once, by the tally weights and the audit.
 
-Training is paced (each worker feeds a lease every PACE_S while the test holds the job), so that it cannot end
-before the test has taken each step; every step waits on a state of the cluster or of the master's log, never on
-time, and the hold is lifted at the end."""
+Each job is held (tests/kubernetes/jobs.py run_held: paced, so it cannot end before the test's last step); every
+step waits on a state of the cluster or of the master's log, never on time."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
 from kubernetes import client
 
 from tests.infra.kube.harness import wait_for
-from tests.kubernetes.jobs import start_train, tally_job
+from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held
 from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
-from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_each_record_applied_exactly
+from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
 
-EPOCHS = 40  # held: far longer than the test's steps; released: a few seconds an epoch at most
-PACE_S = 1.0  # while held, each worker feeds one lease (128 records) per PACE_S
 GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 WORKER = {"cpu": "1", "memory": "1Gi"}  # each worker pod's requests (= limits)
 PS_CPU = "500m"  # the PS pod's: the core holds quota too, so a workload above its priority can take it
-
-PACED = """
-import time
-
-
-def feed(batch):
-    if os.path.exists({hold!r}):
-        time.sleep({pace})
-    return tally_feed(batch)
-"""
-
-
-def paced_tally(tmp_path: Path, hold: Path) -> str:
-    path = tmp_path / "paced_tally.py"
-    source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
-    path.write_text(source + textwrap.dedent(PACED.format(hold=str(hold), pace=PACE_S)))
-    return str(path)
+QUEUED = {"max_workers": 4, "worker_memory": WORKER["memory"], "ps_cpu": PS_CPU}
 
 
 def workloads(control_plane, namespace: str) -> list[dict]:
@@ -100,10 +79,6 @@ def preempted(log: Path) -> set[str]:
     return set(re.findall(r"(worker-\d+) preempted by Kueue", log.read_text()))
 
 
-def registrations(log: Path) -> int:
-    return len(re.findall(r"worker-\d+ registered", log.read_text()))
-
-
 def urgent_pod(core, namespace: str, name: str, queue: str, cpu: str, priority_class: str) -> None:
     """Another team's workload in a queue: a plain pod Kueue admits (or not) by its quota and priority."""
     core.create_namespaced_pod(
@@ -147,39 +122,6 @@ def urgent_priority(control_plane):
 def critical_priority(control_plane):
     """Above the core's elastic-high."""
     return priority_class(control_plane, "team-critical", 5000)
-
-
-def run_held(
-    sa_kubeconfig, namespace, tmp_path, tally_data, job: str, queue: str, steps, **settings
-) -> tuple[dict, str, Path]:
-    """Start the job in `queue`, held; run `steps(master, log)`; release it and wait for its end. Returns (summary,
-    the master's log, output dir)."""
-    out, log, hold = tmp_path / "out", tmp_path / "master.log", tmp_path / "hold"
-    hold.write_text("")
-    params = tally_job(
-        job,
-        tally_data,
-        out,
-        EPOCHS,
-        max_workers=4,
-        min_workers=1,
-        queue=queue,
-        worker_memory=WORKER["memory"],
-        ps_cpu=PS_CPU,
-        **settings,
-    )
-    master = start_train(sa_kubeconfig, namespace, log, **(params | {"model_def": paced_tally(tmp_path, hold)}))
-    try:
-        steps(master, log)
-        assert master.poll() is None, f"the job ended before the test's last step\n{log.read_text()[-4000:]}"
-        hold.unlink()
-        master.wait(timeout=400)
-    finally:
-        if master.poll() is None:
-            master.kill()
-    text = log.read_text()
-    assert master.returncode == 0, text[-4000:]
-    return json.loads((out / "summary.json").read_text()), text, out
 
 
 def kueue_losses(summary: dict) -> list[dict]:
@@ -263,7 +205,15 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         wait_for(lambda: "restored" in log.read_text() or master.poll() is not None, 240, what="the core's restore")
 
     summary, text, out = run_held(
-        sa_kubeconfig, namespace, tmp_path, tally_data, job, "team", steps, checkpoint_every=str(tally_data["rows"] * 2)
+        sa_kubeconfig,
+        namespace,
+        tmp_path,
+        tally_data,
+        job,
+        steps,
+        **QUEUED,
+        queue="team",
+        checkpoint_every=str(tally_data["rows"] * 2),
     )
     losses = kueue_losses(summary)
     assert all("preempted by Kueue" in e["detail"] for e in losses), losses
@@ -273,7 +223,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     assert "due to prioritization in the ClusterQueue" in losses[0]["detail"], losses  # Kueue's own words
     (restore,) = summary["checkpoints"]["ps_restores"]
     assert restore["ps"] == 0 and restore["from_checkpoint"] >= 2, restore
-    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS_HELD)
     assert_audit_exact(summary, "ps")
 
 
@@ -316,9 +266,9 @@ def test_the_job_borrows_idle_quota_in_its_cohort_and_gives_it_back(
         core.delete_namespaced_pod("theirs", namespace, grace_period_seconds=0)
         wait_for(lambda: registrations(log) >= before + 3 or master.poll() is not None, 240, what="borrowing again")
 
-    summary, text, out = run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job, "team-a", steps)
+    summary, text, out = run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job, steps, **QUEUED, queue="team-a")
     losses = kueue_losses(summary)
     assert len(losses) == 3 and all(e["instance"].startswith("worker-") for e in losses), losses
     assert all("due to reclamation within the cohort" in e["detail"] for e in losses), losses  # Kueue's words
-    assert_each_record_applied_exactly(out, tally_data, EPOCHS)
+    assert_each_record_applied_exactly(out, tally_data, EPOCHS_HELD)
     assert_audit_exact(summary, "ps")
