@@ -61,7 +61,7 @@ PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
 FINALIZER = "kueue.x-k8s.io/managed"  # on managed pods
 WEBHOOKS = "elastic-step-kueue"  # name of both webhook configurations
-PROBE_NAMESPACE = "kueue-probe"  # opted in, holds no pod: dry runs prove the webhooks are called
+PROBE_NAMESPACE = "kueue-probe"  # opted in, never holds a pod: dry runs there prove the webhooks are called
 
 
 class KueueError(RuntimeError):
@@ -243,15 +243,13 @@ class Kueue(Service):
 
         adm = kubernetes.client.AdmissionregistrationV1Api(self._api)
         for delete in (adm.delete_mutating_webhook_configuration, adm.delete_validating_webhook_configuration):
-            with contextlib.suppress(kubernetes.client.ApiException):
+            with contextlib.suppress(Exception):  # gone, or the control plane stopped first: the manager stops anyway
                 delete(WEBHOOKS)
         if self.proc is not None:
             stop_process(self.proc)
             self.proc = None
         with contextlib.suppress(Exception):
             self._strip_finalizers()
-        with contextlib.suppress(kubernetes.client.ApiException):
-            self.core.delete_namespace(PROBE_NAMESPACE)
         self._api = None
         if not self.cp.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -503,11 +501,14 @@ class Kueue(Service):
         """Delete one of Kueue's objects (``plural``: clusterqueues, resourceflavors, ...); gone already is fine."""
         import kubernetes.client
 
-        with contextlib.suppress(kubernetes.client.ApiException):
+        try:
             if namespace is None:
                 self.custom.delete_cluster_custom_object(GROUP, API_VERSION, plural, name)
             else:
                 self.custom.delete_namespaced_custom_object(GROUP, API_VERSION, namespace, plural, name)
+        except kubernetes.client.ApiException as e:
+            if e.status != 404:
+                raise
 
     def workloads(self, namespace: str) -> list[Workload]:
         """The Workloads of ``namespace``, oldest first."""
