@@ -135,8 +135,10 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     assert [f["instance"] for f in summary["chaos"]["resumed"]] == ["worker-1"], summary["chaos"]
     fenced = [e for e in events if e["kind"] == "fenced" and e["instance"] == "worker-1"]
     assert fenced and fenced[0]["launch"] == 1 and "declared hung" in fenced[0]["detail"], fenced
-    requeued = [i for i, e in enumerate(events) if e["kind"] == "requeued" and e["instance"] == "worker-1"]
-    assert all(events.index(fenced[0]) < i for i in requeued), events  # the timeline's order, not its clock
+    # Fenced before the hang requeued its lease (declare_hung records `hung`, then the requeue): the timeline's order,
+    # not its clock. (An earlier requeue of worker-1 is possible in allreduce: a peer that could not reach it while
+    # the ring re-formed around the straggler had it leave the ring, its launch still live and rejoining.)
+    assert events.index(fenced[0]) < events.index(hung[0]), events
     zombie_log = (out / "logs" / "worker-1.1.log").read_text()
     assert "fenced: worker-1 launch 1" in zombie_log, zombie_log[-3000:]
     assert any(e["kind"] == "lost" and e["detail"] == "declared hung, then exit code 4" for e in after), after
