@@ -104,6 +104,8 @@ class KubernetesBackend(Backend):
         self.master_ip = master_ip or master_host(in_cluster)
         self.queue, self.num_ps = queue, int(num_ps)
         self.settings = settings or PodSettings()
+        if settings:
+            log.info("job %s pods: %s", job_id, self.settings.describe())
         self.grace_s = int(grace_s)
         self.watch_timeout_s = int(watch_timeout_s)
         self.selector = f"{LABEL_JOB}={job_id}"

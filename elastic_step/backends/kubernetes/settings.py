@@ -277,6 +277,30 @@ class PodSettings:
     env_from: tuple[dict, ...] = ()
     volumes: tuple[dict, ...] = ()
     volume_mounts: tuple[dict, ...] = ()
+    spot: tuple[tuple[str, str], ...] = ()  # the spot nodes' labels (spot_nodes)
+
+    def describe(self) -> str:
+        """One line for the master's log: what dresses the pods beyond the defaults, and why they go where."""
+        parts = []
+        for role in ROLES:
+            r = self.role(role)
+            what = [f"{k}={v}" for k, v in r.accelerators.items()]
+            what += [f"node selector {','.join(f'{k}={v}' for k, v in r.node_selector.items())}"] * bool(
+                r.node_selector
+            )
+            what += [f"{len(r.tolerations)} toleration(s)"] * bool(r.tolerations)
+            what += ["affinity"] * bool(r.affinity)
+            parts.append(f"{role}: {', '.join(what) or 'no extras'}")
+        shared = [f"service account {self.service_account}"] * bool(self.service_account)
+        shared += [f"{len(self.env) + len(self.env_from)} env source(s)"] * bool(self.env or self.env_from)
+        shared += [f"{len(self.volumes)} volume(s)"] * bool(self.volumes)
+        spot = ", ".join(f"{k}={v}" for k, v in self.spot)
+        parts.append(
+            f"spot nodes ({spot}): workers tolerate their NoSchedule taint and prefer them, the PS avoid them"
+            if spot
+            else "no spot handling (spot_nodes=none)"
+        )
+        return "; ".join(parts + shared)
 
     def role(self, role: str) -> RoleSettings:
         return self.roles.get(role) or RoleSettings()
@@ -318,6 +342,7 @@ class PodSettings:
             env_from=tuple(env_from),
             volumes=tuple(vols),
             volume_mounts=tuple(mounts),
+            spot=spot,
         )
 
     def dress(self, role: str, pod_spec: dict, container: dict) -> None:

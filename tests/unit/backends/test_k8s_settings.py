@@ -378,3 +378,10 @@ def test_without_a_task_config_the_parameters_stand(tmp_path):
     assert from_task_config(task_config(tmp_path, None), values) == values
     empty = dict.fromkeys(INJECTED) | {"resources": {}}
     assert from_task_config(task_config(tmp_path, empty), values) == values
+
+
+def test_the_log_line_says_what_dresses_the_pods_and_why():
+    line = PodSettings.from_train_config(config(worker_accelerators="nvidia.com/gpu=1", volumes="pvc:d:/d")).describe()
+    assert line.startswith("worker: nvidia.com/gpu=1, 4 toleration(s), affinity; ps: affinity; spot nodes (")
+    assert "workers tolerate their NoSchedule taint and prefer them, the PS avoid them; 1 volume(s)" in line
+    assert "no spot handling (spot_nodes=none)" in PodSettings.from_train_config(config(spot_nodes="none")).describe()
