@@ -130,9 +130,10 @@ def labels(param: str, value: str) -> dict[str, str]:
         out = _json(param, value, dict, '{"pool": "training"}')
         pairs = list(out.items())
     else:
-        pairs = [item.partition("=")[::2] for item in _items(value)] if value else []
-        if any("=" not in item for item in _items(value) if value):
+        items = _items(value) if value else []
+        if any("=" not in item for item in items):
             raise _bad(param, value, "every item is key=value", example)
+        pairs = [tuple(item.split("=", 1)) for item in items]
     for k, v in pairs:
         if not (isinstance(k, str) and isinstance(v, str) and _LABEL_KEY.fullmatch(k) and _LABEL_VALUE.fullmatch(v)):
             raise _bad(param, value, f"{k!r}={v!r} is not a label's key and value", example)
