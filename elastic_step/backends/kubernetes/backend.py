@@ -45,6 +45,7 @@ from elastic_step.backends.kubernetes.pods import (
     track,
 )
 from elastic_step.backends.kubernetes.secret import ensure_secret
+from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.backends.kubernetes.watch import PodWatch, apply_pod, overdue_loss, transition
 from elastic_step.errors import ConfigError
 
@@ -71,6 +72,7 @@ class KubernetesBackend(Backend):
         master_ip: str | None = None,
         queue: str = "",
         num_ps: int = 0,
+        settings: PodSettings | None = None,
         grace_s: int = 30,
         watch_timeout_s: int = 240,
         preflight: bool = True,
@@ -101,6 +103,9 @@ class KubernetesBackend(Backend):
         self.pod_labels = load_pod_labels(pod_labels)
         self.master_ip = master_ip or master_host(in_cluster)
         self.queue, self.num_ps = queue, int(num_ps)
+        self.settings = settings or PodSettings()
+        if settings:
+            log.info("job %s pods: %s", job_id, self.settings.describe())
         self.grace_s = int(grace_s)
         self.watch_timeout_s = int(watch_timeout_s)
         self.selector = f"{LABEL_JOB}={job_id}"
@@ -153,7 +158,15 @@ class KubernetesBackend(Backend):
         """The backend of `cfg` (namespace, credentials, owner, pod spec from the environment) for the job
         `job_id` with a new `token`. A restarted master reuses the job's Secret: `backend.token` is then
         the stored token, which the job's plan takes (master/plan.py)."""
-        return cls(job_id, token, image=cfg.worker_image or None, queue=cfg.queue, num_ps=cfg.num_ps, **kwargs)
+        return cls(
+            job_id,
+            token,
+            image=cfg.worker_image or None,
+            queue=cfg.queue,
+            num_ps=cfg.num_ps,
+            settings=PodSettings.from_train_config(cfg),
+            **kwargs,
+        )
 
     @property
     def stats(self) -> dict[str, int]:
@@ -387,6 +400,7 @@ class KubernetesBackend(Backend):
                 pod_labels=self.pod_labels,
                 queue=self.queue,
                 num_ps=self.num_ps,
+                settings=self.settings,
             )
             try:
                 r = self._call(

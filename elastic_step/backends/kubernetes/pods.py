@@ -9,9 +9,10 @@ instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `
 for PS, when the cluster has them: see manifests/priorityclasses.yaml); restartPolicy Never;
 no service-account token; terminationGracePeriodSeconds 30; an ownerReference
 (blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
-own pod (`POD_NAME`/`POD_UID` from the downward API), else none. `ELASTIC_STEP_POD_SPEC`
-(JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets,
-schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
+own pod (`POD_NAME`/`POD_UID` from the downward API), else none. The job's pod settings (resources,
+tolerations, node selector, affinity, service account, env, volumes, spot: settings.py) dress each role's
+pods. `ELASTIC_STEP_POD_SPEC` (JSON, an escape hatch under those settings) is merged into every pod's spec:
+imagePullSecrets, schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
 PodGroup's `scheduling.x-k8s.io/pod-group` on the workers.
 """
 
@@ -26,6 +27,7 @@ import time
 from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.config import POD_IP_ENV
 from elastic_step.backends.kubernetes.kueue import eviction_cause, queue_metadata
+from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.errors import ConfigError
 from elastic_step.instance import TOKEN_ENV
 
@@ -153,9 +155,11 @@ def pod_body(
     pod_labels: dict[str, dict[str, str]] | None = None,
     queue: str = "",
     num_ps: int = 0,
+    settings: PodSettings | None = None,
 ) -> dict:
     """The pod of `launch` (named already); `default_priority`: the role's PriorityClass when the
-    instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win."""
+    instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win; `settings`: what
+    dresses the role's pods (settings.py), over `pod_spec`'s fields."""
     spec, inst = launch.spec, launch.spec.id
     env = [
         {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
@@ -181,6 +185,7 @@ def pod_body(
         **copy.deepcopy(pod_spec),
         "containers": [container],
     }
+    (settings or PodSettings()).dress(inst.role, body_spec, container)
     priority = spec.priority_class or default_priority
     if priority:
         body_spec["priorityClassName"] = priority
