@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 
-from kubernetes import client
-
 from tests.infra.kube.harness import wait_for
 from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held
 from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
@@ -42,17 +40,6 @@ def placement(core, namespace: str, job: str) -> dict[str, str]:
     return out
 
 
-def drain(core, node: str) -> list[str]:
-    """Cordon `node` and evict its pods through the Eviction API (as `kubectl drain`); returns their names."""
-    core.patch_node(node, {"spec": {"unschedulable": True}})
-    evicted = []
-    for p in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}").items:
-        body = client.V1Eviction(metadata=client.V1ObjectMeta(name=p.metadata.name, namespace=p.metadata.namespace))
-        core.create_namespaced_pod_eviction(p.metadata.name, p.metadata.namespace, body)
-        evicted.append(p.metadata.name)
-    return evicted
-
-
 def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_drained(
     control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path
 ):
@@ -81,7 +68,7 @@ def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_dr
             assert sorted(v for k, v in where.items() if "-worker-" in k) == ["gpu-2"] * 2 + ["spot-gpu"] * 2, where
             # The spot node is reclaimed: drained, its workers evicted; a third GPU node takes their replacements.
             added.append(gpu_node(control_plane, "gpu-3", spot=False).name)
-            evicted = drain(core, "spot-gpu")
+            evicted = control_plane.drain_node("spot-gpu")  # cordon, then the Eviction API (honours PDBs)
             assert len([p for p in evicted if "-worker-" in p]) == 2, evicted
             wait_for(lambda: registrations(log) >= 6 or master.poll() is not None, 240, what="the replacements")
             where = placement(core, namespace, job)

@@ -22,42 +22,14 @@ from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held
 from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
 from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
 
-GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 WORKER = {"cpu": "1", "memory": "1Gi"}  # each worker pod's requests (= limits)
 PS_CPU = "500m"  # the PS pod's: the core holds quota too, so a workload above its priority can take it
 QUEUED = {"max_workers": 4, "worker_memory": WORKER["memory"], "ps_cpu": PS_CPU}
 
 
-def workloads(control_plane, namespace: str) -> list[dict]:
-    """Kueue's Workload objects in `namespace`: Kueue's own record of what it admitted, evicted or keeps waiting."""
-    api = client.CustomObjectsApi(control_plane.api_client())
-    return api.list_namespaced_custom_object(GROUP, VERSION, namespace, "workloads")["items"]
-
-
-def condition(wl: dict, kind: str) -> dict:
-    return next((c for c in (wl.get("status") or {}).get("conditions") or [] if c["type"] == kind), {})
-
-
-def owner_pod(wl: dict) -> str:
-    return next((o["name"] for o in wl["metadata"].get("ownerReferences") or [] if o["kind"] == "Pod"), "")
-
-
-def worker_workloads(control_plane, namespace: str, job: str) -> dict[str, str]:
-    """{worker pod: "admitted" | "pending" | "evicted" | "finished"} of the job's live worker workloads, by Kueue."""
-    out = {}
-    for wl in workloads(control_plane, namespace):
-        pod = owner_pod(wl)
-        if not pod.startswith(f"{job}-worker-"):
-            continue
-        if condition(wl, "Finished").get("status") == "True":
-            out[pod] = "finished"
-        elif condition(wl, "Evicted").get("status") == "True":
-            out[pod] = "evicted"
-        elif condition(wl, "Admitted").get("status") == "True":
-            out[pod] = "admitted"
-        else:
-            out[pod] = "pending"
-    return out
+def worker_workloads(kueue, namespace: str, job: str) -> dict[str, str]:
+    """{worker pod: admitted | pending | evicted | finished} of the job's worker workloads, by Kueue's own record."""
+    return {w.pod: w.state for w in kueue.workloads(namespace) if (w.pod or "").startswith(f"{job}-worker-")}
 
 
 def gated(pod: client.V1Pod) -> bool:
@@ -133,7 +105,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     kueue,
     core,
     node,
-    namespace,
+    kueue_namespace,
     tally_data,
     priority_classes,
     urgent_priority,
@@ -146,11 +118,12 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     (never the PS, whose priority is the core's), the job trains on with 2, and once that workload ends Kueue admits
     the workers' replacements. Last, a workload above the core's own priority takes the whole quota: Kueue preempts
     the PS group too; once it ends, the job resumes from its last checkpoint."""
-    job = "quota"
+    job, namespace = "quota", kueue_namespace
     # Room for the core (the PS: PS_CPU) and two workers.
-    cq = kueue.cluster_queue(
-        f"{namespace}-cq", quotas={"cpu": "2500m", "memory": "16Gi"}, preemption={"withinClusterQueue": "LowerPriority"}
-    )
+    cq = f"{namespace}-cq"
+    kueue.resource_flavor(namespace)
+    quotas = {"cpu": "2500m", "memory": "16Gi"}
+    kueue.cluster_queue(cq, quotas, flavor=namespace, preemption={"withinClusterQueue": "LowerPriority"})
     kueue.local_queue(namespace, "team", cq)
 
     def steps(master, log):
@@ -158,7 +131,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         wait_for(
             lambda: (
                 (
-                    sorted(worker_workloads(control_plane, namespace, job).values()).count("pending") == 2
+                    sorted(worker_workloads(kueue, namespace, job).values()).count("pending") == 2
                     and registrations(log) >= 2
                 )
                 or master.poll() is not None
@@ -166,7 +139,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
             300,
             what="two workers admitted and two pending",
         )
-        states = worker_workloads(control_plane, namespace, job)
+        states = worker_workloads(kueue, namespace, job)
         assert sorted(states.values()) == ["admitted", "admitted", "pending", "pending"], states
         waiting = sorted(p for p, s in states.items() if s == "pending")
         assert all(gated(core.read_namespaced_pod(p, namespace)) for p in waiting), waiting
@@ -174,7 +147,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         # More quota: Kueue admits the two waiting workers, and they join the job.
         kueue.set_quota(cq, "cpu", "4500m")
         wait_for(lambda: registrations(log) >= 4 or master.poll() is not None, 240, what="all four workers")
-        assert sorted(worker_workloads(control_plane, namespace, job).values()) == ["admitted"] * 4
+        assert sorted(worker_workloads(kueue, namespace, job).values()) == ["admitted"] * 4
         # Another workload, of a higher priority than the workers', in the same ClusterQueue: Kueue preempts two.
         urgent_pod(core, namespace, "urgent", "team", "2", urgent_priority)
         wait_for(
@@ -227,35 +200,33 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     assert_audit_exact(summary, "ps")
 
 
-def cluster_usage(control_plane, cq: str) -> dict[str, dict]:
+def cluster_usage(kueue, cq: str) -> dict[str, dict]:
     """Kueue's own account of a ClusterQueue's usage: {resource: {"total": .., "borrowed": ..}}."""
-    api = client.CustomObjectsApi(control_plane.api_client())
-    status = api.get_cluster_custom_object(GROUP, VERSION, "clusterqueues", cq).get("status") or {}
+    status = (
+        kueue.custom.get_cluster_custom_object("kueue.x-k8s.io", "v1beta2", "clusterqueues", cq).get("status") or {}
+    )
     return {r["name"]: r for f in status.get("flavorsUsage") or [] for r in f.get("resources") or []}
 
 
 def test_the_job_borrows_idle_quota_in_its_cohort_and_gives_it_back(
-    control_plane, kueue, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path
+    control_plane, kueue, core, node, kueue_namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path
 ):
     """Its own ClusterQueue holds the core and one worker; another ClusterQueue of the same cohort lends its idle quota,
     so Kueue admits all four workers. That queue's own workload arrives: Kueue reclaims its quota, preempting the
     borrowing workers, and the job trains on with one. Once that workload ends, the job borrows again."""
-    job = "cohort"
-    cohort = f"{namespace}-cohort"
-    ours = kueue.cluster_queue(f"{namespace}-a", quotas={"cpu": "1500m", "memory": "16Gi"}, cohort=cohort)
-    theirs = kueue.cluster_queue(
-        f"{namespace}-b",
-        quotas={"cpu": "3", "memory": "16Gi"},
-        cohort=cohort,
-        preemption={"reclaimWithinCohort": "Any"},
-    )
+    job, namespace = "cohort", kueue_namespace
+    cohort, ours, theirs = f"{namespace}-cohort", f"{namespace}-a", f"{namespace}-b"
+    kueue.resource_flavor(namespace)
+    kueue.cluster_queue(ours, {"cpu": "1500m", "memory": "16Gi"}, cohort=cohort, flavor=namespace)
+    quotas = {"cpu": "3", "memory": "16Gi"}
+    kueue.cluster_queue(theirs, quotas, cohort=cohort, flavor=namespace, preemption={"reclaimWithinCohort": "Any"})
     kueue.local_queue(namespace, "team-a", ours)
     kueue.local_queue(namespace, "team-b", theirs)
 
     def steps(master, log):
         wait_for(lambda: registrations(log) >= 4 or master.poll() is not None, 300, what="four workers, borrowing")
-        assert sorted(worker_workloads(control_plane, namespace, job).values()) == ["admitted"] * 4
-        assert cluster_usage(control_plane, ours)["cpu"].get("borrowed") == "3", cluster_usage(control_plane, ours)
+        assert sorted(worker_workloads(kueue, namespace, job).values()) == ["admitted"] * 4
+        assert cluster_usage(kueue, ours)["cpu"].get("borrowed") == "3", cluster_usage(kueue, ours)
         # Their own workload: Kueue reclaims the three lent cpus, from the workers that borrowed them.
         urgent_pod(core, namespace, "theirs", "team-b", "3", "elastic-low")
         wait_for(lambda: len(preempted(log)) >= 3 or master.poll() is not None, 240, what="the quota reclaimed")
