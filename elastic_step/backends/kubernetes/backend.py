@@ -242,7 +242,13 @@ class KubernetesBackend(Backend):
             n = self._numbers.get(inst, 0) + 1
             self._numbers[inst] = n
             launch = _Launch(spec, n)
-            blockers = [p.name for p in self._pods.values() if p.inst == inst and not p.process_over]
+            # A Kueue pod group takes a replacement only once its predecessor has left the API (kueue.py).
+            launch.blocked_until_gone = kueue.in_group(self.queue, inst.role)
+            blockers = [
+                p.name
+                for p in self._pods.values()
+                if p.inst == inst and not (p.gone if launch.blocked_until_gone else p.process_over)
+            ]
             if blockers:
                 launch.blocker = blockers[0]
             else:
@@ -256,7 +262,8 @@ class KubernetesBackend(Backend):
                 InstanceEvent(
                     EventKind.STARTED,
                     inst,
-                    detail=f"{replaced}its pod is created once pod {launch.blocker} has terminated",
+                    detail=f"{replaced}its pod is created once pod {launch.blocker} has "
+                    + ("left the API" if launch.blocked_until_gone else "terminated"),
                 )
             )
             return

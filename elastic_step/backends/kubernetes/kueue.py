@@ -29,12 +29,19 @@ EVICTED_CONDITION = "TerminationTarget"  # what Kueue sets on a pod it stops, be
 NEEDED = (("get", "localqueues", GROUP),)  # the Role's extra rule when a queue is set
 
 
+def in_group(queue: str, role: str) -> bool:
+    """Whether a pod of `role` is in a Kueue pod group. A group counts a member Kueue has not yet seen end as
+    active, so a replacement created beside it would be one pod too many (Kueue deletes it): the backend creates it
+    once its predecessor has left the API."""
+    return bool(queue) and role == "ps"
+
+
 def queue_metadata(queue: str, role: str, job_id: str, num_ps: int) -> tuple[dict[str, str], dict[str, str]]:
     """(labels, annotations) that put a pod of `role` in `queue` (none without a queue)."""
     if not queue:
         return {}, {}
     labels = {QUEUE_LABEL: queue}
-    if role != "ps":
+    if not in_group(queue, role):
         return labels, {}
     return {**labels, POD_GROUP_LABEL: f"{job_id}-ps"}, {POD_GROUP_COUNT: str(num_ps)}
 

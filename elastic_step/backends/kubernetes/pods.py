@@ -87,6 +87,7 @@ class _Launch:
     name: str = ""
     state: str = "deferred"  # deferred -> pending -> running -> ended
     blocker: str = ""  # predecessor pod whose process must end first
+    blocked_until_gone: bool = False  # ... and, in a Kueue pod group, be gone from the API (kueue.py)
     stopping: bool = False  # we deleted it gracefully (scale-in): EXITED with its code
     killing: bool = False  # we deleted it with grace 0: LOST
     adopted: bool = False
