@@ -18,8 +18,8 @@ import pytest
 from kubernetes import client
 
 from tests.infra.kube.harness import wait_for
-from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held
-from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held, tally_job, train
+from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig, secret_exists  # noqa: F401
 from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
 
 WORKER = {"cpu": "1", "memory": "1Gi"}  # each worker pod's requests (= limits)
@@ -248,3 +248,18 @@ def test_the_job_borrows_idle_quota_in_its_cohort_and_gives_it_back(
     assert all("due to reclamation within the cohort" in e["detail"] for e in losses), losses  # Kueue's words
     assert_each_record_applied_exactly(out, tally_data, EPOCHS_HELD)
     assert_audit_exact(summary, "ps")
+
+
+def test_a_queue_that_does_not_exist_stops_the_job_before_any_pod(
+    kueue, core, node, kueue_namespace, tally_data, sa_kubeconfig, tmp_path
+):
+    """Kueue would keep every pod gated for ever: the master names the missing LocalQueue and the fix instead, and
+    leaves nothing behind."""
+    params = tally_job("no-queue", tally_data, tmp_path / "out", 1, queue="team-x")
+    proc, _ = train(sa_kubeconfig, kueue_namespace, timeout=300, **params)
+    assert proc.returncode != 0
+    assert f"no Kueue LocalQueue 'team-x' in namespace {kueue_namespace}" in proc.stderr, proc.stderr[-3000:]
+    assert f"kubectl get localqueues -n {kueue_namespace}" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert job_pods(core, kueue_namespace, "no-queue") == []
+    assert not secret_exists(core, kueue_namespace, "no-queue-token")
