@@ -44,10 +44,13 @@ def _train_epilog() -> str:
   pod <job-id>-<role>-<index> in its namespace, relaunches lost ones (a preempted worker's pod
   stays Pending until the scheduler finds room), and deletes them all at the end or on SIGTERM.
   Credentials: KUBECONFIG when set, else the pod's service account, else ~/.kube/config.
+  Pod settings by role: --worker-*/--ps-* cpu, memory, accelerators, tolerations, node selector,
+  affinity; --job-service-account, --env, --env-from-secrets, --volumes; --spot-nodes (default auto:
+  workers tolerate and prefer spot nodes, the PS avoid them); --queue (a Kueue LocalQueue).
   Environment:
     {k8s.NAMESPACE_ENV}   namespace (default: the service account's, or the kubeconfig context's)
     KUBECONFIG               credentials from outside the cluster
-    {k8s.POD_SPEC_ENV}    JSON merged into every pod's spec (nodeSelector, tolerations, ...)
+    {k8s.POD_SPEC_ENV}    JSON merged into every pod's spec, under the pod settings (imagePullSecrets, ...)
     {k8s.POD_LABELS_ENV}  JSON labels added to the pods, by role: {{"worker": {{"k": "v"}}, "ps": ..., "*": ...}}
     KFP_POD_NAME/KFP_POD_UID or POD_NAME/POD_UID (downward API)
                              the pod that owns the job's pods: deleting it deletes them

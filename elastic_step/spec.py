@@ -299,6 +299,146 @@ PARAMS: tuple[Param, ...] = (
         (ELASTIC_TRAIN,),
     ),
     Param(
+        "queue",
+        str,
+        "",
+        "kubernetes: the Kueue LocalQueue of the job's pods, in the step's namespace: each worker is a workload of "
+        "its own, admitted as the quota allows, and the parameter servers one group, admitted whole (empty: none, "
+        "the pods are created directly)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+        metavar="LOCALQUEUE",
+    ),
+    Param(
+        "ps_cpu",
+        str,
+        "",
+        "kubernetes: CPU of each parameter server pod, requests = limits, e.g. 1 or 500m (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "ps_memory",
+        str,
+        "",
+        "kubernetes: memory of each parameter server pod, requests = limits, e.g. 4Gi (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "worker_accelerators",
+        str,
+        "",
+        "kubernetes: extended resources of each worker pod, NAME=COUNT[,...], e.g. nvidia.com/gpu=1 (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "ps_accelerators",
+        str,
+        "",
+        "kubernetes: extended resources of each parameter server pod, as worker_accelerators (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "worker_tolerations",
+        str,
+        "",
+        "kubernetes: tolerations of the worker pods, KEY[=VALUE]:EFFECT[,...] as kubectl taint writes them "
+        "(EFFECT: NoSchedule, PreferNoSchedule or NoExecute; KEY:EFFECT tolerates any value), or a JSON list of "
+        "Tolerations (empty: none besides spot_nodes')",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "ps_tolerations",
+        str,
+        "",
+        "kubernetes: tolerations of the parameter server pods, as worker_tolerations (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "worker_node_selector",
+        str,
+        "",
+        "kubernetes: node selector of the worker pods, KEY=VALUE[,...] or a JSON object (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "ps_node_selector",
+        str,
+        "",
+        "kubernetes: node selector of the parameter server pods, as worker_node_selector (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "worker_affinity",
+        str,
+        "",
+        "kubernetes: affinity of the worker pods, a JSON Affinity object, added to spot_nodes' preference "
+        "(empty: none besides it)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "ps_affinity",
+        str,
+        "",
+        "kubernetes: affinity of the parameter server pods, as worker_affinity",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "job_service_account",
+        str,
+        "",
+        "kubernetes: service account of the worker and parameter server pods, e.g. for a cloud identity; its API "
+        "token is not mounted (empty: the namespace's default)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "env",
+        str,
+        "",
+        "kubernetes: environment variables of the worker and parameter server pods, NAME=VALUE[,...] or a JSON "
+        "list of EnvVars (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "env_from_secrets",
+        str,
+        "",
+        "kubernetes: Secrets as environment variables of the worker and parameter server pods: SECRET (every key) "
+        "or NAME=SECRET/KEY (one), comma-separated (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "volumes",
+        str,
+        "",
+        "kubernetes: volumes of the worker and parameter server pods, KIND:NAME:/PATH[:ro][,...] (KIND: pvc, "
+        "secret, configmap or emptydir), or a JSON object {volumes, volumeMounts} (empty: none)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "spot_nodes",
+        str,
+        "auto",
+        "kubernetes: the labels of spot (preemptible) nodes, whose NoSchedule taint the workers tolerate and which "
+        "they prefer, while the parameter servers prefer other nodes: auto (GKE, Karpenter, AKS and EKS spot "
+        "labels), none (no spot handling) or KEY=VALUE[,...]",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
         "max_relaunches",
         int,
         20,

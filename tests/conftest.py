@@ -14,8 +14,9 @@ import pytest  # noqa: E402
 # Tests that need Go-built servers run in the order scripts/test builds them: on a machine without them,
 # it builds them in the background while the rest of the suite runs, and these wait on the builds' locks.
 # The first test of each group may wait for a whole cold build (minutes alone, more on a busy machine):
-# its timeout allows for that.
+# its timeout allows for that. A group is named by path prefixes, or by the fixture that starts its server.
 NEEDS_GO_BUILDS = (
+    ("kueue",),  # + Kueue: every test that asks for the `kueue` fixture
     ("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
     ("tests/kubernetes/",),
 )  # control plane
@@ -26,7 +27,12 @@ BUILD_WAIT_S = 2700
 def pytest_collection_modifyitems(session, config, items):
     def builds_needed(item) -> int:
         path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
-        return next((len(NEEDS_GO_BUILDS) - i for i, paths in enumerate(NEEDS_GO_BUILDS) if path.startswith(paths)), 0)
+        fixtures = getattr(item, "fixturenames", ())
+
+        def needs(names) -> bool:
+            return any(path.startswith(n) if "/" in n else n in fixtures for n in names)
+
+        return next((len(NEEDS_GO_BUILDS) - i for i, names in enumerate(NEEDS_GO_BUILDS) if needs(names)), 0)
 
     # Under xdist (scripts/test: `--dist loadgroup`, groups handed out as queued), the tests that need
     # Go-built servers are one group, queued first and run in the builds' order on one worker: one control

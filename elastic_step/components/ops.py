@@ -31,6 +31,23 @@ BASE_IMAGE = os.environ.get("ELASTIC_STEP_IMAGE") or DEFAULT_IMAGE
 
 component = functools.partial(dsl.component, base_image=BASE_IMAGE, install_kfp_package=False)
 
+# The training task's settings (dsl.TaskConfig) that KFP passes to the training components instead of applying them
+# to the step's own pod (docs/kfp.md): resources and placement are the workers' (the master needs no GPU and stays
+# on on-demand nodes); env and volumes go on the step's pod too, since the master reads the same data and
+# credentials. TaskConfigField exists only where pipelines are compiled, not in the step at run time.
+TRAIN_TASK_CONFIG = (
+    [
+        dsl.TaskConfigField.RESOURCES,
+        dsl.TaskConfigField.KUBERNETES_TOLERATIONS,
+        dsl.TaskConfigField.KUBERNETES_NODE_SELECTOR,
+        dsl.TaskConfigField.KUBERNETES_AFFINITY,
+        dsl.TaskConfigPassthrough(field=dsl.TaskConfigField.ENV, apply_to_task=True),
+        dsl.TaskConfigPassthrough(field=dsl.TaskConfigField.KUBERNETES_VOLUMES, apply_to_task=True),
+    ]
+    if hasattr(dsl, "TaskConfigField")
+    else None
+)
+
 
 @component
 def data_prep_op(
@@ -64,7 +81,7 @@ def data_prep_op(
     record_prep(info, train_data, eval_data)
 
 
-@component
+@component(task_config_passthroughs=TRAIN_TASK_CONFIG)
 def elastic_train_op(
     train_data: Input[Dataset],
     eval_data: Input[Dataset],
@@ -89,12 +106,29 @@ def elastic_train_op(
     worker_memory: str = "2Gi",
     worker_priority_class: str = "",
     ps_priority_class: str = "",
+    queue: str = "",
+    ps_cpu: str = "",
+    ps_memory: str = "",
+    worker_accelerators: str = "",
+    ps_accelerators: str = "",
+    worker_tolerations: str = "",
+    ps_tolerations: str = "",
+    worker_node_selector: str = "",
+    ps_node_selector: str = "",
+    worker_affinity: str = "",
+    ps_affinity: str = "",
+    job_service_account: str = "",
+    env: str = "",
+    env_from_secrets: str = "",
+    volumes: str = "",
+    spot_nodes: str = "auto",
     seed: int = 0,
     job_id: str = "",
     pipeline_run_id: str = "",
     pipeline_task_name: str = "",
     checkpoint_uri: str = "",
     checkpoint_every: str = "60s",
+    task_config: dsl.TaskConfig = None,
 ):
     """Elastic training: a master for the length of this step, workers and PS as processes or pods.
 
@@ -102,7 +136,9 @@ def elastic_train_op(
     (pass dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER), else from the model
     artifact's URI: the same in every retry of this step, so a retried step resumes its own job from
     its checkpoints under `checkpoint_uri` (a bucket URI: the step's own folders go with its pod), cut
-    every `checkpoint_every` (a time such as 60s or 5m, or a number of records; 0: none)."""
+    every `checkpoint_every` (a time such as 60s or 5m, or a number of records; 0: none). KFP fills `task_config`
+    from what the pipeline sets on this task: resources, tolerations, node selector and affinity dress the workers,
+    env and volumes every pod."""
     arguments = dict(locals())  # first: the component's own arguments, and nothing else
     from elastic_step.components.outputs import run_training
 
@@ -134,6 +170,22 @@ def elastic_train_uri_op(
     worker_memory: str = "2Gi",
     worker_priority_class: str = "",
     ps_priority_class: str = "",
+    queue: str = "",
+    ps_cpu: str = "",
+    ps_memory: str = "",
+    worker_accelerators: str = "",
+    ps_accelerators: str = "",
+    worker_tolerations: str = "",
+    ps_tolerations: str = "",
+    worker_node_selector: str = "",
+    ps_node_selector: str = "",
+    worker_affinity: str = "",
+    ps_affinity: str = "",
+    job_service_account: str = "",
+    env: str = "",
+    env_from_secrets: str = "",
+    volumes: str = "",
+    spot_nodes: str = "auto",
     seed: int = 0,
     job_id: str = "",
     pipeline_run_id: str = "",
@@ -143,7 +195,8 @@ def elastic_train_uri_op(
 ):
     """elastic_train_op for the KFP UI, which cannot pass input artifacts: the train and eval data are
     manifest URIs (a manifest.json or its folder, as `elastic-step data prep` writes them; any fsspec URI).
-    The job's id: as in elastic_train_op."""
+    The job's id: as in elastic_train_op. It takes no TaskConfig: the UI cannot set one, and its run form has no
+    field for one."""
     arguments = dict(locals())  # first: the component's own arguments, and nothing else
     from elastic_step.components.outputs import run_training
 

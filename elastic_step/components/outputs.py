@@ -49,12 +49,17 @@ def training_metrics(summary: dict) -> dict[str, float]:
 
 def run_training(train_data: str, eval_data: str, arguments: dict) -> None:
     """A training component's body: `arguments` are the component's own, by name (its artifacts, its
-    parameters, the job id's sources); `train_data` and `eval_data` the manifests, as paths or URIs."""
+    parameters, the job id's sources, the task's TaskConfig); `train_data` and `eval_data` the manifests, as
+    paths or URIs."""
     from elastic_step import spec
+    from elastic_step.backends.kubernetes.settings import from_task_config
     from elastic_step.steps import step_job_id, train_step
 
     a = arguments
     settings = {k: v for k, v in spec.step_values(a, spec.ELASTIC_TRAIN).items() if k not in ("model_def", "job_id")}
+    # What the pipeline author set on the training task, which KFP hands over rather than applying it to this
+    # step's own pod: the workers' resources and placement, every pod's env and volumes.
+    settings = from_task_config(a.get("task_config"), settings)
     job_id = step_job_id(a["job_id"], a["pipeline_run_id"], a["pipeline_task_name"], anchor=a["model"].uri)
     s = train_step(
         train_data,

@@ -44,6 +44,23 @@ class TrainConfig:
     worker_memory: str = _D["worker_memory"]
     worker_priority_class: str = _D["worker_priority_class"]
     ps_priority_class: str = _D["ps_priority_class"]
+    queue: str = _D["queue"]  # a Kueue LocalQueue (backends/kubernetes/kueue.py)
+    # what dresses the pods of each role (backends/kubernetes/settings.py)
+    ps_cpu: str = _D["ps_cpu"]
+    ps_memory: str = _D["ps_memory"]
+    worker_accelerators: str = _D["worker_accelerators"]
+    ps_accelerators: str = _D["ps_accelerators"]
+    worker_tolerations: str = _D["worker_tolerations"]
+    ps_tolerations: str = _D["ps_tolerations"]
+    worker_node_selector: str = _D["worker_node_selector"]
+    ps_node_selector: str = _D["ps_node_selector"]
+    worker_affinity: str = _D["worker_affinity"]
+    ps_affinity: str = _D["ps_affinity"]
+    job_service_account: str = _D["job_service_account"]
+    env: str = _D["env"]
+    env_from_secrets: str = _D["env_from_secrets"]
+    volumes: str = _D["volumes"]
+    spot_nodes: str = _D["spot_nodes"]
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
     health_port: int = _D["health_port"]  # -1: 8080 in a pod, else none; 0: none (master/health.py)
     hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/hang.py)
@@ -111,4 +128,7 @@ class TrainConfig:
             )
         if self.progress not in BY_NAME["progress"].choices:
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")
+        from elastic_step.backends.kubernetes.settings import PodSettings
+
+        PodSettings.from_train_config(self)  # every pod setting parses, whatever the backend: before any pod
         return self

@@ -203,7 +203,14 @@ class TrainingJob:
         # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
         # would take cores from the workers' steps.
         env = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"} if self.plan.backend == "local" else {}
-        return InstanceSpec(inst, argv, env={**launch, **env}, priority_class=c.ps_priority_class)
+        return InstanceSpec(
+            inst,
+            argv,
+            env={**launch, **env},
+            cpu=c.ps_cpu or None,
+            memory=c.ps_memory or None,
+            priority_class=c.ps_priority_class,
+        )
 
     def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
         self.coord.membership.launched(inst, relaunch)

@@ -9,6 +9,9 @@
 * ``node`` (session): a general-purpose node, ``node-1`` (8 cpu, 16Gi, 50 pods).
 * ``namespace``: a fresh namespace per test (deleted afterwards), ready for pods.
 * ``core``: an admin CoreV1Api.
+* ``kueue`` (session, started by the first test that asks for it): Kueue's real manager
+  (tests.infra.kube.harness.kueue.Kueue: built once by scripts/build-kueue, CRDs, webhooks).
+* ``kueue_namespace``: the test's ``namespace``, opted in to Kueue (its pods with a queue name are gated).
 
 Every test under tests/kubernetes gets the ``kubernetes`` marker.
 """
@@ -78,3 +81,23 @@ def namespace(control_plane, core, request):
         core.delete_namespace(name, propagation_policy="Background")
     except kubernetes.client.ApiException:
         pass
+
+
+@pytest.fixture(scope="session")
+def kueue(control_plane):
+    from tests.infra.kube.harness.kueue import Kueue
+
+    with Kueue(control_plane) as k:
+        log.warning(
+            "kueue: build %.1fs, start %.1fs (%s)",
+            k.timings.get("build", 0.0),
+            k.timings["start"],
+            ", ".join(f"{n} {v:.1f}s" for n, v in k.timings.items() if n not in ("build", "start")),
+        )
+        yield k
+
+
+@pytest.fixture
+def kueue_namespace(kueue, namespace):
+    kueue.opt_in(namespace)
+    return namespace

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from elastic_step.spec import cli_args
@@ -18,6 +20,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The shape of most jobs here: 32-record minibatches, 128-record tasks, at most two workers.
 SMALL = {"minibatch_size": 32, "records_per_task": 128, "max_workers": 2}
+EPOCHS_HELD = 40  # a held job's (run_held): far longer than the test's steps while held, seconds an epoch after
+PACE_S = 1.0  # while a job is held, each of its workers feeds one lease (128 records) per PACE_S
+
+# The tally model, paced while the test holds the job (the hold file exists): the job cannot end before the test has
+# taken its steps, and the pace is far inside any hang bound.
+PACED = """
+import time
+
+
+def feed(batch):
+    if os.path.exists({hold!r}):
+        time.sleep({pace})
+    return tally_feed(batch)
+"""
 
 
 def cli_env(kubeconfig: Path, namespace: str, **extra) -> dict:
@@ -90,3 +106,35 @@ def tally_job(job: str, data: dict, out: Path, epochs: int, **params) -> dict:
         **params,
         "progress": "lines",
     }
+
+
+def paced_tally(tmp_path: Path, hold: Path) -> str:
+    path = tmp_path / "paced_tally.py"
+    source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
+    path.write_text(source + textwrap.dedent(PACED.format(hold=str(hold), pace=PACE_S)))
+    return str(path)
+
+
+def registrations(log: Path) -> int:
+    """Workers the master (started by start_train) logged as registered so far, relaunches included."""
+    return len(re.findall(r"worker-\d+ registered", log.read_text()))
+
+
+def run_held(kubeconfig: Path, namespace: str, tmp_path: Path, tally_data: dict, job: str, steps, **params):
+    """Run job `job` (the tally, EPOCHS_HELD, `params`) held: paced until `steps(master, log)` has returned, then
+    released to its end. Returns (its summary, the master's log, its output folder)."""
+    out, log, hold = tmp_path / "out", tmp_path / "master.log", tmp_path / "hold"
+    hold.write_text("")
+    params = tally_job(job, tally_data, out, EPOCHS_HELD, **params) | {"model_def": paced_tally(tmp_path, hold)}
+    master = start_train(kubeconfig, namespace, log, **params)
+    try:
+        steps(master, log)
+        assert master.poll() is None, f"the job ended before the test's last step\n{log.read_text()[-4000:]}"
+        hold.unlink()
+        master.wait(timeout=400)
+    finally:
+        if master.poll() is None:
+            master.kill()
+    text = log.read_text()
+    assert master.returncode == 0, text[-4000:]
+    return json.loads((out / "summary.json").read_text()), text, out

@@ -31,6 +31,7 @@ from elastic_step.backends.kubernetes import (
     Owner,
     load_manifests,
 )
+from elastic_step.backends.kubernetes.kueue import NEEDED as KUEUE_NEEDED
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
@@ -953,11 +954,12 @@ def test_shipped_role_is_namespaced_exact_and_matches_the_component_rbac():
     assert rules == {
         ("pods",): {"create", "get", "list", "watch", "delete", "patch"},
         ("secrets",): {"create", "get", "delete"},
+        ("localqueues",): {"get"},
     }
     needed: dict = {}
-    for verb, resource in NEEDED:
+    for verb, resource in NEEDED + tuple((v, r) for v, r, _ in KUEUE_NEEDED):
         needed.setdefault((resource,), set()).add(verb)
-    assert rules == needed  # exactly what the backend checks for, no wildcard
+    assert rules == needed  # exactly what the backend checks for (a queue: localqueues too), no wildcard
     import yaml
 
     component = {

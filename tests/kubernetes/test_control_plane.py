@@ -12,7 +12,7 @@ import textwrap
 import pytest
 from kubernetes import client, watch
 
-from tests.infra.kube.harness import wait_for
+from tests.infra.kube.harness import ControlPlaneError, wait_for
 from tests.infra.kube.harness.pod import Image
 from tests.infra.kube.harness.process import alive, stopped
 
@@ -580,6 +580,88 @@ def test_scheduler_preempts_low_priority_pod(control_plane, core, small_node, na
     finally:
         for pc in (low, high):
             sched.delete_priority_class(pc)
+
+
+# ------------------------------------------------------------- node shapes: spot, GPUs, taints, drain
+
+SPOT = {"key": "cloud.google.com/gke-spot", "value": "true"}
+
+
+def unschedulable_message(core, ns, name) -> str:
+    """The scheduler's message once it found no node for the pod ("" until then)."""
+    p = read(core, ns, name)
+    cond = next((c for c in p.status.conditions or [] if c.type == "PodScheduled"), None)
+    return cond.message if cond is not None and cond.reason == "Unschedulable" else ""
+
+
+def test_a_spot_node_with_gpus_takes_only_pods_that_tolerate_it_and_counts_its_gpus(control_plane, core, namespace):
+    name = f"gpu-{namespace[-20:]}".strip("-")
+    control_plane.add_node(
+        name,
+        cpu="4",
+        labels={SPOT["key"]: "true"},
+        taints=[{**SPOT, "effect": "NoSchedule"}],
+        extended={"nvidia.com/gpu": "2"},
+    )
+    try:
+        assert core.read_node(name).status.allocatable["nvidia.com/gpu"] == "2"
+        tolerate = [{**SPOT, "operator": "Equal", "effect": "NoSchedule"}]
+
+        def gpu_pod(pod_name: str, gpus: str, tolerations: list) -> dict:
+            limits = {"nvidia.com/gpu": gpus}
+            return pod_body(pod_name, sleeper(), tolerations=tolerations, resources={"limits": limits})
+
+        core.create_namespaced_pod(namespace, gpu_pod("both-gpus", "2", tolerate))
+        assert wait_phase(core, namespace, "both-gpus", ("Running",)).spec.node_name == name
+        core.create_namespaced_pod(namespace, gpu_pod("one-more", "1", tolerate))
+        core.create_namespaced_pod(namespace, gpu_pod("untolerated", "1", []))
+        msg = wait_for(lambda: unschedulable_message(core, namespace, "one-more"), 30, what="one-more unschedulable")
+        assert "Insufficient nvidia.com/gpu" in msg, msg
+        msg = wait_for(lambda: unschedulable_message(core, namespace, "untolerated"), 30, what="untolerated refused")
+        assert "untolerated taint" in msg, msg
+    finally:
+        core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+        control_plane.remove_node(name)
+
+
+def test_a_noexecute_taint_evicts_pods_that_do_not_tolerate_it_and_a_drain_honours_budgets(
+    control_plane, core, namespace
+):
+    name = f"spot-{namespace[-20:]}".strip("-")
+    control_plane.add_node(name, cpu="4", labels={SPOT["key"]: "true"}, taints=[{**SPOT, "effect": "NoSchedule"}])
+    try:
+        placement = {"nodeSelector": {SPOT["key"]: "true"}, "terminationGracePeriodSeconds": 1}
+        no_schedule_only = [{**SPOT, "operator": "Equal", "effect": "NoSchedule"}]
+        core.create_namespaced_pod(namespace, pod_body("movable", sleeper(), tolerations=no_schedule_only, **placement))
+        everything = [{"key": SPOT["key"], "operator": "Exists"}]
+        core.create_namespaced_pod(
+            namespace,
+            pod_body("stays", sleeper(), tolerations=everything, metadata={"labels": {"app": "stays"}}, **placement),
+        )
+        for n in ("movable", "stays"):
+            wait_phase(core, namespace, n, ("Running",))
+
+        control_plane.taint_node(name, SPOT["key"], "true", "NoExecute")
+        wait_gone(core, namespace, "movable", timeout=30)
+        assert read(core, namespace, "stays").status.phase == "Running"
+        assert {(t.key, t.effect) for t in core.read_node(name).spec.taints} == {
+            (SPOT["key"], "NoSchedule"),
+            (SPOT["key"], "NoExecute"),
+        }
+
+        policy = client.PolicyV1Api(control_plane.api_client())
+        pdb = {"metadata": {"name": "keep"}, "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "stays"}}}}
+        policy.create_namespaced_pod_disruption_budget(namespace, pdb)
+        with pytest.raises(ControlPlaneError, match=f"{namespace}/stays"):
+            control_plane.drain_node(name, timeout=2)
+        assert core.read_node(name).spec.unschedulable is True
+        assert read(core, namespace, "stays").metadata.deletion_timestamp is None
+        policy.delete_namespaced_pod_disruption_budget("keep", namespace)
+        assert control_plane.drain_node(name, timeout=30) == [f"{namespace}/stays"]
+        assert read(core, namespace, "stays") is None
+    finally:
+        core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0)
+        control_plane.remove_node(name)
 
 
 # ---------------------------------------------------------------------- garbage collector

@@ -157,13 +157,14 @@ def test_train_and_evaluate_outputs():
 
 
 def test_uri_variants_match_the_artifact_variants():
-    """Same parameters and outputs; only the data inputs differ (URIs instead of artifacts)."""
+    """Same parameters and outputs; only the data inputs differ (URIs instead of artifacts), and the UI's variant
+    takes no TaskConfig (the UI cannot set one)."""
     for folder, a, b, swapped in (
         ("elastic_train", "elastic_train", "elastic_train_uri", {"train_uri", "eval_uri"}),
         ("evaluate", "evaluate", "evaluate_uri", {"model_uri", "eval_uri"}),
     ):
         sa, sb = (yaml.safe_load((ROOT / f"components/{folder}/{s}.yaml").read_text())["root"] for s in (a, b))
-        pa = sa["inputDefinitions"]["parameters"]
+        pa = {k: v for k, v in sa["inputDefinitions"]["parameters"].items() if v["parameterType"] != "TASK_CONFIG"}
         pb = sb["inputDefinitions"]["parameters"]
         assert set(pb) - set(pa) == swapped and set(pa) <= set(pb)
         assert {k: v.get("defaultValue") for k, v in pa.items()} == {k: pb[k].get("defaultValue") for k in pa}
@@ -296,7 +297,7 @@ def test_the_kfp_training_components_and_the_argo_step_take_the_same_settings():
             "inputDefinitions"
         ]["parameters"]
         settings = (
-            {n.replace("_", "-") for n in params}
+            {n.replace("_", "-") for n, p in params.items() if p["parameterType"] != "TASK_CONFIG"}  # KFP fills it
             - {"train-uri", "eval-uri"}
             - {n.replace("_", "-") for n in JOB_ID_INPUTS}
         )
@@ -490,3 +491,37 @@ def test_the_image_is_overridable_when_compiling(tmp_path):
     for rel in IR_FILES + V1_FILES + ["pipelines/train_eval/train_eval.yaml"]:
         images = set(re.findall(r"(?m)^\s*image: (\S+)", (tmp_path / rel).read_text()))
         assert images == {image}, (rel, images)
+
+
+def test_the_training_component_takes_the_task_config_kfp_passes_through():
+    """What a pipeline sets on the training task reaches the component (KFP's driver injects it as the TASK_CONFIG
+    input): resources and placement for the workers only, env and volumes on the step's own pod too."""
+    train = yaml.safe_load((ROOT / "components/elastic_train/elastic_train.yaml").read_text())
+    comp = train["components"]["comp-elastic-train-op"]
+    assert comp["inputDefinitions"]["parameters"]["task_config"] == {"isOptional": True, "parameterType": "TASK_CONFIG"}
+    assert comp["taskConfigPassthroughs"] == [
+        {"field": "RESOURCES"},
+        {"field": "KUBERNETES_TOLERATIONS"},
+        {"field": "KUBERNETES_NODE_SELECTOR"},
+        {"field": "KUBERNETES_AFFINITY"},
+        {"field": "ENV", "applyToTask": True},
+        {"field": "KUBERNETES_VOLUMES", "applyToTask": True},
+    ]
+    pipeline = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
+    assert pipeline["components"]["comp-elastic-train-op"]["taskConfigPassthroughs"] == comp["taskConfigPassthroughs"]
+
+
+def test_a_task_that_sets_resources_on_the_training_step_compiles(tmp_path):
+    """KFP refuses a task setting what its component does not pass through: the training step's may set them."""
+    from elastic_step.components import elastic_train_op
+
+    @dsl.pipeline(name="gpus")
+    def p(model_def: str):
+        t = elastic_train_op(
+            train_data=dsl.importer(artifact_uri="gs://b/t/", artifact_class=dsl.Dataset).output,
+            eval_data=dsl.importer(artifact_uri="gs://b/e/", artifact_class=dsl.Dataset).output,
+            model_def=model_def,
+        )
+        t.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1).set_cpu_limit("4").set_env_variable("A", "b")
+
+    compiler.Compiler().compile(p, str(tmp_path / "p.yaml"))

@@ -65,17 +65,23 @@ def _kfp_signatures() -> dict[str, tuple[str, inspect.Signature]]:
 
 # The KFP signatures' own arguments: data as URIs (the *_uri variants, for the UI) and the job id's sources.
 KFP_ONLY = {"train_uri", "eval_uri", "model_uri", "pipeline_run_id", "pipeline_task_name", "publish_uri"}
+# What KFP itself fills in, never a user: the training task's settings (dsl.TaskConfig), on elastic_train_op.
+KFP_FILLED = {"task_config"}
 
 
 @pytest.mark.parametrize("name", [*(n for n in components.__all__ if n.endswith("_op")), "train_eval"])
 def test_kfp_signatures_are_the_spec(name):
     step, sig = _kfp_signatures()[name]
     params = {
-        n: p for n, p in sig.parameters.items() if p.annotation in (int, float, str, bool)
+        n: p for n, p in sig.parameters.items() if p.annotation in (int, float, str, bool) or n in KFP_FILLED
     }  # artifacts (Input/Output[...]) aside
     expected = spec.params(spec.PIPELINE) if step is None else spec.params(spec.COMPONENT, step)
     assert {p.name for p in expected} <= set(params), "missing in the signature"
-    assert set(params) - {p.name for p in expected} <= KFP_ONLY, "not in the spec"
+    assert set(params) - {p.name for p in expected} <= KFP_ONLY | KFP_FILLED, "not in the spec"
+    if name == "elastic_train_op":
+        from kfp import dsl
+
+        assert (params["task_config"].annotation, params["task_config"].default) == (dsl.TaskConfig, None)
     for p in expected:
         got = params[p.name]
         default = spec.REQUIRED if got.default is inspect.Parameter.empty else got.default

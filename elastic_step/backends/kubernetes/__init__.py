@@ -12,6 +12,7 @@ One module per concern, each documenting its part of the semantics:
     secret.py       the job's token Secret, kept across a restart
     permissions.py  the verbs the Role must grant, checked up front; refusals as errors
     config.py       credentials, namespace, owner, the master's address, extra pod spec fields
+    settings.py     the pod settings of each role (resources, placement, spot, env, volumes), parsed once
     errors.py       KubernetesBackendError, KubernetesPermissionError
 """
 

@@ -18,6 +18,7 @@ import threading
 import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
+from elastic_step.backends.kubernetes import kueue
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
 from elastic_step.backends.kubernetes.config import (
     DEFAULT_IMAGE,
@@ -44,6 +45,7 @@ from elastic_step.backends.kubernetes.pods import (
     track,
 )
 from elastic_step.backends.kubernetes.secret import ensure_secret
+from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.backends.kubernetes.watch import PodWatch, apply_pod, overdue_loss, transition
 from elastic_step.errors import ConfigError
 
@@ -68,6 +70,9 @@ class KubernetesBackend(Backend):
         pod_spec: dict | None = None,
         pod_labels: dict | None = None,
         master_ip: str | None = None,
+        queue: str = "",
+        num_ps: int = 0,
+        settings: PodSettings | None = None,
         grace_s: int = 30,
         watch_timeout_s: int = 240,
         preflight: bool = True,
@@ -97,6 +102,10 @@ class KubernetesBackend(Backend):
         self.pod_spec = load_pod_spec(pod_spec)
         self.pod_labels = load_pod_labels(pod_labels)
         self.master_ip = master_ip or master_host(in_cluster)
+        self.queue, self.num_ps = queue, int(num_ps)
+        self.settings = settings or PodSettings()
+        if settings:
+            log.info("job %s pods: %s", job_id, self.settings.describe())
         self.grace_s = int(grace_s)
         self.watch_timeout_s = int(watch_timeout_s)
         self.selector = f"{LABEL_JOB}={job_id}"
@@ -109,7 +118,9 @@ class KubernetesBackend(Backend):
         self._closed = threading.Event()
 
         if preflight:
-            check_permissions(self.k8s, self.api, self.namespace, self._call)
+            check_permissions(self.k8s, self.api, self.namespace, self._call, kueue.NEEDED if queue else ())
+        if queue:
+            kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
         self.token, self.token_reused = ensure_secret(
             self._call,
             self.core,
@@ -147,7 +158,15 @@ class KubernetesBackend(Backend):
         """The backend of `cfg` (namespace, credentials, owner, pod spec from the environment) for the job
         `job_id` with a new `token`. A restarted master reuses the job's Secret: `backend.token` is then
         the stored token, which the job's plan takes (master/plan.py)."""
-        return cls(job_id, token, image=cfg.worker_image or None, **kwargs)
+        return cls(
+            job_id,
+            token,
+            image=cfg.worker_image or None,
+            queue=cfg.queue,
+            num_ps=cfg.num_ps,
+            settings=PodSettings.from_train_config(cfg),
+            **kwargs,
+        )
 
     @property
     def stats(self) -> dict[str, int]:
@@ -223,7 +242,13 @@ class KubernetesBackend(Backend):
             n = self._numbers.get(inst, 0) + 1
             self._numbers[inst] = n
             launch = _Launch(spec, n)
-            blockers = [p.name for p in self._pods.values() if p.inst == inst and not p.process_over]
+            # A Kueue pod group takes a replacement only once its predecessor has left the API (kueue.py).
+            launch.blocked_until_gone = kueue.in_group(self.queue, inst.role)
+            blockers = [
+                p.name
+                for p in self._pods.values()
+                if p.inst == inst and not (p.gone if launch.blocked_until_gone else p.process_over)
+            ]
             if blockers:
                 launch.blocker = blockers[0]
             else:
@@ -237,7 +262,8 @@ class KubernetesBackend(Backend):
                 InstanceEvent(
                     EventKind.STARTED,
                     inst,
-                    detail=f"{replaced}its pod is created once pod {launch.blocker} has terminated",
+                    detail=f"{replaced}its pod is created once pod {launch.blocker} has "
+                    + ("left the API" if launch.blocked_until_gone else "terminated"),
                 )
             )
             return
@@ -379,6 +405,9 @@ class KubernetesBackend(Backend):
                 default_priority=self._default_priority.get(inst.role),
                 owner_refs=owner_refs(self.owner),
                 pod_labels=self.pod_labels,
+                queue=self.queue,
+                num_ps=self.num_ps,
+                settings=self.settings,
             )
             try:
                 r = self._call(

@@ -93,17 +93,20 @@ def translate(e, verb: str, resource: str, namespace: str) -> Exception:
     )
 
 
-def check_permissions(k8s, api, namespace: str, call) -> None:
+def check_permissions(k8s, api, namespace: str, call, extra: tuple[tuple[str, str, str], ...] = ()) -> None:
     """Fail before anything is created when the Role lacks a verb (not after training, when
     the pods could not be deleted). `k8s`: the kubernetes.client module; `api`: its ApiClient;
-    `call`: the backend's API call (it turns refusals into the errors above)."""
+    `call`: the backend's API call (it turns refusals into the errors above); `extra`: (verb, resource,
+    API group) a setting needs besides NEEDED (a Kueue queue: get localqueues)."""
     auth = k8s.AuthorizationV1Api(api)
     missing = []
-    for verb, resource in NEEDED:
+    for verb, resource, group in [(v, r, "") for v, r in NEEDED] + list(extra):
         body = {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SelfSubjectAccessReview",
-            "spec": {"resourceAttributes": {"namespace": namespace, "verb": verb, "resource": resource, "group": ""}},
+            "spec": {
+                "resourceAttributes": {"namespace": namespace, "verb": verb, "resource": resource, "group": group}
+            },
         }
         try:
             r = call(

@@ -9,9 +9,10 @@ instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `
 for PS, when the cluster has them: see manifests/priorityclasses.yaml); restartPolicy Never;
 no service-account token; terminationGracePeriodSeconds 30; an ownerReference
 (blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
-own pod (`POD_NAME`/`POD_UID` from the downward API), else none. `ELASTIC_STEP_POD_SPEC`
-(JSON) is merged into every pod's spec: nodeSelector, tolerations, affinity, imagePullSecrets,
-schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
+own pod (`POD_NAME`/`POD_UID` from the downward API), else none. The job's pod settings (resources,
+tolerations, node selector, affinity, service account, env, volumes, spot: settings.py) dress each role's
+pods. `ELASTIC_STEP_POD_SPEC` (JSON, an escape hatch under those settings) is merged into every pod's spec:
+imagePullSecrets, schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
 PodGroup's `scheduling.x-k8s.io/pod-group` on the workers.
 """
 
@@ -25,6 +26,8 @@ import time
 
 from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.config import POD_IP_ENV
+from elastic_step.backends.kubernetes.kueue import eviction_cause, queue_metadata
+from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.errors import ConfigError
 from elastic_step.instance import TOKEN_ENV
 
@@ -84,6 +87,7 @@ class _Launch:
     name: str = ""
     state: str = "deferred"  # deferred -> pending -> running -> ended
     blocker: str = ""  # predecessor pod whose process must end first
+    blocked_until_gone: bool = False  # ... and, in a Kueue pod group, be gone from the API (kueue.py)
     stopping: bool = False  # we deleted it gracefully (scale-in): EXITED with its code
     killing: bool = False  # we deleted it with grace 0: LOST
     adopted: bool = False
@@ -128,6 +132,8 @@ def _terminated(obj: dict) -> dict | None:
 
 def _deletion_cause(obj: dict) -> str:
     name = obj["metadata"]["name"]
+    if cause := eviction_cause(obj):
+        return cause
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("type") == "DisruptionTarget" and c.get("status") == "True":
             if c.get("reason") == "PreemptionByScheduler":
@@ -148,9 +154,13 @@ def pod_body(
     default_priority: str | None,
     owner_refs: list[dict],
     pod_labels: dict[str, dict[str, str]] | None = None,
+    queue: str = "",
+    num_ps: int = 0,
+    settings: PodSettings | None = None,
 ) -> dict:
     """The pod of `launch` (named already); `default_priority`: the role's PriorityClass when the
-    instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win."""
+    instance names none; `pod_labels`: extra labels by role (or `*`), the backend's own win; `settings`: what
+    dresses the role's pods (settings.py), over `pod_spec`'s fields."""
     spec, inst = launch.spec, launch.spec.id
     env = [
         {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": TOKEN_KEY}}},
@@ -176,21 +186,22 @@ def pod_body(
         **copy.deepcopy(pod_spec),
         "containers": [container],
     }
+    (settings or PodSettings()).dress(inst.role, body_spec, container)
     priority = spec.priority_class or default_priority
     if priority:
         body_spec["priorityClassName"] = priority
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": launch.name,
-            "namespace": namespace,
-            "labels": {
-                **(pod_labels or {}).get("*", {}),
-                **(pod_labels or {}).get(inst.role, {}),
-                **job_labels(job_id, inst, launch.number),
-            },
-            "ownerReferences": owner_refs,
+    queue_labels, annotations = queue_metadata(queue, inst.role, job_id, num_ps)
+    metadata = {
+        "name": launch.name,
+        "namespace": namespace,
+        "labels": {
+            **(pod_labels or {}).get("*", {}),
+            **(pod_labels or {}).get(inst.role, {}),
+            **queue_labels,
+            **job_labels(job_id, inst, launch.number),
         },
-        "spec": body_spec,
+        "ownerReferences": owner_refs,
     }
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": body_spec}

@@ -55,7 +55,11 @@ def apply_pod(
     if launch is not None and launch.name == pod.name and launch.state in ("pending", "running"):
         event = transition(launch, pod, grace_s, overdue)
     if pod.process_over:
-        ready = [l for l in launches.values() if l.state == "deferred" and l.blocker == pod.name]
+        ready = [
+            l
+            for l in launches.values()
+            if l.state == "deferred" and l.blocker == pod.name and (pod.gone or not l.blocked_until_gone)
+        ]
     if pod.gone:
         del pods[pod.name]
     return event, ready

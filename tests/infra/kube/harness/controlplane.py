@@ -594,6 +594,92 @@ class ControlPlane(Service):
             with contextlib.suppress(kubernetes.client.ApiException):
                 kubernetes.client.CoreV1Api(self.api_client()).delete_node(name)
 
+    def taint_node(self, name: str, key: str, value: str = "", effect: str = "NoExecute") -> None:
+        """Add (or change) the taint ``key`` with ``effect`` on Node ``name`` (its taints of other effects stay). A
+        NoExecute taint makes kube-controller-manager's taint-eviction controller delete the pods on the node that do
+        not tolerate it (after their ``tolerationSeconds``, if any), as a spot node's coming reclaim does."""
+        taint = {"key": key, **({"value": value} if value else {}), "effect": effect}
+        self._patch_taints(
+            name, lambda taints: [t for t in taints if (t.get("key"), t.get("effect")) != (key, effect)] + [taint]
+        )
+
+    def untaint_node(self, name: str, key: str, effect: str | None = None) -> None:
+        """Remove the taint ``key`` (of ``effect`` only, or of every effect) from Node ``name``."""
+        self._patch_taints(
+            name, lambda taints: [t for t in taints if t.get("key") != key or effect not in (None, t.get("effect"))]
+        )
+
+    def cordon_node(self, name: str, unschedulable: bool = True) -> None:
+        """Mark Node ``name`` unschedulable (``False``: uncordon), as ``kubectl cordon`` does."""
+        import kubernetes.client
+
+        kubernetes.client.CoreV1Api(self.api_client()).patch_node(name, {"spec": {"unschedulable": unschedulable}})
+
+    def drain_node(self, name: str, timeout: float = 60.0) -> list[str]:
+        """``kubectl drain``: cordon Node ``name``, then evict each of its pods through the Eviction API (which
+        honours PodDisruptionBudgets: a refused eviction is retried until ``timeout``) and wait until they are gone.
+        Returns the evicted pods (``namespace/name``); raises ControlPlaneError naming those a budget kept."""
+        import kubernetes.client
+
+        core = kubernetes.client.CoreV1Api(self.api_client())
+        self.cordon_node(name)
+        deadline = time.monotonic() + timeout
+        evicted: set[str] = set()
+        while True:
+            pods = [
+                p
+                for p in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}").items
+                if p.status.phase not in ("Succeeded", "Failed")
+            ]
+            refused = []
+            for p in pods:
+                ref = f"{p.metadata.namespace}/{p.metadata.name}"
+                if p.metadata.deletion_timestamp is not None:
+                    continue
+                body = {
+                    "apiVersion": "policy/v1",
+                    "kind": "Eviction",
+                    "metadata": {"name": p.metadata.name, "namespace": p.metadata.namespace},
+                }
+                try:
+                    core.create_namespaced_pod_eviction(p.metadata.name, p.metadata.namespace, body)
+                    evicted.add(ref)
+                except kubernetes.client.ApiException as e:
+                    if e.status == 429:  # a PodDisruptionBudget allows no disruption now
+                        refused.append(ref)
+                    elif e.status != 404:
+                        raise
+            if not pods:
+                return sorted(evicted)
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"drain of node {name}: not done after {timeout}s; evictions refused by a "
+                    f"PodDisruptionBudget: {refused or 'none'}; still there: "
+                    f"{[f'{p.metadata.namespace}/{p.metadata.name}' for p in pods]}"
+                )
+            time.sleep(0.2)
+
+    def _patch_taints(self, name: str, change) -> None:
+        import kubernetes.client
+
+        api = self.api_client()
+        core = kubernetes.client.CoreV1Api(api)
+        for attempt in range(20):  # optimistic concurrency: the node lifecycle controller edits taints too
+            node = core.read_node(name)
+            taints = [api.sanitize_for_serialization(t) for t in node.spec.taints or []]
+            try:
+                core.patch_node(
+                    name,
+                    [
+                        {"op": "test", "path": "/metadata/resourceVersion", "value": node.metadata.resource_version},
+                        {"op": "add", "path": "/spec/taints", "value": change(taints)},
+                    ],
+                )
+                return
+            except kubernetes.client.ApiException as e:
+                if e.status not in (409, 422) or attempt == 19:
+                    raise
+
     def wait_node_schedulable(self, name: str, timeout: float = 60.0) -> None:
         """Wait until the node is Ready and untainted. The TaintNodesByCondition admission
         gives every new node a not-ready:NoSchedule taint that the node lifecycle controller

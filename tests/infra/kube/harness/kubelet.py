@@ -2,8 +2,9 @@
 
 ``ProcessKubelet(api_client, "node-a", cpu="2", memory="4Gi", pods=10).start()``
 
-* registers Node ``node-a`` (capacity = allocatable: cpu, memory, pods; Ready, with the
-  usual labels) and renews its Lease in ``kube-node-lease``;
+* registers Node ``node-a`` (capacity = allocatable: cpu, memory, pods, and any ``extended`` resources such as
+  ``{"nvidia.com/gpu": "2"}``, which kube-scheduler then counts; Ready, with the usual labels plus ``labels``, and
+  ``taints``) and renews its Lease in ``kube-node-lease``;
 * watches the pods bound to it (``spec.nodeName``; re-lists on 410 Gone) and runs each one
   (pod.py): its init containers in order, each to completion, then all its containers at once,
   each ``command + args`` (``$(VAR)`` expanded) as a local process in its own process group, with:
@@ -116,6 +117,7 @@ class ProcessKubelet(Service):
         pods: int = 110,
         labels: dict | None = None,
         taints: list | None = None,
+        extended: dict[str, str | int] | None = None,
         workdir: str | Path | None = None,
         api_host: str = "127.0.0.1",
         api_port: int = 443,
@@ -134,6 +136,7 @@ class ProcessKubelet(Service):
         self.ApiException = kubernetes.client.ApiException
         self.name = name
         self.capacity = {"cpu": str(cpu), "memory": str(memory), "pods": str(pods), "ephemeral-storage": "100Gi"}
+        self.capacity.update({k: str(v) for k, v in (extended or {}).items()})  # e.g. nvidia.com/gpu: nothing backs it
         self.labels = {
             "kubernetes.io/hostname": name,
             "kubernetes.io/os": "linux",

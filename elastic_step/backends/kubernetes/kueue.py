@@ -1,0 +1,87 @@
+"""Kueue: how the job's pods go through a cluster's queues and quotas (`queue`, a Kueue LocalQueue).
+
+Kueue's plain-pod integration admits pods by label. The job's pods form these workloads:
+
+* every **worker** pod is a workload of its own, so Kueue admits workers one at a time as the quota allows
+  (the job trains with those admitted; the rest are Pending behind Kueue's scheduling gate, which the master
+  already reads as "not running yet");
+* the **parameter servers** form one pod group (`<job>-ps`, all `num_ps` of them), admitted whole or not at all:
+  a job with some of its shards is no job;
+* the **master** is the step's own pod, made by KFP or Argo: it cannot be in the PS group (it creates the PS
+  pods, so that group would wait on it), and goes through the queue only if the pipeline labels it.
+
+Kueue preempts the lowest priority first, and reads a plain pod's priority from its PriorityClass: workers
+(`elastic-low`) go before the core (`elastic-high`). An evicted or preempted pod is given the condition
+`TerminationTarget` and deleted: to the master that is a loss like any other, and its replacement waits in
+the queue.
+"""
+
+from __future__ import annotations
+
+from elastic_step.backends.kubernetes.errors import KubernetesBackendError
+from elastic_step.errors import ConfigError
+
+GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
+POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+EVICTED_CONDITION = "TerminationTarget"  # what Kueue sets on a pod it stops, before deleting it
+NEEDED = (("get", "localqueues", GROUP),)  # the Role's extra rule when a queue is set
+
+
+def in_group(queue: str, role: str) -> bool:
+    """Whether a pod of `role` is in a Kueue pod group. A group counts a member Kueue has not yet seen end as
+    active, so a replacement created beside it would be one pod too many (Kueue deletes it): the backend creates it
+    once its predecessor has left the API."""
+    return bool(queue) and role == "ps"
+
+
+def queue_metadata(queue: str, role: str, job_id: str, num_ps: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) that put a pod of `role` in `queue` (none without a queue)."""
+    if not queue:
+        return {}, {}
+    labels = {QUEUE_LABEL: queue}
+    if not in_group(queue, role):
+        return labels, {}
+    return {**labels, POD_GROUP_LABEL: f"{job_id}-ps"}, {POD_GROUP_COUNT: str(num_ps)}
+
+
+def eviction_cause(obj: dict) -> str | None:
+    """Why Kueue stopped this pod (its TerminationTarget condition), or None when Kueue did not."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == EVICTED_CONDITION and c.get("status") == "True":
+            # The reason is the workload's: WorkloadEvictedDueTo<Preempted|PodsReadyTimeout|NodeFailures|...>
+            why = (c.get("reason") or "").removeprefix("WorkloadEvictedDueTo")
+            what = "preempted" if why == "Preempted" else f"evicted ({why})" if why else "evicted"
+            message = f": {c['message']}" if c.get("message") else ""
+            return f"{what} by Kueue (pod {obj['metadata']['name']}){message}"
+    return None
+
+
+def check_local_queue(custom, namespace: str, queue: str, call) -> None:
+    """Fail before any pod exists when the LocalQueue is missing: Kueue would leave every pod gated for ever.
+    `custom`: a CustomObjectsApi; `call`: the backend's API call (refusals become clear errors)."""
+    try:
+        call(
+            "get",
+            "localqueues",
+            custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            namespace,
+            "localqueues",
+            queue,
+        )
+    except KubernetesBackendError as e:
+        if e.status != 404:
+            raise
+        if f'"{queue}" not found' not in str(e):  # the resource itself is unknown: no Kueue in this cluster
+            raise ConfigError(
+                f"queue {queue!r}: this cluster has no Kueue (no resource localqueues.{GROUP}/{VERSION}): install "
+                "Kueue, or leave the queue empty to create the job's pods directly."
+            ) from None
+        raise ConfigError(
+            f"queue {queue!r}: there is no Kueue LocalQueue {queue!r} in namespace {namespace}: create it (kind "
+            f"LocalQueue, apiVersion {GROUP}/{VERSION}, spec.clusterQueue), or name one that exists "
+            f"(kubectl get localqueues -n {namespace})."
+        ) from None
