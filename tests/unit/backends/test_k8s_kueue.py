@@ -5,28 +5,15 @@ import types
 
 import pytest
 
-from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError
 from elastic_step.backends.kubernetes.kueue import check_local_queue, eviction_cause
-from elastic_step.backends.kubernetes.pods import _deletion_cause, _Launch, pod_body
+from elastic_step.backends.kubernetes.pods import _deletion_cause
 from elastic_step.errors import ConfigError
+from tests.unit.backends.pods import job_pod
 
 
 def body(role: str, queue: str) -> dict:
-    launch = _Launch(InstanceSpec(InstanceId(role, 1), ["true"], cpu="1"), 2, name=f"j-{role}-1-2")
-    return pod_body(
-        launch,
-        job_id="j",
-        namespace="ns",
-        image="img",
-        secret_name="j-token",
-        grace_s=30,
-        pod_spec={},
-        default_priority=None,
-        owner_refs=[],
-        queue=queue,
-        num_ps=3,
-    )
+    return job_pod(role, index=1, number=2, spec={"cpu": "1"}, queue=queue, num_ps=3)
 
 
 def test_each_worker_is_a_workload_and_the_parameter_servers_one_group():

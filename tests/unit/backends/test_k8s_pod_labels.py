@@ -4,28 +4,15 @@ import json
 
 import pytest
 
-from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.config import POD_LABELS_ENV, load_pod_labels
-from elastic_step.backends.kubernetes.pods import _Launch, pod_body
 from elastic_step.errors import ConfigError
+from tests.unit.backends.pods import job_pod
 
 GROUP = "scheduling.x-k8s.io/pod-group"
 
 
 def body(role: str, labels: dict) -> dict:
-    launch = _Launch(InstanceSpec(InstanceId(role, 0), ["true"], cpu="1"), 1, name=f"j-{role}-0")
-    return pod_body(
-        launch,
-        job_id="j",
-        namespace="ns",
-        image="img",
-        secret_name="j-token",
-        grace_s=30,
-        pod_spec={"schedulerName": "gang"},
-        default_priority=None,
-        owner_refs=[],
-        pod_labels=load_pod_labels(labels),
-    )
+    return job_pod(role, spec={"cpu": "1"}, pod_spec={"schedulerName": "gang"}, pod_labels=load_pod_labels(labels))
 
 
 def test_labels_by_role_and_for_all():

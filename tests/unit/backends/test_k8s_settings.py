@@ -5,12 +5,11 @@ import json
 
 import pytest
 
-from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import settings as s
-from elastic_step.backends.kubernetes.pods import _Launch, pod_body
 from elastic_step.backends.kubernetes.settings import PodSettings, from_task_config
 from elastic_step.errors import ConfigError
 from elastic_step.master.api import TrainConfig
+from tests.unit.backends.pods import job_pod
 
 GPU = "nvidia.com/gpu"
 SPOT = "cloud.google.com/gke-spot"
@@ -21,19 +20,8 @@ def config(**kw) -> TrainConfig:
 
 
 def body(role: str, cfg: TrainConfig | None = None, pod_spec: dict | None = None, **spec) -> dict:
-    launch = _Launch(InstanceSpec(InstanceId(role, 0), ["run"], env={"A": "1"}, **spec), 1, name=f"j-{role}-0")
-    return pod_body(
-        launch,
-        job_id="j",
-        namespace="ns",
-        image="img",
-        secret_name="j-token",
-        grace_s=30,
-        pod_spec=pod_spec or {},
-        default_priority=None,
-        owner_refs=[],
-        settings=PodSettings.from_train_config(cfg or config()),
-    )
+    settings = PodSettings.from_train_config(cfg or config())
+    return job_pod(role, spec={"env": {"A": "1"}, **spec}, pod_spec=pod_spec or {}, settings=settings)
 
 
 # ---------------------------------------------------------------- quantities
