@@ -126,6 +126,8 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     kueue.cluster_queue(cq, quotas, flavor=namespace, preemption={"withinClusterQueue": "LowerPriority"})
     kueue.local_queue(namespace, "team", cq)
 
+    urgent_took = []  # the workers Kueue preempted for the urgent workload, before the critical one arrived
+
     def steps(master, log):
         # Kueue admits two workers and keeps two waiting: their workloads pending, their pods gated.
         wait_for(
@@ -165,6 +167,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         # job waits. Once it ends, Kueue admits the core and the workers again, and the job resumes from its last
         # checkpoint (every shard restored).
         wait_for(lambda: "checkpoint 2 written" in log.read_text() or master.poll() is not None, 240, what="a cut")
+        urgent_took.extend(re.findall(r"(worker-\d+) preempted by Kueue", log.read_text()))
         urgent_pod(core, namespace, "critical", "team", "4500m", critical_priority)
         wait_for(
             lambda: (
@@ -195,9 +198,12 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     )
     losses = kueue_losses(summary)
     assert all("preempted by Kueue" in e["detail"] for e in losses), losses
-    # The urgent workload took two workers and no PS: the core went only to the workload above its own priority.
+    # The urgent workload took two workers and no PS: the core went only to the workload above its own priority
+    # (which takes the workers too, in an order of Kueue's choosing).
+    assert len(urgent_took) == 2, urgent_took
+    assert [e["instance"] for e in losses[:2]] == urgent_took, losses
     (critical,) = [i for i, e in enumerate(losses) if e["instance"] == "ps-0"]
-    assert [e["instance"].split("-")[0] for e in losses[:critical]] == ["worker", "worker"], losses
+    assert critical >= 2 and all(e["instance"].startswith("worker-") for e in losses[:critical]), losses
     assert "due to prioritization in the ClusterQueue" in losses[0]["detail"], losses  # Kueue's own words
     (restore,) = summary["checkpoints"]["ps_restores"]
     assert restore["ps"] == 0 and restore["from_checkpoint"] >= 2, restore
