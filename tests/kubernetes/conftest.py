@@ -99,5 +99,8 @@ def kueue(control_plane):
 
 @pytest.fixture
 def kueue_namespace(kueue, namespace):
+    """A namespace Kueue manages; the ClusterQueues, flavors and priority classes made for it go with the test."""
     kueue.opt_in(namespace)
-    return namespace
+    mark = len(kueue.cluster_objects)
+    yield namespace
+    kueue.delete_since(mark)

@@ -47,9 +47,7 @@ def queue(kueue, kueue_namespace):
         preemption={"withinClusterQueue": "LowerPriority"},
     )
     kueue.local_queue(kueue_namespace, "q", kueue_namespace)
-    yield kueue_namespace
-    kueue.delete("clusterqueues", kueue_namespace)
-    kueue.delete("resourceflavors", kueue_namespace)
+    return kueue_namespace  # kueue_namespace deletes the ClusterQueue and the flavor after the test
 
 
 def test_quota_admits_two_of_three_and_more_when_raised(kueue, core, node, queue):

@@ -206,6 +206,7 @@ class Kueue(Service):
         self.timings: dict[str, float] = {}
         self.webhook_port = self.health_port = 0
         self._api = None
+        self.cluster_objects: list[tuple[str, str]] = []  # (plural, name) of what tests made, for delete_since()
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> Kueue:
@@ -419,7 +420,9 @@ class Kueue(Service):
     def _create(self, plural: str, body: dict, namespace: str | None = None) -> dict:
         body = {"apiVersion": f"{GROUP}/{API_VERSION}", **body}
         if namespace is None:
-            return self.custom.create_cluster_custom_object(GROUP, API_VERSION, plural, body)
+            made = self.custom.create_cluster_custom_object(GROUP, API_VERSION, plural, body)
+            self.cluster_objects.append((plural, body["metadata"]["name"]))
+            return made
         return self.custom.create_namespaced_custom_object(GROUP, API_VERSION, namespace, plural, body)
 
     def resource_flavor(self, name: str, node_labels: dict | None = None, tolerations: list | None = None) -> dict:
@@ -509,6 +512,12 @@ class Kueue(Service):
         except kubernetes.client.ApiException as e:
             if e.status != 404:
                 raise
+
+    def delete_since(self, mark: int) -> None:
+        """Delete the cluster-scoped objects made since ``len(cluster_objects)`` was ``mark``, newest first: a
+        namespace's deletion takes its LocalQueues, not the ClusterQueues and flavors a test made for it."""
+        while len(self.cluster_objects) > mark:
+            self.delete(*self.cluster_objects.pop())
 
     def workloads(self, namespace: str) -> list[Workload]:
         """The Workloads of ``namespace``, oldest first."""
