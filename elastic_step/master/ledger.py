@@ -330,7 +330,7 @@ class Ledger:
         held = [(lease.task, lease.watermark) for lease in [*self.leases.values(), *self.ahead.values()]]
         queue = [
             # A task cut short by a hand-over (see hand_over) carries its own end.
-            [task.task_id, start] + ([task.end] if task.end != self._end_of(task.task_id - self._base) else [])
+            [task.task_id, start] + ([task.end] if task.end != self._range(task.task_id - self._base)[2] else [])
             for task, start in [*held, *self.queue.front]
             if start < task.end
         ]
@@ -382,25 +382,17 @@ class Ledger:
         return again
 
     # ------------------------------------------------------------------ internals
-    def task(self, task_id: int) -> TaskDef | None:
-        """A task of the current epoch, whole (as cut, before any hand-over); None for any other id."""
-        pos = task_id - self._base
-        return self._task_at(pos) if 0 <= pos < len(self._order) else None
-
     def _task_at(self, pos: int) -> TaskDef:
         """The task at position `pos` of the current epoch's order."""
-        number = int(self._order[pos])
-        i = bisect.bisect_right(self._first, number) - 1
-        start = (number - self._first[i]) * self.records_per_task
-        return TaskDef(self._base + pos, self.epoch, self.shards[i].uri, start, self._end_of(pos, i, start))
+        shard, start, end = self._range(pos)
+        return TaskDef(self._base + pos, self.epoch, self.shards[shard].uri, start, end)
 
-    def _end_of(self, pos: int, shard: int | None = None, start: int | None = None) -> int:
-        """The end of the task at position `pos`, as cut (a hand-over may end a lease before it)."""
-        if shard is None:
-            number = int(self._order[pos])
-            shard = bisect.bisect_right(self._first, number) - 1
-            start = (number - self._first[shard]) * self.records_per_task
-        return min(self.shards[shard].rows, start + self.records_per_task)
+    def _range(self, pos: int) -> tuple[int, int, int]:
+        """(shard index, start, end) of the task at position `pos`, as cut (a hand-over may end a lease before)."""
+        number = int(self._order[pos])
+        shard = bisect.bisect_right(self._first, number) - 1
+        start = (number - self._first[shard]) * self.records_per_task
+        return shard, start, min(self.shards[shard].rows, start + self.records_per_task)
 
     def _commit(self, task: TaskDef, lo: int, hi: int) -> int:
         if hi <= lo:
@@ -421,7 +413,7 @@ class Ledger:
             else:
                 merged.append([s, e])
         whole = len(merged) == 1 and merged[0][0] == task.start and merged[0][1] >= task.end  # the lease's end
-        if whole and merged[0][1] == self._end_of(pos):  # and the task's, which a hand-over may put after it
+        if whole and merged[0][1] == self._range(pos)[2]:  # and the task's, which a hand-over may put after it
             self._complete[pos] = 1
             self._partial.pop(task.task_id, None)
         else:
