@@ -36,15 +36,16 @@ PODS_PER_NODE = 110
 
 
 def apiserver_pod_requests(api) -> dict[str, int]:
-    """The apiserver's count of requests on pods since it started, by verb, from every client."""
+    """The apiserver's count of requests on pods since it started, by verb (and subresource), from every client."""
     resp = api.call_api(
         "/metrics", "GET", auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True
     )
     counts: dict[str, int] = {}
     for m in re.finditer(r"^apiserver_request_total\{([^}]*)\} (\S+)$", resp.data.decode(), re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if labels.get("resource") == "pods" and not labels.get("subresource"):
-            counts[labels["verb"]] = counts.get(labels["verb"], 0) + int(float(m.group(2)))
+        if labels.get("resource") == "pods":
+            key = " ".join(filter(None, (labels["verb"], labels.get("subresource"))))
+            counts[key] = counts.get(key, 0) + int(float(m.group(2)))
     return counts
 
 

@@ -127,7 +127,8 @@ class FleetMaster:
 
         def check():
             ended = self.seen(EventKind.EXITED) | self.seen(EventKind.LOST)
-            assert not ended, f"{what}: pods ended: {[(str(i), e.detail) for i, (_, e) in sorted(ended.items())]}"
+            gone = [(str(i), e.kind.value, e.exit_code, e.detail) for i, (_, e) in sorted(ended.items())]
+            assert not ended, f"{what}: pods ended: {gone}"
             return done()
 
         wait_for(check, timeout, interval=0.1, what=what)
