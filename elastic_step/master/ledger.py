@@ -25,6 +25,7 @@ front of a cursor into that order. A checkpoint's cut holds the same, the arrays
 
 from __future__ import annotations
 
+import array
 import base64
 import bisect
 import collections
@@ -182,7 +183,7 @@ class Ledger:
         self.accounts: list[EpochAccount] = []
         # The current epoch: task `_base + p` is task number `_order[p]` in shard order.
         self._base = 0
-        self._order = np.empty(0, np.int32)
+        self._order = array.array("i")  # read one by one: an array's items are Python ints at once
         self._order_text: str | None = None  # its encoding in a cut, made once an epoch
         self._complete = bytearray()  # per position: 1 once every record of the task is committed
         self._partial: dict[int, list[list[int]]] = {}  # task_id -> merged committed intervals, if not complete
@@ -335,7 +336,7 @@ class Ledger:
             if start < task.end
         ]
         if self._order_text is None:
-            self._order_text = _encode(self._order.astype("<i4", copy=False))
+            self._order_text = _encode(np.frombuffer(self._order, np.int32).astype("<i4", copy=False))
         return {
             "format": CUT_FORMAT,
             "epoch": self.epoch,
@@ -367,7 +368,7 @@ class Ledger:
         self.accounts = [EpochAccount(**a) for a in cut["accounts"]]
         size = 0 if self.done else self.tasks_per_epoch
         self._base, self._order_text = cut["first_task"], cut["order"]
-        self._order = _decode(cut["order"], "<i4", size).astype(np.int32)
+        self._order = array.array("i", _decode(cut["order"], "<i4", size).astype(np.int32).tobytes())
         self._complete = bytearray(np.unpackbits(_decode(cut["complete"], np.uint8, -(-size // 8)))[:size].tobytes())
         self._partial = {int(t): [list(iv) for iv in ivs] for t, ivs in cut["partial"].items()}
         front = []
@@ -389,7 +390,7 @@ class Ledger:
 
     def _range(self, pos: int) -> tuple[int, int, int]:
         """(shard index, start, end) of the task at position `pos`, as cut (a hand-over may end a lease before)."""
-        number = int(self._order[pos])
+        number = self._order[pos]
         shard = bisect.bisect_right(self._first, number) - 1
         start = (number - self._first[shard]) * self.records_per_task
         return shard, start, min(self.shards[shard].rows, start + self.records_per_task)
@@ -402,16 +403,21 @@ class Ledger:
         if self._complete[pos]:
             acct.double_applied += hi - lo
             return 0
-        intervals = self._partial.get(task.task_id, [])
-        overlap = sum(max(0, min(hi, e) - max(lo, s)) for s, e in intervals)
-        intervals.append([lo, hi])
-        intervals.sort()
-        merged: list[list[int]] = []
-        for s, e in intervals:
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
+        intervals = self._partial.get(task.task_id)
+        overlap = 0
+        if intervals is None:  # the task's first report
+            merged = [[lo, hi]]
+        elif len(intervals) == 1 and intervals[0][1] == lo:  # the usual next one: its lease's next minibatches
+            merged = intervals
+            merged[0][1] = hi
+        else:
+            overlap = sum(max(0, min(hi, e) - max(lo, s)) for s, e in intervals)
+            merged = []
+            for s, e in sorted([*intervals, [lo, hi]]):
+                if merged and s <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], e)
+                else:
+                    merged.append([s, e])
         whole = len(merged) == 1 and merged[0][0] == task.start and merged[0][1] >= task.end  # the lease's end
         if whole and merged[0][1] == self._range(pos)[2]:  # and the task's, which a hand-over may put after it
             self._complete[pos] = 1
@@ -436,9 +442,9 @@ class Ledger:
         if size:
             self.accounts.append(EpochAccount(epoch=self.epoch, records=self.records_per_epoch))
             rng = np.random.default_rng([self.seed % 2**64, self.epoch])
-            self._order = rng.permutation(size).astype(np.int32)
+            self._order = array.array("i", rng.permutation(size).astype(np.int32).tobytes())
         else:
-            self._order = np.empty(0, np.int32)
+            self._order = array.array("i")
         self._base = self._next_id
         self._next_id += size
         self._complete = bytearray(size)
