@@ -36,6 +36,8 @@ STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
 # and each lease's last report, which goes unpaced.
 REPORTS_PER_S_BUDGET = 1000.0
 MIN_REPORT_INTERVAL_S = 0.05
+# Asks for work that find none, per second, over all workers: the pace of a worker told to wait.
+WAITS_PER_S_BUDGET = 2000.0
 
 
 # The master sheds load once calls wait this long, on average, before it serves them.
@@ -109,6 +111,7 @@ class MasterService(pb_grpc.MasterServicer):
         self.minibatch_size = minibatch_size
         self.model_def = model_def
         self.report_interval_s = report_interval_s(max_workers)
+        self.wait_retry_s = max(WAIT_S, max_workers / WAITS_PER_S_BUDGET)
         self.pushes_in_flight = pushes_in_flight
         self.minibatches_per_push = minibatches_per_push
         # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
@@ -116,6 +119,12 @@ class MasterService(pb_grpc.MasterServicer):
         self.checkpoint_state = lambda: None
         # A URI as instances open it: a file local to the step, served by the master (input_server.py).
         self.locate: Callable[[str], str] = lambda uri: uri
+
+    def _wait_retry_s(self) -> float:
+        """When a worker with nothing to do asks again: 50 ms, and slower as the job grows, so that a queue run dry
+        under thousands of workers (the end of an epoch) costs the master a flat load. Jittered: they asked
+        together, they come back apart."""
+        return random.uniform(0.5, 1.5) * self.wait_retry_s
 
     def calls_served(self) -> int:
         return self.calls
@@ -170,7 +179,7 @@ class MasterService(pb_grpc.MasterServicer):
         if lease == "done":
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
         if lease is None:
-            return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=WAIT_S)
+            return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=self._wait_retry_s())
         t = lease.task
         return pb.GetTaskResponse(
             kind=pb.GetTaskResponse.TASK,
