@@ -126,9 +126,6 @@ class MasterService(pb_grpc.MasterServicer):
         together, they come back apart."""
         return random.uniform(0.5, 1.5) * self.wait_retry_s
 
-    def calls_served(self) -> int:
-        return self.calls
-
     async def _instance(self, context, call: str, request) -> InstanceId:
         """The caller, once its token is checked, unless its launch is fenced (master/fence.py): then the call is
         refused, PERMISSION_DENIED."""
