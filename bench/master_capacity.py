@@ -1,20 +1,21 @@
-"""How many workers can one master serve? The real gRPC master against hundreds of simulated workers.
+"""How many workers can one master serve? The real gRPC master against thousands of simulated workers.
 
-No TensorFlow: each simulated worker is a thread with its own `MasterClient` (its own channel,
-as each worker pod has), doing what `elastic_step.worker.loop` does minus the compute:
-register, then loop GetTask -> one ReportProgress per minibatch -> ... until DONE (or the run's
-time is up). Workers run in a few client *processes* (spawned, so the server process's GIL is
-the master's own), over a synthetic ledger (default 2M records, minibatch 64).
+No TensorFlow: each simulated worker is a coroutine with its own grpc.aio channel (as each worker pod has its
+own connection), many to a client process, doing what `elastic_step.worker.loop` does minus the compute:
+register (coming back when the master says so), then lease after lease, a report at the master's pace and at
+each lease's end, until DONE or the window ends. Client processes are spawned, so the server process's CPU is the
+master's own; the bench prints the clients' CPU beside it. All workers start at once (--ramp-s spreads them).
 
-The same workload is then driven in-process, with no gRPC, against the Ledger alone and against
-the Coordinator (ledger + lock + membership + timeline): the gRPC figures are printed as a ratio
-of those, so the cost of the wire and the server's thread pool is visible in one run.
+The same workload is then driven in-process, with no gRPC, against the Ledger alone and against the Coordinator
+(ledger + lock + membership + timeline): the gRPC figures are printed as a ratio of those.
 
-    .venv/bin/python bench/master_capacity.py                    # 200 and 400 workers, <= 60 s
-    .venv/bin/python bench/master_capacity.py --workers 100 800 --budget 120 --json out.json
+    .venv/bin/python bench/master_capacity.py                                  # 1,000 saturating workers
+    .venv/bin/python bench/master_capacity.py --workers 1000 4000 10000 --leases-per-worker 4 --client-procs 2
+    .venv/bin/python bench/master_capacity.py --workers 10000 --think-ms 100 --records-per-task 16384 \
+        --leases-per-worker 2 --client-procs 2 --window 90                     # paced: 100 ms a minibatch
 
-Client processes share the machine with the master, so on a small box the figures are a lower
-bound of what the master alone sustains.
+Client processes share the machine with the master, so on a small box the figures are a lower bound of what the
+master alone sustains.
 """
 
 from __future__ import annotations
