@@ -170,7 +170,7 @@ def train_tasks(
             reply = master.get_task(ahead_of=after)
             if reply.kind == pb.GetTaskResponse.TASK:
                 return reply.task, feed_lease(reply.task)
-            if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(max(retry, reply.retry_after_s)):
+            if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(retry):
                 return None
             retry = min(2 * retry, AHEAD_RETRY_MAX_S)
 
