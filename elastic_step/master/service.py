@@ -54,10 +54,10 @@ WAITING_CALLS = 64
 class Admission:
     """Backpressure from how long calls wait to be served. Every client of the master sends its calls with
     rpc.CALL_TIMEOUT_S, and the server's clock for that deadline starts when the call arrives, so what is left of
-    it when the call is served tells how long it queued. Past `target_s` (smoothed over recent calls), a new
-    worker's Register is told to come back after a delay that grows with the
-    wait, jittered so that the shed callers do not return together; a shed call costs no lock and no ledger work.
-    Under the target every call is served, and calls without that deadline are never shed."""
+    it when the call is served tells how long it queued. Past `target_s` (smoothed over recent calls), a joining
+    worker's Register is told to come back after a delay that grows with the wait, jittered so that the shed
+    callers do not return together; a shed call costs no lock and no ledger work. Under the target every call is
+    served, and calls without that deadline never move the estimate."""
 
     def __init__(self, target_s: float = QUEUE_TARGET_S):
         self.target_s = target_s
