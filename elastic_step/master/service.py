@@ -31,9 +31,9 @@ WAIT_S = 0.05
 STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
 
 
-# Progress reports the master budgets for, per second, over all workers: about 40 % of what one
-# master serves (bench/master_capacity.py: ~2 500 reports/s), leaving the rest for GetTask, heartbeats
-# and each lease's last report, which goes unpaced.
+# Progress reports the master budgets for, per second, over all workers: a fifth of what one master
+# serves on a core (bench/master_capacity.py: ~5,000 calls/s), leaving the rest for GetTask, heartbeats,
+# joining workers and each lease's last report, which goes unpaced.
 REPORTS_PER_S_BUDGET = 1000.0
 MIN_REPORT_INTERVAL_S = 0.05
 # Asks for work that find none, per second, over all workers: the pace of a worker told to wait.
