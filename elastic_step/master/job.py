@@ -40,6 +40,7 @@ from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
+from elastic_step.util import phases
 from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
 from elastic_step.util.uri import local_path
@@ -310,6 +311,7 @@ class TrainingJob:
                 self._input_server.stop()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
+            phases.dump("master")
         with self.health.busy("evaluating and saving the model"):
             return self._finish(model, ps_stats, evidence)
 
@@ -521,9 +523,10 @@ class TrainingJob:
         from elastic_step.evaluation import evaluate
 
         try:
-            if not loaded:
-                self._load_weights()
-            r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
+            with phases.phase("master: evaluate an epoch (pull, then the eval records)"):
+                if not loaded:
+                    self._load_weights()
+                r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
         except ModelDefError as e:  # the user's loss or metrics: theirs, reported once, now
             self.coord.report_failure("master", "model_error", str(e), "")
             return

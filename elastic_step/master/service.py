@@ -15,6 +15,7 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
+from elastic_step.util.phases import phase
 
 WAIT_S = 0.05
 STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
@@ -117,6 +118,10 @@ class MasterService(pb_grpc.MasterServicer):
 
     def ReportProgress(self, request, context):
         check_token(context, self.token, request.token)
+        with phase("master: ReportProgress"):
+            return self._report_progress(request, context)
+
+    def _report_progress(self, request, context):
         ok = self.c.report_progress(
             self._instance(context, "ReportProgress", request.instance),
             request.task_id,

@@ -27,6 +27,7 @@ from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
 from elastic_step.ps.client import ShardsMoved
+from elastic_step.util.phases import phase
 from elastic_step.worker.records import Records, working_on
 
 log = logging.getLogger("elastic_step.worker")
@@ -86,9 +87,13 @@ class Reporter:
             first, *rest = coalesce(self.pending)
             self.pending = rest
             self._urgent = self._urgent and bool(rest)
-            self.in_flight = self._thread.submit(self.master.report, *first)
+            self.in_flight = self._thread.submit(self._send, first)
         elif self.refused:
             self.pending.clear()
+
+    def _send(self, report: tuple):
+        with phase("report thread: ReportProgress"):
+            return self.master.report(*report)
 
     def flush(self) -> None:
         while self.in_flight is not None or self.pending:
@@ -160,14 +165,18 @@ def train_tasks(
 
     def feed_lease(task):
         with working_on(Records(task.shard, task.shard_index, task.epoch, task.start, task.end)):
-            return trainer.feed_lease(readers.read(task.shard, task.start, task.end))
+            with phase("lease: read"):
+                rows = readers.read(task.shard, task.start, task.end)
+            with phase("lease: feed()"):
+                return trainer.feed_lease(rows)
 
     def lease_ahead(after: int, leaving: threading.Event):
         """(task, its fed rows) to start after task `after`, or None once the worker leaves that
         task with nothing leased ahead."""
         retry = AHEAD_RETRY_S
         while True:
-            reply = master.get_task(ahead_of=after)
+            with phase("lease: GetTask ahead"):
+                reply = master.get_task(ahead_of=after)
             if reply.kind == pb.GetTaskResponse.TASK:
                 return reply.task, feed_lease(reply.task)
             if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(retry):
@@ -194,20 +203,23 @@ def train_tasks(
             try:
                 # Reports arrive in order, so the master takes the next lease's once this one's last is in.
                 waited = waited or (ahead is not None and not ahead.done())
-                nxt = ahead.result() if ahead is not None else None
+                with phase("train: wait for the lease ahead"):
+                    nxt = ahead.result() if ahead is not None else None
                 ahead = None
                 if nxt is not None and not reporter.refused:
                     t, fed = nxt
                 else:
                     # The master hands a worker its current lease again until the lease's last report
                     # arrives, so deliver every report before asking for more work.
-                    settle()
-                    reporter.flush()
+                    with phase("train: no lease ahead: settle, flush reports"):
+                        settle()
+                        reporter.flush()
                     if reporter.refused:
                         # The master no longer counts the lease ours (it thought us lost): start afresh.
                         log.warning("master refused a progress report: dropping the lease")
                         reporter.refused = False
-                    reply = master.get_task()
+                    with phase("train: no lease ahead: GetTask"):
+                        reply = master.get_task()
                     if reply.kind == pb.GetTaskResponse.DONE:
                         return "done"
                     if reply.kind == pb.GetTaskResponse.WAIT:
@@ -235,15 +247,17 @@ def train_tasks(
                         break
                     # Before the step, not after: its gradient is then taken on values that hold every
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
-                    settle(keep=pushes_in_flight - 1)
+                    with phase("train: wait for push and pull"):
+                        settle(keep=pushes_in_flight - 1)
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
                     started = time.monotonic()
-                    with working_on(at):
+                    with working_on(at), phase("train: compute (the step's call)"):
                         result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
                     faults.STEP_DONE(time.monotonic() - started)
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
-                    in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
-                    reporter.pump()
+                    with phase("train: hand the push over, pump reports"):
+                        in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
+                        reporter.pump()
                 leaving.set()
             except ShardsMoved as e:
                 if rejoin is None:
