@@ -63,6 +63,9 @@ class Reporter:
         self.hold = False  # the master is cutting a checkpoint: settle, flush, then hold
         self._sent_at = 0.0
         self._urgent = False  # a lease's last report is pending
+        self._ends: dict[int, int] = {}  # task -> its last watermark, once reported
+        self._finished: set[int] = set()  # tasks whose last report the master answered
+        self._answered = threading.Condition()
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
 
     def report(
@@ -70,7 +73,21 @@ class Reporter:
     ) -> None:
         self.pending.append((task_id, watermark, records, loss, duplicate))
         self._urgent = self._urgent or last
+        if last:
+            self._ends[task_id] = watermark
         self.pump()
+
+    def wait_finished(self, task_id: int, leaving: threading.Event, timeout_s: float = 5.0) -> bool:
+        """Until the master has answered task `task_id`'s last report (True: it has moved this worker on to the
+        lease it took ahead), `leaving` is set or `timeout_s` passed. From any thread."""
+        deadline = time.monotonic() + timeout_s
+        with self._answered:
+            while task_id not in self._finished and not leaving.is_set() and time.monotonic() < deadline:
+                self._answered.wait(0.05)  # `leaving` is an Event of its own: looked at this often
+            if task_id in self._finished:
+                self._finished.discard(task_id)
+                return True
+            return False
 
     def pump(self, block: bool = False) -> None:
         if self.in_flight is not None:
@@ -87,13 +104,21 @@ class Reporter:
             first, *rest = coalesce(self.pending)
             self.pending = rest
             self._urgent = self._urgent and bool(rest)
-            self.in_flight = self._thread.submit(self._send, first)
+            last = self._ends.get(first[0]) == first[1]  # the task's last report (not an earlier duplicate)
+            if last:
+                del self._ends[first[0]]
+            self.in_flight = self._thread.submit(self._send, first, last)
         elif self.refused:
             self.pending.clear()
 
-    def _send(self, report: tuple):
+    def _send(self, report: tuple, last: bool):
         with phase("report thread: ReportProgress"):
-            return self.master.report(*report)
+            reply = self.master.report(*report)
+        if last and not reply.stop:
+            with self._answered:
+                self._finished.add(report[0])
+                self._answered.notify_all()
+        return reply
 
     def flush(self) -> None:
         while self.in_flight is not None or self.pending:
@@ -102,6 +127,7 @@ class Reporter:
     def drop(self) -> None:
         """Forget what is pending: the master rewound the ledger past it (a lost PS)."""
         self.pending.clear()
+        self._ends.clear()
         if self.in_flight is not None:
             with contextlib.suppress(Exception):
                 self.in_flight.result()
@@ -170,9 +196,14 @@ def train_tasks(
             with phase("lease: feed()"):
                 return trainer.feed_lease(rows)
 
-    def lease_ahead(after: int, leaving: threading.Event):
+    def lease_ahead(after: int, leaving: threading.Event, before: int | None):
         """(task, its fed rows) to start after task `after`, or None once the worker leaves that
-        task with nothing leased ahead."""
+        task with nothing leased ahead. `before`: the task the worker trained before `after`, whose last
+        report may still be on its way; the master hands out no lease ahead until it has it, so the request
+        waits for its answer rather than polling (a small model's lease lasts a few milliseconds)."""
+        if before is not None:
+            with phase("lease: wait for the last report of the lease before"):
+                reporter.wait_finished(before, leaving)
         retry = AHEAD_RETRY_S
         while True:
             with phase("lease: GetTask ahead"):
@@ -196,6 +227,7 @@ def train_tasks(
         reporter.drop()
 
     ahead = None  # Future of lease_ahead()
+    t = None  # the lease being trained
     leaving = threading.Event()  # set when the worker leaves the lease it asked ahead of
     waited = False  # for work: others pushed meanwhile, so this worker's values are old
     try:
@@ -207,8 +239,10 @@ def train_tasks(
                     nxt = ahead.result() if ahead is not None else None
                 ahead = None
                 if nxt is not None and not reporter.refused:
+                    before = t.task_id  # its last report may still be on its way
                     t, fed = nxt
                 else:
+                    before = None  # every report is delivered below
                     # The master hands a worker its current lease again until the lease's last report
                     # arrives, so deliver every report before asking for more work.
                     with phase("train: no lease ahead: settle, flush reports"):
@@ -233,7 +267,7 @@ def train_tasks(
                     trainer.refresh_dense()
                     waited = False
                 leaving = threading.Event()
-                ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
+                ahead = prefetch.submit(lease_ahead, t.task_id, leaving, before)
                 for seq, hi in bounds:
                     if reporter.hold:
                         # A checkpoint: every push this worker made is applied and reported before it
