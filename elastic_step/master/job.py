@@ -47,6 +47,8 @@ from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
 
+PUMP_TURN_S = 0.1  # the pump waits this long for a backend event, at most, between turns
+BARRIER_POLL_S = 0.002  # ... and this long while a checkpoint's barrier is up
 EPOCH_EVAL_RECORDS = 4096  # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
@@ -321,7 +323,9 @@ class TrainingJob:
         evaluated, pending = self.ledger.epoch, None
         while not until() and self.coord.failure is None:
             self.health.turned()
-            for ev in self.backend.events(timeout=0.1):
+            # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
+            # than once a turn, which held them ~0.1 s a checkpoint.
+            for ev in self.backend.events(timeout=BARRIER_POLL_S if self.durable.cutting else PUMP_TURN_S):
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
