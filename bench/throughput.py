@@ -6,7 +6,8 @@ digits CNN (bench/models/digits_cnn.py, most of a step is convolution) and the d
 a step is overhead).
 
     .venv/bin/python bench/throughput.py [--model M ...] [--rows 20000] [--batch 64] [--repeat 3]
-                                         [--minibatches-per-push 8] [--master-work] [--profile]
+                                         [--minibatches-per-push 8] [--pushes-in-flight 2] [--master-work]
+                                         [--profile]
 
 Each side runs --repeat times, the sides alternating (this VM's speed drifts by tens of percent over a minute, and
 a slow moment only ever slows a run); ratios are best against best, the spread is each side's fastest run over
@@ -18,6 +19,8 @@ elastic-step's figure is its steady state: committed records over the span from 
 so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
   --minibatches-per-push K  the opt-in that pushes the mean gradient of K minibatches at once (Keras's
                             gradient_accumulation_steps): K times fewer updates, reported apart;
+  --pushes-in-flight K      the opt-in that overlaps a step with the PS's update of the K-1 before (each
+                            gradient K-1 updates stale), reported apart;
   --master-work             the same defaults with the master's own work off: no evaluation curve (no eval split)
                             and no checkpoint; with it, every side but this one evaluates after each epoch and
                             cuts a checkpoint every 20,000 committed records, so that some are cut in a short
@@ -84,6 +87,7 @@ def elastic(
     batch: int,
     out: pathlib.Path,
     per_push: int = 1,
+    in_flight: int = 1,
     master_work: bool = True,
     checkpoint_every: str | None = None,
     profile: pathlib.Path | None = None,
@@ -92,6 +96,8 @@ def elastic(
     checkpoint (the accuracy is then scored here, on the exported model)."""
     env = {**os.environ, PHASES_ENV: str(profile)} if profile else None
     values = {} if per_push == 1 else {"minibatches_per_push": per_push}
+    if in_flight != 1:
+        values["pushes_in_flight"] = in_flight
     if checkpoint_every is not None:
         values["checkpoint_every"] = checkpoint_every
     if master_work:
@@ -161,6 +167,9 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     for k in args.minibatches_per_push:
         side = f"elastic-step, {k} minibatches/push"
         sides[side] = lambda i, k=k, side=side: run_elastic(i, side, per_push=k, checkpoint_every=checkpoints)
+    for k in args.pushes_in_flight:
+        side = f"elastic-step, {k} pushes in flight"
+        sides[side] = lambda i, k=k, side=side: run_elastic(i, side, in_flight=k, checkpoint_every=checkpoints)
     off = "elastic-step, master's work off"
     if args.master_work:
         sides[off] = lambda i: run_elastic(i, off, master_work=False)
@@ -199,6 +208,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[64])
     p.add_argument("--repeat", type=int, default=3, help="alternating runs of each side")
     p.add_argument("--minibatches-per-push", type=int, nargs="*", default=[8], help="opt-in sides, apart")
+    p.add_argument("--pushes-in-flight", type=int, nargs="*", default=[2], help="opt-in sides, apart")
     p.add_argument("--spe", type=int, nargs="+", default=[8, 32, 128], help="steps_per_execution tried for tuned fit")
     p.add_argument("--master-work", action="store_true", help="a side with the master's evaluation and checkpoints off")
     p.add_argument("--profile", action="store_true", help="the phase profile of the default side's best run")

@@ -199,6 +199,7 @@ class PSTrainer:
         self._flats = None  # each shard's dense values, as the step's inputs
         self._versions = [-1] * placement.num_ps
         self._fresh_lock = threading.Lock()  # push replies may come back in any order
+        self._depth = pushes_in_flight
         self._push_threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=pushes_in_flight, thread_name_prefix="push"
         )
@@ -330,8 +331,17 @@ class PSTrainer:
 
     def push_start(self, result: StepResult, key: PushKey) -> concurrent.futures.Future:
         """Push under `key`, for the shards' current generation, on a push thread; `push_finish` waits
-        for it."""
-        return self._push_threads.submit(self._push, result, key._replace(generation=self.generation))
+        for it. With one push in flight the worker waits for it before its next step anyway: it goes on
+        this thread, sparing two thread switches a minibatch."""
+        key = key._replace(generation=self.generation)
+        if self._depth > 1:
+            return self._push_threads.submit(self._push, result, key)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            done.set_result(self._push(result, key))
+        except Exception as e:  # noqa: BLE001 - raised by push_finish, as from a push thread
+            done.set_exception(e)
+        return done
 
     def reconnect(self, ps: PSClient, generation: int) -> PSClient:
         """The shards were restored (after a lost PS): push to them, as `generation`, from their
