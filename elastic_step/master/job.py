@@ -295,7 +295,8 @@ class TrainingJob:
                             self._load_weights()  # now: once the shards are open, workers push at once
                             self._evaluation = self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
                     self.coord.open_shards()
-            self._pump(until=self.coord.finished.is_set)
+            with phases.span("master: training, from the shards' opening to the last commit"):
+                self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
             if self.coord.failure:
                 raise self._failure()

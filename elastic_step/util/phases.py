@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import resource
 import threading
 import time
 
@@ -27,6 +28,25 @@ class _Phase:
     def __exit__(self, *exc):
         self.clock.add(self.name, time.perf_counter() - self.t0)
         return False
+
+
+class _Span(_Phase):
+    """A phase that also adds the whole process's CPU time over it, as "<name>: CPU of the process"."""
+
+    __slots__ = ("cpu0",)
+
+    def __enter__(self):
+        self.cpu0 = _cpu()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.clock.add(f"{self.name}: CPU of the process", _cpu() - self.cpu0)
+        return super().__exit__(*exc)
+
+
+def _cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 class _Off:
@@ -56,6 +76,10 @@ class Clock:
         """A context that adds its wall time to `name` (nothing when off)."""
         return _Phase(self, name) if self.on else _OFF
 
+    def span(self, name: str):
+        """A phase that also adds the process's CPU time over it (every thread's): for a whole stretch of work."""
+        return _Span(self, name) if self.on else _OFF
+
     def add(self, name: str, seconds: float) -> None:
         with self._lock:
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -67,6 +91,7 @@ class Clock:
             return
         with self._lock:
             out = {name: {"s": round(s, 6), "n": self.counts[name]} for name, s in self.seconds.items()}
+        out["CPU of the process, start to end"] = {"s": round(_cpu(), 6), "n": 1}
         path = pathlib.Path(self.directory) / f"{process}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, sort_keys=True))
@@ -74,4 +99,5 @@ class Clock:
 
 CLOCK = Clock(os.environ.get(ENV))
 phase = CLOCK.phase
+span = CLOCK.span
 dump = CLOCK.dump

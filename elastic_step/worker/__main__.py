@@ -17,7 +17,7 @@ from elastic_step.errors import ConfigError, DataError, ElasticStepError
 from elastic_step.instance import EXIT_FENCED, EXIT_USER_ERROR, fenced, parse_args
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.util import phases
-from elastic_step.util.phases import phase
+from elastic_step.util.phases import span
 from elastic_step.util.process import quiet_tensorflow
 from elastic_step.worker.records import minibatch_of
 
@@ -141,7 +141,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         except ShardsMoved as e:  # lost or frozen before this worker's first pull: as after any loss, not a crash
             log.warning("the PS shards moved before my first pull (%s): registering again", str(e).splitlines()[0][:99])
             rejoin()
-        with phase("worker: training, whole"):
+        with span("worker: training, whole"):
             why = train_tasks(
                 master,
                 trainer,

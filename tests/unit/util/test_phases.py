@@ -31,3 +31,11 @@ def test_an_error_inside_a_phase_is_timed_and_raised():
     except KeyError:
         pass
     assert clock.counts == {"compute": 1}
+
+
+def test_a_span_adds_the_process_cpu_beside_its_wall_time(tmp_path):
+    clock = Clock(str(tmp_path))
+    with clock.span("training"):
+        sum(i * i for i in range(200_000))  # some CPU
+    assert clock.counts == {"training": 1, "training: CPU of the process": 1}
+    assert clock.seconds["training: CPU of the process"] > 0
