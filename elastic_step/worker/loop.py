@@ -48,6 +48,8 @@ REPORT_INTERVAL_S = 0.05
 AHEAD_RETRY_S = 0.005
 AHEAD_RETRY_MAX_S = 0.5
 
+COMPUTE = "train: compute (the step's call)"  # a phase of the profile (util/phases.py)
+
 
 class Reporter:
     """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
@@ -228,6 +230,7 @@ def train_tasks(
 
     ahead = None  # Future of lease_ahead()
     t = None  # the lease being trained
+    traced = False  # the step has been traced (its first call, before the first commit)
     leaving = threading.Event()  # set when the worker leaves the lease it asked ahead of
     waited = False  # for work: others pushed meanwhile, so this worker's values are old
     try:
@@ -285,9 +288,10 @@ def train_tasks(
                         settle(keep=pushes_in_flight - 1)
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
                     started = time.monotonic()
-                    with working_on(at), phase("train: compute (the step's call)"):
+                    with working_on(at), phase(COMPUTE if traced else "train: first compute (traces the step)"):
                         result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
                     faults.STEP_DONE(time.monotonic() - started)
+                    traced = True
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     with phase("train: hand the push over, pump reports"):
                         in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
