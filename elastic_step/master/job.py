@@ -172,7 +172,9 @@ class TrainingJob:
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
         self._input_server: InputServer | None = None
-        self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
+        self._evaluator = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="evaluator", initializer=yield_to_training
+        )
         self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
 
     # ------------------------------------------------------------------ launching
@@ -657,6 +659,20 @@ def ps_summary(stats) -> dict:
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},
     }
+
+
+EVALUATOR_NICENESS = 10
+
+
+def yield_to_training() -> None:
+    """The evaluator thread's start: the curve's points run at a lower CPU priority than the step's own threads
+    (Linux: a thread's niceness is its own). On the local backend the workers and shards share the master's
+    cores, and an evaluation then takes what they leave instead of slowing their steps; where the master has a
+    pod of its own, nothing competes and nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EVALUATOR_NICENESS)
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: the curve costs what it costs
+        log.debug("evaluator thread keeps its priority: %s", e)
 
 
 def train(cfg: TrainConfig) -> dict:
