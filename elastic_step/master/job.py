@@ -670,7 +670,8 @@ def yield_to_training() -> None:
     cores, and an evaluation then takes what they leave instead of slowing their steps; where the master has a
     pod of its own, nothing competes and nothing changes."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), EVALUATOR_NICENESS)
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), EVALUATOR_NICENESS))  # never up
     except (AttributeError, OSError) as e:  # not Linux, or not allowed: the curve costs what it costs
         log.debug("evaluator thread keeps its priority: %s", e)
 
