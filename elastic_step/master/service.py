@@ -26,6 +26,7 @@ from elastic_step.master.coordinator import Coordinator
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
+from elastic_step.util.phases import phase
 
 WAIT_S = 0.05
 STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
@@ -193,13 +194,14 @@ class MasterService(pb_grpc.MasterServicer):
 
     async def ReportProgress(self, request, context):
         inst = await self._instance(context, "ReportProgress", request)
-        ok = self.c.report_progress(
-            inst,
-            request.task_id,
-            request.watermark,
-            request.loss,
-            request.duplicate,
-        )
+        with phase("master: ReportProgress"):  # no await inside: the span is this call's own work
+            ok = self.c.report_progress(
+                inst,
+                request.task_id,
+                request.watermark,
+                request.loss,
+                request.duplicate,
+            )
         return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
 
     async def Hold(self, request, context):
