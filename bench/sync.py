@@ -38,6 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
+
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -113,10 +116,16 @@ def tf_worker(ports: list[int], index: int, model_path: str, data: str, epochs: 
         loss = train_steps(iterator)
     float(loss)
     seconds = time.perf_counter() - t0
+    weights = [v.numpy() for v in model.weights]
     local = md.model()
-    local.set_weights([v.numpy() for v in model.weights])
+    local.set_weights(weights)
     metrics = evaluate(local, md, load_manifest(os.path.join(data, "eval")))
-    return {"records_per_s": (calls - 1) * steps_per_call * MINIBATCH * workers / seconds, "eval": metrics}
+    return {
+        "records_per_s": (calls - 1) * steps_per_call * MINIBATCH * workers / seconds,
+        "eval": metrics,
+        # Every worker's, compared by the bench: the strategy did synchronise them (one model, not N).
+        "weights_crc": zlib.crc32(b"".join(np.ascontiguousarray(w, np.float32).tobytes() for w in weights)),
+    }
 
 
 def tensorflow(model_path: str, data: pathlib.Path, workers: int, epochs: int, steps_per_call: int) -> dict:
@@ -135,19 +144,22 @@ def tensorflow(model_path: str, data: pathlib.Path, workers: int, epochs: int, s
                 str(steps_per_call),
             ],
             cwd=ROOT,
-            stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for i in range(workers)
     ]
     try:
-        out, err = procs[0].communicate(timeout=1800)
-        for p in procs[1:]:
-            p.wait(timeout=120)
-        if procs[0].returncode != 0:
-            raise SystemExit(f"TensorFlow's MultiWorkerMirroredStrategy run failed:\n{err[-4000:]}")
-        return json.loads(out.strip().splitlines()[-1])
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=1800)
+            if p.returncode != 0:
+                raise SystemExit(f"TensorFlow's MultiWorkerMirroredStrategy run failed:\n{err[-4000:]}")
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        if len({r["weights_crc"] for r in results}) != 1:
+            raise SystemExit("TensorFlow's MultiWorkerMirroredStrategy workers ended with different weights")
+        return results[0]
     finally:
         for p in procs:
             if p.poll() is None:
