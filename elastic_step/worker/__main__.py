@@ -61,6 +61,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
         )
         why = worker.run()
         log.info("training over (%s) at step %d: serving my state until the master stops me", why, worker.applied_step)
+        log.info("where my steps' time went: %s", worker.profile)
         # The master pulls the final weights from rank 0: keep the Collective server up until told.
         deadline = time.monotonic() + 300
         while not stop.is_set() and time.monotonic() < deadline:
