@@ -32,9 +32,10 @@ def summary(out: pathlib.Path | str) -> dict:
     return json.loads((pathlib.Path(out) / "summary.json").read_text())
 
 
-def train(out: pathlib.Path, *flags: str, **values) -> dict:
-    """`elastic-step train` (train_command) into `out`, which must succeed; its summary."""
-    proc = run_cli(train_command(*flags, output=str(out), **values))
+def train(out: pathlib.Path, *flags: str, env: dict | None = None, **values) -> dict:
+    """`elastic-step train` (train_command) into `out`, which must succeed, in environment `env` (None: this
+    process's); its summary."""
+    proc = run_cli(train_command(*flags, output=str(out), **values), env=env)
     if proc.returncode != 0:
         raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
     return summary(out)

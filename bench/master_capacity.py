@@ -1,30 +1,31 @@
-"""How many workers can one master serve? The real gRPC master against hundreds of simulated workers.
+"""How many workers can one master serve? The real gRPC master against thousands of simulated workers.
 
-No TensorFlow: each simulated worker is a thread with its own `MasterClient` (its own channel,
-as each worker pod has), doing what `elastic_step.worker.loop` does minus the compute:
-register, then loop GetTask -> one ReportProgress per minibatch -> ... until DONE (or the run's
-time is up). Workers run in a few client *processes* (spawned, so the server process's GIL is
-the master's own), over a synthetic ledger (default 2M records, minibatch 64).
+No TensorFlow: each simulated worker is a coroutine with its own grpc.aio channel (as each worker pod has its
+own connection), many to a client process, doing what `elastic_step.worker.loop` does minus the compute:
+register (coming back when the master says so), then lease after lease, a report at the master's pace and at
+each lease's end, until DONE or the window ends. Client processes are spawned, so the server process's CPU is the
+master's own; the bench prints the clients' CPU beside it. All workers start at once (--ramp-s spreads them).
 
-The same workload is then driven in-process, with no gRPC, against the Ledger alone and against
-the Coordinator (ledger + lock + membership + timeline): the gRPC figures are printed as a ratio
-of those, so the cost of the wire and the server's thread pool is visible in one run.
+The same workload is then driven in-process, with no gRPC, against the Ledger alone and against the Coordinator
+(ledger + lock + membership + timeline): the gRPC figures are printed as a ratio of those.
 
-    .venv/bin/python bench/master_capacity.py                    # 200 and 400 workers, <= 60 s
-    .venv/bin/python bench/master_capacity.py --workers 100 800 --budget 120 --json out.json
+    .venv/bin/python bench/master_capacity.py                                  # 1,000 saturating workers
+    .venv/bin/python bench/master_capacity.py --workers 1000 4000 10000 --leases-per-worker 4 --client-procs 2
+    .venv/bin/python bench/master_capacity.py --workers 10000 --think-ms 100 --records-per-task 16384 \
+        --leases-per-worker 2 --client-procs 2 --window 90                     # paced: 100 ms a minibatch
 
-Client processes share the machine with the master, so on a small box the figures are a lower
-bound of what the master alone sustains.
+Client processes share the machine with the master, so on a small box the figures are a lower bound of what the
+master alone sustains.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import os
 import sys
-import threading
 import time
 
 import numpy as np
@@ -43,13 +44,17 @@ def _percentiles(lat_s: np.ndarray) -> tuple[float, float]:
     return float(p50) * 1e3, float(p99) * 1e3
 
 
-def _ledger(args):
+def _records(args, workers: int) -> int:
+    return workers * args.records_per_task * args.leases_per_worker if args.leases_per_worker else args.records
+
+
+def _ledger(args, workers: int):
     from elastic_step.master.ledger import Ledger, ShardInfo
 
-    per_shard = args.records // args.shards
+    records = _records(args, workers)
+    per_shard = records // args.shards
     shards = [
-        ShardInfo(f"synthetic://{i}", per_shard + (1 if i < args.records % args.shards else 0))
-        for i in range(args.shards)
+        ShardInfo(f"synthetic://{i}", per_shard + (1 if i < records % args.shards else 0)) for i in range(args.shards)
     ]
     return Ledger(
         shards, records_per_task=args.records_per_task, epochs=args.epochs, minibatch_size=args.minibatch, seed=0
@@ -63,89 +68,128 @@ def _next_watermark(task_start: int, seq: int, end: int, minibatch: int) -> int:
 # ---------------------------------------------------------------------------- client processes
 
 
-def _client_process(address: str, indices: list[int], minibatch: int, think_s: float, ready, start, stop, out) -> None:
-    """Run one thread per simulated worker; send back per-thread counts and latencies."""
-    from elastic_step.instance.master_client import MasterClient
+async def _simulated_worker(address, index, minibatch, think_s, halt, stats) -> None:
+    """One worker as elastic_step.worker.loop drives the master, minus the compute: register, then lease after
+    lease, a report at most every `report_interval_s` (the master's pace) and at each lease's end, honouring
+    every "come back after" the master answers."""
+    import grpc
+
     from elastic_step.proto import elastic_pb2 as pb
+    from elastic_step.proto import elastic_pb2_grpc as pb_grpc
+    from elastic_step.proto.rpc import CALL_TIMEOUT_S
 
-    WAIT, DONE = pb.GetTaskResponse.WAIT, pb.GetTaskResponse.DONE
-    results = []
-    lock = threading.Lock()
-    registered = threading.Barrier(len(indices) + 1)
-    # Process-local copies of the parent's events: hundreds of threads polling a process-shared
-    # semaphore would measure that instead of the master.
-    go, halt = threading.Event(), threading.Event()
-
-    def worker(index: int) -> None:
-        client = MasterClient(address, TOKEN, "worker", index)
-        get_lat, rep_lat = [], []
-        counts = {"tasks": 0, "waits": 0, "done": 0, "reports": 0, "refused": 0, "errors": 0}
-        try:
-            client.register()
-        except Exception:  # noqa: BLE001 - counted, the run goes on
-            counts["errors"] += 1
-        registered.wait()
-        go.wait()
-        try:
-            while not halt.is_set():
-                t0 = time.perf_counter()
-                reply = client.get_task()
-                get_lat.append(time.perf_counter() - t0)
-                if reply.kind == DONE:
-                    counts["done"] += 1
+    loop = asyncio.get_running_loop()
+    clock = loop.time
+    me = pb.Instance(role="worker", index=index)
+    channel = grpc.aio.insecure_channel(address)
+    stub = pb_grpc.MasterStub(channel)
+    started = clock()  # the first-lease clock starts at the first try to register
+    try:
+        while True:  # a master at its limit answers "come back after" instead of registering now
+            stats["rpcs"] += 1
+            reg = await stub.Register(pb.RegisterRequest(token=TOKEN, instance=me), timeout=CALL_TIMEOUT_S)
+            if not reg.retry_after_s:
+                break
+            stats["backoffs"] += 1
+            await asyncio.sleep(reg.retry_after_s)
+            if halt.is_set():
+                return
+        interval = reg.report_interval_s or 0.05
+        first = True
+        while not halt.is_set():
+            t0 = clock()
+            stats["rpcs"] += 1
+            reply = await stub.GetTask(pb.GetTaskRequest(token=TOKEN, instance=me), timeout=CALL_TIMEOUT_S)
+            stats["get_lat"].append(clock() - t0)
+            if reply.kind == pb.GetTaskResponse.DONE:
+                break
+            if reply.kind == pb.GetTaskResponse.WAIT:
+                stats["waits"] += 1
+                await asyncio.sleep(reply.retry_after_s or 0.05)
+                continue
+            stats["leases"] += 1
+            if first:
+                stats["first_lease"].append(clock() - started)
+                first = False
+            t = reply.task
+            seq = t.start
+            acked = seq  # the records below are committed: the clients' own tally, next to the ledger's
+            # The minibatches between two reports (the pace, and each lease's last), computed in one sleep: a
+            # wake-up per minibatch would make the clients, not the master, the bottleneck.
+            batches = max(1, int(interval / think_s)) if think_s else 1 << 30
+            while seq < t.end and not halt.is_set():
+                done = 0
+                while done < batches and seq < t.end:
+                    seq = _next_watermark(t.task_start, seq, t.end, minibatch)
+                    done += 1
+                if think_s:
+                    await asyncio.sleep(done * think_s)
+                t0 = clock()
+                stats["rpcs"] += 1
+                rep = await stub.ReportProgress(
+                    pb.ProgressReport(token=TOKEN, instance=me, task_id=t.task_id, watermark=seq),
+                    timeout=CALL_TIMEOUT_S,
+                )
+                stats["rep_lat"].append(clock() - t0)
+                stats["reports"] += 1
+                stats["tallied"] += 0 if rep.stop else seq - acked
+                acked = seq
+                if rep.stop:
+                    stats["refused"] += 1
                     break
-                if reply.kind == WAIT:
-                    counts["waits"] += 1
-                    time.sleep(reply.retry_after_s or 0.05)
-                    continue
-                counts["tasks"] += 1
-                t = reply.task
-                seq = t.start
-                while seq < t.end and not halt.is_set():
-                    hi = _next_watermark(t.task_start, seq, t.end, minibatch)
-                    if think_s:
-                        time.sleep(think_s)
-                    t0 = time.perf_counter()
-                    ok = client.report(t.task_id, hi, hi - seq, 0.0, False)
-                    rep_lat.append(time.perf_counter() - t0)
-                    counts["reports"] += 1
-                    if not ok:
-                        counts["refused"] += 1
-                        break
-                    seq = hi
-        except Exception:  # noqa: BLE001 - e.g. the server stopped under us at the deadline
-            counts["errors"] += 1
-        finally:
-            client.close()
-            with lock:
-                results.append((counts, np.asarray(get_lat, np.float32), np.asarray(rep_lat, np.float32)))
+    except grpc.aio.AioRpcError as e:
+        if halt.is_set() and e.code() == grpc.StatusCode.CANCELLED:
+            return  # the run is over: its channel closed under a call in flight
+        stats["errors"] += 1
+        stats["error_codes"][e.code().name] = stats["error_codes"].get(e.code().name, 0) + 1
+        stats["errors_seen"].append(f"{e.code().name}: {e.details()} at {clock() - started:.1f} s")
+    finally:
+        await channel.close()
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in indices]
-    for th in threads:
-        th.start()
-    registered.wait()
+
+def _client_process(address, indices, minibatch, think_s, ramp_s, ready, start, stop, out) -> None:
+    """Many simulated workers on one asyncio loop: a worker costs a coroutine and a channel, not a thread, so the
+    clients' CPU stays small next to the master's. Sends back the counts, latencies and this process's CPU."""
+    asyncio.run(_clients(address, indices, minibatch, think_s, ramp_s, ready, start, stop, out))
+
+
+async def _clients(address, indices, minibatch, think_s, ramp_s, ready, start, stop, out) -> None:
+    loop = asyncio.get_running_loop()
+    stats = {
+        "rpcs": 0, "leases": 0, "tallied": 0, "waits": 0, "reports": 0, "refused": 0, "errors": 0, "backoffs": 0,
+        "get_lat": [], "rep_lat": [], "first_lease": [], "error_codes": {}, "errors_seen": [],
+    }  # fmt: skip
+    halt = asyncio.Event()
     ready.put(len(indices))
-    start.wait()
-    go.set()
-    while any(th.is_alive() for th in threads):
-        if stop.wait(0.05):
-            halt.set()
-            break
-    for th in threads:
-        th.join()
-    counts = {k: sum(r[0][k] for r in results) for k in results[0][0]} if results else {}
-    get_lat = np.concatenate([r[1] for r in results]) if results else np.zeros(0, np.float32)
-    rep_lat = np.concatenate([r[2] for r in results]) if results else np.zeros(0, np.float32)
-    out.put((counts, get_lat, rep_lat))
+    await loop.run_in_executor(None, start.wait)
+    cpu0 = time.process_time()
+    tasks = []
+    for i in indices:  # registrations spread over `ramp_s` (0: a burst, all at once)
+        tasks.append(asyncio.create_task(_simulated_worker(address, i, minibatch, think_s, halt, stats)))
+        if ramp_s:
+            await asyncio.sleep(ramp_s / len(indices))
+    watcher = loop.run_in_executor(None, stop.wait)
+    done = asyncio.gather(*tasks)
+    await asyncio.wait([watcher, done], return_when=asyncio.FIRST_COMPLETED)
+    halt.set()
+    await done
+    get_lat = np.asarray(stats.pop("get_lat"), np.float32)
+    rep_lat = np.asarray(stats.pop("rep_lat"), np.float32)
+    first = np.asarray(stats.pop("first_lease"), np.float32)
+    stats["client_cpu_s"] = time.process_time() - cpu0
+    out.put((stats, get_lat, rep_lat, first))
+    if not stop.is_set():
+        await loop.run_in_executor(None, stop.wait)
 
 
 def run_grpc(args, workers: int, window_s: float) -> dict:
     from elastic_step.master.coordinator import Coordinator
     from elastic_step.master.service import MasterService, serve
 
-    ledger = _ledger(args)
+    ledger = _ledger(args, workers)
     coord = Coordinator(ledger, num_ps=0)
-    server, port = serve(MasterService(coord, TOKEN, "bench", args.minibatch, "synthetic"))
+    service = MasterService(coord, TOKEN, "bench", args.minibatch, "synthetic", max_workers=workers)
+    server, port = serve(service)
     address = f"127.0.0.1:{port}"
     ctx = mp.get_context("spawn")  # never fork a process that already runs gRPC
     ready, out = ctx.Queue(), ctx.Queue()
@@ -156,56 +200,75 @@ def run_grpc(args, workers: int, window_s: float) -> dict:
         ctx.Process(
             target=_client_process,
             daemon=True,
-            args=(address, g, args.minibatch, args.think_ms / 1e3, ready, start, stop, out),
+            args=(address, g, args.minibatch, args.think_ms / 1e3, args.ramp_s, ready, start, stop, out),
         )
         for g in groups
     ]
-    t_setup = time.perf_counter()
     for p in procs:
         p.start()
     for _ in procs:
-        ready.get(timeout=120)  # every simulated worker has registered
-    setup_s = time.perf_counter() - t_setup
+        ready.get(timeout=120)  # every client process is up (grpc imported)
 
     t0 = time.perf_counter()
-    cpu0 = time.process_time()  # this process is the master: its gRPC threads + coordinator
-    start.set()
+    cpu0 = time.process_time()  # this process is the master: its gRPC server + coordinator
+    start.set()  # registrations are part of the run: all at once (--ramp-s 0) or spread
     coord.finished.wait(timeout=window_s)
     elapsed = time.perf_counter() - t0
     master_cpu = time.process_time() - cpu0
     finished = coord.finished.is_set()
     with coord.lock:  # the figures at the end of the window
         committed = ledger.records_committed_total()
+        exact = _committed_exactly_once(ledger)
     stop.set()
     parts = [out.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=30)
     server.stop(None)
 
-    counts = {k: sum(c[k] for c, _, _ in parts) for k in parts[0][0]}
-    rpcs = counts["tasks"] + counts["waits"] + counts["done"] + counts["reports"]
-    get_lat = np.concatenate([g for _, g, _ in parts])
-    rep_lat = np.concatenate([r for _, _, r in parts])
+    keys = [k for k in parts[0][0] if k not in ("error_codes", "errors_seen")]
+    counts = {k: sum(c[k] for c, *_ in parts) for k in keys}
+    codes: dict[str, int] = {}
+    for c, *_ in parts:
+        for k, v in c["error_codes"].items():
+            codes[k] = codes.get(k, 0) + v
+    get_lat = np.concatenate([g for _, g, _, _ in parts])
+    rep_lat = np.concatenate([r for _, _, r, _ in parts])
+    first = np.concatenate([f for _, _, _, f in parts])
     return {
         "mode": "grpc",
         "workers": workers,
         "client_procs": nproc,
-        "setup_s": round(setup_s, 2),
         "elapsed_s": elapsed,
         "finished": finished,
         "records_committed": committed,
-        "leases": counts["tasks"],
+        "exactly_once": exact and counts["tallied"] == committed,
+        "clients_tallied": counts["tallied"],
+        "leases": counts["leases"],
         "reports": counts["reports"],
         "waits": counts["waits"],
+        "backoffs": counts["backoffs"],
         "refused": counts["refused"],
         "errors": counts["errors"],
-        "rpcs": rpcs,
+        "error_codes": codes,
+        "errors_seen": sorted({m for c, *_ in parts for m in c["errors_seen"]})[:5],
+        "rpcs": counts["rpcs"],
         "master_cpu_s": master_cpu,
-        "master_cpu_us_per_rpc": master_cpu / max(1, rpcs) * 1e6,
+        "master_cpu_us_per_rpc": master_cpu / max(1, counts["rpcs"]) * 1e6,
+        "client_cpu_s": counts["client_cpu_s"],
+        "got_a_lease": int(first.size),
+        "first_lease_max_s": float(first.max()) if first.size else float("nan"),
         "get_task_ms": _percentiles(get_lat),
         "report_ms": _percentiles(rep_lat),
         "all_ms": _percentiles(np.concatenate([get_lat, rep_lat])),
     }
+
+
+def _committed_exactly_once(ledger) -> bool | None:
+    """Once the ledger is done: every task committed to its end, and the committed records sum to the dataset's
+    size per epoch (no record twice, none missing). None while it is not done."""
+    if not ledger.done:
+        return None
+    return ledger.records_committed_total() == ledger.records_per_epoch * ledger.epochs
 
 
 # ---------------------------------------------------------------------------- in-process baselines
@@ -216,7 +279,7 @@ def run_inprocess(args, workers: int, window_s: float, with_coordinator: bool) -
     from elastic_step.backends.api import InstanceId
     from elastic_step.master.coordinator import Coordinator
 
-    ledger = _ledger(args)
+    ledger = _ledger(args, workers)
     names = [f"worker-{i}" for i in range(workers)]
     if with_coordinator:
         coord = Coordinator(ledger, num_ps=0)
@@ -298,68 +361,63 @@ def _row(label: str, r: dict, base: dict | None) -> str:
     ratio = ""
     if base is not None:
         b = _rates(base)
-        ratio = f"{rt['reports_per_s'] / b['reports_per_s']:.4f}" if b["reports_per_s"] else "-"
+        ratio = f"{rt['records_per_s'] / b['records_per_s']:.4f}" if b["records_per_s"] else "-"
     return (
         f"{label:<24}{r['elapsed_s']:>8.1f}{'*' if not r['finished'] else ' '}"
         f"{rt['leases_per_s']:>11.0f}{rt['reports_per_s']:>11.0f}{rt['records_per_s']:>12.0f}"
         f"{r['get_task_ms'][0]:>9.3f}{r['get_task_ms'][1]:>9.3f}"
-        f"{r['report_ms'][0]:>9.3f}{r['report_ms'][1]:>9.3f}"
-        f"{r['all_ms'][0]:>9.3f}{r['all_ms'][1]:>9.3f}{ratio:>10}"
+        f"{r['report_ms'][0]:>9.3f}{r['report_ms'][1]:>9.3f}{ratio:>10}"
     )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workers", type=int, nargs="+", default=[200, 400], help="simulated workers per run")
-    p.add_argument("--records", type=int, default=2_000_000)
+    p.add_argument("--workers", type=int, nargs="+", default=[1000], help="simulated workers per run")
+    p.add_argument("--records", type=int, default=4_000_000)
+    p.add_argument(
+        "--leases-per-worker", type=int, default=0, help="size the data to this many leases a worker (0: --records)"
+    )
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--minibatch", type=int, default=64)
     p.add_argument("--records-per-task", type=int, default=512)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--client-procs", type=int, default=2, help="processes the worker threads are spread over")
+    p.add_argument("--client-procs", type=int, default=1, help="processes the simulated workers are spread over")
     p.add_argument(
         "--think-ms", type=float, default=0.0, help="simulated compute per minibatch (0: saturate the master)"
     )
-    p.add_argument("--budget", type=float, default=60.0, help="upper bound of the whole run, seconds")
+    p.add_argument("--ramp-s", type=float, default=0.0, help="registrations spread over this (0: all at once)")
+    p.add_argument("--window", type=float, default=30.0, help="longest gRPC run, seconds")
     p.add_argument("--baseline-s", type=float, default=3.0, help="window of each in-process baseline")
     p.add_argument("--json", help="also write the raw figures here")
     args = p.parse_args(argv)
 
     t_start = time.perf_counter()
     print(
-        f"master capacity: {args.records:,} records in {args.shards} shards, minibatch {args.minibatch}, "
-        f"{args.records_per_task} records/task, {args.epochs} epoch(s); {os.cpu_count()} CPUs; "
-        f"client procs {args.client_procs}; think {args.think_ms} ms; budget {args.budget:.0f} s",
+        f"master capacity: {args.records_per_task} records/task, minibatch {args.minibatch}, {args.epochs} epoch(s); "
+        f"{os.cpu_count()} CPUs; client procs {args.client_procs}; think {args.think_ms} ms; ramp {args.ramp_s} s",
         flush=True,
     )
     results = []
-    n = len(args.workers)
-    overhead = 8.0  # spawn + register + drain + teardown of a gRPC run; then measured
-    for k, w in enumerate(args.workers):
+    for w in args.workers:
         ledger_r = run_inprocess(args, w, args.baseline_s, with_coordinator=False)
         coord_r = run_inprocess(args, w, args.baseline_s, with_coordinator=True)
-        # What is left of the budget, shared by the gRPC runs still to go.
-        runs_left = n - k
-        left = args.budget - (time.perf_counter() - t_start)
-        window = (left - runs_left * overhead - (runs_left - 1) * 2 * args.baseline_s) / runs_left
-        window = max(2.0, window)
-        t_run = time.perf_counter()
-        grpc_r = run_grpc(args, w, window)
-        overhead = max(2.0, time.perf_counter() - t_run - grpc_r["elapsed_s"]) * 1.2
+        grpc_r = run_grpc(args, w, args.window)
         results.append((w, ledger_r, coord_r, grpc_r))
+        g = grpc_r
         print(
-            f"  workers={w}: gRPC window {grpc_r['elapsed_s']:.1f} s (setup {grpc_r['setup_s']} s), "
-            f"{grpc_r['records_committed']:,} records committed, waits {grpc_r['waits']}, "
-            f"refused {grpc_r['refused']}, errors {grpc_r['errors']}; master process CPU "
-            f"{grpc_r['master_cpu_s']:.1f} s = {grpc_r['master_cpu_us_per_rpc']:.0f} us/RPC "
-            f"(one core: ~{1e6 / grpc_r['master_cpu_us_per_rpc']:.0f} RPC/s)",
+            f"  workers={w}: {_records(args, w):,} records, {g['elapsed_s']:.1f} s, "
+            f"{g['records_committed']:,} committed (exactly once: {g['exactly_once']}), "
+            f"{g['got_a_lease']} workers got a lease (last after {g['first_lease_max_s']:.1f} s); "
+            f"waits {g['waits']}, come-back-afters {g['backoffs']}, refused {g['refused']}, "
+            f"errors {g['errors']} {g['error_codes'] or ''} {g['errors_seen'] or ''}; {g['rpcs']:,} RPCs; "
+            f"master CPU {g['master_cpu_s']:.1f} s = {g['master_cpu_us_per_rpc']:.0f} us/RPC; "
+            f"clients' CPU {g['client_cpu_s']:.1f} s",
             flush=True,
         )
 
     hdr = (
         f"{'run':<24}{'secs':>9}{'leases/s':>11}{'reports/s':>11}{'records/s':>12}"
-        f"{'get p50':>9}{'get p99':>9}{'rep p50':>9}{'rep p99':>9}{'all p50':>9}{'all p99':>9}"
-        f"{'x ledger':>10}"
+        f"{'get p50':>9}{'get p99':>9}{'rep p50':>9}{'rep p99':>9}{'x ledger':>10}"
     )
     print()
     print(hdr)
@@ -370,7 +428,7 @@ def main(argv=None) -> int:
         print(_row(f"gRPC        W={w}", grpc_r, ledger_r))
     print(
         "latencies in ms; '*' = window ended before the ledger was done; "
-        "'x ledger' = reports/s relative to the in-process Ledger alone"
+        "'x ledger' = records/s relative to the in-process Ledger alone"
     )
     print(f"total {time.perf_counter() - t_start:.1f} s")
     if args.json:

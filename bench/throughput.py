@@ -1,27 +1,39 @@
-"""Training throughput of elastic-step (1 worker + 1 PS, local backend) against Keras `model.fit` on the
-same model, data and batch size, measured in the same run: `fit` as it comes (`steps_per_execution=1`),
-and `fit` tuned as Keras's docs advise for small steps, at its best `steps_per_execution` (tried:
---spe, default 8 32 128; the best is kept per batch size). elastic-step runs once per
---minibatches-per-push value (default 1 and 8): the opt-in that pushes the mean gradient of K
-minibatches at once (Keras's gradient_accumulation_steps, on the worker), K times fewer updates.
+"""Training throughput of elastic-step (1 worker + 1 PS, local backend, default settings) against Keras `model.fit`
+on the same model module, prepared records, minibatch and epochs, measured in the same run: `fit` as it comes
+(`steps_per_execution=1`), and `fit` tuned as Keras's docs advise for small steps, at its best
+`steps_per_execution` (tried once each: --spe, default 8 32 128). Every model of --model is run: by default the
+digits CNN (bench/models/digits_cnn.py, most of a step is convolution) and the digits MLP (samples/digits, most of
+a step is overhead).
 
-    .venv/bin/python bench/throughput.py [--rows 60000] [--batch 64 256] [--model samples/digits/model.py]
-                                         [--pushes-in-flight 2] [--minibatches-per-push 1 8] [--repeat 3]
+    .venv/bin/python bench/throughput.py [--model M ...] [--rows 20000] [--batch 64] [--repeat 3]
+                                         [--minibatches-per-push 8] [--pushes-in-flight 2] [--master-work]
+                                         [--profile]
 
-elastic-step runs with `--pushes-in-flight 2` unless told otherwise: the opt-in that overlaps the
-worker's step with the PS's update (one more update of staleness; the README says what it costs in
-accuracy). The default, 1, is about 10 % slower for this lone worker.
+Each side runs --repeat times, the sides alternating (this VM's speed drifts by tens of percent over a minute, and
+a slow moment only ever slows a run); ratios are best against best, the spread is each side's fastest run over
+its slowest, and each side's accuracy is on the held-out eval split (elastic_step.evaluation, as the step's
+summary scores it), lowest-highest.
 
-The records are the digits sample's train split repeated to --rows; every side is scored on its
-held-out eval split (elastic_step.evaluation, as the step's summary is), to show what an option costs
-in accuracy. elastic-step's figure is its steady state: committed records over the span from the first
-to the last commit (process start-up, ~5 s of TensorFlow import, is reported separately). Keras's is
-the median epoch of `fit` after a warm-up, so tracing is excluded from both. Both train 3 epochs.
+elastic-step's figure is its steady state: committed records over the span from the first to the last commit
+(its start-up, ~5 s of TensorFlow import, is shown apart). Keras's is the median epoch of `fit` after a warm-up,
+so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
+  --minibatches-per-push K  the opt-in that pushes the mean gradient of K minibatches at once (Keras's
+                            gradient_accumulation_steps): K times fewer updates, reported apart;
+  --pushes-in-flight K      the opt-in that overlaps a step with the PS's update of the K-1 before (each
+                            gradient K-1 updates stale), reported apart;
+  --master-work             the same defaults with the master's own work off: no evaluation curve (no eval split)
+                            and no checkpoint; with it, every side but this one evaluates after each epoch and
+                            cuts a checkpoint every 20,000 committed records, so that some are cut in a short
+                            job (the default, every 60 s, would cut none), and the master's cost is on against off;
+  --profile                 where the default side's time goes, per minibatch, from each process's phase clock
+                            (elastic_step/util/phases.py): the training thread, the push and lease threads, the
+                            PS's update, the master's reports, evaluations and checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import statistics
@@ -31,10 +43,13 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EPOCHS = 3  # both sides train 3 epochs; Keras's figure is its median epoch, elastic-step's its steady state
+MODELS = [str(ROOT / "bench" / "models" / "digits_cnn.py"), str(ROOT / "samples" / "digits" / "model.py")]
+CHECKPOINT_RECORDS = 20_000  # with --master-work: checkpoints that a job of seconds cuts
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, train  # noqa: E402
+from bench.common import digits_prepared, splits, train  # noqa: E402
+from elastic_step.util.phases import ENV as PHASES_ENV  # noqa: E402
 
 
 def keras_fit(model_path: str, data: pathlib.Path, batch: int, steps_per_execution: int = 1) -> dict:
@@ -67,91 +82,149 @@ def keras_fit(model_path: str, data: pathlib.Path, batch: int, steps_per_executi
 
 
 def elastic(
-    model_path: str, data: pathlib.Path, batch: int, workdir: pathlib.Path, pushes_in_flight: int, per_push: int
+    model_path: str,
+    data: pathlib.Path,
+    batch: int,
+    out: pathlib.Path,
+    per_push: int = 1,
+    in_flight: int = 1,
+    master_work: bool = True,
+    checkpoint_every: str | None = None,
+    profile: pathlib.Path | None = None,
 ) -> dict:
+    """One elastic-step run at default settings but the job's shape; `master_work` off: no eval split, no
+    checkpoint (the accuracy is then scored here, on the exported model)."""
+    env = {**os.environ, PHASES_ENV: str(profile)} if profile else None
+    values = {} if per_push == 1 else {"minibatches_per_push": per_push}
+    if in_flight != 1:
+        values["pushes_in_flight"] = in_flight
+    if checkpoint_every is not None:
+        values["checkpoint_every"] = checkpoint_every
+    if master_work:
+        flags, data_values = ("--prepared", str(data)), {}
+    else:
+        flags, data_values = (), {"train_data": splits(data)["train_data"], "checkpoint_every": "0"}
     s = train(
-        workdir / f"elastic-{batch}-{per_push}",
-        "--prepared",
-        str(data),
+        out,
+        *flags,
+        env=env,
         model_def=model_path,
         epochs=EPOCHS,
         minibatch_size=batch,
-        records_per_task=batch * 32,
         min_workers=1,
         max_workers=1,
         num_ps=1,
-        checkpoint_every=0,
-        pushes_in_flight=pushes_in_flight,
-        minibatches_per_push=per_push,
+        **values,
+        **data_values,
     )
+    accuracy = s["eval"]["accuracy"] if master_work else saved_accuracy(model_path, data, out)
     return {
         "records_per_s": s["throughput_records_per_s"],
-        "accuracy": s["eval"]["accuracy"],
+        "accuracy": accuracy,
         "startup_s": s["startup_seconds"],
+        "summary": s,
     }
+
+
+def saved_accuracy(model_path: str, data: pathlib.Path, out: pathlib.Path) -> float:
+    """The eval split's accuracy of the model a run exported (for a run with no eval split of its own)."""
+    from elastic_step.data.api import load_manifest
+    from elastic_step.evaluation import evaluate
+    from elastic_step.model_def import load_model_def
+    from elastic_step.model_io import load_model
+
+    md = load_model_def(model_path)
+    return evaluate(load_model(str(out), md), md, load_manifest(str(data / "eval")))["accuracy"]
+
+
+def show_profile(profile: pathlib.Path, minibatches: int, rate: float, batch: int) -> None:
+    """Each process's phases, in microseconds per minibatch, beside the step's whole time per minibatch."""
+    whole = 1e6 * batch / rate
+    print(f"  where a minibatch's time goes, in µs per minibatch (one minibatch: {whole:.0f} µs at this run's rate):")
+    for path in sorted(profile.glob("*.json")):
+        for name, v in sorted(json.loads(path.read_text()).items(), key=lambda kv: -kv[1]["s"]):
+            print(f"    {path.stem:>9} {name:<62} {1e6 * v['s'] / minibatches:>9.0f} µs  ({v['n']} times)")
+
+
+def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args) -> None:
+    """Every side on `model` at minibatch `batch`, alternating; prints the table (and the profile)."""
+    name = os.path.relpath(model, ROOT)
+    tag = f"{name.replace('/', '_')}-{batch}"
+    checkpoints = str(CHECKPOINT_RECORDS) if args.master_work else None
+    tuned_spe = max(args.spe, key=lambda n: keras_fit(model, data, batch, n)["records_per_s"])
+    fit, tuned, default = "keras fit", f"keras fit, steps_per_execution={tuned_spe}", "elastic-step"
+
+    def run_elastic(i: int, side: str, **kw):
+        return elastic(model, data, batch, work / f"{tag}-{side.replace(' ', '_')}-{i}", **kw)
+
+    sides = {
+        fit: lambda i: keras_fit(model, data, batch),
+        tuned: lambda i: keras_fit(model, data, batch, tuned_spe),
+        default: lambda i: run_elastic(
+            i, default, checkpoint_every=checkpoints, profile=work / f"profile-{tag}-{i}" if args.profile else None
+        ),
+    }
+    for k in args.minibatches_per_push:
+        side = f"elastic-step, {k} minibatches/push"
+        sides[side] = lambda i, k=k, side=side: run_elastic(i, side, per_push=k, checkpoint_every=checkpoints)
+    for k in args.pushes_in_flight:
+        side = f"elastic-step, {k} pushes in flight"
+        sides[side] = lambda i, k=k, side=side: run_elastic(i, side, in_flight=k, checkpoint_every=checkpoints)
+    off = "elastic-step, master's work off"
+    if args.master_work:
+        sides[off] = lambda i: run_elastic(i, off, master_work=False)
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for i in range(args.repeat):
+        for side, run in sides.items():
+            runs[side].append(run(i))
+    best = {side: max(r["records_per_s"] for r in rs) for side, rs in runs.items()}
+    print(
+        f"\n{name}, batch {batch}\n"
+        f"{'side':>40} {'best rec/s':>11} {'spread':>7} {'accuracy':>13} {'vs fit':>7} {'vs tuned':>8} "
+        f"{'startup s':>10}"
+    )
+    for side, rs in runs.items():
+        rates, accuracy = [r["records_per_s"] for r in rs], [r["accuracy"] for r in rs]
+        startup = f"{min(r['startup_s'] for r in rs):.1f}" if "startup_s" in rs[0] else ""
+        print(
+            f"{side:>40} {best[side]:>11.0f} {max(rates) / min(rates):>7.2f} "
+            f"{min(accuracy):.3f}-{max(accuracy):.3f} {best[side] / best[fit]:>7.2f} "
+            f"{best[side] / best[tuned]:>8.2f} {startup:>10}",
+            flush=True,
+        )
+    if args.master_work:
+        on, without = best[default], best[off]
+        print(f"  the master's own work costs training {1 - on / without:+.1%} (on {on:.0f} / off {without:.0f})")
+    if args.profile:
+        top = max(range(len(runs[default])), key=lambda j: runs[default][j]["records_per_s"])
+        rate = runs[default][top]["records_per_s"]
+        show_profile(work / f"profile-{tag}-{top}", args.rows * EPOCHS // batch, rate, batch)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=60_000)
-    p.add_argument("--batch", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--model", default=str(ROOT / "samples" / "digits" / "model.py"))
-    p.add_argument("--repeat", type=int, default=3, help="alternating runs of each side per batch size")
-    p.add_argument("--pushes-in-flight", type=int, default=2, help="elastic-step's --pushes-in-flight")
-    p.add_argument(
-        "--minibatches-per-push",
-        type=int,
-        nargs="+",
-        default=[1, 8],
-        help="elastic-step's --minibatches-per-push: a side for each",
-    )
-    p.add_argument(
-        "--spe",
-        type=int,
-        nargs="+",
-        default=[8, 32, 128],
-        help="steps_per_execution values tried for tuned Keras (the best is kept)",
-    )
+    p.add_argument("--model", nargs="+", default=MODELS)
+    p.add_argument("--rows", type=int, default=20_000)
+    p.add_argument("--batch", type=int, nargs="+", default=[64])
+    p.add_argument("--repeat", type=int, default=3, help="alternating runs of each side")
+    p.add_argument("--minibatches-per-push", type=int, nargs="*", default=[8], help="opt-in sides, apart")
+    p.add_argument("--pushes-in-flight", type=int, nargs="*", default=[2], help="opt-in sides, apart")
+    p.add_argument("--spe", type=int, nargs="+", default=[8, 32, 128], help="steps_per_execution tried for tuned fit")
+    p.add_argument("--master-work", action="store_true", help="a side with the master's evaluation and checkpoints off")
+    p.add_argument("--profile", action="store_true", help="the phase profile of the default side's best run")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
         work = pathlib.Path(tmp)
         data = digits_prepared(args.rows, work / "data")
         print(
-            f"model {os.path.relpath(args.model, ROOT)}, {args.rows} records, {EPOCHS} epochs, {args.repeat} "
-            f"alternating runs a side; elastic-step: 1 worker + 1 PS (local backend), {args.pushes_in_flight} "
-            "push(es) in flight; accuracy on the held-out eval split"
+            f"{args.rows} records, {EPOCHS} epochs, {args.repeat} alternating runs a side; elastic-step: 1 worker + "
+            "1 PS (local backend) at default settings"
+            + (f", checkpoints every {CHECKPOINT_RECORDS} records" if args.master_work else "")
+            + "; accuracy on the held-out eval split, lowest-highest"
         )
-        print(
-            f"{'batch':>6} {'side':>34} {'best rec/s':>11} {'spread':>7} {'accuracy':>13} {'vs fit':>7} "
-            f"{'vs tuned':>8} {'startup s':>10}"
-        )
-        for batch in args.batch:
-            # Alternate the sides, --repeat times each: this VM's speed drifts by tens of percent over a
-            # minute, and a slow moment only ever slows a run. Ratios are best against best; the spread
-            # is each side's slowest run over its fastest.
-            tuned_spe = max(args.spe, key=lambda n: keras_fit(args.model, data, batch, n)["records_per_s"])
-            sides: dict[str, list[dict]] = {"keras fit": [], f"keras fit, steps_per_execution={tuned_spe}": []}
-            sides.update({f"elastic-step, {k} minibatch(es)/push": [] for k in args.minibatches_per_push})
-            for _ in range(args.repeat):
-                sides["keras fit"].append(keras_fit(args.model, data, batch))
-                sides[f"keras fit, steps_per_execution={tuned_spe}"].append(
-                    keras_fit(args.model, data, batch, tuned_spe)
-                )
-                for k in args.minibatches_per_push:
-                    sides[f"elastic-step, {k} minibatch(es)/push"].append(
-                        elastic(args.model, data, batch, work, args.pushes_in_flight, k)
-                    )
-            best = {side: max(r["records_per_s"] for r in runs) for side, runs in sides.items()}
-            fit, tuned = best["keras fit"], best[f"keras fit, steps_per_execution={tuned_spe}"]
-            for side, runs in sides.items():
-                rates, accuracy = [r["records_per_s"] for r in runs], [r["accuracy"] for r in runs]
-                startup = f"{min(r['startup_s'] for r in runs):.1f}" if "startup_s" in runs[0] else ""
-                print(
-                    f"{batch:>6} {side:>34} {best[side]:>11.0f} {max(rates) / min(rates):>7.2f} "
-                    f"{min(accuracy):.3f}-{max(accuracy):.3f} {best[side] / fit:>7.2f} {best[side] / tuned:>8.2f} "
-                    f"{startup:>10}",
-                    flush=True,
-                )
+        for model in args.model:
+            for batch in args.batch:
+                compare(model, batch, data, work, args)
 
 
 if __name__ == "__main__":

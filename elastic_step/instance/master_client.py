@@ -5,6 +5,7 @@ instances, below the roles that call it, and knows the master only by its wire c
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 from elastic_step.proto import elastic_pb2 as pb
@@ -20,7 +21,13 @@ class MasterClient:
         self.stub = pb_grpc.MasterStub(self._channel)
 
     def register(self, address: str = "") -> pb.RegisterResponse:
-        return rpc.call(self.stub.Register, pb.RegisterRequest(token=self.token, instance=self.me, address=address))
+        """Registers, coming back as often as a master at its limit asks (a burst of workers joining at once)."""
+        request = pb.RegisterRequest(token=self.token, instance=self.me, address=address)
+        while True:
+            reply = rpc.call(self.stub.Register, request)
+            if not reply.retry_after_s:
+                return reply
+            time.sleep(reply.retry_after_s)
 
     def get_task(self, ahead_of: int | None = None) -> pb.GetTaskResponse:
         return rpc.call(self.stub.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me, ahead_of=ahead_of))

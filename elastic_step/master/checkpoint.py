@@ -19,6 +19,7 @@ from elastic_step.faults.api import NO_FAULTS, JobFaults
 from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes
 from elastic_step.util.json_text import write_json
+from elastic_step.util.phases import phase
 from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
@@ -132,6 +133,10 @@ class Checkpointer:
 
     def _write(self, hold_reached_at: float) -> None:
         ckpt_id, t0 = self.next_id, time.time()
+        with phase("master: write a checkpoint"):
+            self._write_parts(ckpt_id, t0, hold_reached_at)
+
+    def _write_parts(self, ckpt_id: int, t0: float, hold_reached_at: float) -> None:
         files = self._parts(ckpt_id)
         state = self._state()
         write_json(self.store.part(ckpt_id, "ledger.json"), state, indent=None)

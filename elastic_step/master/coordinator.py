@@ -246,17 +246,17 @@ class Coordinator:
                 return None  # no new work while a checkpoint is cut; leases held are handed out again
             self.membership.seen(inst)
             if not self.training_started:
-                if len(self.membership.training()) < self.min_workers:
+                if self.membership.training_count() < self.min_workers:
                     return None
                 self.training_started = True
                 self.record(
                     "training_started",
                     "",
-                    f"{len(self.membership.training())} workers registered (min {self.min_workers})",
+                    f"{self.membership.training_count()} workers registered (min {self.min_workers})",
                 )
                 log.info(
                     "training starts: %d worker(s) registered, min_workers=%d",
-                    len(self.membership.training()),
+                    self.membership.training_count(),
                     self.min_workers,
                 )
             worker = str(inst)

@@ -40,12 +40,15 @@ from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
+from elastic_step.util import phases
 from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
 from elastic_step.util.uri import local_path
 
 log = logging.getLogger("elastic_step.master")
 
+PUMP_TURN_S = 0.1  # the pump waits this long for a backend event, at most, between turns
+BARRIER_POLL_S = 0.002  # ... and this long while a checkpoint's barrier is up
 EPOCH_EVAL_RECORDS = 4096  # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
@@ -169,7 +172,9 @@ class TrainingJob:
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
         self._input_server: InputServer | None = None
-        self._evaluator = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="evaluator")
+        self._evaluator = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="evaluator", initializer=yield_to_training
+        )
         self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
 
     # ------------------------------------------------------------------ launching
@@ -292,7 +297,8 @@ class TrainingJob:
                             self._load_weights()  # now: once the shards are open, workers push at once
                             self._evaluation = self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
                     self.coord.open_shards()
-            self._pump(until=self.coord.finished.is_set)
+            with phases.span("master: training, from the shards' opening to the last commit"):
+                self._pump(until=self.coord.finished.is_set)
             self.train_seconds = time.time() - t_start
             if self.coord.failure:
                 raise self._failure()
@@ -310,6 +316,7 @@ class TrainingJob:
                 self._input_server.stop()
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, previous)
+            phases.dump("master")
         with self.health.busy("evaluating and saving the model"):
             return self._finish(model, ps_stats, evidence)
 
@@ -319,7 +326,9 @@ class TrainingJob:
         evaluated, pending = self.ledger.epoch, None
         while not until() and self.coord.failure is None:
             self.health.turned()
-            for ev in self.backend.events(timeout=0.1):
+            # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
+            # than once a turn, which held them ~0.1 s a checkpoint.
+            for ev in self.backend.events(timeout=BARRIER_POLL_S if self.durable.cutting else PUMP_TURN_S):
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
@@ -521,9 +530,10 @@ class TrainingJob:
         from elastic_step.evaluation import evaluate
 
         try:
-            if not loaded:
-                self._load_weights()
-            r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
+            with phases.phase("master: evaluate an epoch (pull, then the eval records)"):
+                if not loaded:
+                    self._load_weights()
+                r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
         except ModelDefError as e:  # the user's loss or metrics: theirs, reported once, now
             self.coord.report_failure("master", "model_error", str(e), "")
             return
@@ -649,6 +659,21 @@ def ps_summary(stats) -> dict:
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},
     }
+
+
+EVALUATOR_NICENESS = 10
+
+
+def yield_to_training() -> None:
+    """The evaluator thread's start: the curve's points run at a lower CPU priority than the step's own threads
+    (Linux: a thread's niceness is its own). On the local backend the workers and shards share the master's
+    cores, and an evaluation then takes what they leave instead of slowing their steps; where the master has a
+    pod of its own, nothing competes and nothing changes."""
+    try:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), EVALUATOR_NICENESS))  # never up
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: the curve costs what it costs
+        log.debug("evaluator thread keeps its priority: %s", e)
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -16,16 +16,28 @@ reports past the cut are refused with `LeaseOver`: it stops and asks for new wor
 
 The ledger is plain data and deterministic (no clock, no threads): callers pass `now`,
 the service wraps it in a lock, and a property-based test drives it directly.
+
+It stays small at a billion records (a million tasks an epoch): only the current epoch is kept, as its shuffled
+order (one int32 a task, from which a task's shard and range are computed), one byte a task for "wholly
+committed", the intervals of the few tasks partly committed, and the queue as the remainders put back by losses in
+front of a cursor into that order. A checkpoint's cut holds the same, the arrays compressed.
 """
 
 from __future__ import annotations
 
+import array
+import base64
+import bisect
 import collections
 import dataclasses
-import random
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
 
 from elastic_step.errors import ConfigError
+
+CUT_FORMAT = 2  # of `Ledger.cut`: 1 listed every task of the epoch, 2 holds its order and commits as arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +91,58 @@ class EpochAccount:
         }
 
 
+class TaskQueue:
+    """The tasks waiting for a worker, in the order they are handed out, as (task, first record) pairs: the
+    remainders put back by losses (in front, the latest first), then the epoch's tasks no worker has leased yet,
+    in the epoch's shuffled order. Those are a cursor into that order, not one entry each: a million of them cost
+    nothing until they are leased."""
+
+    def __init__(self, task_at: Callable[[int], TaskDef]):
+        self._task_at = task_at  # a position in the epoch's order -> its task
+        self.front: collections.deque[tuple[TaskDef, int]] = collections.deque()
+        self.fresh = 0  # the first position not leased yet
+        self.size = 0  # the epoch's tasks
+
+    def reset(self, size: int, fresh: int = 0, front: Iterable[tuple[TaskDef, int]] = ()) -> None:
+        self.front = collections.deque(front)
+        self.fresh, self.size = fresh, size
+
+    def __len__(self) -> int:
+        return len(self.front) + self.size - self.fresh
+
+    def __iter__(self) -> Iterator[tuple[TaskDef, int]]:
+        yield from list(self.front)
+        for pos in range(self.fresh, self.size):
+            task = self._task_at(pos)
+            yield task, task.start
+
+    def __getitem__(self, i: int) -> tuple[TaskDef, int]:
+        n = len(self)
+        i = i + n if i < 0 else i
+        if not 0 <= i < n:
+            raise IndexError("task queue index out of range")
+        if i < len(self.front):
+            return self.front[i]
+        task = self._task_at(self.fresh + i - len(self.front))
+        return task, task.start
+
+    def popleft(self) -> tuple[TaskDef, int]:
+        if self.front:
+            return self.front.popleft()
+        if self.fresh >= self.size:
+            raise IndexError("pop from an empty task queue")
+        task = self._task_at(self.fresh)
+        self.fresh += 1
+        return task, task.start
+
+    def appendleft(self, item: tuple[TaskDef, int]) -> None:
+        self.front.appendleft(item)
+
+    def clear(self) -> None:
+        self.front.clear()
+        self.fresh = self.size
+
+
 class LedgerError(Exception):
     """A report that contradicts the ledger (wrong worker, unknown task, watermark out of range)."""
 
@@ -106,13 +170,26 @@ class Ledger:
         self.minibatch_size = minibatch_size
         self.seed = seed
         self.records_per_epoch = sum(s.rows for s in self.shards)
+        # An epoch's tasks in shard order: shard i's are numbered from _first[i], one per records_per_task.
+        self._first = [0]
+        for s in self.shards:
+            self._first.append(self._first[-1] + -(-s.rows // self.records_per_task))
+        self.tasks_per_epoch = self._first[-1]
+        if self.tasks_per_epoch >= 2**31:
+            raise ConfigError(
+                f"{self.tasks_per_epoch} tasks an epoch is more than the ledger holds (2**31): raise records_per_task."
+            )
         self.epoch = -1
         self.accounts: list[EpochAccount] = []
-        self.queue: collections.deque[tuple[TaskDef, int]] = collections.deque()  # (task, start)
+        # The current epoch: task `_base + p` is task number `_order[p]` in shard order.
+        self._base = 0
+        self._order = array.array("i")  # read one by one: an array's items are Python ints at once
+        self._order_text: str | None = None  # its encoding in a cut, made once an epoch
+        self._complete = bytearray()  # per position: 1 once every record of the task is committed
+        self._partial: dict[int, list[list[int]]] = {}  # task_id -> merged committed intervals, if not complete
+        self.queue = TaskQueue(self._task_at)
         self.leases: dict[str, Lease] = {}  # worker -> its current lease
         self.ahead: dict[str, Lease] = {}  # worker -> the lease it starts next
-        self.committed: dict[int, list[list[int]]] = {}  # task_id -> merged committed intervals
-        self.tasks: dict[int, TaskDef] = {}
         self._next_id = 0
         self._lost_at: dict[int, float] = {}  # task_id -> when its remainder was requeued
         self.requeue_latencies: list[float] = []
@@ -239,12 +316,9 @@ class Ledger:
         self.trained_again += again
         self.epoch = -1
         self.accounts.clear()
-        self.queue.clear()
         self.leases.clear()
         self.ahead.clear()
-        self.committed.clear()
         self._lost_at.clear()
-        self._handed_over.clear()
         self._advance_epoch()
         return again
 
@@ -252,43 +326,56 @@ class Ledger:
     def cut(self) -> dict:
         """The ledger as plain data, for a checkpoint. Leases are not carried over: a restored ledger
         puts their remainders (and leases ahead) back at the front of the queue, where whoever holds
-        the job next takes them, under the same task ids and minibatch boundaries as before."""
+        the job next takes them, under the same task ids and minibatch boundaries as before. The epoch's
+        order and which tasks are wholly committed are compressed arrays (a few MB for a million tasks)."""
         held = [(lease.task, lease.watermark) for lease in [*self.leases.values(), *self.ahead.values()]]
         queue = [
             # A task cut short by a hand-over (see hand_over) carries its own end.
-            [task.task_id, start] + ([task.end] if task.end != self.tasks[task.task_id].end else [])
-            for task, start in [*held, *self.queue]
+            [task.task_id, start] + ([task.end] if task.end != self._range(task.task_id - self._base)[2] else [])
+            for task, start in [*held, *self.queue.front]
             if start < task.end
         ]
-        live = {t for t, *_ in queue} | {t for t, task in self.tasks.items() if task.epoch == self.epoch}
+        if self._order_text is None:
+            self._order_text = _encode(np.frombuffer(self._order, np.int32).astype("<i4", copy=False))
         return {
+            "format": CUT_FORMAT,
             "epoch": self.epoch,
             "next_id": self._next_id,
             "trained_again": self.trained_again,
             "shards": [[s.uri, s.rows] for s in self.shards],
             "accounts": [dataclasses.asdict(a) for a in self.accounts],
-            "tasks": {
-                str(t): [task.epoch, task.shard, task.start, task.end] for t, task in self.tasks.items() if t in live
-            },
-            "committed": {str(t): [list(i) for i in iv] for t, iv in self.committed.items() if t in live},
-            "queue": queue,
+            "first_task": self._base,  # the id of the epoch's first task in its order
+            "order": self._order_text,  # per task of the epoch, its number in shard order
+            "not_leased_from": self.queue.fresh,  # the tasks from there on in the order are queued whole
+            "complete": _encode(np.packbits(np.frombuffer(self._complete, np.uint8))),
+            "partial": {str(t): [list(i) for i in iv] for t, iv in self._partial.items()},
+            "queue": queue,  # in front of those: the remainders, held leases' first
         }
 
     def restore(self, cut: dict) -> int:
         """Go back to a cut (see `cut`); returns how many records committed now were not then (they
         will be trained again)."""
+        if cut.get("format") != CUT_FORMAT:
+            raise ConfigError(
+                f"the checkpoint's ledger is of format {cut.get('format', 1)}, which this version no longer reads "
+                f"(it reads {CUT_FORMAT}): resume with the version that wrote it, or pass --resume never to start over"
+            )
         if [[s.uri, s.rows] for s in self.shards] != cut["shards"]:
             raise ConfigError("the checkpoint's ledger is over other data shards than this job's")
         again = max(0, self.records_committed_total() - sum(a["committed"] for a in cut["accounts"]))
         self.epoch, self._next_id = cut["epoch"], cut["next_id"]
         self.trained_again = cut["trained_again"] + again
         self.accounts = [EpochAccount(**a) for a in cut["accounts"]]
-        self.tasks = {int(t): TaskDef(int(t), e, uri, lo, hi) for t, (e, uri, lo, hi) in cut["tasks"].items()}
-        self.committed = {int(t): [list(iv) for iv in ivs] for t, ivs in cut["committed"].items()}
-        self.queue = collections.deque(
-            (dataclasses.replace(self.tasks[t], end=end[0]) if end else self.tasks[t], start)
-            for t, start, *end in cut["queue"]
-        )
+        size = 0 if self.done else self.tasks_per_epoch
+        self._base, self._order_text = cut["first_task"], cut["order"]
+        self._order = array.array("i", _decode(cut["order"], "<i4", size).astype(np.int32).tobytes())
+        self._complete = bytearray(np.unpackbits(_decode(cut["complete"], np.uint8, -(-size // 8)))[:size].tobytes())
+        self._partial = {int(t): [list(iv) for iv in ivs] for t, ivs in cut["partial"].items()}
+        front = []
+        for t, start, *end in cut["queue"]:
+            task = self._task_at(t - self._base)
+            front.append((dataclasses.replace(task, end=end[0]) if end else task, start))
+        self.queue.reset(size, cut["not_leased_from"], front)
         self.leases.clear()
         self.ahead.clear()
         self._lost_at.clear()
@@ -296,21 +383,47 @@ class Ledger:
         return again
 
     # ------------------------------------------------------------------ internals
+    def _task_at(self, pos: int) -> TaskDef:
+        """The task at position `pos` of the current epoch's order."""
+        shard, start, end = self._range(pos)
+        return TaskDef(self._base + pos, self.epoch, self.shards[shard].uri, start, end)
+
+    def _range(self, pos: int) -> tuple[int, int, int]:
+        """(shard index, start, end) of the task at position `pos`, as cut (a hand-over may end a lease before)."""
+        number = self._order[pos]
+        shard = bisect.bisect_right(self._first, number) - 1
+        start = (number - self._first[shard]) * self.records_per_task
+        return shard, start, min(self.shards[shard].rows, start + self.records_per_task)
+
     def _commit(self, task: TaskDef, lo: int, hi: int) -> int:
         if hi <= lo:
             return 0
-        intervals = self.committed.setdefault(task.task_id, [])
-        overlap = sum(max(0, min(hi, e) - max(lo, s)) for s, e in intervals)
-        intervals.append([lo, hi])
-        intervals.sort()
-        merged: list[list[int]] = []
-        for s, e in intervals:
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        self.committed[task.task_id] = merged
+        pos = task.task_id - self._base
         acct = self.accounts[task.epoch]
+        if self._complete[pos]:
+            acct.double_applied += hi - lo
+            return 0
+        intervals = self._partial.get(task.task_id)
+        overlap = 0
+        if intervals is None:  # the task's first report
+            merged = [[lo, hi]]
+        elif len(intervals) == 1 and intervals[0][1] == lo:  # the usual next one: its lease's next minibatches
+            merged = intervals
+            merged[0][1] = hi
+        else:
+            overlap = sum(max(0, min(hi, e) - max(lo, s)) for s, e in intervals)
+            merged = []
+            for s, e in sorted([*intervals, [lo, hi]]):
+                if merged and s <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], e)
+                else:
+                    merged.append([s, e])
+        whole = len(merged) == 1 and merged[0][0] == task.start and merged[0][1] >= task.end  # the lease's end
+        if whole and merged[0][1] == self._range(pos)[2]:  # and the task's, which a hand-over may put after it
+            self._complete[pos] = 1
+            self._partial.pop(task.task_id, None)
+        else:
+            self._partial[task.task_id] = merged
         acct.double_applied += overlap
         acct.committed += (hi - lo) - overlap
         return (hi - lo) - overlap
@@ -320,21 +433,22 @@ class Ledger:
             self._advance_epoch()
 
     def _advance_epoch(self) -> None:
+        """The next epoch's tasks, in a new order (the same for the same seed), under new task ids."""
         self.epoch += 1
         self._handed_over.clear()  # a straggler's reports of a past epoch are refused as any stale ones
-        if self.done:
-            return
-        self.accounts.append(EpochAccount(epoch=self.epoch, records=self.records_per_epoch))
-        tasks = []
-        for shard in self.shards:
-            for start in range(0, shard.rows, self.records_per_task):
-                tasks.append((shard.uri, start, min(shard.rows, start + self.records_per_task)))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(tasks)  # a new order per epoch
-        for uri, start, end in tasks:
-            task = TaskDef(self._next_id, self.epoch, uri, start, end)
-            self._next_id += 1
-            self.tasks[task.task_id] = task
-            self.queue.append((task, start))
+        self._partial.clear()
+        self._order_text = None
+        size = 0 if self.done else self.tasks_per_epoch
+        if size:
+            self.accounts.append(EpochAccount(epoch=self.epoch, records=self.records_per_epoch))
+            rng = np.random.default_rng([self.seed % 2**64, self.epoch])
+            self._order = array.array("i", rng.permutation(size).astype(np.int32).tobytes())
+        else:
+            self._order = array.array("i")
+        self._base = self._next_id
+        self._next_id += size
+        self._complete = bytearray(size)
+        self.queue.reset(size)
 
     def summary(self) -> dict:
         return {
@@ -342,3 +456,21 @@ class Ledger:
             "records_per_task": self.records_per_task,
             "epochs": [a.as_dict() for a in self.accounts],
         }
+
+
+def _encode(array: np.ndarray) -> str:
+    """An array's bytes, compressed, as JSON text."""
+    return base64.b64encode(zlib.compress(array.tobytes(), 1)).decode("ascii")
+
+
+def _decode(text: str, dtype, size: int) -> np.ndarray:
+    try:
+        array = np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype)
+    except (ValueError, zlib.error) as e:
+        raise ConfigError(f"the checkpoint's ledger is corrupt ({e}): pass --resume never to start over") from None
+    if array.size != size:
+        raise ConfigError(
+            f"the checkpoint's ledger holds {array.size} entries where this job's data makes {size}: "
+            "it is of other data or another records_per_task; pass --resume never to start over"
+        )
+    return array

@@ -30,13 +30,20 @@ class Membership:
         self.relaunched = 0
         self.max_alive = 0
         self.alive_samples: list[tuple[float, int]] = []
+        self._training: set[InstanceId] = set()  # workers registered: kept as states change, counted at each
+
+    def _set_state(self, m: Member, state: str) -> None:
+        m.state = state
+        if m.id.role == "worker":
+            (self._training.add if state == "registered" else self._training.discard)(m.id)
 
     def launched(self, inst: InstanceId, relaunch: bool) -> None:
         m = self.members.get(inst)
         if m is None:
             self.members[inst] = Member(inst)
         else:
-            m.state, m.launches, m.progress_since_launch = "pending", m.launches + 1, False
+            self._set_state(m, "pending")
+            m.launches, m.progress_since_launch = m.launches + 1, False
         if inst.role == "worker":
             self.started += 1
             self.relaunched += int(relaunch)
@@ -44,9 +51,9 @@ class Membership:
     def on_event(self, ev: InstanceEvent) -> None:
         m = self.members.setdefault(ev.instance, Member(ev.instance))
         if ev.kind == EventKind.RUNNING and m.state == "pending":
-            m.state = "running"
+            self._set_state(m, "running")
         elif ev.kind in (EventKind.EXITED, EventKind.LOST):
-            m.state = "gone"
+            self._set_state(m, "gone")
             crashed = ev.kind == EventKind.EXITED and ev.exit_code not in (0, None)
             m.crashes_without_progress = (
                 m.crashes_without_progress + 1 if crashed and not m.progress_since_launch else 0
@@ -58,14 +65,15 @@ class Membership:
         more. Its end, when the backend reports it, is counted then."""
         m = self.members.get(inst)
         if m is not None and m.state != "gone":
-            m.state = "gone"
+            self._set_state(m, "gone")
             self._sample(t)
 
     def registered(self, inst: InstanceId, address: str = "") -> bool:
         """True when this is the launch's first registration (or at a new address)."""
         m = self.members.setdefault(inst, Member(inst))
         new = m.state != "registered" or m.address != address
-        m.state, m.address, m.last_seen = "registered", address, time.time()
+        self._set_state(m, "registered")
+        m.address, m.last_seen = address, time.time()
         if new:
             self._sample(m.last_seen)
         return new
@@ -82,8 +90,12 @@ class Membership:
     def training(self, role: str = "worker") -> list[InstanceId]:
         return sorted(i for i, m in self.members.items() if i.role == role and m.state == "registered")
 
+    def training_count(self) -> int:
+        """len(training()), without listing them: registrations of thousands of workers each take a sample."""
+        return len(self._training)
+
     def _sample(self, t: float) -> None:
-        n = len(self.training())
+        n = len(self._training)
         self.max_alive = max(self.max_alive, n)
         self.alive_samples.append((t, n))
 

@@ -1,11 +1,23 @@
 """The master's gRPC service: a thin translation of RPCs into Coordinator calls.
 
 Every call checks the per-job token, so another pod in the namespace cannot join the job.
+
+The server is grpc.aio on one event loop thread: thousands of workers' calls queue there, not in a pool of
+threads that fight over the GIL, and the Coordinator's calls are short and never wait on I/O, so they run on the
+loop itself. The calls that wait
+(a checkpoint hold, allreduce's long polls) run on a thread pool of their own. When calls queue past a target,
+the master sheds the load that is new: Register answers "come back after" (retry_after_s) at once, so that a
+burst of workers joining is spread over time instead of queueing every call behind it (Admission). The calls of
+workers already in are never shed: each has at most a call or two in flight, so their queue is bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
+import threading
 from collections.abc import Callable
+from concurrent import futures
 
 import grpc
 
@@ -14,17 +26,61 @@ from elastic_step.master.coordinator import Coordinator
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
-from elastic_step.proto.rpc import check_token
+from elastic_step.util.phases import phase
 
 WAIT_S = 0.05
 STEP_WAIT_S = 0.5  # allreduce long-polls: the worker asks again after this
 
 
-# Progress reports the master budgets for, per second, over all workers: about 40 % of what one
-# master serves (bench/master_capacity.py: ~2 500 reports/s), leaving the rest for GetTask, heartbeats
-# and each lease's last report, which goes unpaced.
+# Progress reports the master budgets for, per second, over all workers: a fifth of what one master
+# serves on a core (bench/master_capacity.py: ~5,000 calls/s), leaving the rest for GetTask, heartbeats,
+# joining workers and each lease's last report, which goes unpaced.
 REPORTS_PER_S_BUDGET = 1000.0
 MIN_REPORT_INTERVAL_S = 0.05
+# Asks for work that find none, per second, over all workers: the pace of a worker told to wait.
+WAITS_PER_S_BUDGET = 2000.0
+
+
+# The master sheds load once calls wait this long, on average, before it serves them.
+QUEUE_TARGET_S = 0.1
+MAX_RETRY_AFTER_S = 10.0
+JOINING_SHARE = 4  # past the target, one call in this many still lets a worker join
+# gRPC's server cancels the calls it has received but not handed to the service yet past 1,000 of them (3,000 at
+# most): thousands of workers calling at once would see CANCELLED. Each worker has a call or two in flight.
+PENDING_CALLS = [("grpc.server.max_pending_requests", 50_000), ("grpc.server.max_pending_requests_hard_limit", 100_000)]
+# Calls that may wait at once (holds, allreduce long polls): one thread each.
+WAITING_CALLS = 64
+
+
+class Admission:
+    """Backpressure from how long calls wait to be served. Every client of the master sends its calls with
+    rpc.CALL_TIMEOUT_S, and the server's clock for that deadline starts when the call arrives, so what is left of
+    it when the call is served tells how long it queued. Past `target_s` (smoothed over recent calls), a joining
+    worker's Register is told to come back after a delay that grows with the wait, jittered so that the shed
+    callers do not return together; a shed call costs no lock and no ledger work. Under the target every call is
+    served, and calls without that deadline never move the estimate."""
+
+    def __init__(self, target_s: float = QUEUE_TARGET_S):
+        self.target_s = target_s
+        self.wait = 0.0  # smoothed, seconds
+        self.shed = 0  # calls told to come back, since the master started
+        self._admitted_at = 0
+
+    def observe(self, context) -> None:
+        """Every call: how long it queued."""
+        left = context.time_remaining()
+        if left is not None and 0.0 < left <= rpc.CALL_TIMEOUT_S:
+            self.wait += 0.02 * (rpc.CALL_TIMEOUT_S - left - self.wait)
+
+    def retry_after(self, served: int) -> float:
+        """0 when the call is served now, else seconds to wait before calling again. `served`: calls so far. Even
+        past the target, one call in JOINING_SHARE is served, so that workers busy with the master never lock
+        out the ones still joining."""
+        if self.wait <= self.target_s or served - self._admitted_at >= JOINING_SHARE:
+            self._admitted_at = served
+            return 0.0
+        self.shed += 1
+        return min(MAX_RETRY_AFTER_S, random.uniform(0.5, 1.5) * max(WAIT_S, 10 * self.wait))
 
 
 def report_interval_s(max_workers: int) -> float:
@@ -45,13 +101,18 @@ class MasterService(pb_grpc.MasterServicer):
         max_workers: int = 1,
         pushes_in_flight: int = 1,
         minibatches_per_push: int = 1,
+        queue_target_s: float = QUEUE_TARGET_S,
     ):
         self.c = coordinator
+        self.admission = Admission(queue_target_s)
+        self.calls = 0  # served, of every kind (the event loop is the only writer)
+        self._waiting = futures.ThreadPoolExecutor(max_workers=WAITING_CALLS, thread_name_prefix="master-wait")
         self.token = token
         self.job_id = job_id
         self.minibatch_size = minibatch_size
         self.model_def = model_def
         self.report_interval_s = report_interval_s(max_workers)
+        self.wait_retry_s = max(WAIT_S, max_workers / WAITS_PER_S_BUDGET)
         self.pushes_in_flight = pushes_in_flight
         self.minibatches_per_push = minibatches_per_push
         # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
@@ -60,19 +121,39 @@ class MasterService(pb_grpc.MasterServicer):
         # A URI as instances open it: a file local to the step, served by the master (input_server.py).
         self.locate: Callable[[str], str] = lambda uri: uri
 
-    def _instance(self, context, call: str, msg: pb.Instance) -> InstanceId:
-        """The caller, unless its launch is fenced (master/fence.py): then the call is refused, PERMISSION_DENIED."""
+    def _wait_retry_s(self) -> float:
+        """When a worker with nothing to do asks again: 50 ms, and slower as the job grows, so that a queue run dry
+        under thousands of workers (the end of an epoch) costs the master a flat load. Jittered: they asked
+        together, they come back apart."""
+        return random.uniform(0.5, 1.5) * self.wait_retry_s
+
+    async def _instance(self, context, call: str, request) -> InstanceId:
+        """The caller, once its token is checked, unless its launch is fenced (master/fence.py): then the call is
+        refused, PERMISSION_DENIED."""
+        self.calls += 1
+        self.admission.observe(context)
+        if not rpc.token_ok(self.token, request.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, rpc.WRONG_TOKEN)
+        msg = request.instance
         try:
             inst = InstanceId(msg.role, msg.index)
         except Exception as e:  # noqa: BLE001 - any malformed identity is the caller's error
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if (refusal := self.c.fenced_call(inst, msg.launch, call)) is not None:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
         return inst
 
-    def Register(self, request, context):
-        check_token(context, self.token, request.token)
-        addrs = self.c.register(self._instance(context, "Register", request.instance), request.address)
+    async def _wait(self, fn, *args, **kw):
+        """Run a call that blocks (a hold, a long poll) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._waiting, lambda: fn(*args, **kw))
+
+    async def Register(self, request, context):
+        inst = await self._instance(context, "Register", request)
+        member = self.c.membership.members.get(inst)
+        joining = inst.role == "worker" and (member is None or member.state != "registered")
+        if joining and (wait := self.admission.retry_after(self.calls)):
+            return pb.RegisterResponse(retry_after_s=wait)
+        addrs = self.c.register(inst, request.address)
         return pb.RegisterResponse(
             job_id=self.job_id,
             ps_addresses=addrs,
@@ -84,23 +165,19 @@ class MasterService(pb_grpc.MasterServicer):
             minibatches_per_push=self.minibatches_per_push,
         )
 
-    def Heartbeat(self, request, context):
-        check_token(context, self.token, request.token)
-        inst = self._instance(context, "Heartbeat", request.instance)
+    async def Heartbeat(self, request, context):
+        inst = await self._instance(context, "Heartbeat", request)
         with self.c.lock:
             self.c.membership.seen(inst)
         return pb.HeartbeatResponse(stop=self.c.stop_all.is_set())
 
-    def GetTask(self, request, context):
-        check_token(context, self.token, request.token)
-        lease = self.c.get_task(
-            self._instance(context, "GetTask", request.instance),
-            after=request.ahead_of if request.HasField("ahead_of") else None,
-        )
+    async def GetTask(self, request, context):
+        inst = await self._instance(context, "GetTask", request)
+        lease = self.c.get_task(inst, after=request.ahead_of if request.HasField("ahead_of") else None)
         if lease == "done":
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
         if lease is None:
-            return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=WAIT_S)
+            return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=self._wait_retry_s())
         t = lease.task
         return pb.GetTaskResponse(
             kind=pb.GetTaskResponse.TASK,
@@ -115,27 +192,26 @@ class MasterService(pb_grpc.MasterServicer):
             ),
         )
 
-    def ReportProgress(self, request, context):
-        check_token(context, self.token, request.token)
-        ok = self.c.report_progress(
-            self._instance(context, "ReportProgress", request.instance),
-            request.task_id,
-            request.watermark,
-            request.loss,
-            request.duplicate,
-        )
+    async def ReportProgress(self, request, context):
+        inst = await self._instance(context, "ReportProgress", request)
+        with phase("master: ReportProgress"):  # no await inside: the span is this call's own work
+            ok = self.c.report_progress(
+                inst,
+                request.task_id,
+                request.watermark,
+                request.loss,
+                request.duplicate,
+            )
         return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
 
-    def Hold(self, request, context):
-        check_token(context, self.token, request.token)
-        return pb.HoldReply(
-            released=self.c.hold(self._instance(context, "Hold", request.instance), min(request.wait_s, 5.0))
-        )
+    async def Hold(self, request, context):
+        inst = await self._instance(context, "Hold", request)
+        return pb.HoldReply(released=await self._wait(self.c.hold, inst, min(request.wait_s, 5.0)))
 
-    def ReportFailure(self, request, context):
-        check_token(context, self.token, request.token)
+    async def ReportFailure(self, request, context):
+        inst = await self._instance(context, "ReportFailure", request)
         self.c.report_failure(
-            str(self._instance(context, "ReportFailure", request.instance)),
+            str(inst),
             request.kind,
             request.message,
             request.traceback,
@@ -143,17 +219,16 @@ class MasterService(pb_grpc.MasterServicer):
         )
         return pb.Ack()
 
-    def ReportSkipped(self, request, context):
-        check_token(context, self.token, request.token)
+    async def ReportSkipped(self, request, context):
         r = request
-        worker = str(self._instance(context, "ReportSkipped", r.instance))
+        worker = str(await self._instance(context, "ReportSkipped", r))
         self.c.skipped_minibatch(worker, r.epoch, r.data_shard, r.shard, r.start, r.end, r.why, r.step)
         return pb.Ack()
 
     # ------------------------------------------------------------ --strategy allreduce
-    def _rendezvous(self, context):
+    async def _rendezvous(self, context):
         if self.c.rendezvous is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job does not use --strategy allreduce")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this job does not use --strategy allreduce")
         return self.c.rendezvous
 
     def _view(self, view) -> pb.MembershipReply:
@@ -168,22 +243,22 @@ class MasterService(pb_grpc.MasterServicer):
             restore_checkpoint=view.restore_checkpoint,
         )
 
-    def GetMembership(self, request, context):
-        check_token(context, self.token, request.token)
-        rdv = self._rendezvous(context)
-        inst = self._instance(context, "GetMembership", request.instance)
+    async def GetMembership(self, request, context):
+        inst = await self._instance(context, "GetMembership", request)
+        rdv = await self._rendezvous(context)
         self.c.heard_from(inst)  # a member waiting on a stalled ring is not the one stalling it
-        view = rdv.membership(str(inst), request.known_version, min(STEP_WAIT_S, max(0.0, request.wait_s)))
+        wait_s = min(STEP_WAIT_S, max(0.0, request.wait_s))
+        view = await self._wait(rdv.membership, str(inst), request.known_version, wait_s)
         return self._view(view)
 
-    def StepReady(self, request, context):
+    async def StepReady(self, request, context):
         from elastic_step.master.rendezvous import ABORT, COMMIT, Ready
 
-        check_token(context, self.token, request.token)
-        rdv = self._rendezvous(context)
-        inst = self._instance(context, "StepReady", request.instance)
+        inst = await self._instance(context, "StepReady", request)
+        rdv = await self._rendezvous(context)
         self.c.heard_from(inst)
-        kind, view = rdv.step_ready(
+        kind, view = await self._wait(
+            rdv.step_ready,
             str(inst),
             request.version,
             request.step,
@@ -200,29 +275,58 @@ class MasterService(pb_grpc.MasterServicer):
         k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)
         return pb.StepReadyReply(kind=k, membership=self._view(view), done=rdv.done)
 
-    def PullCheckpointState(self, request, context):
-        check_token(context, self.token, request.token)
-        self._rendezvous(context)
+    async def PullCheckpointState(self, request, context):
+        self.calls += 1
+        if not rpc.token_ok(self.token, request.token):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, rpc.WRONG_TOKEN)
+        await self._rendezvous(context)
         state = self.checkpoint_state()
         if state is None or (request.step >= 0 and state.step != request.step):
-            context.abort(
+            await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"no checkpoint state of step {request.step} here (the job resumed from "
                 f"{'none' if state is None else f'step {state.step}'})",
             )
-        return tensors.state_reply(state)
+        return await self._wait(tensors.state_reply, state)
 
-    def ReportPeerFailure(self, request, context):
-        check_token(context, self.token, request.token)
-        self._rendezvous(context)
-        inst = self._instance(context, "ReportPeerFailure", request.instance)
+    async def ReportPeerFailure(self, request, context):
+        inst = await self._instance(context, "ReportPeerFailure", request)
+        await self._rendezvous(context)
         self.c.allreduce_peer_failed(str(inst), request.version, request.peer, request.detail)
         return pb.Ack()
 
 
-def serve(service: MasterService, host: str = "127.0.0.1", port: int = 0) -> tuple[grpc.Server, int]:
-    server = rpc.server(max_workers=32)
-    pb_grpc.add_MasterServicer_to_server(service, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
-    return server, bound
+class Server:
+    """grpc.aio's server on an event loop thread of its own, stopped as the thread-pool server is: the rest of the
+    master is synchronous."""
+
+    def __init__(self, service: MasterService, host: str, port: int):
+        self.service = service
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="master-grpc", daemon=True)
+        self._thread.start()
+        self.port = self._run(self._start(host, port))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self, host: str, port: int) -> int:
+        self._server = grpc.aio.server(options=[*rpc.GRPC_OPTIONS, *PENDING_CALLS])
+        pb_grpc.add_MasterServicer_to_server(self.service, self._server)
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        await self._server.start()
+        return bound
+
+    def stop(self, grace: float | None = None) -> None:
+        if not self._thread.is_alive():
+            return
+        self._run(self._server.stop(grace))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+        self.service._waiting.shutdown(wait=False, cancel_futures=True)
+
+
+def serve(service: MasterService, host: str = "127.0.0.1", port: int = 0) -> tuple[Server, int]:
+    server = Server(service, host, port)
+    return server, server.port

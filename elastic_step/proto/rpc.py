@@ -11,13 +11,25 @@ import grpc
 # Parameters travel in one message per shard: raise the 4 MB default.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 
+# A call's deadline, unless it says otherwise. The master measures how long its calls queue from what is left of
+# it (master/service.py, Admission), so the calls it may shed keep this one.
+CALL_TIMEOUT_S = 30.0
+
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+WRONG_TOKEN = "wrong job token"
+
+
+def token_ok(expected: str, got: str) -> bool:
+    """Whether a call carries this job's token (constant-time comparison)."""
+    return hmac.compare_digest(expected.encode(), got.encode())
+
+
 def check_token(context: grpc.ServicerContext, expected: str, got: str) -> None:
-    """Abort the call unless it carries this job's token (constant-time comparison)."""
-    if not hmac.compare_digest(expected.encode(), got.encode()):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong job token")
+    """Abort the call unless it carries this job's token."""
+    if not token_ok(expected, got):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, WRONG_TOKEN)
 
 
 def server(max_workers: int = 16) -> grpc.Server:
@@ -33,7 +45,7 @@ def channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=GRPC_OPTIONS)
 
 
-def call(method, request, *, timeout: float = 30.0, retry_for: float = 60.0):
+def call(method, request, *, timeout: float = CALL_TIMEOUT_S, retry_for: float = 60.0):
     """Call a unary RPC, retrying transient failures (a peer still starting) for `retry_for` s."""
     deadline = time.monotonic() + retry_for
     delay = 0.05

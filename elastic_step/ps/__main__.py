@@ -12,6 +12,7 @@ from elastic_step.instance import EXIT_USER_ERROR, parse_args
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc
+from elastic_step.util import phases
 from elastic_step.util.process import quiet_tensorflow
 
 log = logging.getLogger("elastic_step.ps")
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     server.stop(grace=2).wait()
     service.close()
     master.close()
+    phases.dump(f"ps-{args.index}")
     return 0
 
 

@@ -32,6 +32,7 @@ from elastic_step.ps.api import (
 )
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, FencedPush, Refused
 from elastic_step.ps.push_slots import SharedSegments
+from elastic_step.util.phases import phase
 
 log = logging.getLogger("elastic_step.ps")
 
@@ -411,7 +412,8 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         except KeyError as e:
             raise Dropped(str(e)) from e
         try:
-            applied, version, _ = self.shard.push(key, grad, [], out)
+            with phase("ps: apply a push (rung)"):
+                applied, version, _ = self.shard.push(key, grad, [], out)
         except StaleGeneration as e:
             raise Refused(str(e)) from None
         return applied, version

@@ -16,6 +16,8 @@ import time
 from elastic_step.errors import ConfigError, DataError, ElasticStepError
 from elastic_step.instance import EXIT_FENCED, EXIT_USER_ERROR, fenced, parse_args
 from elastic_step.instance.master_client import MasterClient
+from elastic_step.util import phases
+from elastic_step.util.phases import span
 from elastic_step.util.process import quiet_tensorflow
 from elastic_step.worker.records import minibatch_of
 
@@ -59,6 +61,7 @@ def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) 
         )
         why = worker.run()
         log.info("training over (%s) at step %d: serving my state until the master stops me", why, worker.applied_step)
+        log.info("where my steps' time went: %s", worker.profile)
         # The master pulls the final weights from rank 0: keep the Collective server up until told.
         deadline = time.monotonic() + 300
         while not stop.is_set() and time.monotonic() < deadline:
@@ -139,22 +142,24 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
         except ShardsMoved as e:  # lost or frozen before this worker's first pull: as after any loss, not a crash
             log.warning("the PS shards moved before my first pull (%s): registering again", str(e).splitlines()[0][:99])
             rejoin()
-        why = train_tasks(
-            master,
-            trainer,
-            readers,
-            info.minibatch_size * per_push,
-            stop,
-            report_interval_s=info.report_interval_s or REPORT_INTERVAL_S,
-            pushes_in_flight=depth,
-            rejoin=rejoin,
-        )
+        with span("worker: training, whole"):
+            why = train_tasks(
+                master,
+                trainer,
+                readers,
+                info.minibatch_size * per_push,
+                stop,
+                report_interval_s=info.report_interval_s or REPORT_INTERVAL_S,
+                pushes_in_flight=depth,
+                rejoin=rejoin,
+            )
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:
         trainer.close()
         readers.close()
         ps.close()
+        phases.dump(f"worker-{args.index}")
 
 
 def main(argv: list[str] | None = None) -> int:

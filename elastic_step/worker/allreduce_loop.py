@@ -77,8 +77,7 @@ class AllReduceTrainer:
         sizes = [int(v.shape.num_elements()) for v in trainable]
         self._offsets, self._names = np.cumsum(sizes)[:-1], [v.path for v in trainable]
 
-        @tf.function(reduce_retracing=True)
-        def grad_step(data):
+        def loss_and_gradient(data):
             features, labels, *weights = data  # (features, labels[, sample weights])
             with tf.GradientTape() as tape:
                 loss = model_def.training_loss(model, features, labels, *weights)
@@ -92,44 +91,103 @@ class AllReduceTrainer:
             )
             return loss, flat
 
+        @tf.function(reduce_retracing=True)
+        def grad_step(data):
+            return loss_and_gradient(data)
+
+        @tf.function
+        def lease_step(data, begin, end):
+            # The minibatch is sliced from its lease's tensors here, in the graph: no feed() per step.
+            # (One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.)
+            return loss_and_gradient(tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), data))
+
+        def flat_weights():
+            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.weights], 0)
+
         @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
         def apply(flat):
             parts = tf.split(flat, sizes)
             self.optimizer.apply_gradients(
                 [(tf.cast(tf.reshape(p, v.shape), v.dtype), v) for p, v in zip(parts, trainable)]
             )
+            return flat_weights()  # read after the update (automatic control dependencies): the next checksum's
 
-        @tf.function
-        def flat_weights():
-            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.weights], 0)
+        self._grad_step, self._lease_step, self._apply = grad_step, lease_step, apply
+        self._flat_weights = tf.function(flat_weights)
+        self._traced = None  # (input specs, lease_step traced for them)
+        self._bound_spec = tf.TensorSpec([1], tf.int64)
+        self._checksum: int | None = None  # of the weights as they are, when known
+        self._lr_scale: float | None = None  # the factor last set
 
-        self._grad_step, self._apply, self._flat_weights = grad_step, apply, flat_weights
+    def feed(self, rows: dict[str, np.ndarray]):
+        """The user's feed() once on a whole lease's records, as `fit` feeds a whole array, as tensors: each
+        minibatch is then a slice of them, taken inside the compiled step (`lease_gradients`). None when feed()'s
+        output is not row-aligned (a leaf whose first dimension is not the number of records): each minibatch is
+        then fed on its own (`gradients`)."""
+        tf = self.tf
+        features, labels, weights = self.model_def.examples(rows, self.weight_column)
+        data = (features, labels) if weights is None else (features, labels, weights)
+        n = len(next(iter(rows.values()))) if rows else 0
+        if not all(getattr(leaf, "shape", None) and leaf.shape[0] == n for leaf in tf.nest.flatten(data)):
+            return None
+        data = tf.nest.map_structure(tf.convert_to_tensor, data)
+        return data, tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), data)
 
-    def gradients(self, batch, where=None) -> tuple[float, np.ndarray, int, str | None]:
+    def lease_gradients(
+        self, fed, lo: int, hi: int, where=None, profile=None
+    ) -> tuple[float, np.ndarray, int, str | None]:
+        """As `gradients`, of records [lo, hi) (offsets) of a lease fed once (`feed`)."""
+        tf = self.tf
+        t = time.perf_counter()
+        data, specs = fed
+        if self._traced is None or self._traced[0] != specs:
+            # Traced once for any minibatch and lease size: a concrete function skips the per-call matching of
+            # arguments against traces, a noticeable share of a small model's step.
+            self._traced = (specs, self._lease_step.get_concrete_function(specs, self._bound_spec, self._bound_spec))
+        try:
+            loss, flat = self._traced[1](data, tf.constant([lo], tf.int64), tf.constant([hi], tf.int64))
+        except Exception as e:  # the user's model/loss failed on real data
+            raise self.model_def.user_error(e, "computing a training step", where=str(where or "")) from e
+        return self._checked(loss, flat, hi - lo, where, profile, t)
+
+    def gradients(self, batch, where=None, profile=None) -> tuple[float, np.ndarray, int, str | None]:
         """(loss, flat gradient, records, None) of one minibatch; `where`: its records (worker/records.py). When its
         loss or gradient is not finite, fails, or, when skipping such minibatches, returns why in the last place."""
         tf = self.tf
+        t = time.perf_counter()
         features, labels, weights = self.model_def.examples(batch, self.weight_column)
         data = (features, labels) if weights is None else (features, labels, weights)
         # Tensors, as fit makes them: numpy arrays and tensors mixed in one structure (a string column made
         # a tensor by feed()) are then one kind of input.
         data = tf.nest.map_structure(tf.convert_to_tensor, data)
+        if profile is not None:
+            t = profile.add("read+feed", t)
         try:
             loss, flat = self._grad_step(data)
         except Exception as e:  # the user's model/loss failed on real data
             raise self.model_def.user_error(e, "computing a training step", where=str(where or "")) from e
+        return self._checked(loss, flat, len(next(iter(batch.values()))), where, profile, t)
+
+    def _checked(self, loss, flat, n: int, where, profile, t: float) -> tuple[float, np.ndarray, int, str | None]:
         loss, flat = float(loss), flat.numpy()
         # Before the ring: no member applies an average that holds it.
         skipped = self.non_finite.check(loss, np.split(flat, self._offsets), where, self._names)
-        return loss, flat, len(next(iter(batch.values()))), skipped
+        if profile is not None:
+            profile.add("compute", t)
+        return loss, flat, n, skipped
 
     def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
         """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`."""
-        self.lr_scale.set(lr_scale)
-        self._apply(mean_grad)
+        if lr_scale != self._lr_scale:  # an assignment per step is a noticeable share of a small model's
+            self.lr_scale.set(lr_scale)
+            self._lr_scale = lr_scale
+        self._checksum = zlib.crc32(self._apply(mean_grad).numpy().tobytes())
 
     def checksum(self) -> int:
-        return zlib.crc32(self._flat_weights().numpy().tobytes())
+        """Of the weights as they are (the master compares the members' before each commit)."""
+        if self._checksum is None:
+            self._checksum = zlib.crc32(self._flat_weights().numpy().tobytes())
+        return self._checksum
 
     def state(self) -> tuple[int, list[np.ndarray], dict]:
         values = [np.asarray(v.numpy()) for v in self.model.weights]
@@ -153,7 +211,34 @@ class AllReduceTrainer:
             raise ConfigError(f"Cannot load {there}: {mismatch}: {CHANGED_MODEL}. {CHANGED_MODEL_FIX}")
         for var, value in zip(targets, values):
             var.assign(value)
+        self._checksum = self._lr_scale = None  # the loaded values hold their own rate
         self.applied_records = AppliedRecords.of(applied)
+
+
+class StepProfile:
+    """Where this member's steps spent their time, by phase, in seconds: logged when it stops training, for
+    anyone tuning a job (docs/benchmarks.md reads it). A few clock reads per step."""
+
+    PHASES = ("read+feed", "compute", "collective", "checksum", "step ready", "apply", "lease")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add(self, phase: str, since: float) -> float:
+        """Charge the time since `since` to `phase`; returns now, the next phase's start."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
+
+    def __str__(self) -> str:
+        wall = time.perf_counter() - self.started
+        per = {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
+        other = 1e3 * (wall - sum(self.seconds.values())) / max(1, self.steps)
+        return f"{self.steps} steps in {wall:.1f} s, ms per step: " + ", ".join(
+            [*(f"{k} {v:.3f}" for k, v in per.items()), f"other {other:.3f}"]
+        )
 
 
 class Lease:
@@ -161,6 +246,8 @@ class Lease:
         self.task_id, self.shard, self.task_start, self.end = t.task_id, t.shard, t.task_start, t.end
         self.epoch, self.shard_index = t.epoch, t.shard_index
         self.watermark = t.start
+        self.fed = None  # its records from `fed_from` on, fed (AllReduceTrainer.feed); False: fed per minibatch
+        self.fed_from = t.start
 
 
 # A member's contribution to a step, (epoch, data shard, start, end), rides in the allreduced buffer:
@@ -218,6 +305,7 @@ class AllReduceWorker:
         self.view: pb.MembershipReply | None = None
         self.lease: Lease | None = None
         self.applied_step = -1  # the step whose state this worker's weights are (-1: none yet)
+        self.profile = StepProfile()
         self.restored_from = 0  # the checkpoint whose state this worker loaded from the master
         self._last_poll = 0.0
 
@@ -354,6 +442,19 @@ class AllReduceWorker:
             return "ok"
         return "none"
 
+    def fed_lease(self):
+        """The lease's records from its watermark on, read and fed once (trainer.feed), or None when feed() is not
+        row-aligned (each minibatch is then read and fed on its own)."""
+        lease = self.lease
+        if lease.fed is None:
+            t = time.perf_counter()
+            at = Records(lease.shard, lease.shard_index, lease.epoch, lease.watermark, lease.end)
+            with working_on(at):
+                lease.fed = self.trainer.feed(self.readers.read(lease.shard, lease.watermark, lease.end)) or False
+            lease.fed_from = lease.watermark
+            self.profile.add("read+feed", t)
+        return lease.fed or None
+
     def compute(self, world: int, step: int):
         """(flat buffer to allreduce, watermark after, records, loss, this member's contribution) for
         this step's minibatches: one range of its lease, (epoch, data shard, start, end), or None. A minibatch
@@ -370,8 +471,17 @@ class AllReduceWorker:
             ts, mb = self.lease.task_start, self.minibatch_size
             hi = min(self.lease.end, ts + ((lo - ts) // mb + 1) * mb)
             at = Records(self.lease.shard, self.lease.shard_index, self.lease.epoch, lo, hi)
+            fed = self.fed_lease()
             with working_on(at):
-                loss, flat, n, skipped = self.trainer.gradients(self.readers.read(self.lease.shard, lo, hi), at)
+                if fed is not None:
+                    loss, flat, n, skipped = self.trainer.lease_gradients(
+                        fed, lo - self.lease.fed_from, hi - self.lease.fed_from, at, self.profile
+                    )
+                else:
+                    t = time.perf_counter()
+                    rows = self.readers.read(self.lease.shard, lo, hi)
+                    self.profile.add("read+feed", t)
+                    loss, flat, n, skipped = self.trainer.gradients(rows, at, self.profile)
             if skipped is not None:
                 if records:  # the next step's
                     hi = lo
@@ -390,13 +500,16 @@ class AllReduceWorker:
     def run(self) -> str:
         if not self.join():
             return "done"
+        self.profile = StepProfile()  # from the first step on: not the wait to be admitted
         # (step, checkpoint restored from, buf, watermark, records, loss, contribution, compute_s): kept across
         # retries of the step, but not across a restore (its lease and weights were a previous master's).
         computed = None
         while not self.stop.is_set():
             step = self.applied_step + 1
             if computed is None or computed[:2] != (step, self.restored_from):
+                t = time.perf_counter()
                 status = self.take_lease()
+                self.profile.add("lease", t)
                 if status == "done":
                     return "done"
                 world = len(self.view.members)
@@ -409,12 +522,15 @@ class AllReduceWorker:
             _, _, buf, watermark, records, loss, contribution, compute_s = computed
             v = self.view
             try:
+                t = time.perf_counter()
                 payload = np.concatenate([buf, contribution_slots(contribution, v.rank, len(v.members))])
                 total = self.ring.allreduce(
                     payload, [(m.name, m.address) for m in v.members], v.version, step, self.abort_check
                 )
                 total, slots = total[: buf.size], total[buf.size :]
+                t = self.profile.add("collective", t)
                 checksum = self.trainer.checksum()
+                t = self.profile.add("checksum", t)
                 while True:
                     reply = rpc.call(
                         self.master.stub.StepReady,
@@ -433,6 +549,7 @@ class AllReduceWorker:
                     )
                     if reply.kind != pb.StepReadyReply.WAIT:
                         break
+                self.profile.add("step ready", t)
             except PeerFailed as e:
                 self.report_peer(e)
                 if not self.rejoin_or_resync():
@@ -458,6 +575,7 @@ class AllReduceWorker:
             n = float(total[-2])
             taken = contributions(slots)
             lr_scale = step_lr_scale(self.global_batch, taken, v.max_workers)
+            t = time.perf_counter()
             with self.state.cv:
                 if n > 0:
                     self.trainer.apply(total[:-2] / n, lr_scale)
@@ -466,6 +584,8 @@ class AllReduceWorker:
                 self.applied_step = step
                 self.state.applied_step = step
                 self.state.cv.notify_all()
+            self.profile.add("apply", t)
+            self.profile.steps += 1
             if self.lease is not None and contribution:
                 self.lease.watermark = watermark
             self.view = reply.membership

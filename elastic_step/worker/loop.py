@@ -27,6 +27,7 @@ from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey
 from elastic_step.ps.client import ShardsMoved
+from elastic_step.util.phases import phase
 from elastic_step.worker.records import Records, working_on
 
 log = logging.getLogger("elastic_step.worker")
@@ -47,6 +48,8 @@ REPORT_INTERVAL_S = 0.05
 AHEAD_RETRY_S = 0.005
 AHEAD_RETRY_MAX_S = 0.5
 
+COMPUTE = "train: compute (the step's call)"  # a phase of the profile (util/phases.py)
+
 
 class Reporter:
     """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
@@ -62,6 +65,9 @@ class Reporter:
         self.hold = False  # the master is cutting a checkpoint: settle, flush, then hold
         self._sent_at = 0.0
         self._urgent = False  # a lease's last report is pending
+        self._ends: dict[int, int] = {}  # task -> its last watermark, once reported
+        self._finished: set[int] = set()  # tasks whose last report the master answered
+        self._answered = threading.Condition()
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
 
     def report(
@@ -69,7 +75,21 @@ class Reporter:
     ) -> None:
         self.pending.append((task_id, watermark, records, loss, duplicate))
         self._urgent = self._urgent or last
+        if last:
+            self._ends[task_id] = watermark
         self.pump()
+
+    def wait_finished(self, task_id: int, leaving: threading.Event, timeout_s: float = 5.0) -> bool:
+        """Until the master has answered task `task_id`'s last report (True: it has moved this worker on to the
+        lease it took ahead), `leaving` is set or `timeout_s` passed. From any thread."""
+        deadline = time.monotonic() + timeout_s
+        with self._answered:
+            while task_id not in self._finished and not leaving.is_set() and time.monotonic() < deadline:
+                self._answered.wait(0.05)  # `leaving` is an Event of its own: looked at this often
+            if task_id in self._finished:
+                self._finished.discard(task_id)
+                return True
+            return False
 
     def pump(self, block: bool = False) -> None:
         if self.in_flight is not None:
@@ -86,9 +106,21 @@ class Reporter:
             first, *rest = coalesce(self.pending)
             self.pending = rest
             self._urgent = self._urgent and bool(rest)
-            self.in_flight = self._thread.submit(self.master.report, *first)
+            last = self._ends.get(first[0]) == first[1]  # the task's last report (not an earlier duplicate)
+            if last:
+                del self._ends[first[0]]
+            self.in_flight = self._thread.submit(self._send, first, last)
         elif self.refused:
             self.pending.clear()
+
+    def _send(self, report: tuple, last: bool):
+        with phase("report thread: ReportProgress"):
+            reply = self.master.report(*report)
+        if last and not reply.stop:
+            with self._answered:
+                self._finished.add(report[0])
+                self._answered.notify_all()
+        return reply
 
     def flush(self) -> None:
         while self.in_flight is not None or self.pending:
@@ -97,6 +129,7 @@ class Reporter:
     def drop(self) -> None:
         """Forget what is pending: the master rewound the ledger past it (a lost PS)."""
         self.pending.clear()
+        self._ends.clear()
         if self.in_flight is not None:
             with contextlib.suppress(Exception):
                 self.in_flight.result()
@@ -160,14 +193,23 @@ def train_tasks(
 
     def feed_lease(task):
         with working_on(Records(task.shard, task.shard_index, task.epoch, task.start, task.end)):
-            return trainer.feed_lease(readers.read(task.shard, task.start, task.end))
+            with phase("lease: read"):
+                rows = readers.read(task.shard, task.start, task.end)
+            with phase("lease: feed()"):
+                return trainer.feed_lease(rows)
 
-    def lease_ahead(after: int, leaving: threading.Event):
+    def lease_ahead(after: int, leaving: threading.Event, before: int | None):
         """(task, its fed rows) to start after task `after`, or None once the worker leaves that
-        task with nothing leased ahead."""
+        task with nothing leased ahead. `before`: the task the worker trained before `after`, whose last
+        report may still be on its way; the master hands out no lease ahead until it has it, so the request
+        waits for its answer rather than polling (a small model's lease lasts a few milliseconds)."""
+        if before is not None:
+            with phase("lease: wait for the last report of the lease before"):
+                reporter.wait_finished(before, leaving)
         retry = AHEAD_RETRY_S
         while True:
-            reply = master.get_task(ahead_of=after)
+            with phase("lease: GetTask ahead"):
+                reply = master.get_task(ahead_of=after)
             if reply.kind == pb.GetTaskResponse.TASK:
                 return reply.task, feed_lease(reply.task)
             if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(retry):
@@ -187,6 +229,8 @@ def train_tasks(
         reporter.drop()
 
     ahead = None  # Future of lease_ahead()
+    t = None  # the lease being trained
+    traced = False  # the step has been traced (its first call, before the first commit)
     leaving = threading.Event()  # set when the worker leaves the lease it asked ahead of
     waited = False  # for work: others pushed meanwhile, so this worker's values are old
     try:
@@ -194,20 +238,25 @@ def train_tasks(
             try:
                 # Reports arrive in order, so the master takes the next lease's once this one's last is in.
                 waited = waited or (ahead is not None and not ahead.done())
-                nxt = ahead.result() if ahead is not None else None
+                with phase("train: wait for the lease ahead"):
+                    nxt = ahead.result() if ahead is not None else None
                 ahead = None
                 if nxt is not None and not reporter.refused:
+                    before = t.task_id  # its last report may still be on its way
                     t, fed = nxt
                 else:
+                    before = None  # every report is delivered below
                     # The master hands a worker its current lease again until the lease's last report
                     # arrives, so deliver every report before asking for more work.
-                    settle()
-                    reporter.flush()
+                    with phase("train: no lease ahead: settle, flush reports"):
+                        settle()
+                        reporter.flush()
                     if reporter.refused:
                         # The master no longer counts the lease ours (it thought us lost): start afresh.
                         log.warning("master refused a progress report: dropping the lease")
                         reporter.refused = False
-                    reply = master.get_task()
+                    with phase("train: no lease ahead: GetTask"):
+                        reply = master.get_task()
                     if reply.kind == pb.GetTaskResponse.DONE:
                         return "done"
                     if reply.kind == pb.GetTaskResponse.WAIT:
@@ -221,7 +270,7 @@ def train_tasks(
                     trainer.refresh_dense()
                     waited = False
                 leaving = threading.Event()
-                ahead = prefetch.submit(lease_ahead, t.task_id, leaving)
+                ahead = prefetch.submit(lease_ahead, t.task_id, leaving, before)
                 for seq, hi in bounds:
                     if reporter.hold:
                         # A checkpoint: every push this worker made is applied and reported before it
@@ -235,15 +284,18 @@ def train_tasks(
                         break
                     # Before the step, not after: its gradient is then taken on values that hold every
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
-                    settle(keep=pushes_in_flight - 1)
+                    with phase("train: wait for push and pull"):
+                        settle(keep=pushes_in_flight - 1)
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
                     started = time.monotonic()
-                    with working_on(at):
+                    with working_on(at), phase(COMPUTE if traced else "train: first compute (traces the step)"):
                         result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
                     faults.STEP_DONE(time.monotonic() - started)
+                    traced = True
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
-                    in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
-                    reporter.pump()
+                    with phase("train: hand the push over, pump reports"):
+                        in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
+                        reporter.pump()
                 leaving.set()
             except ShardsMoved as e:
                 if rejoin is None:

@@ -24,6 +24,7 @@ from elastic_step.data.api import skipped_key
 from elastic_step.optimizers import clip_gradients, clips
 from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, state_variables, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
+from elastic_step.util.phases import phase
 from elastic_step.worker.finite import NonFinite
 
 log = logging.getLogger("elastic_step.worker")
@@ -198,6 +199,7 @@ class PSTrainer:
         self._flats = None  # each shard's dense values, as the step's inputs
         self._versions = [-1] * placement.num_ps
         self._fresh_lock = threading.Lock()  # push replies may come back in any order
+        self._depth = pushes_in_flight
         self._push_threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=pushes_in_flight, thread_name_prefix="push"
         )
@@ -329,8 +331,17 @@ class PSTrainer:
 
     def push_start(self, result: StepResult, key: PushKey) -> concurrent.futures.Future:
         """Push under `key`, for the shards' current generation, on a push thread; `push_finish` waits
-        for it."""
-        return self._push_threads.submit(self._push, result, key._replace(generation=self.generation))
+        for it. With one push in flight the worker waits for it before its next step anyway: it goes on
+        this thread, sparing two thread switches a minibatch."""
+        key = key._replace(generation=self.generation)
+        if self._depth > 1:
+            return self._push_threads.submit(self._push, result, key)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            done.set_result(self._push(result, key))
+        except Exception as e:  # noqa: BLE001 - raised by push_finish, as from a push thread
+            done.set_exception(e)
+        return done
 
     def reconnect(self, ps: PSClient, generation: int) -> PSClient:
         """The shards were restored (after a lost PS): push to them, as `generation`, from their
@@ -347,17 +358,20 @@ class PSTrainer:
         return handle.result()
 
     def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float]:
-        dense = [g.numpy() for g in result.dense]
-        rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
-        loss = float(result.loss)
+        with phase("push thread: gradients to numpy"):
+            dense = [g.numpy() for g in result.dense]
+            rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
+            loss = float(result.loss)
         # Checked here, on the push thread, where the values are numpy anyway: nothing non-finite is applied.
         if self.non_finite.check(loss, [*dense, *(v for _ids, v in rows.values())], result.where):
             # Skipped: every shard gets the key of a skipped minibatch (its data shard's complement), applies
             # nothing and accounts for its records as skipped (ps/server.py), so no shard applies part of it.
             key = key._replace(data_shard=skipped_key(key.epoch, key.data_shard)[1])
             dense, rows, loss = [np.zeros_like(g) for g in dense], {}, float("nan")
-        applied, replies = self.ps.push(key, dense, rows, want_dense=True)
-        self._take_fresh(replies)
+        with phase("push thread: push, the PS's update, fresh values back"):
+            applied, replies = self.ps.push(key, dense, rows, want_dense=True)
+        with phase("push thread: fresh values to tensors"):
+            self._take_fresh(replies)
         if self.table_names and self._ids_of is None:
             self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in rows.items()})
         return applied, loss

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 from kubernetes import client
-from kubernetes.watch.watch import iter_resp_lines
 
 from elastic_step.backends.api import BackendError, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import (
@@ -35,6 +34,7 @@ from elastic_step.backends.kubernetes.kueue import NEEDED as KUEUE_NEEDED
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
+from tests.kubernetes.fleet import PodRecorder
 from tests.kubernetes.jobs import ROOT, SMALL, start_train, train, train_command, wait_two_workers
 from tests.models.witness import assert_exactly_once
 
@@ -178,66 +178,6 @@ class Events:
         for ev in self.backend.events(0.1):
             self.seen.append(ev)
         return [e.kind.value for e in self.seen if e.instance == instance]
-
-
-class PodRecorder(threading.Thread):
-    """Every version of every pod of a namespace, as an (admin) watch sees them; counts how many
-    live pods (not deleting, not finished) each instance of each job has at once."""
-
-    def __init__(self, core, namespace: str):
-        super().__init__(daemon=True, name=f"recorder-{namespace}")
-        self.core, self.namespace = core, namespace
-        self.current: dict[str, dict] = {}
-        self.seen: dict[str, dict] = {}  # name -> last version seen
-        self.max_live: dict[tuple, int] = {}
-        self.stopped = threading.Event()
-        self.start()
-
-    def run(self):
-        rv = None
-        while not self.stopped.is_set():
-            try:
-                if rv is None:
-                    lst = json.loads(self.core.list_namespaced_pod(self.namespace, _preload_content=False).data)
-                    rv = lst["metadata"]["resourceVersion"]
-                    self.current = {}
-                    for obj in lst["items"]:
-                        self._see("ADDED", obj)
-                resp = self.core.list_namespaced_pod(
-                    self.namespace, watch=True, resource_version=rv, timeout_seconds=5, _preload_content=False
-                )
-                for line in iter_resp_lines(resp):
-                    ev = json.loads(line)
-                    if ev["type"] == "ERROR":
-                        rv = None
-                        break
-                    rv = ev["object"]["metadata"]["resourceVersion"]
-                    self._see(ev["type"], ev["object"])
-            except Exception:  # noqa: BLE001
-                rv = None
-                time.sleep(0.2)
-
-    def _see(self, kind: str, obj: dict) -> None:
-        name = obj["metadata"]["name"]
-        self.seen[name] = obj
-        if kind == "DELETED":
-            self.current.pop(name, None)
-        else:
-            self.current[name] = obj
-        live: dict[tuple, int] = {}
-        for o in self.current.values():
-            labels = o["metadata"].get("labels") or {}
-            if "elastic-step/job" not in labels or o["metadata"].get("deletionTimestamp"):
-                continue
-            if (o.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                continue
-            key = (labels["elastic-step/job"], labels["elastic-step/role"], labels["elastic-step/index"])
-            live[key] = live.get(key, 0) + 1
-        for key, n in live.items():
-            self.max_live[key] = max(self.max_live.get(key, 0), n)
-
-    def stop(self):
-        self.stopped.set()
 
 
 def dense_shards(summary: dict) -> set[int]:

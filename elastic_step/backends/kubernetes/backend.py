@@ -170,7 +170,7 @@ class KubernetesBackend(Backend):
 
     @property
     def stats(self) -> dict[str, int]:
-        """The watch's counters: relists, 410 Gone answers, watch requests."""
+        """The watch's counters: relists, 410 Gone answers, watch requests, pod versions watched."""
         return self._watch.stats
 
     # ---------------------------------------------------------------- API helpers

@@ -166,7 +166,7 @@ class PodWatch:
         self.pods = pods
         self.list_pods = list_pods
         self.on_pod = on_pod
-        self.stats = {"relists": 0, "gone_410": 0, "watches": 0}
+        self.stats = {"relists": 0, "gone_410": 0, "watches": 0, "events": 0}  # events: pod versions watched
         self._resp = None
 
     def relist(self) -> None:
@@ -231,6 +231,7 @@ class PodWatch:
                         self.rv = (obj.get("metadata") or {}).get("resourceVersion") or self.rv
                         if kind == "BOOKMARK":
                             continue
+                        self.stats["events"] += 1
                         self.on_pod(obj, kind == "DELETED")
                 finally:
                     self._resp = None

@@ -12,8 +12,9 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.service import MasterService, serve
+from elastic_step.master.service import JOINING_SHARE, Admission, MasterService, serve
 from elastic_step.proto import elastic_pb2 as pb
+from elastic_step.proto import rpc
 
 TOKEN = "right-token"
 MINIBATCH = 8
@@ -35,11 +36,10 @@ class Master:
             [ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task, epochs, minibatch_size=MINIBATCH
         )
         self.coord = Coordinator(self.ledger, num_ps=num_ps)
-        self.server, self.port = serve(
-            MasterService(
-                self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers, pushes_in_flight, minibatches_per_push
-            )
+        self.service = MasterService(
+            self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers, pushes_in_flight, minibatches_per_push
         )
+        self.server, self.port = serve(self.service)
         self.address = f"127.0.0.1:{self.port}"
         self.clients: list[MasterClient] = []
 
@@ -349,3 +349,48 @@ def test_a_skipped_minibatch_is_counted_once_and_an_internal_failure_waits_for_t
     assert master.coord.take_failure_report("worker-1") is None
     w0.fail("data_error", ValueError("bad row"), minibatch=str(at))
     assert master.coord.failure["minibatch"] == str(at) and master.coord.finished.is_set()
+
+
+class QueuedFor:
+    """A served call's context as far as Admission reads it: what is left of its deadline."""
+
+    def __init__(self, waited_s: float):
+        self.left = rpc.CALL_TIMEOUT_S - waited_s
+
+    def time_remaining(self) -> float:
+        return self.left
+
+
+def test_admission_sheds_only_past_its_target_and_still_lets_one_call_in_so_many_through():
+    adm = Admission(target_s=0.1)
+    for served in range(1, 50):
+        adm.observe(QueuedFor(0.01))
+        assert adm.retry_after(served) == 0.0  # calls served at once are never shed
+    for _ in range(200):
+        adm.observe(QueuedFor(2.0))  # calls now queue for 2 s
+    answers = [adm.retry_after(served) for served in range(1000, 1000 + 4 * JOINING_SHARE)]
+    shed = [a for a in answers if a > 0]
+    assert len(shed) == 3 * JOINING_SHARE  # one in JOINING_SHARE still joins: busy workers never lock others out
+    assert min(shed) > 0.1 and adm.shed == len(shed)  # come back later than the queue would have served it
+    before = adm.wait
+    adm.observe(QueuedFor(-60.0))  # a call with a longer deadline than the usual one says nothing of the queue
+    assert adm.wait == before
+
+
+def test_a_master_with_calls_queueing_tells_a_joining_worker_when_to_come_back_and_the_client_comes_back(master):
+    adm = master.service.admission
+    adm.target_s, adm.wait = 0.05, 0.06  # as if calls had queued 60 ms: past the target
+    probe = master.client(0)
+    told = probe.stub.Register(pb.RegisterRequest(token=TOKEN, instance=probe.me), timeout=rpc.CALL_TIMEOUT_S)
+    assert told.retry_after_s > 0 and not told.minibatch_size  # not registered: nothing else in the answer
+    assert InstanceId("worker", 0) not in master.coord.membership.members
+
+    joining = master.client(1)
+    info = joining.register()  # told to come back at least once more, and does
+    assert adm.shed >= 2
+    assert info.retry_after_s == 0 and info.minibatch_size == MINIBATCH
+    assert master.coord.membership.members[InstanceId("worker", 1)].state == "registered"
+    assert joining.get_task().kind == TASK.TASK
+
+    adm.wait, shed = 10.0, adm.shed  # a worker already in is never shed, however long calls queue
+    assert joining.register().retry_after_s == 0 and adm.shed == shed

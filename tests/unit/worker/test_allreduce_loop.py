@@ -159,3 +159,25 @@ def test_the_learning_rate_follows_the_members_that_trained_in_the_step():
     assert step_lr_scale("scaled", skipped, 2) == 0.5  # a skipped minibatch trains nothing
     assert step_lr_scale("scaled", both, 4) == 0.5  # two of four: the job at half strength
     assert step_lr_scale("fixed", alone, 2) == 1.0
+
+
+def test_a_lease_fed_once_gives_each_minibatch_the_gradient_it_gets_fed_alone(tmp_path):
+    t = trainer(tmp_path, 3)
+    rng = np.random.default_rng(1)
+    lease = {"x": rng.normal(size=(10, 4)).astype(np.float32), "y": rng.normal(size=(10, 1)).astype(np.float32)}
+    fed = t.feed(lease)
+    for lo, hi in [(0, 4), (4, 8), (8, 10)]:  # the last minibatch short, as at a lease's end
+        alone = t.gradients({k: v[lo:hi] for k, v in lease.items()})
+        sliced = t.lease_gradients(fed, lo, hi)
+        assert sliced[2] == hi - lo and sliced[0] == pytest.approx(alone[0], rel=1e-6)
+        np.testing.assert_allclose(sliced[1], alone[1], rtol=1e-6, atol=1e-7)
+
+
+def test_the_checksum_after_an_apply_is_that_of_the_weights_as_they_are(tmp_path):
+    """The master compares the members' checksums before each commit: one taken in the apply must be the one a
+    member that pulled these weights computes from them."""
+    t, fresh = trainer(tmp_path, 3), trainer(tmp_path, 3)
+    before = t.checksum()
+    t.apply(np.full(t.size, 0.5, np.float32), 1.0)
+    fresh.load_state(*t.state())
+    assert t.checksum() == fresh.checksum() != before

@@ -79,3 +79,37 @@ def test_a_leases_last_report_goes_without_waiting_for_the_pace():
         assert len(master.sent) == 2 and reporter.pending
     finally:
         reporter.close()
+
+
+def test_a_lease_ahead_is_asked_for_once_the_master_has_the_last_report_of_the_lease_before():
+    # The master hands out no lease ahead until it has the last report of the lease before: the request waits
+    # for that answer instead of polling.
+    master = RecordingMaster()
+    reporter = Reporter(master, interval_s=60.0)
+    leaving = threading.Event()
+    try:
+        reporter.report(7, 64, 64, 1.0, duplicate=False)
+        reporter.in_flight.result()
+        assert not reporter.wait_finished(7, leaving, timeout_s=0.05)  # task 7's last report is not sent yet
+        reporter.report(7, 128, 64, 1.0, duplicate=True, last=True)  # last, a duplicate: sent on its own
+        reporter.in_flight.result()
+        assert reporter.wait_finished(7, leaving, timeout_s=5.0)
+        leaving.set()  # the worker left the lease: the request stops waiting
+        assert not reporter.wait_finished(8, leaving, timeout_s=60.0)
+    finally:
+        reporter.close()
+
+
+def test_a_refused_last_report_does_not_count_as_answered():
+    class Refusing(RecordingMaster):
+        def report(self, *item):
+            super().report(*item)
+            return pb.ProgressResponse(stop=True)
+
+    reporter = Reporter(Refusing(), interval_s=60.0)
+    try:
+        reporter.report(7, 64, 64, 1.0, duplicate=False, last=True)
+        reporter.in_flight.result()
+        assert not reporter.wait_finished(7, threading.Event(), timeout_s=0.05)
+    finally:
+        reporter.close()

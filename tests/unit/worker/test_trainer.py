@@ -340,3 +340,22 @@ def test_skipping_a_minibatch_whose_loss_is_not_finite_applies_nothing_of_it_and
             np.testing.assert_array_equal(a, b)
         evidence = tensors.decode_applied(ps.stats()[0].applied)  # what the audit reads
         assert {k: v.tolist() for k, v in evidence.items()} == {skipped_key(1, 0): [[16, 32]]}
+
+
+def test_with_one_push_in_flight_the_push_is_applied_before_the_next_step_and_its_error_kept_for_finish(tmp_path):
+    """One push in flight: the worker waits for it before its next step anyway, so it goes on the calling thread
+    (no push thread to switch to and back); a push that fails still fails where the loop collects it."""
+    for t, ps, _ps_model in serve(tmp_path, MODEL, pushes_in_flight=1):
+        rows = lease_rows(32, seed=6)
+        fed = t.feed_lease(rows)
+        before = ps.pull_dense()
+        handle = t.push_start(t.compute(t.minibatch(fed, 0, 16)), PushKey(4, 0, 16, 0, 0))
+        assert handle.done()
+        assert any(not np.array_equal(a, b) for a, b in zip(ps.pull_dense(), before))  # applied already
+        assert t.push_finish(handle)[0]
+        rows["y"][20] = np.nan
+        handle = t.push_start(
+            t.compute(t.minibatch(t.feed_lease(rows), 16, 32), "records [16, 32)"), PushKey(4, 16, 32, 0, 0)
+        )
+        with pytest.raises(DataError):
+            t.push_finish(handle)
