@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -86,3 +87,15 @@ def digits_prepared(rows: int, out: pathlib.Path) -> pathlib.Path:
         str(prepared / "train" / "manifest.json")
     )
     return prepared
+
+
+def free_ports(n: int) -> list[int]:
+    """n loopback ports free now (for the peers' TF_CONFIG clusters)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

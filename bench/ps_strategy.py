@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, prepare, splits, train  # noqa: E402
+from bench.common import digits_prepared, free_ports, prepare, splits, train  # noqa: E402
 
 SAMPLES = {  # name -> (model module, metric, minibatch)
     "digits": ("samples/digits/model.py", "accuracy", 64),
@@ -55,17 +54,6 @@ def make_data(sample: str, rows: int, out: pathlib.Path) -> pathlib.Path:
         generate(str(out / "ctr.csv"), rows=rows, seed=0)
         return prepare(str(out / "ctr.csv"), out / "prepared", label="clicked")
     return digits_prepared(rows, out / "prepared")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # ---------------------------------------------------------------- TensorFlow's side, one process per task

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,21 +45,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, splits, train  # noqa: E402
+from bench.common import digits_prepared, free_ports, splits, train  # noqa: E402
 
 MINIBATCH = 64  # per worker
 ROWS = {"samples/digits/model.py": 60_000, "bench/models/digits_cnn.py": 20_000}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 # ---------------------------------------------------------------- TensorFlow's side, one process per worker
