@@ -18,11 +18,10 @@ The bound is asserted as the master's decision (summary.json's events), never as
 
 from __future__ import annotations
 
-import textwrap
-
 import pytest
 
 from tests.integration.harness import LEASES_OUTLAST_A_KILL, SMALL_LEASES, train
+from tests.models.paced import paced_model
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
@@ -36,31 +35,6 @@ RING_STEP_S = 0.01
 # other jobs on two cores is never held that long between commits.
 HANG_TIMEOUT = 6
 FIRST_STEP_S = 12
-
-# The tally model whose first feed() in a worker process sleeps (the master's own calls, for evaluation, do not).
-SLOW_START = f"""
-import time
-
-from elastic_step.util.process import PARENT_ENV
-
-
-def feed(batch):
-    global _started
-    if os.environ.get(PARENT_ENV) and not globals().get("_started"):
-        _started = True
-        time.sleep({FIRST_STEP_S})  # a first step that traces for long
-    elif os.environ.get(PARENT_ENV):
-        time.sleep(STEP_S)
-    return tally_feed(batch)
-"""
-
-
-def slow_start_tally(tmp_path, step_s: float = 0.0) -> str:
-    """The tally model whose first step in a worker takes FIRST_STEP_S, and every other one `step_s` more."""
-    path = tmp_path / "slow_start_tally.py"
-    source = open(TALLY_MODEL).read().replace("def feed(", "def tally_feed(")
-    path.write_text(source + textwrap.dedent(SLOW_START) + f"\nSTEP_S = {step_s}\n")
-    return str(path)
 
 
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
@@ -84,7 +58,8 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
         # Mid-epoch, far from an epoch's evaluation; resumed once declared hung, before its kill: a zombie.
         f"stop:worker-1@{rows * 3 // 2}:resume",
         *frozen_ps,
-        model=slow_start_tally(tmp_path, 0.0 if strategy == "ps" else RING_STEP_S),
+        # Every first step is long (a model that traces for long), the frozen worker's replacement's too.
+        model=paced_model(TALLY_MODEL, tmp_path, 0.0 if strategy == "ps" else RING_STEP_S, FIRST_STEP_S),
         strategy=strategy,
         epochs=epochs,
         max_workers=3,

@@ -15,24 +15,29 @@ import pytest
 
 from tests.integration.harness import SMALL_LEASES, train
 from tests.models.clock import clock, expected_rates
+from tests.models.paced import paced_model
 from tests.models.witness import assert_chaos_fired
 
 pytestmark = pytest.mark.slow
 
 CLOCK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "clock.py")
 EPOCHS = 8
+LEASE_S = 0.2  # allreduce: a lease's sleep in feed() (2 steps of a lone member)
 
 
 def test_allreduce_a_lost_worker_and_the_rescaled_ring_keep_the_schedules_step_count(tally_data, tmp_path):
     # `fixed`: the rate is the schedule's alone (world / max-workers scaling is a unit test's), whatever the world.
     ring = {"strategy": "allreduce", "global_batch": "fixed", "min_workers": 1, "max_workers": 2}
-    total = tally_data["rows"] * EPOCHS
+    lost_at = int(tally_data["rows"] * EPOCHS * 0.2)
+    # Every member's feed() of a lease sleeps: a lone fast member would train the rest of the job before a loaded
+    # machine has started the replacement that must join it.
+    out = tmp_path / "out"
     proc, summary = train(
         tally_data,
-        tmp_path,
+        out,
         "--chaos",
-        f"kill:worker-1@{int(total * 0.2)}",
-        model=CLOCK,
+        f"kill:worker-1@{lost_at}",
+        model=paced_model(CLOCK, tmp_path, LEASE_S),
         epochs=EPOCHS,
         **ring,
         **SMALL_LEASES,
@@ -44,7 +49,7 @@ def test_allreduce_a_lost_worker_and_the_rescaled_ring_keep_the_schedules_step_c
     # The saved model is one member's; the others' weights equal it (their checksums, taken from the weights
     # at each step): a newcomer that restarted its count would apply other rates than the member it joined.
     assert summary["allreduce"]["checksum_mismatches"] == 0
-    updates, rates = clock(str(tmp_path / "model.keras"))
+    updates, rates = clock(str(out / "model.keras"))
     assert updates > 0
     assert rates == pytest.approx(expected_rates(updates), rel=1e-4), (updates, rates)
 
