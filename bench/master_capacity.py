@@ -3,8 +3,10 @@
 No TensorFlow: each simulated worker is a coroutine with its own grpc.aio channel (as each worker pod has its
 own connection), many to a client process, doing what `elastic_step.worker.loop` does minus the compute:
 register (coming back when the master says so), then lease after lease, a report at the master's pace and at
-each lease's end, until DONE or the window ends. Client processes are spawned, so the server process's CPU is the
-master's own; the bench prints the clients' CPU beside it. All workers start at once (--ramp-s spreads them).
+each lease's end, until DONE or the window ends. Register is a unary call; GetTask and ReportProgress go on the
+worker's Session stream, as MasterClient sends them (--unary: as unary calls, the path before the stream).
+Client processes are spawned, so the server process's CPU is the master's own; the bench prints the clients' CPU
+beside it. All workers start at once (--ramp-s spreads them).
 
 The same workload is then driven in-process, with no gRPC, against the Ledger alone and against the Coordinator
 (ledger + lock + membership + timeline): the gRPC figures are printed as a ratio of those.
@@ -68,10 +70,53 @@ def _next_watermark(task_start: int, seq: int, end: int, minibatch: int) -> int:
 # ---------------------------------------------------------------------------- client processes
 
 
-async def _simulated_worker(address, index, minibatch, think_s, halt, stats) -> None:
-    """One worker as elastic_step.worker.loop drives the master, minus the compute: register, then lease after
-    lease, a report at most every `report_interval_s` (the master's pace) and at each lease's end, honouring
-    every "come back after" the master answers."""
+class _UnaryCalls:
+    """A simulated worker's GetTask and ReportProgress as unary calls: the master's path before Session, kept for
+    comparison (--unary)."""
+
+    def __init__(self, stub):
+        self.stub = stub
+
+    async def call(self, kind: str, request, timeout: float):
+        method = {"get_task": self.stub.GetTask, "report": self.stub.ReportProgress}[kind]
+        return await method(request, timeout=timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class _SessionCalls:
+    """A simulated worker's GetTask and ReportProgress on its Session stream, as MasterClient sends them (one
+    stream per worker, calls numbered, each reply read as instance.master_client.answer reads it), one call at a
+    time on asyncio instead of a thread per stream."""
+
+    def __init__(self, stub):
+        self.stream = stub.Session()
+        self.ids = 0
+
+    async def call(self, kind: str, request, timeout: float):
+        import grpc
+
+        from elastic_step.instance.master_client import CallError, answer
+        from elastic_step.proto import elastic_pb2 as pb
+
+        self.ids += 1
+        async with asyncio.timeout(timeout):
+            await self.stream.write(pb.SessionCall(id=self.ids, **{kind: request}))
+            reply = await self.stream.read()
+        if reply is grpc.aio.EOF:
+            raise CallError(grpc.StatusCode.UNAVAILABLE, "the master ended the stream")
+        assert reply.id == self.ids, (reply.id, self.ids)
+        return answer(reply, kind)
+
+    def close(self) -> None:
+        self.stream.cancel()
+
+
+async def _simulated_worker(address, index, minibatch, think_s, unary, halt, stats) -> None:
+    """One worker as elastic_step.worker.loop drives the master, minus the compute: register (unary, as the
+    worker does), then lease after lease on its Session stream, a report at most every `report_interval_s` (the
+    master's pace) and at each lease's end, honouring every "come back after" the master answers."""
     import grpc
 
     from elastic_step.proto import elastic_pb2 as pb
@@ -83,6 +128,7 @@ async def _simulated_worker(address, index, minibatch, think_s, halt, stats) -> 
     me = pb.Instance(role="worker", index=index)
     channel = grpc.aio.insecure_channel(address)
     stub = pb_grpc.MasterStub(channel)
+    calls = None
     started = clock()  # the first-lease clock starts at the first try to register
     try:
         while True:  # a master at its limit answers "come back after" instead of registering now
@@ -94,12 +140,13 @@ async def _simulated_worker(address, index, minibatch, think_s, halt, stats) -> 
             await asyncio.sleep(reg.retry_after_s)
             if halt.is_set():
                 return
+        calls = _UnaryCalls(stub) if unary else _SessionCalls(stub)
         interval = reg.report_interval_s or 0.05
         first = True
         while not halt.is_set():
             t0 = clock()
             stats["rpcs"] += 1
-            reply = await stub.GetTask(pb.GetTaskRequest(token=TOKEN, instance=me), timeout=CALL_TIMEOUT_S)
+            reply = await calls.call("get_task", pb.GetTaskRequest(token=TOKEN, instance=me), CALL_TIMEOUT_S)
             stats["get_lat"].append(clock() - t0)
             if reply.kind == pb.GetTaskResponse.DONE:
                 break
@@ -126,10 +173,8 @@ async def _simulated_worker(address, index, minibatch, think_s, halt, stats) -> 
                     await asyncio.sleep(done * think_s)
                 t0 = clock()
                 stats["rpcs"] += 1
-                rep = await stub.ReportProgress(
-                    pb.ProgressReport(token=TOKEN, instance=me, task_id=t.task_id, watermark=seq),
-                    timeout=CALL_TIMEOUT_S,
-                )
+                progress = pb.ProgressReport(token=TOKEN, instance=me, task_id=t.task_id, watermark=seq)
+                rep = await calls.call("report", progress, CALL_TIMEOUT_S)
                 stats["rep_lat"].append(clock() - t0)
                 stats["reports"] += 1
                 stats["tallied"] += 0 if rep.stop else seq - acked
@@ -137,23 +182,27 @@ async def _simulated_worker(address, index, minibatch, think_s, halt, stats) -> 
                 if rep.stop:
                     stats["refused"] += 1
                     break
-    except grpc.aio.AioRpcError as e:
-        if halt.is_set() and e.code() == grpc.StatusCode.CANCELLED:
+    except (grpc.RpcError, TimeoutError) as e:
+        code = e.code() if isinstance(e, grpc.RpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+        if halt.is_set() and code == grpc.StatusCode.CANCELLED:
             return  # the run is over: its channel closed under a call in flight
+        details = e.details() if isinstance(e, grpc.RpcError) else "no reply on the stream"
         stats["errors"] += 1
-        stats["error_codes"][e.code().name] = stats["error_codes"].get(e.code().name, 0) + 1
-        stats["errors_seen"].append(f"{e.code().name}: {e.details()} at {clock() - started:.1f} s")
+        stats["error_codes"][code.name] = stats["error_codes"].get(code.name, 0) + 1
+        stats["errors_seen"].append(f"{code.name}: {details} at {clock() - started:.1f} s")
     finally:
+        if calls is not None:
+            calls.close()
         await channel.close()
 
 
-def _client_process(address, indices, minibatch, think_s, ramp_s, ready, start, stop, out) -> None:
+def _client_process(address, indices, minibatch, think_s, unary, ramp_s, ready, start, stop, out) -> None:
     """Many simulated workers on one asyncio loop: a worker costs a coroutine and a channel, not a thread, so the
     clients' CPU stays small next to the master's. Sends back the counts, latencies and this process's CPU."""
-    asyncio.run(_clients(address, indices, minibatch, think_s, ramp_s, ready, start, stop, out))
+    asyncio.run(_clients(address, indices, minibatch, think_s, unary, ramp_s, ready, start, stop, out))
 
 
-async def _clients(address, indices, minibatch, think_s, ramp_s, ready, start, stop, out) -> None:
+async def _clients(address, indices, minibatch, think_s, unary, ramp_s, ready, start, stop, out) -> None:
     loop = asyncio.get_running_loop()
     stats = {
         "rpcs": 0, "leases": 0, "tallied": 0, "waits": 0, "reports": 0, "refused": 0, "errors": 0, "backoffs": 0,
@@ -165,7 +214,7 @@ async def _clients(address, indices, minibatch, think_s, ramp_s, ready, start, s
     cpu0 = time.process_time()
     tasks = []
     for i in indices:  # registrations spread over `ramp_s` (0: a burst, all at once)
-        tasks.append(asyncio.create_task(_simulated_worker(address, i, minibatch, think_s, halt, stats)))
+        tasks.append(asyncio.create_task(_simulated_worker(address, i, minibatch, think_s, unary, halt, stats)))
         if ramp_s:
             await asyncio.sleep(ramp_s / len(indices))
     watcher = loop.run_in_executor(None, stop.wait)
@@ -200,7 +249,7 @@ def run_grpc(args, workers: int, window_s: float) -> dict:
         ctx.Process(
             target=_client_process,
             daemon=True,
-            args=(address, g, args.minibatch, args.think_ms / 1e3, args.ramp_s, ready, start, stop, out),
+            args=(address, g, args.minibatch, args.think_ms / 1e3, args.unary, args.ramp_s, ready, start, stop, out),
         )
         for g in groups
     ]
@@ -385,6 +434,9 @@ def main(argv=None) -> int:
     p.add_argument(
         "--think-ms", type=float, default=0.0, help="simulated compute per minibatch (0: saturate the master)"
     )
+    p.add_argument(
+        "--unary", action="store_true", help="GetTask and ReportProgress as unary calls, not on a Session stream"
+    )
     p.add_argument("--ramp-s", type=float, default=0.0, help="registrations spread over this (0: all at once)")
     p.add_argument("--window", type=float, default=30.0, help="longest gRPC run, seconds")
     p.add_argument("--baseline-s", type=float, default=3.0, help="window of each in-process baseline")
@@ -394,7 +446,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     print(
         f"master capacity: {args.records_per_task} records/task, minibatch {args.minibatch}, {args.epochs} epoch(s); "
-        f"{os.cpu_count()} CPUs; client procs {args.client_procs}; think {args.think_ms} ms; ramp {args.ramp_s} s",
+        f"{os.cpu_count()} CPUs; client procs {args.client_procs}; think {args.think_ms} ms; ramp {args.ramp_s} s; "
+        f"{'unary calls' if args.unary else 'a Session stream per worker'}",
         flush=True,
     )
     results = []
@@ -409,8 +462,8 @@ def main(argv=None) -> int:
             f"{g['records_committed']:,} committed (exactly once: {g['exactly_once']}), "
             f"{g['got_a_lease']} workers got a lease (last after {g['first_lease_max_s']:.1f} s); "
             f"waits {g['waits']}, come-back-afters {g['backoffs']}, refused {g['refused']}, "
-            f"errors {g['errors']} {g['error_codes'] or ''} {g['errors_seen'] or ''}; {g['rpcs']:,} RPCs; "
-            f"master CPU {g['master_cpu_s']:.1f} s = {g['master_cpu_us_per_rpc']:.0f} us/RPC; "
+            f"errors {g['errors']} {g['error_codes'] or ''} {g['errors_seen'] or ''}; {g['rpcs']:,} calls; "
+            f"master CPU {g['master_cpu_s']:.1f} s = {g['master_cpu_us_per_rpc']:.0f} us/call; "
             f"clients' CPU {g['client_cpu_s']:.1f} s",
             flush=True,
         )

@@ -89,6 +89,11 @@ class MasterStub:
                 request_serializer=elastic__step_dot_proto_dot_elastic__pb2.StateRequest.SerializeToString,
                 response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StateReply.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/elastic_step.Master/Session',
+                request_serializer=elastic__step_dot_proto_dot_elastic__pb2.SessionCall.SerializeToString,
+                response_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SessionReply.FromString,
+                _registered_method=True)
 
 
 class MasterServicer:
@@ -164,6 +169,14 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """A worker's hot calls (GetTask, ReportProgress, Heartbeat) on one stream it keeps open: a message costs the
+        master a fraction of a unary call. Each call is answered as its unary twin would answer it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -221,6 +234,11 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.PullCheckpointState,
                     request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.StateRequest.FromString,
                     response_serializer=elastic__step_dot_proto_dot_elastic__pb2.StateReply.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=elastic__step_dot_proto_dot_elastic__pb2.SessionCall.FromString,
+                    response_serializer=elastic__step_dot_proto_dot_elastic__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -520,6 +538,33 @@ class Master:
             '/elastic_step.Master/PullCheckpointState',
             elastic__step_dot_proto_dot_elastic__pb2.StateRequest.SerializeToString,
             elastic__step_dot_proto_dot_elastic__pb2.StateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/elastic_step.Master/Session',
+            elastic__step_dot_proto_dot_elastic__pb2.SessionCall.SerializeToString,
+            elastic__step_dot_proto_dot_elastic__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,11 @@ import grpc
 # Parameters travel in one message per shard: raise the 4 MB default.
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20), ("grpc.max_receive_message_length", 512 << 20)]
 
+# A server that receives small messages only: no bandwidth probing, which pings back at every burst of data a
+# connection receives and cost the master a fifth of its CPU per call (bench/master_capacity.py). Its clients keep
+# it: a checkpoint's state comes to them from the master (PullCheckpointState).
+SMALL_CALLS = [("grpc.http2.bdp_probe", 0)]
+
 # A call's deadline, unless it says otherwise. The master measures how long its calls queue from what is left of
 # it (master/service.py, Admission), so the calls it may shed keep this one.
 CALL_TIMEOUT_S = 30.0

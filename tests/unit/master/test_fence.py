@@ -10,6 +10,7 @@ from elastic_step.backends.api import InstanceId
 from elastic_step.instance import fenced
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.master.fence import Fences
+from elastic_step.proto import elastic_pb2 as pb
 from tests.unit.master.test_service import TOKEN, Master
 
 
@@ -61,6 +62,31 @@ def test_a_fenced_launch_is_refused_at_every_call_and_its_successor_is_not(maste
     launch_of(master, 0, 5).register()
     assert master.coord.membership.members[inst].launches == 5 and master.coord.fence(inst, "lost") == 5
     assert fenced(RuntimeError("an error of its own")) is None
+
+
+def test_a_fenced_launch_is_refused_on_its_stream_as_on_its_unary_calls(master):
+    inst = InstanceId("worker", 0)
+    master.coord.membership.launched(inst, relaunch=False)
+    zombie = launch_of(master, 0, 1)
+    zombie.register()
+    t = zombie.get_task().task
+    assert zombie.session.opened == 1
+    master.coord.fence(inst, "declared hung: no progress for 7 s (bound 6 s)")
+    me = {"token": TOKEN, "instance": zombie.me}
+    requests = {
+        "GetTask": pb.GetTaskRequest(**me),
+        "ReportProgress": pb.ProgressReport(**me, task_id=t.task_id, watermark=t.start + 8, records=8),
+        "Heartbeat": pb.HeartbeatRequest(**me),
+    }
+    for calls in (zombie.session, zombie.stub):
+        for name, request in requests.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                getattr(calls, name)(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+            assert fenced(refused.value).startswith("fenced: worker-0 launch 1 was given up by the master (declared")
+    assert master.coord.fences.fenced["worker-0"].refused == 6
+    assert zombie.session.opened == 1  # refused call by call, never cut off
+    assert master.ledger.records_committed_total() == 0
 
 
 def test_a_refusal_is_found_under_the_errors_raised_from_it():

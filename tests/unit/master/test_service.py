@@ -92,11 +92,16 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
         me = bad.me
         calls = {
             "Register": lambda: bad.register(),
-            "Heartbeat": lambda: bad.heartbeat(),
-            "GetTask": lambda: bad.get_task(),
-            "ReportProgress": lambda: bad.report(
-                lease.task.task_id, lease.task.start + MINIBATCH, MINIBATCH, 0.0, False
+            # The hot calls go on the Session stream; their unary twins stay for clients that do not stream.
+            "Heartbeat": lambda: bad.stub.Heartbeat(pb.HeartbeatRequest(token=token, instance=me), timeout=10),
+            "GetTask": lambda: bad.stub.GetTask(pb.GetTaskRequest(token=token, instance=me), timeout=10),
+            "ReportProgress": lambda: bad.stub.ReportProgress(
+                pb.ProgressReport(
+                    token=token, instance=me, task_id=lease.task.task_id, watermark=lease.task.start + MINIBATCH
+                ),
+                timeout=10,
             ),
+            "Session": lambda: bad.report(lease.task.task_id, lease.task.start + MINIBATCH, MINIBATCH, 0.0, False),
             # MasterClient.fail swallows errors by design: call the stub itself.
             "ReportFailure": lambda: bad.stub.ReportFailure(
                 pb.FailureReport(token=token, instance=me, kind="internal", message="boom"), timeout=10
