@@ -29,7 +29,6 @@ from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.data_check import check_splits
-from elastic_step.master.evaluator import evaluator
 from elastic_step.master.gray import GrayFailures
 from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
@@ -117,7 +116,6 @@ class TrainingJob:
         self.output = pathlib.Path(output)  # where this job writes
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
-        self._evaluator = evaluator()  # first: TensorFlow's pools take its priority (master/evaluator.py)
         from elastic_step.model_def import load_model_def
 
         self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
@@ -174,6 +172,9 @@ class TrainingJob:
         self.eval_history: list[dict] = self.durable.eval_history
         self._eval_model = None
         self._input_server: InputServer | None = None
+        self._evaluator = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="evaluator", initializer=yield_to_training
+        )
         self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
 
     # ------------------------------------------------------------------ launching
@@ -658,6 +659,21 @@ def ps_summary(stats) -> dict:
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},
     }
+
+
+EVALUATOR_NICENESS = 10
+
+
+def yield_to_training() -> None:
+    """The evaluator thread's start: the curve's points run at a lower CPU priority than the step's own threads
+    (Linux: a thread's niceness is its own). On the local backend the workers and shards share the master's
+    cores, and an evaluation then takes what they leave instead of slowing their steps; where the master has a
+    pod of its own, nothing competes and nothing changes."""
+    try:
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), EVALUATOR_NICENESS))  # never up
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: the curve costs what it costs
+        log.debug("evaluator thread keeps its priority: %s", e)
 
 
 def train(cfg: TrainConfig) -> dict:
