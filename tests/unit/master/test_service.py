@@ -12,7 +12,7 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.service import JOINING_SHARE, Admission, MasterService, serve
+from elastic_step.master.service import TURN_GRID_S, Admission, MasterService, serve
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc
 
@@ -366,17 +366,25 @@ class QueuedFor:
         return self.left
 
 
-def test_admission_sheds_only_past_its_target_and_still_lets_one_call_in_so_many_through():
-    adm = Admission(target_s=0.1)
-    for served in range(1, 50):
+def test_admission_sheds_only_past_its_target_and_gives_each_shed_worker_a_turn_of_its_own():
+    adm = Admission(target_s=0.1, joins_per_s=500.0)
+    for i in range(50):
         adm.observe(QueuedFor(0.01))
-        assert adm.retry_after(served) == 0.0  # calls served at once are never shed
+        assert adm.retry_after(("early", i), now=100.0) == 0.0  # calls served at once are never shed
     for _ in range(200):
         adm.observe(QueuedFor(2.0))  # calls now queue for 2 s
-    answers = [adm.retry_after(served) for served in range(1000, 1000 + 4 * JOINING_SHARE)]
-    shed = [a for a in answers if a > 0]
-    assert len(shed) == 3 * JOINING_SHARE  # one in JOINING_SHARE still joins: busy workers never lock others out
-    assert min(shed) > 0.1 and adm.shed == len(shed)  # come back later than the queue would have served it
+    now = 200.0
+    turns = [now + adm.retry_after(i, now=now) for i in range(1000)]  # a burst of 1,000 joining at once
+    assert adm.shed == 1000
+    assert turns == sorted(turns) and min(turns) > now + 1.9  # after the calls queued now
+    # 500 a second: the last turn about 2 s after the first, on a grid, so that each turn's workers come together
+    assert 1.9 <= max(turns) - min(turns) <= 2.1
+    assert all(abs(t / TURN_GRID_S - round(t / TURN_GRID_S)) < 1e-6 for t in turns)
+    assert 15 <= max(turns.count(t) for t in turns) <= 55
+
+    # Back at its turn, a worker joins though calls still queue; back before it, it is given a new turn.
+    assert adm.retry_after(7, now=turns[7]) == 0.0
+    assert adm.retry_after(999, now=turns[999] - 1.0) > 1.0 and adm.shed == 1001
     before = adm.wait
     adm.observe(QueuedFor(-60.0))  # a call with a longer deadline than the usual one says nothing of the queue
     assert adm.wait == before
