@@ -58,6 +58,10 @@ QUEUE_TARGET_S = 0.1
 # workers joining at once: 137 µs of the master's CPU a call on a grid of 0.1 s, 186-191 µs spread evenly).
 JOINS_PER_S = 1000.0
 TURN_GRID_S = 0.1
+# A turn this close is waited for on the master, the worker's Register held open until then (a sleeping coroutine
+# costs nothing), so that the worker need not call again; a later one is answered "come back then". Well inside
+# rpc.CALL_TIMEOUT_S, the caller's deadline.
+HOLD_FOR_TURN_S = 10.0
 # gRPC's server cancels the calls it has received but not handed to the service yet past 1,000 of them (3,000 at
 # most): thousands of workers calling at once would see CANCELLED. Each worker has a call or two in flight.
 PENDING_CALLS = [("grpc.server.max_pending_requests", 50_000), ("grpc.server.max_pending_requests_hard_limit", 100_000)]
@@ -95,7 +99,7 @@ class Admission:
             self.wait += 0.02 * (rpc.CALL_TIMEOUT_S - left - self.wait)
 
     def retry_after(self, who, now: float | None = None) -> float:
-        """0 when `who` joins now, else seconds until its turn to come back."""
+        """0 when `who` joins now, else seconds until its turn, which stays its own until it `joined`."""
         now = time.monotonic() if now is None else now
         turn = self._turns.pop(who, None)
         if self.wait <= self.target_s or (turn is not None and now >= turn - self.turn_s):
@@ -105,6 +109,10 @@ class Admission:
         self._last_turn = max(now + self.wait, self._last_turn) + self.turn_s
         turn = self._turns[who] = math.ceil(self._last_turn / TURN_GRID_S) * TURN_GRID_S
         return turn - now
+
+    def joined(self, who) -> None:
+        """`who` waited for its turn on the master and joins: the turn is used."""
+        self._turns.pop(who, None)
 
 
 def report_interval_s(max_workers: int) -> float:
@@ -190,7 +198,10 @@ class MasterService(pb_grpc.MasterServicer):
         member = self.c.membership.members.get(inst)
         joining = inst.role == "worker" and (member is None or member.state != "registered")
         if joining and (wait := self.admission.retry_after(inst)):
-            return pb.RegisterResponse(retry_after_s=wait)
+            if wait > HOLD_FOR_TURN_S:
+                return pb.RegisterResponse(retry_after_s=wait)
+            await asyncio.sleep(wait)  # answered at its turn, with the other workers of that turn
+            self.admission.joined(inst)
         addrs = self.c.register(inst, request.address)
         return pb.RegisterResponse(
             job_id=self.job_id,

@@ -10,6 +10,7 @@ import pytest
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.instance.master_client import MasterClient
+from elastic_step.master import service
 from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 from elastic_step.master.service import TURN_GRID_S, Admission, MasterService, serve
@@ -390,7 +391,26 @@ def test_admission_sheds_only_past_its_target_and_gives_each_shed_worker_a_turn_
     assert adm.wait == before
 
 
-def test_a_master_with_calls_queueing_tells_a_joining_worker_when_to_come_back_and_the_client_comes_back(master):
+def test_a_master_with_calls_queueing_holds_a_joining_workers_register_until_its_turn(master):
+    adm = master.service.admission
+    adm.target_s, adm.wait = 0.05, 2.0  # as if calls had queued 2 s: past the target, the turn about 2 s away
+    probe = master.client(0)
+    answer, calls = {}, master.service.calls
+    held = threading.Thread(target=lambda: answer.update(info=probe.register()))
+    held.start()
+    time.sleep(0.5)
+    assert held.is_alive() and InstanceId("worker", 0) not in master.coord.membership.members  # not before its turn
+    held.join(timeout=30)
+    assert answer["info"].retry_after_s == 0 and answer["info"].minibatch_size == MINIBATCH
+    assert master.service.calls == calls + 1  # one Register, held: the worker did not have to call again
+    assert adm.shed == 1 and master.coord.membership.members[InstanceId("worker", 0)].state == "registered"
+    assert probe.get_task().kind == TASK.TASK
+
+
+def test_a_master_with_calls_queueing_tells_a_joining_worker_whose_turn_is_far_to_come_back_and_it_does(
+    master, monkeypatch
+):
+    monkeypatch.setattr(service, "HOLD_FOR_TURN_S", 0.0)  # every turn is too far to hold the call for
     adm = master.service.admission
     adm.target_s, adm.wait = 0.05, 0.06  # as if calls had queued 60 ms: past the target
     probe = master.client(0)
@@ -399,8 +419,8 @@ def test_a_master_with_calls_queueing_tells_a_joining_worker_when_to_come_back_a
     assert InstanceId("worker", 0) not in master.coord.membership.members
 
     joining = master.client(1)
-    info = joining.register()  # told to come back at least once more, and does
-    assert adm.shed >= 2
+    info = joining.register()  # told to come back, and does: back at its turn it joins, though calls still queue
+    assert adm.shed == 2  # each told once
     assert info.retry_after_s == 0 and info.minibatch_size == MINIBATCH
     assert master.coord.membership.members[InstanceId("worker", 1)].state == "registered"
     assert joining.get_task().kind == TASK.TASK
