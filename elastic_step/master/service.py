@@ -52,10 +52,10 @@ WAITS_PER_S_BUDGET = 2000.0
 # The master sheds load once calls wait this long, on average, before it serves them.
 QUEUE_TARGET_S = 0.1
 # Past that target, joining workers are given turns to come back, this many a second: a join (Register, the
-# worker's stream opened, its first GetTask) costs the master about 0.5 ms, so joins take a quarter of a core
+# worker's stream opened, its first GetTask) costs the master about 0.5 ms, so joins take at most half a core
 # while the workers already in are served. The turns fall on a grid, so that the workers of one turn arrive
-# together and are served in a few wake-ups of the master instead of one each (bench/master_capacity.py, 10,000
-# workers joining at once: 137 µs of the master's CPU a call on a grid of 0.1 s, 186-191 µs spread evenly).
+# together and are served in a few wake-ups of the master instead of one each: about a quarter less of its CPU a
+# call than turns spread evenly (docs/benchmarks.md, "Joining in turns").
 JOINS_PER_S = 1000.0
 TURN_GRID_S = 0.1
 # A turn this close is waited for on the master, the worker's Register held open until then (a sleeping coroutine
