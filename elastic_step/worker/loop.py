@@ -6,7 +6,9 @@ pipeline:
     its own thread while the current one trains; each minibatch is a slice of it taken inside
     the compiled step;
   * the push of minibatch t travels, and the fresh weights are loaded, on a push thread while t+1
-    computes (async SGD tolerates that staleness);
+    computes (async SGD tolerates that staleness); or, for a model without embedding tables, several
+    minibatches go in one call on the worker's copies of the shards, which the shards' updates keep
+    in step with them (trainer.py), and a call's push travels while the next call computes;
   * watermarks go to the master without waiting for the answer.
 All of them are long-lived threads (gRPC's own futures would start a thread per call).
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
@@ -182,14 +184,16 @@ def train_tasks(
     # current one's end the worker goes straight on, instead of waiting for its last push and
     # report, a GetTask and a read (several minibatches' worth of time for a small model).
     prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ahead")
-    in_flight: collections.deque = collections.deque()  # (handle, task_id, hi, records, last), oldest first
+    # (handle, task_id, its minibatches [(seq, hi), ...], whether the last is the lease's last), oldest first
+    in_flight: collections.deque = collections.deque()
 
     def settle(keep: int = 0) -> None:
-        """Collect the oldest pushes until at most `keep` are in flight; report them in order."""
+        """Collect the oldest pushes until at most `keep` are in flight; report them in order, each minibatch
+        on its own (the master counts duplicates one by one; consecutive others are coalesced)."""
         while len(in_flight) > keep:
-            handle, task_id, hi, records, last = in_flight.popleft()
-            applied, loss = trainer.push_finish(handle)
-            reporter.report(task_id, hi, records, loss, duplicate=not applied, last=last)
+            handle, task_id, group, last = in_flight.popleft()
+            for (seq, hi), (applied, loss) in zip(group, trainer.push_finish_each(handle)):
+                reporter.report(task_id, hi, hi - seq, loss, duplicate=not applied, last=last and hi == group[-1][1])
 
     def feed_lease(task):
         with working_on(Records(task.shard, task.shard_index, task.epoch, task.start, task.end)):
@@ -222,7 +226,7 @@ def train_tasks(
         leaving.set()
         while in_flight:
             with contextlib.suppress(Exception):
-                trainer.push_finish(in_flight.popleft()[0])
+                trainer.push_finish_each(in_flight.popleft()[0])
         if ahead is not None:
             with contextlib.suppress(Exception):
                 ahead.result()
@@ -271,7 +275,8 @@ def train_tasks(
                     waited = False
                 leaving = threading.Event()
                 ahead = prefetch.submit(lease_ahead, t.task_id, leaving, before)
-                for seq, hi in bounds:
+                done = 0  # minibatches of the lease computed
+                while done < len(bounds):
                     if reporter.hold:
                         # A checkpoint: every push this worker made is applied and reported before it
                         # waits, so the shards' state and the ledger are cut at the same pushes.
@@ -285,16 +290,21 @@ def train_tasks(
                     # Before the step, not after: its gradient is then taken on values that hold every
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     with phase("train: wait for push and pull"):
-                        settle(keep=pushes_in_flight - 1)
+                        settle(keep=trainer.pushes_ahead(pushes_in_flight))
+                    group = bounds[done : done + trainer.minibatches_per_call(len(bounds) - done)]
+                    done += len(group)
+                    (seq, _), (_, hi) = group[0], group[-1]
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
+                    batch = trainer.minibatch(fed, seq - t.start, hi - t.start, [lo - t.start for lo, _ in group])
                     started = time.monotonic()
                     with working_on(at), phase(COMPUTE if traced else "train: first compute (traces the step)"):
-                        result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
+                        result = trainer.compute(batch, at)
                     faults.STEP_DONE(time.monotonic() - started)
                     traced = True
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     with phase("train: hand the push over, pump reports"):
-                        in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
+                        handle = trainer.push_start(result, key, [lo for lo, _ in group] + [hi])
+                        in_flight.append((handle, t.task_id, group, hi == t.end))
                         reporter.pump()
                 leaving.set()
             except ShardsMoved as e:
