@@ -187,10 +187,11 @@ def train_tasks(
     # (handle, task_id, its minibatches [(seq, hi), ...], whether the last is the lease's last), oldest first
     in_flight: collections.deque = collections.deque()
 
-    def settle(keep: int = 0) -> None:
-        """Collect the oldest pushes until at most `keep` are in flight; report them in order, each minibatch
-        on its own (the master counts duplicates one by one; consecutive others are coalesced)."""
-        while len(in_flight) > keep:
+    def settle(keep: int = 0, done_only: bool = False) -> None:
+        """Collect the oldest pushes until at most `keep` are in flight (`done_only`: those done, without
+        waiting); report them in order, each minibatch on its own (the master counts duplicates one by one;
+        consecutive others are coalesced)."""
+        while len(in_flight) > keep and not (done_only and not in_flight[0][0].done()):
             handle, task_id, group, last = in_flight.popleft()
             for (seq, hi), (applied, loss) in zip(group, trainer.push_finish_each(handle)):
                 reporter.report(task_id, hi, hi - seq, loss, duplicate=not applied, last=last and hi == group[-1][1])
@@ -291,7 +292,7 @@ def train_tasks(
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     with phase("train: wait for push and pull"):
                         settle(keep=trainer.pushes_ahead(pushes_in_flight))
-                    group = bounds[done : done + trainer.minibatches_per_call(len(bounds) - done)]
+                    group = bounds[done : done + trainer.minibatches_per_call(len(bounds) - done, len(bounds))]
                     done += len(group)
                     (seq, _), (_, hi) = group[0], group[-1]
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
@@ -305,6 +306,7 @@ def train_tasks(
                     with phase("train: hand the push over, pump reports"):
                         handle = trainer.push_start(result, key, [lo for lo, _ in group] + [hi])
                         in_flight.append((handle, t.task_id, group, hi == t.end))
+                        settle(keep=1, done_only=True)  # reported as soon as possible: the lease ahead waits on it
                         reporter.pump()
                 leaving.set()
             except ShardsMoved as e:

@@ -392,12 +392,14 @@ class PSTrainer:
         data = tf.nest.map_structure(tf.convert_to_tensor, self._data({k: v[lo:hi] for k, v in lease.rows.items()}))
         return Minibatch(data, (0, hi - lo), self._specs(data), None, tuple(b - lo for b in starts))
 
-    def minibatches_per_call(self, left: int) -> int:
-        """How many of the `left` minibatches of a lease go in the next call: about CALL_S of them (one until
-        a call that did not trace was timed), at most what a push's slot holds."""
+    def minibatches_per_call(self, left: int, lease: int) -> int:
+        """How many of the `left` minibatches of a lease of `lease` go in the next call: about CALL_S of them
+        (one until a call that did not trace was timed), at most what a push's slot holds, and at most half the
+        lease: the lease before is reported once its last push is back, which the first call overlaps, and the
+        lease after is asked for and read meanwhile, which the second call overlaps."""
         if not self.local or self._minibatch_s is None:
             return 1
-        return max(1, min(left, self._max_call, int(CALL_S / self._minibatch_s)))
+        return max(1, min(left, (lease + 1) // 2, self._max_call, int(CALL_S / self._minibatch_s)))
 
     def pushes_ahead(self, pushes_in_flight: int) -> int:
         """Pushes that may stay in flight while the next call computes: with copies of the shards, one, unless
