@@ -56,7 +56,8 @@ COMPUTE = "train: compute (the step's call)"  # a phase of the profile (util/pha
 class Reporter:
     """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
     coalesced, since a task's last watermark commits every record below it. A lease's last report
-    goes without waiting for the pace: the master moves the worker on to its lease ahead then."""
+    goes without waiting for the pace: the master moves the worker on to its lease ahead then, so
+    it goes as soon as the report before it is answered, not at the training thread's next pump."""
 
     def __init__(self, master: MasterClient, interval_s: float = REPORT_INTERVAL_S):
         self.master = master
@@ -71,15 +72,17 @@ class Reporter:
         self._finished: set[int] = set()  # tasks whose last report the master answered
         self._answered = threading.Condition()
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
+        self._lock = threading.RLock()  # the training thread's calls, and an answer's callback (report thread)
 
     def report(
         self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool, last: bool = False
     ) -> None:
-        self.pending.append((task_id, watermark, records, loss, duplicate))
-        self._urgent = self._urgent or last
-        if last:
-            self._ends[task_id] = watermark
-        self.pump()
+        with self._lock:
+            self.pending.append((task_id, watermark, records, loss, duplicate))
+            self._urgent = self._urgent or last
+            if last:
+                self._ends[task_id] = watermark
+            self.pump()
 
     def wait_finished(self, task_id: int, leaving: threading.Event, timeout_s: float = 5.0) -> bool:
         """Until the master has answered task `task_id`'s last report (True: it has moved this worker on to the
@@ -94,6 +97,10 @@ class Reporter:
             return False
 
     def pump(self, block: bool = False) -> None:
+        with self._lock:
+            self._pump(block)
+
+    def _pump(self, block: bool) -> None:
         if self.in_flight is not None:
             if not block and not self.in_flight.done():
                 return
@@ -112,8 +119,18 @@ class Reporter:
             if last:
                 del self._ends[first[0]]
             self.in_flight = self._thread.submit(self._send, first, last)
+            self.in_flight.add_done_callback(self._next_urgent)
         elif self.refused:
             self.pending.clear()
+
+    def _next_urgent(self, _answered: concurrent.futures.Future) -> None:
+        """A report was answered: a lease's last report waiting behind it goes now. Never waits for the lock
+        (its holder pumps anyway; a flush holding it may be waiting for the next report, on this thread)."""
+        if self._urgent and self._lock.acquire(blocking=False):
+            try:
+                self._pump(False)
+            finally:
+                self._lock.release()
 
     def _send(self, report: tuple, last: bool):
         with phase("report thread: ReportProgress"):
@@ -125,11 +142,16 @@ class Reporter:
         return reply
 
     def flush(self) -> None:
-        while self.in_flight is not None or self.pending:
-            self.pump(block=True)
+        with self._lock:
+            while self.in_flight is not None or self.pending:
+                self._pump(True)
 
     def drop(self) -> None:
         """Forget what is pending: the master rewound the ledger past it (a lost PS)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         self.pending.clear()
         self._ends.clear()
         if self.in_flight is not None:
