@@ -394,3 +394,24 @@ def test_with_one_push_in_flight_the_push_is_applied_before_the_next_step_and_it
         )
         with pytest.raises(DataError):
             t.push_finish(handle)
+
+
+def test_a_call_skips_a_minibatch_that_is_not_finite_and_applies_the_others_in_turn(tmp_path):
+    """--skip-non-finite, several minibatches a call: the copy skips the middle one (not finite) as the shard does,
+    the others are applied in turn under their keys, and the skipped one is accounted for as skipped."""
+    told = []
+    skip = NonFinite(True, lambda at, why: told.append((at, why)))
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=8, non_finite=skip):
+        rows = lease_rows(24, seed=7)
+        rows["y"][12] = np.nan
+        at = Records("part-0", 0, 0, 0, 24)
+        result = t.compute(t.minibatch(t.feed_lease(rows), 0, 24, [0, 8, 16]), at)
+        each = t.push_finish_each(t.push_start(result, PushKey(3, 0, 24, 0, 0), [0, 8, 16, 24]))
+        assert [applied for applied, _ in each] == [True, True, True] and each[1][1] != each[1][1]  # NaN loss
+        assert told == [(Records("part-0", 0, 0, 8, 16), "the loss became nan")]
+        (values,) = ps.pull_dense()
+        assert np.isfinite(values).all()
+        np.testing.assert_allclose(t._copies[0].values().numpy(), values, rtol=1e-6, atol=1e-7)
+        evidence = tensors.decode_applied(ps.stats()[0].applied)
+        expected = {(0, 0): [[0, 8], [16, 24]], skipped_key(0, 0): [[8, 16]]}
+        assert {k: v.tolist() for k, v in evidence.items()} == expected
