@@ -231,6 +231,39 @@ def test_a_push_of_several_minibatches_updates_as_kerass_gradient_accumulation(t
             assert not np.allclose(value, {**before, **tables}[name]), name  # the push moved it
 
 
+def test_a_call_of_several_minibatches_leaves_the_shard_as_fit_leaves_it(tmp_path):
+    """A model without tables: three minibatches (8, 8 and 4 records) in one call on the worker's copy of the
+    shard, its update after each, then each pushed under its own key and applied in turn by the shard. The
+    witness is Keras's fit of the same records at batch 8 from the same values: three updates, the shard's
+    values must be what it leaves, and the copy, in step with the shard, is not re-pulled."""
+    for t, ps, ps_model in serve(tmp_path, BATCHNORM, minibatch_size=8):
+        assert t.local
+        witness = keras.models.clone_model(ps_model)
+        before = ps.pull_dense_named()
+        load_named(witness, before)
+        rows = lease_rows(20, seed=4)
+        rows["a"] = rows["a"] * 4 + 10  # batch norm's statistics move visibly
+        fed = t.feed_lease(rows)
+        result = t.compute(t.minibatch(fed, 0, 20, [0, 8, 16]))
+        each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
+        assert [applied for applied, _loss in each] == [True, True, True] and not t._resync
+        assert ps.stats()[0].pushes_applied == 3  # one key each
+
+        witness.compile(optimizer=keras.optimizers.SGD(0.1), loss=t.model_def.loss_fn)
+        x, y = t.model_def.feed(rows)
+        witness.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        expected = {n: v.numpy() for n, v in named_variables(witness).items()}
+        after = ps.pull_dense_named()
+        for name, value in after.items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+            assert not np.allclose(value, before[name]), name
+        np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+        # The same call pushed again (a lost worker's remainder, re-pushed): every key is skipped.
+        each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
+        assert [applied for applied, _loss in each] == [False, False, False]
+        np.testing.assert_array_equal(ps.pull_dense_named()[next(iter(after))], after[next(iter(after))])
+
+
 WEIGHTED = textwrap.dedent("""
     import keras
     import numpy as np
@@ -277,7 +310,8 @@ def test_a_weight_column_weighs_each_records_loss_as_fits_sample_weight(tmp_path
         t, _ps, ps_model = next(gen)
         try:
             result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
-            assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+            (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
+            assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
         finally:
             gen.close()
 
@@ -298,7 +332,8 @@ def test_feed_may_return_sample_weights_and_class_weight_weighs_by_label(tmp_pat
         t, _ps, ps_model = next(gen)
         try:
             result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
-            assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+            (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
+            assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
         finally:
             gen.close()
 
@@ -359,3 +394,24 @@ def test_with_one_push_in_flight_the_push_is_applied_before_the_next_step_and_it
         )
         with pytest.raises(DataError):
             t.push_finish(handle)
+
+
+def test_a_call_skips_a_minibatch_that_is_not_finite_and_applies_the_others_in_turn(tmp_path):
+    """--skip-non-finite, several minibatches a call: the copy skips the middle one (not finite) as the shard does,
+    the others are applied in turn under their keys, and the skipped one is accounted for as skipped."""
+    told = []
+    skip = NonFinite(True, lambda at, why: told.append((at, why)))
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=8, non_finite=skip):
+        rows = lease_rows(24, seed=7)
+        rows["y"][12] = np.nan
+        at = Records("part-0", 0, 0, 0, 24)
+        result = t.compute(t.minibatch(t.feed_lease(rows), 0, 24, [0, 8, 16]), at)
+        each = t.push_finish_each(t.push_start(result, PushKey(3, 0, 24, 0, 0), [0, 8, 16, 24]))
+        assert [applied for applied, _ in each] == [True, True, True] and each[1][1] != each[1][1]  # NaN loss
+        assert told == [(Records("part-0", 0, 0, 8, 16), "the loss became nan")]
+        (values,) = ps.pull_dense()
+        assert np.isfinite(values).all()
+        np.testing.assert_allclose(t._copies[0].values().numpy(), values, rtol=1e-6, atol=1e-7)
+        evidence = tensors.decode_applied(ps.stats()[0].applied)
+        expected = {(0, 0): [[0, 8], [16, 24]], skipped_key(0, 0): [[8, 16]]}
+        assert {k: v.tolist() for k, v in evidence.items()} == expected
