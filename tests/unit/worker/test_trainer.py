@@ -22,7 +22,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.ps.api import Placement, PushKey, load_named, named_variables  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
-from elastic_step.worker.trainer import PSTrainer  # noqa: E402
+from elastic_step.worker.trainer import ALONE_AGAIN, Company, PSTrainer  # noqa: E402
 
 TOKEN = "t0ken"
 ROWS = 50
@@ -262,6 +262,58 @@ def test_a_call_of_several_minibatches_leaves_the_shard_as_fit_leaves_it(tmp_pat
         each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
         assert [applied for applied, _loss in each] == [False, False, False]
         np.testing.assert_array_equal(ps.pull_dense_named()[next(iter(after))], after[next(iter(after))])
+
+
+def test_a_worker_is_alone_until_the_shards_versions_show_another_workers_push(caplog):
+    """Each shard's version before and after this worker's pushes: only its own applied -> alone; more ->
+    another worker pushed, not alone at once; alone again only after ALONE_AGAIN of its own minibatches in a
+    row with no other's. What is not known (a version before a pull, a restored shard's) tells nothing."""
+    caplog.set_level("INFO", logger="elastic_step.worker")
+    c = Company()
+    assert c.alone
+    c.seen([5, 3], [8, 6], [3, 3], 3)  # its own 3 on each shard
+    c.seen([8, 6], [8, 6], [0, 0], 3)  # a re-push, applied before: nothing moved
+    assert c.alone and not caplog.records
+    c.seen([8, 6], [11, 10], [3, 3], 3)  # shard 1 applied one more
+    assert not c.alone
+    assert "another worker pushed (shard 1 applied 1 push(es) besides this worker's)" in caplog.text
+    for _ in range(ALONE_AGAIN - 1):
+        c.seen([11, 10], [12, 11], [1, 1], 1)
+    c.seen([12, 11], [14, 11], [0, 0])  # a pull: another pushed to shard 0 meanwhile, the count starts over
+    for _ in range(ALONE_AGAIN - 1):
+        c.seen([14, 11], [15, 12], [1, 1], 1)
+        c.seen([-1, -1], [40, 40], [1, 1], 1)  # not known: no evidence either way
+        c.seen([15, 12], [2, 2], [1, 1], 1)  # a restored shard counts from its checkpoint
+    assert not c.alone
+    c.seen([15, 12], [16, 13], [1, 1], 1)
+    assert c.alone
+    assert f"no other worker pushed during this worker's last {ALONE_AGAIN} minibatches" in caplog.text
+    assert len(caplog.records) == 2  # once a switch
+
+
+def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp_path):
+    """The trainer against a real shard: alone, its calls grow to several minibatches; a push under another
+    worker's key between two of its own makes its next calls one minibatch, on the shard's newest values
+    (which its copy takes from its push's reply, the other's gradient included)."""
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=4):
+        fed = t.feed_lease(lease_rows(64, seed=5))
+
+        def call(lo, n):
+            starts = [lo + 4 * i for i in range(n)]
+            result = t.compute(t.minibatch(fed, lo, lo + 4 * n, starts))
+            key = PushKey(1, lo, lo + 4 * n, 0, 0)
+            return t.push_finish_each(t.push_start(result, key, [*starts, lo + 4 * n]))
+
+        call(0, 1)  # traces
+        call(4, 1)  # timed
+        assert t.minibatches_per_call(14, 16) > 1 and t.company.alone
+        call(8, 2)
+        assert t.company.alone  # its own pushes only
+        other = PushKey(2, 0, 4, 0, 0)  # another worker's minibatch
+        assert ps.push(other, [np.full(t._copies[0].dense_size, 0.5, np.float32)], {}, want_dense=False)[0]
+        call(16, 2)
+        assert not t.company.alone and t.minibatches_per_call(12, 16) == 1
+        np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
 
 
 WEIGHTED = textwrap.dedent("""
