@@ -77,11 +77,13 @@ def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tall
     assert 0 < survivor["pushes_applied"] <= total / 128 * 1.25, survivor
 
 
-def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally_data, tmp_path):
-    """The tally model without its table: each worker runs several minibatches a call on its copies of the
-    shards, and pushes each minibatch under its own key. A worker killed mid-call (its call's pushes applied,
-    some or none of them reported) and a killed PS (its shard restored to the last checkpoint): each record is
-    still applied once per epoch, by the weights and by the shards' audit."""
+@pytest.mark.parametrize("workers", [1, 2])
+def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally_data, tmp_path, workers):
+    """The tally model without its table: a worker alone runs several minibatches a call on its copies of the
+    shards, and pushes each minibatch under its own key; with two, each goes to one a call once the other's
+    pushes show, and back. A worker killed mid-call (its call's pushes applied, some or none of them reported)
+    and a killed PS (its shard restored to the last checkpoint): each record is still applied once per epoch,
+    by the weights and by the shards' audit."""
     total = tally_data["rows"] * EPOCHS
     proc, summary = train(
         tally_data,
@@ -94,7 +96,7 @@ def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally
         num_ps=2,
         minibatch_size=32,
         records_per_task=256,
-        **JOB,
+        **{**JOB, "max_workers": workers},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_chaos_fired(summary, 2)
@@ -102,3 +104,4 @@ def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally
     assert_audit_exact(summary, "ps")
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("worker-*.log"))
     assert "this worker applies their updates to copies of its own" in logs  # the path under test ran
+    assert ("another worker pushed" in logs) == (workers == 2), logs[-3000:]  # alone, it never left it
