@@ -6,9 +6,10 @@ pipeline:
     its own thread while the current one trains; each minibatch is a slice of it taken inside
     the compiled step;
   * the push of minibatch t travels, and the fresh weights are loaded, on a push thread while t+1
-    computes (async SGD tolerates that staleness); or, for a model without embedding tables, several
-    minibatches go in one call on the worker's copies of the shards, which the shards' updates keep
-    in step with them (trainer.py), and a call's push travels while the next call computes;
+    computes (async SGD tolerates that staleness); or, for a model without embedding tables and a
+    worker training alone, several minibatches go in one call on the worker's copies of the shards,
+    which the shards' updates keep in step with them (trainer.py), and a call's push travels while the
+    next call computes;
   * watermarks go to the master without waiting for the answer.
 All of them are long-lived threads (gRPC's own futures would start a thread per call).
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same

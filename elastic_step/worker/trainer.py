@@ -20,14 +20,13 @@ shard applies them in turn, in one call. The shard's version tells whether only 
 meanwhile: then the shard holds exactly what the copy holds (a lone worker trains as fit does, its
 updates as many), the next call goes ahead while the push travels, and the fresh values the push
 brings back are not needed. When others pushed, the copy takes the shard's values after the newest
-push of this worker: bounded staleness, each gradient missing at most the other workers' pushes of
-about two calls (the copy's optimizer state follows this worker's own steps until the next pull;
+push of this worker (the copy's optimizer state follows this worker's own steps until the next pull;
 the shards apply every gradient with their own). The number of minibatches a call is sized from the
 measured step time (CALL_S), so a user tunes nothing.
 
 Several minibatches a call only while the worker trains alone (Company): with others pushing, a call of
 CALL_S is local SGD, ~150 of the digits MLP's steps before the worker takes the others' (a 2-worker digits
-job reached 0.81 accuracy where async SGD reaches 0.9). So once the shards' versions show another worker's
+job reached 0.81 accuracy where async SGD reaches 0.96). So once the shards' versions show another worker's
 pushes, the worker runs one minibatch a call, async SGD on the shards' newest values, until it has seen
 itself alone again for ALONE_AGAIN minibatches in a row.
 """
