@@ -27,8 +27,10 @@ measured step time (CALL_S), so a user tunes nothing.
 Several minibatches a call only while the worker trains alone (Company): with others pushing, a call of
 CALL_S is local SGD, ~150 of the digits MLP's steps before the worker takes the others' (a 2-worker digits
 job reached 0.81 accuracy where async SGD reaches 0.96). So once the shards' versions show another worker's
-pushes, the worker runs one minibatch a call, async SGD on the shards' newest values, until it has seen
-itself alone again for ALONE_AGAIN minibatches in a row.
+pushes, the worker trains as a worker without copies does (one minibatch a call on the shards' newest values,
+which each push brings back, pushes_in_flight pushes travelling while the next steps compute), until it has
+seen itself alone again for ALONE_AGAIN minibatches in a row; then, its pushes all back, the copies take the
+shards' values and optimizer state once more.
 """
 
 from __future__ import annotations
@@ -268,6 +270,8 @@ class PSTrainer:
         self._step = step if minibatches_per_push == 1 else group_step
         # Several minibatches a call, on copies of the shards (see the module's docstring): for dense shards.
         self.local = minibatches_per_push == 1 and not self.table_names
+        self._copies_pushes: set[concurrent.futures.Future] = set()  # pushes of calls on the copies, in flight
+        self._step_pushes = 0  # with copies: pushes of one-minibatch steps (not on the copies) not yet finished
         if self.local:
             copies = [
                 ParameterShard(model, model_def.optimizer(), placement, s, serve=False) for s in range(placement.num_ps)
@@ -306,15 +310,17 @@ class PSTrainer:
 
             self._copies = copies
             self._local_steps = tf.function(local_steps)
+            self._traced_copies = None  # (input specs, concrete local_steps)
             largest = max([c.dense_size for c in copies] + [1])
             self._max_call = max(1, min(MAX_MINIBATCHES, MAX_CALL_BYTES // (4 * largest)))
             self._minibatch_s: float | None = None  # measured, calls that traced left out
             self._expect = [-1] * placement.num_ps  # each shard's version the copies match, once pulled
             self._resync = True  # the copies take the shards' values (and optimizer state) before the next call
-            self._pending = 0  # pushes handed over and not yet finished
+            self._pending = 0  # pushes of calls on the copies handed over and not yet finished
             self.company = Company()  # several minibatches a call only while alone
             self._pusher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
-            ps.reserve(2, self._max_call)  # the push of one call in flight while the next computes
+            # The push of one call in flight while the next computes; pushes_in_flight when not alone.
+            ps.reserve(max(2, pushes_in_flight), self._max_call)
             log.info(
                 "dense shards: this worker applies their updates to copies of its own, up to %d minibatches a call",
                 self._max_call,
@@ -358,7 +364,7 @@ class PSTrainer:
         a 2-worker digits job's accuracy dipped from 0.96 to 0.67-0.89 in some runs.
         With copies of the shards: their values and optimizer state, now, or once this worker's pushes in
         flight are back (the newest brings the shards' values)."""
-        if not self.local:
+        if not self._on_copies():
             self._take_fresh(self.ps.pull_dense_at())
             return
         if self._pending:
@@ -371,15 +377,16 @@ class PSTrainer:
         self.company.seen(self._expect, versions, [0] * len(versions))
         self._expect = versions
         self._resync = False
+        if not self.company.alone:  # others pushed: the next steps are on the shards' values, not the copies
+            self._take_fresh([(version, flat) for version, flat, _optimizer in pulled])
+
+    def _on_copies(self) -> bool:
+        """Whether the next call runs on the copies of the shards: while this worker trains alone, once its
+        pushes of one-minibatch steps are back (the copies then take every one of them from the shards)."""
+        return self.local and self.company.alone and not self._step_pushes
 
     def set_dense(self, flats: list[np.ndarray]) -> None:
         """Each shard's flat dense values, for the next steps (tensors made here, off the training thread)."""
-        if self.local:  # the copies' values; what they match is told by the next push's reply
-            for copy, flat in zip(self._copies, flats):
-                copy.load(flat)
-            self._expect = [-1] * len(self._copies)
-            self._resync = False
-            return
         self._flats = [self.tf.constant(f, self.tf.float32) for f in flats]
 
     def _set_rows(self, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
@@ -447,15 +454,16 @@ class PSTrainer:
         (one until a call that did not trace was timed), at most what a push's slot holds, and at most half the
         lease: the lease before is reported once its last push is back, which the first call overlaps, and the
         lease after is asked for and read meanwhile, which the second call overlaps."""
-        if not self.local or self._minibatch_s is None or not self.company.alone:
+        if not self._on_copies() or self._minibatch_s is None:
             return 1
         return max(1, min(left, (lease + 1) // 2, self._max_call, int(CALL_S / self._minibatch_s)))
 
     def pushes_ahead(self, pushes_in_flight: int) -> int:
-        """Pushes that may stay in flight while the next call computes: with copies of the shards, one, unless
-        the copies are to take the shards' values first (then every push comes back before the call)."""
-        if self.local:
-            return 0 if self._resync else 1
+        """Pushes that may stay in flight while the next call computes: while this worker trains alone, on
+        copies of the shards, one, unless the copies are to take the shards' values first (then every push
+        comes back before the call); otherwise pushes_in_flight - 1, as without copies."""
+        if self.local and self.company.alone:
+            return 0 if self._resync or self._step_pushes else 1
         return pushes_in_flight - 1
 
     def _data(self, rows):
@@ -471,8 +479,8 @@ class PSTrainer:
     def compute(self, batch: Minibatch, where=None) -> StepResult:
         """Gradients of one minibatch at the worker's current parameters (still tensors). `where`: its records,
         as a user finds them, for an error. With copies of the shards: of each minibatch of the call, one after
-        another, the copies updated after each."""
-        if self.local:
+        another, the copies updated after each (only while this worker trains alone)."""
+        if self._on_copies():
             return self._compute_on_copies(batch, where)
         if self.table_names and self._ids_of is not None:
             self._pull_rows(batch)
@@ -487,10 +495,11 @@ class PSTrainer:
 
     def _compute_on_copies(self, batch: Minibatch, where) -> StepResult:
         tf = self.tf
-        traced = self._traced is None or self._traced[0] != batch.specs
+        traced = self._traced_copies is None or self._traced_copies[0] != batch.specs
         if traced:
             int64s = tf.TensorSpec([None], tf.int64)
-            self._traced = (batch.specs, self._local_steps.get_concrete_function(batch.specs, int64s, int64s))
+            concrete = self._local_steps.get_concrete_function(batch.specs, int64s, int64s)
+            self._traced_copies = (batch.specs, concrete)
             self._resync = True  # others pushed while this traced (a second or more)
         if self._resync and not self._pending:
             self.refresh_dense()
@@ -499,7 +508,7 @@ class PSTrainer:
         ends = tf.constant((*starts[1:], batch.bounds[1]), tf.int64)
         started = time.monotonic()
         try:
-            losses, dense = self._traced[1](batch.data, begins, ends)
+            losses, dense = self._traced_copies[1](batch.data, begins, ends)
         except ShardsMoved:
             raise
         except Exception as e:  # the user's model/loss failed on real data
@@ -507,7 +516,7 @@ class PSTrainer:
         if not traced:  # the first run of a trace optimizes its graph: no measure
             took = (time.monotonic() - started) / len(starts)
             self._minibatch_s = took if self._minibatch_s is None else 0.8 * self._minibatch_s + 0.2 * took
-        return StepResult(losses, dense, [], where)
+        return StepResult(losses, dense, [], where, on_copies=True)
 
     def _step_for(self, specs):
         """The step traced once for any minibatch size: a concrete function skips the per-call
@@ -528,9 +537,13 @@ class PSTrainer:
         this thread, sparing two thread switches a minibatch. `bounds`: a call of several minibatches,
         theirs (seq, ..., end), each pushed under its own key (with copies of the shards)."""
         key = key._replace(generation=self.generation)
-        if self.local:
+        if result.on_copies:
             self._pending += 1
-            return self._pusher.submit(self._push_many, result, key, tuple(bounds or (key.seq, key.end)))
+            handle = self._pusher.submit(self._push_many, result, key, tuple(bounds or (key.seq, key.end)))
+            self._copies_pushes.add(handle)
+            return handle
+        if self.local:
+            self._step_pushes += 1
         if self._depth > 1:
             return self._push_threads.submit(self._push, result, key)
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -547,7 +560,7 @@ class PSTrainer:
         with self._fresh_lock:
             self._versions = [-1] * self.placement.num_ps
         if self.local:
-            ps.reserve(2, self._max_call)
+            ps.reserve(max(2, self._depth), self._max_call)
             self._resync = True
             self._expect = [-1] * self.placement.num_ps  # the restored shards count from their checkpoint
         self.refresh_dense()
@@ -561,8 +574,8 @@ class PSTrainer:
         """Per minibatch of the push: (applied by any shard, its loss), once the push is done. On the training
         thread, in the order the pushes started: with copies of the shards, they take the shards' values
         here when others pushed meanwhile (or a minibatch was applied before, or skipped)."""
-        if not self.local:
-            return [handle.result()]
+        if handle not in self._copies_pushes:
+            return [self._step_pushed(handle)]
         try:
             each, replies = handle.result()
         except BaseException:
@@ -571,6 +584,7 @@ class PSTrainer:
             raise
         finally:
             self._pending -= 1
+            self._copies_pushes.discard(handle)
         if replies is None:  # went one by one: what the shards applied is not told
             self._resync = True
             self._expect = [-1] * len(self._copies)
@@ -585,7 +599,26 @@ class PSTrainer:
                 for copy, (_v, values, _a) in zip(self._copies, replies):
                     copy.load(values)
                 self._resync = False
+        if not self.company.alone:  # the next steps are on the shards' newest values, not the copies
+            self._take_fresh(self.ps.pull_dense_at() if replies is None else [(v, f) for v, f, _a in replies])
         return each
+
+    def _step_pushed(self, handle: concurrent.futures.Future) -> tuple[bool, float]:
+        """A one-minibatch step's push, done: (applied, loss). With copies of the shards, what its reply's
+        versions tell of other workers (Company); replies may come back out of order, which can only make
+        another worker's pushes seem more, never fewer, so a worker is never taken to be alone when it is not."""
+        try:
+            applied, loss, versions = handle.result()
+        finally:
+            if self.local:
+                self._step_pushes -= 1
+        if self.local:
+            alone = self.company.alone
+            self.company.seen(self._expect, versions, [int(applied)] * len(versions), 1)
+            self._expect = [max(e, v) for e, v in zip(self._expect, versions)]
+            if self.company.alone and not alone:
+                self._resync = True  # the copies take the shards' values and optimizer state before their call
+        return applied, loss
 
     def _push_many(self, result: StepResult, key: PushKey, bounds: tuple[int, ...]):
         """A call's minibatches, each under its own key, in one push: (per minibatch (applied, loss), each
@@ -616,7 +649,8 @@ class PSTrainer:
             applied, replies = self.ps.push_many(key, bounds, dense)
         return [(a, float(loss)) for a, loss in zip(applied, losses)], replies
 
-    def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float]:
+    def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float, list[int]]:
+        """(applied, loss, each shard's version after it)."""
         with phase("push thread: gradients to numpy"):
             dense = [g.numpy() for g in result.dense]
             rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
@@ -633,7 +667,7 @@ class PSTrainer:
             self._take_fresh(replies)
         if self.table_names and self._ids_of is None:
             self._set_rows({n: (ids, self.ps.pull_rows({n: ids})[n]) for n, (ids, _v) in rows.items()})
-        return applied, loss
+        return applied, loss, [version for version, _ in replies]
 
     def _take_fresh(self, replies: list[tuple[int, np.ndarray]]) -> None:
         """Load each shard's values only when newer (by the shard's version) than what the model has:
@@ -656,6 +690,7 @@ class StepResult(NamedTuple):
     dense: list  # per PS shard: flat gradient buffer ([minibatches, its floats] for a call of several)
     sparse: list  # per embedding table: (unique ids, summed row gradients)
     where: object = None  # its records (finite.Records), as a user finds them
+    on_copies: bool = False  # a call on copies of the shards (its push: each minibatch under its own key)
 
 
 class FedLease(NamedTuple):

@@ -293,9 +293,12 @@ def test_a_worker_is_alone_until_the_shards_versions_show_another_workers_push(c
 
 def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp_path):
     """The trainer against a real shard: alone, its calls grow to several minibatches; a push under another
-    worker's key between two of its own makes its next calls one minibatch, on the shard's newest values
-    (which its copy takes from its push's reply, the other's gradient included)."""
+    worker's key between two of its own makes its next calls one minibatch, the step of a worker without
+    copies on the shard's newest values (which its push's reply brings, the other's gradient included), its
+    pushes in flight as without copies; once it has seen only its own pushes for long enough, the copies take
+    the shard's values again and its calls are on them."""
     for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=4):
+        t.company = Company(again=2)
         fed = t.feed_lease(lease_rows(64, seed=5))
 
         def call(lo, n):
@@ -312,7 +315,14 @@ def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp
         other = PushKey(2, 0, 4, 0, 0)  # another worker's minibatch
         assert ps.push(other, [np.full(t._copies[0].dense_size, 0.5, np.float32)], {}, want_dense=False)[0]
         call(16, 2)
-        assert not t.company.alone and t.minibatches_per_call(12, 16) == 1
+        assert not t.company.alone and t.minibatches_per_call(12, 16) == 1 and t.pushes_ahead(2) == 1
+        np.testing.assert_allclose(t._flats[0].numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+        for lo in (24, 28):  # one-minibatch steps, as without copies; their pushes show no other's
+            result = t.compute(t.minibatch(fed, lo, lo + 4))
+            assert not result.on_copies and result.loss.shape == ()
+            assert t.push_finish_each(t.push_start(result, PushKey(1, lo, lo + 4, 0, 0)))[0][0]
+        assert t.company.alone and t.pushes_ahead(2) == 0  # the copies take the shard's values first
+        assert [a for a, _loss in call(32, 2)] == [True, True] and t.company.alone and not t._resync
         np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
 
 
