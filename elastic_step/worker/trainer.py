@@ -28,7 +28,7 @@ Several minibatches a call only while the worker trains alone (Company): with ot
 CALL_S is local SGD, ~150 of the digits MLP's steps before the worker takes the others' (a 2-worker digits
 job reached 0.81 accuracy where async SGD reaches 0.96). So once the shards' versions show another worker's
 pushes, the worker trains as a worker without copies does (one minibatch a call on the shards' newest values,
-which each push brings back, pushes_in_flight pushes travelling while the next steps compute), until it has
+which each push brings back, with as many pushes in flight as pushes_in_flight says), until it has
 seen itself alone again for ALONE_AGAIN minibatches in a row; then, its pushes all back, the copies take the
 shards' values and optimizer state once more.
 """
