@@ -210,8 +210,8 @@ PARAMS: tuple[Param, ...] = (
         int,
         1,
         "ps: pushes each worker keeps in flight. 1: a lone worker trains as Keras fit "
-        "does. 2: its step overlaps the PS's update (a lone digits-MLP worker ran about 25% faster), each gradient "
-        "one update stale",
+        "does. 2: its step overlaps the PS's update, each gradient one update stale; for a model without embedding "
+        "tables only while other workers push (a lone worker's call of several minibatches overlaps its push anyway)",
         _on(CONFIG, TRAIN),
     ),
     Param(

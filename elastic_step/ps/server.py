@@ -57,7 +57,9 @@ class ParameterShard:
     """The parameters one shard owns, the optimizer that updates them, and its share of the model's
     state (TensorFlow inside)."""
 
-    def __init__(self, model, optimizer, placement: Placement, shard: int):
+    def __init__(self, model, optimizer, placement: Placement, shard: int, serve: bool = True):
+        """`serve` False: a worker's copy of the shard (trainer.py), updated inside the worker's own compiled
+        call through `update` and `values`: nothing of its own is traced."""
         import tensorflow as tf
 
         self.tf = tf
@@ -136,14 +138,34 @@ class ParameterShard:
                 self.optimizer.apply_gradients(pairs)
             return flat_values()
 
+        def update(flat_grad):
+            """One minibatch's update of a shard without tables (the dense part only): its fresh values."""
+            return apply(flat_grad, [], [])
+
+        def apply_many(flat_grads):
+            """The updates of several minibatches, in turn (one push of several, see push_many)."""
+            _, fresh = tf.while_loop(
+                lambda k, _: k < tf.shape(flat_grads)[0],
+                lambda k, _: (k + 1, update(flat_grads[k])),
+                (tf.constant(0), flat_values()),
+            )
+            return fresh
+
+        self.update, self.values = update, flat_values
+        self._apply_many = self._final = None
+        if not serve:
+            return
         self._apply = tf.function(apply).get_concrete_function(
             tf.TensorSpec([self.dense_size], tf.float32),
             [tf.TensorSpec([None], tf.int64) for _ in tables],
             [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables],
         )
+        if not tables:
+            self._apply_many = tf.function(apply_many).get_concrete_function(
+                tf.TensorSpec([None, self.dense_size], tf.float32)
+            )
         self._read = tf.function(flat_values).get_concrete_function()
         averages = moving_averages(optimizer, dense_vars + tables)
-        self._final = None
         if averages is not None:  # use_ema: the final model holds the averages, as after fit
             dense_averages, table_averages = averages[: len(dense_vars)], averages[len(dense_vars) :]
 
@@ -207,6 +229,59 @@ class ParameterShard:
             self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
             self.version += 1
             return True, self.version, values
+
+    def push_many(
+        self, key: PushKey, bounds: tuple[int, ...], flat_grads: np.ndarray, out: np.ndarray | None = None
+    ) -> tuple[list[bool], int, np.ndarray]:
+        """Apply the pushes of several minibatches of one lease, computed one after another: minibatch i is
+        [bounds[i], bounds[i + 1]), keyed (key.task_id, bounds[i]), its flat gradient flat_grads[i]. Each not
+        applied before is applied, in turn, in one call; the others are skipped, as single pushes are. Returns
+        (whether each was applied, version, the values at that version), as `push` does."""
+        self.fences.check(key)
+        count = len(bounds) - 1
+        with self.lock:
+            if key.generation != self.generation:
+                raise StaleGeneration(
+                    f"a push of generation {key.generation} to shard {self.shard}, which is "
+                    f"at generation {self.generation}: it was restored to a checkpoint since"
+                )
+            if self._apply_many is None or key.data_shard < 0:
+                raise ValueError(f"shard {self.shard} takes pushes of several minibatches only of dense gradients")
+            if count < 1 or flat_grads.shape[0] < count or flat_grads.shape[-1] != self.dense_size:
+                raise ValueError(
+                    f"a push of {count} minibatches carries {flat_grads.shape} dense gradients, shard "
+                    f"{self.shard} holds {self.dense_size} parameters"
+                )
+            each = [(key.task_id, b) not in self.applied for b in bounds[:-1]]
+            todo = np.nonzero(each)[0]
+            self.skipped += count - len(todo)
+            if not len(todo):
+                return each, self.version, self._values(out)
+            grads = flat_grads[todo] if len(todo) < count else flat_grads[:count]
+            if not np.isfinite(grads).all():
+                raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")
+            values = self._copy(self._apply_many(self.tf.constant(grads, self.tf.float32)), out)
+            for i in todo:
+                self.applied.add((key.task_id, bounds[i]))
+                self.applied_records.add(key.epoch, key.data_shard, bounds[i], bounds[i + 1])
+            self.version += len(todo)
+            return each, self.version, values
+
+    def load(self, flat: np.ndarray, optimizer: list[np.ndarray] | None = None) -> None:
+        """The shard's values (flat, as `values` gives them) and, when given, its optimizer's variables: a
+        worker's copy taking the shard's."""
+        offset = 0
+        for v in [*self.dense_vars, self.state]:
+            n = int(v.shape.num_elements())
+            v.assign(np.asarray(flat[offset : offset + n]).reshape(v.shape))
+            offset += n
+        for var, value in zip(self.optimizer.variables, optimizer or []):
+            var.assign(np.asarray(value).reshape(tuple(var.shape)))
+
+    def optimizer_values(self) -> tuple[int, np.ndarray, list[np.ndarray]]:
+        """(version, the flat values, the optimizer's variables), at one moment."""
+        with self.lock:
+            return self.version, self._values(), [np.asarray(v.numpy()) for v in self.optimizer.variables]
 
     def _values(self, out: np.ndarray | None = None) -> np.ndarray:
         return self._copy(self._read(), out)
@@ -280,15 +355,9 @@ class ParameterShard:
             raise ValueError(f"{mismatch}: {CHANGED_MODEL}")
         with self.lock:
             self.generation = generation
-            offset = 0
-            for v in [*self.dense_vars, self.state]:
-                n = int(v.shape.num_elements())
-                v.assign(saved["dense"][offset : offset + n].reshape(v.shape))
-                offset += n
+            self.load(saved["dense"], optimizer)
             for name, table in self.tables.items():
                 table.assign(saved[f"table/{name}"])
-            for var, value in zip(self.optimizer.variables, optimizer):
-                var.assign(value)
             self.version = int(saved["version"])
             self.skipped = int(saved["skipped"])
             self.applied = {(int(t), int(q)) for t, q in saved["applied_keys"]}
@@ -345,6 +414,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def PullDense(self, request, context):
         check_token(context, self.token, request.token)
+        if request.optimizer:
+            version, values, optimizer = self.shard.optimizer_values()
+            reply = pb.PullDenseResponse(version=version)
+            tensors.encode(values, reply.dense_flat)
+            for v in optimizer:
+                tensors.encode(v, reply.optimizer.add())
+            return reply
         version, values = self.shard.snapshot()
         reply = pb.PullDenseResponse(version=version)
         if version > request.min_version or request.min_version <= 0:
@@ -368,20 +444,25 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         if request.HasField("shared"):
             try:
                 # The fresh values go straight into the worker's slot, beside its gradient.
-                grad, out = self.segments.slot(request.shared.segment, request.shared.slot)
+                grads, out = self.segments.slot(request.shared.segment, request.shared.slot)
             except KeyError as e:  # dropped (least recently used) or never attached: nothing applied
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown shared push slot {e}")
         else:
-            grad = tensors.decode(request.dense_grads_flat)
+            grads = tensors.decode(request.dense_grads_flat).reshape(max(1, len(request.bounds) - 1), -1)
+        each = []
         try:
-            applied, version, values = self.shard.push(PushKey.of(request), grad, emb, out)
+            if request.bounds:
+                each, version, values = self.shard.push_many(PushKey.of(request), tuple(request.bounds), grads, out)
+                applied = any(each)
+            else:
+                applied, version, values = self.shard.push(PushKey.of(request), grads[0], emb, out)
         except ValueError as e:  # a worker built a different model: refuse, do not corrupt
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except StaleGeneration as e:  # ABORTED, not FAILED_PRECONDITION: that one means a dropped slot
             context.abort(grpc.StatusCode.ABORTED, str(e))
         except FencedPush as e:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
-        reply = pb.PushResponse(applied=applied, version=version)
+        reply = pb.PushResponse(applied=applied, version=version, applied_each=each)
         if request.want_dense and out is None:
             tensors.encode(values, reply.dense_flat)
         return reply
@@ -394,7 +475,9 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 f"holds {self.shard.dense_size} parameters"
             )
         try:
-            segment = self.segments.attach(request.path, request.nonce, request.floats, request.slots)
+            segment = self.segments.attach(
+                request.path, request.nonce, request.floats, request.slots, max(1, request.minibatches)
+            )
         except ValueError as e:
             return pb.AttachSharedResponse(refused=str(e))
         with self._doorbell_lock:
@@ -405,18 +488,24 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                     log.info("no doorbell for shared pushes (%s): they use gRPC calls", e)
         return pb.AttachSharedResponse(segment=segment, doorbell=self.doorbell.address if self.doorbell else "")
 
-    def _ring(self, segment: int, slot: int, key: PushKey, want_dense: bool) -> tuple[bool, int]:
-        """A push rung through the doorbell: its gradient is in the slot, its values go back there."""
+    def _ring(
+        self, segment: int, slot: int, key: PushKey, want_dense: bool, bounds: tuple[int, ...]
+    ) -> tuple[bool, int, list[bool]]:
+        """A push rung through the doorbell: its gradients are in the slot, its values go back there."""
         try:
-            grad, out = self.segments.slot(segment, slot)
+            grads, out = self.segments.slot(segment, slot)
         except KeyError as e:
             raise Dropped(str(e)) from e
         try:
+            if bounds:
+                with phase("ps: apply a push of several minibatches (rung)"):
+                    each, version, _ = self.shard.push_many(key, bounds, grads, out)
+                return any(each), version, each
             with phase("ps: apply a push (rung)"):
-                applied, version, _ = self.shard.push(key, grad, [], out)
+                applied, version, _ = self.shard.push(key, grads[0], [], out)
         except StaleGeneration as e:
             raise Refused(str(e)) from None
-        return applied, version
+        return applied, version, [applied]
 
     def close(self) -> None:
         if self.doorbell is not None:

@@ -6,7 +6,10 @@ pipeline:
     its own thread while the current one trains; each minibatch is a slice of it taken inside
     the compiled step;
   * the push of minibatch t travels, and the fresh weights are loaded, on a push thread while t+1
-    computes (async SGD tolerates that staleness);
+    computes (async SGD tolerates that staleness); or, for a model without embedding tables and a
+    worker training alone, several minibatches go in one call on the worker's copies of the shards,
+    which the shards' updates keep in step with them (trainer.py), and a call's push travels while the
+    next call computes;
   * watermarks go to the master without waiting for the answer.
 All of them are long-lived threads (gRPC's own futures would start a thread per call).
 None of it weakens exactly-once: a pushed-but-unreported minibatch is re-pushed under the same
@@ -54,7 +57,8 @@ COMPUTE = "train: compute (the step's call)"  # a phase of the profile (util/pha
 class Reporter:
     """Sends progress reports in order, one in flight at a time; what queues up meanwhile is
     coalesced, since a task's last watermark commits every record below it. A lease's last report
-    goes without waiting for the pace: the master moves the worker on to its lease ahead then."""
+    goes without waiting for the pace: the master moves the worker on to its lease ahead then, so
+    it goes as soon as the report before it is answered, not at the training thread's next pump."""
 
     def __init__(self, master: MasterClient, interval_s: float = REPORT_INTERVAL_S):
         self.master = master
@@ -69,15 +73,17 @@ class Reporter:
         self._finished: set[int] = set()  # tasks whose last report the master answered
         self._answered = threading.Condition()
         self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="report")
+        self._lock = threading.RLock()  # the training thread's calls, and an answer's callback (report thread)
 
     def report(
         self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool, last: bool = False
     ) -> None:
-        self.pending.append((task_id, watermark, records, loss, duplicate))
-        self._urgent = self._urgent or last
-        if last:
-            self._ends[task_id] = watermark
-        self.pump()
+        with self._lock:
+            self.pending.append((task_id, watermark, records, loss, duplicate))
+            self._urgent = self._urgent or last
+            if last:
+                self._ends[task_id] = watermark
+            self.pump()
 
     def wait_finished(self, task_id: int, leaving: threading.Event, timeout_s: float = 5.0) -> bool:
         """Until the master has answered task `task_id`'s last report (True: it has moved this worker on to the
@@ -92,6 +98,10 @@ class Reporter:
             return False
 
     def pump(self, block: bool = False) -> None:
+        with self._lock:
+            self._pump(block)
+
+    def _pump(self, block: bool) -> None:
         if self.in_flight is not None:
             if not block and not self.in_flight.done():
                 return
@@ -110,8 +120,18 @@ class Reporter:
             if last:
                 del self._ends[first[0]]
             self.in_flight = self._thread.submit(self._send, first, last)
+            self.in_flight.add_done_callback(self._next_urgent)
         elif self.refused:
             self.pending.clear()
+
+    def _next_urgent(self, _answered: concurrent.futures.Future) -> None:
+        """A report was answered: a lease's last report waiting behind it goes now. Never waits for the lock
+        (its holder pumps anyway; a flush holding it may be waiting for the next report, on this thread)."""
+        if self._urgent and self._lock.acquire(blocking=False):
+            try:
+                self._pump(False)
+            finally:
+                self._lock.release()
 
     def _send(self, report: tuple, last: bool):
         with phase("report thread: ReportProgress"):
@@ -123,11 +143,16 @@ class Reporter:
         return reply
 
     def flush(self) -> None:
-        while self.in_flight is not None or self.pending:
-            self.pump(block=True)
+        with self._lock:
+            while self.in_flight is not None or self.pending:
+                self._pump(True)
 
     def drop(self) -> None:
         """Forget what is pending: the master rewound the ledger past it (a lost PS)."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
         self.pending.clear()
         self._ends.clear()
         if self.in_flight is not None:
@@ -182,14 +207,17 @@ def train_tasks(
     # current one's end the worker goes straight on, instead of waiting for its last push and
     # report, a GetTask and a read (several minibatches' worth of time for a small model).
     prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ahead")
-    in_flight: collections.deque = collections.deque()  # (handle, task_id, hi, records, last), oldest first
+    # (handle, task_id, its minibatches [(seq, hi), ...], whether the last is the lease's last), oldest first
+    in_flight: collections.deque = collections.deque()
 
-    def settle(keep: int = 0) -> None:
-        """Collect the oldest pushes until at most `keep` are in flight; report them in order."""
-        while len(in_flight) > keep:
-            handle, task_id, hi, records, last = in_flight.popleft()
-            applied, loss = trainer.push_finish(handle)
-            reporter.report(task_id, hi, records, loss, duplicate=not applied, last=last)
+    def settle(keep: int = 0, done_only: bool = False) -> None:
+        """Collect the oldest pushes until at most `keep` are in flight (`done_only`: those done, without
+        waiting); report them in order, each minibatch on its own (the master counts duplicates one by one;
+        consecutive others are coalesced)."""
+        while len(in_flight) > keep and not (done_only and not in_flight[0][0].done()):
+            handle, task_id, group, last = in_flight.popleft()
+            for (seq, hi), (applied, loss) in zip(group, trainer.push_finish_each(handle)):
+                reporter.report(task_id, hi, hi - seq, loss, duplicate=not applied, last=last and hi == group[-1][1])
 
     def feed_lease(task):
         with working_on(Records(task.shard, task.shard_index, task.epoch, task.start, task.end)):
@@ -222,7 +250,7 @@ def train_tasks(
         leaving.set()
         while in_flight:
             with contextlib.suppress(Exception):
-                trainer.push_finish(in_flight.popleft()[0])
+                trainer.push_finish_each(in_flight.popleft()[0])
         if ahead is not None:
             with contextlib.suppress(Exception):
                 ahead.result()
@@ -271,7 +299,8 @@ def train_tasks(
                     waited = False
                 leaving = threading.Event()
                 ahead = prefetch.submit(lease_ahead, t.task_id, leaving, before)
-                for seq, hi in bounds:
+                done = 0  # minibatches of the lease computed
+                while done < len(bounds):
                     if reporter.hold:
                         # A checkpoint: every push this worker made is applied and reported before it
                         # waits, so the shards' state and the ledger are cut at the same pushes.
@@ -285,16 +314,22 @@ def train_tasks(
                     # Before the step, not after: its gradient is then taken on values that hold every
                     # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
                     with phase("train: wait for push and pull"):
-                        settle(keep=pushes_in_flight - 1)
+                        settle(keep=trainer.pushes_ahead(pushes_in_flight))
+                    group = bounds[done : done + trainer.minibatches_per_call(len(bounds) - done, len(bounds))]
+                    done += len(group)
+                    (seq, _), (_, hi) = group[0], group[-1]
                     at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
+                    batch = trainer.minibatch(fed, seq - t.start, hi - t.start, [lo - t.start for lo, _ in group])
                     started = time.monotonic()
                     with working_on(at), phase(COMPUTE if traced else "train: first compute (traces the step)"):
-                        result = trainer.compute(trainer.minibatch(fed, seq - t.start, hi - t.start), at)
+                        result = trainer.compute(batch, at)
                     faults.STEP_DONE(time.monotonic() - started)
                     traced = True
                     key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
                     with phase("train: hand the push over, pump reports"):
-                        in_flight.append((trainer.push_start(result, key), t.task_id, hi, hi - seq, hi == t.end))
+                        handle = trainer.push_start(result, key, [lo for lo, _ in group] + [hi])
+                        in_flight.append((handle, t.task_id, group, hi == t.end))
+                        settle(keep=1, done_only=True)  # reported as soon as possible: the lease ahead waits on it
                         reporter.pump()
                 leaving.set()
             except ShardsMoved as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.harness import SMALL_LEASES, random_chaos, retried, train
+from tests.models import tally
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
@@ -74,3 +75,33 @@ def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tall
     # pushes (a few more: a task's last push may be short, and re-pushes after the losses), not total / 32.
     survivor = next(p for p in summary["ps"] if p["shard"] == 0)
     assert 0 < survivor["pushes_applied"] <= total / 128 * 1.25, survivor
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally_data, tmp_path, workers):
+    """The tally model without its table: a worker alone runs several minibatches a call on its copies of the
+    shards, and pushes each minibatch under its own key; with two, each goes to one a call once the other's
+    pushes show, and back. A worker killed mid-call (its call's pushes applied, some or none of them reported)
+    and a killed PS (its shard restored to the last checkpoint): each record is still applied once per epoch,
+    by the weights and by the shards' audit."""
+    total = tally_data["rows"] * EPOCHS
+    proc, summary = train(
+        tally_data,
+        tmp_path,
+        "--chaos",
+        f"kill:worker-0@{total * 3 // 10}",
+        "--chaos",
+        f"kill:ps-1@{total * 6 // 10}",
+        env={tally.TABLE_ENV: "0"},
+        num_ps=2,
+        minibatch_size=32,
+        records_per_task=256,
+        **{**JOB, "max_workers": workers},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_chaos_fired(summary, 2)
+    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
+    assert_audit_exact(summary, "ps")
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("worker-*.log"))
+    assert "this worker applies their updates to copies of its own" in logs  # the path under test ran
+    assert ("another worker pushed" in logs) == (workers == 2), logs[-3000:]  # alone, it never left it

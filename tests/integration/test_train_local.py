@@ -112,3 +112,17 @@ def test_ctr_embeddings_split_across_two_ps(ctr_data, tmp_path):
             assert stats["embedding_rows_touched"][table] > 0, (shard, table)
             assert all(i % 2 == shard for i in stats["embedding_ids_sample"][table]), (shard, table)
     assert os.path.isfile(tmp_path / "model.keras")
+
+
+def test_two_workers_at_default_settings_train_as_async_sgd(digits_data, tmp_path):
+    """The pipeline's job (the digits sample, 10 epochs, the step's defaults: 2 workers, 1 PS). Alone, a worker
+    runs several minibatches a call on its copy of the shard; once the other's pushes show on the shard, one a
+    call on the shard's newest values, async SGD, and the job reaches the pipeline's gate. (Several a call with
+    both pushing is local SGD, ~150 steps between pulls: this job reached 0.81.)"""
+    proc, summary = train(digits_data, tmp_path, epochs=10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exactly_once(summary)
+    assert summary["workers"]["max_alive"] == 2
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("worker-*.log"))
+    assert "another worker pushed" in logs, logs[-3000:]
+    assert summary["eval"]["accuracy"] >= 0.90, summary["eval"]

@@ -11,6 +11,9 @@ averaging (one update per push in `ps` mode, per committed step in `allreduce`, 
 `--global-batch fixed` keeps the learning rate at 1). After training, each weight is the number of
 times its record was applied: `epochs` for a train record, 0 for an eval record. (One blind spot:
 a record held twice by one allreduce step would count once. Nothing else is.)
+
+With TALLY_TABLE=0 the model has the Dense kernel alone: no table, so in `ps` mode a worker runs
+several minibatches a call on its copies of the shards (worker/trainer.py).
 """
 
 from __future__ import annotations
@@ -23,12 +26,20 @@ import numpy as np
 RECORDS = 3000  # ids 0..RECORDS-1: the generated data set (see write_csv)
 # Tallies per record: 1. A test of a model changed through a setting model() reads (this file unchanged) sets more.
 UNITS_ENV = "TALLY_UNITS"
+TABLE_ENV = "TALLY_TABLE"  # "0": no Embedding table, the Dense kernel alone
+
+
+def with_table() -> bool:
+    return os.environ.get(TABLE_ENV, "1") != "0"
 
 
 def model() -> keras.Model:
     units = int(os.environ.get(UNITS_ENV, "1"))
-    ids = keras.Input(shape=(1,), dtype="int64", name="id")
     onehot = keras.Input(shape=(RECORDS,), dtype="float32", name="onehot")
+    if not with_table():
+        dense = keras.layers.Dense(units, use_bias=False, kernel_initializer="zeros", name="tally_dense")(onehot)
+        return keras.Model({"onehot": onehot}, dense, name="tally")
+    ids = keras.Input(shape=(1,), dtype="int64", name="id")
     row = keras.layers.Flatten()(
         keras.layers.Embedding(RECORDS, units, embeddings_initializer="zeros", name="tally_rows")(ids)
     )
@@ -56,7 +67,8 @@ def feed(batch: dict[str, np.ndarray]):
     ids = np.asarray(batch["id"], dtype=np.int64)
     onehot = np.zeros((len(ids), RECORDS), np.float32)
     onehot[np.arange(len(ids)), ids] = 1.0
-    return {"id": ids[:, None], "onehot": onehot}, np.zeros(len(ids), np.float32)
+    features = {"id": ids[:, None], "onehot": onehot} if with_table() else {"onehot": onehot}
+    return features, np.zeros(len(ids), np.float32)
 
 
 def write_csv(path: str) -> None:
@@ -64,7 +76,9 @@ def write_csv(path: str) -> None:
     np.savetxt(path, np.stack([ids, ids % 2], axis=1), fmt="%d", delimiter=",", header="id,label", comments="")
 
 
-def tallies(model_path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(embedding row weights, dense kernel weights), one per record id, from a saved model."""
+def tallies(model_path: str) -> tuple[np.ndarray | None, np.ndarray]:
+    """(embedding row weights, or None without a table; dense kernel weights), one per record id, from a
+    saved model."""
     m = keras.saving.load_model(model_path, compile=False)
-    return (m.get_layer("tally_rows").get_weights()[0][:, 0], m.get_layer("tally_dense").get_weights()[0][:, 0])
+    rows = m.get_layer("tally_rows").get_weights()[0][:, 0] if any(l.name == "tally_rows" for l in m.layers) else None
+    return rows, m.get_layer("tally_dense").get_weights()[0][:, 0]

@@ -21,13 +21,17 @@ def server():
     def admit(segment, slot, nonce):
         return segment == 7 and 0 <= slot < 2 and nonce == NONCE
 
-    def push(segment, slot, key, want_dense):
+    def push(segment, slot, key, want_dense, bounds):
         if key.seq < 0:
             raise doorbell.Dropped()
         if key.seq == 999:
             raise RuntimeError("the optimizer blew up")
-        rung.append((segment, slot, key, want_dense))
-        return key.idempotency not in {k.idempotency for _, _, k, _ in rung[:-1]}, len(rung)
+        rung.append((segment, slot, key, want_dense) + ((bounds,) if bounds else ()))
+        if bounds:  # a push of several minibatches: the odd-numbered ones were applied before
+            each = [i % 2 == 0 for i in range(len(bounds) - 1)]
+            return any(each), len(rung), each
+        applied = key.idempotency not in {r[2].idempotency for r in rung[:-1]}
+        return applied, len(rung), [applied]
 
     def start():
         made.append(doorbell.DoorbellServer(admit, push))
@@ -41,10 +45,19 @@ def server():
 def test_a_ring_carries_the_key_and_returns_the_shards_answer(server):
     bell_server, rung = server()
     bell = doorbell.Bell(bell_server.address, 7, 1, NONCE, timeout=5)
-    assert bell.ring(key(3, 128, epoch=2, data_shard=5), True) == (True, 1)
-    assert bell.ring(key(3, 128), False) == (False, 2)  # the shard's answer, as it gave it
+    assert bell.ring(key(3, 128, epoch=2, data_shard=5), True) == (True, 1, [True])
+    assert bell.ring(key(3, 128), False) == (False, 2, [False])  # the shard's answer, as it gave it
     # The whole key crosses: the records (for the audit) as well as the idempotency key.
     assert rung == [(7, 1, key(3, 128, epoch=2, data_shard=5), True), (7, 1, key(3, 128), False)]
+    bell.close()
+
+
+def test_a_ring_for_several_minibatches_carries_their_bounds_and_returns_each_ones_answer(server):
+    bell_server, rung = server()
+    bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
+    bounds = tuple(range(0, 64 * 33, 64))  # 32 minibatches
+    assert bell.ring(key(3, 0), True, bounds) == (True, 1, [i % 2 == 0 for i in range(32)])
+    assert rung == [(7, 0, key(3, 0), True, bounds)]
     bell.close()
 
 
@@ -61,7 +74,7 @@ def test_a_dropped_segment_and_a_failed_push_are_told_apart(server):
     bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
     with pytest.raises(doorbell.PushFailed, match="RuntimeError: the optimizer blew up"):
         bell.ring(key(1, 999), True)
-    assert bell.ring(key(1, 0), True) == (True, 1)  # a failure leaves the connection usable
+    assert bell.ring(key(1, 0), True) == (True, 1, [True])  # a failure leaves the connection usable
     with pytest.raises(doorbell.Dropped):
         bell.ring(key(1, -1), True)
     with pytest.raises(ConnectionError):  # after a drop the shard hangs up
@@ -111,5 +124,5 @@ def test_garbage_on_the_socket_ends_only_that_connection(server):
     assert raw.recv(4096)[:1] == bytes([doorbell.FAILED])
     raw.close()
     bell = doorbell.Bell(bell_server.address, 7, 0, NONCE, timeout=5)
-    assert bell.ring(key(2, 0), True) == (True, 1)
+    assert bell.ring(key(2, 0), True) == (True, 1, [True])
     bell.close()

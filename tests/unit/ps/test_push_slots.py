@@ -94,6 +94,22 @@ def test_shared_pushes_apply_what_pushes_with_bytes_apply(serve):
     assert len(shared_service.segments) == 0  # a clean close detaches
 
 
+def test_a_push_of_several_minibatches_through_shared_slots_applies_what_bytes_apply(serve):
+    shared_service, shared_client = serve(keras.optimizers.Adam(0.01))
+    bytes_service, bytes_client = serve(keras.optimizers.Adam(0.01))
+    via_shm, via_bytes = shared_client(), bytes_client(shared_memory=False)
+    for c in (via_shm, via_bytes):
+        c.reserve(2, minibatches=4)
+    grads = np.random.default_rng(3).normal(size=(3, shared_service.shard.dense_size)).astype(np.float32)
+    for c in (via_shm, via_bytes):
+        assert c.push(key(2, 32, records=32), [grads[1]], {})[0]  # applied before: skipped below
+    results = [c.push_many(key(2, 0, records=96), (0, 32, 64, 96), [grads]) for c in (via_shm, via_bytes)]
+    for each, [(version, _values, shard_each)] in results:
+        assert each == shard_each == [True, False, True] and version == 3
+    np.testing.assert_array_equal(results[0][1][0][1], results[1][1][0][1])
+    assert shared_service.grpc_pushes == 0 and bytes_service.grpc_pushes == 2  # rung through the doorbell
+
+
 def test_a_replayed_key_is_skipped_and_returns_the_current_values(serve):
     service, client = serve(keras.optimizers.SGD(0.1))
     c = client()

@@ -53,6 +53,43 @@ def test_a_key_is_applied_at_most_once():
     assert s.skipped == 1 and s.version == 1
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_push_of_several_minibatches_applies_each_not_applied_before_in_turn(monkeypatch, fused):
+    """As the same pushes one by one, each under its own key; one applied before is skipped, as a single push is."""
+    many, one_by_one = shard(keras.optimizers.Adam(0.01), monkeypatch, fused), shard(keras.optimizers.Adam(0.01))
+    grads = np.random.default_rng(1).normal(size=(4, many.dense_size)).astype(np.float32)
+    bounds = (0, 64, 128, 192, 250)
+    for s in (many, one_by_one):
+        assert s.push(key(5, 64), grads[1], [])[0]  # applied before (a lost worker's push)
+    for i in (0, 2, 3):
+        one_by_one.push(key(5, bounds[i], records=bounds[i + 1] - bounds[i]), grads[i], [])
+    each, version, values = many.push_many(key(5, 0, records=250), bounds, grads)
+    assert each == [True, False, True, True] and version == many.version == 4 and many.skipped == 1
+    np.testing.assert_allclose(values, one_by_one.dense_flat(), rtol=1e-6, atol=1e-7)
+    assert many.applied_records.npz().keys() == one_by_one.applied_records.npz().keys()
+    again, version, _ = many.push_many(key(5, 0, records=250), bounds, grads)  # every key applied: nothing moves
+    assert again == [False] * 4 and version == 4
+
+
+def test_a_copy_of_a_shard_loaded_with_its_values_and_optimizer_updates_as_the_shard_does():
+    """A worker's copy (not served): loaded with the shard's values and optimizer state, its `update` in a
+    compiled call gives what the shard's push gives."""
+    import tensorflow as tf
+
+    s = shard(keras.optimizers.Adam(0.01))
+    g = np.random.default_rng(2).normal(size=(3, s.dense_size)).astype(np.float32)
+    s.push(key(1, 0), g[0], [])
+    m = small_model()
+    copy = ParameterShard(m, keras.optimizers.Adam(0.01), Placement.of(m, 1), 0, serve=False)
+    _version, flat, optimizer = s.optimizer_values()
+    copy.load(flat, optimizer)
+    update = tf.function(copy.update)
+    for i in (1, 2):
+        mine = update(tf.constant(g[i])).numpy()
+        _, _, theirs = s.push(key(1, 64 * i), g[i], [])
+        np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+
+
 def test_only_stock_elementwise_optimizers_are_fused():
     class MyAdam(keras.optimizers.Adam):
         pass

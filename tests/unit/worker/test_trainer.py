@@ -22,7 +22,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.ps.api import Placement, PushKey, load_named, named_variables  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
-from elastic_step.worker.trainer import PSTrainer  # noqa: E402
+from elastic_step.worker.trainer import ALONE_AGAIN, Company, PSTrainer  # noqa: E402
 
 TOKEN = "t0ken"
 ROWS = 50
@@ -231,6 +231,101 @@ def test_a_push_of_several_minibatches_updates_as_kerass_gradient_accumulation(t
             assert not np.allclose(value, {**before, **tables}[name]), name  # the push moved it
 
 
+def test_a_call_of_several_minibatches_leaves_the_shard_as_fit_leaves_it(tmp_path):
+    """A model without tables: three minibatches (8, 8 and 4 records) in one call on the worker's copy of the
+    shard, its update after each, then each pushed under its own key and applied in turn by the shard. The
+    witness is Keras's fit of the same records at batch 8 from the same values: three updates, the shard's
+    values must be what it leaves, and the copy, in step with the shard, is not re-pulled."""
+    for t, ps, ps_model in serve(tmp_path, BATCHNORM, minibatch_size=8):
+        assert t.local
+        witness = keras.models.clone_model(ps_model)
+        before = ps.pull_dense_named()
+        load_named(witness, before)
+        rows = lease_rows(20, seed=4)
+        rows["a"] = rows["a"] * 4 + 10  # batch norm's statistics move visibly
+        fed = t.feed_lease(rows)
+        result = t.compute(t.minibatch(fed, 0, 20, [0, 8, 16]))
+        each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
+        assert [applied for applied, _loss in each] == [True, True, True] and not t._resync
+        assert ps.stats()[0].pushes_applied == 3  # one key each
+
+        witness.compile(optimizer=keras.optimizers.SGD(0.1), loss=t.model_def.loss_fn)
+        x, y = t.model_def.feed(rows)
+        witness.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        expected = {n: v.numpy() for n, v in named_variables(witness).items()}
+        after = ps.pull_dense_named()
+        for name, value in after.items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+            assert not np.allclose(value, before[name]), name
+        np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+        # The same call pushed again (a lost worker's remainder, re-pushed): every key is skipped.
+        each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
+        assert [applied for applied, _loss in each] == [False, False, False]
+        np.testing.assert_array_equal(ps.pull_dense_named()[next(iter(after))], after[next(iter(after))])
+
+
+def test_a_worker_is_alone_until_the_shards_versions_show_another_workers_push(caplog):
+    """Each shard's version before and after this worker's pushes: only its own applied -> alone; more ->
+    another worker pushed, not alone at once; alone again only after ALONE_AGAIN of its own minibatches in a
+    row with no other's. What is not known (a version before a pull, a restored shard's) tells nothing."""
+    caplog.set_level("INFO", logger="elastic_step.worker")
+    c = Company()
+    assert c.alone
+    c.seen([5, 3], [8, 6], [3, 3], 3)  # its own 3 on each shard
+    c.seen([8, 6], [8, 6], [0, 0], 3)  # a re-push, applied before: nothing moved
+    assert c.alone and not caplog.records
+    c.seen([8, 6], [11, 10], [3, 3], 3)  # shard 1 applied one more
+    assert not c.alone
+    assert "another worker pushed (shard 1 applied 1 push(es) besides this worker's)" in caplog.text
+    for _ in range(ALONE_AGAIN - 1):
+        c.seen([11, 10], [12, 11], [1, 1], 1)
+    c.seen([12, 11], [14, 11], [0, 0])  # a pull: another pushed to shard 0 meanwhile, the count starts over
+    for _ in range(ALONE_AGAIN - 1):
+        c.seen([14, 11], [15, 12], [1, 1], 1)
+        c.seen([-1, -1], [40, 40], [1, 1], 1)  # not known: no evidence either way
+        c.seen([15, 12], [2, 2], [1, 1], 1)  # a restored shard counts from its checkpoint
+    assert not c.alone
+    c.seen([15, 12], [16, 13], [1, 1], 1)
+    assert c.alone
+    assert f"no other worker pushed during this worker's last {ALONE_AGAIN} minibatches" in caplog.text
+    assert len(caplog.records) == 2  # once a switch
+
+
+def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp_path):
+    """The trainer against a real shard: alone, its calls grow to several minibatches; a push under another
+    worker's key between two of its own makes its next calls one minibatch, the step of a worker without
+    copies on the shard's newest values (which its push's reply brings, the other's gradient included), its
+    pushes in flight as without copies; once it has seen only its own pushes for long enough, the copies take
+    the shard's values again and its calls are on them."""
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=4):
+        t.company = Company(again=2)
+        fed = t.feed_lease(lease_rows(64, seed=5))
+
+        def call(lo, n):
+            starts = [lo + 4 * i for i in range(n)]
+            result = t.compute(t.minibatch(fed, lo, lo + 4 * n, starts))
+            key = PushKey(1, lo, lo + 4 * n, 0, 0)
+            return t.push_finish_each(t.push_start(result, key, [*starts, lo + 4 * n]))
+
+        call(0, 1)  # traces
+        call(4, 1)  # timed
+        assert t.minibatches_per_call(14, 16) > 1 and t.company.alone
+        call(8, 2)
+        assert t.company.alone  # its own pushes only
+        other = PushKey(2, 0, 4, 0, 0)  # another worker's minibatch
+        assert ps.push(other, [np.full(t._copies[0].dense_size, 0.5, np.float32)], {}, want_dense=False)[0]
+        call(16, 2)
+        assert not t.company.alone and t.minibatches_per_call(12, 16) == 1 and t.pushes_ahead(2) == 1
+        np.testing.assert_allclose(t._flats[0].numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+        for lo in (24, 28):  # one-minibatch steps, as without copies; their pushes show no other's
+            result = t.compute(t.minibatch(fed, lo, lo + 4))
+            assert not result.on_copies and result.loss.shape == ()
+            assert t.push_finish_each(t.push_start(result, PushKey(1, lo, lo + 4, 0, 0)))[0][0]
+        assert t.company.alone and t.pushes_ahead(2) == 0  # the copies take the shard's values first
+        assert [a for a, _loss in call(32, 2)] == [True, True] and t.company.alone and not t._resync
+        np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+
+
 WEIGHTED = textwrap.dedent("""
     import keras
     import numpy as np
@@ -277,7 +372,8 @@ def test_a_weight_column_weighs_each_records_loss_as_fits_sample_weight(tmp_path
         t, _ps, ps_model = next(gen)
         try:
             result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
-            assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+            (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
+            assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
         finally:
             gen.close()
 
@@ -298,7 +394,8 @@ def test_feed_may_return_sample_weights_and_class_weight_weighs_by_label(tmp_pat
         t, _ps, ps_model = next(gen)
         try:
             result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
-            assert float(result.loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+            (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
+            assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
         finally:
             gen.close()
 
@@ -359,3 +456,24 @@ def test_with_one_push_in_flight_the_push_is_applied_before_the_next_step_and_it
         )
         with pytest.raises(DataError):
             t.push_finish(handle)
+
+
+def test_a_call_skips_a_minibatch_that_is_not_finite_and_applies_the_others_in_turn(tmp_path):
+    """--skip-non-finite, several minibatches a call: the copy skips the middle one (not finite) as the shard does,
+    the others are applied in turn under their keys, and the skipped one is accounted for as skipped."""
+    told = []
+    skip = NonFinite(True, lambda at, why: told.append((at, why)))
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=8, non_finite=skip):
+        rows = lease_rows(24, seed=7)
+        rows["y"][12] = np.nan
+        at = Records("part-0", 0, 0, 0, 24)
+        result = t.compute(t.minibatch(t.feed_lease(rows), 0, 24, [0, 8, 16]), at)
+        each = t.push_finish_each(t.push_start(result, PushKey(3, 0, 24, 0, 0), [0, 8, 16, 24]))
+        assert [applied for applied, _ in each] == [True, True, True] and each[1][1] != each[1][1]  # NaN loss
+        assert told == [(Records("part-0", 0, 0, 8, 16), "the loss became nan")]
+        (values,) = ps.pull_dense()
+        assert np.isfinite(values).all()
+        np.testing.assert_allclose(t._copies[0].values().numpy(), values, rtol=1e-6, atol=1e-7)
+        evidence = tensors.decode_applied(ps.stats()[0].applied)
+        expected = {(0, 0): [[0, 8], [16, 24]], skipped_key(0, 0): [[8, 16]]}
+        assert {k: v.tolist() for k, v in evidence.items()} == expected
