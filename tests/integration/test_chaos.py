@@ -49,10 +49,9 @@ def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data,
     assert_audit_exact(summary, strategy)
 
 
-def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally_data, tmp_path):
-    """--minibatches-per-push 4: a push's key spans four minibatches. A killed worker's remainder is pushed
-    again under the same keys by whoever leases it, and a killed PS's shards are restored to the last
-    checkpoint: each record is still applied once per epoch, by the weights and by the shards' audit."""
+def _a_worker_and_a_ps_killed(tally_data, tmp_path, **job) -> dict:
+    """worker-0 killed 30 % in, ps-1 60 % in (2 shards, minibatches of 32, leases of 256): the job succeeds, both
+    fired, and each record is applied once per epoch, by the weights and by the shards' audit. The summary."""
     total = tally_data["rows"] * EPOCHS
     proc, summary = train(
         tally_data,
@@ -64,13 +63,21 @@ def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tall
         num_ps=2,
         minibatch_size=32,
         records_per_task=256,
-        minibatches_per_push=4,
-        **JOB,
+        **{**JOB, **job},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_chaos_fired(summary, 2)
     assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
     assert_audit_exact(summary, "ps")
+    return summary
+
+
+def test_pushes_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally_data, tmp_path):
+    """--minibatches-per-push 4: a push's key spans four minibatches. A killed worker's remainder is pushed
+    again under the same keys by whoever leases it, and a killed PS's shards are restored to the last
+    checkpoint: each record is still applied once per epoch, by the weights and by the shards' audit."""
+    total = tally_data["rows"] * EPOCHS
+    summary = _a_worker_and_a_ps_killed(tally_data, tmp_path, minibatches_per_push=4)
     # One push per four minibatches of 32: the shard that was never lost applied about total / 128
     # pushes (a few more: a task's last push may be short, and re-pushes after the losses), not total / 32.
     survivor = next(p for p in summary["ps"] if p["shard"] == 0)
@@ -84,24 +91,7 @@ def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally
     pushes show, and back. A worker killed mid-call (its call's pushes applied, some or none of them reported)
     and a killed PS (its shard restored to the last checkpoint): each record is still applied once per epoch,
     by the weights and by the shards' audit."""
-    total = tally_data["rows"] * EPOCHS
-    proc, summary = train(
-        tally_data,
-        tmp_path,
-        "--chaos",
-        f"kill:worker-0@{total * 3 // 10}",
-        "--chaos",
-        f"kill:ps-1@{total * 6 // 10}",
-        env={tally.TABLE_ENV: "0"},
-        num_ps=2,
-        minibatch_size=32,
-        records_per_task=256,
-        **{**JOB, "max_workers": workers},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_chaos_fired(summary, 2)
-    assert_each_record_applied_exactly(tmp_path, tally_data, EPOCHS)
-    assert_audit_exact(summary, "ps")
+    _a_worker_and_a_ps_killed(tally_data, tmp_path, env={tally.TABLE_ENV: "0"}, max_workers=workers)
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("worker-*.log"))
     assert "this worker applies their updates to copies of its own" in logs  # the path under test ran
     assert ("another worker pushed" in logs) == (workers == 2), logs[-3000:]  # alone, it never left it
