@@ -23,8 +23,9 @@ so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
                             gradient K-1 updates stale), reported apart;
   --master-work             the same defaults with the master's own work off: no evaluation curve (no eval split)
                             and no checkpoint; with it, every side but this one evaluates after each epoch and
-                            cuts a checkpoint every 20,000 committed records, so that some are cut in a short
-                            job (the default, every 60 s, would cut none), and the master's cost is on against off;
+                            cuts a checkpoint an epoch (every --rows committed records), so that some are cut in a
+                            short job (the default, every 60 s, would cut none), and the master's cost is on
+                            against off;
   --profile                 where the default side's time goes, per minibatch, from each process's phase clock
                             (elastic_step/util/phases.py): the training thread, the push and lease threads, the
                             PS's update, the master's reports, evaluations and checkpoints.
@@ -44,7 +45,6 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EPOCHS = 3  # both sides train 3 epochs; Keras's figure is its median epoch, elastic-step's its steady state
 MODELS = [str(ROOT / "bench" / "models" / "digits_cnn.py"), str(ROOT / "samples" / "digits" / "model.py")]
-CHECKPOINT_RECORDS = 20_000  # with --master-work: checkpoints that a job of seconds cuts
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -150,7 +150,7 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     """Every side on `model` at minibatch `batch`, alternating; prints the table (and the profile)."""
     name = os.path.relpath(model, ROOT)
     tag = f"{name.replace('/', '_')}-{batch}"
-    checkpoints = str(CHECKPOINT_RECORDS) if args.master_work else None
+    checkpoints = str(args.rows) if args.master_work else None  # one an epoch: a job of seconds cuts some
     tuned_spe = max(args.spe, key=lambda n: keras_fit(model, data, batch, n)["records_per_s"])
     fit, tuned, default = "keras fit", f"keras fit, steps_per_execution={tuned_spe}", "elastic-step"
 
@@ -219,7 +219,7 @@ def main() -> None:
         print(
             f"{args.rows} records, {EPOCHS} epochs, {args.repeat} alternating runs a side; elastic-step: 1 worker + "
             "1 PS (local backend) at default settings"
-            + (f", checkpoints every {CHECKPOINT_RECORDS} records" if args.master_work else "")
+            + (f", a checkpoint every {args.rows} records (an epoch)" if args.master_work else "")
             + "; accuracy on the held-out eval split, lowest-highest"
         )
         for model in args.model:
