@@ -10,10 +10,10 @@ A worker's hot calls (GetTask, ReportProgress, Heartbeat) come on one stream it 
 on an open stream costs the master about a quarter of what grpc-python spends on a unary call, and the master's
 own work per call is a small part of either. Each is answered as its unary twin, which stays for other clients.
 
-When calls queue past a target, the master sheds the load that is new: Register answers "come back after"
-(retry_after_s) at once, so that a burst of workers joining is spread over time instead of queueing every call
-behind it (Admission). The calls of workers already in are never shed: each has at most a call or two in flight,
-so their queue is bounded.
+When calls queue past a target, the master meters the load that is new: a joining worker is given a turn, and its
+Register is answered then (or, for a turn far off, answered "come back then", retry_after_s), so that a burst of
+workers joining is spread over time instead of queueing every call behind it (Admission). The calls of workers
+already in are never shed: each has at most a call or two in flight, so their queue is bounded.
 """
 
 from __future__ import annotations

@@ -314,8 +314,7 @@ class PSTrainer:
             largest = max([c.dense_size for c in copies] + [1])
             self._max_call = max(1, min(MAX_MINIBATCHES, MAX_CALL_BYTES // (4 * largest)))
             self._minibatch_s: float | None = None  # measured, calls that traced left out
-            self._expect = [-1] * placement.num_ps  # each shard's version the copies match, once pulled
-            self._resync = True  # the copies take the shards' values (and optimizer state) before the next call
+            self._lose_track()  # nothing pulled yet: _expect (the shards' versions the copies match), _resync
             self._pending = 0  # pushes of calls on the copies handed over and not yet finished
             self.company = Company()  # several minibatches a call only while alone
             self._pusher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
@@ -379,6 +378,12 @@ class PSTrainer:
         self._resync = False
         if not self.company.alone:  # others pushed: the next steps are on the shards' values, not the copies
             self._take_fresh([(version, flat) for version, flat, _optimizer in pulled])
+
+    def _lose_track(self) -> None:
+        """The copies no longer know which of the shards' versions they match: they take the shards' values (and
+        optimizer state) before their next call."""
+        self._expect = [-1] * self.placement.num_ps
+        self._resync = True
 
     def _on_copies(self) -> bool:
         """Whether the next call runs on the copies of the shards: while this worker trains alone, once its
@@ -571,8 +576,7 @@ class PSTrainer:
             self._versions = [-1] * self.placement.num_ps
         if self.local:
             ps.reserve(max(2, self._depth), self._max_call)
-            self._resync = True
-            self._expect = [-1] * self.placement.num_ps  # the restored shards count from their checkpoint
+            self._lose_track()  # the restored shards count from their checkpoint
         self.refresh_dense()
         return old
 
@@ -589,15 +593,13 @@ class PSTrainer:
         try:
             each, replies = handle.result()
         except BaseException:
-            self._resync = True
-            self._expect = [-1] * len(self._copies)
+            self._lose_track()
             raise
         finally:
             self._pending -= 1
             self._copies_pushes.discard(handle)
         if replies is None:  # went one by one: what the shards applied is not told
-            self._resync = True
-            self._expect = [-1] * len(self._copies)
+            self._lose_track()
         else:
             count = len(each)
             alone = all(all(a) and v == e + count for (v, _, a), e in zip(replies, self._expect))
