@@ -173,7 +173,14 @@ PARAMS: tuple[Param, ...] = (
     # ---------------------------------------------------------------- training
     Param("epochs", int, 1, "passes over the training data", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
     Param("minibatch_size", int, 64, "records per minibatch", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
-    Param("records_per_task", int, 512, "records per task leased to a worker", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
+    Param(
+        "records_per_task",
+        int,
+        0,
+        "records per task leased to a worker; 0: 32 minibatches, fewer when an epoch would hold under 8 tasks",
+        _on(*_TRAINING, RUN),
+        (ELASTIC_TRAIN,),
+    ),
     Param("min_workers", int, 1, "training starts once this many workers run", _on(*_TRAINING, RUN), (ELASTIC_TRAIN,)),
     Param(
         "max_workers",

@@ -81,7 +81,6 @@ class TrainConfig:
         for name in (
             "epochs",
             "minibatch_size",
-            "records_per_task",
             "min_workers",
             "max_workers",
             "num_ps",
@@ -89,6 +88,11 @@ class TrainConfig:
             "minibatches_per_push",
         ):
             positive(name)
+        if self.records_per_task < 0:
+            raise ConfigError(
+                f"--records-per-task must be >= 0 (0: 32 minibatches a task, fewer for a small epoch), "
+                f"got {self.records_per_task}."
+            )
         if not self.hang_timeout >= 0:  # NaN too
             raise ConfigError(
                 f"--hang-timeout must be a number of seconds >= 0 (0: measured from each worker's pace), "

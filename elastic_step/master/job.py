@@ -270,12 +270,13 @@ class TrainingJob:
             # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated_at", time.time()))
         log.info(
-            "job %s: %d records/epoch in %d tasks of <= %d records, %d epoch(s); %d PS, "
+            "job %s: %d records/epoch in %d tasks of <= %d records%s, %d epoch(s); %d PS, "
             "%d-%d workers on the %s backend",
             plan.job_id,
             self.ledger.records_per_epoch,
             len(self.ledger.queue),
             self.ledger.records_per_task,
+            "" if cfg.records_per_task else " (--records-per-task 0: 32 minibatches, fewer for 8 tasks an epoch)",
             cfg.epochs,
             cfg.num_ps,
             cfg.min_workers,

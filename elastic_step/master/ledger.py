@@ -151,6 +151,24 @@ class LeaseOver(LedgerError):
     """A report of work that was handed over to another worker (see `Ledger.hand_over`): the lease is over."""
 
 
+# A task size of 0 (the default) asks for tasks of this many minibatches: each task costs a worker a round trip
+# to the master, a read and a feed(), which a small model's 8 minibatches (the former 512 records) did not hide,
+# and a lone worker's compiled call holds at most half a lease.
+AUTO_MINIBATCHES_PER_TASK = 32
+# ... but no fewer tasks an epoch than this, so that a small data set is still shared among workers.
+AUTO_MIN_TASKS_PER_EPOCH = 8
+
+
+def task_size(records_per_task: int, minibatch_size: int, records_per_epoch: int) -> int:
+    """Records per task: whole minibatches, so that minibatch boundaries (the PS idempotency keys) are the same
+    whoever processes a task and wherever it was interrupted. 0: sized from the minibatch and the epoch (above),
+    from nothing else, so a resumed job cuts the same tasks whatever its number of workers."""
+    if records_per_task == 0:
+        per_epoch = records_per_epoch // AUTO_MIN_TASKS_PER_EPOCH
+        records_per_task = min(AUTO_MINIBATCHES_PER_TASK * minibatch_size, per_epoch)
+    return max(minibatch_size, records_per_task // minibatch_size * minibatch_size)
+
+
 class Ledger:
     def __init__(
         self, shards: Iterable[ShardInfo], records_per_task: int, epochs: int, minibatch_size: int = 1, seed: int = 0
@@ -161,15 +179,13 @@ class Ledger:
         self.shards = [s for s in shards if s.rows > 0]
         if not self.shards:
             raise ConfigError("The training data has no records: check the train manifest.")
-        if records_per_task < 1 or epochs < 1 or minibatch_size < 1:
-            raise ConfigError("records_per_task, epochs and minibatch_size must all be >= 1.")
-        # Tasks hold whole minibatches, so minibatch boundaries (the PS idempotency keys) are the
-        # same whoever processes a task and wherever it was interrupted.
-        self.records_per_task = max(minibatch_size, records_per_task // minibatch_size * minibatch_size)
+        if records_per_task < 0 or epochs < 1 or minibatch_size < 1:
+            raise ConfigError("epochs and minibatch_size must be >= 1, and records_per_task >= 0.")
         self.epochs = epochs
         self.minibatch_size = minibatch_size
         self.seed = seed
         self.records_per_epoch = sum(s.rows for s in self.shards)
+        self.records_per_task = task_size(records_per_task, minibatch_size, self.records_per_epoch)
         # An epoch's tasks in shard order: shard i's are numbered from _first[i], one per records_per_task.
         self._first = [0]
         for s in self.shards:

@@ -311,7 +311,7 @@ def test_every_container_runs_a_real_cli_command(template):
     argv = [_substitute(a, values) for a in c["args"]]
     args = build_parser().parse_args(argv)
     if template == "elastic-train":
-        assert (args.epochs, args.minibatch_size, args.records_per_task) == (1, 64, 512)
+        assert (args.epochs, args.minibatch_size, args.records_per_task) == (1, 64, 0)
         assert (args.min_workers, args.max_workers, args.num_ps, args.backend) == (1, 2, 1, "auto")
         assert args.worker_image == "" and args.job_id == f"{WORKFLOW_UID}-elastic-train"
         assert args.output == "/work/model" and args.train_data == "/work/prepared/train"

@@ -32,6 +32,12 @@ def test_minibatches_per_push_is_one_unless_asked_and_only_for_the_ps_strategy()
         config(minibatches_per_push=4, strategy="allreduce").validate()
 
 
+def test_records_per_task_is_sized_from_the_data_unless_given():
+    assert config().validate().records_per_task == 0
+    with pytest.raises(ConfigError, match=r"--records-per-task must be >= 0 \(0: 32 minibatches a task"):
+        config(records_per_task=-1).validate()
+
+
 @pytest.mark.parametrize("port", [-2, 65536])
 def test_a_health_port_that_is_no_port_is_a_clear_error(port):
     assert config().validate().health_port == -1  # 8080 in a pod, none elsewhere

@@ -76,12 +76,23 @@ def test_a_task_holds_at_least_one_minibatch():
     assert sorted((s, e) for _, s, e in _queued(ledger)) == [(0, 32), (32, 64), (64, 96), (96, 100)]
 
 
+def test_a_task_size_of_0_is_32_minibatches_or_fewer_for_at_least_8_tasks_an_epoch():
+    """Sized from the minibatch and the epoch alone: a resumed job cuts the same tasks with any number of workers."""
+    big = Ledger([ShardInfo("a", 20_000)], records_per_task=0, epochs=1, minibatch_size=64)
+    assert big.records_per_task == 32 * 64 and big.tasks_per_epoch == 10
+    small = Ledger([ShardInfo("a", 1_437)], records_per_task=0, epochs=1, minibatch_size=64)
+    assert small.records_per_task == 128 and small.tasks_per_epoch == 12  # 179 records an eighth, whole minibatches
+    tiny = Ledger([ShardInfo("a", 100)], records_per_task=0, epochs=1, minibatch_size=32)
+    assert tiny.records_per_task == 32  # never less than a minibatch
+    assert Ledger([ShardInfo("a", 20_000)], records_per_task=512, epochs=1, minibatch_size=64).records_per_task == 512
+
+
 def test_empty_shards_are_skipped_and_no_records_is_a_config_error():
     ledger = Ledger([ShardInfo("empty", 0), ShardInfo("a", 5)], records_per_task=4, epochs=1)
     assert [s.uri for s in ledger.shards] == ["a"]
     with pytest.raises(ConfigError):
         Ledger([ShardInfo("empty", 0)], records_per_task=4, epochs=1)
-    for bad in ({"records_per_task": 0}, {"epochs": 0}, {"minibatch_size": 0}):
+    for bad in ({"records_per_task": -1}, {"epochs": 0}, {"minibatch_size": 0}):
         kwargs = {"records_per_task": 4, "epochs": 1, "minibatch_size": 1, **bad}
         with pytest.raises(ConfigError):
             Ledger([ShardInfo("a", 5)], **kwargs)
