@@ -32,7 +32,7 @@ from elastic_step.master.data_check import check_splits
 from elastic_step.master.gray import GrayFailures
 from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
@@ -276,7 +276,10 @@ class TrainingJob:
             self.ledger.records_per_epoch,
             len(self.ledger.queue),
             self.ledger.records_per_task,
-            "" if cfg.records_per_task else " (--records-per-task 0: 32 minibatches, fewer for 8 tasks an epoch)",
+            ""
+            if cfg.records_per_task
+            else f" (--records-per-task 0: {AUTO_MINIBATCHES_PER_TASK} minibatches, fewer for "
+            f"{AUTO_MIN_TASKS_PER_EPOCH} tasks an epoch)",
             cfg.epochs,
             cfg.num_ps,
             cfg.min_workers,
