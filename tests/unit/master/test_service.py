@@ -388,7 +388,16 @@ def test_admission_sheds_only_past_its_target_and_gives_each_shed_worker_a_turn_
     assert adm.retry_after(999, now=turns[999] - 1.0) > 1.0 and adm.shed == 1001
     before = adm.wait
     adm.observe(QueuedFor(-60.0))  # a call with a longer deadline than the usual one says nothing of the queue
+    adm.observe(QueuedFor(1.0), deadline_s=rpc.SESSION_DEADLINE_S)  # nor a stream opened with a short one
     assert adm.wait == before
+
+
+def test_a_new_session_stream_tells_admission_how_long_it_queued(master):
+    adm = master.service.admission
+    assert adm.wait == 0.0
+    master.client(0).register()  # on the worker's Session stream, opened with rpc.SESSION_DEADLINE_S
+    # Served at once: the stream's deadline reached the master whole (gRPC rounds timeouts up, a day stays a day).
+    assert 0.0 < adm.wait < 0.02 * 0.5
 
 
 def test_a_master_with_calls_queueing_holds_a_joining_workers_register_until_its_turn(master):
