@@ -79,12 +79,13 @@ INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 class Admission:
     """Backpressure from how long calls wait to be served. Every client of the master sends its unary calls with
     rpc.CALL_TIMEOUT_S and opens its Session stream with rpc.SESSION_DEADLINE_S, and the server's clock for a
-    deadline starts when the call arrives, so what is left of it when the call is served tells how long it queued. Past `target_s` (smoothed over recent calls), a joining
-    worker is told when to come back: a turn of its own, `joins_per_s` turns a second on a grid of TURN_GRID_S, so
-    that a burst of thousands joining at once returns as a steady stream the master serves beside the workers
-    already in, instead of a second burst. A worker that comes back at its turn joins whatever the wait, so each is
-    told to wait once. A shed call costs no lock and no ledger work; under the target every call is served, and calls
-    without that deadline never move the estimate."""
+    deadline starts when the call arrives, so what is left of it when the call is served tells how long it
+    queued. Past `target_s` (smoothed over recent calls), a joining worker is told when to come back: a turn of its
+    own, `joins_per_s` turns a second on a grid of TURN_GRID_S, so that a burst of thousands joining at once
+    returns as a steady stream the master serves beside the workers already in, instead of a second burst. A worker
+    that comes back at its turn joins whatever the wait, so each is told to wait once. A shed call costs no lock
+    and no ledger work; under the target every call is served, and calls without those deadlines never move the
+    estimate."""
 
     def __init__(self, target_s: float = QUEUE_TARGET_S, joins_per_s: float = JOINS_PER_S):
         self.target_s = target_s
