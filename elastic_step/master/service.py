@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import os
 import random
 import threading
 import time
@@ -71,6 +72,12 @@ PENDING_CALLS = [("grpc.server.max_pending_requests", 50_000), ("grpc.server.max
 # collection walks every object alive, thousands of streams' among them: at 10,000 workers it stopped the event
 # loop for 0.2 to 0.4 s several times a minute, most of the master's GetTask p99. Cyclic garbage that old is rare.
 FULL_GC_EVERY = 1000
+# The master's threads are scheduled as batch work (Linux's SCHED_BATCH): a thread woken does not preempt the one
+# running. A worker's message wakes gRPC's event engine, then its completion-queue poller, then the event loop, each
+# preempting the last on a busy machine, a switch at every step; as batch threads they run when the running one
+# blocks or its time slice ends, and the messages that came meanwhile are served in one go. 10,000 paced workers:
+# a quarter of the master's CPU a call, with the same latencies (docs/benchmarks.md, "Master capacity").
+BATCH_SCHEDULING = True
 # Calls that may wait at once (holds, allreduce long polls): one thread each.
 WAITING_CALLS = 64
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -378,6 +385,24 @@ class MasterService(pb_grpc.MasterServicer):
         return pb.Ack()
 
 
+def batch_scheduling() -> None:
+    """The calling thread (the event loop's) and gRPC's own threads on SCHED_BATCH (see BATCH_SCHEDULING), and so
+    the threads they start later, which inherit it: the completion-queue poller grpc.aio starts from the loop among
+    them. The rest of the master, and the processes it launches, keep theirs. Needs no privilege; where the policy
+    is not there, nothing changes."""
+    if not hasattr(os, "SCHED_BATCH"):
+        return
+    batch = os.sched_param(0)
+    os.sched_setscheduler(0, os.SCHED_BATCH, batch)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(("event_engine", "grpc")):
+                    os.sched_setscheduler(int(tid), os.SCHED_BATCH, batch)
+        except OSError:  # a thread that ended meanwhile, or a policy this host refuses
+            pass
+
+
 class Server:
     """grpc.aio's server on an event loop thread of its own, stopped as the thread-pool server is: the rest of the
     master is synchronous."""
@@ -395,10 +420,14 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _start(self, host: str, port: int) -> int:
+        if BATCH_SCHEDULING:
+            batch_scheduling()  # before gRPC starts its threads from this one
         self._server = grpc.aio.server(options=[*rpc.GRPC_OPTIONS, *rpc.SMALL_CALLS, *PENDING_CALLS])
         pb_grpc.add_MasterServicer_to_server(self.service, self._server)
         bound = self._server.add_insecure_port(f"{host}:{port}")
         await self._server.start()
+        if BATCH_SCHEDULING:
+            batch_scheduling()  # and those it started from others
         return bound
 
     def stop(self, grace: float | None = None) -> None:
