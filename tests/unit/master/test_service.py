@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -133,6 +134,24 @@ def test_a_malformed_instance_is_invalid_argument(master):
     with pytest.raises(grpc.RpcError) as err:
         bad.register()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's scheduling policies")
+def test_the_masters_event_loop_and_grpcs_threads_run_as_batch_work_and_the_rest_keep_their_policy(master):
+    def policies(prefix):
+        found = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(prefix):
+                    found.add(os.sched_getscheduler(int(tid)))
+        return found
+
+    assert os.sched_getscheduler(master.server._thread.native_id) == os.SCHED_BATCH
+    assert policies("event_engine") == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this thread, as the master's main thread, keeps its own
+    client = master.client(0)
+    client.register()
+    assert client.get_task().kind == TASK.TASK
 
 
 # ---------------------------------------------------------------------------- the task flow
