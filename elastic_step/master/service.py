@@ -430,10 +430,18 @@ class Server:
             batch_scheduling()  # and those it started from others
         return bound
 
+    async def _settle(self) -> None:
+        """The calls' tasks end once gRPC has told them their call is over: give them a moment, so that the loop
+        closes with none pending (gRPC's threads tell them late, as batch work)."""
+        calls = asyncio.all_tasks() - {asyncio.current_task()}
+        if calls:
+            await asyncio.wait(calls, timeout=0.5)
+
     def stop(self, grace: float | None = None) -> None:
         if not self._thread.is_alive():
             return
         self._run(self._server.stop(grace))
+        self._run(self._settle())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
