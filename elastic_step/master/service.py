@@ -72,11 +72,12 @@ PENDING_CALLS = [("grpc.server.max_pending_requests", 50_000), ("grpc.server.max
 # collection walks every object alive, thousands of streams' among them: at 10,000 workers it stopped the event
 # loop for 0.2 to 0.4 s several times a minute, most of the master's GetTask p99. Cyclic garbage that old is rare.
 FULL_GC_EVERY = 1000
-# The master's threads are scheduled as batch work (Linux's SCHED_BATCH): a thread woken does not preempt the one
-# running. A worker's message wakes gRPC's event engine, then its completion-queue poller, then the event loop, each
-# preempting the last on a busy machine, a switch at every step; as batch threads they run when the running one
-# blocks or its time slice ends, and the messages that came meanwhile are served in one go. 10,000 paced workers:
-# a quarter of the master's CPU a call, with the same latencies (docs/benchmarks.md, "Master capacity").
+# The master's serving threads (its event loop, gRPC's) run as batch work (Linux's SCHED_BATCH): a thread woken
+# does not preempt the one running. A worker's message wakes gRPC's event engine, then its completion-queue poller,
+# then the event loop, each preempting the last on a busy machine, a switch at every step; as batch threads they run
+# when the running one blocks or its time slice ends, and the messages that came meanwhile are served in one go.
+# 10,000 paced workers: a quarter less of the master's CPU a call, with the same latencies (docs/benchmarks.md,
+# "Master capacity").
 BATCH_SCHEDULING = True
 # Calls that may wait at once (holds, allreduce long polls): one thread each.
 WAITING_CALLS = 64
