@@ -3,8 +3,8 @@
 No TensorFlow: each simulated worker is a coroutine with its own grpc.aio channel (as each worker pod has its
 own connection), many to a client process, doing what `elastic_step.worker.loop` does minus the compute:
 register (coming back when the master says so), then lease after lease, a report at the master's pace and at
-each lease's end, until DONE or the window ends. Register is a unary call; GetTask and ReportProgress go on the
-worker's Session stream, as MasterClient sends them (--unary: as unary calls, the path before the stream).
+each lease's end, until DONE or the window ends. Register, GetTask and ReportProgress go on the worker's Session
+stream, as MasterClient sends them (--unary: as unary calls, the path before the stream).
 Client processes are spawned, so the server process's CPU is the master's own; the bench prints the clients' CPU
 beside it. All workers start at once (--ramp-s spreads them).
 
@@ -71,27 +71,29 @@ def _next_watermark(task_start: int, seq: int, end: int, minibatch: int) -> int:
 
 
 class _UnaryCalls:
-    """A simulated worker's GetTask and ReportProgress as unary calls: the master's path before Session, kept for
-    comparison (--unary)."""
+    """A simulated worker's Register, GetTask and ReportProgress as unary calls: the master's path before
+    Session, kept for comparison (--unary)."""
 
     def __init__(self, stub):
         self.stub = stub
 
     async def call(self, kind: str, request, timeout: float):
-        method = {"get_task": self.stub.GetTask, "report": self.stub.ReportProgress}[kind]
-        return await method(request, timeout=timeout)
+        methods = {"register": self.stub.Register, "get_task": self.stub.GetTask, "report": self.stub.ReportProgress}
+        return await methods[kind](request, timeout=timeout)
 
     def close(self) -> None:
         pass
 
 
 class _SessionCalls:
-    """A simulated worker's GetTask and ReportProgress on its Session stream, as MasterClient sends them (one
-    stream per worker, calls numbered, each reply read as instance.master_client.answer reads it), one call at a
-    time on asyncio instead of a thread per stream."""
+    """A simulated worker's calls on its Session stream, as MasterClient sends them (one stream per worker, calls
+    numbered, each reply read as instance.master_client.answer reads it), one call at a time on asyncio instead of
+    a thread per stream."""
 
     def __init__(self, stub):
-        self.stream = stub.Session()
+        from elastic_step.proto.rpc import SESSION_DEADLINE_S
+
+        self.stream = stub.Session(timeout=SESSION_DEADLINE_S)  # the master measures its queue from it
         self.ids = 0
 
     async def call(self, kind: str, request, timeout: float):
@@ -114,9 +116,9 @@ class _SessionCalls:
 
 
 async def _simulated_worker(address, index, minibatch, think_s, unary, halt, stats) -> None:
-    """One worker as elastic_step.worker.loop drives the master, minus the compute: register (unary, as the
-    worker does), then lease after lease on its Session stream, a report at most every `report_interval_s` (the
-    master's pace) and at each lease's end, honouring every "come back after" the master answers."""
+    """One worker as elastic_step.worker.loop drives the master, minus the compute, on its Session stream:
+    register, then lease after lease, a report at most every `report_interval_s` (the master's pace) and at each
+    lease's end, honouring every "come back after" the master answers."""
     import grpc
 
     from elastic_step.proto import elastic_pb2 as pb
@@ -128,19 +130,18 @@ async def _simulated_worker(address, index, minibatch, think_s, unary, halt, sta
     me = pb.Instance(role="worker", index=index)
     channel = grpc.aio.insecure_channel(address)
     stub = pb_grpc.MasterStub(channel)
-    calls = None
+    calls = _UnaryCalls(stub) if unary else _SessionCalls(stub)
     started = clock()  # the first-lease clock starts at the first try to register
     try:
         while True:  # a master at its limit answers "come back after" instead of registering now
             stats["rpcs"] += 1
-            reg = await stub.Register(pb.RegisterRequest(token=TOKEN, instance=me), timeout=CALL_TIMEOUT_S)
+            reg = await calls.call("register", pb.RegisterRequest(token=TOKEN, instance=me), CALL_TIMEOUT_S)
             if not reg.retry_after_s:
                 break
             stats["backoffs"] += 1
             await asyncio.sleep(reg.retry_after_s)
             if halt.is_set():
                 return
-        calls = _UnaryCalls(stub) if unary else _SessionCalls(stub)
         interval = reg.report_interval_s or 0.05
         first = True
         while not halt.is_set():
@@ -191,8 +192,7 @@ async def _simulated_worker(address, index, minibatch, think_s, unary, halt, sta
         stats["error_codes"][code.name] = stats["error_codes"].get(code.name, 0) + 1
         stats["errors_seen"].append(f"{code.name}: {details} at {clock() - started:.1f} s")
     finally:
-        if calls is not None:
-            calls.close()
+        calls.close()
         await channel.close()
 
 
@@ -435,7 +435,7 @@ def main(argv=None) -> int:
         "--think-ms", type=float, default=0.0, help="simulated compute per minibatch (0: saturate the master)"
     )
     p.add_argument(
-        "--unary", action="store_true", help="GetTask and ReportProgress as unary calls, not on a Session stream"
+        "--unary", action="store_true", help="Register, GetTask, ReportProgress as unary calls, not on a stream"
     )
     p.add_argument("--ramp-s", type=float, default=0.0, help="registrations spread over this (0: all at once)")
     p.add_argument("--window", type=float, default=30.0, help="longest gRPC run, seconds")

@@ -66,7 +66,8 @@ class _Stream:
         self._lock = threading.Lock()
         self._waiting: dict[int, _Answer] = {}
         self.broken = False
-        self._replies = stub.Session(iter(self._out.get, None))
+        # Its deadline tells the master how long the stream queued before it was served (Register's backpressure).
+        self._replies = stub.Session(iter(self._out.get, None), timeout=rpc.SESSION_DEADLINE_S)
         threading.Thread(target=self._read, name="master-stream", daemon=True).start()
 
     def send(self, call: pb.SessionCall) -> _Answer:
@@ -106,14 +107,14 @@ class _Stream:
 
 
 class Session:
-    """A worker's hot calls (GetTask, ReportProgress, Heartbeat) on one stream to the master, which costs the
-    master a fraction of a unary call per message (master/service.py, Session). `session.GetTask` and the
-    others take and return what the unary stub's methods do and fail as they fail: a reply not received within
-    `timeout` is DEADLINE_EXCEEDED (and the stream is given up, as gRPC cancels a unary call past its deadline),
-    a refusal is the unary call's status. The stream opens at the first call and again at the first call after
-    it broke. Against a master without Session, the unary calls."""
+    """An instance's Register and its hot calls (GetTask, ReportProgress, Heartbeat) on one stream to the master,
+    which costs the master a fraction of a unary call per message (master/service.py, Session). `session.GetTask`
+    and the others take and return what the unary stub's methods do and fail as they fail: a reply not received
+    within `timeout` is DEADLINE_EXCEEDED (and the stream is given up, as gRPC cancels a unary call past its
+    deadline), a refusal is the unary call's status. The stream opens at the first call and again at the first call
+    after it broke. Against a master without Session, the unary calls."""
 
-    METHODS = {"get_task": "GetTask", "report": "ReportProgress", "heartbeat": "Heartbeat"}
+    METHODS = {"get_task": "GetTask", "report": "ReportProgress", "heartbeat": "Heartbeat", "register": "Register"}
 
     def __init__(self, stub: pb_grpc.MasterStub):
         self._stub = stub
@@ -156,13 +157,13 @@ class MasterClient:
         self.me = pb.Instance(role=role, index=index, launch=launch)
         self._channel = rpc.channel(address)
         self.stub = pb_grpc.MasterStub(self._channel)
-        self.session = Session(self.stub)  # the hot calls; the others are unary (Register's backpressure)
+        self.session = Session(self.stub)  # Register and the hot calls; the others are unary
 
     def register(self, address: str = "") -> pb.RegisterResponse:
         """Registers, coming back as often as a master at its limit asks (a burst of workers joining at once)."""
         request = pb.RegisterRequest(token=self.token, instance=self.me, address=address)
         while True:
-            reply = rpc.call(self.stub.Register, request)
+            reply = rpc.call(self.session.Register, request)
             if not reply.retry_after_s:
                 return reply
             time.sleep(reply.retry_after_s)

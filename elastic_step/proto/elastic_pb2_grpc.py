@@ -170,8 +170,10 @@ class MasterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """A worker's hot calls (GetTask, ReportProgress, Heartbeat) on one stream it keeps open: a message costs the
-        master a fraction of a unary call. Each call is answered as its unary twin would answer it.
+        """An instance's calls to join and its hot calls (Register, GetTask, ReportProgress, Heartbeat) on one stream it
+        keeps open: a message costs the master a fraction of a unary call. Each call is answered as its unary twin
+        would answer it. Opened with rpc.SESSION_DEADLINE_S: the master measures how long a new stream waited to be
+        served from what is left of it, as it does for a unary call (Register's backpressure).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,6 +19,10 @@ SMALL_CALLS = [("grpc.http2.bdp_probe", 0)]
 # A call's deadline, unless it says otherwise. The master measures how long its calls queue from what is left of
 # it (master/service.py, Admission), so the calls it may shed keep this one.
 CALL_TIMEOUT_S = 30.0
+# The deadline an instance opens its Session stream with (a day: past it, the stream is opened again). What is left
+# of it when the master serves the stream's first call tells how long the stream queued, as for a unary call. A
+# round figure, so that gRPC's encoding of the timeout, which rounds it up, carries it exactly.
+SESSION_DEADLINE_S = 86400.0
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -133,6 +134,24 @@ def test_a_malformed_instance_is_invalid_argument(master):
     with pytest.raises(grpc.RpcError) as err:
         bad.register()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's scheduling policies")
+def test_the_masters_event_loop_and_grpcs_threads_run_as_batch_work_and_the_rest_keep_their_policy(master):
+    def policies(prefix):
+        found = set()
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(prefix):
+                    found.add(os.sched_getscheduler(int(tid)))
+        return found
+
+    assert os.sched_getscheduler(master.server._thread.native_id) == os.SCHED_BATCH
+    assert policies("event_engine") == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this thread, as the master's main thread, keeps its own
+    client = master.client(0)
+    client.register()
+    assert client.get_task().kind == TASK.TASK
 
 
 # ---------------------------------------------------------------------------- the task flow
@@ -312,11 +331,13 @@ def test_the_checkpoint_barrier_holds_leases_and_is_reached_only_when_every_leas
     wait_until(lambda: "worker-0" in master.coord.held)
     assert not master.coord.hold_reached()  # b still has pushes to report
     b.report(tb.task_id, tb.start + MINIBATCH, MINIBATCH, 0.1, False)
-    threading.Thread(target=b.hold, args=(threading.Event(),), daemon=True).start()
+    also = threading.Thread(target=b.hold, args=(threading.Event(),))
+    also.start()
     wait_until(master.coord.hold_reached)
     master.coord.end_hold()
-    waiting.join(10)
-    assert not waiting.is_alive()  # released
+    for held in (waiting, also):
+        held.join(10)
+        assert not held.is_alive()  # released
     assert c.get_task().kind == TASK.TASK
     assert master.ledger.records_committed_total() == 2 * MINIBATCH
 
@@ -388,7 +409,16 @@ def test_admission_sheds_only_past_its_target_and_gives_each_shed_worker_a_turn_
     assert adm.retry_after(999, now=turns[999] - 1.0) > 1.0 and adm.shed == 1001
     before = adm.wait
     adm.observe(QueuedFor(-60.0))  # a call with a longer deadline than the usual one says nothing of the queue
+    adm.observe(QueuedFor(1.0), deadline_s=rpc.SESSION_DEADLINE_S)  # nor a stream opened with a short one
     assert adm.wait == before
+
+
+def test_a_new_session_stream_tells_admission_how_long_it_queued(master):
+    adm = master.service.admission
+    assert adm.wait == 0.0
+    master.client(0).register()  # on the worker's Session stream, opened with rpc.SESSION_DEADLINE_S
+    # Served at once: the stream's deadline reached the master whole (gRPC rounds timeouts up, a day stays a day).
+    assert 0.0 < adm.wait < 0.02 * 0.5
 
 
 def test_a_master_with_calls_queueing_holds_a_joining_workers_register_until_its_turn(master):
