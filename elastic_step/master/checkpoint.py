@@ -30,12 +30,15 @@ LAST_CUT_S = 15.0  # the last checkpoint of a terminated step: well inside Kuber
 
 class Checkpointer:
     """Cuts checkpoints on the master's pump, without stopping it: `tick` starts the barrier when one
-    is due, and writes the checkpoint once the barrier holds (or gives up after `HOLD_TIMEOUT_S`, if a
-    worker holding a lease never gets there, and tries again later). `parts(ckpt_id)` writes the
-    shards' parts and returns their names (the PS Save RPCs); `state()` is the ledger's cut and the
-    job's counters, taken under the coordinator's lock. `parts_lost(error)` says whether an error of
-    `parts` means the state's holder was lost (a PS shard by default): then the checkpoint is
-    abandoned and tried again an interval later. `faults`: the job's hook points (a kill mid-checkpoint)."""
+    is due, takes the cut once the barrier holds (or gives up after `HOLD_TIMEOUT_S`, if a worker
+    holding a lease never gets there, and tries again later), releases the workers, then writes it.
+    `parts(ckpt_id)` takes the model's state from its holders (the PS Save RPCs) and returns a function
+    that writes it and returns the parts' names; `state()` is the ledger's cut and the job's counters,
+    taken under the coordinator's lock. Both are taken while the workers are held, so they are at the
+    same pushes; the files are written once the workers go on (held for the writes too, a worker lost
+    ~10 ms a checkpoint). `parts_lost(error)` says whether an error of `parts` means the state's holder
+    was lost (a PS shard by default): then the checkpoint is abandoned and tried again an interval
+    later. `faults`: the job's hook points (a kill mid-checkpoint)."""
 
     HOLD_TIMEOUT_S = 60.0
 
@@ -60,7 +63,7 @@ class Checkpointer:
         self._holding_since: float | None = None
         self._last_at = time.time()
         self._last_records = 0
-        self.written: list[dict] = []  # per checkpoint: id, records, hold and write seconds
+        self.written: list[dict] = []  # per checkpoint: id, records, seconds to reach the hold, held, to write
         self.abandoned = 0
         self.last = False  # the step is ending: cut now, and keep the workers held after
 
@@ -103,7 +106,7 @@ class Checkpointer:
             return
         if self.coord.hold_reached():
             try:
-                self._write(now)
+                self._write(now, release=self._release)
             except Exception as e:
                 if not self.parts_lost(e):
                     raise
@@ -117,8 +120,7 @@ class Checkpointer:
                 self._last_at, self._last_records = now, committed  # the next one an interval later
                 self.abandoned += 1
             finally:
-                if not self.last:  # the last cut keeps them held: whatever they trained after it would be lost
-                    self.coord.end_hold()
+                self._release()  # also when the cut failed (once more, harmless, when it was taken)
                 self._holding_since = None
         elif now - self._holding_since > self.HOLD_TIMEOUT_S:
             log.warning(
@@ -131,14 +133,24 @@ class Checkpointer:
             self._holding_since, self._last_at = None, now
             self.abandoned += 1
 
-    def _write(self, hold_reached_at: float) -> None:
-        ckpt_id, t0 = self.next_id, time.time()
-        with phase("master: write a checkpoint"):
-            self._write_parts(ckpt_id, t0, hold_reached_at)
+    def _release(self) -> None:
+        """The workers go on, the cut taken (the last cut keeps them held: whatever they trained after it would be
+        lost with the step)."""
+        if not self.last:
+            self.coord.end_hold()
 
-    def _write_parts(self, ckpt_id: int, t0: float, hold_reached_at: float) -> None:
-        files = self._parts(ckpt_id)
-        state = self._state()
+    def _write(self, hold_reached_at: float, release=lambda: None) -> None:
+        ckpt_id, t0 = self.next_id, time.time()
+        with phase("master: take a checkpoint's cut (the workers held)"):
+            write_parts = self._parts(ckpt_id)
+            state = self._state()
+        held = time.time() - hold_reached_at
+        release()
+        with phase("master: write a checkpoint (the workers going on)"):
+            self._write_parts(ckpt_id, t0, hold_reached_at, held, write_parts, state)
+
+    def _write_parts(self, ckpt_id: int, t0: float, hold_reached_at: float, held: float, write_parts, state) -> None:
+        files = write_parts()
         write_json(self.store.part(ckpt_id, "ledger.json"), state, indent=None)
         self.faults.checkpoint_written(ckpt_id)
         records = state["ledger_records_committed"]
@@ -149,6 +161,7 @@ class Checkpointer:
                 "id": ckpt_id,
                 "records_committed": records,
                 "hold_s": round(hold_reached_at - self._holding_since, 4),
+                "held_s": round(held, 4),  # the workers waited this long once all held (the cut taken)
                 "write_s": round(took, 4),
             }
         )
@@ -156,13 +169,14 @@ class Checkpointer:
             "checkpoint",
             "",
             f"checkpoint {ckpt_id} at {records} records "
-            f"(barrier {hold_reached_at - self._holding_since:.3f} s, write {took:.3f} s)",
+            f"(barrier {hold_reached_at - self._holding_since:.3f} s, held {held:.3f} s, write {took:.3f} s)",
         )
         log.info(
-            "checkpoint %d written at %d committed records (barrier %.3f s, write %.3f s) to %s",
+            "checkpoint %d written at %d committed records (barrier %.3f s, held %.3f s, write %.3f s) to %s",
             ckpt_id,
             records,
             hold_reached_at - self._holding_since,
+            held,
             took,
             self.store.root,
         )
@@ -291,8 +305,9 @@ class JobCheckpoints:
         )
         return True
 
-    def _save_members(self, ckpt_id: int) -> list[str]:
-        """Rank 0's state at the last committed step (no step commits meanwhile), written by the master."""
+    def _save_members(self, ckpt_id: int):
+        """Rank 0's state at the last committed step (no step commits meanwhile), written by the master (by the
+        function returned)."""
         from elastic_step.worker.collective import pull_state
 
         rdv = self.coord.rendezvous
@@ -300,24 +315,29 @@ class JobCheckpoints:
             step, (_, address) = rdv.committed_step, rdv.members[0]
         state = pull_state(address, self.token, step)
         self._cut_members = (ckpt_id, state)
-        return [self.store.write_members(ckpt_id, state)]
+        return lambda: [self.store.write_members(ckpt_id, state)]
 
     def _shards(self):
         from elastic_step.ps.client import PSClient
 
         return PSClient(self.coord.ps_addresses, self.token)
 
-    def _save_shards(self, ckpt_id: int) -> list[str]:
-        """Each shard's state, written by the master: a PS pod needs no access to the step's output."""
+    def _save_shards(self, ckpt_id: int):
+        """Each shard's state, written by the master (by the function returned): a PS pod needs no access to the
+        step's output."""
         shards = self._shards()
         try:
             states = shards.save()
         finally:
             shards.close()
-        names = [f"ps-{i}.npz" for i in range(len(states))]
-        for name, npz in zip(names, states):
-            atomic_write_bytes(self.store.part(ckpt_id, name), npz)
-        return names
+
+        def write() -> list[str]:
+            names = [f"ps-{i}.npz" for i in range(len(states))]
+            for name, npz in zip(names, states):
+                atomic_write_bytes(self.store.part(ckpt_id, name), npz)
+            return names
+
+        return write
 
     def restore_shards(self, manifest: dict | None = None, generation: int = 0) -> None:
         """Every shard back to a checkpoint (the resumed one by default), as `generation`; called once

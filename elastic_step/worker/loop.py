@@ -304,11 +304,14 @@ def train_tasks(
                     if reporter.hold:
                         # A checkpoint: every push this worker made is applied and reported before it
                         # waits, so the shards' state and the ledger are cut at the same pushes.
-                        settle()
-                        reporter.flush()
+                        with phase("train: checkpoint: settle pushes, flush reports"):
+                            settle()
+                            reporter.flush()
                         reporter.hold = False
-                        master.hold(stop)
-                        trainer.refresh_dense()  # others may have pushed between our last push and the cut
+                        with phase("train: checkpoint: held while the master cuts it"):
+                            master.hold(stop)
+                        with phase("train: checkpoint: pull the values others pushed"):
+                            trainer.refresh_dense()  # others may have pushed between our last push and the cut
                     if reporter.refused or stop.is_set():
                         break
                     # Before the step, not after: its gradient is then taken on values that hold every

@@ -15,15 +15,23 @@ from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.ledger import Ledger, ShardInfo
 
 
-def cutter(tmp_path, parts_written: list):
+def cutter(tmp_path, parts_written: list, seen: list | None = None):
+    """`seen`: per checkpoint, whether the workers were held when its state was taken, and when it was written."""
+    seen = [] if seen is None else seen
     coord = Coordinator(Ledger([ShardInfo("s", 64)], 16, 2, 16), num_ps=1)
     store = CheckpointStore(str(tmp_path / "checkpoints"), {"job_id": "j"})
 
     def parts(ckpt_id):
-        parts_written.append(ckpt_id)
-        (tmp_path / "checkpoints" / f"ckpt-{ckpt_id:06d}").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "checkpoints" / f"ckpt-{ckpt_id:06d}" / "ps-0.npz").write_bytes(b"state")
-        return ["ps-0.npz"]
+        taken_held = coord.holding
+
+        def write():
+            parts_written.append(ckpt_id)
+            seen.append({"taken_held": taken_held, "written_held": coord.holding})
+            (tmp_path / "checkpoints" / f"ckpt-{ckpt_id:06d}").mkdir(parents=True, exist_ok=True)
+            (tmp_path / "checkpoints" / f"ckpt-{ckpt_id:06d}" / "ps-0.npz").write_bytes(b"state")
+            return ["ps-0.npz"]
+
+        return write
 
     def state():
         return {"ledger": coord.ledger.cut(), "ledger_records_committed": coord.ledger.records_committed_total()}
@@ -50,6 +58,22 @@ def test_nothing_is_cut_before_every_shard_registered_nor_before_the_barrier_hol
     assert manifest["id"] == 1 and manifest["records_committed"] == 16
     cut = store.read_json(manifest, "ledger.json")["ledger"]
     assert [lease.task.task_id, lease.watermark] in cut["queue"]  # the held lease goes back
+
+
+def test_the_cut_is_taken_while_the_workers_are_held_and_written_after_they_go_on(tmp_path):
+    """The shards' states and the ledger's cut are taken at the same pushes (every worker held); the files are
+    written once the workers go on, so a checkpoint holds them only as long as taking its state does."""
+    written, seen = [], []
+    coord, store, c = cutter(tmp_path, written, seen)
+    coord.ps_ready.set()
+    ledger = coord.ledger
+    lease = ledger.lease("worker-0", 0.0)
+    ledger.report("worker-0", lease.task.task_id, lease.task.end)
+    c.tick(16, 0.0)
+    coord.held.add("worker-0")
+    c.tick(16, 0.0)
+    assert seen == [{"taken_held": True, "written_held": False}]
+    assert store.latest()["records_committed"] == 16 and c.written[-1]["held_s"] >= 0
 
 
 class MasterDiesMidCheckpoint(JobFaults):
@@ -83,8 +107,8 @@ def test_the_manifest_is_the_commit_point_and_the_previous_checkpoint_stays_unti
 def test_the_last_cut_is_taken_at_once_and_keeps_the_workers_held(tmp_path):
     """On SIGTERM: one more checkpoint, not waiting for the interval, and no worker released after it
     (whatever it trained next would be lost with the step)."""
-    written: list = []
-    coord, store, c = cutter(tmp_path, written)
+    written, seen = [], []
+    coord, store, c = cutter(tmp_path, written, seen)
     coord.ps_ready.set()
     c.every = ("seconds", 3600.0)
     ledger = coord.ledger
@@ -98,6 +122,7 @@ def test_the_last_cut_is_taken_at_once_and_keeps_the_workers_held(tmp_path):
     coord.held.add("worker-0")
     c.tick(16, 0.0)
     assert written == [1] and store.latest()["records_committed"] == 16
+    assert seen == [{"taken_held": True, "written_held": True}]  # held while it is written, and after
     assert coord.holding and not coord.hold(InstanceId("worker", 0), wait_s=0.01)  # still held
 
 
