@@ -169,6 +169,11 @@ def elastic(model_path: str, data: pathlib.Path, workers: int, epochs: int, out:
         max_workers=workers,
         **values,
     )
+    # Each worker's own profile of its steps (allreduce_loop.StepProfile), as its log ends it.
+    for log_file in sorted(out.rglob("worker-*.log")):
+        for line in log_file.read_text(errors="replace").splitlines():
+            if "where my steps' time went" in line:
+                print(f"    {log_file.stem}: {line.split('went: ', 1)[-1]}", flush=True)
     return {"records_per_s": s["throughput_records_per_s"], "eval": s["eval"], "summary": s}
 
 
