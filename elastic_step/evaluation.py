@@ -2,10 +2,86 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
 import numpy as np
 
 from elastic_step.data.api import Manifest
 from elastic_step.data.reader import ShardReader
+
+
+class EvalBatch(NamedTuple):
+    """Records as the model takes them: features as tensors, labels, sample weights (or None), how many."""
+
+    features: object
+    labels: object
+    weights: object
+    records: int
+
+
+def eval_batches(
+    model_def, manifest: Manifest, batch_size: int = 1024, limit: int | None = None
+) -> Iterator[EvalBatch]:
+    """The manifest's records, read and fed a batch at a time (a batch never spans two shards); with `limit`,
+    no batch starts once that many records are out. Lazy, so a whole eval set is never held at once; a
+    caller that evaluates the same records again and again (the master's eval curve) keeps them in a list."""
+    import tensorflow as tf
+
+    count = 0
+    for shard in manifest.shards:
+        if limit is not None and count >= limit:
+            return
+        reader = ShardReader(manifest.shard_uri(shard))
+        try:
+            for lo in range(0, reader.num_rows, batch_size):
+                if limit is not None and count >= limit:
+                    return
+                hi = min(reader.num_rows, lo + batch_size)
+                features, labels, weights = model_def.examples(
+                    reader.read(lo, hi), manifest.weight_column, training=False
+                )
+                # Tensors, as evaluate() makes them: a structure may mix numpy arrays and tensors (strings).
+                yield EvalBatch(tf.nest.map_structure(tf.convert_to_tensor, features), labels, weights, hi - lo)
+                count += hi - lo
+        finally:
+            reader.close()
+
+
+def evaluate_batches(
+    model, model_def, batches: Iterable[EvalBatch], metrics: dict | None = None, keep_predictions: bool = False
+) -> dict:
+    """evaluate() on batches already read. `metrics`: the model definition's eval metrics, to be used again
+    (reset here) instead of made anew."""
+    if metrics is None:
+        metrics = model_def.eval_metrics()
+    else:
+        for m in metrics.values():
+            m.reset_state()
+    total_loss, count = 0.0, 0
+    labels_all, preds_all = [], []
+    for features, labels, weights, k in batches:
+        try:
+            preds = model(features, training=False)
+            loss = float(model_def.loss_fn(labels, preds, weights))
+            # The model's own losses (regularizers), as Keras's evaluate() reports them too.
+            loss += sum(float(extra) for extra in model.losses)
+            for m in metrics.values():
+                m.update_state(labels, preds)
+        except Exception as e:
+            raise model_def.user_error(e, "evaluating the model") from e
+        total_loss += loss * k
+        count += k
+        if keep_predictions:
+            labels_all.append(np.asarray(labels))
+            preds_all.append(np.asarray(preds))
+    result = {"loss": total_loss / count if count else float("nan"), "records": count}
+    result.update({name: float(m.result()) for name, m in metrics.items()})
+    if keep_predictions:
+        result["labels"] = np.concatenate(labels_all) if labels_all else np.array([])
+        result["predictions"] = np.concatenate(preds_all) if preds_all else np.array([])
+    return result
 
 
 def evaluate(
@@ -22,44 +98,6 @@ def evaluate(
     by feed()'s sample weights, or by the manifest's weight column; the metrics, as compile's
     `metrics`, do not (class_weight() is fit's only, as in Keras).
     `limit` stops after that many records (a quick point on a curve)."""
-    import tensorflow as tf
-
-    metrics = model_def.eval_metrics()
-    total_loss, count = 0.0, 0
-    labels_all, preds_all = [], []
-    for shard in manifest.shards:
-        if limit is not None and count >= limit:
-            break
-        reader = ShardReader(manifest.shard_uri(shard))
-        try:
-            for lo in range(0, reader.num_rows, batch_size):
-                if limit is not None and count >= limit:
-                    break
-                hi = min(reader.num_rows, lo + batch_size)
-                batch = reader.read(lo, hi)
-                features, labels, weights = model_def.examples(batch, manifest.weight_column, training=False)
-                # Tensors, as evaluate() makes them: a structure may mix numpy arrays and tensors (strings).
-                features = tf.nest.map_structure(tf.convert_to_tensor, features)
-                try:
-                    preds = model(features, training=False)
-                    loss = float(model_def.loss_fn(labels, preds, weights))
-                    # The model's own losses (regularizers), as Keras's evaluate() reports them too.
-                    loss += sum(float(extra) for extra in model.losses)
-                    for m in metrics.values():
-                        m.update_state(labels, preds)
-                except Exception as e:
-                    raise model_def.user_error(e, "evaluating the model") from e
-                k = hi - lo
-                total_loss += loss * k
-                count += k
-                if keep_predictions:
-                    labels_all.append(np.asarray(labels))
-                    preds_all.append(np.asarray(preds))
-        finally:
-            reader.close()
-    result = {"loss": total_loss / count if count else float("nan"), "records": count}
-    result.update({name: float(m.result()) for name, m in metrics.items()})
-    if keep_predictions:
-        result["labels"] = np.concatenate(labels_all) if labels_all else np.array([])
-        result["predictions"] = np.concatenate(preds_all) if preds_all else np.array([])
-    return result
+    # Closed at once, even when the model fails midway: its shard reader with it.
+    with contextlib.closing(eval_batches(model_def, manifest, batch_size, limit)) as batches:
+        return evaluate_batches(model, model_def, batches, keep_predictions=keep_predictions)

@@ -745,7 +745,8 @@ def render_report(summary: dict) -> str:
         ),
         time_chart(
             "chart-eval",
-            "Evaluation on held-out data before training, after each epoch, and the final evaluation",
+            "Evaluation on held-out data before training, after epochs (within 2 % of training's time), "
+            "and the final evaluation",
             axis,
             eval_series,
             " / ".join(names),

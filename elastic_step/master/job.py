@@ -7,7 +7,6 @@ end evaluates, exports the model and writes `summary.json`.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import os
@@ -20,7 +19,7 @@ import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
-from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, ModelDefError, StepTerminated
+from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
 from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
 from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
@@ -28,6 +27,7 @@ from elastic_step.master.api import TrainConfig
 from elastic_step.master.audit import EXACT, audit, describe
 from elastic_step.master.checkpoint import JobCheckpoints
 from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
 from elastic_step.master.gray import GrayFailures
 from elastic_step.master.health import Health, serving
@@ -49,7 +49,6 @@ log = logging.getLogger("elastic_step.master")
 
 PUMP_TURN_S = 0.1  # the pump waits this long for a backend event, at most, between turns
 BARRIER_POLL_S = 0.002  # ... and this long while a checkpoint's barrier is up
-EPOCH_EVAL_RECORDS = 4096  # per-epoch eval curve on at most this many records; the final eval uses all
 SUMMARY_FILE = "summary.json"
 REPORT_FILE = "report.html"
 
@@ -170,12 +169,21 @@ class TrainingJob:
         self.train_seconds = 0.0
         self.terminated_at: float | None = None  # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
-        self._eval_model = None
-        self._input_server: InputServer | None = None
-        self._evaluator = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="evaluator", initializer=yield_to_training
+        self.curve = (
+            EvalCurve(
+                self.model_def,
+                self.eval,
+                self.coord,
+                self.eval_history,
+                self.tensorboard,
+                pull=self._load_from_rank0
+                if self.allreduce
+                else ShardPuller(self._shard_addresses, self.plan.token, cfg.num_ps),
+            )
+            if self.eval is not None
+            else None
         )
-        self._evaluation: concurrent.futures.Future | None = None  # the last one submitted
+        self._input_server: InputServer | None = None
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -301,9 +309,8 @@ class TrainingJob:
                 if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
                     with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
                         self.durable.shards_ready()
-                        if self.eval is not None and not self.eval_history:  # the curve starts at the initial weights
-                            self._load_weights()  # now: once the shards are open, workers push at once
-                            self._evaluation = self._evaluator.submit(self._evaluate_epoch, -1, loaded=True)
+                        if self.curve is not None and not self.eval_history:  # it starts at the initial weights
+                            self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
                     self.coord.open_shards()
             with phases.span("master: training, from the shards' opening to the last commit"):
                 self._pump(until=self.coord.finished.is_set)
@@ -312,10 +319,12 @@ class TrainingJob:
                 raise self._failure()
             self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
             with self.health.busy("pulling the trained model"):
-                self._evaluator.shutdown(wait=True)  # no model is built in two threads at once
+                if self.curve is not None:
+                    self.curve.stop()
                 model, ps_stats, evidence = self._final_model()
         finally:
-            self._evaluator.shutdown(wait=False, cancel_futures=True)
+            if self.curve is not None:
+                self.curve.close()
             self.gray.close()
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
@@ -331,7 +340,6 @@ class TrainingJob:
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""
         last_tick = 0.0
-        evaluated, pending = self.ledger.epoch, None
         while not until() and self.coord.failure is None:
             self.health.turned()
             # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
@@ -354,17 +362,9 @@ class TrainingJob:
                 self.durable.tick(committed, now)
             if not self.durable.cutting:
                 self.faults.tick(committed, self.backend, self.coord)
-            # One curve point per finished epoch, skipping epochs that end while one is computed,
-            # so a point's weights are those of the epoch it is labelled with.
-            if (
-                self.eval is not None
-                and self.ledger.epoch > evaluated
-                and not self.ledger.done
-                and (pending is None or pending.done())
-            ):
-                evaluated = self.ledger.epoch
-                pending = self._evaluation = self._evaluator.submit(self._evaluate_epoch, evaluated - 1)
-            self.gray.tick(time.time(), evaluating=self._evaluation is not None and not self._evaluation.done())
+            if self.curve is not None and not self.ledger.done:  # a point for an epoch just ended, within its budget
+                self.curve.tick(self.ledger.epoch, now)
+            self.gray.tick(time.time(), evaluating=self.curve is not None and self.curve.computing())
             if now - last_tick >= 0.5:
                 last_tick = now
                 sample = self.coord.sample(self.progress.rate(committed, now))
@@ -471,6 +471,10 @@ class TrainingJob:
         load_named(model, values)
         return stats
 
+    def _shard_addresses(self) -> list[str]:
+        with self.coord.lock:
+            return list(self.coord.ps_addresses)
+
     def _final_model(self):
         import keras
 
@@ -521,42 +525,6 @@ class TrainingJob:
             load(state.num_model, state.values)
             return state.applied
         raise ElasticStepError("could not pull the trained weights from any allreduce member: " + "; ".join(errors))
-
-    def _load_weights(self) -> None:
-        """The job's current weights into the evaluation's model (built once)."""
-        if self._eval_model is None:
-            self._eval_model = self.model_def.model()
-        if self.allreduce:
-            self._load_from_rank0(self._eval_model)
-        else:
-            self._load_from_ps(self._eval_model)
-
-    def _evaluate_epoch(self, epoch: int, loaded: bool = False) -> None:
-        """The eval curve: after each epoch, the PS weights on (a sample of) the eval data; epoch -1 is
-        the initial weights, before any training (`loaded`: already in the evaluation's model). Runs on
-        the evaluator thread, so the master keeps handling events meanwhile."""
-        from elastic_step.evaluation import evaluate
-
-        try:
-            with phases.phase("master: evaluate an epoch (pull, then the eval records)"):
-                if not loaded:
-                    self._load_weights()
-                r = evaluate(self._eval_model, self.model_def, self.eval, limit=EPOCH_EVAL_RECORDS)
-        except ModelDefError as e:  # the user's loss or metrics: theirs, reported once, now
-            self.coord.report_failure("master", "model_error", str(e), "")
-            return
-        except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
-            log.warning("evaluation after epoch %d failed: %s", epoch, e)
-            return
-        with self.coord.lock:
-            self.eval_history.append(
-                {
-                    "t": round(time.time() - self.coord.t0, 3),
-                    "epoch": epoch,
-                    **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)},
-                }
-            )
-        self.tensorboard.evaluation(self.eval_history[-1])
 
     def _finish(self, model, ps_stats, evidence) -> dict:
         from elastic_step.evaluation import evaluate
@@ -667,21 +635,6 @@ def ps_summary(stats) -> dict:
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},
     }
-
-
-EVALUATOR_NICENESS = 10
-
-
-def yield_to_training() -> None:
-    """The evaluator thread's start: the curve's points run at a lower CPU priority than the step's own threads
-    (Linux: a thread's niceness is its own). On the local backend the workers and shards share the master's
-    cores, and an evaluation then takes what they leave instead of slowing their steps; where the master has a
-    pod of its own, nothing competes and nothing changes."""
-    try:
-        me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), EVALUATOR_NICENESS))  # never up
-    except (AttributeError, OSError) as e:  # not Linux, or not allowed: the curve costs what it costs
-        log.debug("evaluator thread keeps its priority: %s", e)
 
 
 def train(cfg: TrainConfig) -> dict:

@@ -8,9 +8,10 @@ What, with the step of every point being the records committed so far (so the tr
 evaluation curves share one axis; TensorBoard's "Relative" axis shows them over time instead):
 - `train/loss`, `train/records_per_s`, `workers/alive`: each progress sample of the master (every
   0.5 s), the same figures as summary.json's `timeseries`;
-- `eval/<metric>` (loss, accuracy, ...): the evaluation after each epoch, at the records committed
-  when that epoch ended (0: the initial weights), as in `eval_history`; the last point is the final
-  evaluation on the whole eval set (summary.json's `eval`).
+- `eval/<metric>` (loss, accuracy, ...): the eval curve's points (master/curve.py: after epochs, as many as
+  keep it within its share of training), each at the records committed when its epoch ended (0: the initial
+  weights), as in `eval_history`; the last point is the final evaluation on the whole eval set (summary.json's
+  `eval`).
 
 Written with TensorFlow's own summary writer (`tf.summary.write` with the scalars plugin's metadata,
 which is all `tf.summary.scalar` adds, and which needs no `tensorboard` package). A TensorBoard problem

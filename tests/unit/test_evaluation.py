@@ -1,5 +1,5 @@
 """The step's evaluation against Keras's evaluate() on the same weights, for what the parity modules do
-not cover: records weighed by a weight column named at prep."""
+not cover: records weighed by a weight column named at prep; and records read once, evaluated again and again."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ keras = pytest.importorskip("keras")
 
 from elastic_step.data.prep import prepare  # noqa: E402
 from elastic_step.data.reader import read_all  # noqa: E402
-from elastic_step.evaluation import evaluate  # noqa: E402
+from elastic_step.evaluation import eval_batches, evaluate, evaluate_batches  # noqa: E402
 from elastic_step.model_def import load_model_def  # noqa: E402
 
 MODEL = textwrap.dedent("""
@@ -55,3 +55,24 @@ def test_a_weight_column_weighs_the_loss_as_evaluates_sample_weight(tmp_path):
     got = evaluate(net, md, r.eval, batch_size=8)
     assert {m: got[m] for m in expected} == pytest.approx(expected, rel=1e-5)
     assert abs(got["loss"] - unweighted["loss"]) > 1e-3
+
+
+def test_records_read_once_evaluate_as_evaluate_does_with_the_metrics_used_again(tmp_path):
+    """The master's eval curve reads its records once and evaluates them after epoch upon epoch with the same
+    metric objects: each time what evaluate(limit=...) reports on those weights, to the last bit."""
+    rng = np.random.default_rng(1)
+    rows = [f"{a},{b},{c}\n" for a, b, c in zip(rng.normal(size=200), rng.normal(size=200), rng.integers(0, 3, 200))]
+    (tmp_path / "d.csv").write_text("a,b,label\n" + "".join(rows))
+    r = prepare(str(tmp_path / "d.csv"), str(tmp_path / "out"), label="label", eval_fraction=0.5, shard_rows=40)
+    assert len(r.eval.shards) >= 2  # a limit that cuts into the second shard, mid-way
+    (tmp_path / "m.py").write_text(MODEL)
+    md = load_model_def(str(tmp_path / "m.py"))
+    keras.utils.set_random_seed(0)
+    net = md.model()
+    batches = list(eval_batches(md, r.eval, batch_size=16, limit=50))
+    metrics = md.eval_metrics()
+    for _ in range(2):
+        expected = evaluate(net, md, r.eval, batch_size=16, limit=50)
+        assert 50 <= expected["records"] < r.eval.total_rows
+        assert evaluate_batches(net, md, batches, metrics) == expected
+        net.set_weights([w + 0.5 for w in net.get_weights()])  # the next epoch's weights
