@@ -172,7 +172,7 @@ class EvalCurve:
 
     def _point(self, epoch: int, started: float | None = None, pulled_s: float = 0.0) -> None:
         """Epoch `epoch`'s point (-1: the initial weights, pulled already at `started`, in `pulled_s`). What is
-        made once (the model, the records, the metrics) is not counted in its cost."""
+        done once (the model, the records, the metrics, a first pass) is not counted in its cost."""
         from elastic_step.evaluation import eval_batches, evaluate_batches
 
         try:
@@ -185,6 +185,9 @@ class EvalCurve:
                 if self._batches is None:
                     self._metrics = self.model_def.eval_metrics()
                     self._batches = list(eval_batches(self.model_def, self.manifest, limit=EPOCH_EVAL_RECORDS))
+                    # The first pass of a model, its loss and metrics costs ~10x the next (TensorFlow's first calls):
+                    # once, on a batch, so that a point's cost, which spaces the points, is what each one costs.
+                    evaluate_batches(model, self.model_def, self._batches[:1], self._metrics)
                 evaluating = time.time()
                 r = evaluate_batches(model, self.model_def, self._batches, self._metrics)
                 self.last = PointCost(epoch, started, pulled_s + time.time() - evaluating)
@@ -194,6 +197,7 @@ class EvalCurve:
         except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
             log.warning("evaluation after epoch %d failed: %s", epoch, e)
             return
+        log.debug("the eval curve: epoch %d's point took %.1f ms", epoch, self.last.seconds * 1000)
         point = {
             "t": round(time.time() - self.coord.t0, 3),
             "epoch": epoch,
