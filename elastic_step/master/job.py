@@ -317,6 +317,7 @@ class TrainingJob:
         finally:
             self._evaluator.shutdown(wait=False, cancel_futures=True)
             self.gray.close()
+            self.durable.close()
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)
