@@ -186,13 +186,14 @@ class MasterClient:
             ),
         )
 
-    def hold(self, stop) -> None:
-        """Wait while the master cuts a checkpoint (this worker has nothing in flight), or until `stop`."""
+    def hold(self, stop) -> list[int]:
+        """Wait while the master cuts a checkpoint (this worker has nothing in flight), or until `stop`: each
+        shard's version at the cut (empty when not known, or stopped)."""
         while not stop.is_set():
-            if rpc.call(
-                self.stub.Hold, pb.HoldRequest(token=self.token, instance=self.me, wait_s=1.0), timeout=10
-            ).released:
-                return
+            reply = rpc.call(self.stub.Hold, pb.HoldRequest(token=self.token, instance=self.me, wait_s=1.0), timeout=10)
+            if reply.released:
+                return list(reply.shard_versions)
+        return []
 
     def heartbeat(self) -> bool:
         """True when the master asks this instance to stop."""

@@ -60,6 +60,7 @@ class Coordinator:
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
         # its worker to hold, and the workers that finished their pushes wait in `hold`.
         self.holding = False
+        self.cut_versions: list[int] = []  # each shard's version at the last cut, for the held workers
         self.held: set[str] = set()
         # A lost PS: every shard and the ledger go back to the last checkpoint, as a new generation of
         # the shards' state. While `rewinding`, no lease is handed out and no report commits.
@@ -193,6 +194,12 @@ class Coordinator:
                 return
             self.holding = True
             self.held.clear()
+            self.cut_versions = []
+
+    def cut_taken(self, shard_versions: list[int]) -> None:
+        """PS: the shards' versions at the cut being taken; the held workers learn them at their release."""
+        with self.lock:
+            self.cut_versions = list(shard_versions)
 
     def hold_reached(self) -> bool:
         """PS: every worker holding a lease has finished and reported its pushes, and waits: nothing
@@ -225,13 +232,14 @@ class Coordinator:
         with self.lock:
             return [] if self.rendezvous is not None else sorted(set(self.ledger.leases) - self.held)
 
-    def hold(self, inst: InstanceId, wait_s: float) -> bool:
-        """A worker with nothing in flight waits for the checkpoint to be cut. True once released."""
+    def hold(self, inst: InstanceId, wait_s: float) -> list[int] | None:
+        """A worker with nothing in flight waits for the checkpoint to be cut. None while it is held; once
+        released, each shard's version at the cut (empty when not known)."""
         with self.lock:
             if self.holding:
                 self.held.add(str(inst))
                 self._released.wait_for(lambda: not self.holding, timeout=wait_s)
-            return not self.holding
+            return None if self.holding else list(self.cut_versions)
 
     def get_task(self, inst: InstanceId, after: int | None = None) -> Lease | None | str:
         """A lease (with `after`, the one to start after that task: see Ledger.lease), None

@@ -326,6 +326,7 @@ class TrainingJob:
             if self.curve is not None:
                 self.curve.close()
             self.gray.close()
+            self.durable.close()
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
             server.stop(grace=1)

@@ -84,6 +84,11 @@ WAITING_CALLS = 64
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 NO_CALL = "a session call names no call"
 
+# gRPC sends a timeout as at most three digits of a unit, rounded up: a Session stream's day in hundreds of
+# seconds. The day is a whole number of them, so it arrives as 86,400 s, or as 86,500 s when the client's clock
+# read a hair late (about every other stream here): modulo the unit, what is left of it is the time it queued.
+SESSION_TIMEOUT_UNIT_S = 100.0
+
 
 class Admission:
     """Backpressure from how long calls wait to be served. Every client of the master sends its unary calls with
@@ -108,8 +113,13 @@ class Admission:
         """Every unary call and every new Session stream: how long it queued, from what is left of the deadline
         it was sent with, `deadline_s`."""
         left = context.time_remaining()
+        if left is None:
+            return
+        queued = deadline_s - left
+        if deadline_s == rpc.SESSION_DEADLINE_S:
+            queued %= SESSION_TIMEOUT_UNIT_S
         # A call sent with another deadline says nothing of the queue (nor does a wait past any call's deadline).
-        if left is not None and 0.0 <= (queued := deadline_s - left) < rpc.CALL_TIMEOUT_S:
+        if 0.0 <= queued < rpc.CALL_TIMEOUT_S:
             self.wait += 0.02 * (queued - self.wait)
 
     def retry_after(self, who, now: float | None = None) -> float:
@@ -296,7 +306,8 @@ class MasterService(pb_grpc.MasterServicer):
 
     async def Hold(self, request, context):
         inst = await self._instance(context, "Hold", request)
-        return pb.HoldReply(released=await self._wait(self.c.hold, inst, min(request.wait_s, 5.0)))
+        versions = await self._wait(self.c.hold, inst, min(request.wait_s, 5.0))
+        return pb.HoldReply(released=versions is not None, shard_versions=versions or [])
 
     async def ReportFailure(self, request, context):
         inst = await self._instance(context, "ReportFailure", request)

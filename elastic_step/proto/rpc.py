@@ -21,7 +21,8 @@ SMALL_CALLS = [("grpc.http2.bdp_probe", 0)]
 CALL_TIMEOUT_S = 30.0
 # The deadline an instance opens its Session stream with (a day: past it, the stream is opened again). What is left
 # of it when the master serves the stream's first call tells how long the stream queued, as for a unary call. A
-# round figure, so that gRPC's encoding of the timeout, which rounds it up, carries it exactly.
+# whole number of the unit gRPC's encoding rounds it up to (hundreds of seconds), so the master can undo the
+# rounding (master/service.py, Admission).
 SESSION_DEADLINE_S = 86400.0
 
 TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -354,8 +354,21 @@ class PSClient:
 
     def save(self, timeout: float = 300.0) -> list[bytes]:
         """Every shard's whole state (ParameterShard.save), asked of all at once, in shard order."""
-        futures = [s.Save.future(pb.SaveRequest(token=self.token), timeout=timeout) for s in self.stubs]
-        return [f.result().npz for f in futures]
+        return [r.npz for r in self._save(pb.SaveRequest.WHOLE, 0, timeout)]
+
+    def take(self, cut: int, timeout: float = 300.0) -> list[int]:
+        """Every shard keeps a copy of its state as checkpoint `cut`'s (ParameterShard.take): their versions."""
+        return [r.version for r in self._save(pb.SaveRequest.TAKE, cut, timeout)]
+
+    def send(self, cut: int, timeout: float = 300.0) -> list[bytes]:
+        """The states `take` kept for checkpoint `cut`, in shard order."""
+        return [r.npz for r in self._save(pb.SaveRequest.SEND, cut, timeout)]
+
+    def _save(self, stage: int, cut: int, timeout: float) -> list:
+        """Asked of all shards at once."""
+        request = pb.SaveRequest(token=self.token, stage=stage, cut=cut)
+        futures = [s.Save.future(request, timeout=timeout) for s in self.stubs]
+        return [f.result() for f in futures]
 
     def restore(self, states: list[bytes], generation: int, timeout: float = 300.0) -> None:
         """Every shard back to a saved state, as `generation`, all at once."""

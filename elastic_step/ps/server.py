@@ -115,6 +115,7 @@ class ParameterShard:
         self.skipped = 0
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
+        self._taken: tuple[int, dict] | None = None  # (checkpoint, state arrays): taken, not yet sent
         sizes = [int(v.shape.num_elements()) for v in dense_vars]
 
         def flat_values():
@@ -314,25 +315,43 @@ class ParameterShard:
         restored from it skips what it had applied and the audit sees exactly what it holds. With
         use_ema, also the values a model finished now would hold (FINAL_DENSE, FINAL_TABLE + name):
         the moving averages, laid out as the values are."""
-        buf = io.BytesIO()
         with self.lock:
-            arrays = {
-                "dense": np.array(self._values()),
-                "version": np.array(self.version, np.int64),
-                "skipped": np.array(self.skipped, np.int64),
-                "applied_keys": np.array(sorted(self.applied), np.int64).reshape(-1, 2),
-            }
-            arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
-            arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
-            arrays.update(self.applied_records.npz())
-            arrays["layout"] = np.array(json.dumps([(shape, str(dtype)) for _n, shape, dtype in self.layout]))
-            arrays.update({f"touched/{n}": np.array(sorted(ids), np.int64) for n, ids in self.touched.items()})
-            if self._final is not None:
-                flat, tables = self._final()
-                arrays[FINAL_DENSE] = flat.numpy()
-                arrays.update({FINAL_TABLE + n: t.numpy() for n, t in zip(self.tables, tables)})
-            np.savez(buf, **arrays)
-        return buf.getvalue()
+            arrays = self._state_arrays()
+        return _npz(arrays)
+
+    def take(self, cut: int) -> int:
+        """`save`'s state at this moment, kept in memory as checkpoint `cut`'s until `send` (the workers
+        are held only while the copies are made, not while they are serialized and sent). Its version."""
+        with self.lock:
+            arrays = self._state_arrays()
+        self._taken = (cut, arrays)
+        return int(arrays["version"])
+
+    def send(self, cut: int) -> bytes:
+        """The state `take` kept for checkpoint `cut`, as `save` gives it; forgotten once sent."""
+        taken, self._taken = self._taken, None
+        if taken is None or taken[0] != cut:
+            raise KeyError(f"no state taken for checkpoint {cut} (taken: {None if taken is None else taken[0]})")
+        return _npz(taken[1])
+
+    def _state_arrays(self) -> dict:
+        """Copies of everything `save` writes (lock held): what is slow to order or serialize is left to `_npz`."""
+        arrays = {
+            "dense": np.array(self._values()),
+            "version": np.array(self.version, np.int64),
+            "skipped": np.array(self.skipped, np.int64),
+            "applied_keys": list(self.applied),
+            "layout": json.dumps([(shape, str(dtype)) for _n, shape, dtype in self.layout]),
+        }
+        arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
+        arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
+        arrays.update(self.applied_records.npz())
+        arrays.update({f"touched/{n}": sorted(ids) for n, ids in self.touched.items()})
+        if self._final is not None:
+            flat, tables = self._final()
+            arrays[FINAL_DENSE] = flat.numpy()
+            arrays.update({FINAL_TABLE + n: t.numpy() for n, t in zip(self.tables, tables)})
+        return arrays
 
     def restore(self, npz: bytes, generation: int = 0) -> None:
         """Back to the state `save` wrote (the shard's values, its optimizer's, what it applied), as
@@ -363,6 +382,19 @@ class ParameterShard:
             self.applied = {(int(t), int(q)) for t, q in saved["applied_keys"]}
             self.applied_records = AppliedRecords.of_npz(saved)
             self.touched = {n: set(saved.get(f"touched/{n}", np.zeros(0, np.int64)).tolist()) for n in self.tables}
+
+
+def _npz(arrays: dict) -> bytes:
+    """A shard's state arrays (ParameterShard._state_arrays) as the .npz a checkpoint holds."""
+    arrays = {
+        **arrays,
+        "applied_keys": np.array(sorted(arrays["applied_keys"]), np.int64).reshape(-1, 2),
+        "layout": np.array(arrays["layout"]),
+        **{n: np.array(v, np.int64) for n, v in arrays.items() if n.startswith("touched/")},
+    }
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
 
 
 class PushFences:
@@ -518,6 +550,13 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
 
     def Save(self, request, context):
         check_token(context, self.token, request.token)
+        if request.stage == pb.SaveRequest.TAKE:
+            return pb.ShardState(version=self.shard.take(request.cut))
+        if request.stage == pb.SaveRequest.SEND:
+            try:
+                return pb.ShardState(npz=self.shard.send(request.cut))
+            except KeyError as e:  # a PS relaunched since the take, or a take of another checkpoint
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"shard {self.shard.shard}: {e.args[0]}")
         return pb.ShardState(npz=self.shard.save())
 
     def Restore(self, request, context):

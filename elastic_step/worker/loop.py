@@ -309,9 +309,9 @@ def train_tasks(
                             reporter.flush()
                         reporter.hold = False
                         with phase("train: checkpoint: held while the master cuts it"):
-                            master.hold(stop)
+                            cut = master.hold(stop)
                         with phase("train: checkpoint: pull the values others pushed"):
-                            trainer.refresh_dense()  # others may have pushed between our last push and the cut
+                            trainer.refresh_dense(unless_at=cut)  # others may have pushed after our last push
                     if reporter.refused or stop.is_set():
                         break
                     # Before the step, not after: its gradient is then taken on values that hold every

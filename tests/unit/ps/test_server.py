@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
 
@@ -225,3 +227,23 @@ def test_a_fenced_launch_s_pushes_are_refused_and_counted_its_successor_s_applie
     with pytest.raises(server.FencedPush):
         s.push(successor._replace(seq=72), g, [])
     assert s.fences.refused == 2
+
+
+def test_a_cut_taken_then_sent_is_the_state_at_the_take_though_pushes_went_on_between():
+    """A checkpoint's cut in two calls: the workers are held only while the shard copies its state (take), and
+    what it sends once they went on is the state at the take, as a whole save then would have written it."""
+    s = shard(keras.optimizers.Adam(0.01))
+    g = np.full(s.dense_size, 0.5, np.float32)
+    s.push(key(1, 0), g, [])
+    version = s.take(cut=7)
+    whole = np.load(io.BytesIO(s.save()))
+    s.push(key(1, 64), g, [])  # the workers went on before the send
+    sent = np.load(io.BytesIO(s.send(7)))
+    assert version == 1 and sorted(sent.files) == sorted(whole.files)
+    for name in whole.files:
+        np.testing.assert_array_equal(sent[name], whole[name], err_msg=name)
+    with pytest.raises(KeyError, match="no state taken for checkpoint 7"):
+        s.send(7)  # sent once, then forgotten
+    s.take(cut=8)
+    with pytest.raises(KeyError, match=r"checkpoint 9 \(taken: 8\)"):
+        s.send(9)

@@ -477,3 +477,24 @@ def test_a_call_skips_a_minibatch_that_is_not_finite_and_applies_the_others_in_t
         evidence = tensors.decode_applied(ps.stats()[0].applied)
         expected = {(0, 0): [[0, 8], [16, 24]], skipped_key(0, 0): [[8, 16]]}
         assert {k: v.tolist() for k, v in evidence.items()} == expected
+
+
+def test_after_a_checkpoint_a_lone_worker_pulls_only_when_the_cuts_versions_are_not_its_own(tmp_path):
+    """The master tells the held workers each shard's version at the cut. A lone worker's copies at exactly
+    those versions have nothing to pull; at any other versions it pulls. The witness is another worker's push
+    (straight to the shard): the copies take its values only when the worker pulled."""
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=8):
+        fed = t.feed_lease(lease_rows(16, seed=5))
+        t.push_finish_each(
+            t.push_start(t.compute(t.minibatch(fed, 0, 16, [0, 8])), PushKey(7, 0, 16, 0, 0), [0, 8, 16])
+        )
+        mine = list(t._expect)
+        assert t._on_copies() and mine == [2]
+        other = np.full(t._copies[0].values().shape[0], 0.01, np.float32)
+        ps.push(PushKey(99, 0, 1, 0, 0), [other], {}, want_dense=False)  # after the cut: not in `mine`
+        copy = t._copies[0].values().numpy()
+        t.refresh_dense(unless_at=mine)
+        np.testing.assert_array_equal(t._copies[0].values().numpy(), copy)  # nothing pulled
+        ((version, now),) = ps.pull_dense_at()
+        t.refresh_dense(unless_at=[version])
+        np.testing.assert_array_equal(t._copies[0].values().numpy(), now)  # pulled: the other's push is in
