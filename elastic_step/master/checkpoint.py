@@ -279,7 +279,7 @@ class JobCheckpoints:
         self.ps_restores: list[dict] = []
         self._watermark = (0.0, -1)  # (written at, records) of the last watermark
         self._last_cut: tuple[float, int] | None = None  # (asked at, the id it must reach), once terminated
-        self._cutting_with: tuple[list[str], object] | None = None  # (shard addresses, their client) for the cuts
+        self._cut_shards = None  # the cuts' client of the shards (KeptClient), once one is cut
 
     @staticmethod
     def _rank0_unreachable(error: Exception) -> bool:
@@ -323,29 +323,28 @@ class JobCheckpoints:
 
         return PSClient(self.coord.ps_addresses, self.token)
 
-    def _cut_client(self):
-        """One client for every cut (a new one cost the held workers its channels' set-up each time), made again
-        when a shard has moved (a relaunched PS listens elsewhere)."""
-        addresses = list(self.coord.ps_addresses)
-        if self._cutting_with is None or self._cutting_with[0] != addresses:
-            self.close()
-            self._cutting_with = (addresses, self._shards())
-        return self._cutting_with[1]
+    def _kept_shards(self):
+        """One client for every cut (a new one cost the held workers its channels' set-up each time)."""
+        from elastic_step.ps.client import KeptClient
+
+        if self._cut_shards is None:
+            self._cut_shards = KeptClient(self.coord.shard_addresses, self.token)
+        return self._cut_shards
 
     def close(self) -> None:
-        if self._cutting_with is not None:
-            self._cutting_with[1].close()
-            self._cutting_with = None
+        if self._cut_shards is not None:
+            self._cut_shards.close()
 
     def _save_shards(self, ckpt_id: int):
         """Each shard keeps a copy of its state while the workers are held (the held workers learn its version);
         the function returned, called once they go on, has the copies sent and writes them: the master writes
         the files, so a PS pod needs no access to the step's output."""
-        shards = self._cut_client()
-        self.coord.cut_taken(shards.take(ckpt_id))
+        with self._kept_shards().use() as shards:
+            self.coord.cut_taken(shards.take(ckpt_id))
 
         def write() -> list[str]:
-            states = shards.send(ckpt_id)
+            with self._kept_shards().use() as shards:
+                states = shards.send(ckpt_id)
             names = [f"ps-{i}.npz" for i in range(len(states))]
             for name, npz in zip(names, states):
                 atomic_write_bytes(self.store.part(ckpt_id, name), npz)

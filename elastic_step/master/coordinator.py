@@ -180,6 +180,11 @@ class Coordinator:
                 return [""] * len(self.ps_addresses)
             return list(self.ps_addresses)
 
+    def shard_addresses(self) -> list[str]:
+        """Where each PS shard listens now (empty: not registered, or lost)."""
+        with self.lock:
+            return list(self.ps_addresses)
+
     def open_shards(self) -> None:
         """Every shard is up (and a resumed job's restored): workers may learn where they are."""
         with self.lock:

@@ -59,34 +59,26 @@ class PointCost:
 
 class ShardPuller:
     """`ps` mode: the parameter servers' current weights into the curve's model, through one client kept from
-    point to point (a new one's channels cost more than a small model's pull). Made anew when a shard's address
-    changes (a lost shard relaunched answers at another) and after a failed pull."""
+    point to point (ps/client.py KeptClient)."""
 
     def __init__(self, addresses: Callable[[], list[str]], token: str, num_ps: int):
         self.addresses, self.token, self.num_ps = addresses, token, num_ps
-        self._client = None
+        self._shards = None
 
     def __call__(self, model) -> None:
         from elastic_step.ps.api import Placement, load_named
-        from elastic_step.ps.client import PSClient
+        from elastic_step.ps.client import KeptClient
 
-        addresses = self.addresses()
-        if self._client is not None and self._client.addresses != addresses:
-            self.close()
-        if self._client is None:
-            self._client = PSClient(addresses, self.token, Placement.of(model, self.num_ps))
-        try:
-            values = self._client.pull_dense_named()
-            values.update(self._client.all_rows())
-        except BaseException:
-            self.close()  # its channels may be what failed
-            raise
+        if self._shards is None:
+            self._shards = KeptClient(self.addresses, self.token, Placement.of(model, self.num_ps))
+        with self._shards.use() as client:
+            values = client.pull_dense_named()
+            values.update(client.all_rows())
         load_named(model, values)
 
     def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        if self._shards is not None:
+            self._shards.close()
 
 
 class EvalCurve:

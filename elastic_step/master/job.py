@@ -178,7 +178,7 @@ class TrainingJob:
                 self.tensorboard,
                 pull=self._load_from_rank0
                 if self.allreduce
-                else ShardPuller(self._shard_addresses, self.plan.token, cfg.num_ps),
+                else ShardPuller(self.coord.shard_addresses, self.plan.token, cfg.num_ps),
             )
             if self.eval is not None
             else None
@@ -471,10 +471,6 @@ class TrainingJob:
             ps.close()
         load_named(model, values)
         return stats
-
-    def _shard_addresses(self) -> list[str]:
-        with self.coord.lock:
-            return list(self.coord.ps_addresses)
 
     def _final_model(self):
         import keras

@@ -70,6 +70,36 @@ def on_this_host(address: str) -> bool:
         return False
 
 
+class KeptClient:
+    """One PSClient for a caller's repeated calls (a checkpoint's cuts, the eval curve's pulls): a new one's
+    channels cost more than a small model's pull, and a checkpoint's held workers wait for them. Made anew when a
+    shard's address changes (a lost shard relaunched answers at another) and after a failed call (its channels
+    may be what failed)."""
+
+    def __init__(self, addresses, token: str, placement: Placement | None = None):
+        """`addresses()`: the shards' current addresses."""
+        self.addresses, self.token, self.placement = addresses, token, placement
+        self._client: PSClient | None = None
+
+    @contextlib.contextmanager
+    def use(self):
+        addresses = list(self.addresses())
+        if self._client is not None and self._client.addresses != addresses:
+            self.close()
+        if self._client is None:
+            self._client = PSClient(addresses, self.token, self.placement)
+        try:
+            yield self._client
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
 class PSClient:
     """`pushes_in_flight` pushes may run at once (from as many threads). With `shared_memory`, a
     push to a shard on this host carries its dense buffers through shared-memory slots instead of
