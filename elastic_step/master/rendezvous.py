@@ -87,6 +87,7 @@ class Rendezvous:
         self.committed_step = 0
         self.ready: dict[str, Ready] = {}
         self.hold_commits = False  # a checkpoint is being cut
+        self.on_change: Callable[[], None] = lambda: None  # called (lock held) wherever the condition is notified
         self.restore_checkpoint = 0  # see View.restore_checkpoint
         self.commits: dict[int, tuple[int, frozenset[str]]] = {}  # step -> (version, members)
         self.done = False
@@ -101,6 +102,12 @@ class Rendezvous:
         self._registered_at: dict[str, float] = {}  # newcomer -> registration time
 
     # ------------------------------------------------------------------ helpers (lock held)
+    def _changed(self) -> None:
+        """Steps, membership or the end changed: wake the calls waiting on them (threads on the condition, and
+        whatever waits through `on_change`: the master's step calls, on its event loop)."""
+        self.cv.notify_all()
+        self.on_change()
+
     def _names(self) -> list[str]:
         return [n for n, _ in self.members]
 
@@ -130,7 +137,7 @@ class Rendezvous:
         )
         self.record("membership", "", f"version {self.version}: {', '.join(self._names()) or '(none)'} ({why})")
         log.info("allreduce membership version %d: %s (%s)", self.version, self._names(), why)
-        self.cv.notify_all()
+        self._changed()
 
     def view(self, worker: str) -> View:
         names = self._names()
@@ -180,7 +187,7 @@ class Rendezvous:
         elif self.version and not self.members:
             self._admit_without_state()
             self._bump("no member left: newcomers admitted, from initial weights")
-        self.cv.notify_all()
+        self._changed()
 
     def remove_locked(self, worker: str, why: str, at: float | None = None) -> bool:
         """A member is lost: bump the version at once (aborting the step in progress)."""
@@ -213,12 +220,12 @@ class Rendezvous:
     def release_commits(self) -> None:
         """The checkpoint is cut (lock held): members waiting in step_ready commit the next step."""
         self.hold_commits = False
-        self.cv.notify_all()
+        self._changed()
 
     def finish(self) -> None:
         with self.cv:
             self.done = True
-            self.cv.notify_all()
+            self._changed()
 
     # ------------------------------------------------------------------ queries
     def membership(self, worker: str, known_version: int = -1, wait_s: float = 0.0) -> View:
@@ -281,7 +288,7 @@ class Rendezvous:
             self.members += self.pending
             self.pending = []
             self._bump(f"{', '.join(names)} admitted at step {step}")
-        self.cv.notify_all()
+        self._changed()
 
     def summary(self) -> dict:
         with self.cv:
