@@ -354,10 +354,11 @@ class MasterService(pb_grpc.MasterServicer):
         return self._view(view)
 
     async def StepReady(self, request, context):
-        """Served on the event loop, its wait too: a step's calls are on every member's critical path, and a
-        thread of the waiting pool for each cost the step two thread switches (measured: the call was the
-        largest part of a 2-worker MLP step). `step_ready` never blocks (wait_s 0, the lock is short); a member
-        told to wait is woken by the rendezvous's next change (`_steps_changed`)."""
+        """Served on the event loop, its wait too: every member waits here each step, and on threads of the
+        waiting pool a ring of more than WAITING_CALLS members would queue behind it, each wait costing two
+        thread switches besides (a pair of members' calls, timed alone: 1.05 ms a step against 1.23).
+        `step_ready` never blocks (wait_s 0, the lock is short); a member told to wait is woken by the
+        rendezvous's next change (`_steps_changed`)."""
         from elastic_step.master.rendezvous import ABORT, COMMIT, WAIT, Ready
 
         inst = await self._instance(context, "StepReady", request)
