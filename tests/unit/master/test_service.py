@@ -461,20 +461,20 @@ def test_a_master_with_calls_queueing_tells_a_joining_worker_whose_turn_is_far_t
 
 
 # ---------------------------------------------------------------------------- allreduce step calls
-def test_a_members_step_call_waits_on_the_event_loop_and_is_woken_by_the_commit_and_by_a_checkpoints_release(
-    monkeypatch,
-):
-    """Both members' StepReady over gRPC. The first waits in the master (no thread of its own) until the second's
-    commits the step; a step held by a checkpoint commits when the checkpoint, on another thread, releases it.
-    The long poll is made longer than the test may wait: a call not woken would time the test out."""
+def test_members_step_calls_wait_on_the_event_loop_woken_by_the_commit_and_by_a_checkpoints_release(monkeypatch):
+    """Three members' StepReady over gRPC, with one thread for the master's waiting calls: the first two wait in
+    the master (no thread of their own, so a ring larger than the pool does not queue behind it) until the third's
+    commits the step; a step held by a checkpoint commits when the checkpoint, on another thread, releases it. The
+    long poll is made longer than the test may wait: a call not woken would time the test out."""
     monkeypatch.setattr(service, "STEP_WAIT_S", 120.0)
+    monkeypatch.setattr(service, "WAITING_CALLS", 1)
     m = Master()
     try:
-        m.coord.min_workers = 2  # version 1 is both
-        m.coord.attach_rendezvous(max_workers=2)
-        a, b = m.client(0), m.client(1)
-        a.register("127.0.0.1:1")
-        b.register("127.0.0.1:2")
+        m.coord.min_workers = 3  # version 1 is all three
+        m.coord.attach_rendezvous(max_workers=3)
+        members = [m.client(i) for i in range(3)]
+        for i, c in enumerate(members):
+            c.register(f"127.0.0.1:{i + 1}")
 
         def ready(client: MasterClient, step: int) -> pb.StepReadyReply:
             request = pb.StepReadyRequest(token=TOKEN, instance=client.me, version=1, step=step, task_id=-1)
@@ -486,20 +486,22 @@ def test_a_members_step_call_waits_on_the_event_loop_and_is_woken_by_the_commit_
             t.start()
             return t, out
 
-        first, out = in_thread(a, 1)
-        wait_until(lambda: "worker-0" in m.coord.rendezvous.ready)
-        assert ready(b, 1).kind == pb.StepReadyReply.COMMIT
-        first.join(30)
-        assert not first.is_alive() and out["reply"].kind == pb.StepReadyReply.COMMIT
+        def committed(waiting) -> None:
+            for t, out in waiting:
+                t.join(30)
+                assert not t.is_alive() and out["reply"].kind == pb.StepReadyReply.COMMIT
+
+        waiting = [in_thread(c, 1) for c in members[:2]]
+        wait_until(lambda: set(m.coord.rendezvous.ready) == {"worker-0", "worker-1"})
+        assert ready(members[2], 1).kind == pb.StepReadyReply.COMMIT
+        committed(waiting)
 
         m.coord.begin_hold()  # a checkpoint: no step commits until it is cut
-        waiting = [in_thread(a, 2), in_thread(b, 2)]
-        wait_until(lambda: set(m.coord.rendezvous.ready) == {"worker-0", "worker-1"})
+        waiting = [in_thread(c, 2) for c in members]
+        wait_until(lambda: len(m.coord.rendezvous.ready) == 3)
         assert m.coord.rendezvous.committed_step == 1
         m.coord.end_hold()  # from this thread, not the master's loop
-        for t, out in waiting:
-            t.join(30)
-            assert not t.is_alive() and out["reply"].kind == pb.StepReadyReply.COMMIT
+        committed(waiting)
         assert m.coord.rendezvous.committed_step == 2
     finally:
         m.close()
