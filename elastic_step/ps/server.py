@@ -335,7 +335,9 @@ class ParameterShard:
         return _npz(taken[1])
 
     def _state_arrays(self) -> dict:
-        """Copies of everything `save` writes (lock held): what is slow to order or serialize is left to `_npz`."""
+        """Copies of everything `save` writes (lock held), private ones (a variable's read may alias the buffer the
+        next update rewrites in place, and `take` keeps them past the lock); what is slow to order or serialize is
+        left to `_npz`."""
         arrays = {
             "dense": np.array(self._values()),
             "version": np.array(self.version, np.int64),
@@ -343,14 +345,14 @@ class ParameterShard:
             "applied_keys": list(self.applied),
             "layout": json.dumps([(shape, str(dtype)) for _n, shape, dtype in self.layout]),
         }
-        arrays.update({f"table/{n}": v.numpy() for n, v in self.tables.items()})
-        arrays.update({f"optimizer/{i}": np.asarray(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
+        arrays.update({f"table/{n}": np.array(v.numpy()) for n, v in self.tables.items()})
+        arrays.update({f"optimizer/{i}": np.array(v.numpy()) for i, v in enumerate(self.optimizer.variables)})
         arrays.update(self.applied_records.npz())
         arrays.update({f"touched/{n}": sorted(ids) for n, ids in self.touched.items()})
         if self._final is not None:
             flat, tables = self._final()
-            arrays[FINAL_DENSE] = flat.numpy()
-            arrays.update({FINAL_TABLE + n: t.numpy() for n, t in zip(self.tables, tables)})
+            arrays[FINAL_DENSE] = np.array(flat.numpy())
+            arrays.update({FINAL_TABLE + n: np.array(t.numpy()) for n, t in zip(self.tables, tables)})
         return arrays
 
     def restore(self, npz: bytes, generation: int = 0) -> None:
