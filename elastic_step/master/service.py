@@ -21,6 +21,7 @@ has at most a call or two in flight, so their queue is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import os
@@ -370,7 +371,7 @@ class MasterService(pb_grpc.MasterServicer):
         loop = asyncio.get_running_loop()
         if self._step_change is None:
             self._step_change = loop.create_future()
-            rdv.on_change = lambda: loop.call_soon_threadsafe(self._steps_changed)
+            rdv.on_change = lambda: self._wake_steps(loop)
         deadline = loop.time() + STEP_WAIT_S
         while True:
             change = self._step_change  # before the check: a change after it sets this one
@@ -380,6 +381,11 @@ class MasterService(pb_grpc.MasterServicer):
             await asyncio.wait((change,), timeout=left)
         k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)
         return pb.StepReadyReply(kind=k, membership=self._view(view), done=rdv.done)
+
+    def _wake_steps(self, loop) -> None:
+        """From any thread (the rendezvous's lock held): the step calls look again, on the loop."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the master has stopped serving, no call waits
+            loop.call_soon_threadsafe(self._steps_changed)
 
     def _steps_changed(self) -> None:
         """On the loop: the rendezvous changed; the step calls waiting on it look again."""
