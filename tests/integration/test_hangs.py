@@ -30,6 +30,7 @@ EPOCHS = 3
 # allreduce: a ring of two fast members runs a hundred tally steps a second. Enough steps, each a little longer, that
 # the job still trains when the straggler's replacement has joined the ring and shown its pace.
 RING_EPOCHS = 12
+PS_EPOCHS = 5  # the frozen worker's epoch, and room for the PS's freeze two epochs later
 RING_STEP_S = 0.01
 # Seconds; the first step below takes twice as long. Wide enough that a healthy worker of a suite that runs beside
 # other jobs on two cores is never held that long between commits.
@@ -41,13 +42,15 @@ FIRST_STEP_S = 12
 def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally_data, tmp_path, strategy):
     rows = tally_data["rows"]
     settings = {"global_batch": "fixed"} if strategy == "allreduce" else LEASES_OUTLAST_A_KILL  # the tally: lr 1
-    # ps: the PS frozen later, mid-epoch too; a checkpoint every epoch's records, to go back to.
-    frozen_ps = ["--chaos", f"stop:ps-0@{rows * 9 // 4}"] if strategy == "ps" else []
+    # ps: the PS frozen later, mid-epoch too; a checkpoint every epoch's records, to go back to. Two epochs after
+    # the worker's freeze: a freeze lands only on a worker with enough of its lease left, which may come an epoch
+    # late, and the PS frozen in the same epoch would hold the frozen worker's clock until the job ends.
+    frozen_ps = ["--chaos", f"stop:ps-0@{rows * 17 // 4}"] if strategy == "ps" else []
     if strategy == "ps":
         settings = settings | {"checkpoint_every": str(rows)}
     # ps: slowed once training is under way (through the gate its process looks for), to be a straggler.
     slow_at = rows // 2 if strategy == "ps" else 0
-    epochs = EPOCHS if strategy == "ps" else RING_EPOCHS
+    epochs = PS_EPOCHS if strategy == "ps" else RING_EPOCHS
     out = tmp_path / "out"
     proc, summary = train(
         tally_data,
