@@ -104,15 +104,41 @@ class AllReduceTrainer:
         def flat_weights():
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.weights], 0)
 
-        @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
-        def apply(flat):
+        def apply_mean(flat):
             parts = tf.split(flat, sizes)
             self.optimizer.apply_gradients(
                 [(tf.cast(tf.reshape(p, v.shape), v.dtype), v) for p, v in zip(parts, trainable)]
             )
             return flat_weights()  # read after the update (automatic control dependencies): the next checksum's
 
+        # A step is applied before the master commits it (`apply_tentatively`), so the step's commit and the next
+        # step's minibatches overlap. What it was applied to is kept aside, in variables of the same shapes: the
+        # state a peer or a checkpoint pulls until the commit, and the state an abort goes back to.
+        self._targets = [*model.weights, *self.optimizer.variables]
+        self._kept = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._targets]
+
+        @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
+        def apply(flat):
+            return apply_mean(flat)
+
+        def keep():
+            for kept, v in zip(self._kept, self._targets):
+                kept.assign(v)  # read before any update after it (automatic control dependencies order them)
+
+        @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
+        def apply_keeping(flat):
+            keep()
+            return apply_mean(flat)
+
+        @tf.function
+        def undo():
+            for kept, v in zip(self._kept, self._targets):
+                v.assign(kept)
+
         self._grad_step, self._lease_step, self._apply = grad_step, lease_step, apply
+        self._keep, self._apply_keeping, self._undo = tf.function(keep), apply_keeping, undo
+        self.tentative = False  # a step is applied that the master has not committed yet
+        self._checksum_kept: int | None = None  # the checksum before it
         self._flat_weights = tf.function(flat_weights)
         self._traced = None  # (input specs, lease_step traced for them)
         self._bound_spec = tf.TensorSpec([1], tf.int64)
@@ -181,10 +207,37 @@ class AllReduceTrainer:
 
     def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
         """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`."""
+        self._set_lr_scale(lr_scale)
+        self._checksum = zlib.crc32(self._apply(mean_grad).numpy().tobytes())
+
+    def apply_tentatively(self, mean_grad: np.ndarray, lr_scale: float) -> None:
+        """As `apply`, keeping the state it was applied to until `commit` (the master committed the step) or
+        `undo` (it aborted it). Meanwhile `state()` is the kept one. Called under the state lock."""
+        assert not self.tentative, "a tentative step is already applied"
+        self._checksum_kept = self.checksum()
+        if lr_scale == self._lr_scale:
+            weights = self._apply_keeping(mean_grad)  # one call: most steps
+        else:
+            self._keep()  # before the rate changes: a float rate is optimizer state
+            self._set_lr_scale(lr_scale)
+            weights = self._apply(mean_grad)
+        self._checksum = zlib.crc32(weights.numpy().tobytes())
+        self.tentative = True
+
+    def commit(self) -> None:
+        self.tentative = False
+
+    def undo(self) -> None:
+        """Back to the state the tentative step was applied to (its learning rate too: it is optimizer state)."""
+        if self.tentative:
+            self._undo()
+            self._checksum, self.tentative = self._checksum_kept, False
+            self._lr_scale = None  # a schedule's factor is not optimizer state: set anew at the next apply
+
+    def _set_lr_scale(self, lr_scale: float) -> None:
         if lr_scale != self._lr_scale:  # an assignment per step is a noticeable share of a small model's
             self.lr_scale.set(lr_scale)
             self._lr_scale = lr_scale
-        self._checksum = zlib.crc32(self._apply(mean_grad).numpy().tobytes())
 
     def checksum(self) -> int:
         """Of the weights as they are (the master compares the members' before each commit)."""
@@ -193,12 +246,9 @@ class AllReduceTrainer:
         return self._checksum
 
     def state(self) -> tuple[int, list[np.ndarray], dict]:
-        values = [np.asarray(v.numpy()) for v in self.model.weights]
-        return (
-            len(values),
-            values + [np.asarray(v.numpy()) for v in self.optimizer.variables],
-            self.applied_records.arrays(),
-        )
+        """The committed state: while a step is tentative, the one it was applied to."""
+        values = [np.asarray(v.numpy()) for v in (self._kept if self.tentative else self._targets)]
+        return len(self.model.weights), values, self.applied_records.arrays()
 
     def load_state(self, num_model: int, values: list[np.ndarray], applied: dict, there: str = "a peer's state"):
         """A peer's state (`there` names it: a peer, a checkpoint): its weights, its optimizer's, and the records they
@@ -215,6 +265,7 @@ class AllReduceTrainer:
         for var, value in zip(targets, values):
             var.assign(value)
         self._checksum = self._lr_scale = None  # the loaded values hold their own rate
+        self.tentative = False
         self.applied_records = AppliedRecords.of(applied)
 
 
@@ -222,7 +273,7 @@ class StepProfile:
     """Where this member's steps spent their time, by phase, in seconds: logged when it stops training, for
     anyone tuning a job (docs/benchmarks.md reads it). A few clock reads per step."""
 
-    PHASES = ("read+feed", "compute", "collective", "checksum", "step ready", "apply", "lease")
+    PHASES = ("read+feed", "compute", "collective", "step ready", "apply", "lease")
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
@@ -458,15 +509,16 @@ class AllReduceWorker:
             self.profile.add("read+feed", t)
         return lease.fed or None
 
-    def compute(self, world: int, step: int):
+    def compute(self, world: int, step: int, start: int):
         """(flat buffer to allreduce, watermark after, records, loss, this member's contribution) for
-        this step's minibatches: one range of its lease, (epoch, data shard, start, end), or None. A minibatch
+        this step's minibatches, from offset `start` of its lease: one range of it, (epoch, data shard, start, end),
+        or None. A minibatch
         skipped (--skip-non-finite) is a step's contribution of its own, under its data shard's complement: the
         minibatches before it make this step's, it makes the next."""
         k = 1 if self.global_batch == "scaled" else max(1, math.ceil(self.view.max_workers / world))
         buf = np.zeros(self.trainer.size + 2, np.float32)
         records, loss_sum, data_shard = 0, 0.0, self.lease.shard_index if self.lease else 0
-        hi = self.lease.watermark if self.lease else 0
+        hi = start
         for _ in range(k):
             if self.lease is None or hi >= self.lease.end:
                 break
@@ -496,17 +548,38 @@ class AllReduceWorker:
             records += n
             loss_sum += loss * n
         buf[-2], buf[-1] = records, loss_sum
-        consumed = self.lease is not None and hi > self.lease.watermark
-        contribution = (self.lease.epoch, data_shard, self.lease.watermark, hi) if consumed else None
+        consumed = self.lease is not None and hi > start
+        contribution = (self.lease.epoch, data_shard, start, hi) if consumed else None
         return buf, hi, records, (loss_sum / records if records else float("nan")), contribution
+
+    def computed(self, step: int, start: int) -> tuple:
+        """(step, the checkpoint restored from, *compute(), compute_s): a step's minibatches, kept across retries of
+        the step but not across a restore (its lease and weights were a previous master's)."""
+        started = time.monotonic()
+        done = self.compute(len(self.view.members), step, start)
+        faults.STEP_DONE(time.monotonic() - started)
+        # Its own pace, which the master cannot see otherwise: the collective ends every member's step together
+        # (master/ring_straggler.py).
+        return (step, self.restored_from, *done, time.monotonic() - started)
+
+    def step_reply(self, answer: grpc.Future, request: pb.StepReadyRequest) -> pb.StepReadyReply:
+        """The master's COMMIT or ABORT: `answer` is the call sent, re-sent while it says WAIT (a long poll ended)
+        or failed in passing (the master answers a step's call alike however often it is made)."""
+        try:
+            reply = answer.result()
+        except grpc.RpcError as e:
+            if e.code() not in rpc.TRANSIENT:
+                raise
+            reply = None
+        while reply is None or reply.kind == pb.StepReadyReply.WAIT:
+            reply = rpc.call(self.master.stub.StepReady, request)
+        return reply
 
     def run(self) -> str:
         if not self.join():
             return "done"
         self.profile = StepProfile()  # from the first step on: not the wait to be admitted
-        # (step, checkpoint restored from, buf, watermark, records, loss, contribution, compute_s): kept across
-        # retries of the step, but not across a restore (its lease and weights were a previous master's).
-        computed = None
+        computed = None  # see `computed`
         while not self.stop.is_set():
             step = self.applied_step + 1
             if computed is None or computed[:2] != (step, self.restored_from):
@@ -515,13 +588,7 @@ class AllReduceWorker:
                 self.profile.add("lease", t)
                 if status == "done":
                     return "done"
-                world = len(self.view.members)
-                started = time.monotonic()
-                computed = (step, self.restored_from, *self.compute(world, step))
-                faults.STEP_DONE(time.monotonic() - started)
-                # Its own pace, which the master cannot see otherwise: the collective ends every member's step
-                # together (master/ring_straggler.py).
-                computed = (*computed, time.monotonic() - started)
+                computed = self.computed(step, self.lease.watermark if self.lease else 0)
             _, _, buf, watermark, records, loss, contribution, compute_s = computed
             v = self.view
             try:
@@ -532,27 +599,6 @@ class AllReduceWorker:
                 )
                 total, slots = total[: buf.size], total[buf.size :]
                 t = self.profile.add("collective", t)
-                checksum = self.trainer.checksum()
-                t = self.profile.add("checksum", t)
-                while True:
-                    reply = rpc.call(
-                        self.master.stub.StepReady,
-                        pb.StepReadyRequest(
-                            token=self.token,
-                            instance=self.master.me,
-                            version=v.version,
-                            step=step,
-                            task_id=self.lease.task_id if (self.lease and contribution) else -1,
-                            watermark=watermark,
-                            records=records,
-                            loss=loss if records else 0.0,
-                            checksum=checksum,
-                            compute_s=compute_s,
-                        ),
-                    )
-                    if reply.kind != pb.StepReadyReply.WAIT:
-                        break
-                self.profile.add("step ready", t)
             except PeerFailed as e:
                 self.report_peer(e)
                 if not self.rejoin_or_resync():
@@ -563,7 +609,38 @@ class AllReduceWorker:
                 if not self.rejoin_or_resync():
                     return "done"
                 continue
+            request = pb.StepReadyRequest(
+                token=self.token,
+                instance=self.master.me,
+                version=v.version,
+                step=step,
+                task_id=self.lease.task_id if (self.lease and contribution) else -1,
+                watermark=watermark,
+                records=records,
+                loss=loss if records else 0.0,
+                checksum=self.trainer.checksum(),
+                compute_s=compute_s,
+            )
+            answer = self.master.stub.StepReady.future(request, timeout=rpc.CALL_TIMEOUT_S)
+            t = self.profile.add("step ready", t)
+            # While the master answers: the step is applied tentatively (the average is identical on every member)
+            # and the next step's minibatches computed on it, when this lease has them.
+            n = float(total[-2])
+            taken = contributions(slots)
+            lr_scale = step_lr_scale(self.global_batch, taken, v.max_workers)
+            with self.state.cv:
+                if n > 0:
+                    self.trainer.apply_tentatively(total[:-2] / n, lr_scale)
+            t = self.profile.add("apply", t)
+            ahead = None
+            if self.lease is not None and watermark < self.lease.end:
+                ahead = self.computed(step + 1, watermark)
+                t = time.perf_counter()
+            reply = self.step_reply(answer, request)
+            self.profile.add("step ready", t)
             if reply.kind == pb.StepReadyReply.ABORT:
+                with self.state.cv:
+                    self.trainer.undo()
                 log.info(
                     "step %d aborted by the master (version %d -> %d): retrying",
                     step,
@@ -574,23 +651,19 @@ class AllReduceWorker:
                 if not self.rejoin_or_resync():
                     return "done"
                 continue
-            # COMMIT: apply the average (identical on every member), under the state lock.
-            n = float(total[-2])
-            taken = contributions(slots)
-            lr_scale = step_lr_scale(self.global_batch, taken, v.max_workers)
-            t = time.perf_counter()
+            # COMMIT: the step's state is the committed one now.
             with self.state.cv:
-                if n > 0:
-                    self.trainer.apply(total[:-2] / n, lr_scale)
+                self.trainer.commit()
                 for epoch, data_shard, start, end in taken:  # skipped ones too
                     self.trainer.applied_records.add(epoch, data_shard, start, end)
                 self.applied_step = step
                 self.state.applied_step = step
                 self.state.cv.notify_all()
-            self.profile.add("apply", t)
             self.profile.steps += 1
             if self.lease is not None and contribution:
                 self.lease.watermark = watermark
+            # The next step's minibatches hold unless the membership moved (a fixed global batch's share with it).
+            computed = ahead if reply.membership.version == v.version else None
             self.view = reply.membership
             if reply.done:
                 return "done"

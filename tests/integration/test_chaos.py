@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.harness import SMALL_LEASES, random_chaos, retried, train
 from tests.models import tally
+from tests.models.paced import paced_model
 from tests.models.witness import TALLY_MODEL, assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
 pytestmark = pytest.mark.slow
@@ -20,6 +21,10 @@ pytestmark = pytest.mark.slow
 EPOCHS = 6
 # What both tests' jobs share.
 JOB = {"model": TALLY_MODEL, "epochs": EPOCHS, "max_workers": 2, "checkpoint_every": 2000}
+# allreduce: each lease's feed() sleeps this long. A lone member runs a tally epoch in about a tenth of a second, so
+# unpaced, the ring left by a killed worker could train the rest of the job before the worker's replacement
+# (TensorFlow's import: about a second) joins it, and leave no lease for a later signal to land in.
+RING_LEASE_S = 0.03
 
 
 # Seeds whose schedule holds every role asked for (the test checks it): ps: kill worker, term master,
@@ -28,6 +33,7 @@ JOB = {"model": TALLY_MODEL, "epochs": EPOCHS, "max_workers": 2, "checkpoint_eve
 def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data, tmp_path, strategy, seed):
     signals = 3
     roles, chaos, extra = random_chaos(strategy, signals, seed)
+    paced = {"model": paced_model(TALLY_MODEL, tmp_path, RING_LEASE_S)} if strategy == "allreduce" else {}
     codes, (proc, summary) = retried(
         lambda: train(
             tally_data,
@@ -35,7 +41,7 @@ def test_random_kills_and_terms_lose_nothing_and_apply_nothing_twice(tally_data,
             *chaos,
             job_id=f"chaos-{strategy}",
             strategy=strategy,
-            **JOB,
+            **{**JOB, **paced},
             **SMALL_LEASES,
             **extra,
         )
