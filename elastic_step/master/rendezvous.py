@@ -8,14 +8,17 @@ member (backend LOST/EXITED event, or a peer's `ReportPeerFailure`) bumps the ve
 and aborts the step in progress.
 
 Step protocol. Each member of version v computes its minibatch(es), ring-allreduces the sum of
-gradients and record counts, then calls `step_ready(v, step, task, watermark, checksum)`. The
-step commits only once every member of v is ready for it: at that moment, under the
-coordinator's lock, every member's watermark is committed in the ledger (the data commit of a
-step is atomic) and every waiting member is told COMMIT. If v changed meanwhile the answer is
-ABORT with the new membership: the members discard the average and retry the same minibatch in
-the new ring. A member applies the average only after COMMIT, so no member applies a partial
-one; the weights checksums the members send for a step (taken before applying it) must agree,
-and `checksum_mismatches` counts any that do not.
+gradients and record counts and applies the average, step after step: a run of steps, which ends
+where any member asked for it in the allreduced buffer (its lease ran out, or the run is long
+enough), so every member ends it at the same step. Then each calls `step_ready(v, step, task,
+watermark, checksum)` with the run's last step. The run commits only once every member of v is
+ready for it: at that moment, under the coordinator's lock, every member's watermark is committed
+in the ledger (the data commit of a run is atomic) and every waiting member is told COMMIT. If v
+changed meanwhile the answer is ABORT with the new membership: the members go back to the state
+they kept at the run's start and train its minibatches again in the new ring. Until COMMIT, a
+member serves the kept state to peers and checkpoints, so no one sees a partial run; the weights
+checksums the members send (taken after the run) must agree, and `checksum_mismatches` counts any
+that do not.
 
 Checkpoints. While `hold_commits` is set, no step commits (members that are ready wait), so every
 member's weights stay those of `committed_step` while the master copies them with the ledger's cut.
@@ -86,13 +89,15 @@ class Rendezvous:
         self.base_step = 0
         self.committed_step = 0
         self.ready: dict[str, Ready] = {}
+        self.ready_step = 0  # the run's last step the ready members are at
         self.hold_commits = False  # a checkpoint is being cut
         self.on_change: Callable[[], None] = lambda: None  # called (lock held) wherever the condition is notified
         self.restore_checkpoint = 0  # see View.restore_checkpoint
-        self.commits: dict[int, tuple[int, frozenset[str]]] = {}  # step -> (version, members)
+        self.commits: dict[int, tuple[int, frozenset[str]]] = {}  # a run's last step -> (version, members)
         self.done = False
         # figures
         self.steps_committed = 0
+        self.runs_committed = 0
         self.aborted_steps = 0
         self.checksum_mismatches = 0
         self.versions: list[dict] = []
@@ -252,8 +257,13 @@ class Rendezvous:
             return COMMIT if done[0] == version and worker in done[1] else ABORT
         if version != self.version or worker not in self._names() or self.done:
             return ABORT
-        if step != self.committed_step + 1:
+        if step <= self.committed_step:
             return ABORT
+        if self.ready and self.ready_step != step:
+            # Members of one version end a run at the same step, decided from the same allreduced flag.
+            self._bump(f"members ended a run at steps {self.ready_step} and {step}", aborts=True)
+            return ABORT
+        self.ready_step = step
         self.ready[worker] = ready
         if set(self.ready) == set(self._names()) and not self.hold_commits:
             self._commit(step)
@@ -271,10 +281,12 @@ class Rendezvous:
         if self.commit_fn(ready, now):
             self.done = True
         self.commits[step] = (self.version, frozenset(ready))
-        self.commits.pop(step - 64, None)
+        if len(self.commits) > 64:  # a late member's call finds its run's answer among the last runs
+            self.commits.pop(next(iter(self.commits)))
+        self.steps_committed += step - self.committed_step
+        self.runs_committed += 1
         self.committed_step = step
         self.restore_checkpoint = 0  # the members hold the state now: newcomers pull it from rank 0
-        self.steps_committed += 1
         self.ready.clear()
         if self._lost_at:
             self.loss_to_next_commit_s.extend(now - t for t in self._lost_at)
@@ -294,6 +306,7 @@ class Rendezvous:
         with self.cv:
             return {
                 "steps_committed": self.steps_committed,
+                "runs_committed": self.runs_committed,
                 "aborted_steps": self.aborted_steps,
                 "checksum_mismatches": self.checksum_mismatches,
                 "versions": list(self.versions),

@@ -1,17 +1,23 @@
-"""A worker of `--strategy allreduce`: synchronous SGD, an elastic ring AllReduce, atomic steps.
+"""A worker of `--strategy allreduce`: synchronous SGD, an elastic ring AllReduce, atomic runs of steps.
 
 Per step, each member of the master's membership version v:
   1. takes its minibatch(es) from its own lease (the ledger's lease/watermark, as in PS mode);
   2. computes gradients with a GradientTape in one compiled call (one flat float32 buffer);
-  3. ring-allreduces [sum of record-weighted gradients, records, loss*records] with its peers;
-  4. calls `StepReady(v, step, task, watermark, checksum of its weights)`: the master answers
-     COMMIT once every member of v is ready (then it has committed every member's watermark at
-     once), or ABORT with a new membership (a member was lost): the average is discarded and the
-     same minibatches are retried in the new ring (their gradients are kept: the weights did not
-     change);
-  5. applies the average with the user's optimizer, only after COMMIT.
-A newcomer is admitted at a step commit; it pulls every weight and optimizer variable from rank 0
-(once rank 0 has applied that step), then takes part from the next step on. In a job resumed from a
+  3. ring-allreduces [sum of record-weighted gradients, records, loss*records, every member's
+     contribution, whether a member asks the run to end] with its peers;
+  4. applies the average with the user's optimizer at once (identical on every member).
+The steps since the last commit are a run (`Run`). It ends at a step where any member asked for it in
+the buffer (its lease ends, it has no data, or the run has RUN_STEPS steps or lasted RUN_S), so every
+member ends it at the same step. Then each calls `StepReady(v, last step, task, watermark, checksum of
+its weights)`: the master answers COMMIT once every member of v is ready (then it has committed every
+member's watermark at once), or ABORT with a new membership (a member was lost). A run that does not
+commit, aborted there or in a collective, is undone: the trainer kept the committed state when the
+run's first step was applied, goes back to it, and the same minibatches are trained again in the new
+ring (a run's first step keeps its gradients: the weights are those it was computed on). Until COMMIT
+a member's peers and the master's checkpoints pull the kept state, never a partial run. A master's
+round trip per run instead of per step: for a small model it was a third of a step.
+A newcomer is admitted at a run's commit; it pulls every weight and optimizer variable from rank 0
+(once rank 0 has committed that step), then takes part from the next step on. In a job resumed from a
 checkpoint, every member of the first version loads the checkpoint's state from the master instead
 (MembershipReply.restore_checkpoint), and drops any lease of a previous master's.
 
@@ -109,17 +115,12 @@ class AllReduceTrainer:
             self.optimizer.apply_gradients(
                 [(tf.cast(tf.reshape(p, v.shape), v.dtype), v) for p, v in zip(parts, trainable)]
             )
-            return flat_weights()  # read after the update (automatic control dependencies): the next checksum's
 
-        # A step is applied before the master commits it (`apply_tentatively`), so the step's commit and the next
-        # step's minibatches overlap. What it was applied to is kept aside, in variables of the same shapes: the
-        # state a peer or a checkpoint pulls until the commit, and the state an abort goes back to.
+        # Steps are applied before the master commits them, a run of steps at a time (AllReduceWorker). What the
+        # first was applied to is kept aside, in variables of the same shapes: the committed state, which a peer or
+        # a checkpoint pulls until the commit, and which an abort goes back to.
         self._targets = [*model.weights, *self.optimizer.variables]
         self._kept = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._targets]
-
-        @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
-        def apply(flat):
-            return apply_mean(flat)
 
         def keep():
             for kept, v in zip(self._kept, self._targets):
@@ -128,17 +129,17 @@ class AllReduceTrainer:
         @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
         def apply_keeping(flat):
             keep()
-            return apply_mean(flat)
+            apply_mean(flat)
 
         @tf.function
         def undo():
             for kept, v in zip(self._kept, self._targets):
                 v.assign(kept)
 
-        self._grad_step, self._lease_step, self._apply = grad_step, lease_step, apply
+        self._grad_step, self._lease_step = grad_step, lease_step
+        self._apply = tf.function(apply_mean, input_signature=[tf.TensorSpec([self.size], tf.float32)])
         self._keep, self._apply_keeping, self._undo = tf.function(keep), apply_keeping, undo
-        self.tentative = False  # a step is applied that the master has not committed yet
-        self._checksum_kept: int | None = None  # the checksum before it
+        self.tentative = False  # steps are applied that the master has not committed yet
         self._flat_weights = tf.function(flat_weights)
         self._traced = None  # (input specs, lease_step traced for them)
         self._bound_spec = tf.TensorSpec([1], tf.int64)
@@ -206,32 +207,29 @@ class AllReduceTrainer:
         return loss, flat, n, skipped
 
     def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
-        """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`."""
-        self._set_lr_scale(lr_scale)
-        self._checksum = zlib.crc32(self._apply(mean_grad).numpy().tobytes())
-
-    def apply_tentatively(self, mean_grad: np.ndarray, lr_scale: float) -> None:
-        """As `apply`, keeping the state it was applied to until `commit` (the master committed the step) or
-        `undo` (it aborted it). Meanwhile `state()` is the kept one. Called under the state lock."""
-        assert not self.tentative, "a tentative step is already applied"
-        self._checksum_kept = self.checksum()
-        if lr_scale == self._lr_scale:
-            weights = self._apply_keeping(mean_grad)  # one call: most steps
+        """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`, before the
+        master commits it: the state before the first step not committed is kept until `commit` (the master
+        committed them) or `undo` (it aborted them), and `state()` is that kept one meanwhile. Called under the state
+        lock."""
+        if self.tentative:
+            self._set_lr_scale(lr_scale)
+            self._apply(mean_grad)
+        elif lr_scale == self._lr_scale:
+            self._apply_keeping(mean_grad)  # one call: the first step of most runs
         else:
             self._keep()  # before the rate changes: a float rate is optimizer state
             self._set_lr_scale(lr_scale)
-            weights = self._apply(mean_grad)
-        self._checksum = zlib.crc32(weights.numpy().tobytes())
-        self.tentative = True
+            self._apply(mean_grad)
+        self._checksum, self.tentative = None, True
 
     def commit(self) -> None:
         self.tentative = False
 
     def undo(self) -> None:
-        """Back to the state the tentative step was applied to (its learning rate too: it is optimizer state)."""
+        """Back to the committed state (its learning rate too: a float rate is optimizer state)."""
         if self.tentative:
             self._undo()
-            self._checksum, self.tentative = self._checksum_kept, False
+            self._checksum, self.tentative = None, False
             self._lr_scale = None  # a schedule's factor is not optimizer state: set anew at the next apply
 
     def _set_lr_scale(self, lr_scale: float) -> None:
@@ -246,7 +244,7 @@ class AllReduceTrainer:
         return self._checksum
 
     def state(self) -> tuple[int, list[np.ndarray], dict]:
-        """The committed state: while a step is tentative, the one it was applied to."""
+        """The committed state: while steps are applied that are not, the one they were applied to."""
         values = [np.asarray(v.numpy()) for v in (self._kept if self.tentative else self._targets)]
         return len(self.model.weights), values, self.applied_records.arrays()
 
@@ -299,7 +297,8 @@ class Lease:
     def __init__(self, t: pb.Task):
         self.task_id, self.shard, self.task_start, self.end = t.task_id, t.shard, t.task_start, t.end
         self.epoch, self.shard_index = t.epoch, t.shard_index
-        self.watermark = t.start
+        self.watermark = t.start  # committed
+        self.at = t.start  # trained to, in steps applied (committed or not)
         self.fed = None  # its records from `fed_from` on, fed (AllReduceTrainer.feed); False: fed per minibatch
         self.fed_from = t.start
 
@@ -336,6 +335,43 @@ def step_lr_scale(global_batch: str, taken: list[tuple[int, int, int, int]], max
         return 1.0
     trained = sum(1 for _epoch, data_shard, _lo, _hi in taken if data_shard >= 0)  # skipped ones trained nothing
     return trained / max(1, max_workers)
+
+
+# A run commits at most this many steps, or this long after its start: the master hears of progress (the ledger's
+# watermarks, the members' paces and hang clocks) and admits newcomers at least that often.
+RUN_STEPS = 16
+RUN_S = 0.1
+
+
+class Run:
+    """The steps applied since the last commit, which the master commits (or aborts) at once."""
+
+    def __init__(self, committed_step: int):
+        self.step = committed_step  # the last applied
+        self.first = committed_step + 1
+        self.steps = self.records = 0
+        self.loss_sum = self.compute_s = 0.0
+        self.taken: list[tuple[int, int, int, int]] = []  # every member's contributions (contributions())
+        self.moved = False  # this member's watermark moved (its records, or a minibatch it skipped)
+        self.started = time.monotonic()
+
+    def add(self, step: int, taken: list, records: int, loss: float, compute_s: float) -> None:
+        if not self.steps:
+            self.started = time.monotonic()
+        self.step = step
+        self.steps += 1
+        self.taken += taken
+        self.compute_s += compute_s
+        if records:
+            self.records += records
+            self.loss_sum += loss * records
+
+    def full(self) -> bool:
+        """With the step being trained, long enough to commit."""
+        return self.steps + 1 >= RUN_STEPS or (self.steps > 0 and time.monotonic() - self.started >= RUN_S)
+
+    def loss(self) -> float:
+        return self.loss_sum / self.records if self.records else 0.0
 
 
 class AllReduceWorker:
@@ -485,7 +521,7 @@ class AllReduceWorker:
     # ------------------------------------------------------------------ steps
     def take_lease(self) -> str:
         """'ok' with a lease, 'none' (no data this step), or 'done'."""
-        if self.lease is not None and self.lease.watermark < self.lease.end:
+        if self.lease is not None and self.lease.at < self.lease.end:
             return "ok"
         self.lease = None
         reply = self.master.get_task()
@@ -502,10 +538,10 @@ class AllReduceWorker:
         lease = self.lease
         if lease.fed is None:
             t = time.perf_counter()
-            at = Records(lease.shard, lease.shard_index, lease.epoch, lease.watermark, lease.end)
+            at = Records(lease.shard, lease.shard_index, lease.epoch, lease.at, lease.end)
             with working_on(at):
-                lease.fed = self.trainer.feed(self.readers.read(lease.shard, lease.watermark, lease.end)) or False
-            lease.fed_from = lease.watermark
+                lease.fed = self.trainer.feed(self.readers.read(lease.shard, lease.at, lease.end)) or False
+            lease.fed_from = lease.at
             self.profile.add("read+feed", t)
         return lease.fed or None
 
@@ -562,115 +598,122 @@ class AllReduceWorker:
         # (master/ring_straggler.py).
         return (step, self.restored_from, *done, time.monotonic() - started)
 
-    def step_reply(self, answer: grpc.Future, request: pb.StepReadyRequest) -> pb.StepReadyReply:
-        """The master's COMMIT or ABORT: `answer` is the call sent, re-sent while it says WAIT (a long poll ended)
-        or failed in passing (the master answers a step's call alike however often it is made)."""
-        try:
-            reply = answer.result()
-        except grpc.RpcError as e:
-            if e.code() not in rpc.TRANSIENT:
-                raise
-            reply = None
-        while reply is None or reply.kind == pb.StepReadyReply.WAIT:
+    def run_ready(self, request: pb.StepReadyRequest) -> pb.StepReadyReply:
+        """The master's COMMIT or ABORT of a run, asked again while it says WAIT (its long poll ended)."""
+        while True:
             reply = rpc.call(self.master.stub.StepReady, request)
-        return reply
+            if reply.kind != pb.StepReadyReply.WAIT:
+                return reply
 
     def run(self) -> str:
         if not self.join():
             return "done"
         self.profile = StepProfile()  # from the first step on: not the wait to be admitted
         computed = None  # see `computed`
+        run = Run(self.applied_step)
         while not self.stop.is_set():
-            step = self.applied_step + 1
+            step = run.step + 1
             if computed is None or computed[:2] != (step, self.restored_from):
-                t = time.perf_counter()
-                status = self.take_lease()
-                self.profile.add("lease", t)
-                if status == "done":
-                    return "done"
-                computed = self.computed(step, self.lease.watermark if self.lease else 0)
+                if not run.steps:  # a lease is taken between runs: a run ends where this member's lease does
+                    t = time.perf_counter()
+                    status = self.take_lease()
+                    self.profile.add("lease", t)
+                    if status == "done":
+                        return "done"
+                computed = self.computed(step, self.lease.at if self.lease else 0)
             _, _, buf, watermark, records, loss, contribution, compute_s = computed
             v = self.view
+            lease_ends = self.lease is None or not contribution or watermark >= self.lease.end
+            payload = np.concatenate(
+                [buf, contribution_slots(contribution, v.rank, len(v.members)), [float(lease_ends or run.full())]]
+            )
             try:
                 t = time.perf_counter()
-                payload = np.concatenate([buf, contribution_slots(contribution, v.rank, len(v.members))])
                 total = self.ring.allreduce(
                     payload, [(m.name, m.address) for m in v.members], v.version, step, self.abort_check
                 )
-                total, slots = total[: buf.size], total[buf.size :]
+                total, slots, ends = total[: buf.size], total[buf.size : -1], total[-1] > 0
                 t = self.profile.add("collective", t)
-            except PeerFailed as e:
-                self.report_peer(e)
+            except (PeerFailed, Aborted) as e:
+                if isinstance(e, PeerFailed):
+                    self.report_peer(e)
+                else:
+                    log.info("step %d aborted in version %d: %s", step, v.version, e)
+                self.undo()
                 if not self.rejoin_or_resync():
                     return "done"
+                run = Run(self.applied_step)
                 continue
-            except Aborted as e:
-                log.info("step %d aborted in version %d: %s", step, v.version, e)
-                if not self.rejoin_or_resync():
-                    return "done"
-                continue
-            request = pb.StepReadyRequest(
-                token=self.token,
-                instance=self.master.me,
-                version=v.version,
-                step=step,
-                task_id=self.lease.task_id if (self.lease and contribution) else -1,
-                watermark=watermark,
-                records=records,
-                loss=loss if records else 0.0,
-                checksum=self.trainer.checksum(),
-                compute_s=compute_s,
-            )
-            answer = self.master.stub.StepReady.future(request, timeout=rpc.CALL_TIMEOUT_S)
-            t = self.profile.add("step ready", t)
-            # While the master answers: the step is applied tentatively (the average is identical on every member)
-            # and the next step's minibatches computed on it, when this lease has them.
+            # Applied at once (the average is identical on every member), before the master commits the run.
             n = float(total[-2])
             taken = contributions(slots)
-            lr_scale = step_lr_scale(self.global_batch, taken, v.max_workers)
             with self.state.cv:
                 if n > 0:
-                    self.trainer.apply_tentatively(total[:-2] / n, lr_scale)
-            t = self.profile.add("apply", t)
-            ahead = None
-            if self.lease is not None and watermark < self.lease.end:
-                ahead = self.computed(step + 1, watermark)
-                t = time.perf_counter()
-            reply = self.step_reply(answer, request)
+                    self.trainer.apply(total[:-2] / n, step_lr_scale(self.global_batch, taken, v.max_workers))
+            self.profile.add("apply", t)
+            self.profile.steps += 1
+            run.add(step, taken, records, loss, compute_s)
+            if self.lease is not None and contribution:
+                self.lease.at = watermark
+                run.moved = True
+            if not ends:
+                continue
+            t = time.perf_counter()
+            reply = self.run_ready(
+                pb.StepReadyRequest(
+                    token=self.token,
+                    instance=self.master.me,
+                    version=v.version,
+                    step=step,
+                    task_id=self.lease.task_id if (self.lease and run.moved) else -1,
+                    watermark=self.lease.at if self.lease else 0,
+                    records=run.records,
+                    loss=run.loss(),
+                    checksum=self.trainer.checksum(),
+                    compute_s=run.compute_s,
+                )
+            )
             self.profile.add("step ready", t)
             if reply.kind == pb.StepReadyReply.ABORT:
-                with self.state.cv:
-                    self.trainer.undo()
                 log.info(
-                    "step %d aborted by the master (version %d -> %d): retrying",
+                    "steps %d-%d aborted by the master (version %d -> %d): retrying",
+                    run.first,
                     step,
                     v.version,
                     reply.membership.version,
                 )
+                self.undo()
                 self.view = reply.membership
                 if not self.rejoin_or_resync():
                     return "done"
+                run = Run(self.applied_step)
                 continue
-            # COMMIT: the step's state is the committed one now.
+            # COMMIT: the run's state is the committed one now.
             with self.state.cv:
                 self.trainer.commit()
-                for epoch, data_shard, start, end in taken:  # skipped ones too
+                for epoch, data_shard, start, end in run.taken:  # skipped ones too
                     self.trainer.applied_records.add(epoch, data_shard, start, end)
                 self.applied_step = step
                 self.state.applied_step = step
                 self.state.cv.notify_all()
-            self.profile.steps += 1
-            if self.lease is not None and contribution:
-                self.lease.watermark = watermark
-            # The next step's minibatches hold unless the membership moved (a fixed global batch's share with it).
-            computed = ahead if reply.membership.version == v.version else None
+            if self.lease is not None:
+                self.lease.watermark = self.lease.at
+            run = Run(step)
             self.view = reply.membership
             if reply.done:
                 return "done"
             if self.view.state != MR.MEMBER:
                 if not self.rejoin_or_resync():
                     return "done"
+                run = Run(self.applied_step)
         return "stopped"
+
+    def undo(self) -> None:
+        """A run aborted: back to the committed state, and to the lease's committed watermark."""
+        with self.state.cv:
+            self.trainer.undo()
+        if self.lease is not None:
+            self.lease.at = self.lease.watermark
 
     def rejoin_or_resync(self) -> bool:
         """After an abort: refresh the membership; rejoin if evicted, pull state if needed."""

@@ -42,8 +42,22 @@ def test_commit_only_when_every_member_is_ready_and_idempotent():
     # The first member asks again (its long-poll timed out): COMMIT, not a second commit.
     assert r.step_ready("worker-0", 1, 1, ready())[0] == COMMIT
     assert r.steps_committed == 1
-    # A step out of order is refused.
+    # A run of steps 2-4 commits at once, as 3 steps.
+    assert r.step_ready("worker-0", 1, 4, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 1, 4, ready())[0] == COMMIT
+    assert r.committed_step == 4 and r.steps_committed == 4 and r.runs_committed == 2
+    # A step already behind the commits, and not one of them, is refused.
     assert r.step_ready("worker-0", 1, 3, ready())[0] == ABORT
+
+
+def test_members_that_end_a_run_at_different_steps_start_a_new_version():
+    """They decide where a run ends from the same allreduced flag: steps that differ are a fault, and no member
+    may commit the other's run."""
+    r = started()
+    assert r.step_ready("worker-0", 1, 2, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 1, 3, ready())[0] == ABORT
+    assert r.version == 2 and r.committed_step == 0
+    assert r.step_ready("worker-0", 1, 2, ready())[0] == ABORT
 
 
 def test_long_poll_wakes_up_on_commit():

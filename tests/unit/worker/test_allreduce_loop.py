@@ -179,34 +179,39 @@ def test_the_checksum_after_an_apply_is_that_of_the_weights_as_they_are(tmp_path
     t, fresh = trainer(tmp_path, 3), trainer(tmp_path, 3)
     before = t.checksum()
     t.apply(np.full(t.size, 0.5, np.float32), 1.0)
+    t.commit()
     fresh.load_state(*t.state())
     assert t.checksum() == fresh.checksum() != before
 
 
-def test_a_tentative_step_serves_the_state_before_it_and_an_undo_goes_back_to_it(tmp_path):
-    """A step is applied before the master commits it: until then, a peer or a checkpoint pulls the state before
-    it, and an abort puts every weight and optimizer variable back. The witness is a trainer that never applied."""
+def test_a_run_not_committed_serves_the_state_before_it_and_an_undo_goes_back_to_it(tmp_path):
+    """Steps are applied before the master commits their run: until then, a peer or a checkpoint pulls the state
+    before the run, and an abort puts every weight and optimizer variable back, the learning rate too. The witness
+    is a trainer that never applied."""
     t, untouched = trainer(tmp_path, 3), trainer(tmp_path, 3)
     untouched.load_state(*t.state())
     mean = np.linspace(-1, 1, t.size).astype(np.float32)
-    t.apply_tentatively(mean, 0.5)
+    t.apply(mean, 0.5)
+    t.apply(mean, 1.0)
     assert t.checksum() != untouched.checksum()  # the live weights moved
     for served, before in zip(t.state()[1], untouched.state()[1]):
         np.testing.assert_array_equal(served, before)
     t.undo()
     assert not t.tentative and t.checksum() == untouched.checksum()
-    for now, before in zip(t.state()[1], [np.asarray(v.numpy()) for v in untouched._targets]):
+    for now, before in zip(t.state()[1], untouched.state()[1]):
         np.testing.assert_array_equal(now, before)
 
 
-def test_a_committed_tentative_step_is_the_step_applied_outright(tmp_path):
-    t, plain = trainer(tmp_path, 3), trainer(tmp_path, 3)
-    plain.load_state(*t.state())
-    mean = np.linspace(-1, 1, t.size).astype(np.float32)
-    for _ in range(2):  # the second from a committed first: the kept state is taken anew
-        t.apply_tentatively(mean, 0.5)
+def test_a_committed_run_is_its_steps_committed_one_by_one(tmp_path):
+    t, stepwise = trainer(tmp_path, 3), trainer(tmp_path, 3)
+    stepwise.load_state(*t.state())
+    means = [np.linspace(-1, 1, t.size).astype(np.float32) * k for k in (1, -2, 3)]
+    for run in (means[:2], means[2:]):  # the second run from a committed first: the kept state is taken anew
+        for mean in run:
+            t.apply(mean, 0.5)
+            stepwise.apply(mean, 0.5)
+            stepwise.commit()
         t.commit()
-        plain.apply(mean, 0.5)
-    assert t.checksum() == plain.checksum()
-    for a, b in zip(t.state()[1], plain.state()[1]):
+    assert t.checksum() == stepwise.checksum()
+    for a, b in zip(t.state()[1], stepwise.state()[1]):
         np.testing.assert_array_equal(a, b)
