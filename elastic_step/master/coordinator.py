@@ -104,7 +104,7 @@ class Coordinator:
         """An allreduce step commits (lock held): every member's watermark at once. True when done."""
         epoch_before = self.ledger.epoch
         records = sum(r.records for r in ready.values())
-        self.ring_paces.committed({worker: (r.compute_s, r.records) for worker, r in ready.items()})
+        self.ring_paces.committed({w: (r.compute_s / r.steps, r.records / r.steps) for w, r in ready.items()})
         for worker, r in ready.items():
             self.membership.seen(InstanceId.parse(worker), progressed=True)
             if r.records or self.hangs.idle(worker) is not None:

@@ -49,7 +49,8 @@ class Ready:
     records: int
     loss: float
     checksum: int
-    compute_s: float = 0.0  # the member's own time for the step's minibatches (master/ring_straggler.py)
+    compute_s: float = 0.0  # the member's own time for the run's minibatches (master/ring_straggler.py)
+    steps: int = 1  # the run's
 
 
 @dataclasses.dataclass

@@ -365,9 +365,8 @@ class MasterService(pb_grpc.MasterServicer):
         inst = await self._instance(context, "StepReady", request)
         rdv = await self._rendezvous(context)
         self.c.heard_from(inst)
-        ready = Ready(
-            request.task_id, request.watermark, request.records, request.loss, request.checksum, request.compute_s
-        )
+        r = request
+        ready = Ready(r.task_id, r.watermark, r.records, r.loss, r.checksum, r.compute_s, max(1, r.steps))
         loop = asyncio.get_running_loop()
         if self._step_change is None:
             self._step_change = loop.create_future()

@@ -671,6 +671,7 @@ class AllReduceWorker:
                     loss=run.loss(),
                     checksum=self.trainer.checksum(),
                     compute_s=run.compute_s,
+                    steps=run.steps,
                 )
             )
             self.profile.add("step ready", t)
