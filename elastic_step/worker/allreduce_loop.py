@@ -101,11 +101,10 @@ class AllReduceTrainer:
         def grad_step(data):
             return loss_and_gradient(data)
 
-        @tf.function
-        def lease_step(data, begin, end):
+        def sliced(data, begin, end):
             # The minibatch is sliced from its lease's tensors here, in the graph: no feed() per step.
             # (One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.)
-            return loss_and_gradient(tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), data))
+            return tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), data)
 
         def flat_weights():
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.weights], 0)
@@ -126,22 +125,44 @@ class AllReduceTrainer:
             for kept, v in zip(self._kept, self._targets):
                 kept.assign(v)  # read before any update after it (automatic control dependencies order them)
 
-        @tf.function(input_signature=[tf.TensorSpec([self.size], tf.float32)])
-        def apply_keeping(flat):
-            keep()
-            apply_mean(flat)
-
-        @tf.function
         def undo():
             for kept, v in zip(self._kept, self._targets):
                 v.assign(kept)
 
-        self._grad_step, self._lease_step = grad_step, lease_step
-        self._apply = tf.function(apply_mean, input_signature=[tf.TensorSpec([self.size], tf.float32)])
-        self._keep, self._apply_keeping, self._undo = tf.function(keep), apply_keeping, undo
-        self.tentative = False  # steps are applied that the master has not committed yet
+        # A step's average is applied in the same call as the next step's gradient is computed (`lease_step`
+        # with `flat`): each call costs a small model about as much as its work. Variables are read after they are
+        # updated (automatic control dependencies).
+        def lease_step(data, begin, end):
+            return loss_and_gradient(sliced(data, begin, end))
+
+        def lease_step_after(keeping):
+            def step(flat, data, begin, end):
+                if keeping:
+                    keep()
+                apply_mean(flat)
+                return loss_and_gradient(sliced(data, begin, end))
+
+            return tf.function(step)
+
+        def applying(keeping):
+            def apply(flat):
+                if keeping:
+                    keep()
+                apply_mean(flat)
+
+            # Concrete: a call skips matching its arguments against traces.
+            return tf.function(apply).get_concrete_function(tf.TensorSpec([self.size], tf.float32))
+
+        self._grad_step = grad_step
+        # by the step applied before it: None (none), False (one, after the first of a run), True (the first)
+        self._lease_steps = {None: tf.function(lease_step), **{k: lease_step_after(k) for k in (False, True)}}
+        self._apply = {keeping: applying(keeping) for keeping in (False, True)}
+        self._keep, self._undo = tf.function(keep), tf.function(undo)
+        self._pending: tuple[np.ndarray, float] | None = None  # a step's average (and rate) not applied yet
+        self._kept_holds = False  # `_kept` holds the committed state, steps are applied beyond it
+        self._lock = threading.RLock()  # the state's reader (PullState) against the training thread
         self._flat_weights = tf.function(flat_weights)
-        self._traced = None  # (input specs, lease_step traced for them)
+        self._traced = None  # (input specs, {applied before: lease step traced for them})
         self._bound_spec = tf.TensorSpec([1], tf.int64)
         self._checksum: int | None = None  # of the weights as they are, when known
         self._lr_scale: float | None = None  # the factor last set
@@ -168,13 +189,28 @@ class AllReduceTrainer:
         t = time.perf_counter()
         data, specs = fed
         if self._traced is None or self._traced[0] != specs:
-            # Traced once for any minibatch and lease size: a concrete function skips the per-call matching of
-            # arguments against traces, a noticeable share of a small model's step.
-            self._traced = (specs, self._lease_step.get_concrete_function(specs, self._bound_spec, self._bound_spec))
-        try:
-            loss, flat = self._traced[1](data, tf.constant([lo], tf.int64), tf.constant([hi], tf.int64))
-        except Exception as e:  # the user's model/loss failed on real data
-            raise self.model_def.user_error(e, "computing a training step", where=str(where or "")) from e
+            self._traced = (specs, {})
+        bounds = (data, tf.constant([lo], tf.int64), tf.constant([hi], tf.int64))
+        with self._lock:
+            after = None
+            if self._pending is not None:  # applied in this call
+                (mean, lr_scale), self._pending = self._pending, None
+                after = self._ready_for(lr_scale)
+                bounds = (mean, *bounds)
+            step = self._traced[1].get(after)
+            if step is None:
+                # Traced once for any minibatch and lease size: a concrete function skips the per-call matching of
+                # arguments against traces, a noticeable share of a small model's step.
+                mean_spec = [] if after is None else [tf.TensorSpec([self.size], tf.float32)]
+                step = self._traced[1][after] = self._lease_steps[after].get_concrete_function(
+                    *mean_spec, specs, self._bound_spec, self._bound_spec
+                )
+            try:
+                loss, flat = step(*bounds)
+            except Exception as e:  # the user's model/loss failed on real data
+                raise self.model_def.user_error(e, "computing a training step", where=str(where or "")) from e
+            if after is not None:
+                self._kept_holds = True
         return self._checked(loss, flat, hi - lo, where, profile, t)
 
     def gradients(self, batch, where=None, profile=None) -> tuple[float, np.ndarray, int, str | None]:
@@ -189,6 +225,8 @@ class AllReduceTrainer:
         data = tf.nest.map_structure(tf.convert_to_tensor, data)
         if profile is not None:
             t = profile.add("read+feed", t)
+        with self._lock:
+            self._flush()
         try:
             loss, flat = self._grad_step(data)
         except Exception as e:  # the user's model/loss failed on real data
@@ -206,30 +244,51 @@ class AllReduceTrainer:
             profile.add("compute", t)
         return loss, flat, n, skipped
 
+    @property
+    def tentative(self) -> bool:
+        """Steps are applied (or about to be) that the master has not committed."""
+        return self._kept_holds or self._pending is not None
+
     def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
         """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`, before the
         master commits it: the state before the first step not committed is kept until `commit` (the master
-        committed them) or `undo` (it aborted them), and `state()` is that kept one meanwhile. Called under the state
-        lock."""
-        if self.tentative:
+        committed them) or `undo` (it aborted them), and `state()` is that kept one meanwhile. Applied in the next
+        minibatch's call (`lease_gradients`), or by whatever reads the weights first."""
+        with self._lock:
+            self._flush()
+            self._pending, self._checksum = (mean_grad, lr_scale), None
+
+    def _ready_for(self, lr_scale: float) -> bool:
+        """Before the pending step is applied (lock held): its rate set. True when the call must keep the state
+        first (the run's first step)."""
+        keeping = not self._kept_holds
+        if lr_scale != self._lr_scale:
+            if keeping:
+                self._keep()  # before the rate changes: a float rate is optimizer state
+                keeping, self._kept_holds = False, True
             self._set_lr_scale(lr_scale)
-            self._apply(mean_grad)
-        elif lr_scale == self._lr_scale:
-            self._apply_keeping(mean_grad)  # one call: the first step of most runs
-        else:
-            self._keep()  # before the rate changes: a float rate is optimizer state
-            self._set_lr_scale(lr_scale)
-            self._apply(mean_grad)
-        self._checksum, self.tentative = None, True
+        return keeping
+
+    def _flush(self) -> None:
+        """The pending step applied on its own (lock held)."""
+        if self._pending is not None:
+            (mean, lr_scale), self._pending = self._pending, None
+            self._apply[self._ready_for(lr_scale)](mean)
+            self._kept_holds = True
 
     def commit(self) -> None:
-        self.tentative = False
+        with self._lock:
+            self._flush()
+            self._kept_holds = False
 
     def undo(self) -> None:
         """Back to the committed state (its learning rate too: a float rate is optimizer state)."""
-        if self.tentative:
-            self._undo()
-            self._checksum, self.tentative = None, False
+        with self._lock:
+            self._pending = None
+            if self._kept_holds:
+                self._undo()
+                self._kept_holds = False
+            self._checksum = None
             self._lr_scale = None  # a schedule's factor is not optimizer state: set anew at the next apply
 
     def _set_lr_scale(self, lr_scale: float) -> None:
@@ -238,14 +297,17 @@ class AllReduceTrainer:
             self._lr_scale = lr_scale
 
     def checksum(self) -> int:
-        """Of the weights as they are (the master compares the members' before each commit)."""
-        if self._checksum is None:
-            self._checksum = zlib.crc32(self._flat_weights().numpy().tobytes())
-        return self._checksum
+        """Of the weights as they are, every step applied (the master compares the members' at each commit)."""
+        with self._lock:
+            self._flush()
+            if self._checksum is None:
+                self._checksum = zlib.crc32(self._flat_weights().numpy().tobytes())
+            return self._checksum
 
     def state(self) -> tuple[int, list[np.ndarray], dict]:
         """The committed state: while steps are applied that are not, the one they were applied to."""
-        values = [np.asarray(v.numpy()) for v in (self._kept if self.tentative else self._targets)]
+        with self._lock:
+            values = [np.asarray(v.numpy()) for v in (self._kept if self._kept_holds else self._targets)]
         return len(self.model.weights), values, self.applied_records.arrays()
 
     def load_state(self, num_model: int, values: list[np.ndarray], applied: dict, there: str = "a peer's state"):
@@ -260,10 +322,11 @@ class AllReduceTrainer:
             mismatch = f"this model has {len(self.model.weights)} weights, {there} {num_model}"
         if mismatch is not None:
             raise ConfigError(f"Cannot load {there}: {mismatch}: {CHANGED_MODEL}. {CHANGED_MODEL_FIX}")
-        for var, value in zip(targets, values):
-            var.assign(value)
-        self._checksum = self._lr_scale = None  # the loaded values hold their own rate
-        self.tentative = False
+        with self._lock:
+            for var, value in zip(targets, values):
+                var.assign(value)
+            self._checksum = self._lr_scale = self._pending = None  # the loaded values hold their own rate
+            self._kept_holds = False
         self.applied_records = AppliedRecords.of(applied)
 
 

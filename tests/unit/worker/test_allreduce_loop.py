@@ -215,3 +215,28 @@ def test_a_committed_run_is_its_steps_committed_one_by_one(tmp_path):
     assert t.checksum() == stepwise.checksum()
     for a, b in zip(t.state()[1], stepwise.state()[1]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_step_applied_in_the_next_minibatchs_call_is_that_step_applied_on_its_own(tmp_path):
+    """A step's average is applied in the call that computes the next minibatch's gradient: the gradient must be that
+    of the updated weights, and the run as undoable as one applied call by call. The witness applies each step on
+    its own, committed, before computing the gradient."""
+    t, alone = trainer(tmp_path, 3), trainer(tmp_path, 3)
+    alone.load_state(*t.state())
+    start = t.state()[1]
+    rng = np.random.default_rng(2)
+    lease = {"x": rng.normal(size=(8, 4)).astype(np.float32), "y": rng.normal(size=(8, 1)).astype(np.float32)}
+    fed, fed_alone = t.feed(lease), alone.feed(lease)
+    mean = np.linspace(-1, 1, t.size).astype(np.float32)
+    for lr_scale in (0.5, 0.5, 1.0):  # the run's first step keeps the state; then a step at a new rate
+        t.apply(mean, lr_scale)
+        fused = t.lease_gradients(fed, 0, 4)
+        alone.apply(mean, lr_scale)
+        alone.commit()
+        want = alone.lease_gradients(fed_alone, 0, 4)
+        assert fused[0] == pytest.approx(want[0], rel=1e-6)
+        np.testing.assert_allclose(fused[1], want[1], rtol=1e-6, atol=1e-7)
+    assert t.checksum() == alone.checksum()
+    t.undo()
+    for now, before in zip(t.state()[1], start):
+        np.testing.assert_array_equal(now, before)
