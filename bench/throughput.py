@@ -6,8 +6,8 @@ digits CNN (bench/models/digits_cnn.py, most of a step is convolution) and the d
 a step is overhead).
 
     .venv/bin/python bench/throughput.py [--model M ...] [--rows 20000] [--batch 64] [--repeat 3]
-                                         [--minibatches-per-push 8] [--pushes-in-flight 2] [--master-work]
-                                         [--profile]
+                                         [--minibatches-per-push 8] [--pushes-in-flight 2] [--worker-threads N ...]
+                                         [--master-work] [--profile]
 
 Each side runs --repeat times, the sides alternating (this VM's speed drifts by tens of percent over a minute, and
 a slow moment only ever slows a run); ratios are best against best, the spread is each side's fastest run over
@@ -21,6 +21,9 @@ so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
                             gradient_accumulation_steps): K times fewer updates, reported apart;
   --pushes-in-flight K      the opt-in that overlaps a step with the PS's update of the K-1 before (each
                             gradient K-1 updates stale), reported apart;
+  --worker-threads N ...    the defaults but the worker's TensorFlow intra-op threads, N each (the default side's
+                            own is the automatic rule's, master/threads.py: on this backend, the cores shared
+                            among the job's workers; its figure says which), so that settings compare in one run;
   --master-work             the same defaults with the master's own work off: no evaluation curve (no eval split)
                             and no checkpoint; with it, every side but this one evaluates after each epoch and
                             cuts a checkpoint an epoch (every --rows committed records), so that some are cut in a
@@ -88,6 +91,7 @@ def elastic(
     out: pathlib.Path,
     per_push: int = 1,
     in_flight: int = 1,
+    threads: int = 0,
     master_work: bool = True,
     checkpoint_every: str | None = None,
     profile: pathlib.Path | None = None,
@@ -98,6 +102,8 @@ def elastic(
     values = {} if per_push == 1 else {"minibatches_per_push": per_push}
     if in_flight != 1:
         values["pushes_in_flight"] = in_flight
+    if threads:
+        values["worker_threads"] = threads
     if checkpoint_every is not None:
         values["checkpoint_every"] = checkpoint_every
     if master_work:
@@ -170,6 +176,9 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     for k in args.pushes_in_flight:
         side = f"elastic-step, {k} pushes in flight"
         sides[side] = lambda i, k=k, side=side: run_elastic(i, side, in_flight=k, checkpoint_every=checkpoints)
+    for k in args.worker_threads:
+        side = f"elastic-step, {k} worker thread{'s' * (k > 1)}"
+        sides[side] = lambda i, k=k, side=side: run_elastic(i, side, threads=k, checkpoint_every=checkpoints)
     off = "elastic-step, master's work off"
     if args.master_work:
         sides[off] = lambda i: run_elastic(i, off, master_work=False)
@@ -192,6 +201,8 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
             f"{best[side] / best[tuned]:>8.2f} {startup:>10}",
             flush=True,
         )
+    intra = {r["summary"]["config"].get("worker_intra_op_threads") for r in runs[default]}
+    print(f"  the default side's worker ran {' or '.join(map(str, sorted(intra, key=str)))} intra-op thread(s)")
     if args.master_work:
         on, without = best[default], best[off]
         print(f"  the master's own work costs training {1 - on / without:+.1%} (on {on:.0f} / off {without:.0f})")
@@ -209,6 +220,9 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="alternating runs of each side")
     p.add_argument("--minibatches-per-push", type=int, nargs="*", default=[8], help="opt-in sides, apart")
     p.add_argument("--pushes-in-flight", type=int, nargs="*", default=[2], help="opt-in sides, apart")
+    p.add_argument(
+        "--worker-threads", type=int, nargs="*", default=[], help="sides at these worker intra-op threads, apart"
+    )
     p.add_argument("--spe", type=int, nargs="+", default=[8, 32, 128], help="steps_per_execution tried for tuned fit")
     p.add_argument("--master-work", action="store_true", help="a side with the master's evaluation and checkpoints off")
     p.add_argument("--profile", action="store_true", help="the phase profile of the default side's best run")

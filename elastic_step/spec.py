@@ -232,6 +232,18 @@ PARAMS: tuple[Param, ...] = (
         metavar="K",
     ),
     Param(
+        "worker_threads",
+        int,
+        0,
+        "TensorFlow intra-op threads of each worker (the threads one op is split over). 0: automatic: on the local "
+        "backend, a ps-mode worker gets the step's cores shared among max_workers, at least 1 (its PS shards 1 "
+        "each); on Kubernetes, a worker gets its worker_cpu, rounded up (TensorFlow would size its pool by the "
+        "node's cores); else TensorFlow's own default",
+        _on(*_TRAINING, RUN),
+        (ELASTIC_TRAIN,),
+        metavar="N",
+    ),
+    Param(
         "skip_non_finite",
         bool,
         False,

@@ -38,6 +38,7 @@ class TrainConfig:
     skip_non_finite: bool = _D["skip_non_finite"]  # skip a minibatch whose loss or gradient is not finite
     pushes_in_flight: int = _D["pushes_in_flight"]
     minibatches_per_push: int = _D["minibatches_per_push"]
+    worker_threads: int = _D["worker_threads"]  # 0: automatic (master/threads.py)
     job_id: str = _D["job_id"]  # empty: the plan makes one up
     worker_image: str = _D["worker_image"]
     worker_cpu: str = _D["worker_cpu"]  # empty: no request
@@ -92,6 +93,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--records-per-task must be >= 0 (0: 32 minibatches a task, fewer for a small epoch), "
                 f"got {self.records_per_task}."
+            )
+        if self.worker_threads < 0:
+            raise ConfigError(
+                "--worker-threads must be >= 0 (0: automatic, from the cores and the workers), "
+                f"got {self.worker_threads}."
             )
         if not self.hang_timeout >= 0:  # NaN too
             raise ConfigError(

@@ -19,6 +19,7 @@ import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.data.api import load_manifest
+from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
 from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
@@ -38,6 +39,7 @@ from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
+from elastic_step.master.threads import pools_env, worker_intra_op
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
 from elastic_step.util import phases
@@ -203,15 +205,12 @@ class TrainingJob:
             weight_column=self.train.weight_column,
             skip_non_finite=c.skip_non_finite and inst.role == "worker",
         )
-        # On the local backend every instance shares the step's cores: a shard's update is a few
-        # element-wise ops, and TensorFlow's default pools (one thread per core, spinning between ops)
-        # would take cores from the workers' steps. A ps-mode worker's call shares them with the shards'
-        # updates and its own lease thread: one thread each too (measured, one worker: the digits MLP's step
-        # 0.31 ms instead of 0.65, the CNN's no slower).
-        one_thread = {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1"}
-        local = self.plan.backend == "local"
+        # TensorFlow's pools: one thread each for a local shard; a worker's intra-op threads from worker_threads,
+        # else the automatic rule (master/threads.py, which says why).
+        pools = pools_env(
+            inst.role, self.plan.backend, c.strategy, c.worker_threads, c.max_workers, usable_cpus(), c.worker_cpu
+        )
         if inst.role == "worker":
-            pools = one_thread if local and c.strategy == "ps" else {}
             return InstanceSpec(
                 inst,
                 argv,
@@ -223,11 +222,16 @@ class TrainingJob:
         return InstanceSpec(
             inst,
             argv,
-            env={**launch, **(one_thread if local else {})},
+            env={**launch, **pools},
             cpu=c.ps_cpu or None,
             memory=c.ps_memory or None,
             priority_class=c.ps_priority_class,
         )
+
+    def _worker_intra_op(self) -> int | None:
+        c = self.cfg
+        cores = usable_cpus()
+        return worker_intra_op(c.worker_threads, self.plan.backend, c.strategy, c.max_workers, cores, c.worker_cpu)
 
     def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
         self.coord.membership.launched(inst, relaunch)
@@ -293,6 +297,12 @@ class TrainingJob:
             cfg.min_workers,
             cfg.max_workers,
             plan.backend,
+        )
+        threads = self._worker_intra_op()
+        log.info(
+            "each worker's TensorFlow: %s intra-op threads%s",
+            threads or "the default",
+            f" (--worker-threads {cfg.worker_threads})" if cfg.worker_threads else " (--worker-threads 0: automatic)",
         )
         t_start = time.time()
         try:
@@ -576,6 +586,10 @@ class TrainingJob:
                     "min_workers": c.min_workers,
                     "max_workers": c.max_workers,
                     "num_ps": c.num_ps,
+                    # a worker's TensorFlow intra-op threads as given (0: automatic), and as the job ran them (None:
+                    # TensorFlow's own default)
+                    "worker_threads": c.worker_threads,
+                    "worker_intra_op_threads": self._worker_intra_op(),
                     "model_def": c.model_def,
                     "train_data": c.train_data,
                     "eval_data": c.eval_data,

@@ -51,6 +51,7 @@ def build(caching: bool = True):
         global_batch: str = "scaled",
         skip_non_finite: bool = False,
         hang_timeout: float = 0.0,
+        worker_threads: int = 0,
         backend: str = "auto",
         worker_image: str = "",
         worker_cpu: str = "1",
