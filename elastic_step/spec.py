@@ -236,7 +236,7 @@ PARAMS: tuple[Param, ...] = (
         int,
         0,
         "TensorFlow intra-op threads of each worker (the threads one op is split over). 0: automatic: on the local "
-        "backend, a ps-mode worker gets the step's cores shared among max_workers, at least 1 (its PS shards 1 "
+        "backend, a worker gets the step's cores shared among max_workers, at least 1 (the PS shards 1 "
         "each); on Kubernetes, a worker gets its worker_cpu, rounded up (TensorFlow would size its pool by the "
         "node's cores); else TensorFlow's own default",
         _on(*_TRAINING, RUN),

@@ -6,15 +6,15 @@ master sets both pools of each instance instead (docs/benchmarks.md has the meas
 
 - **local backend, parameter servers**: 1 thread each. A shard's update is a few element-wise ops, and the default
   pools (one thread per core, spinning between ops) would take cores from the workers' steps.
-- **local backend, ps-mode workers**: an intra-op pool of `worker_threads`; 0 (automatic): the step's cores shared
-  among the job's workers, cores // max_workers, at least 1 (a lone worker on 2 cores: 2; measured: the digits
-  CNN's step 10 % faster than on 1, the MLP's no slower). The inter-op pool: 1 (a worker's step is one compiled
-  call, mostly a chain of ops; with the default pools the digits MLP's step took twice as long, and 2 inter-op
-  threads, which sped the CNN up, slowed the MLP down by 10-23 %).
+- **local backend, workers**: an intra-op pool of `worker_threads`; 0 (automatic): the step's cores shared
+  among the job's workers, cores // max_workers, at least 1 (measured, ps: a lone worker on 2 cores, 2 threads,
+  the digits CNN's step 10 % faster than on 1, the MLP's no slower; allreduce: 2 workers on 2 cores, 1 thread
+  each, the CNN's job 12 % faster than on TensorFlow's pools, the MLP's no slower). The inter-op pool: 1 (a
+  worker's step is one compiled call, mostly a chain of ops; with the default pools the digits MLP's ps step took
+  twice as long, and 2 inter-op threads, which sped the CNN up, slowed the MLP down by 10-23 %).
 - **Kubernetes, workers**: an intra-op pool of `worker_threads`; 0: the pod's own CPU (`worker_cpu`, rounded up),
   when it has one, as TensorFlow would otherwise run a pool of the node's cores on a pod's share of them.
-- everything else (local allreduce workers, the PS pods) as TensorFlow sizes it, unless `worker_threads` names a
-  worker's intra-op pool.
+- the PS pods as TensorFlow sizes them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def worker_intra_op(
     if worker_threads > 0:
         return worker_threads
     if backend == "local":
-        return max(1, cores // max(1, max_workers)) if strategy == "ps" else None
+        return max(1, cores // max(1, max_workers))  # either strategy
     return cpu_cores(worker_cpu) if worker_cpu else None
 
 
@@ -65,6 +65,6 @@ def pools_env(
     local = backend == "local"
     if role != "worker":
         return dict(ONE_THREAD) if local else {}
-    env = {INTER_OP_ENV: "1"} if local and strategy == "ps" else {}
+    env = {INTER_OP_ENV: "1"} if local else {}
     intra = worker_intra_op(worker_threads, backend, strategy, max_workers, cores, worker_cpu)
     return {**env, INTRA_OP_ENV: str(intra)} if intra is not None else env

@@ -16,22 +16,19 @@ def env(role="worker", backend="local", strategy="ps", worker_threads=0, max_wor
     return pools_env(role, backend, strategy, worker_threads, max_workers, cores, worker_cpu)
 
 
+@pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 @pytest.mark.parametrize(
     "cores, max_workers, intra",
     [(2, 1, "2"), (2, 2, "1"), (2, 3, "1"), (8, 2, "4"), (8, 3, "2"), (1, 1, "1")],
 )
-def test_a_local_ps_worker_gets_the_cores_shared_among_the_jobs_workers(cores, max_workers, intra):
-    assert env(cores=cores, max_workers=max_workers) == {INTRA_OP_ENV: intra, INTER_OP_ENV: "1"}
+def test_a_local_worker_gets_the_cores_shared_among_the_jobs_workers(strategy, cores, max_workers, intra):
+    want = {INTRA_OP_ENV: intra, INTER_OP_ENV: "1"}
+    assert env(strategy=strategy, cores=cores, max_workers=max_workers) == want
 
 
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 def test_a_local_shard_runs_one_thread_a_pool_whatever_the_workers_get(strategy):
     assert env("ps", strategy=strategy, worker_threads=4, cores=16) == {INTRA_OP_ENV: "1", INTER_OP_ENV: "1"}
-
-
-def test_a_local_allreduce_worker_keeps_tensorflows_pools_unless_told():
-    assert env(strategy="allreduce", cores=8) == {}
-    assert env(strategy="allreduce", worker_threads=3) == {INTRA_OP_ENV: "3"}
 
 
 def test_worker_threads_given_wins_over_the_rule():
