@@ -129,9 +129,9 @@ class AllReduceTrainer:
             for kept, v in zip(self._kept, self._targets):
                 v.assign(kept)
 
-        # A step's average is applied in the same call as the next step's gradient is computed (`lease_step`
-        # with `flat`): each call costs a small model about as much as its work. Variables are read after they are
-        # updated (automatic control dependencies).
+        # A step's average is applied in the same call as the next step's gradient is computed
+        # (`lease_step_after`): each call costs a small model about as much as its work. Variables are read after
+        # they are updated (automatic control dependencies).
         def lease_step(data, begin, end):
             return loss_and_gradient(sliced(data, begin, end))
 
@@ -243,11 +243,6 @@ class AllReduceTrainer:
         if profile is not None:
             profile.add("compute", t)
         return loss, flat, n, skipped
-
-    @property
-    def tentative(self) -> bool:
-        """Steps are applied (or about to be) that the master has not committed."""
-        return self._kept_holds or self._pending is not None
 
     def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
         """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`, before the
