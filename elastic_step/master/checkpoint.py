@@ -318,13 +318,8 @@ class JobCheckpoints:
         self._cut_members = (ckpt_id, state)
         return lambda: [self.store.write_members(ckpt_id, state)]
 
-    def _shards(self):
-        from elastic_step.ps.client import PSClient
-
-        return PSClient(self.coord.ps_addresses, self.token)
-
     def _kept_shards(self):
-        """One client for every cut (a new one cost the held workers its channels' set-up each time)."""
+        """One client for every cut and restore (a new one cost the held workers its channels' set-up each time)."""
         from elastic_step.ps.client import KeptClient
 
         if self._cut_shards is None:
@@ -360,10 +355,10 @@ class JobCheckpoints:
             return
         import grpc
 
-        shards = self._shards()
         try:
             states = [self.store.read_part(manifest, f"ps-{i}.npz") for i in range(len(self.coord.ps_addresses))]
-            shards.restore(states, generation)
+            with self._kept_shards().use() as shards:
+                shards.restore(states, generation)
         except (grpc.RpcError, KeyError, OSError) as e:
             detail = e.details() if isinstance(e, grpc.RpcError) else f"{type(e).__name__}: {e}"
             raise CheckpointError(
@@ -371,8 +366,6 @@ class JobCheckpoints:
                 f"under {self.store.root}: {detail}. Delete {self.store.root} to start over, "
                 "or pass --resume never."
             ) from None
-        finally:
-            shards.close()
 
     def shards_ready(self) -> None:
         """Every shard has registered, before any worker may push. A resumed job restores them; a new one

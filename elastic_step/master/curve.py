@@ -66,15 +66,13 @@ class ShardPuller:
         self._shards = None
 
     def __call__(self, model) -> None:
-        from elastic_step.ps.api import Placement, load_named
-        from elastic_step.ps.client import KeptClient
+        from elastic_step.ps.api import Placement
+        from elastic_step.ps.client import KeptClient, load_shards
 
         if self._shards is None:
             self._shards = KeptClient(self.addresses, self.token, Placement.of(model, self.num_ps))
         with self._shards.use() as client:
-            values = client.pull_dense_named()
-            values.update(client.all_rows())
-        load_named(model, values)
+            load_shards(client, model)
 
     def close(self) -> None:
         if self._shards is not None:

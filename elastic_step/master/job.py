@@ -466,21 +466,15 @@ class TrainingJob:
         """Load the parameter servers' current weights and state into a model built from the model definition;
         with `with_stats`, return each shard's Stats (counters and the audit's evidence). `final`: the
         values a finished training leaves (the optimizer's moving averages when it keeps them)."""
-        from elastic_step.ps.api import Placement, load_named
-        from elastic_step.ps.client import PSClient
+        from elastic_step.ps.api import Placement
+        from elastic_step.ps.client import PSClient, load_shards
 
         ps = PSClient(self.coord.ps_addresses, self.plan.token, Placement.of(model, self.cfg.num_ps))
         try:
-            if final and self.model_def.optimizer().use_ema:
-                values = ps.final_named()
-            else:
-                values = ps.pull_dense_named()
-                values.update(ps.all_rows())
-            stats = ps.stats() if with_stats else []
+            load_shards(ps, model, final_averages=final and self.model_def.optimizer().use_ema)
+            return ps.stats() if with_stats else []
         finally:
             ps.close()
-        load_named(model, values)
-        return stats
 
     def _final_model(self):
         import keras

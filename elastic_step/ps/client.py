@@ -17,7 +17,7 @@ import numpy as np
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
-from elastic_step.ps.api import FINAL_DENSE, FINAL_TABLE, Placement, PushKey
+from elastic_step.ps.api import FINAL_DENSE, FINAL_TABLE, Placement, PushKey, load_named
 from elastic_step.ps.doorbell import REFUSED, Bell, Dropped, PushFailed
 from elastic_step.ps.push_slots import PushSlots, SharedMemoryUnavailable
 
@@ -68,6 +68,17 @@ def on_this_host(address: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def load_shards(client: PSClient, model, final_averages: bool = False) -> None:
+    """The shards' current weights into `model` (built from the model definition, with the client's placement);
+    `final_averages`: the optimizer's moving averages instead, as a finished training leaves them (use_ema)."""
+    if final_averages:
+        values = client.final_named()
+    else:
+        values = client.pull_dense_named()
+        values.update(client.all_rows())
+    load_named(model, values)
 
 
 class KeptClient:
