@@ -104,7 +104,12 @@ class Coordinator:
         """An allreduce step commits (lock held): every member's watermark at once. True when done."""
         epoch_before = self.ledger.epoch
         records = sum(r.records for r in ready.values())
-        self.ring_paces.committed({w: (r.compute_s / r.steps, r.records / r.steps) for w, r in ready.items()})
+        # Each step a sample, as when every step committed alone: a lease's first step (it reads and feeds the lease)
+        # is one of many, not a share of every run that holds one.
+        for i in range(max(r.steps for r in ready.values())):
+            self.ring_paces.committed(
+                {w: (_nth(r.step_compute_s, i, r.compute_s / r.steps), r.records / r.steps) for w, r in ready.items()}
+            )
         for worker, r in ready.items():
             self.membership.seen(InstanceId.parse(worker), progressed=True)
             if r.records or self.hangs.idle(worker) is not None:
@@ -531,3 +536,7 @@ class Coordinator:
             }
             self.samples.append(s)
             return s
+
+
+def _nth(values: tuple[float, ...], i: int, otherwise: float) -> float:
+    return values[i] if i < len(values) else otherwise

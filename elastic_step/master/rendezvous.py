@@ -51,6 +51,7 @@ class Ready:
     checksum: int
     compute_s: float = 0.0  # the member's own time for the run's minibatches (master/ring_straggler.py)
     steps: int = 1  # the run's
+    step_compute_s: tuple[float, ...] = ()  # its own time for each step's minibatches
 
 
 @dataclasses.dataclass

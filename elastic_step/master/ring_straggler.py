@@ -7,13 +7,12 @@ out of the ring: the path of a hung one (fenced, stopped through the backend, it
 ring re-formed without it), and it is replaced, since a new instance may land on a healthy node. A replacement as
 slow again is left out for good: the node, or the data it reads, is slow, not the launch.
 
-A member's pace is its own: the time it took for a step's minibatches (StepReadyRequest.compute_s over the steps
-of the run it commits), per record, the median of its last WINDOW committed runs. Not the time to its StepReady:
+A member's pace is its own: the time it took for a step's minibatches (StepReadyRequest.step_compute_s, each step
+of the run it commits), per record, the median of its last WINDOW committed steps. Not the time to its StepReady:
 the ring's collective comes before it and ends every member's step together. So what holds the ring as a whole (a
-checkpoint's hold, a ring re-forming, a newcomer's weight pull) is nobody's pace; a member's first SKIP runs of a
-launch (it traces the model, fills its pipeline) are not counted, nor runs committed while the master evaluates an
-epoch (its process
-competes for the CPU). A machine that is busy slows every member alike, and the decision is a ratio of paces.
+checkpoint's hold, a ring re-forming, a newcomer's weight pull) is nobody's pace; a member's first SKIP steps of a
+launch (it traces the model, fills its pipeline) are not counted, nor steps committed while the master evaluates an
+epoch (its process competes for the CPU). A machine that is busy slows every member alike, and the decision is a ratio of paces.
 
 Plain data, no clock and no threads: the coordinator calls it under its lock.
 """
@@ -76,8 +75,8 @@ class RingPaceWatch:
         self.quiet = False  # the master evaluates an epoch: what is committed meanwhile is no pace
 
     def committed(self, steps: dict[str, tuple[float, float]]) -> None:
-        """A run of steps committed: each member's (compute_s, records) for a step of it, the run's mean. A member
-        without records or without a time (an older worker) gives no sample."""
+        """A step committed: each member's (compute_s, records) for it. A member without records or without a
+        time (an older worker) gives no sample."""
         for worker, (compute_s, records) in steps.items():
             if records <= 0 or compute_s <= 0:
                 continue

@@ -366,7 +366,9 @@ class MasterService(pb_grpc.MasterServicer):
         rdv = await self._rendezvous(context)
         self.c.heard_from(inst)
         r = request
-        ready = Ready(r.task_id, r.watermark, r.records, r.loss, r.checksum, r.compute_s, max(1, r.steps))
+        ready = Ready(
+            r.task_id, r.watermark, r.records, r.loss, r.checksum, r.compute_s, max(1, r.steps), tuple(r.step_compute_s)
+        )
         loop = asyncio.get_running_loop()
         if self._step_change is None:
             self._step_change = loop.create_future()

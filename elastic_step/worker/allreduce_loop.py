@@ -408,7 +408,8 @@ class Run:
         self.step = committed_step  # the last applied
         self.first = committed_step + 1
         self.steps = self.records = 0
-        self.loss_sum = self.compute_s = 0.0
+        self.loss_sum = 0.0
+        self.compute_s: list[float] = []  # this member's own time for each step's minibatches
         self.taken: list[tuple[int, int, int, int]] = []  # every member's contributions (contributions())
         self.moved = False  # this member's watermark moved (its records, or a minibatch it skipped)
         self.started = time.monotonic()
@@ -419,7 +420,7 @@ class Run:
         self.step = step
         self.steps += 1
         self.taken += taken
-        self.compute_s += compute_s
+        self.compute_s.append(compute_s)
         if records:
             self.records += records
             self.loss_sum += loss * records
@@ -728,8 +729,9 @@ class AllReduceWorker:
                     records=run.records,
                     loss=run.loss(),
                     checksum=self.trainer.checksum(),
-                    compute_s=run.compute_s,
+                    compute_s=sum(run.compute_s),
                     steps=run.steps,
+                    step_compute_s=run.compute_s,
                 )
             )
             self.profile.add("step ready", t)
