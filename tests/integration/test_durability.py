@@ -17,6 +17,7 @@ from elastic_step.spec import cli_args
 from tests.integration.harness import SMALL_LEASES, run_cli, train
 from tests.integration.test_errors import assert_clean_error
 from tests.models import tally
+from tests.models.paced import paced_model
 from tests.models.witness import TALLY_MODEL as TALLY
 from tests.models.witness import assert_audit_exact, assert_chaos_fired, assert_each_record_applied_exactly
 
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 4
 # The durable job: the tally model on two workers and two PS.
+RING_LEASE_S = 0.02  # allreduce: each lease's feed() sleeps this long
 JOB = {"model": TALLY, "job_id": "durable", "epochs": EPOCHS, "max_workers": 2, "num_ps": 2, **SMALL_LEASES}
 
 
@@ -76,7 +78,9 @@ def test_allreduce_a_lost_ring_and_then_a_lost_master_both_go_back_to_the_last_c
     cut while no further step may commit. A ring whose every member is lost goes back to it (not to the
     start), and so does the retried step of a killed master, whose first members all load it."""
     total = tally_data["rows"] * EPOCHS
-    allreduce = {"strategy": "allreduce", "global_batch": "fixed"}  # the tally counts 1 per step
+    # The tally counts 1 per step. A lone member trains its epochs in a tenth of a second each: each lease's
+    # feed() sleeps, so that the job outlasts the turns of the master's pump that fire its chaos.
+    allreduce = {"strategy": "allreduce", "global_batch": "fixed", "model": paced_model(TALLY, tmp_path, RING_LEASE_S)}
     proc, _ = tally_job(
         tally_data,
         tmp_path,
