@@ -12,7 +12,8 @@ of the run it commits), per record, the median of its last WINDOW committed step
 the ring's collective comes before it and ends every member's step together. So what holds the ring as a whole (a
 checkpoint's hold, a ring re-forming, a newcomer's weight pull) is nobody's pace; a member's first SKIP steps of a
 launch (it traces the model, fills its pipeline) are not counted, nor steps committed while the master evaluates an
-epoch (its process competes for the CPU). A machine that is busy slows every member alike, and the decision is a ratio of paces.
+epoch (its process competes for the CPU). A machine that is busy slows every member alike, and the decision is a
+ratio of paces.
 
 Plain data, no clock and no threads: the coordinator calls it under its lock.
 """
