@@ -299,6 +299,10 @@ class Chaos(api.JobFaults):
             log.warning("chaos: %s the master at %d committed records", number.name, committed)
             kill_self(number)
             return
+        if sig.action == "stop" and self.zombies:
+            # One freeze at a time: a PS frozen beside a frozen worker holds that worker's hang clock (by design),
+            # and the worker would never be declared hung and resumed.
+            return
         alive = backend.alive()
         if sig.action == "slow":
             # At 0, launched slow (instance_env): it fires, for the record, once the worker is training. Later, the

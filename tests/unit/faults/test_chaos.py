@@ -206,6 +206,26 @@ def test_a_zombie_is_resumed_once_declared_hung_and_its_kill_deferred(job):
     assert chaos.summary()["resumed"] == [{"action": "resume", "instance": "worker-0"}]
 
 
+def test_a_freeze_waits_while_a_frozen_worker_is_not_yet_declared_hung(job):
+    """A PS frozen beside a frozen worker would hold the worker's hang clock: the worker would never be declared
+    hung. So the PS's freeze waits for the zombie's resume; the witness is each process's state in /proc."""
+    coord, backend = job
+    chaos = Chaos(["stop:worker-0@10:resume", "stop:ps-0@20"], 1000, 1, num_ps=1)
+    _commit_once(coord)
+    chaos.tick(15, backend, coord)
+    chaos.tick(25, backend, coord)
+    assert [f["instance"] for f in chaos.fired] == ["worker-0"]
+    worker, ps = InstanceId("worker", 0), InstanceId("ps", 0)
+    assert _state(backend.pid(ps)) != "T"
+    chaos.kill_deferred(worker, backend)  # declared hung: resumed
+    chaos.tick(25, backend, coord)
+    assert [f["instance"] for f in chaos.fired] == ["worker-0", "ps-0"]
+    deadline = time.monotonic() + 30
+    while _state(backend.pid(ps)) != "T":
+        assert time.monotonic() < deadline, "ps-0 was never frozen"
+        time.sleep(0.02)
+
+
 def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_first(monkeypatch):
     from elastic_step.faults import api, process
 
