@@ -141,15 +141,17 @@ class PSClient:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * len(addresses), thread_name_prefix="ps-call")
         self.stubs = [pb_grpc.ParameterServerStub(c) for c in self._channels]
         self._minibatches = 1  # gradients a shared slot holds (reserve)
+        self._state_words: list[int] | None = None  # room for a copy's state per shard's slot (reserve)
         self.reserve(pushes_in_flight)
         # Per shard: its SharedPath once attached, None when bytes go in the message.
         self._shared: dict[int, SharedPath | None] = {} if shared_memory else dict.fromkeys(range(len(addresses)))
         self._attach_lock = threading.Lock()
 
-    def reserve(self, slots: int, minibatches: int = 1) -> None:
-        """Room for `slots` pushes at once, each of up to `minibatches` minibatches (push_many). Before the
-        first push: a shard's shared slots are sized when the first push attaches them."""
-        self._slots, self._minibatches = slots, minibatches
+    def reserve(self, slots: int, minibatches: int = 1, state_words: list[int] | None = None) -> None:
+        """Room for `slots` pushes at once, each of up to `minibatches` minibatches (push_many) and, with
+        `state_words` (per shard), a copy's state (ParameterShard.words). Before the first push: a shard's
+        shared slots are sized when the first push attaches them."""
+        self._slots, self._minibatches, self._state_words = slots, minibatches, state_words
         self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(slots):
             self._free_slots.put(i)
@@ -223,16 +225,26 @@ class PSClient:
         return applied, [(version, values) for version, values, _each in replies]
 
     def push_many(
-        self, key: PushKey, bounds: tuple[int, ...], flat_grads: list[np.ndarray]
+        self,
+        key: PushKey,
+        bounds: tuple[int, ...],
+        flat_grads: list[np.ndarray],
+        states: list[tuple[np.ndarray, int] | None] | None = None,
     ) -> tuple[list[bool], list[tuple[int, np.ndarray, list[bool]]]]:
         """The pushes of several minibatches of one lease, computed one after another, to every shard at once
-        (PushRequest.bounds): per shard their flat dense gradients, [minibatches, its floats]. Returns (whether
-        each minibatch was applied by any shard, each shard's (version, fresh flat dense values, whether it
-        applied each minibatch))."""
-        _, replies = self._push(key, flat_grads, {}, True, bounds)
+        (PushRequest.bounds): per shard their flat dense gradients, [minibatches, its floats], and with `states`
+        a copy's state after them and the shard's version it was computed from (PushRequest.state_base), which
+        travel only through shared slots. Returns (whether each minibatch was applied by any shard, each shard's
+        (version, fresh flat dense values, whether it applied each minibatch))."""
+        _, replies = self._push(key, flat_grads, {}, True, bounds, states)
         return [any(each) for each in zip(*(each for _v, _f, each in replies))], replies
 
-    def _push(self, key, flat_grads, emb_grads, want_dense, bounds=()):
+    def carries_state(self) -> bool:
+        """Whether pushes may carry a copy's state to every shard: each is on this host and shared memory is
+        not off (a shard may still refuse the slots; its pushes then carry gradients alone)."""
+        return all(self._shared.get(s, True) is not None and on_this_host(a) for s, a in enumerate(self.addresses))
+
+    def _push(self, key, flat_grads, emb_grads, want_dense, bounds=(), states=None):
         requests = [
             pb.PushRequest(
                 token=self.token,
@@ -255,16 +267,17 @@ class PSClient:
                     e = requests[shard].embedding_grads.add(name=name)
                     tensors.encode(ids[pos], e.ids)
                     tensors.encode(values[pos], e.values)
+        states = states or [None] * len(self.stubs)
         slot = self._free_slots.get()  # one per push in flight: never two pushes in one slot
         try:
             # Every shard gets the key, even with nothing to apply, so all shards agree on it.
             with moved_shards_named():
                 if len(self.stubs) == 1:
-                    replies = [self._push_shard(0, requests[0], flat_grads[0], slot)]
+                    replies = [self._push_shard(0, requests[0], flat_grads[0], slot, states[0])]
                 else:
                     futures = [
-                        self._pool.submit(self._push_shard, shard, r, flat, slot)
-                        for shard, (r, flat) in enumerate(zip(requests, flat_grads))
+                        self._pool.submit(self._push_shard, shard, r, flat, slot, state)
+                        for shard, (r, flat, state) in enumerate(zip(requests, flat_grads, states))
                     ]
                     replies = [f.result() for f in futures]
         finally:
@@ -272,16 +285,26 @@ class PSClient:
         return any(applied for applied, _ in replies), [fresh for _, fresh in replies]
 
     def _push_shard(
-        self, shard: int, request: pb.PushRequest, flat: np.ndarray, slot: int
+        self,
+        shard: int,
+        request: pb.PushRequest,
+        flat: np.ndarray,
+        slot: int,
+        state: tuple[np.ndarray, int] | None = None,
     ) -> tuple[bool, tuple[int, np.ndarray | None, list[bool]]]:
-        """`flat`: the shard's flat gradient, or, for a push of several minibatches, [minibatches, floats]."""
+        """`flat`: the shard's flat gradient, or, for a push of several minibatches, [minibatches, floats];
+        `state`: (a copy's state, the version it was computed from), for a shared slot with room for it."""
         shared = self._shared_slots(shard, flat.shape[-1])
         if shared is not None:
             np.copyto(shared.slots.gradient(slot)[: flat.size], flat.ravel())
+            base = None
+            if state is not None and state[0].size == shared.slots.state_words:
+                np.copyto(shared.slots.state(slot), state[0])
+                base = request.state_base = state[1]
             try:
                 if shared.bells is not None and not request.embedding_grads:
                     applied, version, each = shared.bells[slot].ring(
-                        PushKey.of(request), request.want_dense, tuple(request.bounds)
+                        PushKey.of(request), request.want_dense, tuple(request.bounds), base
                     )
                 else:
                     request.shared.segment, request.shared.slot = shared.segment, slot
@@ -297,6 +320,7 @@ class PSClient:
                 # reference; the shard has hung up its end already.)
                 self._shared[shard] = None
                 request.ClearField("shared")
+                request.ClearField("state_base")
                 return self._push_shard(shard, request, flat, slot)
             # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
             values = np.array(shared.slots.values(slot)) if request.want_dense else None
@@ -320,7 +344,10 @@ class PSClient:
         if not on_this_host(address) or floats == 0:
             return None
         try:
-            slots = PushSlots(floats, self._slots, tag=f"ps{shard}", minibatches=self._minibatches)
+            state_words = self._state_words[shard] if self._state_words else 0
+            slots = PushSlots(
+                floats, self._slots, tag=f"ps{shard}", minibatches=self._minibatches, state_words=state_words
+            )
         except SharedMemoryUnavailable as e:
             log.info("PS shard %d: pushes carry their bytes (%s)", shard, e)
             return None
@@ -333,6 +360,7 @@ class PSClient:
                     floats=floats,
                     slots=self._slots,
                     minibatches=self._minibatches,
+                    state_words=state_words,
                 ),
                 timeout=self.timeout,
             )

@@ -27,9 +27,11 @@ from elastic_step.ps.api import PushKey
 log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")  # segment, slot, the segment's nonce
-# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense; a push of several
-# minibatches follows it with their bounds (int64 each: seq, ..., end; see PushRequest.bounds).
-RING = struct.Struct("<qqqiiqiq?")
+# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense, the state's base
+# version (-1: the slot holds no state; see PushRequest.state_base); a push of several minibatches follows it
+# with their bounds (int64 each: seq, ..., end; see PushRequest.bounds).
+RING = struct.Struct("<qqqiiqiq?q")
+NO_STATE = -1
 BOUND = struct.Struct("<q")
 MAX_MINIBATCHES = 64  # in one push: their applied flags are one bit each of the answer's mask
 # status, applied, version, which minibatches of the push were applied (bit i: minibatch i); a UTF-8 reason
@@ -64,15 +66,15 @@ def _socket_address(address: str) -> str:
 
 class DoorbellServer:
     """The shard's side. `admit(segment, slot, nonce)` says whether a connection may ring for that
-    slot; `push(segment, slot, key, want_dense, bounds)` applies one (of several minibatches when
-    `bounds` holds theirs) and returns (applied, version, applied_each), raising Dropped when the
-    segment is gone. One thread per connection: pushes wait for the
+    slot; `push(segment, slot, key, want_dense, bounds, state_base)` applies one (of several minibatches when
+    `bounds` holds theirs; `state_base` None unless the slot holds a copy's state) and returns (applied,
+    version, applied_each), raising Dropped when the segment is gone. One thread per connection: pushes wait for the
     shard's lock anyway, and a slow or silent peer then holds up nobody else."""
 
     def __init__(
         self,
         admit: Callable[[int, int, bytes], bool],
-        push: Callable[[int, int, PushKey, bool, tuple[int, ...]], tuple[bool, int, list[bool]]],
+        push: Callable[[int, int, PushKey, bool, tuple[int, ...], int | None], tuple[bool, int, list[bool]]],
     ):
         self._admit = admit
         self._push = push
@@ -113,10 +115,12 @@ class DoorbellServer:
                 extra = len(ring) - RING.size
                 if extra < 0 or extra % BOUND.size or extra > (MAX_MINIBATCHES + 1) * BOUND.size:
                     return  # closed (the worker is gone) or not our protocol
-                *key, want_dense = RING.unpack_from(ring)
+                *key, want_dense, base = RING.unpack_from(ring)
                 bounds = tuple(b for (b,) in BOUND.iter_unpack(ring[RING.size :]))
                 try:
-                    applied, version, each = self._push(segment, slot, PushKey(*key), want_dense, bounds)
+                    applied, version, each = self._push(
+                        segment, slot, PushKey(*key), want_dense, bounds, None if base == NO_STATE else base
+                    )
                 except Dropped:
                     conn.send(ANSWER.pack(DROPPED, False, 0, 0))
                     return
@@ -164,10 +168,14 @@ class Bell:
             self._sock.close()
             raise
 
-    def ring(self, key: PushKey, want_dense: bool, bounds: tuple[int, ...] = ()) -> tuple[bool, int, list[bool]]:
+    def ring(
+        self, key: PushKey, want_dense: bool, bounds: tuple[int, ...] = (), state_base: int | None = None
+    ) -> tuple[bool, int, list[bool]]:
         """(applied, the shard's version after it, whether each minibatch was applied: one for a push of one);
-        the values are in the slot. `bounds`: a push of several minibatches, theirs (PushRequest.bounds)."""
-        self._sock.send(RING.pack(*key, want_dense) + b"".join(BOUND.pack(b) for b in bounds))
+        the values are in the slot. `bounds`: a push of several minibatches, theirs (PushRequest.bounds);
+        `state_base`: the slot holds a copy's state after them, computed from that version (PushRequest.state_base)."""
+        base = NO_STATE if state_base is None else state_base
+        self._sock.send(RING.pack(*key, want_dense, base) + b"".join(BOUND.pack(b) for b in bounds))
         applied, version, mask = self._answer()
         return applied, version, [bool(mask >> i & 1) for i in range(max(1, len(bounds) - 1))]
 

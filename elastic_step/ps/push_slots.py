@@ -32,28 +32,37 @@ NONCE = 16
 MAX_SEGMENTS = 64  # per shard; the least recently used is dropped (a lost worker's)
 
 
-def _layout(floats: int, slots: int, minibatches: int = 1) -> int:
-    return HEADER + slots * (minibatches + 1) * floats * 4
+def _layout(floats: int, slots: int, minibatches: int = 1, state_words: int = 0) -> int:
+    return HEADER + slots * _slot_words(floats, minibatches, state_words) * 4
+
+
+def _slot_words(floats: int, minibatches: int, state_words: int) -> int:
+    return minibatches * floats + max(floats, state_words)
 
 
 class PushSlots:
     """The worker's side: `slots` slots, each [gradients | fresh values]: room for the gradients of
     `minibatches` minibatches (a push of several, one after another), and one set of values, each
-    `floats` float32."""
+    `floats` float32. `state_words`: the values part is that long, to carry a copy's whole state
+    (ParameterShard.words) to the shard; the fresh values come back in its first `floats`."""
 
-    def __init__(self, floats: int, slots: int, tag: str, minibatches: int = 1):
+    def __init__(self, floats: int, slots: int, tag: str, minibatches: int = 1, state_words: int = 0):
         self.floats = floats
         self.minibatches = minibatches
-        self.size = _layout(floats, slots, minibatches)
+        self.state_words = state_words
+        self.size = _layout(floats, slots, minibatches, state_words)
         self.nonce = secrets.token_bytes(NONCE)
         self._map, self.path = create(tag, self.size)
         self._map[:NONCE] = self.nonce
 
     def gradient(self, slot: int) -> np.ndarray:
-        return _view(self._map, self.floats, self.minibatches, slot, 0)
+        return _view(self._map, self.floats, self.minibatches, self.state_words, slot, 0)
 
     def values(self, slot: int) -> np.ndarray:
-        return _view(self._map, self.floats, self.minibatches, slot, 1)
+        return _view(self._map, self.floats, self.minibatches, self.state_words, slot, 1)
+
+    def state(self, slot: int) -> np.ndarray:
+        return _view(self._map, self.floats, self.minibatches, self.state_words, slot, 2)
 
     def unlink(self) -> None:
         """Drop the name (the mappings stay): called once the shard has mapped it, and on close."""
@@ -72,20 +81,24 @@ class SharedSegments:
 
     def __init__(self, max_segments: int = MAX_SEGMENTS):
         self.max_segments = max_segments
-        # id -> (mapping, floats, slots, nonce, minibatches)
-        self._segments: collections.OrderedDict[int, tuple[mmap.mmap, int, int, bytes, int]] = collections.OrderedDict()
+        # id -> (mapping, floats, slots, nonce, minibatches, state words)
+        self._segments: collections.OrderedDict[int, tuple[mmap.mmap, int, int, bytes, int, int]] = (
+            collections.OrderedDict()
+        )
         self._next_id = 1
         self._lock = threading.Lock()
 
-    def attach(self, path: str, nonce: bytes, floats: int, slots: int, minibatches: int = 1) -> int:
+    def attach(
+        self, path: str, nonce: bytes, floats: int, slots: int, minibatches: int = 1, state_words: int = 0
+    ) -> int:
         """Map a worker's segment; raises ValueError (the reason) when it is not one we can use."""
-        seg = open_segment(path, _layout(floats, slots, minibatches))
+        seg = open_segment(path, _layout(floats, slots, minibatches, state_words))
         if seg[:NONCE] != nonce:
             seg.close()
             raise ValueError(f"{path} is not the segment the worker created (nonce differs)")
         with self._lock:
             seg_id, self._next_id = self._next_id, self._next_id + 1
-            self._segments[seg_id] = (seg, floats, slots, nonce, minibatches)
+            self._segments[seg_id] = (seg, floats, slots, nonce, minibatches, state_words)
             while len(self._segments) > self.max_segments:
                 self._segments.popitem(last=False)  # unmapped once no push still holds a view of it
         return seg_id
@@ -101,22 +114,25 @@ class SharedSegments:
             held = self._segments.get(seg_id)
         return held is not None and 0 <= slot < held[2] and hmac.compare_digest(held[3], nonce)
 
-    def slot(self, seg_id: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """(gradients, values) views of one slot, the gradients [minibatches, floats]; KeyError when the
-        segment is unknown or dropped."""
+    def slot(self, seg_id: int, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(gradients, values, state) views of one slot, the gradients [minibatches, floats], the state None
+        unless the segment has room for one; KeyError when the segment is unknown or dropped."""
         with self._lock:
-            seg, floats, slots, _, minibatches = self._segments[seg_id]
+            seg, floats, slots, _, minibatches, state_words = self._segments[seg_id]
             self._segments.move_to_end(seg_id)
         if not 0 <= slot < slots:
             raise KeyError(f"slot {slot} of segment {seg_id} (it has {slots})")
-        gradients = _view(seg, floats, minibatches, slot, 0).reshape(minibatches, floats)
-        return gradients, _view(seg, floats, minibatches, slot, 1)
+        gradients = _view(seg, floats, minibatches, state_words, slot, 0).reshape(minibatches, floats)
+        state = _view(seg, floats, minibatches, state_words, slot, 2) if state_words else None
+        return gradients, _view(seg, floats, minibatches, state_words, slot, 1), state
 
     def __len__(self) -> int:
         return len(self._segments)
 
 
-def _view(buf: mmap.mmap, floats: int, minibatches: int, slot: int, part: int) -> np.ndarray:
-    """Part 0 of a slot: its `minibatches` gradients, one after another; part 1: its values."""
-    offset = HEADER + (slot * (minibatches + 1) + part * minibatches) * floats * 4
-    return np.frombuffer(buf, np.float32, floats * (minibatches if part == 0 else 1), offset)
+def _view(buf: mmap.mmap, floats: int, minibatches: int, state_words: int, slot: int, part: int) -> np.ndarray:
+    """Part 0 of a slot: its `minibatches` gradients, one after another; part 1: its values; part 2: the
+    values part whole (a copy's state, its values first)."""
+    offset = HEADER + (slot * _slot_words(floats, minibatches, state_words) + minibatches * floats * bool(part)) * 4
+    count = (minibatches * floats, floats, max(floats, state_words))[part]
+    return np.frombuffer(buf, np.float32, count, offset)

@@ -152,7 +152,26 @@ class ParameterShard:
             )
             return fresh
 
-        self.update, self.values = update, flat_values
+        # A copy's whole state as float32 words: its flat values, then each optimizer variable's bytes (the
+        # iteration count included, bit for bit). A lone worker hands the shard these after a call instead of
+        # the shard running the same updates again (push_many); 0 words when a variable is not whole words.
+        self._word_layout = [(np.dtype(v.dtype), tuple(v.shape)) for v in self.optimizer.variables]
+        whole = all(dtype.itemsize % 4 == 0 for dtype, _ in self._word_layout)
+        self.state_words = (
+            self.dense_size + sum(int(np.prod(shape)) * dtype.itemsize // 4 for dtype, shape in self._word_layout)
+            if whole
+            else 0
+        )
+        self.states_taken = 0
+
+        def words():
+            parts = [flat_values()]
+            for v in self.optimizer.variables:
+                t = tf.convert_to_tensor(v)
+                parts.append(tf.reshape(t if t.dtype == tf.float32 else tf.bitcast(t, tf.float32), [-1]))
+            return tf.concat(parts, 0)
+
+        self.update, self.values, self.words = update, flat_values, words
         self._apply_many = self._final = None
         if not serve:
             return
@@ -232,12 +251,23 @@ class ParameterShard:
             return True, self.version, values
 
     def push_many(
-        self, key: PushKey, bounds: tuple[int, ...], flat_grads: np.ndarray, out: np.ndarray | None = None
+        self,
+        key: PushKey,
+        bounds: tuple[int, ...],
+        flat_grads: np.ndarray,
+        out: np.ndarray | None = None,
+        state: np.ndarray | None = None,
+        state_base: int | None = None,
     ) -> tuple[list[bool], int, np.ndarray]:
         """Apply the pushes of several minibatches of one lease, computed one after another: minibatch i is
         [bounds[i], bounds[i + 1]), keyed (key.task_id, bounds[i]), its flat gradient flat_grads[i]. Each not
         applied before is applied, in turn, in one call; the others are skipped, as single pushes are. Returns
-        (whether each was applied, version, the values at that version), as `push` does."""
+        (whether each was applied, version, the values at that version), as `push` does.
+
+        `state`: a lone worker's copy of this shard after those updates (`words`), computed from this shard's
+        state at version `state_base`. While the shard is still at that version and applies every minibatch,
+        the updates would leave it exactly that state, so it takes it rather than run them again (on one host
+        the shard's update competes with the worker's step for the cores). Otherwise, the gradients."""
         self.fences.check(key)
         count = len(bounds) - 1
         with self.lock:
@@ -258,10 +288,23 @@ class ParameterShard:
             self.skipped += count - len(todo)
             if not len(todo):
                 return each, self.version, self._values(out)
-            grads = flat_grads[todo] if len(todo) < count else flat_grads[:count]
-            if not np.isfinite(grads).all():
-                raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")
-            values = self._copy(self._apply_many(self.tf.constant(grads, self.tf.float32)), out)
+            if (
+                state is not None
+                and state_base == self.version
+                and len(todo) == count
+                and 0 < self.state_words <= state.size
+            ):
+                words = state[: self.state_words]
+                if not np.isfinite(words[: self.dense_size]).all():
+                    raise ValueError(f"a push to shard {self.shard} holds values that are not finite: not applied")
+                self.load_words(words)
+                self.states_taken += 1
+                values = self._values(out)
+            else:
+                grads = flat_grads[todo] if len(todo) < count else flat_grads[:count]
+                if not np.isfinite(grads).all():
+                    raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")
+                values = self._copy(self._apply_many(self.tf.constant(grads, self.tf.float32)), out)
             for i in todo:
                 self.applied.add((key.task_id, bounds[i]))
                 self.applied_records.add(key.epoch, key.data_shard, bounds[i], bounds[i + 1])
@@ -278,6 +321,15 @@ class ParameterShard:
             offset += n
         for var, value in zip(self.optimizer.variables, optimizer or []):
             var.assign(np.asarray(value).reshape(tuple(var.shape)))
+
+    def load_words(self, words: np.ndarray) -> None:
+        """The state `words` gives (a copy's, see `words`): values and optimizer variables."""
+        optimizer, offset = [], self.dense_size
+        for dtype, shape in self._word_layout:
+            n = int(np.prod(shape)) * dtype.itemsize // 4
+            optimizer.append(words[offset : offset + n].view(dtype).reshape(shape))
+            offset += n
+        self.load(words[: self.dense_size], optimizer)
 
     def optimizer_values(self) -> tuple[int, np.ndarray, list[np.ndarray]]:
         """(version, the flat values, the optimizer's variables), at one moment."""
@@ -478,15 +530,18 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         if request.HasField("shared"):
             try:
                 # The fresh values go straight into the worker's slot, beside its gradient.
-                grads, out = self.segments.slot(request.shared.segment, request.shared.slot)
+                grads, out, state = self.segments.slot(request.shared.segment, request.shared.slot)
             except KeyError as e:  # dropped (least recently used) or never attached: nothing applied
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unknown shared push slot {e}")
         else:
-            grads = tensors.decode(request.dense_grads_flat).reshape(max(1, len(request.bounds) - 1), -1)
+            grads, state = tensors.decode(request.dense_grads_flat).reshape(max(1, len(request.bounds) - 1), -1), None
+        base = request.state_base if request.HasField("state_base") else None
         each = []
         try:
             if request.bounds:
-                each, version, values = self.shard.push_many(PushKey.of(request), tuple(request.bounds), grads, out)
+                each, version, values = self.shard.push_many(
+                    PushKey.of(request), tuple(request.bounds), grads, out, state, base
+                )
                 applied = any(each)
             else:
                 applied, version, values = self.shard.push(PushKey.of(request), grads[0], emb, out)
@@ -508,9 +563,19 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
                 refused=f"slots of {request.floats} floats, shard {self.shard.shard} "
                 f"holds {self.shard.dense_size} parameters"
             )
+        if request.state_words not in (0, self.shard.state_words):
+            return pb.AttachSharedResponse(
+                refused=f"room for a state of {request.state_words} words, shard {self.shard.shard}'s "
+                f"is {self.shard.state_words} (another optimizer?)"
+            )
         try:
             segment = self.segments.attach(
-                request.path, request.nonce, request.floats, request.slots, max(1, request.minibatches)
+                request.path,
+                request.nonce,
+                request.floats,
+                request.slots,
+                max(1, request.minibatches),
+                request.state_words,
             )
         except ValueError as e:
             return pb.AttachSharedResponse(refused=str(e))
@@ -523,17 +588,24 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
         return pb.AttachSharedResponse(segment=segment, doorbell=self.doorbell.address if self.doorbell else "")
 
     def _ring(
-        self, segment: int, slot: int, key: PushKey, want_dense: bool, bounds: tuple[int, ...]
+        self,
+        segment: int,
+        slot: int,
+        key: PushKey,
+        want_dense: bool,
+        bounds: tuple[int, ...],
+        state_base: int | None = None,
     ) -> tuple[bool, int, list[bool]]:
-        """A push rung through the doorbell: its gradients are in the slot, its values go back there."""
+        """A push rung through the doorbell: its gradients (and a copy's state) are in the slot, its values
+        go back there."""
         try:
-            grads, out = self.segments.slot(segment, slot)
+            grads, out, state = self.segments.slot(segment, slot)
         except KeyError as e:
             raise Dropped(str(e)) from e
         try:
             if bounds:
                 with phase("ps: apply a push of several minibatches (rung)"):
-                    each, version, _ = self.shard.push_many(key, bounds, grads, out)
+                    each, version, _ = self.shard.push_many(key, bounds, grads, out, state, state_base)
                 return any(each), version, each
             with phase("ps: apply a push (rung)"):
                 applied, version, _ = self.shard.push(key, grads[0], [], out)
@@ -585,6 +657,7 @@ class ParameterServerService(pb_grpc.ParameterServerServicer):
             pushes_skipped=s.skipped,
             dense_parameters=s.dense_size,
             pushes_fenced=s.fences.refused,
+            states_taken=s.states_taken,
         )
         if request.brief:  # a liveness probe: an answer is all it needs, and it must not wait on a push
             return reply

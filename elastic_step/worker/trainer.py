@@ -277,11 +277,19 @@ class PSTrainer:
                 ParameterShard(model, model_def.optimizer(), placement, s, serve=False) for s in range(placement.num_ps)
             ]
             skip = self.non_finite.skip
+            # On one host a call's push also carries the copies' state after it, which a shard still at the
+            # state the call started from takes instead of running the same updates again (ParameterShard.
+            # push_many): the shard's update competes with the worker's step for the cores only there.
+            self._state_words = (
+                [c.state_words for c in copies] if ps.carries_state() and all(c.state_words for c in copies) else None
+            )
+            words = self._state_words is not None
 
             def local_steps(data, begins, ends):
                 # Minibatch k is [begins[k], ends[k]) of the lease's tensors; each is a step on the copies' current
                 # values, and the shard's update of the copies with its gradient (unless not finite, when
-                # skipping). Returns each one's loss and, per shard, its flat gradients [minibatches, floats].
+                # skipping). Returns each one's loss, per shard its flat gradients [minibatches, floats], and
+                # per shard the copy's state after them (when pushes carry it).
                 n = tf.size(begins)
                 losses = tf.TensorArray(tf.float32, size=n)
                 grads_tas = [tf.TensorArray(tf.float32, size=n, element_shape=[c.dense_size]) for c in copies]
@@ -306,7 +314,7 @@ class PSTrainer:
                 _, _, losses, grads_tas = tf.while_loop(
                     lambda k, *_: k < n, body, (tf.constant(0), [c.values() for c in copies], losses, grads_tas)
                 )
-                return losses.stack(), [ta.stack() for ta in grads_tas]
+                return losses.stack(), [ta.stack() for ta in grads_tas], [c.words() for c in copies] if words else []
 
             self._copies = copies
             self._local_steps = tf.function(local_steps)
@@ -314,12 +322,12 @@ class PSTrainer:
             largest = max([c.dense_size for c in copies] + [1])
             self._max_call = max(1, min(MAX_MINIBATCHES, MAX_CALL_BYTES // (4 * largest)))
             self._minibatch_s: float | None = None  # measured, calls that traced left out
-            self._lose_track()  # nothing pulled yet: _expect (the shards' versions the copies match), _resync
+            self._lose_track()  # nothing pulled yet: _expect (the shards' versions the copies match), _resync, _base
             self._pending = 0  # pushes of calls on the copies handed over and not yet finished
             self.company = Company()  # several minibatches a call only while alone
             self._pusher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
             # The push of one call in flight while the next computes; pushes_in_flight when not alone.
-            ps.reserve(max(2, pushes_in_flight), self._max_call)
+            ps.reserve(max(2, pushes_in_flight), self._max_call, self._state_words)
             log.info(
                 "dense shards: this worker applies their updates to copies of its own, up to %d minibatches a call",
                 self._max_call,
@@ -379,6 +387,7 @@ class PSTrainer:
         versions = [version for version, _flat, _optimizer in pulled]
         self.company.seen(self._expect, versions, [0] * len(versions))
         self._expect = versions
+        self._base = list(versions)  # the copies hold each shard's whole state at these versions
         self._resync = False
         if not self.company.alone:  # others pushed: the next steps are on the shards' values, not the copies
             self._take_fresh([(version, flat) for version, flat, _optimizer in pulled])
@@ -387,6 +396,10 @@ class PSTrainer:
         """The copies no longer know which of the shards' versions they match: they take the shards' values (and
         optimizer state) before their next call."""
         self._expect = [-1] * self.placement.num_ps
+        # Per shard, the version whose whole state (values and optimizer) the copies held before the call whose
+        # push goes next, or None: that push then carries no state. Kept by the push thread, which sends the
+        # pushes in order; the training thread sets it only while no push is in flight.
+        self._base: list[int | None] = [None] * self.placement.num_ps
         self._resync = True
 
     def _on_copies(self) -> bool:
@@ -519,7 +532,7 @@ class PSTrainer:
             if traced:
                 self._warm_step(batch)
             started = time.monotonic()
-            losses, dense = self._traced_copies[1](batch.data, begins, ends)
+            losses, dense, states = self._traced_copies[1](batch.data, begins, ends)
         except ShardsMoved:
             raise
         except Exception as e:  # the user's model/loss failed on real data
@@ -527,7 +540,7 @@ class PSTrainer:
         if not traced:  # the first run of a trace optimizes its graph: no measure
             took = (time.monotonic() - started) / len(starts)
             self._minibatch_s = took if self._minibatch_s is None else 0.8 * self._minibatch_s + 0.2 * took
-        return StepResult(losses, dense, [], where, on_copies=True)
+        return StepResult(losses, dense, [], where, on_copies=True, states=states)
 
     def _warm_step(self, batch: Minibatch) -> None:
         """Trace the one-minibatch step too, and run it once (its first run optimizes its graph), result
@@ -579,7 +592,7 @@ class PSTrainer:
         with self._fresh_lock:
             self._versions = [-1] * self.placement.num_ps
         if self.local:
-            ps.reserve(max(2, self._depth), self._max_call)
+            ps.reserve(max(2, self._depth), self._max_call, self._state_words)
             self._lose_track()  # the restored shards count from their checkpoint
         self.refresh_dense()
         return old
@@ -614,6 +627,7 @@ class PSTrainer:
             if self._resync and not self._pending:  # the newest push's values hold every push of ours
                 for copy, (_v, values, _a) in zip(self._copies, replies):
                     copy.load(values)
+                self._base = [None] * len(replies)  # the copies' optimizer state is not the shards'
                 self._resync = False
         if not self.company.alone:  # the next steps are on the shards' newest values, not the copies
             self._take_fresh(self.ps.pull_dense_at() if replies is None else [(v, f) for v, f, _a in replies])
@@ -652,6 +666,7 @@ class PSTrainer:
         # Checked here, where the values are numpy anyway: nothing non-finite is applied (raises unless skipping).
         bad = {i for i in range(count) if self.non_finite.check(float(losses[i]), [g[i] for g in dense], at(i))}
         if bad:  # one by one, the skipped ones under their skipped keys (see _push): the copies are re-pulled
+            self._base = [None] * len(dense)
             each = []
             for i in range(count):
                 k, grads, loss = key._replace(seq=bounds[i], end=bounds[i + 1]), [g[i] for g in dense], float(losses[i])
@@ -661,8 +676,18 @@ class PSTrainer:
                 applied, _ = self.ps.push(k, grads, {}, want_dense=False)
                 each.append((applied, loss))
             return each, None
+        bases, states = self._base, None
+        if result.states and any(b is not None for b in bases):
+            with phase("push thread: the copies' state to numpy"):
+                states = [None if b is None else (w.numpy(), b) for w, b in zip(result.states, bases)]
+        self._base = [None] * len(dense)  # until the replies show each shard took the whole call
         with phase("push thread: push, the PS's updates, fresh values back"):
-            applied, replies = self.ps.push_many(key, bounds, dense)
+            applied, replies = self.ps.push_many(key, bounds, dense, states)
+        # A shard that applied every minibatch of the call right after the version the call started from holds
+        # what the copy holds, whether it took the state or ran the updates: the next call's push may carry it.
+        self._base = [
+            v if b is not None and all(a) and v == b + count else None for b, (v, _values, a) in zip(bases, replies)
+        ]
         return [(a, float(loss)) for a, loss in zip(applied, losses)], replies
 
     def _push(self, result: StepResult, key: PushKey) -> tuple[bool, float, list[int]]:
@@ -707,6 +732,7 @@ class StepResult(NamedTuple):
     sparse: list  # per embedding table: (unique ids, summed row gradients)
     where: object = None  # its records (finite.Records), as a user finds them
     on_copies: bool = False  # a call on copies of the shards (its push: each minibatch under its own key)
+    states: list = []  # with copies on one host: each copy's state after the call (ParameterShard.words)
 
 
 class FedLease(NamedTuple):

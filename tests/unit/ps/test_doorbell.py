@@ -21,12 +21,16 @@ def server():
     def admit(segment, slot, nonce):
         return segment == 7 and 0 <= slot < 2 and nonce == NONCE
 
-    def push(segment, slot, key, want_dense, bounds):
+    def push(segment, slot, key, want_dense, bounds, state_base):
         if key.seq < 0:
             raise doorbell.Dropped()
         if key.seq == 999:
             raise RuntimeError("the optimizer blew up")
-        rung.append((segment, slot, key, want_dense) + ((bounds,) if bounds else ()))
+        rung.append(
+            (segment, slot, key, want_dense)
+            + ((bounds,) if bounds else ())
+            + ((state_base,) if state_base is not None else ())
+        )
         if bounds:  # a push of several minibatches: the odd-numbered ones were applied before
             each = [i % 2 == 0 for i in range(len(bounds) - 1)]
             return any(each), len(rung), each
@@ -58,6 +62,10 @@ def test_a_ring_for_several_minibatches_carries_their_bounds_and_returns_each_on
     bounds = tuple(range(0, 64 * 33, 64))  # 32 minibatches
     assert bell.ring(key(3, 0), True, bounds) == (True, 1, [i % 2 == 0 for i in range(32)])
     assert rung == [(7, 0, key(3, 0), True, bounds)]
+    # A lone worker's push with its copy's state: the version it was computed from crosses (0 included).
+    for base in (0, 41):
+        bell.ring(key(4, 0), False, bounds, state_base=base)
+        assert rung[-1] == (7, 0, key(4, 0), False, bounds, base)
     bell.close()
 
 

@@ -92,6 +92,55 @@ def test_a_copy_of_a_shard_loaded_with_its_values_and_optimizer_updates_as_the_s
         np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
 
 
+def optimizer_arrays(s: ParameterShard) -> list[np.ndarray]:
+    return [np.asarray(v.numpy()) for v in s.optimizer.variables]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_lone_workers_state_is_taken_only_at_its_base_with_every_minibatch_new(monkeypatch, fused):
+    """A copy's state after its updates (`words`) replaces running them again only while the shard is at the
+    version the copy started from and applies every minibatch; otherwise the shard applies the gradients. The
+    witness is a second shard that only ever applies gradients: values and optimizer state (Adam's moments and
+    iteration count) equal after each push. A state that must not be taken is garbage, so taking it shows."""
+    import tensorflow as tf
+
+    taker, witness = shard(keras.optimizers.Adam(0.01), monkeypatch, fused), shard(keras.optimizers.Adam(0.01))
+    assert taker.state_words > taker.dense_size  # the values, then the moments and the count
+    m = small_model()
+    copy = ParameterShard(m, keras.optimizers.Adam(0.01), Placement.of(m, 1), 0, serve=False)
+    rng = np.random.default_rng(4)
+    bounds = (0, 64, 128, 192)
+
+    def both(task, grads, state, base, each):
+        for s in (taker, witness):
+            got, version, values = s.push_many(
+                key(task, 0, records=192), bounds, grads, None, *((state, base) if s is taker else (None, None))
+            )
+            assert got == each
+        np.testing.assert_allclose(values, witness.dense_flat(), rtol=1e-6, atol=1e-7)
+        for a, b in zip(optimizer_arrays(taker), optimizer_arrays(witness)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert taker.version == witness.version
+
+    _version, flat, optimizer = taker.optimizer_values()
+    copy.load(flat, optimizer)
+    grads = rng.normal(size=(3, taker.dense_size)).astype(np.float32)
+    for g in grads:
+        tf.function(copy.update)(tf.constant(g))
+    both(1, grads, copy.words().numpy(), 0, [True] * 3)
+    assert taker.states_taken == 1
+
+    garbage = np.full(taker.state_words, 7.0, np.float32)
+    other = rng.normal(size=taker.dense_size).astype(np.float32)
+    for s in (taker, witness):
+        s.push(key(9, 0), other, [])  # another worker's push: the shard is past the base
+    both(2, rng.normal(size=(3, taker.dense_size)).astype(np.float32), garbage, 3, [True] * 3)
+    for s in (taker, witness):
+        s.push(key(3, 64), other, [])  # one minibatch of the next call applied before (a lost worker's)
+    both(3, rng.normal(size=(3, taker.dense_size)).astype(np.float32), garbage, taker.version, [True, False, True])
+    assert taker.states_taken == 1
+
+
 def test_only_stock_elementwise_optimizers_are_fused():
     class MyAdam(keras.optimizers.Adam):
         pass

@@ -248,6 +248,7 @@ def test_a_call_of_several_minibatches_leaves_the_shard_as_fit_leaves_it(tmp_pat
         each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
         assert [applied for applied, _loss in each] == [True, True, True] and not t._resync
         assert ps.stats()[0].pushes_applied == 3  # one key each
+        assert ps.stats()[0].states_taken == 1  # on one host the shard took the copy's state after them
 
         witness.compile(optimizer=keras.optimizers.SGD(0.1), loss=t.model_def.loss_fn)
         x, y = t.model_def.feed(rows)
@@ -312,9 +313,12 @@ def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp
         assert t.minibatches_per_call(14, 16) > 1 and t.company.alone
         call(8, 2)
         assert t.company.alone  # its own pushes only
+        taken = ps.stats()[0].states_taken
+        assert taken == 3  # each call's state, the shard still where the call started
         other = PushKey(2, 0, 4, 0, 0)  # another worker's minibatch
         assert ps.push(other, [np.full(t._copies[0].dense_size, 0.5, np.float32)], {}, want_dense=False)[0]
         call(16, 2)
+        assert ps.stats()[0].states_taken == taken  # past the call's start: its gradients, not its state
         assert not t.company.alone and t.minibatches_per_call(12, 16) == 1 and t.pushes_ahead(2) == 1
         np.testing.assert_allclose(t._flats[0].numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
         for lo in (24, 28):  # one-minibatch steps, as without copies; their pushes show no other's
@@ -323,6 +327,7 @@ def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp
             assert t.push_finish_each(t.push_start(result, PushKey(1, lo, lo + 4, 0, 0)))[0][0]
         assert t.company.alone and t.pushes_ahead(2) == 0  # the copies take the shard's values first
         assert [a for a, _loss in call(32, 2)] == [True, True] and t.company.alone and not t._resync
+        assert ps.stats()[0].states_taken == taken + 1  # the copies pulled the shard's whole state again
         np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
 
 
