@@ -154,22 +154,35 @@ class ParameterShard:
 
         # A copy's whole state as float32 words: its flat values, then each optimizer variable's bytes (the
         # iteration count included, bit for bit). A lone worker hands the shard these after a call instead of
-        # the shard running the same updates again (push_many); 0 words when a variable is not whole words.
-        self._word_layout = [(np.dtype(v.dtype), tuple(v.shape)) for v in self.optimizer.variables]
-        whole = all(dtype.itemsize % 4 == 0 for dtype, _ in self._word_layout)
-        self.state_words = (
-            self.dense_size + sum(int(np.prod(shape)) * dtype.itemsize // 4 for dtype, shape in self._word_layout)
-            if whole
-            else 0
+        # the shard running the same updates again (push_many). 0 words: not offered (a variable that is not
+        # float32 or not whole words, whose values would not come back bit for bit).
+        opt_vars = list(self.optimizer.variables)
+        opt_words = [int(v.shape.num_elements()) * np.dtype(v.dtype).itemsize // 4 for v in opt_vars]
+        whole = all(np.dtype(v.dtype).itemsize % 4 == 0 for v in opt_vars) and all(
+            v.dtype == tf.float32 for v in dense_vars
         )
+        self.state_words = self.dense_size + sum(opt_words) if whole else 0
         self.states_taken = 0
 
         def words():
             parts = [flat_values()]
-            for v in self.optimizer.variables:
+            for v in opt_vars:
                 t = tf.convert_to_tensor(v)
                 parts.append(tf.reshape(t if t.dtype == tf.float32 else tf.bitcast(t, tf.float32), [-1]))
             return tf.concat(parts, 0)
+
+        def load_words(flat):
+            """`words` back into the variables, in one call (assigning from numpy, variable by variable,
+            costs as much as the updates it spares)."""
+            values, state_part, *opt_parts = tf.split(flat, [weights_size, self.dense_size - weights_size, *opt_words])
+            for v, part in zip(dense_vars, tf.split(values, sizes) if sizes else []):
+                v.assign(tf.reshape(part, v.shape))
+            state.assign(state_part)
+            for v, part in zip(opt_vars, opt_parts):
+                dtype = tf.as_dtype(v.dtype)
+                if dtype != tf.float32:
+                    part = tf.bitcast(tf.reshape(part, [-1, dtype.size // 4]), dtype)
+                v.assign(tf.reshape(part, v.shape))
 
         self.update, self.values, self.words = update, flat_values, words
         self._apply_many = self._final = None
@@ -185,6 +198,10 @@ class ParameterShard:
                 tf.TensorSpec([None, self.dense_size], tf.float32)
             )
         self._read = tf.function(flat_values).get_concrete_function()
+        if self.state_words:
+            self._load_words = tf.function(load_words).get_concrete_function(
+                tf.TensorSpec([self.state_words], tf.float32)
+            )
         averages = moving_averages(optimizer, dense_vars + tables)
         if averages is not None:  # use_ema: the final model holds the averages, as after fit
             dense_averages, table_averages = averages[: len(dense_vars)], averages[len(dense_vars) :]
@@ -295,11 +312,13 @@ class ParameterShard:
                 and 0 < self.state_words <= state.size
             ):
                 words = state[: self.state_words]
-                if not np.isfinite(words[: self.dense_size]).all():
+                values = words[: self.dense_size]
+                if not np.isfinite(values).all():
                     raise ValueError(f"a push to shard {self.shard} holds values that are not finite: not applied")
-                self.load_words(words)
+                self._load_words(self.tf.constant(words))
                 self.states_taken += 1
-                values = self._values(out)
+                # The shard's values are now the state's, bit for bit: in a shared slot they are already in `out`.
+                values = values if out is not None and np.shares_memory(out, values) else self._copy_array(values, out)
             else:
                 grads = flat_grads[todo] if len(todo) < count else flat_grads[:count]
                 if not np.isfinite(grads).all():
@@ -322,15 +341,6 @@ class ParameterShard:
         for var, value in zip(self.optimizer.variables, optimizer or []):
             var.assign(np.asarray(value).reshape(tuple(var.shape)))
 
-    def load_words(self, words: np.ndarray) -> None:
-        """The state `words` gives (a copy's, see `words`): values and optimizer variables."""
-        optimizer, offset = [], self.dense_size
-        for dtype, shape in self._word_layout:
-            n = int(np.prod(shape)) * dtype.itemsize // 4
-            optimizer.append(words[offset : offset + n].view(dtype).reshape(shape))
-            offset += n
-        self.load(words[: self.dense_size], optimizer)
-
     def optimizer_values(self) -> tuple[int, np.ndarray, list[np.ndarray]]:
         """(version, the flat values, the optimizer's variables), at one moment."""
         with self.lock:
@@ -339,12 +349,15 @@ class ParameterShard:
     def _values(self, out: np.ndarray | None = None) -> np.ndarray:
         return self._copy(self._read(), out)
 
-    @staticmethod
-    def _copy(values, out: np.ndarray | None) -> np.ndarray:
+    @classmethod
+    def _copy(cls, values, out: np.ndarray | None) -> np.ndarray:
         """A private copy of flat values (into `out` when given), taken under the lock: a read may
         alias the variable's buffer, which the next update rewrites in place, and replies are
         encoded after the lock is released."""
-        current = values.numpy()
+        return cls._copy_array(values.numpy(), out)
+
+    @staticmethod
+    def _copy_array(current: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         if out is None:
             return current.copy()
         np.copyto(out, current)
