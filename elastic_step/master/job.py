@@ -207,9 +207,7 @@ class TrainingJob:
         )
         # TensorFlow's pools: one thread each for a local shard; a worker's intra-op threads from worker_threads,
         # else the automatic rule (master/threads.py, which says why).
-        pools = pools_env(
-            inst.role, self.plan.backend, c.strategy, c.worker_threads, c.max_workers, usable_cpus(), c.worker_cpu
-        )
+        pools = pools_env(inst.role, self.plan.backend == "local", self._worker_intra_op())
         if inst.role == "worker":
             return InstanceSpec(
                 inst,

@@ -52,19 +52,10 @@ def worker_intra_op(
     return cpu_cores(worker_cpu) if worker_cpu else None
 
 
-def pools_env(
-    role: str,
-    backend: str,
-    strategy: str,
-    worker_threads: int,
-    max_workers: int,
-    cores: int,
-    worker_cpu: str,
-) -> dict[str, str]:
-    """The TensorFlow pools' environment of an instance of `role` (worker or ps) of the job."""
-    local = backend == "local"
+def pools_env(role: str, local: bool, worker_intra: int | None) -> dict[str, str]:
+    """The TensorFlow pools' environment of an instance of `role` (worker or ps) of the job, on the local backend
+    or not; `worker_intra`: a worker's intra-op threads (worker_intra_op; None: TensorFlow's own default)."""
     if role != "worker":
         return dict(ONE_THREAD) if local else {}
     env = {INTER_OP_ENV: "1"} if local else {}
-    intra = worker_intra_op(worker_threads, backend, strategy, max_workers, cores, worker_cpu)
-    return {**env, INTRA_OP_ENV: str(intra)} if intra is not None else env
+    return {**env, INTRA_OP_ENV: str(worker_intra)} if worker_intra is not None else env

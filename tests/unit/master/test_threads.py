@@ -9,11 +9,12 @@ from elastic_step import spec
 from elastic_step.cli import build_parser
 from elastic_step.errors import ConfigError
 from elastic_step.master.api import TrainConfig
-from elastic_step.master.threads import INTER_OP_ENV, INTRA_OP_ENV, cpu_cores, pools_env
+from elastic_step.master.threads import INTER_OP_ENV, INTRA_OP_ENV, cpu_cores, pools_env, worker_intra_op
 
 
 def env(role="worker", backend="local", strategy="ps", worker_threads=0, max_workers=1, cores=2, worker_cpu="1"):
-    return pools_env(role, backend, strategy, worker_threads, max_workers, cores, worker_cpu)
+    intra = worker_intra_op(worker_threads, backend, strategy, max_workers, cores, worker_cpu)
+    return pools_env(role, backend == "local", intra)
 
 
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
