@@ -6,6 +6,9 @@ records, on a thread of its own at a lower priority, so the master keeps handlin
 made once is kept: the model, the records read and fed, the metric objects and, in `ps` mode, the client of the
 shards.
 
+What is made once is made while the instances start, before the shards open (`prepare`): its first pass
+(TensorFlow's first calls cost ~10x the next) is then not taken from training.
+
 Its budget: the curve may take at most EVAL_SHARE of training's time. A point costs about the same whatever the
 epoch's length (a pull and a pass over the same records), so where epochs are short a point after every one
 would cost training more than that; then an epoch's point is skipped while the last point took longer than
@@ -97,6 +100,12 @@ class EvalCurve:
             max_workers=1, thread_name_prefix="evaluator", initializer=yield_to_training
         )
         self._pending: concurrent.futures.Future | None = None  # the last point submitted
+        self._building = threading.Lock()  # the model: built by `prepare` on the evaluator or by the first pull
+
+    def prepare(self) -> None:
+        """What a point makes once (the model, the records read and fed, the metrics, a first pass), on the
+        evaluator thread, now: while the instances start, before training."""
+        self._evaluator.submit(self._prepare)
 
     def initial_point(self) -> None:
         """The initial weights' point: pulled now, on the caller's thread, before the shards open to the
@@ -156,28 +165,38 @@ class EvalCurve:
 
     # ------------------------------------------------------------------ a point
     def _built(self):
-        if self._model is None:
-            self._model = self.model_def.model()
-        return self._model
+        with self._building:
+            if self._model is None:
+                self._model = self.model_def.model()
+            return self._model
+
+    def _prepare(self) -> None:
+        from elastic_step.evaluation import eval_batches, evaluate_batches
+
+        if self._batches is not None:
+            return
+        with phases.phase("master: prepare the eval curve (model, records, a first pass)"):
+            model = self._built()
+            self._metrics = self.model_def.eval_metrics()
+            self._batches = list(eval_batches(self.model_def, self.manifest, limit=EPOCH_EVAL_RECORDS))
+            # The first pass of a model, its loss and metrics costs ~10x the next (TensorFlow's first calls):
+            # once, on a batch, so that a point's cost, which spaces the points, is what each one costs.
+            evaluate_batches(model, self.model_def, self._batches[:1], self._metrics)
 
     def _point(self, epoch: int, started: float | None = None, pulled_s: float = 0.0) -> None:
         """Epoch `epoch`'s point (-1: the initial weights, pulled already at `started`, in `pulled_s`). What is
         done once (the model, the records, the metrics, a first pass) is not counted in its cost."""
-        from elastic_step.evaluation import eval_batches, evaluate_batches
+        from elastic_step.evaluation import evaluate_batches
 
         try:
+            self._prepare()  # done already, unless `prepare` was not called or failed
+            yield_to_training()  # TensorFlow's threads made since: the pass runs on them
             with phases.phase("master: evaluate an epoch (pull, then the eval records)"):
                 model = self._built()
                 if started is None:
                     started = time.time()
                     self.pull(model)
                     pulled_s = time.time() - started
-                if self._batches is None:
-                    self._metrics = self.model_def.eval_metrics()
-                    self._batches = list(eval_batches(self.model_def, self.manifest, limit=EPOCH_EVAL_RECORDS))
-                    # The first pass of a model, its loss and metrics costs ~10x the next (TensorFlow's first calls):
-                    # once, on a batch, so that a point's cost, which spaces the points, is what each one costs.
-                    evaluate_batches(model, self.model_def, self._batches[:1], self._metrics)
                 evaluating = time.time()
                 r = evaluate_batches(model, self.model_def, self._batches, self._metrics)
                 self.last = PointCost(epoch, started, pulled_s + time.time() - evaluating)
@@ -199,12 +218,33 @@ class EvalCurve:
 
 
 def yield_to_training() -> None:
-    """The evaluator thread's start: the curve's points run at a lower CPU priority than the step's own threads
-    (Linux: a thread's niceness is its own). On the local backend the workers and shards share the master's
-    cores, and an evaluation then takes what they leave instead of slowing their steps; where the master has a
-    pod of its own, nothing competes and nothing changes."""
+    """The evaluator thread's start, and each point's: the curve's points run at a lower CPU priority than the
+    step's own threads (Linux: a thread's niceness is its own). That is the evaluator thread and TensorFlow's own
+    threads in the master (`tf_*`, its op pools: the pass runs there, and they were made, at nice 0, by whatever
+    first ran an op, such as the model's check at the job's start; the master runs TensorFlow for nothing else
+    while training). On the local backend the workers and shards share the master's cores, and an evaluation then
+    takes what they leave instead of slowing their steps; where the master has a pod of its own, nothing competes
+    and nothing changes."""
+    for thread in [threading.get_native_id(), *_tensorflow_threads()]:
+        try:
+            niceness = max(os.getpriority(os.PRIO_PROCESS, thread), EVALUATOR_NICENESS)  # never up
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
+        except (AttributeError, OSError) as e:  # not Linux, not allowed, or gone: the curve costs what it costs
+            log.debug("thread %d keeps its priority: %s", thread, e)
+
+
+def _tensorflow_threads() -> list[int]:
+    """The ids of this process's threads that TensorFlow named (its op pools): none where /proc is not."""
+    found = []
     try:
-        me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), EVALUATOR_NICENESS))  # never up
-    except (AttributeError, OSError) as e:  # not Linux, or not allowed: the curve costs what it costs
-        log.debug("evaluator thread keeps its priority: %s", e)
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                if f.read().startswith("tf_"):
+                    found.append(int(task))
+        except OSError:  # ended meanwhile
+            continue
+    return found

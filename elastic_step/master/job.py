@@ -311,6 +311,8 @@ class TrainingJob:
                 self._launch(InstanceId("ps", i))
             for i in range(cfg.max_workers):
                 self._launch(InstanceId("worker", i))
+            if self.curve is not None:
+                self.curve.prepare()  # while they start
             self.gray.start()
             if not self.allreduce:
                 self._pump(until=self.coord.ps_ready.is_set)

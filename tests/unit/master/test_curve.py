@@ -34,6 +34,20 @@ def test_the_evaluator_thread_yields_the_cores_to_training_and_the_master_keeps_
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # the calling thread's own
 
 
+def test_a_point_yields_tensorflows_own_threads_too_where_its_pass_runs():
+    """TensorFlow runs a pass's ops on its own pools (threads named tf_*), made at nice 0 by whatever ran the
+    master's first op; the witness is each thread's niceness as the kernel tells it."""
+    tf = pytest.importorskip("tensorflow")
+    tf.function(lambda x: tf.reduce_sum(tf.matmul(x, x)))(tf.ones([64, 64]))  # the pools exist now
+    names = {int(t): open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
+    pools = [t for t, name in names.items() if name.startswith("tf_")]
+    assert pools
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as other:
+        other.submit(yield_to_training).result()
+    for t in pools:
+        assert os.getpriority(os.PRIO_PROCESS, t) >= EVALUATOR_NICENESS, names[t]
+
+
 # ---------------------------------------------------------------------- the budget
 def test_a_point_is_due_once_the_last_took_at_most_its_share_of_the_time_since_it_started():
     assert EVAL_SHARE == 0.02
@@ -98,6 +112,7 @@ def test_each_point_is_what_evaluate_reports_on_the_weights_of_its_epoch(job):
     md, manifest, trained, coord, _ = job
     curve = curve_of(job)
     expected = {}
+    curve.prepare()  # as the master does while the instances start
     curve.initial_point()
     expected[-1] = evaluate(trained, md, manifest, limit=EPOCH_EVAL_RECORDS)
     curve.tick(0, 0.0)  # the pump's first turn
