@@ -61,6 +61,9 @@ log = logging.getLogger("elastic_step.worker")
 CALL_S = 0.05
 # At most this many bytes of gradients a push (its shared slot holds them): a large model runs fewer a call.
 MAX_CALL_BYTES = 16 << 20
+# A copy's state (values and optimizer slots: Adam's are 3x the model) rides in each push only up to this size:
+# beyond it the shared slots would hold more than the model several times over, in /dev/shm.
+MAX_STATE_BYTES = 64 << 20
 # After another worker's push, one minibatch a call until this many of this worker's own in a row found no
 # other's push on the shards (a few leases: another worker that only paused, waiting for work, is seen back).
 ALONE_AGAIN = 256
@@ -280,9 +283,8 @@ class PSTrainer:
             # On one host a call's push also carries the copies' state after it, which a shard still at the
             # state the call started from takes instead of running the same updates again (ParameterShard.
             # push_many): the shard's update competes with the worker's step for the cores only there.
-            self._state_words = (
-                [c.state_words for c in copies] if ps.carries_state() and all(c.state_words for c in copies) else None
-            )
+            fits = all(0 < c.state_words * 4 <= MAX_STATE_BYTES for c in copies)
+            self._state_words = [c.state_words for c in copies] if ps.carries_state() and fits else None
             words = self._state_words is not None
 
             def local_steps(data, begins, ends):
@@ -398,7 +400,8 @@ class PSTrainer:
         self._expect = [-1] * self.placement.num_ps
         # Per shard, the version whose whole state (values and optimizer) the copies held before the call whose
         # push goes next, or None: that push then carries no state. Kept by the push thread, which sends the
-        # pushes in order; the training thread sets it only while no push is in flight.
+        # pushes in order and sets it only from a shard's reply; the training thread clears it, and sets it only
+        # while no push is in flight (a pull).
         self._base: list[int | None] = [None] * self.placement.num_ps
         self._resync = True
 
