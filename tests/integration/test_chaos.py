@@ -25,6 +25,10 @@ JOB = {"model": TALLY_MODEL, "epochs": EPOCHS, "max_workers": 2, "checkpoint_eve
 # unpaced, the ring left by a killed worker could train the rest of the job before the worker's replacement
 # (TensorFlow's import: about a second) joins it, and leave no lease for a later signal to land in.
 RING_LEASE_S = 0.03
+# ps, a lone worker on copies of the shards: each lease's feed() sleeps this long. The shard takes its copies' state
+# after each call, and the lone worker runs a tally epoch in about a tenth of a second, its checkpoints (every 2,000
+# records) due again almost as soon as cut: a signal, which waits for a cut, then found no moment to land in.
+LONE_LEASE_S = 0.03
 
 
 # Seeds whose schedule holds every role asked for (the test checks it): ps: kill worker, term master,
@@ -97,7 +101,8 @@ def test_calls_of_several_minibatches_lose_nothing_to_a_lost_worker_and_ps(tally
     pushes show, and back. A worker killed mid-call (its call's pushes applied, some or none of them reported)
     and a killed PS (its shard restored to the last checkpoint): each record is still applied once per epoch,
     by the weights and by the shards' audit."""
-    _a_worker_and_a_ps_killed(tally_data, tmp_path, env={tally.TABLE_ENV: "0"}, max_workers=workers)
+    paced = paced_model(TALLY_MODEL, tmp_path, LONE_LEASE_S)
+    _a_worker_and_a_ps_killed(tally_data, tmp_path, env={tally.TABLE_ENV: "0"}, max_workers=workers, model=paced)
     logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("worker-*.log"))
     assert "this worker applies their updates to copies of its own" in logs  # the path under test ran
     assert ("another worker pushed" in logs) == (workers == 2), logs[-3000:]  # alone, it never left it
