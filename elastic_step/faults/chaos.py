@@ -82,7 +82,9 @@ STOP_NOT_MASTER = (
     "stop freezes workers and parameter servers, not the master: a frozen master is the step's health endpoint's "
     "to report (its liveness probe restarts the step)"
 )
-STOP_MINIBATCHES_LEFT = 4  # a stop lands at a worker with at least this many minibatches of its lease still to commit
+# A signal to a worker lands with at least this many minibatches of its lease still to commit, so that the reports
+# already on their way cannot finish the lease: the signal cuts it short, and leaves a remainder to requeue.
+MINIBATCHES_LEFT = 4
 ZOMBIE_KILL_AFTER_S = 60.0  # stop:...:resume: the most a resumed worker's kill waits for it to end by itself
 
 
@@ -146,6 +148,7 @@ class Chaos(api.JobFaults):
         self._gates = tempfile.mkdtemp(prefix="elastic-step-slow-") if any(sig.at for sig in slowed) else ""
         self.zombies: set[InstanceId] = set()  # frozen by a stop:...:resume, to resume once declared hung
         self.resumed: list[dict] = []
+        self._marks: dict[str, int] | None = None  # each leased worker's watermark at the last tick (see _cuttable)
         if self.kill_at_checkpoint is not None:
             self.schedule.append({"action": "kill", "instance": "master", "at_checkpoint": self.kill_at_checkpoint})
 
@@ -248,6 +251,7 @@ class Chaos(api.JobFaults):
 
     def _fire(self, sig: Signal, instance: str, committed: int) -> None:
         self.pending.remove(sig)
+        self._marks = None  # the next signal tells moves from its own ticks' watermarks, not from this one's
         self.fired.append({"action": sig.action, "instance": instance, "at_records": committed, "index": sig.index})
         if self.journal is not None:  # before the signal: a master that kills itself must leave it written
             write_json(
@@ -315,18 +319,11 @@ class Chaos(api.JobFaults):
                 coord.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
                 log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
             return
-        leased = set(coord.ledger.leases)
+        leased = self._cuttable(coord)
         if sig.action == "stop":
-            # A freeze lands mid-lease, after the worker's first commit of its launch: before it, a freeze is a
-            # start-up hang, which has a bound of minutes (master/hang.py), not the one a test gives.
-            # And with minibatches left beyond those its reports in flight may still commit, so that it holds work.
-            left = STOP_MINIBATCHES_LEFT * coord.ledger.minibatch_size
-            leases = coord.ledger.leases
-            leased = {
-                w
-                for w in leased
-                if coord.hangs.idle(w) is not None and leases[w].task.end - leases[w].watermark >= left
-            }
+            # A freeze lands after the worker's first commit of its launch: before it, a freeze is a start-up hang,
+            # which has a bound of minutes (master/hang.py), not the one a test gives.
+            leased = {w for w in leased if coord.hangs.idle(w) is not None}
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
                 return
@@ -366,6 +363,22 @@ class Chaos(api.JobFaults):
                 self.zombies.add(target)
         else:
             threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
+
+    def _cuttable(self, coord) -> set[str]:
+        """The workers a signal would surely cut short now: their lease's watermark moved since the last tick (a
+        commit, or a lease just granted), so what they compute now is not yet reported, and MINIBATCHES_LEFT of it
+        are still to commit. A lease that a single report ends (a run of allreduce steps) is cut only this way:
+        any later, its last report may be on its way, and the kill leaves nothing to requeue."""
+        leases = coord.ledger.leases
+        marks, self._marks = self._marks, {w: lease.watermark for w, lease in leases.items()}
+        if marks is None:
+            return set()  # the first tick: nothing to tell a move from
+        left = MINIBATCHES_LEFT * coord.ledger.minibatch_size
+        return {
+            w
+            for w, lease in leases.items()
+            if marks.get(w) != lease.watermark and lease.task.end - lease.watermark >= left  # get: None, no lease then
+        }
 
     def summary(self) -> dict | None:
         if not self.schedule:

@@ -129,7 +129,10 @@ def test_a_resumed_master_skips_what_its_predecessor_fired(tmp_path, job):
     second.resume(journal, "job-1")
     second.tick(12, backend, coord)
     assert second.pending[0].target == InstanceId("worker", 0)  # ps-0 is not killed twice
-    second.tick(25, backend, coord)
+    second.tick(25, backend, coord)  # no commit of worker-0's seen since: its last report may be on its way
+    assert second.pending
+    _commit_once(coord)
+    second.tick(25, backend, coord)  # right after a commit, most of the lease to go
     assert not second.pending and InstanceId("ps", 0) in backend.alive()
     other = Chaos(specs, 1000, 1, num_ps=1)
     other.resume(journal, "job-2")  # another job's journal is not its own
@@ -171,6 +174,28 @@ def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
     assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
 
 
+def test_a_signal_to_a_worker_lands_right_after_a_commit_with_minibatches_of_its_lease_to_go(job):
+    """Else the reports on their way could end the lease, and a kill would leave nothing to requeue (a run of
+    allreduce steps is reported at once)."""
+    coord, backend = job
+    chaos = Chaos(["kill:worker-0@10"], 1000, 1, num_ps=1)
+    lease = coord.ledger.leases["worker-0"]
+    worker = InstanceId("worker", 0)
+    chaos.tick(15, backend, coord)
+    chaos.tick(15, backend, coord)
+    assert chaos.pending  # no commit since the last tick: its last report may be on its way
+    for step in range(1, 8):  # 10-record minibatches: 30 records, 3 minibatches, to go
+        assert coord.report_progress(worker, lease.task.task_id, lease.start + 10 * step, 0.0, False)
+    chaos.tick(15, backend, coord)
+    assert chaos.pending  # right after a commit, but too little to go
+    fresh = Chaos(["kill:worker-0@10"], 1000, 1, num_ps=1)
+    fresh.tick(15, backend, coord)
+    coord.ledger.leases.pop("worker-0")  # the lease ends; at the next tick, a new one was just granted
+    coord.ledger.lease("worker-0", 0.0)
+    fresh.tick(15, backend, coord)
+    assert [f["instance"] for f in fresh.fired] == ["worker-0"]
+
+
 def _commit_once(coord) -> None:
     """worker-0 reports its lease's first minibatch: its first commit of the launch."""
     lease = coord.ledger.leases["worker-0"]
@@ -190,6 +215,7 @@ def test_a_zombie_is_resumed_once_declared_hung_and_its_kill_deferred(job):
     assert chaos.schedule == [zombie]
     worker = InstanceId("worker", 0)
     assert chaos.kill_deferred(worker, backend) == 0.0  # not frozen yet: nothing to resume
+    chaos.tick(15, backend, coord)  # the watermark its commit moves
     _commit_once(coord)
     chaos.tick(15, backend, coord)
     pid = backend.pid(worker)
@@ -211,6 +237,7 @@ def test_a_freeze_waits_while_a_frozen_worker_is_not_yet_declared_hung(job):
     hung. So the PS's freeze waits for the zombie's resume; the witness is each process's state in /proc."""
     coord, backend = job
     chaos = Chaos(["stop:worker-0@10:resume", "stop:ps-0@20"], 1000, 1, num_ps=1)
+    chaos.tick(15, backend, coord)
     _commit_once(coord)
     chaos.tick(15, backend, coord)
     chaos.tick(25, backend, coord)
