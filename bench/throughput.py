@@ -9,10 +9,10 @@ a step is overhead).
                                          [--minibatches-per-push 8] [--pushes-in-flight 2] [--worker-threads N ...]
                                          [--master-work] [--profile]
 
-Each side runs --repeat times, the sides alternating (this VM's speed drifts by tens of percent over a minute, and
-a slow moment only ever slows a run); ratios are best against best, the spread is each side's fastest run over
-its slowest, and each side's accuracy is on the held-out eval split (elastic_step.evaluation, as the step's
-summary scores it), lowest-highest.
+Each side runs --repeat times, the sides alternating, each round starting one side further on (this VM's speed
+drifts by tens of percent over a minute, and a slow moment only ever slows a run); ratios are best against best,
+the spread is each side's fastest run over its slowest, and each side's accuracy is on the held-out eval split
+(elastic_step.evaluation, as the step's summary scores it), lowest-highest.
 
 elastic-step's figure is its steady state: committed records over the span from the first to the last commit
 (its start-up, ~5 s of TensorFlow import, is shown apart). Keras's is the median epoch of `fit` after a warm-up,
@@ -28,7 +28,8 @@ so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
                             and no checkpoint; with it, every side but this one evaluates after each epoch and
                             cuts a checkpoint an epoch (every --rows committed records), so that some are cut in a
                             short job (the default, every 60 s, would cut none), and the master's cost is on
-                            against off;
+                            against off: best against best, and round by round (each round's on run against
+                            that round's off run: the median and the range);
   --profile                 where the default side's time goes, per minibatch, from each process's phase clock
                             (elastic_step/util/phases.py): the training thread, the push and lease threads, the
                             PS's update, the master's reports, evaluations and checkpoints.
@@ -183,9 +184,12 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     if args.master_work:
         sides[off] = lambda i: run_elastic(i, off, master_work=False)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
+    order = list(sides)
     for i in range(args.repeat):
-        for side, run in sides.items():
-            runs[side].append(run(i))
+        # Each round starts one side further on, so that no side always runs right after the same other: what a
+        # run leaves behind (its files written back, its processes ending) must not weigh on one side only.
+        for side in order[i % len(order) :] + order[: i % len(order)]:
+            runs[side].append(sides[side](i))
     best = {side: max(r["records_per_s"] for r in rs) for side, rs in runs.items()}
     print(
         f"\n{name}, batch {batch}\n"
@@ -205,7 +209,14 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     print(f"  the default side's worker ran {' or '.join(map(str, sorted(intra, key=str)))} intra-op thread(s)")
     if args.master_work:
         on, without = best[default], best[off]
-        print(f"  the master's own work costs training {1 - on / without:+.1%} (on {on:.0f} / off {without:.0f})")
+        # A round's on and off runs are a minute apart at most: their ratio leaves out the machine's drift over
+        # longer, which best against best does not.
+        paired = sorted(1 - a["records_per_s"] / b["records_per_s"] for a, b in zip(runs[default], runs[off]))
+        print(
+            f"  the master's own work costs training {1 - on / without:+.1%} best against best (on {on:.0f} / off "
+            f"{without:.0f}); round by round {statistics.median(paired):+.1%} median, {paired[0]:+.1%} to "
+            f"{paired[-1]:+.1%}"
+        )
     if args.profile:
         top = max(range(len(runs[default])), key=lambda j: runs[default][j]["records_per_s"])
         rate = runs[default][top]["records_per_s"]

@@ -35,6 +35,8 @@ job's start by `for_job`):
   `random:4:seed=7:actions=kill,term,stop` draws each signal's action among those listed (`stop`:
   with roles among worker and ps). Without `actions=`, a seed draws the schedule it always drew.
 
+A signal to a worker lands right after a commit of its lease (or a lease just granted) with minibatches of the
+lease still to commit (MINIBATCHES_LEFT), so that it surely cuts the lease short and leaves a remainder to requeue.
 Nothing fires on wall time: a slower machine sees the same schedule at the same progress. A signal due
 while a checkpoint is being cut waits for it: the cut was due first, at fewer records. What fired goes
 into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
