@@ -7,7 +7,7 @@ a step is overhead).
 
     .venv/bin/python bench/throughput.py [--model M ...] [--rows 20000] [--batch 64] [--repeat 3]
                                          [--minibatches-per-push 8] [--pushes-in-flight 2] [--worker-threads N ...]
-                                         [--master-work] [--profile]
+                                         [--master-work [--checkpoint-every INTERVAL]] [--profile]
 
 Each side runs --repeat times, the sides alternating, each round starting one side further on (this VM's speed
 drifts by tens of percent over a minute, and a slow moment only ever slows a run); ratios are best against best,
@@ -27,7 +27,8 @@ so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
   --master-work             the same defaults with the master's own work off: no evaluation curve (no eval split)
                             and no checkpoint; with it, every side but this one evaluates after each epoch and
                             cuts a checkpoint an epoch (every --rows committed records), so that some are cut in a
-                            short job (the default, every 60 s, would cut none), and the master's cost is on
+                            short job (the default, every 60 s, would cut none; --checkpoint-every 60s asks for
+                            it), and the master's cost is on
                             against off: best against best, and round by round (each round's on run against
                             that round's off run: the median and the range);
   --profile                 where the default side's time goes, per minibatch, from each process's phase clock
@@ -157,7 +158,8 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     """Every side on `model` at minibatch `batch`, alternating; prints the table (and the profile)."""
     name = os.path.relpath(model, ROOT)
     tag = f"{name.replace('/', '_')}-{batch}"
-    checkpoints = str(args.rows) if args.master_work else None  # one an epoch: a job of seconds cuts some
+    # One an epoch unless asked otherwise: a job of seconds cuts some (the job's default, every 60 s, none).
+    checkpoints = (args.checkpoint_every or str(args.rows)) if args.master_work else None
     tuned_spe = max(args.spe, key=lambda n: keras_fit(model, data, batch, n)["records_per_s"])
     fit, tuned, default = "keras fit", f"keras fit, steps_per_execution={tuned_spe}", "elastic-step"
 
@@ -236,6 +238,11 @@ def main() -> None:
     )
     p.add_argument("--spe", type=int, nargs="+", default=[8, 32, 128], help="steps_per_execution tried for tuned fit")
     p.add_argument("--master-work", action="store_true", help="a side with the master's evaluation and checkpoints off")
+    p.add_argument(
+        "--checkpoint-every",
+        default="",
+        help="with --master-work: the sides' checkpoint_every (default: --rows, one an epoch; 60s: the job's default)",
+    )
     p.add_argument("--profile", action="store_true", help="the phase profile of the default side's best run")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
@@ -244,7 +251,11 @@ def main() -> None:
         print(
             f"{args.rows} records, {EPOCHS} epochs, {args.repeat} alternating runs a side; elastic-step: 1 worker + "
             "1 PS (local backend) at default settings"
-            + (f", a checkpoint every {args.rows} records (an epoch)" if args.master_work else "")
+            + (
+                f", a checkpoint every {args.checkpoint_every or f'{args.rows} records (an epoch)'}"
+                if args.master_work
+                else ""
+            )
             + "; accuracy on the held-out eval split, lowest-highest"
         )
         for model in args.model:
