@@ -36,7 +36,7 @@ job's start by `for_job`):
   with roles among worker and ps). Without `actions=`, a seed draws the schedule it always drew.
 
 A signal to a worker lands right after a commit of its lease (or a lease just granted) with minibatches of the
-lease still to commit (MINIBATCHES_LEFT), so that it surely cuts the lease short and leaves a remainder to requeue.
+lease still to commit (MINIBATCHES_LEFT), so that it cuts the lease short and leaves a remainder to requeue.
 Nothing fires on wall time: a slower machine sees the same schedule at the same progress. A signal due
 while a checkpoint is being cut waits for it: the cut was due first, at fewer records. What fired goes
 into summary.json (`chaos.fired`), so a test can fail loudly when its chaos never did.
@@ -84,8 +84,8 @@ STOP_NOT_MASTER = (
     "stop freezes workers and parameter servers, not the master: a frozen master is the step's health endpoint's "
     "to report (its liveness probe restarts the step)"
 )
-# A signal to a worker lands with at least this many minibatches of its lease still to commit, so that the reports
-# already on their way cannot finish the lease: the signal cuts it short, and leaves a remainder to requeue.
+# A signal to a worker lands with at least this many minibatches of its lease still to commit, more than the reports
+# on their way usually hold: the signal cuts the lease short, and leaves a remainder to requeue.
 MINIBATCHES_LEFT = 4
 ZOMBIE_KILL_AFTER_S = 60.0  # stop:...:resume: the most a resumed worker's kill waits for it to end by itself
 
@@ -367,10 +367,10 @@ class Chaos(api.JobFaults):
             threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
 
     def _cuttable(self, coord) -> set[str]:
-        """The workers a signal would surely cut short now: their lease's watermark moved since the last tick (a
-        commit, or a lease just granted), so what they compute now is not yet reported, and MINIBATCHES_LEFT of it
-        are still to commit. A lease that a single report ends (a run of allreduce steps) is cut only this way:
-        any later, its last report may be on its way, and the kill leaves nothing to requeue."""
+        """The workers a signal would cut short now: their lease's watermark moved since the last tick (a commit, or
+        a lease just granted), so what they compute now is not yet reported, and MINIBATCHES_LEFT of it are still to
+        commit. A lease that one report ends (a run of allreduce steps) is cut this way only: later in the run its
+        report may be on its way, and a kill then leaves nothing to requeue."""
         leases = coord.ledger.leases
         marks, self._marks = self._marks, {w: lease.watermark for w, lease in leases.items()}
         if marks is None:
