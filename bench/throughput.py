@@ -146,12 +146,15 @@ def saved_accuracy(model_path: str, data: pathlib.Path, out: pathlib.Path) -> fl
 
 
 def show_profile(profile: pathlib.Path, minibatches: int, rate: float, batch: int) -> None:
-    """Each process's phases, in microseconds per minibatch, beside the step's whole time per minibatch."""
+    """Each process's phases, in microseconds per minibatch (and the CPU their own thread took), beside the step's
+    whole time per minibatch; then each process's CPU by thread name."""
     whole = 1e6 * batch / rate
     print(f"  where a minibatch's time goes, in µs per minibatch (one minibatch: {whole:.0f} µs at this run's rate):")
     for path in sorted(profile.glob("*.json")):
         for name, v in sorted(json.loads(path.read_text()).items(), key=lambda kv: -kv[1]["s"]):
-            print(f"    {path.stem:>9} {name:<62} {1e6 * v['s'] / minibatches:>9.0f} µs  ({v['n']} times)")
+            cpu = f", its thread's CPU {1e6 * v['cpu'] / minibatches:.0f} µs" if "cpu" in v else ""
+            each = "threads" if name.startswith("CPU of its threads") else "times"
+            print(f"    {path.stem:>9} {name:<62} {1e6 * v['s'] / minibatches:>9.0f} µs  ({v['n']} {each}{cpu})")
 
 
 def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args) -> None:

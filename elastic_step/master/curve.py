@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from elastic_step.errors import ModelDefError
 from elastic_step.util import phases
+from elastic_step.util.process import own_threads
 
 log = logging.getLogger("elastic_step.master")
 
@@ -235,16 +236,4 @@ def yield_to_training() -> None:
 
 def _tensorflow_threads() -> list[int]:
     """The ids of this process's threads that TensorFlow named (its op pools): none where /proc is not."""
-    found = []
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                if f.read().startswith("tf_"):
-                    found.append(int(task))
-        except OSError:  # ended meanwhile
-            continue
-    return found
+    return [t.tid for t in own_threads() if t.name.startswith("tf_")]

@@ -1,10 +1,11 @@
 """Process plumbing every worker, PS and preloader process sets up first: dying with its parent, and
-TensorFlow's C++ log level."""
+TensorFlow's C++ log level; and this process's threads as the kernel sees them."""
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 # Set by the local backend: the master's pid. Its instances die with it, as pods go with their owner
 # on Kubernetes, so a SIGKILLed master leaves no process behind to push into shards nobody will read.
@@ -26,3 +27,31 @@ def die_with_parent() -> None:
 
 def quiet_tensorflow() -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+class Thread(NamedTuple):
+    tid: int
+    name: str  # the kernel's (comm): TensorFlow's pools name theirs tf_*; Python's carry the process's name
+    cpu_s: float  # user and system time so far
+
+
+def own_threads() -> list[Thread]:
+    """This process's threads alive now (none where /proc is not)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    tick = os.sysconf("SC_CLK_TCK")
+    found = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        # comm may hold spaces or parentheses: it runs from the first "(" to the last ")"; utime and stime are
+        # the 12th and 13th fields after it.
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        found.append(Thread(int(task), name, (int(fields[11]) + int(fields[12])) / tick))
+    return found
