@@ -1,8 +1,9 @@
 """Where a training process's time goes, phase by phase (compute, feed, push, waits, evaluation, checkpoints):
 for the throughput bench's profile of a step. Off unless ELASTIC_STEP_PHASES names a directory; then each
 process adds up the wall time of its phases and their thread's CPU time, and writes them there, as
-<process>.json, when it ends, with the CPU time of its threads alive then, by name (TensorFlow's pools, gRPC's,
-Python's own). Off, a phase costs one attribute read: the hot loop keeps its timers in place."""
+<process>.json, when it ends, with the CPU time of its threads alive then, by name (TensorFlow's inter-op pool,
+gRPC's; TensorFlow's intra-op threads and Python's own carry the process's name). Off, a phase costs one
+attribute read: the hot loop keeps its timers in place."""
 
 from __future__ import annotations
 

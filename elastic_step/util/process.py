@@ -31,7 +31,9 @@ def quiet_tensorflow() -> None:
 
 class Thread(NamedTuple):
     tid: int
-    name: str  # the kernel's (comm): TensorFlow's pools name theirs tf_*; Python's carry the process's name
+    # The kernel's name (comm): TensorFlow names its inter-op pool's threads tf_*; its intra-op (Eigen) threads and
+    # Python's carry the process's name.
+    name: str
     cpu_s: float  # user and system time so far
 
 
