@@ -220,10 +220,11 @@ class EvalCurve:
 
 def yield_to_training() -> None:
     """The evaluator thread's start, and each point's: the curve's points run at a lower CPU priority than the
-    step's own threads (Linux: a thread's niceness is its own). That is the evaluator thread and TensorFlow's own
-    threads in the master (`tf_*`, its op pools: the pass runs there, and they were made, at nice 0, by whatever
-    first ran an op, such as the model's check at the job's start; the master runs TensorFlow for nothing else
-    while training). On the local backend the workers and shards share the master's cores, and an evaluation then
+    step's own threads (Linux: a thread's niceness is its own). That is the evaluator thread and TensorFlow's named
+    threads in the master (`tf_*`, its inter-op pool: made, at nice 0, by whatever first ran an op, such as the
+    model's check at the job's start; the master runs TensorFlow for nothing else while training). Its intra-op
+    threads, which run much of a pass, carry the process's name: they are not told apart, and keep their priority.
+    On the local backend the workers and shards share the master's cores, and an evaluation then
     takes what they leave instead of slowing their steps; where the master has a pod of its own, nothing competes
     and nothing changes."""
     for thread in [threading.get_native_id(), *_tensorflow_threads()]:
