@@ -28,9 +28,8 @@ so tracing is excluded from both. Both train 3 epochs. Extra elastic-step sides:
                             and no checkpoint; with it, every side but this one evaluates after each epoch and
                             cuts a checkpoint an epoch (every --rows committed records), so that some are cut in a
                             short job (the default, every 60 s, would cut none; --checkpoint-every 60s asks for
-                            it), and the master's cost is on
-                            against off: best against best, and round by round (each round's on run against
-                            that round's off run: the median and the range);
+                            it), and the master's cost is on against off: best against best, and round by round
+                            (each round's on run against that round's off run: the median and the range);
   --profile                 where the default side's time goes, per minibatch, from each process's phase clock
                             (elastic_step/util/phases.py): the training thread, the push and lease threads, the
                             PS's update, the master's reports, evaluations and checkpoints.
@@ -214,8 +213,8 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     print(f"  the default side's worker ran {' or '.join(map(str, sorted(intra, key=str)))} intra-op thread(s)")
     if args.master_work:
         on, without = best[default], best[off]
-        # A round's on and off runs are a minute apart at most: their ratio leaves out the machine's drift over
-        # longer, which best against best does not.
+        # A round's on and off runs are close in time: their ratio leaves out the machine's drift over the whole
+        # bench, which best against best does not.
         paired = sorted(1 - a["records_per_s"] / b["records_per_s"] for a, b in zip(runs[default], runs[off]))
         print(
             f"  the master's own work costs training {1 - on / without:+.1%} best against best (on {on:.0f} / off "
