@@ -236,5 +236,5 @@ def yield_to_training() -> None:
 
 
 def _tensorflow_threads() -> list[int]:
-    """The ids of this process's threads that TensorFlow named (its op pools): none where /proc is not."""
+    """The ids of this process's threads that TensorFlow named (its inter-op pool): none where /proc is not."""
     return [t.tid for t in own_threads() if t.name.startswith("tf_")]
