@@ -209,8 +209,13 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
             f"{best[side] / best[tuned]:>8.2f} {startup:>10}",
             flush=True,
         )
-    intra = {r["summary"]["config"].get("worker_intra_op_threads") for r in runs[default]}
-    print(f"  the default side's worker ran {' or '.join(map(str, sorted(intra, key=str)))} intra-op thread(s)")
+    pools = {
+        tuple(r["summary"]["config"].get(f"worker_{p}_op_threads") for p in ("intra", "inter")) for r in runs[default]
+    }
+    print(
+        "  the default side's worker ran "
+        + " or ".join(f"{intra} intra-op and {inter} inter-op thread(s)" for intra, inter in sorted(pools, key=str))
+    )
     if args.master_work:
         on, without = best[default], best[off]
         # A round's on and off runs are close in time: their ratio leaves out the machine's drift over the whole

@@ -238,7 +238,8 @@ PARAMS: tuple[Param, ...] = (
         "TensorFlow intra-op threads of each worker (the threads one op is split over). 0: automatic: on the local "
         "backend, a worker gets the step's cores shared among max_workers, at least 1 (the PS shards 1 "
         "each); on Kubernetes, a worker gets its worker_cpu, rounded up (TensorFlow would size its pool by the "
-        "node's cores); else TensorFlow's own default",
+        "node's cores); else TensorFlow's own default. On the local backend a worker's inter-op threads follow: 2 "
+        "for a step of 10 M multiply-adds a minibatch or more on 2 or more of these threads, else 1",
         _on(*_TRAINING, RUN),
         (ELASTIC_TRAIN,),
         metavar="N",

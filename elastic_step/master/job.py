@@ -39,7 +39,7 @@ from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
-from elastic_step.master.threads import pools_env, worker_intra_op
+from elastic_step.master.threads import HEAVY_MINIBATCH, multiply_adds, pools_env, worker_inter_op, worker_intra_op
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
 from elastic_step.util import phases
@@ -169,6 +169,7 @@ class TrainingJob:
         self.progress = Progress(cfg.progress, self.ledger.records_per_epoch, cfg.epochs)
         self.tensorboard = TensorBoardLog.for_job(output, self.ledger.records_per_epoch)
         self.train_seconds = 0.0
+        self._multiply_adds: int | None = None  # a minibatch's, counted at the first launch (_minibatch_multiply_adds)
         self.terminated_at: float | None = None  # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
         self.curve = (
@@ -206,8 +207,8 @@ class TrainingJob:
             skip_non_finite=c.skip_non_finite and inst.role == "worker",
         )
         # TensorFlow's pools: one thread each for a local shard; a worker's intra-op threads from worker_threads,
-        # else the automatic rule (master/threads.py, which says why).
-        pools = pools_env(inst.role, self.plan.backend == "local", self._worker_intra_op())
+        # else the automatic rule, and its inter-op threads by its step's weight (master/threads.py, which says why).
+        pools = pools_env(inst.role, self.plan.backend == "local", self._worker_intra_op(), self._worker_inter_op())
         if inst.role == "worker":
             return InstanceSpec(
                 inst,
@@ -230,6 +231,21 @@ class TrainingJob:
         c = self.cfg
         cores = usable_cpus()
         return worker_intra_op(c.worker_threads, self.plan.backend, c.strategy, c.max_workers, cores, c.worker_cpu)
+
+    def _worker_inter_op(self) -> int | None:
+        return worker_inter_op(self._worker_intra_op(), self.plan.backend == "local", self._minibatch_multiply_adds())
+
+    def _minibatch_multiply_adds(self) -> int:
+        """The step's weight, for its inter-op threads: the model's multiply-adds a minibatch (threads.py),
+        counted once, on the local backend only."""
+        if self._multiply_adds is None:
+            self._multiply_adds = 0
+            if self.plan.backend == "local":
+                try:
+                    self._multiply_adds = multiply_adds(self.model_def.model()) * self.cfg.minibatch_size
+                except Exception as e:  # noqa: BLE001 - the user's error, reported as theirs where a model trains
+                    log.debug("the model's multiply-adds not counted: its model() failed: %s", e)
+        return self._multiply_adds
 
     def _launch(self, inst: InstanceId, relaunch: bool = False) -> None:
         self.coord.membership.launched(inst, relaunch)
@@ -296,11 +312,16 @@ class TrainingJob:
             cfg.max_workers,
             plan.backend,
         )
-        threads = self._worker_intra_op()
+        threads, inter = self._worker_intra_op(), self._worker_inter_op()
         log.info(
-            "each worker's TensorFlow: %s intra-op threads%s",
+            "each worker's TensorFlow: %s intra-op threads%s, %s inter-op threads%s",
             threads or "the default",
             f" (--worker-threads {cfg.worker_threads})" if cfg.worker_threads else " (--worker-threads 0: automatic)",
+            inter or "the default",
+            f" (its step ~{self._minibatch_multiply_adds() / 1e6:.1f} M multiply-adds a minibatch; 2 from "
+            f"{HEAVY_MINIBATCH / 1e6:.0f} M on 2 or more intra-op threads)"
+            if inter
+            else "",
         )
         t_start = time.time()
         try:
@@ -580,10 +601,11 @@ class TrainingJob:
                     "min_workers": c.min_workers,
                     "max_workers": c.max_workers,
                     "num_ps": c.num_ps,
-                    # a worker's TensorFlow intra-op threads as given (0: automatic), and as the job ran them (None:
-                    # TensorFlow's own default)
+                    # a worker's TensorFlow intra-op threads as given (0: automatic), and its pools as the job ran
+                    # them (None: TensorFlow's own default)
                     "worker_threads": c.worker_threads,
                     "worker_intra_op_threads": self._worker_intra_op(),
+                    "worker_inter_op_threads": self._worker_inter_op(),
                     "model_def": c.model_def,
                     "train_data": c.train_data,
                     "eval_data": c.eval_data,

@@ -9,12 +9,23 @@ from elastic_step import spec
 from elastic_step.cli import build_parser
 from elastic_step.errors import ConfigError
 from elastic_step.master.api import TrainConfig
-from elastic_step.master.threads import INTER_OP_ENV, INTRA_OP_ENV, cpu_cores, pools_env, worker_intra_op
+from elastic_step.master.threads import (
+    HEAVY_MINIBATCH,
+    INTER_OP_ENV,
+    INTRA_OP_ENV,
+    cpu_cores,
+    multiply_adds,
+    pools_env,
+    worker_inter_op,
+    worker_intra_op,
+)
 
 
-def env(role="worker", backend="local", strategy="ps", worker_threads=0, max_workers=1, cores=2, worker_cpu="1"):
+def env(
+    role="worker", backend="local", strategy="ps", worker_threads=0, max_workers=1, cores=2, worker_cpu="1", step=0
+):
     intra = worker_intra_op(worker_threads, backend, strategy, max_workers, cores, worker_cpu)
-    return pools_env(role, backend == "local", intra)
+    return pools_env(role, backend == "local", intra, worker_inter_op(intra, backend == "local", step))
 
 
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
@@ -30,6 +41,52 @@ def test_a_local_worker_gets_the_cores_shared_among_the_jobs_workers(strategy, c
 @pytest.mark.parametrize("strategy", ["ps", "allreduce"])
 def test_a_local_shard_runs_one_thread_a_pool_whatever_the_workers_get(strategy):
     assert env("ps", strategy=strategy, worker_threads=4, cores=16) == {INTRA_OP_ENV: "1", INTER_OP_ENV: "1"}
+
+
+@pytest.mark.parametrize(
+    "cores, max_workers, worker_threads, inter",
+    [(2, 1, 0, "2"), (8, 2, 0, "2"), (2, 2, 0, "1"), (2, 1, 1, "1"), (2, 4, 3, "2")],
+)
+def test_a_heavy_step_on_two_or_more_intra_op_threads_gets_a_second_inter_op_thread(
+    cores, max_workers, worker_threads, inter
+):
+    got = env(cores=cores, max_workers=max_workers, worker_threads=worker_threads, step=HEAVY_MINIBATCH)
+    assert got[INTER_OP_ENV] == inter
+    assert (
+        env(cores=cores, max_workers=max_workers, worker_threads=worker_threads, step=HEAVY_MINIBATCH - 1)[INTER_OP_ENV]
+        == "1"
+    )
+    assert INTER_OP_ENV not in env(backend="kubernetes", worker_cpu="4", step=HEAVY_MINIBATCH)
+
+
+def test_multiply_adds_count_each_kernel_at_the_positions_it_is_applied_at():
+    import keras
+
+    pixels = keras.Input(shape=(64,))
+    hidden = keras.layers.Dense(128)(pixels)
+    mlp = keras.Model(pixels, keras.layers.Dense(10)(hidden))
+    assert multiply_adds(mlp) == 64 * 128 + 128 * 10
+
+    image = keras.Input(shape=(8, 8, 1))
+    conv = keras.layers.Conv2D(32, 3, padding="same")(image)  # 9 * 32 weights at each of 64 pixels
+    pooled = keras.layers.MaxPooling2D()(conv)  # no kernel: nothing
+    cnn = keras.Model(image, keras.layers.Dense(10)(keras.layers.Flatten()(pooled)))
+    assert multiply_adds(cnn) == 9 * 32 * 64 + 4 * 4 * 32 * 10
+
+    nested = keras.Sequential([keras.Input(shape=(8, 8, 1)), cnn, keras.layers.Dense(3)])
+    assert multiply_adds(nested) == multiply_adds(cnn) + 10 * 3
+
+
+def test_the_parameters_help_gives_the_heavy_steps_threshold():
+    help_text = next(p.help for p in spec.PARAMS if p.name == "worker_threads")
+    assert f"{HEAVY_MINIBATCH // 1_000_000} M multiply-adds a minibatch" in help_text
+
+
+def test_the_sample_models_fall_either_side_of_a_heavy_step():
+    from elastic_step.model_def import load_model_def
+
+    mlp, cnn = (load_model_def(p).model() for p in ("samples/digits/model.py", "bench/models/digits_cnn.py"))
+    assert multiply_adds(mlp) * 64 < HEAVY_MINIBATCH <= multiply_adds(cnn) * 64
 
 
 def test_worker_threads_given_wins_over_the_rule():
