@@ -11,10 +11,9 @@ master sets both pools of each instance instead (docs/benchmarks.md has the meas
   the digits CNN's step 10 % faster than on 1, the MLP's no slower; allreduce: 2 workers on 2 cores, 1 thread
   each, the CNN's job 12 % faster than on TensorFlow's pools, the MLP's no slower). The inter-op pool (ops run
   side by side): 2 threads for a worker of 2 or more intra-op threads whose step is heavy, at least
-  HEAVY_MINIBATCH multiply-adds a minibatch (a lone digits CNN worker, ~120 M: 8 % faster than on 1, its
-  convolutions' two gradients computed at once); else 1 (a small step is a chain of small ops, which a second
-  thread only hands back and forth: the digits MLP's, ~1 M, 10 % slower on 2, twice as long on TensorFlow's
-  default pools).
+  HEAVY_MINIBATCH multiply-adds a minibatch (a lone digits CNN worker, ~120 M: 8 % faster than on 1 in paired
+  runs); else 1 (a small step is a chain of small ops, which a second thread only hands back and forth: the digits
+  MLP's, ~1 M, 9 % slower on 2, twice as long on TensorFlow's default pools).
 - **Kubernetes, workers**: an intra-op pool of `worker_threads`; 0: the pod's own CPU (`worker_cpu`, rounded up),
   when it has one, as TensorFlow would otherwise run a pool of the node's cores on a pod's share of them.
 - the PS pods as TensorFlow sizes them.
@@ -72,7 +71,7 @@ def multiply_adds(model) -> int:
         if kernels:
             try:
                 shape = tuple(layer.output.shape)
-            except (AttributeError, ValueError):  # never called in a functional graph: not known
+            except Exception:  # noqa: BLE001 - never called in a functional graph, or called more than once
                 shape = ()
             positions = math.prod(d for d in shape[1:-1] if d) if len(shape) > 2 else 1
             total += int(kernels) * positions
