@@ -232,10 +232,12 @@ class PSClient:
         states: list[tuple[np.ndarray, int] | None] | None = None,
     ) -> tuple[list[bool], list[tuple[int, np.ndarray, list[bool]]]]:
         """The pushes of several minibatches of one lease, computed one after another, to every shard at once
-        (PushRequest.bounds): per shard their flat dense gradients, [minibatches, its floats], and with `states`
-        a copy's state after them and the shard's version it was computed from (PushRequest.state_base), which
-        travel only through shared slots. Returns (whether each minibatch was applied by any shard, each shard's
-        (version, fresh flat dense values, whether it applied each minibatch))."""
+        (PushRequest.bounds): per shard their flat dense gradients, [minibatches, its floats] (anything numpy
+        reads as such: a tensor is read only if it is sent), and with `states` a copy's state after them and
+        the shard's version it was computed from (PushRequest.state_base), which travel only through shared
+        slots. A shard sent the state first gets the gradients only if it declines the state. Returns (whether
+        each minibatch was applied by any shard, each shard's (version, fresh flat dense values, whether it
+        applied each minibatch))."""
         _, replies = self._push(key, flat_grads, {}, True, bounds, states)
         return [any(each) for each in zip(*(each for _v, _f, each in replies))], replies
 
@@ -296,20 +298,19 @@ class PSClient:
         `state`: (a copy's state, the version it was computed from), for a shared slot with room for it."""
         shared = self._shared_slots(shard, flat.shape[-1])
         if shared is not None:
-            np.copyto(shared.slots.gradient(slot)[: flat.size], flat.ravel())
-            base = None
-            if state is not None and state[0].size == shared.slots.state_words:
-                np.copyto(shared.slots.state(slot), state[0])
-                base = request.state_base = state[1]
             try:
-                if shared.bells is not None and not request.embedding_grads:
-                    applied, version, each = shared.bells[slot].ring(
-                        PushKey.of(request), request.want_dense, tuple(request.bounds), base
-                    )
-                else:
-                    request.shared.segment, request.shared.slot = shared.segment, slot
-                    r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
-                    applied, version, each = r.applied, r.version, list(r.applied_each) or [r.applied]
+                if state is not None and state[0].size == shared.slots.state_words:
+                    # The state alone first: the shard of a lone worker takes it, and the gradients (the call's
+                    # minibatches times the model) are neither read out of TensorFlow nor copied.
+                    np.copyto(shared.slots.state(slot), state[0])
+                    request.state_base = state[1]
+                    applied, version, each = self._ring(shard, shared, slot, request)
+                    if any(each):
+                        return applied, (version, self._fresh(shared, slot, request), each)
+                    request.ClearField("state_base")  # declined (another push came first): the gradients go
+                flat = np.asarray(flat)
+                np.copyto(shared.slots.gradient(slot)[: flat.size], flat.ravel())
+                applied, version, each = self._ring(shard, shared, slot, request)
             except (Dropped, grpc.RpcError) as e:
                 if isinstance(e, grpc.RpcError) and e.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     raise
@@ -322,13 +323,26 @@ class PSClient:
                 request.ClearField("shared")
                 request.ClearField("state_base")
                 return self._push_shard(shard, request, flat, slot)
-            # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
-            values = np.array(shared.slots.values(slot)) if request.want_dense else None
-            return applied, (version, values, each)
+            return applied, (version, self._fresh(shared, slot, request), each)
+        flat = np.asarray(flat)
         tensors.encode(flat.ravel() if request.bounds else flat, request.dense_grads_flat)
         r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
         values = tensors.decode(r.dense_flat) if request.want_dense else None
         return r.applied, (r.version, values, list(r.applied_each) or [r.applied])
+
+    def _ring(self, shard: int, shared: SharedPath, slot: int, request: pb.PushRequest) -> tuple[bool, int, list[bool]]:
+        """A push through a shared slot, its bytes in the slot: (applied, version, whether each minibatch was)."""
+        if shared.bells is not None and not request.embedding_grads:
+            base = request.state_base if request.HasField("state_base") else None
+            return shared.bells[slot].ring(PushKey.of(request), request.want_dense, tuple(request.bounds), base)
+        request.shared.segment, request.shared.slot = shared.segment, slot
+        r = self.stubs[shard].PushGradients(request, timeout=self.timeout)
+        return r.applied, r.version, list(r.applied_each) or [r.applied]
+
+    @staticmethod
+    def _fresh(shared: SharedPath, slot: int, request: pb.PushRequest) -> np.ndarray | None:
+        # A copy: the slot is reused by the next push, and TensorFlow may alias a numpy buffer.
+        return np.array(shared.slots.values(slot)) if request.want_dense else None
 
     def _shared_slots(self, shard: int, floats: int) -> SharedPath | None:
         """This shard's attached slots, attaching on first use when the shard is on this host."""

@@ -28,7 +28,7 @@ log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")  # segment, slot, the segment's nonce
 # A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense, the state's base
-# version (-1: the slot holds no state; see PushRequest.state_base); a push of several minibatches follows it
+# version (-1: the slot holds gradients, no state; see PushRequest.state_base); a push of several minibatches follows it
 # with their bounds (int64 each: seq, ..., end; see PushRequest.bounds).
 RING = struct.Struct("<qqqiiqiq?q")
 NO_STATE = -1
@@ -173,7 +173,8 @@ class Bell:
     ) -> tuple[bool, int, list[bool]]:
         """(applied, the shard's version after it, whether each minibatch was applied: one for a push of one);
         the values are in the slot. `bounds`: a push of several minibatches, theirs (PushRequest.bounds);
-        `state_base`: the slot holds a copy's state after them, computed from that version (PushRequest.state_base)."""
+        `state_base`: the slot holds a copy's state after them instead of their gradients, computed from that
+        version (PushRequest.state_base)."""
         base = NO_STATE if state_base is None else state_base
         self._sock.send(RING.pack(*key, want_dense, base) + b"".join(BOUND.pack(b) for b in bounds))
         applied, version, mask = self._answer()

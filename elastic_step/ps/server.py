@@ -288,9 +288,11 @@ class ParameterShard:
         (whether each was applied, version, the values at that version), as `push` does.
 
         `state`: a lone worker's copy of this shard after those updates (`words`), computed from this shard's
-        state at version `state_base`. While the shard is still at that version and applies every minibatch,
-        the updates would leave it exactly that state, so it takes it rather than run them again (on one host
-        the shard's update competes with the worker's step for the cores). Otherwise, the gradients."""
+        state at version `state_base`, sent instead of the gradients (`flat_grads` is then not read). While the
+        shard is still at that version and applies every minibatch, the updates would leave it exactly that
+        state, so it takes it rather than run them again (on one host the shard's update competes with the
+        worker's step for the cores). Otherwise it applies nothing and counts nothing: every minibatch comes
+        back not applied, and the worker sends the gradients."""
         self.fences.check(key)
         count = len(bounds) - 1
         with self.lock:
@@ -308,15 +310,11 @@ class ParameterShard:
                 )
             each = [(key.task_id, b) not in self.applied for b in bounds[:-1]]
             todo = np.nonzero(each)[0]
-            self.skipped += count - len(todo)
-            if not len(todo):
-                return each, self.version, self._values(out)
-            if (
-                state is not None
-                and state_base == self.version
-                and len(todo) == count
-                and 0 < self.state_words <= state.size
-            ):
+            if state_base is not None:  # a state, not gradients
+                if state is None or not (
+                    state_base == self.version and len(todo) == count and 0 < self.state_words <= state.size
+                ):
+                    return [False] * count, self.version, self._values(out)  # declined: the gradients follow
                 words = state[: self.state_words]
                 values = words[: self.dense_size]
                 if not np.isfinite(values).all():
@@ -329,6 +327,9 @@ class ParameterShard:
                 # The shard's values are now the state's, bit for bit: in a shared slot they are already in `out`.
                 values = values if out is not None and np.shares_memory(out, values) else self._copy_array(values, out)
             else:
+                self.skipped += count - len(todo)
+                if not len(todo):
+                    return each, self.version, self._values(out)
                 grads = flat_grads[todo] if len(todo) < count else flat_grads[:count]
                 if not np.isfinite(grads).all():
                     raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")

@@ -19,7 +19,10 @@ its copy after each, as fit would; each minibatch's gradient is pushed under its
 shard applies them in turn, in one call. The shard's version tells whether only this worker pushed
 meanwhile: then the shard holds exactly what the copy holds (a lone worker trains as fit does, its
 updates as many), the next call goes ahead while the push travels, and the fresh values the push
-brings back are not needed. When others pushed, the copy takes the shard's values after the newest
+brings back are not needed. On one host such a push carries the copy's state after the call instead of its
+gradients (a call's gradients are its minibatches times the model), and the shard takes it; only a shard
+that declines it (another worker pushed in between) gets the gradients, read out of TensorFlow then.
+When others pushed, the copy takes the shard's values after the newest
 push of this worker (the copy's optimizer state follows this worker's own steps until the next pull;
 the shards apply every gradient with their own). The number of minibatches a call is sized from the
 measured step time (CALL_S), so a user tunes nothing.
@@ -291,33 +294,39 @@ class PSTrainer:
             def local_steps(data, begins, ends):
                 # Minibatch k is [begins[k], ends[k]) of the lease's tensors; each is a step on the copies' current
                 # values, and the shard's update of the copies with its gradient (unless not finite, when
-                # skipping). Returns each one's loss, per shard its flat gradients [minibatches, floats], and
-                # per shard the copy's state after them (when pushes carry it).
+                # skipping). Returns each one's loss, per shard its flat gradients [minibatches, floats], per
+                # shard the copy's state after them (when pushes carry it), and whether each one's loss and
+                # gradients are finite (so the push thread reads the gradients only when they are sent).
                 n = tf.size(begins)
                 losses = tf.TensorArray(tf.float32, size=n)
+                finites = tf.TensorArray(tf.bool, size=n)
                 grads_tas = [tf.TensorArray(tf.float32, size=n, element_shape=[c.dense_size]) for c in copies]
 
-                def body(k, flats, losses, grads_tas):
+                def body(k, flats, losses, finites, grads_tas):
                     values, state = unpack(flats)
                     loss, grads, new_state = gradients(data, begins[k][None], ends[k][None], values, state)
                     dense, _ = pack(grads, {i: new_state[i] - state[i] for i in state}, [])
                     loss = tf.cast(loss, tf.float32)
+                    finite = tf.reduce_all(
+                        [tf.math.is_finite(loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in dense]
+                    )
                     if skip:
-                        finite = tf.reduce_all(
-                            [tf.math.is_finite(loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in dense]
-                        )
                         flats = [
                             tf.cond(finite, lambda c=c, g=g: c.update(g), lambda f=f: f)
                             for c, g, f in zip(copies, dense, flats)
                         ]
                     else:
                         flats = [c.update(g) for c, g in zip(copies, dense)]
-                    return k + 1, flats, losses.write(k, loss), [ta.write(k, g) for ta, g in zip(grads_tas, dense)]
+                    grads_tas = [ta.write(k, g) for ta, g in zip(grads_tas, dense)]
+                    return k + 1, flats, losses.write(k, loss), finites.write(k, finite), grads_tas
 
-                _, _, losses, grads_tas = tf.while_loop(
-                    lambda k, *_: k < n, body, (tf.constant(0), [c.values() for c in copies], losses, grads_tas)
+                _, _, losses, finites, grads_tas = tf.while_loop(
+                    lambda k, *_: k < n,
+                    body,
+                    (tf.constant(0), [c.values() for c in copies], losses, finites, grads_tas),
                 )
-                return losses.stack(), [ta.stack() for ta in grads_tas], [c.words() for c in copies] if words else []
+                states = [c.words() for c in copies] if words else []
+                return losses.stack(), [ta.stack() for ta in grads_tas], states, finites.stack()
 
             self._copies = copies
             self._local_steps = tf.function(local_steps)
@@ -536,7 +545,7 @@ class PSTrainer:
             if traced:
                 self._warm_step(batch)
             started = time.monotonic()
-            losses, dense, states = self._traced_copies[1](batch.data, begins, ends)
+            losses, dense, states, finite = self._traced_copies[1](batch.data, begins, ends)
         except ShardsMoved:
             raise
         except Exception as e:  # the user's model/loss failed on real data
@@ -544,7 +553,7 @@ class PSTrainer:
         if not traced:  # the first run of a trace optimizes its graph: no measure
             took = (time.monotonic() - started) / len(starts)
             self._minibatch_s = took if self._minibatch_s is None else 0.8 * self._minibatch_s + 0.2 * took
-        return StepResult(losses, dense, [], where, on_copies=True, states=states)
+        return StepResult(losses, dense, [], where, on_copies=True, states=states, finite=finite)
 
     def _warm_step(self, batch: Minibatch) -> None:
         """Trace the one-minibatch step too, and run it once (its first run optimizes its graph), result
@@ -658,17 +667,23 @@ class PSTrainer:
         """A call's minibatches, each under its own key, in one push: (per minibatch (applied, loss), each
         shard's (version, values, applied each)); the replies are None when the minibatches went one by one
         (one was skipped as not finite)."""
-        with phase("push thread: gradients to numpy"):
-            losses = result.loss.numpy()
-            dense = [g.numpy() for g in result.dense]
+        losses, finite = result.loss.numpy(), result.finite.numpy()
         count = len(bounds) - 1
 
         def at(i):
             w = result.where
             return w._replace(start=bounds[i], end=bounds[i + 1]) if isinstance(w, Records) else w
 
-        # Checked here, where the values are numpy anyway: nothing non-finite is applied (raises unless skipping).
-        bad = {i for i in range(count) if self.non_finite.check(float(losses[i]), [g[i] for g in dense], at(i))}
+        # Nothing non-finite is applied (raises unless skipping); the call told which are, the check says why.
+        dense = result.dense  # tensors: read only where they are sent (a lone worker's shard takes the state)
+        if not finite.all():
+            with phase("push thread: gradients to numpy"):
+                dense = [g.numpy() for g in result.dense]
+        bad = {
+            i
+            for i in range(count)
+            if not finite[i] and self.non_finite.check(float(losses[i]), [g[i] for g in dense], at(i))
+        }
         if bad:  # one by one, the skipped ones under their skipped keys (see _push): the copies are re-pulled
             self._base = [None] * len(dense)
             each = []
@@ -737,6 +752,7 @@ class StepResult(NamedTuple):
     where: object = None  # its records (finite.Records), as a user finds them
     on_copies: bool = False  # a call on copies of the shards (its push: each minibatch under its own key)
     states: list = []  # with copies on one host: each copy's state after the call (ParameterShard.words)
+    finite: object = None  # on copies: whether each minibatch's loss and gradients are finite
 
 
 class FedLease(NamedTuple):

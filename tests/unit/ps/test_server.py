@@ -99,9 +99,10 @@ def optimizer_arrays(s: ParameterShard) -> list[np.ndarray]:
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_lone_workers_state_is_taken_only_at_its_base_with_every_minibatch_new(monkeypatch, fused):
     """A copy's state after its updates (`words`) replaces running them again only while the shard is at the
-    version the copy started from and applies every minibatch; otherwise the shard applies the gradients. The
-    witness is a second shard that only ever applies gradients: values and optimizer state (Adam's moments and
-    iteration count) equal after each push. A state that must not be taken is garbage, so taking it shows."""
+    version the copy started from and applies every minibatch; otherwise the shard applies nothing, counts
+    nothing, and the worker pushes the gradients. The witness is a second shard that only ever applies gradients:
+    values and optimizer state (Adam's moments and iteration count) equal after each push. A state push carries
+    gradients that must not be read (NaN) and a state that must not be taken is garbage, so reading either shows."""
     import tensorflow as tf
 
     taker, witness = shard(keras.optimizers.Adam(0.01), monkeypatch, fused), shard(keras.optimizers.Adam(0.01))
@@ -112,15 +113,18 @@ def test_a_lone_workers_state_is_taken_only_at_its_base_with_every_minibatch_new
     bounds = (0, 64, 128, 192)
 
     def both(task, grads, state, base, each):
-        for s in (taker, witness):
-            got, version, values = s.push_many(
-                key(task, 0, records=192), bounds, grads, None, *((state, base) if s is taker else (None, None))
-            )
-            assert got == each
-        np.testing.assert_allclose(values, witness.dense_flat(), rtol=1e-6, atol=1e-7)
+        k = key(task, 0, records=192)
+        skipped, version = taker.skipped, taker.version
+        got, _, _ = taker.push_many(k, bounds, np.full_like(grads, np.nan), None, state, base)
+        if not any(got):  # declined: nothing applied or counted, and the gradients follow
+            assert (taker.skipped, taker.version) == (skipped, version)
+            got, _, _ = taker.push_many(k, bounds, grads)
+        assert got == each
+        assert witness.push_many(k, bounds, grads)[0] == each
+        np.testing.assert_allclose(taker.dense_flat(), witness.dense_flat(), rtol=1e-6, atol=1e-7)
         for a, b in zip(optimizer_arrays(taker), optimizer_arrays(witness)):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-        assert taker.version == witness.version
+        assert (taker.version, taker.skipped) == (witness.version, witness.skipped)
 
     _version, flat, optimizer = taker.optimizer_values()
     copy.load(flat, optimizer)

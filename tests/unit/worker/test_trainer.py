@@ -317,8 +317,11 @@ def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp
         assert taken == 3  # each call's state, the shard still where the call started
         other = PushKey(2, 0, 4, 0, 0)  # another worker's minibatch
         assert ps.push(other, [np.full(t._copies[0].dense_size, 0.5, np.float32)], {}, want_dense=False)[0]
-        call(16, 2)
-        assert ps.stats()[0].states_taken == taken  # past the call's start: its gradients, not its state
+        applied = ps.stats()[0].pushes_applied
+        assert [a for a, _loss in call(16, 2)] == [True, True]
+        # Past the call's start: the shard declined its state, then applied its gradients, each once.
+        assert ps.stats()[0].states_taken == taken and ps.stats()[0].pushes_applied == applied + 2
+        assert ps.stats()[0].pushes_skipped == 0
         assert not t.company.alone and t.minibatches_per_call(12, 16) == 1 and t.pushes_ahead(2) == 1
         np.testing.assert_allclose(t._flats[0].numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
         for lo in (24, 28):  # one-minibatch steps, as without copies; their pushes show no other's
