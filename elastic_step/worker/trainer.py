@@ -638,9 +638,13 @@ class PSTrainer:
             self._expect = versions
             self._resync = self._resync or not alone
             if self._resync and not self._pending:  # the newest push's values hold every push of ours
-                for copy, (_v, values, _a) in zip(self._copies, replies):
-                    copy.load(values)
-                self._base = [None] * len(replies)  # the copies' optimizer state is not the shards'
+                # Unless every shard is at the version whose whole state the copies hold (only this worker's
+                # pushes since they last took it: a refresh asked for while a push was out, as at a lease
+                # after a wait), when the copies are the shards already and their next push may carry it.
+                if self._base != versions:
+                    for copy, (_v, values, _a) in zip(self._copies, replies):
+                        copy.load(values)
+                    self._base = [None] * len(replies)  # the copies' optimizer state is not the shards'
                 self._resync = False
         if not self.company.alone:  # the next steps are on the shards' newest values, not the copies
             self._take_fresh(self.ps.pull_dense_at() if replies is None else [(v, f) for v, f, _a in replies])

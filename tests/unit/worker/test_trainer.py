@@ -334,6 +334,38 @@ def test_a_worker_runs_one_minibatch_a_call_once_another_pushed_to_the_shard(tmp
         np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
 
 
+def test_a_refresh_asked_while_a_lone_workers_push_is_out_keeps_what_the_copies_hold(tmp_path):
+    """A refresh asked for while a lone worker's push is out (as at a lease after a wait for work): once the push is
+    back and shows only this worker's pushes, the copies are the shard's whole state already, and the next call's
+    push still carries it, which the shard takes. Had another worker pushed meanwhile, the copies take the shard's
+    values and their next push carries the gradients."""
+    for t, ps, _ps_model in serve(tmp_path, BATCHNORM, minibatch_size=4):
+        fed = t.feed_lease(lease_rows(64, seed=6))
+
+        def start(lo, n, meanwhile=lambda: None):
+            starts = [lo + 4 * i for i in range(n)]
+            result = t.compute(t.minibatch(fed, lo, lo + 4 * n, starts))
+            meanwhile()
+            return t.push_start(result, PushKey(1, lo, lo + 4 * n, 0, 0), [*starts, lo + 4 * n])
+
+        for lo in (0, 4):  # traces, then timed
+            t.push_finish_each(start(lo, 1))
+        taken = ps.stats()[0].states_taken
+        out = start(8, 2)
+        t.refresh_dense()  # asked while the push is out: after it
+        assert [a for a, _loss in t.push_finish_each(out)] == [True, True] and not t._resync
+        t.push_finish_each(start(16, 2))
+        assert ps.stats()[0].states_taken == taken + 2  # both calls' states: the copies kept theirs
+        np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+
+        other = PushKey(2, 0, 4, 0, 0)  # another worker's minibatch, before this one's push
+        out = start(24, 2, lambda: ps.push(other, [np.full(t._copies[0].dense_size, 0.5, np.float32)], {}))
+        t.refresh_dense()
+        t.push_finish_each(out)
+        assert t._base == [None]  # the copies took the shard's values, not its optimizer state
+        np.testing.assert_allclose(t._copies[0].values().numpy(), ps.pull_dense()[0], rtol=1e-6, atol=1e-7)
+
+
 WEIGHTED = textwrap.dedent("""
     import keras
     import numpy as np
