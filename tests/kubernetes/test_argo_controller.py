@@ -81,6 +81,21 @@ def pod_logs(control_plane, namespace, workflow: str, task: str = "", tail: int 
     return "\n".join(out)
 
 
+def assert_succeeded(done: dict, control_plane, namespace: str, workflow: str, *more: str) -> None:
+    """The workflow succeeded. If not, the failed steps' messages, and its pods' logs printed whole beside the
+    failure: pytest cuts an assertion's message short, and a step's cause is in the last lines of its log."""
+    status = done["status"]
+    if status["phase"] == "Succeeded":
+        return
+    print(pod_logs(control_plane, namespace, workflow, tail=20000), *more, sep="\n")
+    failed = [
+        (n["displayName"], n["phase"], n.get("message"))
+        for n in status.get("nodes", {}).values()
+        if n["type"] == "Pod" and n["phase"] not in ("Succeeded", "Skipped", "Omitted")
+    ]
+    pytest.fail(f"workflow {workflow} {status['phase']} ({status.get('message')}); its failed steps: {failed}")
+
+
 def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_plane, node, argo, workflows, namespace):
     apply_rbac(control_plane, namespace)
     image = f"{PROJECT_IMAGE}:0.1.0"
@@ -138,11 +153,7 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
     workflows.create_namespaced_custom_object("argoproj.io", "v1alpha1", namespace, "workflows", wf)
     done = finished(workflows, namespace, "hello")
     nodes = done["status"]["nodes"].values()
-    assert done["status"]["phase"] == "Succeeded", (
-        done["status"].get("message"),
-        pod_logs(control_plane, namespace, "hello"),
-        argo.log()[-3000:],
-    )
+    assert_succeeded(done, control_plane, namespace, "hello", argo.log()[-3000:])
     say = next(n for n in nodes if n.get("displayName") == "say")
     msg = next(p["value"] for p in say["outputs"]["parameters"] if p["name"] == "msg")
     assert msg.startswith("hi from ")
@@ -340,10 +351,7 @@ def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller
     done = finished(workflows, namespace, "train-eval", timeout=900)
     took = time.monotonic() - t0
     recorder.stop()
-    assert done["status"]["phase"] == "Succeeded", (
-        done["status"].get("message"),
-        pod_logs(control_plane, namespace, "train-eval"),
-    )
+    assert_succeeded(done, control_plane, namespace, "train-eval")
     nodes = {n["displayName"]: n for n in done["status"]["nodes"].values()}
     for step in ("data-prep", "elastic-train", "evaluate", "publish"):
         assert nodes[step]["phase"] == "Succeeded", (step, nodes[step])
@@ -520,10 +528,7 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     except Exception:
         print(pod_logs(control_plane, namespace, "chaos", "elastic-train", tail=6000))
         raise
-    assert done["status"]["phase"] == "Succeeded", (
-        done["status"].get("message"),
-        pod_logs(control_plane, namespace, "chaos"),
-    )
+    assert_succeeded(done, control_plane, namespace, "chaos")
     attempts = [
         n for n in done["status"]["nodes"].values() if n["type"] == "Pod" and _task(n["name"]) == "elastic-train"
     ]
