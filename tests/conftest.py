@@ -54,6 +54,20 @@ def pytest_collection_modifyitems(session, config, items):
             first.add_marker(pytest.mark.timeout(float(base or 0) + BUILD_WAIT_S), append=False)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under `--dist loadgroup` every test carries its group: xdist suffixes its node id with it. Without the
+    suffixes xdist hands the tests out one by one: two control planes at once, whose pods are handed the same
+    loopback addresses (pytest-dev/pytest-xdist#1386). Stop before the first test rather than flake later."""
+    if node.config.getoption("dist") == "loadgroup" and ids and not any("@" in nodeid for nodeid in ids):
+        pytest.exit(
+            f"pytest-xdist's loadgroup lost the test groups on {node.gateway.id} (its first test: {ids[0]}): "
+            "this pytest and pytest-xdist do not work together. Install the versions constraints.txt pins "
+            "(./scripts/bootstrap).",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
+
+
 @pytest.fixture(scope="session")
 def tally_data(tmp_path_factory):
     """The tally model's data (tests/models/tally.py), for the exactly-once witnesses."""
