@@ -19,13 +19,13 @@ its copy after each, as fit would; each minibatch's gradient is pushed under its
 shard applies them in turn, in one call. The shard's version tells whether only this worker pushed
 meanwhile: then the shard holds exactly what the copy holds (a lone worker trains as fit does, its
 updates as many), the next call goes ahead while the push travels, and the fresh values the push
-brings back are not needed. On one host such a push carries the copy's state after the call instead of its
-gradients (a call's gradients are its minibatches times the model), and the shard takes it; only a shard
-that declines it (another worker pushed in between) gets the gradients, read out of TensorFlow then.
-When others pushed, the copy takes the shard's values after the newest
-push of this worker (the copy's optimizer state follows this worker's own steps until the next pull;
-the shards apply every gradient with their own). The number of minibatches a call is sized from the
-measured step time (CALL_S), so a user tunes nothing.
+brings back are not needed. On one host such a push carries the copy's state after the call instead
+of its gradients (a call's gradients are its minibatches times the model), and the shard takes it;
+only a shard that declines it (another worker pushed in between) gets the gradients, read out of
+TensorFlow then. When others pushed, the copy takes the shard's values after the newest push of this
+worker (the copy's optimizer state follows this worker's own steps until the next pull; the shards
+apply every gradient with their own). The number of minibatches a call is sized from the measured
+step time (CALL_S), so a user tunes nothing.
 
 Several minibatches a call only while the worker trains alone (Company): with others pushing, a call of
 CALL_S is local SGD, hundreds of the digits MLP's steps before the worker takes the others' (a 2-worker digits

@@ -646,7 +646,7 @@ def test_the_cron_workflow_fires_twice_each_run_publishes_and_forbid_holds(
     assert not overlaps, overlaps
     first, second = sorted(runs.values(), key=lambda wf: wf["metadata"]["creationTimestamp"])[:2]
     for wf in (first, second):
-        assert wf["status"]["phase"] == "Succeeded", (wf["metadata"]["name"], wf["status"].get("message"))
+        assert_succeeded(wf, control_plane, namespace, wf["metadata"]["name"])
         publish = [n for n in wf["status"]["nodes"].values() if n["displayName"] == "publish"]
         assert [n["phase"] for n in publish] == ["Succeeded"], wf["metadata"]["name"]
     # Each run's model was published (its job id is its workflow's uid), the second after the first.
