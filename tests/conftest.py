@@ -39,7 +39,9 @@ def pytest_collection_modifyitems(session, config, items):
     # plane, and on a cold machine that worker waits for the builds while the other runs the rest. Every
     # other module is a group, so that its module-scoped fixtures (a parity model trained, a job run) are
     # made once. In one process they run last instead, while the builds run.
-    if config.getoption("dist", default="no") == "loadgroup":
+    # (Items are collected in xdist's workers, where the order becomes the queue's: there xdist sets `loadgroup`
+    # and turns `dist` to "no".)
+    if getattr(config.option, "loadgroup", False):
         items.sort(key=lambda item: (builds_needed(item) == 0, builds_needed(item)))
     else:
         items.sort(key=builds_needed)  # stable: the order within each group stays as collected
