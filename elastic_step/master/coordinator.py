@@ -54,7 +54,10 @@ class Coordinator:
         self.t0 = time.time()
         self._replacement_lost_at: dict[str, float] = {}  # worker -> its predecessor's loss time
         self.recovery_first_commit_s: list[float] = []
-        self.first_commit_at: float | None = None  # throughput is measured between first and last commit
+        # Throughput: the records committed after the first commit, over the span from it to the last. The first
+        # commit's own records (and a resumed job's before it) were trained before that span began.
+        self.first_commit_at: float | None = None
+        self.committed_at_first_commit = 0
         self.last_commit_at: float | None = None
         self.rendezvous = None  # --strategy allreduce: see attach_rendezvous
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
@@ -133,9 +136,18 @@ class Coordinator:
         if lost_at is not None:
             self.recovery_first_commit_s.append(now - lost_at)
 
+    def throughput(self) -> float:
+        """The steady state's records a second: those committed after the first commit, over the span from it to
+        the last commit (0 before two commits; lock held)."""
+        if self.first_commit_at is None or self.last_commit_at <= self.first_commit_at:
+            return 0.0
+        records = self.ledger.records_committed_total() - self.committed_at_first_commit
+        return records / (self.last_commit_at - self.first_commit_at)
+
     def _committed(self, now: float, loss: float, epoch_before: int) -> None:
         """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
-        self.first_commit_at = self.first_commit_at or now
+        if self.first_commit_at is None:
+            self.first_commit_at, self.committed_at_first_commit = now, self.ledger.records_committed_total()
         self.last_commit_at = now
         while self.on_next_commit:  # recovery figures: from a loss or a restart to training again
             self.on_next_commit.pop()(now)

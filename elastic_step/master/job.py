@@ -629,10 +629,7 @@ class TrainingJob:
                 **({"allreduce": {**rdv_summary, "global_batch": c.global_batch}} if rdv_summary else {}),
                 "training_seconds": round(self.train_seconds, 3),
                 "startup_seconds": round((coord.first_commit_at or time.time()) - coord.t0, 3),
-                # steady-state figure: records over the span from the first to the last commit
-                "throughput_records_per_s": round(committed / (coord.last_commit_at - coord.first_commit_at), 1)
-                if coord.first_commit_at and coord.last_commit_at and coord.last_commit_at > coord.first_commit_at
-                else 0.0,
+                "throughput_records_per_s": round(coord.throughput(), 1),
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "eval_history": list(self.eval_history),
                 "timeseries": list(coord.samples),

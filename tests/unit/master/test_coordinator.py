@@ -1,5 +1,5 @@
-"""The coordinator: its progress samples (the report's and TensorBoard's time series), and a straggler's work
-handed over to an idle worker."""
+"""The coordinator: its progress samples (the report's and TensorBoard's time series), a straggler's work handed
+over to an idle worker, and the job's throughput."""
 
 from __future__ import annotations
 
@@ -53,3 +53,19 @@ def test_an_idle_worker_takes_a_stragglers_tail_and_the_stragglers_report_past_t
     assert coord.ledger.account.committed == tail.start and [e["kind"] for e in coord.events][-1] == "lease_over"
     assert coord.report_progress(W1, tail.task.task_id, 640, 0.1, True)
     assert coord.ledger.done and coord.finished.is_set() and coord.ledger.accounts[0].double_applied == 0
+
+
+def test_throughput_counts_only_what_was_trained_within_its_span():
+    # The first commit's records (a first call of 5 minibatches here; a resumed job's earlier ones too) were trained
+    # before the span from the first commit to the last began: only the 3 commits after it count, 192 records in 2 s.
+    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 1000, 1, 64), num_ps=1)
+    coord.training_started = True
+    coord.membership.launched(W0, relaunch=False)
+    coord.membership.registered(W0)
+    lease = coord.get_task(W0)
+    assert coord.report_progress(W0, lease.task.task_id, 320, 0.1, False)
+    assert coord.throughput() == 0.0
+    for i, watermark in enumerate((384, 448, 512), start=1):
+        assert coord.report_progress(W0, lease.task.task_id, watermark, 0.1, False)
+        coord.last_commit_at = coord.first_commit_at + i * (2 / 3)
+    assert abs(coord.throughput() - 192 / 2) < 1e-9
