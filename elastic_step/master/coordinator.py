@@ -141,8 +141,8 @@ class Coordinator:
         the last commit (0 before two commits; lock held)."""
         if self.first_commit_at is None or self.last_commit_at <= self.first_commit_at:
             return 0.0
-        records = self.ledger.records_committed_total() - self.committed_at_first_commit
-        return records / (self.last_commit_at - self.first_commit_at)
+        records = self.ledger.records_committed_total() - self.committed_at_first_commit  # < 0 after a rewind
+        return max(0.0, records / (self.last_commit_at - self.first_commit_at))
 
     def _committed(self, now: float, loss: float, epoch_before: int) -> None:
         """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
