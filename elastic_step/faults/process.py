@@ -5,22 +5,27 @@ Read by `install_worker_faults` as a worker starts:
   step 25's ring all-reduce, once its own chunk of the step has left (its peers see a peer failure, not a hang).
 - ELASTIC_STEP_SLOW: `10` makes this worker ten times slower: after each step but its first (which traces the
   model) it sleeps 9 times as long as the step took (a slow node, or one under heavy contention, that still
-  reports). `10@/a/gate` does so once the file /a/gate exists (looked for after each step until then). The master
-  sets it for the workers `--chaos slow:worker-1@R:x10` names (chaos.py), and opens the gate at R records.
+  reports), a step far longer than its recent ones (a retrace, a read on a busy machine) counted as twice their
+  median: a slow node is slow at its usual pace, not silent for minutes after one long step. `10@/a/gate` does
+  so once the file /a/gate exists (looked for after each step until then). The master sets it for the workers
+  `--chaos slow:worker-1@R:x10` names (chaos.py), and opens the gate at R records.
 Apart from chaos.py, so that a worker process loads no more than the hook points it drives.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
+import statistics
 import time
 
 from elastic_step.faults import api
 
 COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"  # a worker's: "worker-1@step=25"
 SLOW_ENV = "ELASTIC_STEP_SLOW"  # a worker's: "10" (times slower)
+SLOW_WINDOW = 20  # the steps whose median is a slowed worker's usual step
 
 
 def kill_self(sig: int) -> None:
@@ -50,11 +55,14 @@ def install_worker_faults(me: str) -> None:
 
 def _slow(factor: float, gate: str = "", me: str = ""):
     first, shut = [True], [bool(gate)]
+    recent: collections.deque[float] = collections.deque(maxlen=SLOW_WINDOW)
 
     def fault(seconds: float) -> None:
         if first[0]:  # the first step traces the model: its time is no pace, and ten times it would be minutes
             first[0] = False
             return
+        recent.append(seconds)
+        seconds = min(seconds, 2 * statistics.median(recent))
         if shut[0]:
             if not os.path.exists(gate):  # a stat per step, until the master opens it
                 return

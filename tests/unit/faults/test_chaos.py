@@ -263,9 +263,13 @@ def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_firs
     try:
         for seconds in (4.0, 0.02, 0.03):  # the first step traces: no pace to slow
             api.STEP_DONE(seconds)
+        # A step far longer than the ones before (a retrace, a read on a busy machine) is slowed as twice their
+        # median, not by its own time: 9 x 1.5 s would leave the worker silent for longer than a hang's bound.
+        for seconds in (0.02, 0.02, 1.5):
+            api.STEP_DONE(seconds)
     finally:
         api.STEP_DONE.install(None)
-    assert slept == pytest.approx([0.18, 0.27])
+    assert slept == pytest.approx([0.18, 0.27, 0.18, 0.18, 0.36])
 
 
 def test_a_stop_is_refused_at_the_jobs_start_by_a_backend_that_cannot_freeze():
