@@ -301,5 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The `elastic-step` command: main(), then the process's exit without TensorFlow's C++ teardown (util/
+    process.py), which can abort after the step's own clean exit."""
+    from elastic_step.util.process import exit_before_native_teardown
+
+    exit_before_native_teardown(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

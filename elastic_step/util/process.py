@@ -1,11 +1,11 @@
 """Process plumbing every worker, PS and preloader process sets up first: dying with its parent, and
-TensorFlow's C++ log level; and this process's threads as the kernel sees them."""
+TensorFlow's C++ log level; this process's threads as the kernel sees them; and the CLI's exit."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 # Set by the local backend: the master's pid. Its instances die with it, as pods go with their owner
 # on Kubernetes, so a SIGKILLed master leaves no process behind to push into shards nobody will read.
@@ -23,6 +23,23 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != int(parent):  # it died before we asked
         os._exit(1)
+
+
+def exit_before_native_teardown(code: int) -> NoReturn:
+    """End this process with `code` after Python's own shutdown (its non-daemon threads joined, the atexit
+    handlers run, stdio flushed), skipping the C++ static destructors that the interpreter's exit runs next. In a
+    process that has loaded TensorFlow, those can find one of its native threads still joinable and abort
+    ("terminate called without an active exception"): a clean exit code would become SIGABRT."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # what the interpreter's exit does first: join the non-daemon threads
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def quiet_tensorflow() -> None:

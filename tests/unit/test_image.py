@@ -83,7 +83,7 @@ def test_runs_as_a_numeric_non_root_user_with_the_cli_as_entrypoint():
     assert argo["spec"]["securityContext"]["runAsUser"] == int(uid)  # the Argo pods run as that user
     entry = [a for i, a in final if i == "ENTRYPOINT"]
     assert entry == ['["elastic-step"]']
-    assert PYPROJECT["project"]["scripts"]["elastic-step"] == "elastic_step.cli:main"
+    assert PYPROJECT["project"]["scripts"]["elastic-step"] == "elastic_step.cli:run"
 
 
 def test_labels_carry_the_version():
