@@ -18,7 +18,8 @@ Both train 3 epochs, and each side's figure is its whole training at steady stat
 the records committed after its first commit over the span from it to the last (the job's summary figure; its
 start-up, ~5 s of TensorFlow import, is shown apart), Keras's the records of its 3 epochs over their summed times,
 after a warm-up `fit`. Keras's median epoch, which leaves out its slowest epochs, is printed apart for the tuned
-side, with the default side's ratio to it. Extra elastic-step sides:
+side, with the default side's ratio to it; so is the default side against the tuned one round by round (each
+round's two runs, close in time: the median and the range). Extra elastic-step sides:
   --minibatches-per-push K  the opt-in that pushes the mean gradient of K minibatches at once (Keras's
                             gradient_accumulation_steps): K times fewer updates, reported apart;
   --pushes-in-flight K      the opt-in that overlaps a step with the PS's update of the K-1 before (each
@@ -162,6 +163,13 @@ def show_profile(profile: pathlib.Path, minibatches: int, rate: float, batch: in
             print(f"    {path.stem:>9} {name:<62} {1e6 * v['s'] / minibatches:>9.0f} µs  ({v['n']} {each}{cpu})")
 
 
+def round_by_round(a: list[dict], b: list[dict]) -> list[float]:
+    """Each round's run of side a over its run of side b, sorted. A round's runs are close in time: their ratio
+    leaves out the machine's drift between rounds, which best against best (each side's fastest moment, maybe
+    minutes apart) does not."""
+    return sorted(x["records_per_s"] / y["records_per_s"] for x, y in zip(a, b))
+
+
 def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args) -> None:
     """Every side on `model` at minibatch `batch`, alternating; prints the table (and the profile)."""
     name = os.path.relpath(model, ROOT)
@@ -220,6 +228,11 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
         f"  {tuned} by its median epoch instead (its best run): {median_epoch:.0f} rec/s; {default} against it: "
         f"{best[default] / median_epoch:.2f}"
     )
+    rounds = round_by_round(runs[default], runs[tuned])
+    print(
+        f"  {default} against {tuned} round by round: {statistics.median(rounds):.2f} median, {rounds[0]:.2f} to "
+        f"{rounds[-1]:.2f}"
+    )
     pools = {
         tuple(r["summary"]["config"].get(f"worker_{p}_op_threads") for p in ("intra", "inter")) for r in runs[default]
     }
@@ -229,9 +242,7 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     )
     if args.master_work:
         on, without = best[default], best[off]
-        # A round's on and off runs are close in time: their ratio leaves out the machine's drift over the whole
-        # bench, which best against best does not.
-        paired = sorted(1 - a["records_per_s"] / b["records_per_s"] for a, b in zip(runs[default], runs[off]))
+        paired = [1 - r for r in reversed(round_by_round(runs[default], runs[off]))]
         print(
             f"  the master's own work costs training {1 - on / without:+.1%} best against best (on {on:.0f} / off "
             f"{without:.0f}); round by round {statistics.median(paired):+.1%} median, {paired[0]:+.1%} to "
