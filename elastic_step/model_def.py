@@ -7,6 +7,7 @@ eval_metrics() and class_weight(). The same module trains with plain Keras and e
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import hashlib
@@ -15,6 +16,7 @@ import importlib.util
 import inspect
 import os
 import re
+import shutil
 import sys
 import tempfile
 import traceback
@@ -296,7 +298,11 @@ def _import_file(spec: str) -> types.ModuleType:
             raise ModelDefError(
                 f"Cannot read the model definition {spec!r}: {e}. Check the URI and the credentials of the step."
             ) from None
-        path = os.path.join(tempfile.mkdtemp(prefix="elastic-step-model-"), os.path.basename(spec))
+        folder = tempfile.mkdtemp(prefix="elastic-step-model-")
+        # Kept while the process runs (a traceback through the user's code reads its lines from this file), then
+        # removed: every process of a job, and every relaunch, makes its own copy.
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        path = os.path.join(folder, os.path.basename(spec))
         with open(path, "wb") as f:
             f.write(source)
     else:

@@ -3,6 +3,9 @@ is the same loss, regularization and batch-norm statistics included, as the mode
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -218,3 +221,26 @@ def test_a_python_error_while_tracing_names_the_function_and_its_frames(tmp_path
         f"loss() in the model definition {path!r} raised KeyError while computing a training step: 'class weights'"
     ), text
     assert "Fix loss() in that module" in text and "in loss" in text.split("Your code")[1]
+
+
+def test_a_model_definition_read_from_a_uri_is_copied_for_the_process_and_removed_at_its_exit(tmp_path):
+    # A process of its own, so that its exit (the atexit handlers) runs; TMPDIR: where its copy goes.
+    program = textwrap.dedent("""
+        import pathlib, sys
+        import fsspec
+        from elastic_step.model_def import load_model_def
+
+        with fsspec.open("memory://bucket/user_model.py", "w") as f:
+            f.write(sys.argv[1])
+        md = load_model_def("memory://bucket/user_model.py")
+        copies = list(pathlib.Path(sys.argv[2]).glob("elastic-step-model-*/user_model.py"))
+        assert len(copies) == 1 and copies[0].read_text() == sys.argv[1], copies
+        print(md.model().count_params())
+    """)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", program, MODEL, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) > 0  # the model built from the copy
+    assert not list(tmp_path.glob("elastic-step-model-*"))
