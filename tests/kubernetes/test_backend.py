@@ -52,6 +52,12 @@ SLEEPER = [
 ]
 
 
+def ready_sleeper(ready: Path) -> list[str]:
+    """SLEEPER that touches `ready` once its SIGTERM handler is installed: a SIGTERM before that ends it with 143,
+    not the 0 a test of graceful stops waits for (a loaded machine may take seconds to start Python)."""
+    return [*SLEEPER[:2], SLEEPER[2].replace("\ntime.sleep", f"\nopen({str(ready)!r}, 'w').close()\ntime.sleep")]
+
+
 # ------------------------------------------------------------------------------ helpers
 
 
@@ -271,22 +277,23 @@ def sa_kubeconfig(control_plane, namespace):
 
 
 def test_pods_carry_labels_owner_secret_token_and_resources(
-    control_plane, core, node, namespace, sa_kubeconfig, priority_classes
+    control_plane, core, node, namespace, sa_kubeconfig, priority_classes, tmp_path
 ):
     owner = sleeper_pod(core, namespace, "step")
     b = job_backend("job-shape", sa_kubeconfig, namespace, owner, token="the-token")
     try:
-        check_pods_and_events(b, core, namespace, owner)
+        check_pods_and_events(b, core, namespace, owner, tmp_path)
     finally:
         b.close()
     assert job_pods(core, namespace, "job-shape") == []
     assert not secret_exists(core, namespace, "job-shape-token")
 
 
-def check_pods_and_events(b, core, namespace, owner):
+def check_pods_and_events(b, core, namespace, owner, tmp_path):
     ev = Events(b)
     w0, ps0 = InstanceId("worker", 0), InstanceId("ps", 0)
-    b.start(InstanceSpec(w0, SLEEPER, cpu="250m", memory="128Mi"))
+    ready = tmp_path / "worker-0.ready"
+    b.start(InstanceSpec(w0, ready_sleeper(ready), cpu="250m", memory="128Mi"))
     b.start(InstanceSpec(ps0, SLEEPER, priority_class="elastic-high"))
     assert ev.wait(EventKind.STARTED, w0).detail == "pod job-shape-worker-0"
     ev.wait(EventKind.RUNNING, w0)
@@ -307,7 +314,7 @@ def check_pods_and_events(b, core, namespace, owner):
     assert core.read_namespaced_pod("job-shape-ps-0", namespace).spec.priority == 1000
     assert spec.automount_service_account_token is False
     c = spec.containers[0]
-    assert c.command == SLEEPER and c.image == "ghcr.io/elastic-step/elastic-step:0.1.0"
+    assert c.command == ready_sleeper(ready) and c.image == "ghcr.io/elastic-step/elastic-step:0.1.0"
     assert c.resources.requests == {"cpu": "250m", "memory": "128Mi"} == c.resources.limits
     env = {e.name: e for e in c.env}
     assert env["ELASTIC_STEP_TOKEN"].value is None
@@ -317,6 +324,7 @@ def check_pods_and_events(b, core, namespace, owner):
     secret = core.read_namespaced_secret("job-shape-token", namespace)
     assert secret.metadata.owner_references[0].uid == owner.metadata.uid
     # graceful stop -> EXITED with the process's code; kill -> LOST; a relaunch gets a fresh name
+    wait_for(ready.exists, 60, what="worker-0's SIGTERM handler installed")
     b.stop(w0, grace_s=5)
     assert ev.wait(EventKind.EXITED, w0).exit_code == 0
     b.start(InstanceSpec(w0, SLEEPER))
