@@ -201,11 +201,10 @@ def _serve() -> None:
 
 def _run_instance(req: dict) -> None:
     """In the forked child: become the instance `python -m MODULE ARGS` would have been, then exit."""
-    import atexit
     import runpy
     import traceback
 
-    from elastic_step.util.process import die_with_parent
+    from elastic_step.util.process import die_with_parent, exit_before_native_teardown
 
     os.setsid()
     log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -232,12 +231,7 @@ def _run_instance(req: dict) -> None:
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
         traceback.print_exc()
         code = 1
-    try:
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+    exit_before_native_teardown(code, join_threads=False)  # as an instance always ended: its threads not waited for
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Process plumbing every worker, PS and preloader process sets up first: dying with its parent, and
-TensorFlow's C++ log level; this process's threads as the kernel sees them; and the CLI's exit."""
+TensorFlow's C++ log level; this process's threads as the kernel sees them; and the exit of the CLI and of a
+forked instance."""
 
 from __future__ import annotations
 
@@ -25,16 +26,18 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def exit_before_native_teardown(code: int) -> NoReturn:
-    """End this process with `code` after Python's own shutdown (its non-daemon threads joined, the atexit
-    handlers run, stdio flushed), skipping the C++ static destructors that the interpreter's exit runs next. In a
-    process that has loaded TensorFlow, those can find one of its native threads still joinable and abort
-    ("terminate called without an active exception"): a clean exit code would become SIGABRT."""
+def exit_before_native_teardown(code: int, join_threads: bool = True) -> NoReturn:
+    """End this process with `code` after Python's own shutdown (its non-daemon threads joined unless
+    `join_threads` is off, the atexit handlers run, stdio flushed), skipping the C++ static destructors that the
+    interpreter's exit runs next. In a process that has loaded TensorFlow, those can find one of its native threads
+    still joinable and abort ("terminate called without an active exception"): a clean exit code would become
+    SIGABRT. A forked child must skip them anyway: they are its parent's."""
     import atexit
     import threading
 
     try:
-        threading._shutdown()  # what the interpreter's exit does first: join the non-daemon threads
+        if join_threads:
+            threading._shutdown()  # what the interpreter's exit does first: join the non-daemon threads
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
