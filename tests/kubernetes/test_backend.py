@@ -45,17 +45,19 @@ SLOW_MODEL = str(ROOT / "bench" / "models" / "slow_digits.py")
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}
-SLEEPER = [
-    sys.executable,
-    "-c",
-    "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(600)",
-]
 
 
-def ready_sleeper(ready: Path) -> list[str]:
-    """SLEEPER that touches `ready` once its SIGTERM handler is installed: a SIGTERM before that ends it with 143,
-    not the 0 a test of graceful stops waits for (a loaded machine may take seconds to start Python)."""
-    return [*SLEEPER[:2], SLEEPER[2].replace("\ntime.sleep", f"\nopen({str(ready)!r}, 'w').close()\ntime.sleep")]
+def sleeper(ready: Path | None = None) -> list[str]:
+    """A pod's program that sleeps, and exits 0 on SIGTERM. With `ready`, it touches that file once its handler is
+    installed: a SIGTERM before that ends it with 143, not the 0 a test of graceful stops waits for (a loaded
+    machine may take seconds to start Python)."""
+    program = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
+    if ready is not None:
+        program += f"open({str(ready)!r}, 'w').close()\n"
+    return [sys.executable, "-c", program + "time.sleep(600)"]
+
+
+SLEEPER = sleeper()
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -293,7 +295,7 @@ def check_pods_and_events(b, core, namespace, owner, tmp_path):
     ev = Events(b)
     w0, ps0 = InstanceId("worker", 0), InstanceId("ps", 0)
     ready = tmp_path / "worker-0.ready"
-    b.start(InstanceSpec(w0, ready_sleeper(ready), cpu="250m", memory="128Mi"))
+    b.start(InstanceSpec(w0, sleeper(ready), cpu="250m", memory="128Mi"))
     b.start(InstanceSpec(ps0, SLEEPER, priority_class="elastic-high"))
     assert ev.wait(EventKind.STARTED, w0).detail == "pod job-shape-worker-0"
     ev.wait(EventKind.RUNNING, w0)
@@ -314,7 +316,7 @@ def check_pods_and_events(b, core, namespace, owner, tmp_path):
     assert core.read_namespaced_pod("job-shape-ps-0", namespace).spec.priority == 1000
     assert spec.automount_service_account_token is False
     c = spec.containers[0]
-    assert c.command == ready_sleeper(ready) and c.image == "ghcr.io/elastic-step/elastic-step:0.1.0"
+    assert c.command == sleeper(ready) and c.image == "ghcr.io/elastic-step/elastic-step:0.1.0"
     assert c.resources.requests == {"cpu": "250m", "memory": "128Mi"} == c.resources.limits
     env = {e.name: e for e in c.env}
     assert env["ELASTIC_STEP_TOKEN"].value is None
