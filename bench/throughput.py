@@ -242,7 +242,7 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     )
     if args.master_work:
         on, without = best[default], best[off]
-        paired = [1 - r for r in reversed(round_by_round(runs[default], runs[off]))]
+        paired = sorted(1 - r for r in round_by_round(runs[default], runs[off]))
         print(
             f"  the master's own work costs training {1 - on / without:+.1%} best against best (on {on:.0f} / off "
             f"{without:.0f}); round by round {statistics.median(paired):+.1%} median, {paired[0]:+.1%} to "
