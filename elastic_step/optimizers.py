@@ -8,6 +8,8 @@ decay, exponential moving averages (`use_ema`). Three things need help:
   * in `ps` mode the gradient's norm spans every shard, which no shard sees: each worker clips its
     push as the optimizer would (`clip_gradients`), and the shards' copies do not clip again
     (`without_clipping`);
+  * a stock Adam runs as TensorFlow's fused kernel (`fused_adam`), on a shard's flat variable and on
+    allreduce's model: the same arithmetic in one pass over each variable instead of Keras's nine;
   * the final model holds the moving averages when the optimizer keeps them, as after `fit`
     (`finalize`: Keras's `finalize_variable_values`).
 """
@@ -34,6 +36,69 @@ def without_clipping(optimizer):
     for option in CLIP_OPTIONS:
         setattr(optimizer, option, None)
     return optimizer
+
+
+def fused_adam(optimizer, variables: list):
+    """`optimizer.apply(grads, variables)` as TensorFlow's fused kernel (ResourceApplyAdam), one op a variable,
+    for a stock Adam already built on `variables` (float32, without constraints); or None for any other
+    optimizer, option or variable, which Keras's own `apply` then updates.
+
+    Keras runs Adam's update as nine element-wise ops a variable, each a pass over it and a temporary: on a shard's
+    flat variable (the digits CNN's 188k weights) 0.55 ms of wall time and 1.0 ms of CPU a minibatch here, against
+    0.05 ms above a bare loop for the kernel. The arithmetic is Keras's (the moments, then the variable by
+    `lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`, epsilon outside the root) but for rounding: the kernel takes
+    `1 - beta_2` in float32 (0.00099998713 for 0.999), so the second moment moves 1.3e-5 less, as in TensorFlow's
+    own Adam before Keras 3. The state is Keras's: its moments and its `iterations` (which a learning-rate schedule
+    reads, and which this step advances), so checkpoints, pulls and restores carry it unchanged."""
+    import keras
+    import tensorflow as tf
+
+    if type(optimizer) is not keras.optimizers.Adam:  # a subclass may change the update
+        return None
+    hyper = (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon)
+    if (
+        optimizer.amsgrad
+        or optimizer.weight_decay
+        or optimizer.use_ema
+        or optimizer.gradient_accumulation_steps
+        or optimizer.loss_scale_factor is not None
+        or clips(optimizer)
+        or not all(isinstance(x, (int, float)) for x in hyper)
+        or not variables
+        or any(
+            tf.as_dtype(v.dtype) != tf.float32
+            or getattr(v, "constraint", None) is not None
+            or getattr(v, "overwrite_with_gradient", False)
+            for v in variables
+        )
+    ):
+        return None
+    slots = [(optimizer._momentums[i], optimizer._velocities[i]) for i in map(optimizer._get_variable_index, variables)]
+
+    def handle(v):  # a Keras variable's TensorFlow variable, or a TensorFlow variable's own
+        return v.value.handle if isinstance(v, keras.Variable) else v.handle
+
+    def apply(grads):
+        beta_1, beta_2, epsilon = (tf.constant(x, tf.float32) for x in hyper)
+        step = tf.cast(optimizer.iterations + 1, tf.float32)
+        rate = tf.cast(optimizer._get_current_learning_rate(), tf.float32)
+        beta_1_power, beta_2_power = tf.pow(beta_1, step), tf.pow(beta_2, step)
+        for g, variable, (m, v) in zip(grads, variables, slots):
+            tf.raw_ops.ResourceApplyAdam(
+                var=handle(variable),
+                m=handle(m),
+                v=handle(v),
+                beta1_power=beta_1_power,
+                beta2_power=beta_2_power,
+                lr=rate,
+                beta1=beta_1,
+                beta2=beta_2,
+                epsilon=epsilon,
+                grad=tf.cast(g, tf.float32),
+            )
+        optimizer.iterations.assign_add(1)
+
+    return apply
 
 
 class LearningRateScale:

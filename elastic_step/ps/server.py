@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from elastic_step.data.api import AppliedRecords
-from elastic_step.optimizers import moving_averages, without_clipping
+from elastic_step.optimizers import fused_adam, moving_averages, without_clipping
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
@@ -117,6 +117,7 @@ class ParameterShard:
         self.lock = threading.Lock()
         self._taken: tuple[int, dict] | None = None  # (checkpoint, state arrays): taken, not yet sent
         sizes = [int(v.shape.num_elements()) for v in dense_vars]
+        fused = None if tables else fused_adam(optimizer, dense_vars)
 
         def flat_values():
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars] + [state], 0)
@@ -135,7 +136,9 @@ class ParameterShard:
             ]
             for ids, rows, table in zip(table_ids, table_values, tables):
                 pairs.append((tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)), table))
-            if pairs:
+            if fused is not None:
+                fused([g for g, _ in pairs])
+            elif pairs:
                 self.optimizer.apply_gradients(pairs)
             return flat_values()
 

@@ -1,5 +1,6 @@
 """The user's optimizer where the strategies need help around it: allreduce's scaling of a learning-rate
-schedule, clipping as Keras clips, and a PS shard's final values with use_ema (real Keras, real TF)."""
+schedule, clipping as Keras clips, a PS shard's final values with use_ema, and Adam's fused kernel against Keras's
+own Adam (real Keras, real TF)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import io
 import numpy as np
 import pytest
 
-from elastic_step.optimizers import LearningRateScale, clip_gradients, finalize, without_clipping
+from elastic_step.optimizers import LearningRateScale, clip_gradients, finalize, fused_adam, without_clipping
 
 
 def test_a_schedule_is_scaled_and_still_follows_the_optimizers_step_count():
@@ -52,6 +53,82 @@ def test_clipping_is_kerass_own(options, expected):
         np.testing.assert_allclose(g, e, rtol=1e-6)
     assert np.linalg.norm(np.concatenate(got)) <= 5.0
     assert clip_gradients(without_clipping(keras.optimizers.SGD(**options)), grads) == grads
+
+
+def _adam_and_variables(kind, **options):
+    """A Keras Adam of `options` built on fresh variables: one flat tf.Variable (a PS shard's), or the Keras
+    variables of a small model (allreduce's), always the same starting values."""
+    import keras
+    import tensorflow as tf
+
+    if kind == "flat":
+        variables = [tf.Variable(np.random.default_rng(0).standard_normal(1000).astype(np.float32))]
+    else:
+        keras.utils.set_random_seed(0)
+        variables = keras.Sequential([keras.Input(shape=(30,)), keras.layers.Dense(20), keras.layers.Dense(3)]).weights
+    optimizer = keras.optimizers.Adam(**options)
+    optimizer.build(variables)
+    return optimizer, variables
+
+
+@pytest.mark.parametrize("kind", ["flat", "model"])
+def test_fused_adam_trains_as_kerass_adam_with_a_schedule(kind):
+    import keras
+    import tensorflow as tf
+
+    def options():
+        schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, decay_steps=5, decay_rate=0.5)
+        return {"learning_rate": schedule, "beta_1": 0.8, "epsilon": 1e-4}
+
+    keras_adam, mine = _adam_and_variables(kind, **options())
+    fused_one, theirs = _adam_and_variables(kind, **options())
+    start = [np.asarray(v.numpy()) for v in mine]
+    keras_step = tf.function(lambda grads: keras_adam.apply(grads, mine))
+    fused_step = tf.function(fused_adam(fused_one, theirs))
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        grads = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in mine]
+        keras_step(grads)
+        fused_step(grads)
+    assert "ResourceApplyAdam" in {op.type for op in fused_step.get_concrete_function(grads).graph.get_operations()}
+    assert int(fused_one.iterations.numpy()) == int(keras_adam.iterations.numpy()) == 30
+    for before, a, b in zip(start, mine, theirs):
+        moved = np.abs(np.asarray(a.numpy()) - before).mean()
+        assert np.abs(np.asarray(b.numpy()) - np.asarray(a.numpy())).max() < moved / 1000  # rounding, not an update
+    for a, b in zip(fused_one.variables, keras_adam.variables):  # the kernel takes 1 - beta_2 in float32: -1.3e-5
+        np.testing.assert_allclose(np.asarray(a.numpy()), np.asarray(b.numpy()), rtol=3e-5, atol=1e-7)
+
+
+def _declined():
+    """Optimizers and variables that Keras's own `apply` must update."""
+    import keras
+    import tensorflow as tf
+
+    class MyAdam(keras.optimizers.Adam):  # a subclass may change the update
+        pass
+
+    flat = [tf.Variable(np.zeros(4, np.float32))]
+    constrained = keras.layers.Dense(2, kernel_constraint=keras.constraints.NonNeg())
+    constrained.build((None, 3))
+    cases = {
+        f"Adam({k}={v})": (keras.optimizers.Adam(**{k: v}), flat)
+        for k, v in [("amsgrad", True), ("weight_decay", 0.01), ("use_ema", True), ("gradient_accumulation_steps", 2)]
+    }
+    cases.update(
+        {
+            "a subclass": (MyAdam(), flat),
+            "SGD": (keras.optimizers.SGD(), flat),
+            "float16": (keras.optimizers.Adam(), [tf.Variable(np.zeros(4, np.float16))]),
+            "a constraint": (keras.optimizers.Adam(), constrained.weights),
+        }
+    )
+    return cases
+
+
+def test_fused_adam_leaves_every_other_optimizer_option_and_variable_to_keras():
+    for name, (optimizer, variables) in _declined().items():
+        optimizer.build(variables)
+        assert fused_adam(optimizer, variables) is None, name
 
 
 def _dense_model():
