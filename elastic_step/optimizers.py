@@ -8,8 +8,8 @@ decay, exponential moving averages (`use_ema`). Three things need help:
   * in `ps` mode the gradient's norm spans every shard, which no shard sees: each worker clips its
     push as the optimizer would (`clip_gradients`), and the shards' copies do not clip again
     (`without_clipping`);
-  * a stock Adam runs as TensorFlow's fused kernel (`fused_adam`), on a shard's flat variable and on
-    allreduce's model: the same arithmetic in one pass over each variable instead of Keras's nine;
+  * a stock Adam runs as TensorFlow's fused kernel (`fused_adam`), wherever the strategies apply the
+    optimizer (`updater`): the same arithmetic in one pass over each variable instead of Keras's nine;
   * the final model holds the moving averages when the optimizer keeps them, as after `fit`
     (`finalize`: Keras's `finalize_variable_values`).
 """
@@ -97,6 +97,22 @@ def fused_adam(optimizer, variables: list):
                 grad=tf.cast(g, tf.float32),
             )
         optimizer.iterations.assign_add(1)
+
+    return apply
+
+
+def updater(optimizer, variables: list):
+    """The one update of `variables` (the optimizer built on them) by their gradients, in a compiled function:
+    Adam's fused kernel where `fused_adam` takes it and every gradient is dense, else Keras's own `apply`."""
+    import tensorflow as tf
+
+    fused = fused_adam(optimizer, variables)
+
+    def apply(grads):
+        if fused is not None and not any(isinstance(g, tf.IndexedSlices) for g in grads):
+            fused(grads)
+        elif variables:
+            optimizer.apply_gradients(zip(grads, variables))
 
     return apply
 

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from elastic_step.data.api import AppliedRecords
-from elastic_step.optimizers import fused_adam, moving_averages, without_clipping
+from elastic_step.optimizers import moving_averages, updater, without_clipping
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
@@ -117,7 +117,7 @@ class ParameterShard:
         self.lock = threading.Lock()
         self._taken: tuple[int, dict] | None = None  # (checkpoint, state arrays): taken, not yet sent
         sizes = [int(v.shape.num_elements()) for v in dense_vars]
-        fused = None if tables else fused_adam(optimizer, dense_vars)
+        update_variables = updater(optimizer, dense_vars + tables)
 
         def flat_values():
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars] + [state], 0)
@@ -130,16 +130,13 @@ class ParameterShard:
         def apply(flat_grad, table_ids, table_values):
             flat_grad, state_change = tf.split(flat_grad, [weights_size, self.dense_size - weights_size])
             state.assign_add(state_change)
-            pairs = [
-                (tf.cast(tf.reshape(g, v.shape), v.dtype), v)
+            grads = [
+                tf.cast(tf.reshape(g, v.shape), v.dtype)
                 for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)
             ]
             for ids, rows, table in zip(table_ids, table_values, tables):
-                pairs.append((tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)), table))
-            if fused is not None:
-                fused([g for g, _ in pairs])
-            elif pairs:
-                self.optimizer.apply_gradients(pairs)
+                grads.append(tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)))
+            update_variables(grads)
             return flat_values()
 
         def update(flat_grad):

@@ -47,7 +47,7 @@ from elastic_step.data.api import AppliedRecords, skipped_key
 from elastic_step.errors import ConfigError
 from elastic_step.faults import api as faults
 from elastic_step.instance.master_client import MasterClient
-from elastic_step.optimizers import LearningRateScale, fused_adam
+from elastic_step.optimizers import LearningRateScale, updater
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc, tensors
 from elastic_step.ps.api import CHANGED_MODEL, CHANGED_MODEL_FIX, layout_mismatch
@@ -109,14 +109,10 @@ class AllReduceTrainer:
         def flat_weights():
             return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in model.weights], 0)
 
-        fused = fused_adam(self.optimizer, trainable)
+        update = updater(self.optimizer, trainable)
 
         def apply_mean(flat):
-            grads = [tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(tf.split(flat, sizes), trainable)]
-            if fused is not None:
-                fused(grads)
-            else:
-                self.optimizer.apply_gradients(zip(grads, trainable))
+            update([tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(tf.split(flat, sizes), trainable)])
 
         # Steps are applied before the master commits them, a run of steps at a time (AllReduceWorker). What the
         # first was applied to is kept aside, in variables of the same shapes: the committed state, which a peer or
