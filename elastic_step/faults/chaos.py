@@ -21,7 +21,8 @@ job's start by `for_job`):
   grace period or a partitioned node whose network returns. Fenced, it must apply nothing, and exit.
   The local backend only (a backend that cannot reach into its instances' processes refuses it at the job's start).
 - `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
-  would): after each step but its first it sleeps 9 times as long as the step took, still reporting. The master
+  would): after each step but its first it sleeps 9 times as long as the step took, still reporting: never more than
+  half the master's hang bound at a time, however loaded the machine, or it would be a hang, not a slow node. The master
   hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW). `slow:worker-1@400:x10` slows it
   once 400 records are committed (a node that turns slow), and every launch of it after that: the master opens
   a gate, a file its process looks for after each step, so it reaches workers that share the master's
@@ -62,7 +63,7 @@ from collections.abc import Sequence
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ConfigError, ElasticStepError
 from elastic_step.faults import api
-from elastic_step.faults.process import SLOW_ENV, kill_self
+from elastic_step.faults.process import SLOW_ENV, SLOW_MAX_ENV, kill_self
 from elastic_step.util.json_text import write_json
 
 log = logging.getLogger("elastic_step.master")
@@ -107,18 +108,23 @@ def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
     return tuple(configured) or tuple(c for c in os.environ.get(ENV, "").split(",") if c)
 
 
-def for_job(configured: Sequence[str], records_total: int, max_workers: int, num_ps: int = 0) -> api.JobFaults:
+def for_job(
+    configured: Sequence[str], records_total: int, max_workers: int, num_ps: int = 0, hang_bound_s: float = 0.0
+) -> api.JobFaults:
     """A job's hook points, at its start: its chaos, or none at all (a bad spec raises here, before
-    anything starts)."""
+    anything starts). `hang_bound_s`: the shortest time between commits the master declares a worker hung after."""
     asked = specs(configured)
-    return Chaos(list(asked), records_total, max_workers, num_ps) if asked else api.NO_FAULTS
+    return Chaos(list(asked), records_total, max_workers, num_ps, hang_bound_s) if asked else api.NO_FAULTS
 
 
 class Chaos(api.JobFaults):
     """A job's chaos: its schedule of signals, fired on the master's ticks (see the module)."""
 
-    def __init__(self, specs: list[str], records_total: int, max_workers: int, num_ps: int = 0):
+    def __init__(
+        self, specs: list[str], records_total: int, max_workers: int, num_ps: int = 0, hang_bound_s: float = 0.0
+    ):
         self.max_workers = max_workers
+        self.hang_bound_s = hang_bound_s
         self.pending: list[Signal] = []
         self.fired: list[dict] = []
         self.kill_at_checkpoint: int | None = None
@@ -266,7 +272,10 @@ class Chaos(api.JobFaults):
         sig = self.slow.get(inst)
         if sig is None:
             return {}
-        return {SLOW_ENV: f"{sig.factor:g}" + (f"@{self._gate(sig)}" if sig in self.pending and sig.at else "")}
+        env = {SLOW_ENV: f"{sig.factor:g}" + (f"@{self._gate(sig)}" if sig in self.pending and sig.at else "")}
+        if self.hang_bound_s > 0:  # a slow worker still reports: its pause never reaches the master's hang bound
+            env[SLOW_MAX_ENV] = f"{self.hang_bound_s / 2:g}"
+        return env
 
     def _gate(self, sig: Signal) -> str:
         return os.path.join(self._gates, str(sig.target))

@@ -9,6 +9,8 @@ Read by `install_worker_faults` as a worker starts:
   median: a slow node is slow at its usual pace, not silent for minutes after one long step. `10@/a/gate` does
   so once the file /a/gate exists (looked for after each step until then). The master sets it for the workers
   `--chaos slow:worker-1@R:x10` names (chaos.py), and opens the gate at R records.
+- ELASTIC_STEP_SLOW_MAX_S: `3` caps each of those sleeps at 3 s. The master sets it to half its hang bound: on a
+  machine loaded enough that one step takes a second, nine of them would make the slow worker a hung one.
 Apart from chaos.py, so that a worker process loads no more than the hook points it drives.
 """
 
@@ -25,6 +27,7 @@ from elastic_step.faults import api
 
 COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"  # a worker's: "worker-1@step=25"
 SLOW_ENV = "ELASTIC_STEP_SLOW"  # a worker's: "10" (times slower)
+SLOW_MAX_ENV = "ELASTIC_STEP_SLOW_MAX_S"  # a worker's: "3" (the longest sleep, seconds)
 SLOW_WINDOW = 20  # the steps whose median is a slowed worker's usual step
 
 
@@ -45,7 +48,7 @@ def install_worker_faults(me: str) -> None:
         logging.getLogger("elastic_step.worker").warning(
             "chaos: %s runs %s times slower%s", me, factor, f" once {gate} exists" if gate else ""
         )
-        api.STEP_DONE.install(_slow(float(factor), gate, me))
+        api.STEP_DONE.install(_slow(float(factor), gate, me, float(os.environ.get(SLOW_MAX_ENV) or "inf")))
     for spec in filter(None, os.environ.get(COLLECTIVE_ENV, "").split(",")):
         name, _, at = spec.partition("@step=")
         if name == me and at.isdigit():
@@ -53,7 +56,7 @@ def install_worker_faults(me: str) -> None:
             return
 
 
-def _slow(factor: float, gate: str = "", me: str = ""):
+def _slow(factor: float, gate: str = "", me: str = "", max_s: float = float("inf")):
     first, shut = [True], [bool(gate)]
     recent: collections.deque[float] = collections.deque(maxlen=SLOW_WINDOW)
 
@@ -68,7 +71,7 @@ def _slow(factor: float, gate: str = "", me: str = ""):
                 return
             shut[0] = False
             logging.getLogger("elastic_step.worker").warning("chaos: %s runs %g times slower from now", me, factor)
-        time.sleep((factor - 1) * seconds)
+        time.sleep(min((factor - 1) * seconds, max_s))
 
     return fault
 

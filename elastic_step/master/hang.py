@@ -85,6 +85,11 @@ class HangWatch:
             return self.timeout_s
         return max(self.floor_s, self.factor * max(self._gaps.get(worker, ()), default=0.0))
 
+    @property
+    def least_bound(self) -> float:
+        """The shortest bound any worker's time between commits gets: --hang-timeout, else the floor."""
+        return self.timeout_s if self.timeout_s > 0 else self.floor_s
+
     def startup_bound(self) -> float:
         """Before a worker's first commit of a launch (see the module): --hang-timeout only lengthens it."""
         return max(STARTUP_FLOOR_S, STARTUP_FACTOR * self._slowest_first, self.timeout_s)

@@ -134,7 +134,11 @@ class TrainingJob:
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
         self.faults = chaos.for_job(
-            cfg.chaos, self.ledger.records_per_epoch * cfg.epochs, cfg.max_workers, 0 if self.allreduce else cfg.num_ps
+            cfg.chaos,
+            self.ledger.records_per_epoch * cfg.epochs,
+            cfg.max_workers,
+            0 if self.allreduce else cfg.num_ps,
+            hang_bound_s=self.coord.hangs.least_bound,
         )
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)

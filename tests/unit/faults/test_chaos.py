@@ -66,6 +66,9 @@ def test_stop_and_slow_are_scheduled_and_a_slowed_worker_learns_its_factor_at_ev
     assert chaos.instance_env(InstanceId("worker", 1)) == {}
     chaos.pending.clear()  # all fired (a retried master's view): the worker is still launched slow
     assert chaos.instance_env(InstanceId("worker", 0)) == {"ELASTIC_STEP_SLOW": "10"}
+    # A job's master says how long its shortest hang bound is: a slowed step never pauses half as long.
+    bounded = Chaos(["slow:worker-0@0:x10"], 10_000, 2, num_ps=1, hang_bound_s=6)
+    assert bounded.instance_env(InstanceId("worker", 0)) == {"ELASTIC_STEP_SLOW": "10", "ELASTIC_STEP_SLOW_MAX_S": "3"}
 
 
 @pytest.mark.parametrize(
@@ -270,6 +273,24 @@ def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_firs
     finally:
         api.STEP_DONE.install(None)
     assert slept == pytest.approx([0.18, 0.27, 0.18, 0.18, 0.36])
+
+
+def test_a_slowed_worker_on_a_loaded_machine_never_pauses_for_longer_than_its_cap(monkeypatch):
+    """Steps of a second on a busy machine, slowed ten times, would leave it silent past a 6 s hang bound: a slow
+    worker that still reports is capped at what the master gave it (half its bound)."""
+    from elastic_step.faults import api, process
+
+    slept = []
+    monkeypatch.setattr(process.time, "sleep", slept.append)
+    monkeypatch.setenv(process.SLOW_ENV, "10")
+    monkeypatch.setenv(process.SLOW_MAX_ENV, "3")
+    process.install_worker_faults("worker-0")
+    try:
+        for seconds in (4.0, 0.1, 0.8, 1.0):
+            api.STEP_DONE(seconds)
+    finally:
+        api.STEP_DONE.install(None)
+    assert slept == pytest.approx([0.9, 3.0, 3.0])
 
 
 def test_a_stop_is_refused_at_the_jobs_start_by_a_backend_that_cannot_freeze():

@@ -35,6 +35,8 @@ def test_the_measured_bound_is_the_floor_for_a_fast_worker_and_its_own_pace_for_
     assert watch.bound("worker-0") == FLOOR_S
     assert watch.bound("worker-1") == pytest.approx(FACTOR * 8.0)  # 80 s: past the floor
     assert HangWatch(timeout_s=5.0).bound("worker-1") == 5.0  # --hang-timeout overrides it
+    # The shortest any worker gets, whatever its pace (what a slowed worker's pauses stay under: faults/chaos.py).
+    assert watch.least_bound == FLOOR_S and HangWatch(timeout_s=5.0).least_bound == 5.0
 
 
 def test_a_worker_past_its_bound_is_reported_with_the_figures_and_one_that_commits_never():
