@@ -1,8 +1,10 @@
 """Put the repository root on sys.path, so tests import `samples.*` (and the package) from the checkout;
-the prepared data sets the integration and parity tests share."""
+the prepared data sets the integration and parity tests share; a temporary folder for the session's processes."""
 
 import os
+import shutil
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -68,6 +70,24 @@ def pytest_xdist_node_collection_finished(node, ids):
             "(./scripts/bootstrap).",
             returncode=pytest.ExitCode.USAGE_ERROR,
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_tmpdir(tmp_path_factory):
+    """Every process the suite starts keeps its temporary files (a remote output's staging, a model's copy, a slow
+    worker's gate) in a folder of this session's, removed at its end: a master or worker a chaos test SIGKILLs
+    never cleans up after itself, and the machine's /tmp is not the place for what it leaves."""
+    tmp_path_factory.getbasetemp()  # pytest's own folders first, where they always are (a failed test's are kept)
+    folder = tempfile.mkdtemp(prefix="elastic-step-tests-")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = folder, None
+    yield folder
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+    tempfile.tempdir = None
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

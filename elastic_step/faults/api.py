@@ -16,7 +16,8 @@ that jobs in one process never share them):
 - `kill_deferred(inst, backend)`: a worker was declared hung and fenced, and is about to be killed: how long its
   kill waits for it to end by itself (0: not at all), so a fault can resume it first (a zombie: a pod in its grace
   period, a partitioned node whose network returns);
-- `summary()`: summary.json's `chaos` section, or None for none.
+- `summary()`: summary.json's `chaos` section, or None for none;
+- `close()`: the job's instances are stopped: what the faults made for them (files they looked for) is removed.
 
 A process's hook points, installed by whoever drives them:
 - COLLECTIVE_UNDER_WAY(step, flush): a ring all-reduce member has sent its own chunk of `step` and
@@ -57,6 +58,9 @@ class JobFaults:
 
     def summary(self) -> dict | None:
         return None
+
+    def close(self) -> None:
+        pass
 
 
 NO_FAULTS = JobFaults()

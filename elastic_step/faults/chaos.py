@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -400,3 +401,8 @@ class Chaos(api.JobFaults):
             "not_fired": [{"action": s.action, "at_records": s.at} for s in self.pending],
             **({"resumed": list(self.resumed)} if self.resumed else {}),
         }
+
+    def close(self) -> None:
+        """The job's instances are stopped: nobody looks for a slow worker's gate any more."""
+        if self._gates:
+            shutil.rmtree(self._gates, ignore_errors=True)

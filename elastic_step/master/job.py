@@ -364,6 +364,7 @@ class TrainingJob:
             self.durable.close()
             self.coord.stop_all.set()
             self.backend.close(grace_s=10.0)
+            self.faults.close()
             server.stop(grace=1)
             if self._input_server is not None:
                 self._input_server.stop()

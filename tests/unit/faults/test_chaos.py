@@ -333,5 +333,7 @@ def test_a_worker_slowed_later_is_slowed_once_its_gate_opens_and_later_launches_
     assert slept == pytest.approx([0.06])
     assert chaos.instance_env(InstanceId("worker", 0)) == {process.SLOW_ENV: "4"}  # fired: a relaunch starts slow
     assert "slow x4 at 15 records" in [e["detail"] for e in coord.events if e["kind"] == "chaos"]
+    chaos.close()  # the job's end: the gate's folder goes
+    assert not os.path.exists(os.path.dirname(gate))
     with pytest.raises(ElasticStepError, match="one slow: spec per worker"):
         Chaos(["slow:worker-1@0:x2", "slow:worker-1@40:x3"], 10_000, 2, num_ps=1)
