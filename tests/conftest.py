@@ -78,15 +78,15 @@ def own_tmpdir(tmp_path_factory):
     worker's gate) in a folder of this session's, removed at its end: a master or worker a chaos test SIGKILLs
     never cleans up after itself, and the machine's /tmp is not the place for what it leaves."""
     tmp_path_factory.getbasetemp()  # pytest's own folders first, where they always are (a failed test's are kept)
+    tempfile.gettempdir()  # this process's own stay where they are too (multiprocessing removes its own at exit)
     folder = tempfile.mkdtemp(prefix="elastic-step-tests-")
     before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"], tempfile.tempdir = folder, None
+    os.environ["TMPDIR"] = folder  # for the processes it starts
     yield folder
     if before is None:
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = before
-    tempfile.tempdir = None
     shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -22,7 +22,8 @@ job's start by `for_job`):
   The local backend only (a backend that cannot reach into its instances' processes refuses it at the job's start).
 - `slow:worker-1@0:x10` slows worker-1 ten times from its start (every launch of it, as a slow node
   would): after each step but its first it sleeps 9 times as long as the step took, still reporting: never more than
-  half the master's hang bound at a time, however loaded the machine, or it would be a hang, not a slow node. The master
+  a quarter of the master's hang bound at a time (an allreduce run commits two steps or more), however loaded the
+  machine, or it would be a hang, not a slow node. The master
   hands the factor to the worker's process (process.py, ELASTIC_STEP_SLOW). `slow:worker-1@400:x10` slows it
   once 400 records are committed (a node that turns slow), and every launch of it after that: the master opens
   a gate, a file its process looks for after each step, so it reaches workers that share the master's
@@ -116,6 +117,11 @@ def for_job(
     anything starts). `hang_bound_s`: the shortest time between commits the master declares a worker hung after."""
     asked = specs(configured)
     return Chaos(list(asked), records_total, max_workers, num_ps, hang_bound_s) if asked else api.NO_FAULTS
+
+
+# A slowed step's pause is at most the hang bound over this: between two commits an allreduce member takes at least
+# two steps (a run ends at the step after it lasted 0.1 s), each with its compute besides the pause.
+SLOW_PAUSES_PER_BOUND = 4
 
 
 class Chaos(api.JobFaults):
@@ -274,8 +280,8 @@ class Chaos(api.JobFaults):
         if sig is None:
             return {}
         env = {SLOW_ENV: f"{sig.factor:g}" + (f"@{self._gate(sig)}" if sig in self.pending and sig.at else "")}
-        if self.hang_bound_s > 0:  # a slow worker still reports: its pause never reaches the master's hang bound
-            env[SLOW_MAX_ENV] = f"{self.hang_bound_s / 2:g}"
+        if self.hang_bound_s > 0:  # a slow worker still reports: its pauses never reach the master's hang bound
+            env[SLOW_MAX_ENV] = f"{self.hang_bound_s / SLOW_PAUSES_PER_BOUND:g}"
         return env
 
     def _gate(self, sig: Signal) -> str:
@@ -336,6 +342,10 @@ class Chaos(api.JobFaults):
             # A freeze lands after the worker's first commit of its launch: before it, a freeze is a start-up hang,
             # which has a bound of minutes (master/hang.py), not the one a test gives.
             leased = {w for w in leased if coord.hangs.idle(w) is not None}
+            if coord.rendezvous is not None and any(coord.hangs.idle(m) is None for m, _ in coord.rendezvous.members):
+                # allreduce: on a ring whose members have all committed. A newcomer still joining would find the frozen
+                # member unreachable first (its pull, its ring endpoint) and have it leave as lost, not as hung.
+                leased = set()
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
                 return

@@ -9,8 +9,8 @@ Read by `install_worker_faults` as a worker starts:
   median: a slow node is slow at its usual pace, not silent for minutes after one long step. `10@/a/gate` does
   so once the file /a/gate exists (looked for after each step until then). The master sets it for the workers
   `--chaos slow:worker-1@R:x10` names (chaos.py), and opens the gate at R records.
-- ELASTIC_STEP_SLOW_MAX_S: `3` caps each of those sleeps at 3 s. The master sets it to half its hang bound: on a
-  machine loaded enough that one step takes a second, nine of them would make the slow worker a hung one.
+- ELASTIC_STEP_SLOW_MAX_S: `1.5` caps each of those sleeps at 1.5 s. The master sets it to a quarter of its hang
+  bound: on a machine loaded enough that one step takes a second, nine of them would make the slow worker a hung one.
 Apart from chaos.py, so that a worker process loads no more than the hook points it drives.
 """
 

@@ -62,8 +62,9 @@ def test_no_false_alarm_first_steps_evaluation_few_samples_a_busy_machine_and_mi
     watch.quiet = False
     _steps(watch, {w: 10 * s for w, s in {"worker-0": 0.05, "worker-1": 0.04, "worker-2": 0.05}.items()}, 20)
     assert watch.pick(RING, 1) is None
-    # 10x slower, but a step of so small a model that it costs the ring under MIN_COST_S a step.
-    _steps(watch, {"worker-0": 0.005, "worker-1": 0.0005, "worker-2": 0.0005}, 20)
+    # 6x slower, but a step of so small a model that it costs the ring under MIN_COST_S a step (a healthy replacement
+    # measured on a loaded machine).
+    _steps(watch, {"worker-0": 0.013, "worker-1": 0.002, "worker-2": 0.002}, 20)
     assert watch.pick(RING, 1) is None
     # 3.5x slower is not FACTOR (4) times.
     _steps(watch, {"worker-0": 0.35, "worker-1": 0.1, "worker-2": 0.1}, 20)
