@@ -46,7 +46,13 @@ def moved_shards_named():
 
 def shards_moved(error: BaseException) -> bool:
     if isinstance(error, grpc.RpcError):
-        return error.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        # CANCELLED: the shard's server went away with the call in flight (its pod deleted, its process stopping).
+        return error.code() in (
+            grpc.StatusCode.ABORTED,
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        )
     if isinstance(error, PushFailed):
         return str(error).startswith(REFUSED)
     return isinstance(error, (ConnectionError, BrokenPipeError, TimeoutError))  # TimeoutError: a silent doorbell

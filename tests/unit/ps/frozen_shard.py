@@ -22,6 +22,7 @@ class FrozenShard(pb_grpc.ParameterServerServicer):
         if frozen:
             self.frozen.set()
         self.briefs = 0  # brief Stats asked (the master's probe)
+        self.pulls = 0  # pulls under way or done
 
     def _silent(self, context) -> None:
         while self.frozen.is_set() and context.is_active():
@@ -34,6 +35,7 @@ class FrozenShard(pb_grpc.ParameterServerServicer):
         return pb.PsStats(shard=0)
 
     def PullDense(self, request, context):
+        self.pulls += 1
         self._silent(context)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not a pull this shard serves")
 
