@@ -27,7 +27,7 @@ from elastic_step.faults import api
 
 COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"  # a worker's: "worker-1@step=25"
 SLOW_ENV = "ELASTIC_STEP_SLOW"  # a worker's: "10" (times slower)
-SLOW_MAX_ENV = "ELASTIC_STEP_SLOW_MAX_S"  # a worker's: "3" (the longest sleep, seconds)
+SLOW_MAX_ENV = "ELASTIC_STEP_SLOW_MAX_S"  # a worker's: "1.5" (the longest sleep, seconds)
 SLOW_WINDOW = 20  # the steps whose median is a slowed worker's usual step
 
 

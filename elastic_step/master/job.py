@@ -543,9 +543,9 @@ class TrainingJob:
             load(state.num_model, state.values)
             return state.applied
         errors = []
-        # An epoch's evaluation holds the hang clocks: a frozen member asked first holds it no longer than the bound
-        # --hang-timeout sets (the final pull waits the usual 30 s on each).
-        timeout = 30.0 if final or not self.cfg.hang_timeout else min(30.0, self.cfg.hang_timeout)
+        # An epoch's evaluation holds the hang clocks: a frozen member asked first holds it no longer than the
+        # shortest hang bound (--hang-timeout; the final pull waits the usual 30 s on each).
+        timeout = 30.0 if final else min(30.0, self.coord.hangs.least_bound)
         for name, address in members:
             try:
                 state = pull_state(address, self.plan.token, step if final else -1, timeout=timeout)
