@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -240,3 +241,97 @@ def test_a_step_applied_in_the_next_minibatchs_call_is_that_step_applied_on_its_
     t.undo()
     for now, before in zip(t.state()[1], start):
         np.testing.assert_array_equal(now, before)
+
+
+def test_a_run_of_steps_in_one_call_is_those_steps_taken_call_by_call(tmp_path):
+    """A run's steps after its first run in one compiled loop, a callback between steps doing the rest of each (here
+    a ring of one: the average is the member's own gradient). The witness takes the same steps call by call, each
+    step's average applied in the next minibatch's call: every step's loss and gradient, and the weights at the
+    end, are the same; what the callback left pending is applied by whoever reads the weights next; an undo goes
+    back to the state before the run."""
+    t, witness = trainer(tmp_path, 3), trainer(tmp_path, 3)
+    initial = t.state()
+    witness.load_state(*initial)
+    start = initial[1]
+    rng = np.random.default_rng(3)
+    lease = {"x": rng.normal(size=(14, 4)).astype(np.float32), "y": rng.normal(size=(14, 1)).astype(np.float32)}
+    fed, fed_witness = t.feed(lease), witness.feed(lease)
+    first = t.lease_gradients(fed, 0, 4)  # the run's first step, as the worker takes it
+    t.apply(first[1], 0.5)
+    steps = []
+
+    served = []
+
+    def on_step(loss, flat):
+        steps.append((loss, flat.copy()))
+        if len(steps) == 1:  # a peer's or the master's pull meanwhile: the state before the run, without waiting
+            reader = threading.Thread(target=lambda: served.append(t.state()[1]))
+            reader.start()
+            reader.join(timeout=10)
+        lo = 4 * (len(steps) + 1)  # the next minibatch's
+        return flat, 0.5, (lo, min(14, lo + 4)) if lo < 14 else None  # the last step's average left pending
+
+    assert not t.run_steps(fed, 4, 8, on_step, lambda: "records 4-8")  # no rate set yet: the ordinary way first
+    t.checksum()  # reads the weights: the first step applied on its own, its rate set
+    t.apply(first[1], 0.5)  # (again, as a second step would be)
+    assert t.run_steps(fed, 4, 8, on_step, lambda: "records 4-8")
+    assert len(steps) == 3  # [4, 8), [8, 12), [12, 14)
+    assert len(served) == 1
+    for a, b in zip(served[0], start):
+        np.testing.assert_array_equal(a, b)
+    w = witness.lease_gradients(fed_witness, 0, 4)
+    for mean in (w[1], w[1]):
+        witness.apply(mean, 0.5)
+    for (loss, flat), (lo, hi) in zip(steps, [(4, 8), (8, 12), (12, 14)]):
+        want = witness.lease_gradients(fed_witness, lo, hi)
+        assert loss == pytest.approx(want[0], rel=1e-6)
+        np.testing.assert_allclose(flat, want[1], rtol=1e-5, atol=1e-6)
+        witness.apply(want[1], 0.5)
+    t.commit(), witness.commit()  # the pending average applied by both
+    for a, b in zip(t.state()[1], witness.state()[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    t.undo()  # committed: nothing to go back to
+    for a, b in zip(t.state()[1], witness.state()[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    again = trainer(tmp_path, 3)
+    again.load_state(*initial)
+    fed_again = again.feed(lease)
+    again.apply(again.lease_gradients(fed_again, 0, 4)[1], 0.5)
+    again.checksum()
+    again.apply(first[1], 0.5)
+    steps.clear()
+    assert again.run_steps(fed_again, 4, 8, on_step, lambda: "records 4-8")
+    again.undo()  # not committed: back to the state before the run
+    for now, before in zip(again.state()[1], start):
+        np.testing.assert_array_equal(now, before)
+
+
+def test_a_run_in_one_call_stops_at_a_new_rate_and_raises_what_its_callback_raised(tmp_path):
+    t = trainer(tmp_path, 3)
+    rng = np.random.default_rng(4)
+    fed = t.feed({"x": rng.normal(size=(12, 4)).astype(np.float32), "y": rng.normal(size=(12, 1)).astype(np.float32)})
+    t.apply(t.lease_gradients(fed, 0, 4)[1], 1.0)
+    t.checksum()
+    calls = []
+
+    def new_rate(loss, flat):
+        calls.append(loss)
+        return flat, 0.5, (8, 12)  # the next step at another rate: the loop stops, the average left pending
+
+    t.apply(np.zeros(t.size, np.float32), 1.0)
+    assert t.run_steps(fed, 4, 8, new_rate, lambda: "")
+    assert len(calls) == 1 and t._pending is not None and t._pending[1] == 0.5
+    assert not t.run_steps(fed, 8, 12, new_rate, lambda: "")  # not at the rate set: the ordinary way
+
+    class PeerGone(Exception):
+        pass
+
+    def fails(loss, flat):
+        raise PeerGone("worker-1 is gone")
+
+    t.apply(np.zeros(t.size, np.float32), 1.0)
+    t.checksum()
+    t.apply(np.zeros(t.size, np.float32), 1.0)
+    with pytest.raises(PeerGone, match="worker-1 is gone"):
+        t.run_steps(fed, 4, 8, fails, lambda: "")
+    assert t._pending is None
