@@ -259,12 +259,13 @@ class AllReduceTrainer:
         tf = self.tf
         data, specs = fed
         with self._lock:
-            if self._pending is None or not self._kept_holds or self._pending[1] != self._lr_scale:
+            loop = self._loop_for(specs)
+            if loop is None or self._pending is None or not self._kept_holds or self._pending[1] != self._lr_scale:
                 return False
             (mean, _), self._pending, self._checksum = self._pending, None, None
             self._on_step, self._left, self._step_error = on_step, None, None
             try:
-                self._loop_for(specs)(tf.constant(mean), data, tf.constant([lo], tf.int64), tf.constant([hi], tf.int64))
+                loop(tf.constant(mean), data, tf.constant([lo], tf.int64), tf.constant([hi], tf.int64))
             except tf.errors.OpError as e:
                 if self._step_error is None:  # the user's model/loss failed on real data
                     raise self.model_def.user_error(e, "computing a training step", where=str(where())) from e
@@ -276,14 +277,18 @@ class AllReduceTrainer:
         return True
 
     def _loop_for(self, specs):
-        """`run_loop` traced once for any lease and minibatch size, as the lease step is."""
-        loop = self._run_loops.get(specs)
-        if loop is None:
+        """`run_loop` traced once for any lease and minibatch size, as the lease step is; None when this model or
+        optimizer cannot run in a compiled loop (its steps then take a call each, as before)."""
+        if specs not in self._run_loops:
             tf = self.tf
-            loop = self._run_loops[specs] = self._run_loop.get_concrete_function(
-                tf.TensorSpec([self.size], tf.float32), specs, self._bound_spec, self._bound_spec
-            )
-        return loop
+            try:
+                self._run_loops[specs] = self._run_loop.get_concrete_function(
+                    tf.TensorSpec([self.size], tf.float32), specs, self._bound_spec, self._bound_spec
+                )
+            except Exception as e:  # noqa: BLE001 - the ordinary path trains it, one call a step
+                log.info("a run's steps take one call each: they cannot run in one compiled loop (%s)", e)
+                self._run_loops[specs] = None
+        return self._run_loops[specs]
 
     def _step_done(self, loss, flat):
         """`run_steps`'s callback, from the compiled loop: never raises (TensorFlow would wrap it), keeps it."""
