@@ -182,7 +182,7 @@ class AllReduceTrainer:
         self._lease_steps = {None: tf.function(lease_step), **{k: lease_step_after(k) for k in (False, True)}}
         self._apply = {keeping: applying(keeping) for keeping in (False, True)}
         self._run_loop = tf.function(run_loop)
-        self._run_loops: dict = {}  # input specs -> `run_loop` traced for them
+        self._looped = None  # (input specs, `run_loop` traced for them, or None: it cannot be)
         self._on_step = None  # while `run_steps` runs: the rest of each step (see there)
         self._left: tuple | None = None  # what the last `_on_step` left: (average, rate) to apply, or None
         self._step_error: BaseException | None = None
@@ -279,16 +279,17 @@ class AllReduceTrainer:
     def _loop_for(self, specs):
         """`run_loop` traced once for any lease and minibatch size, as the lease step is; None when this model or
         optimizer cannot run in a compiled loop (its steps then take a call each, as before)."""
-        if specs not in self._run_loops:
+        if self._looped is None or self._looped[0] != specs:  # specs hold dicts: compared, as `_traced`, not hashed
             tf = self.tf
             try:
-                self._run_loops[specs] = self._run_loop.get_concrete_function(
+                loop = self._run_loop.get_concrete_function(
                     tf.TensorSpec([self.size], tf.float32), specs, self._bound_spec, self._bound_spec
                 )
             except Exception as e:  # noqa: BLE001 - the ordinary path trains it, one call a step
                 log.info("a run's steps take one call each: they cannot run in one compiled loop (%s)", e)
-                self._run_loops[specs] = None
-        return self._run_loops[specs]
+                loop = None
+            self._looped = (specs, loop)
+        return self._looped[1]
 
     def _step_done(self, loss, flat):
         """`run_steps`'s callback, from the compiled loop: never raises (TensorFlow would wrap it), keeps it."""
