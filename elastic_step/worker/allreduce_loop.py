@@ -438,6 +438,7 @@ class StepProfile:
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
+        self.looped = 0  # of `steps`, those taken inside a run's one call (AllReduceTrainer.run_steps)
         self.started = time.perf_counter()
 
     def add(self, phase: str, since: float) -> float:
@@ -450,7 +451,7 @@ class StepProfile:
         wall = time.perf_counter() - self.started
         per = {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
         other = 1e3 * (wall - sum(self.seconds.values())) / max(1, self.steps)
-        return f"{self.steps} steps in {wall:.1f} s, ms per step: " + ", ".join(
+        return f"{self.steps} steps ({self.looped} in a run's one call) in {wall:.1f} s, ms per step: " + ", ".join(
             [*(f"{k} {v:.3f}" for k, v in per.items()), f"other {other:.3f}"]
         )
 
@@ -824,6 +825,7 @@ class AllReduceWorker:
             contribution = (lease.epoch, lease.shard_index, lo, hi)
             # Its own records are in the sum: the average is never None here.
             mean, lr_scale, ends[0] = self.share(run, run.step + 1, buf, hi, n, loss, contribution, compute_s)
+            self.profile.looped += 1
             go_on = not (ends[0] or self.stop.is_set())
             if go_on:
                 bounds[:] = [hi, min(lease.end, ts + ((hi - ts) // mb + 1) * mb)]
