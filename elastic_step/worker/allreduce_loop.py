@@ -153,7 +153,10 @@ class AllReduceTrainer:
         # (0.3-0.9 ms against 0.1 ms a step in a loop), a Python callback between steps about 0.05 ms. After each
         # step's gradient the callback does the rest of the step (the collective among it) and hands back the
         # average to apply and the next minibatch's bounds, or stops the loop.
-        def run_loop(flat, data, begin, end):
+        def run_loop(flat, data, begin, end, keeping):
+            if keeping:  # the loop's first apply is the run's first: what it is applied to is kept first
+                keep()
+
             def body(flat, begin, end, going):
                 apply_mean(flat)
                 loss, grad = loss_and_gradient(sliced(data, begin, end))
@@ -255,17 +258,18 @@ class AllReduceTrainer:
         (lo, hi)) to go on with the next minibatch, (average, rate, None) to stop with that average pending, or
         None to stop with nothing pending (the step is trained again, outside). What it raises is raised here;
         `where()`: the records being trained, to name them in the user's error. False, having done nothing, unless
-        a run is under way (its first step kept the state) at the rate pending."""
+        an average is pending at the rate set (the first applied in the call keeps the state, if a run's first)."""
         tf = self.tf
         data, specs = fed
         with self._lock:
             loop = self._loop_for(specs)
-            if loop is None or self._pending is None or not self._kept_holds or self._pending[1] != self._lr_scale:
+            if loop is None or self._pending is None or self._pending[1] != self._lr_scale:
                 return False
             (mean, _), self._pending, self._checksum = self._pending, None, None
             self._on_step, self._left, self._step_error = on_step, None, None
+            bounds = tf.constant([lo], tf.int64), tf.constant([hi], tf.int64)
             try:
-                loop(tf.constant(mean), data, tf.constant([lo], tf.int64), tf.constant([hi], tf.int64))
+                loop(tf.constant(mean), data, *bounds, tf.constant(not self._kept_holds))
             except tf.errors.OpError as e:
                 if self._step_error is None:  # the user's model/loss failed on real data
                     raise self.model_def.user_error(e, "computing a training step", where=str(where())) from e
@@ -283,7 +287,11 @@ class AllReduceTrainer:
             tf = self.tf
             try:
                 loop = self._run_loop.get_concrete_function(
-                    tf.TensorSpec([self.size], tf.float32), specs, self._bound_spec, self._bound_spec
+                    tf.TensorSpec([self.size], tf.float32),
+                    specs,
+                    self._bound_spec,
+                    self._bound_spec,
+                    tf.TensorSpec([], tf.bool),
                 )
             except Exception as e:  # noqa: BLE001 - the ordinary path trains it, one call a step
                 log.info("a run's steps take one call each: they cannot run in one compiled loop (%s)", e)
@@ -294,6 +302,9 @@ class AllReduceTrainer:
     def _step_done(self, loss, flat):
         """`run_steps`'s callback, from the compiled loop: never raises (TensorFlow would wrap it), keeps it."""
         stop = (np.zeros(self.size, np.float32), np.zeros(1, np.int64), np.zeros(1, np.int64), np.bool_(False))
+        if not self._kept_holds:  # the loop kept the state before its first apply: readers may read it from now on
+            with self._kept_lock:
+                self._kept_holds = True
         try:
             done = self._on_step(float(loss), flat)
         except BaseException as e:  # noqa: BLE001 - raised by run_steps, in the caller's thread
@@ -439,6 +450,7 @@ class StepProfile:
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.steps = 0
         self.looped = 0  # of `steps`, those taken inside a run's one call (AllReduceTrainer.run_steps)
+        self.runs = 0  # runs that ended in a `StepReady`
         self.started = time.perf_counter()
 
     def add(self, phase: str, since: float) -> float:
@@ -451,7 +463,7 @@ class StepProfile:
         wall = time.perf_counter() - self.started
         per = {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
         other = 1e3 * (wall - sum(self.seconds.values())) / max(1, self.steps)
-        return f"{self.steps} steps ({self.looped} in a run's one call) in {wall:.1f} s, ms per step: " + ", ".join(
+        return f"{self.steps} steps in {self.runs} runs ({self.looped} in a run's one call) in {wall:.1f} s, ms per step: " + ", ".join(
             [*(f"{k} {v:.3f}" for k, v in per.items()), f"other {other:.3f}"]
         )
 
@@ -898,6 +910,7 @@ class AllReduceWorker:
                 )
             )
             self.profile.add("step ready", t)
+            self.profile.runs += 1
             if reply.kind == pb.StepReadyReply.ABORT:
                 log.info(
                     "steps %d-%d aborted by the master (version %d -> %d): retrying",

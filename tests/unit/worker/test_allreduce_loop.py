@@ -335,3 +335,49 @@ def test_a_run_in_one_call_stops_at_a_new_rate_and_raises_what_its_callback_rais
     with pytest.raises(PeerGone, match="worker-1 is gone"):
         t.run_steps(fed, 4, 8, fails, lambda: "")
     assert t._pending is None
+
+
+def test_a_runs_second_step_in_one_call_keeps_the_state_the_run_started_from(tmp_path):
+    """Right after a run's first step (nothing kept yet), its next steps still run in one call: the call keeps the
+    state before its first apply. A reader during the call gets that state without waiting; an undo goes back to
+    it; the steps are those the witness takes call by call."""
+    t, witness = trainer(tmp_path, 3), trainer(tmp_path, 3)
+    initial = t.state()
+    witness.load_state(*initial)
+    rng = np.random.default_rng(5)
+    lease = {"x": rng.normal(size=(12, 4)).astype(np.float32), "y": rng.normal(size=(12, 1)).astype(np.float32)}
+    fed, fed_witness = t.feed(lease), witness.feed(lease)
+    t.checksum()  # a rate set, as after a commit
+    t.apply(np.zeros(t.size, np.float32), 0.5)
+    t.commit()
+    witness.apply(np.zeros(t.size, np.float32), 0.5)
+    witness.commit()
+    start = t.state()[1]
+    first = t.lease_gradients(fed, 0, 4)  # the run's first step: nothing applied, nothing kept
+    t.apply(first[1], 0.5)
+    assert not t._kept_holds
+    steps, served = [], []
+
+    def on_step(loss, flat):
+        steps.append((loss, flat.copy()))
+        if len(steps) == 1:
+            reader = threading.Thread(target=lambda: served.append(t.state()[1]))
+            reader.start()
+            reader.join(timeout=10)
+            assert not reader.is_alive(), "the reader waited on the run's call"
+        return flat, 0.5, (8, 12) if len(steps) == 1 else None
+
+    assert t.run_steps(fed, 4, 8, on_step, lambda: "records 4-8")
+    assert len(steps) == 2 and len(served) == 1
+    for a, b in zip(served[0], start):
+        np.testing.assert_array_equal(a, b)
+    w = witness.lease_gradients(fed_witness, 0, 4)
+    witness.apply(w[1], 0.5)
+    for (loss, flat), (lo, hi) in zip(steps, [(4, 8), (8, 12)]):
+        want = witness.lease_gradients(fed_witness, lo, hi)
+        assert loss == pytest.approx(want[0], rel=1e-6)
+        np.testing.assert_allclose(flat, want[1], rtol=1e-5, atol=1e-6)
+        witness.apply(want[1], 0.5)
+    t.undo()
+    for now, before in zip(t.state()[1], start):
+        np.testing.assert_array_equal(now, before)
