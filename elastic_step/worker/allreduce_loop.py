@@ -463,9 +463,8 @@ class StepProfile:
         wall = time.perf_counter() - self.started
         per = {k: 1e3 * v / max(1, self.steps) for k, v in self.seconds.items()}
         other = 1e3 * (wall - sum(self.seconds.values())) / max(1, self.steps)
-        return f"{self.steps} steps in {self.runs} runs ({self.looped} in a run's one call) in {wall:.1f} s, ms per step: " + ", ".join(
-            [*(f"{k} {v:.3f}" for k, v in per.items()), f"other {other:.3f}"]
-        )
+        head = f"{self.steps} steps in {self.runs} runs ({self.looped} in a run's one call) in {wall:.1f} s"
+        return f"{head}, ms per step: " + ", ".join([*(f"{k} {v:.3f}" for k, v in per.items()), f"other {other:.3f}"])
 
 
 class Lease:
