@@ -254,7 +254,7 @@ class AllReduceTrainer:
     def run_steps(self, fed, lo: int, hi: int, on_step, where) -> bool:
         """The steps of a run from records [lo, hi) (offsets) of a lease fed once, in one call, the pending average
         applied first: after each step's gradient, `on_step(loss, flat)` (numpy, on one of TensorFlow's threads, the
-        state lock held by the caller: it takes no lock) does the rest of the step and returns (average, rate,
+        trainer's lock held for it: it takes none) does the rest of the step and returns (average, rate,
         (lo, hi)) to go on with the next minibatch, (average, rate, None) to stop with that average pending, or
         None to stop with nothing pending (the step is trained again, outside). What it raises is raised here;
         `where()`: the records being trained, to name them in the user's error. False, having done nothing, unless
@@ -475,6 +475,10 @@ class Lease:
         self.at = t.start  # trained to, in steps applied (committed or not)
         self.fed = None  # its records from `fed_from` on, fed (AllReduceTrainer.feed); False: fed per minibatch
         self.fed_from = t.start
+
+    def minibatch_end(self, lo: int, minibatch_size: int) -> int:
+        """The end of the minibatch that holds record `lo`: minibatches are cut from the task's start."""
+        return min(self.end, self.task_start + ((lo - self.task_start) // minibatch_size + 1) * minibatch_size)
 
 
 # A member's contribution to a step, (epoch, data shard, start, end), rides in the allreduced buffer:
@@ -734,8 +738,7 @@ class AllReduceWorker:
             if self.lease is None or hi >= self.lease.end:
                 break
             lo = hi
-            ts, mb = self.lease.task_start, self.minibatch_size
-            hi = min(self.lease.end, ts + ((lo - ts) // mb + 1) * mb)
+            hi = self.lease.minibatch_end(lo, self.minibatch_size)
             at = Records(self.lease.shard, self.lease.shard_index, self.lease.epoch, lo, hi)
             fed = self.fed_lease()
             with working_on(at):
@@ -814,8 +817,8 @@ class AllReduceWorker:
         run ends (True), or a step must go the ordinary way (False): a rate that changes, a minibatch that is not
         finite (trained again there, where --skip-non-finite applies), the worker stopping. None: nothing done (no
         average pending at the rate set). Raises PeerFailed or Aborted."""
-        lease, mb, ts = self.lease, self.minibatch_size, self.lease.task_start
-        bounds = [lease.at, min(lease.end, ts + ((lease.at - ts) // mb + 1) * mb)]
+        lease, mb = self.lease, self.minibatch_size
+        bounds = [lease.at, lease.minibatch_end(lease.at, mb)]
         clock = [time.monotonic(), time.perf_counter()]
         ends = [False]
 
@@ -839,11 +842,12 @@ class AllReduceWorker:
             self.profile.looped += 1
             go_on = not (ends[0] or self.stop.is_set())
             if go_on:
-                bounds[:] = [hi, min(lease.end, ts + ((hi - ts) // mb + 1) * mb)]
+                bounds[:] = [hi, lease.minibatch_end(hi, mb)]
             clock[:] = [time.monotonic(), time.perf_counter()]
             return mean, lr_scale, (bounds[0] - lease.fed_from, bounds[1] - lease.fed_from) if go_on else None
 
-        # Without the state's condition: the trainer's lock, held for the call, keeps readers of the state out.
+        # Without the state's condition: the trainer's lock, held for the call, orders it against the state's writers;
+        # readers of the kept state do not wait for it (AllReduceTrainer.state).
         lo, hi = bounds[0] - lease.fed_from, bounds[1] - lease.fed_from
         if not self.trainer.run_steps(lease.fed, lo, hi, on_step, records):
             return None
