@@ -148,6 +148,13 @@ def load_manifest(path_or_dir: str) -> Manifest:
         raise DataError(f"The manifest {uri} lacks field {e}; re-run `elastic-step data prep`.") from None
 
 
+def minibatch_end(task_start: int, end: int, lo: int, size: int) -> int:
+    """The end of the minibatch of `size` records that holds record `lo`, in a task starting at `task_start` and
+    leased up to `end`: minibatches are cut from the task's own start, so a remainder leased after a loss is cut
+    (and keyed) as the lost worker cut it."""
+    return min(end, task_start + ((lo - task_start) // size + 1) * size)
+
+
 def skipped_key(epoch: int, data_shard: int) -> tuple[int, int]:
     """A minibatch skipped, not applied (--skip-non-finite: its loss or gradient was not finite), is named by its
     data shard's complement (~index, negative; the same function maps it back): in a push's key, a step's

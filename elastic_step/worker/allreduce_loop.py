@@ -49,7 +49,7 @@ import zlib
 import grpc
 import numpy as np
 
-from elastic_step.data.api import AppliedRecords, skipped_key
+from elastic_step.data.api import AppliedRecords, minibatch_end, skipped_key
 from elastic_step.errors import ConfigError
 from elastic_step.faults import api as faults
 from elastic_step.instance.master_client import MasterClient
@@ -477,8 +477,8 @@ class Lease:
         self.fed_from = t.start
 
     def minibatch_end(self, lo: int, minibatch_size: int) -> int:
-        """The end of the minibatch that holds record `lo`: minibatches are cut from the task's start."""
-        return min(self.end, self.task_start + ((lo - self.task_start) // minibatch_size + 1) * minibatch_size)
+        """The end of the minibatch that holds record `lo` (data.api.minibatch_end)."""
+        return minibatch_end(self.task_start, self.end, lo, minibatch_size)
 
 
 # A member's contribution to a step, (epoch, data shard, start, end), rides in the allreduced buffer:

@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 
+from elastic_step.data.api import minibatch_end
 from elastic_step.faults import api as faults
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
@@ -184,7 +185,7 @@ def minibatches(task, size: int) -> list[tuple[int, int]]:
     the same (task, seq) keys the lost worker did."""
     out, seq = [], task.start
     while seq < task.end:
-        hi = min(task.end, task.task_start + ((seq - task.task_start) // size + 1) * size)
+        hi = minibatch_end(task.task_start, task.end, seq, size)
         out.append((seq, hi))
         seq = hi
     return out
