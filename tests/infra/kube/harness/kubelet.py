@@ -16,7 +16,8 @@
     .namespace, .uid, .labels['k'], .annotations['k'], spec.nodeName,
     spec.serviceAccountName, status.podIP, status.hostIP), ``secretKeyRef`` and
     ``configMapKeyRef`` read from the API; and ``PROCESS_KUBELET_POD_IP`` (the pod's address);
-  - its own loopback address 127.0.0.N (``status.podIP``; Linux routes all of 127/8 to lo);
+  - its own loopback address 127.S.x.y (``status.podIP``; Linux routes all of 127/8 to lo; S is the
+    number of the xdist worker, so that two workers' control planes never hand out the same address);
   - a PID namespace of its own under a small init that passes SIGTERM on (so a kill(-1) from inside,
     as Argo's executor sends, stays in the container), and a mount namespace of its own
     (mounts.py: ``unshare --mount --pid``, private propagation) in which
@@ -71,20 +72,22 @@ KUBE_VERSION = "v1.34"
 
 
 class _IPAllocator:
-    """127.0.0.2 ... 127.0.0.254, then 127.0.1.1 ...; round robin so a just-freed address is
-    not handed out again at once. One per Python process, shared by all kubelets."""
+    """127.S.0.2 ... 127.S.0.254, then 127.S.1.1 ...; round robin so a just-freed address is not handed out
+    again at once. One per Python process, shared by all its kubelets. S is the process's own second octet:
+    under pytest-xdist each worker may run a control plane of its own, and their pods must never share an
+    address (worker gwN gets 127.N/16; a process outside xdist, 127.0/16)."""
 
-    def __init__(self, first: int = 2, size: int = 250 * 254):
+    def __init__(self, first: int = 2, size: int = 250 * 254, octet: int | None = None):
         self._lock = threading.Lock()
         self._used: set[int] = set()
         self._next = 0
         self._first, self._size = first, size
+        self._octet = _xdist_worker_octet() if octet is None else octet
 
-    @staticmethod
-    def _ip(n: int) -> str:
-        n += 2  # 127.0.0.2 is n=0
+    def _ip(self, n: int) -> str:
+        n += 2  # 127.S.0.2 is n=0
         hi, lo = divmod(n - 1, 254)
-        return f"127.0.{hi}.{lo + 1}"
+        return f"127.{self._octet}.{hi}.{lo + 1}"
 
     def allocate(self) -> str:
         with self._lock:
@@ -101,6 +104,11 @@ class _IPAllocator:
             for n in list(self._used):
                 if self._ip(n) == ip:
                     self._used.discard(n)
+
+
+def _xdist_worker_octet() -> int:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    return int(worker[2:]) % 255 if worker.startswith("gw") and worker[2:].isdigit() else 0
 
 
 IPS = _IPAllocator()
