@@ -15,18 +15,20 @@ import pytest  # noqa: E402
 
 # The tests that need Go-built servers (scripts/build-*), in groups of their own. Under xdist a group runs on one
 # worker with one control plane (each worker's pods have addresses of their own: tests/infra/kube/harness/
-# kubelet.py), and is handed out once its builds are done (tests/infra/builds.py): on a machine without them,
-# scripts/test builds them in the background while the workers run the rest. A test is in the first group that
+# kubelet.py). A group is handed out once the builds it names are done (tests/infra/builds.py): on a machine
+# without them scripts/test builds them in the background while the workers run the rest. The control plane's
+# group names none: it is handed out first, and its worker waits on the control plane's build, which leaves the
+# build a core (the builds, not the tests, are what the two groups wait for). A test is in the first group that
 # names it, by a path prefix or by the fixture that starts its server, and a group runs its tests in the order
-# of its list (Kueue is built after Argo). A group's first test may still wait for a whole cold build (when
-# nothing else is left): its timeout allows for that.
-GO_BUILT = (  # (group, its tests in order, the scripts/build-* that must be done before its first test)
+# of its list (Kueue is built after the control plane). A group's first test may wait for a whole cold build:
+# its timeout allows for that.
+GO_BUILT = (  # (group, its tests in order, the scripts/build-* that must be done before it is handed out)
     (
         "go-built:argo,kueue",
         (("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"), ("kueue",)),
         ("build-control-plane", "build-argo"),
     ),
-    ("go-built:control-plane", (("tests/kubernetes/",),), ("build-control-plane",)),
+    ("go-built:control-plane", (("tests/kubernetes/",),), ()),
 )
 BUILD_WAIT_S = 2700
 
@@ -44,9 +46,9 @@ def _go_built(item) -> tuple[int, int] | None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    # Under xdist (scripts/test: `--dist loadgroup`, groups handed out as queued) the Go-built groups are queued
-    # first, the longest first; every other module is a group, so that its module-scoped fixtures (a parity
-    # model trained, a job run) are made once. In one process they run last instead, while the builds run.
+    # Under xdist (scripts/test: `--dist loadgroup`) the Go-built groups are queued first, the longest first;
+    # every other module is a group, so that its module-scoped fixtures (a parity model trained, a job run) are
+    # made once. In one process they run last instead, while the builds run.
     # (Items are collected in xdist's workers, where the order becomes the queue's: there xdist sets `loadgroup`
     # and turns `dist` to "no".)
     places = {item: _go_built(item) for item in items}

@@ -3,8 +3,8 @@
 On a machine without them, scripts/test builds them in the background (minutes each) while the suite runs.
 The tests that need them are groups of their own (tests/conftest.py), each on one worker with its own
 control plane. ``BuildAwareScheduling`` is xdist's `loadgroup` scheduling that hands a worker such a group
-only once the group's builds are done, and the next other group until then: no worker sits on a build's lock
-while there is other work. A warm machine sees xdist's own order.
+only once the builds the group names are done, and the next other group until then: a worker does not sit on
+a build's lock while there is other work, unless its group says so. A warm machine sees xdist's own order.
 """
 
 from __future__ import annotations
