@@ -13,57 +13,45 @@ if ROOT not in sys.path:
 
 import pytest  # noqa: E402
 
-# The tests that need Go-built servers (scripts/build-*), in groups of their own. Under xdist a group runs on one
-# worker with one control plane (each worker's pods have addresses of their own: tests/infra/kube/harness/
-# kubelet.py). A group is handed out once the builds it names are done (tests/infra/builds.py): on a machine
-# without them scripts/test builds them in the background while the workers run the rest. The control plane's
-# group names none: it is handed out first, and its worker waits on the control plane's build, which leaves the
-# build a core (the builds, not the tests, are what the two groups wait for). A test is in the first group that
-# names it, by a path prefix or by the fixture that starts its server, and a group runs its tests in the order
-# of its list (Kueue is built after the control plane). A group's first test may wait for a whole cold build:
-# its timeout allows for that.
-GO_BUILT = (  # (group, its tests in order, the scripts/build-* that must be done before it is handed out)
-    (
-        "go-built:argo,kueue",
-        (("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"), ("kueue",)),
-        ("build-control-plane", "build-argo"),
-    ),
-    ("go-built:control-plane", (("tests/kubernetes/",),), ()),
-)
+# Tests that need Go-built servers run in the order scripts/test builds them: on a machine without them,
+# it builds them in the background while the rest of the suite runs, and these wait on the builds' locks.
+# The first test of each group may wait for a whole cold build (minutes alone, more on a busy machine):
+# its timeout allows for that. A group is named by path prefixes, or by the fixture that starts its server.
+NEEDS_GO_BUILDS = (
+    ("kueue",),  # + Kueue: every test that asks for the `kueue` fixture
+    ("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
+    ("tests/kubernetes/",),
+)  # control plane
 BUILD_WAIT_S = 2700
-
-
-def _go_built(item) -> tuple[int, int] | None:
-    """(the index of the item's group in GO_BUILT, its place in the group's order), or None."""
-    path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
-    fixtures = getattr(item, "fixturenames", ())
-    for group, (_, order, _) in enumerate(GO_BUILT):
-        for rank, names in enumerate(order):
-            if any(path.startswith(n) if "/" in n else n in fixtures for n in names):
-                return group, rank
-    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(session, config, items):
-    # Under xdist (scripts/test: `--dist loadgroup`) the Go-built groups are queued first, the longest first;
-    # every other module is a group, so that its module-scoped fixtures (a parity model trained, a job run) are
+    def builds_needed(item) -> int:
+        path = os.path.relpath(str(item.fspath), ROOT).replace(os.sep, "/")
+        fixtures = getattr(item, "fixturenames", ())
+
+        def needs(names) -> bool:
+            return any(path.startswith(n) if "/" in n else n in fixtures for n in names)
+
+        return next((len(NEEDS_GO_BUILDS) - i for i, names in enumerate(NEEDS_GO_BUILDS) if needs(names)), 0)
+
+    # Under xdist (scripts/test: `--dist loadgroup`, groups handed out as queued), the tests that need
+    # Go-built servers are one group, queued first and run in the builds' order on one worker: one control
+    # plane, and on a cold machine that worker waits for the builds while the other runs the rest. Every
+    # other module is a group, so that its module-scoped fixtures (a parity model trained, a job run) are
     # made once. In one process they run last instead, while the builds run.
     # (Items are collected in xdist's workers, where the order becomes the queue's: there xdist sets `loadgroup`
     # and turns `dist` to "no".)
-    places = {item: _go_built(item) for item in items}
-    last = (len(GO_BUILT), 0)
     if getattr(config.option, "loadgroup", False):
-        items.sort(key=lambda item: places[item] or last)
+        items.sort(key=lambda item: (builds_needed(item) == 0, builds_needed(item)))
     else:
-        items.sort(key=lambda item: (places[item] is not None, places[item] or last))  # stable within a group
+        items.sort(key=builds_needed)  # stable: the order within each group stays as collected
     for item in items:
-        place = places[item]
-        item.add_marker(
-            pytest.mark.xdist_group(GO_BUILT[place[0]][0] if place else os.path.relpath(str(item.fspath), ROOT))
-        )
-    for group in range(len(GO_BUILT)):
-        first = next((item for item in items if (places[item] or last)[0] == group), None)
+        group = "go-built" if builds_needed(item) else os.path.relpath(str(item.fspath), ROOT)
+        item.add_marker(pytest.mark.xdist_group(group))
+    for group in range(1, len(NEEDS_GO_BUILDS) + 1):
+        first = next((item for item in items if builds_needed(item) == group), None)
         if first is not None:
             own = first.get_closest_marker("timeout")
             base = own.args[0] if own and own.args else config.getini("timeout")
@@ -71,19 +59,10 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    if config.getvalue("dist") != "loadgroup":
-        return None
-    from tests.infra.builds import BuildAwareScheduling
-
-    return BuildAwareScheduling(config, log, needs={group: builds for group, _, builds in GO_BUILT})
-
-
-@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     """Under `--dist loadgroup` every test carries its group: xdist suffixes its node id with it. Without the
-    suffixes xdist hands the tests out one by one: two control planes at once, whose pods are handed the same
-    loopback addresses (pytest-dev/pytest-xdist#1386). Stop before the first test rather than flake later."""
+    suffixes xdist hands the tests out one by one (pytest-dev/pytest-xdist#1386): a control plane on each worker
+    and every module fixture made again. Stop before the first test rather than run slow and uneven."""
     if node.config.getoption("dist") == "loadgroup" and ids and not any("@" in nodeid for nodeid in ids):
         pytest.exit(
             f"pytest-xdist's loadgroup lost the test groups on {node.gateway.id} (its first test: {ids[0]}): "
