@@ -40,26 +40,30 @@ def compiled(model_def):
 DIGITS_SHA256 = "4faf08295f17d77e9a147ed5ea842ec501bd089cc6e61627f36ef15c1b48ea5b"
 
 
+def digits() -> tuple[np.ndarray, np.ndarray]:
+    """(pixels (1797, 64), labels (1797,)) of the shipped digits.csv."""
+    batch = read_columns(ROOT / "samples/digits/digits.csv")
+    return np.stack([batch[f"pixel_{i}"] for i in range(64)], axis=1), batch["label"]
+
+
 def test_digits_csv_is_the_uci_digits_as_make_csv_wrote_them():
     import hashlib
 
     data = (ROOT / "samples/digits/digits.csv").read_bytes()
     assert hashlib.sha256(data).hexdigest() == DIGITS_SHA256, "digits.csv changed: regenerate it with make_csv.py"
-    batch = read_columns(ROOT / "samples/digits/digits.csv")
-    pixels = np.stack([batch[f"pixel_{i}"] for i in range(64)], axis=1)
+    pixels, labels = digits()
     assert pixels.shape == (1797, 64) and pixels.min() == 0 and pixels.max() == 16
-    assert sorted(np.bincount(batch["label"])) == [174, 177, 178, 179, 180, 181, 181, 182, 182, 183]
+    assert sorted(np.bincount(labels)) == [174, 177, 178, 179, 180, 181, 181, 182, 182, 183]
 
 
-def test_augmented_digits_keep_every_original_once_and_its_label():
+def test_augmented_digits_keep_every_original_and_its_label():
     from samples.digits.make_csv import augmented
 
-    batch = read_columns(ROOT / "samples/digits/digits.csv")
-    pixels = np.stack([batch[f"pixel_{i}"] for i in range(64)], axis=1)
+    pixels, labels = digits()
     x, y = augmented(3, seed=0)
     assert x.shape == (3 * 1797, 64) and x.min() >= 0 and x.max() <= 16
-    assert np.array_equal(np.bincount(y), 3 * np.bincount(batch["label"]))
-    originals = {row.tobytes(): label for row, label in zip(pixels.astype(np.int64), batch["label"])}
+    assert np.array_equal(np.bincount(y), 3 * np.bincount(labels))
+    originals = {row.tobytes(): label for row, label in zip(pixels.astype(np.int64), labels)}
     seen = [
         originals[row.tobytes()] == label for row, label in zip(x.astype(np.int64), y) if row.tobytes() in originals
     ]

@@ -77,12 +77,12 @@ class _IPAllocator:
     under pytest-xdist each worker may run a control plane of its own, and their pods must never share an
     address (worker gwN gets 127.N/16; a process outside xdist, 127.0/16)."""
 
-    def __init__(self, first: int = 2, size: int = 250 * 254, octet: int | None = None):
+    def __init__(self, first: int = 2, size: int = 250 * 254):
         self._lock = threading.Lock()
         self._used: set[int] = set()
         self._next = 0
         self._first, self._size = first, size
-        self._octet = _xdist_worker_octet() if octet is None else octet
+        self._octet = _xdist_worker_octet()
 
     def _ip(self, n: int) -> str:
         n += 2  # 127.S.0.2 is n=0
