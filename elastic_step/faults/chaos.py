@@ -378,6 +378,10 @@ class Chaos(api.JobFaults):
         coord.record("chaos", str(target), f"{sig.action} at {committed} records")
         log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
         if sig.action == "kill":
+            if coord.rendezvous is not None and target.role == "worker":
+                # allreduce: a run the victim already reported ready would otherwise commit with the others'
+                # reports before its loss is seen, and leave nothing to requeue.
+                coord.rendezvous.leave(str(target))
             backend.kill(target)
         elif sig.action == "stop":
             backend.freeze(target)
@@ -389,8 +393,9 @@ class Chaos(api.JobFaults):
     def _cuttable(self, coord) -> set[str]:
         """The workers a signal would cut short now: their lease's watermark moved since the last tick (a commit, or
         a lease just granted), so what they compute now is not yet reported, and MINIBATCHES_LEFT of it are still to
-        commit. A lease that one report ends (a run of allreduce steps) is cut this way only: later in the run its
-        report may be on its way, and a kill then leaves nothing to requeue."""
+        commit. A lease that one report ends (a run of allreduce steps) is cut this way only, just granted; the
+        ring holds its run's commit from the kill to the loss (Rendezvous.leave), so a report already on its way
+        cannot end it either."""
         leases = coord.ledger.leases
         marks, self._marks = self._marks, {w: lease.watermark for w, lease in leases.items()}
         if marks is None:

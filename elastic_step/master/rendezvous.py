@@ -18,7 +18,9 @@ changed meanwhile the answer is ABORT with the new membership: the members go ba
 they kept at the run's start and train its minibatches again in the new ring. Until COMMIT, a
 member serves the kept state to peers and checkpoints, so no one sees a partial run; the weights
 checksums the members send (taken after the run) must agree, and `checksum_mismatches` counts any
-that do not.
+that do not. A member the master is about to kill (`leaving`) holds every run it is ready in until its
+loss is seen: a report it sent just before the signal cannot have the others commit its run, so its
+lease's remainder is requeued, as a kill promises (faults/chaos.py).
 
 Checkpoints. While `hold_commits` is set, no step commits (members that are ready wait), so every
 member's weights stay those of `committed_step` while the master copies them with the ledger's cut.
@@ -93,6 +95,7 @@ class Rendezvous:
         self.ready: dict[str, Ready] = {}
         self.ready_step = 0  # the run's last step the ready members are at
         self.hold_commits = False  # a checkpoint is being cut
+        self.leaving: set[str] = set()  # members being killed, until their loss is seen: no run commits with them
         self.on_change: Callable[[], None] = lambda: None  # called (lock held) wherever the condition is notified
         self.restore_checkpoint = 0  # see View.restore_checkpoint
         self.commits: dict[int, tuple[int, frozenset[str]]] = {}  # a run's last step -> (version, members)
@@ -198,6 +201,7 @@ class Rendezvous:
 
     def remove_locked(self, worker: str, why: str, at: float | None = None) -> bool:
         """A member is lost: bump the version at once (aborting the step in progress)."""
+        self.leaving.discard(worker)
         self.pending = [(n, a) for n, a in self.pending if n != worker]
         self._registered_at.pop(worker, None)
         if worker not in self._names():
@@ -212,6 +216,12 @@ class Rendezvous:
     def join(self, worker: str, address: str) -> None:
         with self.cv:
             self.join_locked(worker, address)
+
+    def leave(self, worker: str) -> None:
+        """`worker` is about to be killed: until its loss is seen, no run it is ready in commits."""
+        with self.cv:
+            if worker in self._names():
+                self.leaving.add(worker)
 
     def lost(self, worker: str, why: str = "lost") -> bool:
         with self.cv:
@@ -266,10 +276,16 @@ class Rendezvous:
             self._bump(f"members ended a run at steps {self.ready_step} and {step}", aborts=True)
             return ABORT
         self.ready_step = step
+        news = worker not in self.ready
         self.ready[worker] = ready
         if set(self.ready) == set(self._names()) and not self.hold_commits:
-            self._commit(step)
-            return COMMIT
+            if not self.leaving:
+                self._commit(step)
+                return COMMIT
+            if news:  # once a run, not at every poll of its members
+                log.info(
+                    "run to step %d held: %s is being killed, its loss aborts the run", step, ", ".join(self.leaving)
+                )
         return WAIT
 
     def _commit(self, step: int) -> None:

@@ -109,6 +109,30 @@ def test_loss_bumps_the_version_and_aborts_the_step():
     assert r.step_ready("worker-2", 1, 1, ready())[0] == ABORT
 
 
+def test_a_member_being_killed_holds_the_run_it_reported_until_its_loss_aborts_it():
+    # Its report was on its way when the signal went: the others' reports must not commit its run.
+    r = started(3, min_workers=3)
+    assert r.step_ready("worker-2", 1, 1, ready())[0] == WAIT
+    r.leave("worker-2")
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == WAIT  # every member ready: held
+    assert r.committed_step == 0
+    r.lost("worker-2", "killed by SIGKILL")
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == ABORT and r.committed_step == 0
+    assert not r.leaving
+    # The ring without it commits again.
+    assert r.step_ready("worker-0", 2, 1, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 2, 1, ready())[0] == COMMIT
+
+
+def test_leaving_names_members_only():
+    r = started()
+    r.leave("worker-7")
+    assert not r.leaving
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == COMMIT
+
+
 def test_peer_failure_of_a_stale_version_is_ignored():
     r = started(3, min_workers=3)
 
