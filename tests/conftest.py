@@ -20,8 +20,8 @@ import pytest  # noqa: E402
 NEEDS_GO_BUILDS = (
     ("kueue",),  # + Kueue: every test that asks for the `kueue` fixture
     ("tests/kubernetes/test_argo_controller.py", "tests/pipeline/test_argo.py"),  # + Argo
-    ("tests/kubernetes/",),
-)  # control plane
+    ("tests/kubernetes/",),  # the control plane
+)
 BUILD_WAIT_S = 2700
 
 
@@ -43,15 +43,16 @@ def pytest_collection_modifyitems(session, config, items):
     # made once. In one process they run last instead, while the builds run.
     # (Items are collected in xdist's workers, where the order becomes the queue's: there xdist sets `loadgroup`
     # and turns `dist` to "no".)
+    needed = {item: builds_needed(item) for item in items}
     if getattr(config.option, "loadgroup", False):
-        items.sort(key=lambda item: (builds_needed(item) == 0, builds_needed(item)))
+        items.sort(key=lambda item: (needed[item] == 0, needed[item]))
     else:
-        items.sort(key=builds_needed)  # stable: the order within each group stays as collected
+        items.sort(key=needed.get)  # stable: the order within each group stays as collected
     for item in items:
-        group = "go-built" if builds_needed(item) else os.path.relpath(str(item.fspath), ROOT)
+        group = "go-built" if needed[item] else os.path.relpath(str(item.fspath), ROOT)
         item.add_marker(pytest.mark.xdist_group(group))
     for group in range(1, len(NEEDS_GO_BUILDS) + 1):
-        first = next((item for item in items if builds_needed(item) == group), None)
+        first = next((item for item in items if needed[item] == group), None)
         if first is not None:
             own = first.get_closest_marker("timeout")
             base = own.args[0] if own and own.args else config.getini("timeout")

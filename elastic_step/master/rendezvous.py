@@ -276,13 +276,13 @@ class Rendezvous:
             self._bump(f"members ended a run at steps {self.ready_step} and {step}", aborts=True)
             return ABORT
         self.ready_step = step
-        news = worker not in self.ready
+        newly_ready = worker not in self.ready
         self.ready[worker] = ready
         if set(self.ready) == set(self._names()) and not self.hold_commits:
             if not self.leaving:
                 self._commit(step)
                 return COMMIT
-            if news:  # once a run, not at every poll of its members
+            if newly_ready:  # once a run, not at every poll of its members
                 log.info(
                     "run to step %d held: %s is being killed, its loss aborts the run", step, ", ".join(self.leaving)
                 )
