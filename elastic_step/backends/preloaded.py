@@ -13,18 +13,28 @@ reported the moment the preloader reaps it. It dies with the master as before: t
 the master's end of its pipe closes (and is killed with it, PR_SET_PDEATHSIG), and each instance dies
 with the preloader (util/process.py's die_with_parent, through PARENT_ENV).
 
-Protocol, one JSON object per line: the master writes {"id", "module", "args", "env", "log"}; the
-preloader answers {"id", "pid"} at the fork and {"pid", "returncode"} when that child ends.
+The master imports TensorFlow too (its evaluation, its checkpoints). So a master that will run its instances
+here forks its preloader from itself once it has imported the same modules, at the start of the job, while it
+still runs one thread and before TensorFlow's runtime exists (fork_preloader): TensorFlow is then imported
+once per job, not twice (about 5 s of CPU, at the start, on the cores the job's first steps want). Elsewhere
+(a master already running threads, a job started from a larger program) the preloader is a fresh interpreter
+as before.
+
+Protocol, one JSON object per line: the master writes {"log"} first (the preloader's own log), then
+{"id", "module", "args", "env", "log"} per instance; the preloader answers {"id", "pid"} at the fork and
+{"pid", "returncode"} when that child ends.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 
 from elastic_step.util.process import PARENT_ENV
 
@@ -70,20 +80,109 @@ class PreloadedProcess:
             os.kill(self.pid, sig)
 
 
+class ForkedPreloader:
+    """The part of subprocess.Popen the Preloader uses, for a preloader this process forked from itself."""
+
+    def __init__(self, pid: int, requests: int, replies: int):
+        self.pid = pid
+        self.stdin = os.fdopen(requests, "wb")
+        self.stdout = os.fdopen(replies, "rb")
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # one reaper
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, 9)
+
+
+_forked: ForkedPreloader | None = None  # forked by fork_preloader, for the next Preloader
+
+
+def fork_preloader() -> bool:
+    """Fork this process's preloader now, for the next Preloader to take, if that is safe: after importing
+    PRELOAD, this process runs one thread and TensorFlow's runtime has not started (what makes the preloader's
+    own forks safe). For a master whose instances are local: it imports TensorFlow anyway. Whether one waits."""
+    global _forked
+    if _forked is not None or not sys.platform.startswith("linux") or threading.active_count() != 1:
+        return _forked is not None
+    import importlib
+
+    from elastic_step.util.process import quiet_tensorflow
+
+    quiet_tensorflow()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from tensorflow.python.eager import context
+
+    if threading.active_count() != 1 or context.context_safe() is not None:
+        return False
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    sys.stdout.flush()  # else a child would write what this process had buffered
+    sys.stderr.flush()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the preloader: as if started as `python -m elastic_step.backends.preloaded`
+        code = 1
+        try:
+            os.setsid()
+            os.close(requests_w)
+            os.close(replies_r)
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):  # until the Preloader names the log
+                os.dup2(null, fd)
+            os.close(null)
+            sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+            logging.root.handlers.clear()  # an instance configures its own logging
+            logging.root.setLevel(logging.WARNING)
+            os.environ[PARENT_ENV] = str(parent)  # it dies with this process, as a started one does
+            _serve(requests_r, replies_w)
+            code = 0
+        finally:
+            os._exit(code)  # never the parent's code after the fork
+    os.close(requests_r)
+    os.close(replies_w)
+    _forked = ForkedPreloader(pid, requests_w, replies_r)
+    return True
+
+
 class Preloader:
-    """The master's side: starts the preloader process at once (so its imports overlap the master's own
-    start-up) and forks instances through it."""
+    """The master's side: forks instances through the preloader, the one this process forked from itself
+    (fork_preloader) or else one started at once as a fresh interpreter (its imports overlapping the master's
+    own start-up)."""
 
     def __init__(self, log_path: str | os.PathLike):
+        global _forked
         self._log = open(log_path, "ab")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "elastic_step.backends.preloaded"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env={**os.environ, PARENT_ENV: str(os.getpid())},
-            start_new_session=True,
-        )
+        if _forked is not None and _forked.poll() is None:
+            self._proc, _forked = _forked, None
+        else:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic_step.backends.preloaded"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._log,
+                env={**os.environ, PARENT_ENV: str(os.getpid())},
+                start_new_session=True,
+            )
+        self._proc.stdin.write(json.dumps({"log": str(log_path)}).encode() + b"\n")
+        self._proc.stdin.flush()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._forked: dict[int, list] = {}  # request id -> [event, pid]
@@ -144,18 +243,26 @@ class Preloader:
 
 
 # ---------------------------------------------------------------------------------- the preloader itself
-def _serve() -> None:
+def _main() -> None:
+    """`python -m elastic_step.backends.preloaded`: the preloader as a fresh interpreter."""
     import importlib
-    import selectors
-    import signal
 
-    from elastic_step.util.process import die_with_parent, quiet_tensorflow
+    from elastic_step.util.process import quiet_tensorflow
 
-    die_with_parent()
     quiet_tensorflow()
     for name in PRELOAD:
         importlib.import_module(name)
-    requests, replies = sys.stdin.buffer.raw.fileno(), os.dup(sys.stdout.fileno())
+    _serve(sys.stdin.buffer.raw.fileno(), os.dup(sys.stdout.fileno()))
+
+
+def _serve(requests: int, replies: int) -> None:
+    """The preloader's loop, PRELOAD imported: requests from the master on `requests`, replies on `replies`."""
+    import selectors
+    import signal
+
+    from elastic_step.util.process import die_with_parent
+
+    die_with_parent()
     # SIGCHLD wakes the loop through a pipe, so the loop stays single-threaded: fork needs that.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -189,12 +296,18 @@ def _serve() -> None:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 req = json.loads(line)
+                if "id" not in req:  # the preloader's own log
+                    log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                    os.dup2(log, 2)
+                    os.close(log)
+                    continue
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for fd in (replies, wake_r, wake_w):  # `requests` is stdin: replaced below
-                        os.close(fd)
+                    for fd in (requests, replies, wake_r, wake_w):
+                        if fd > 2:  # stdin (a started preloader's requests) is replaced below
+                            os.close(fd)
                     _run_instance(req)
                 reply({"id": req["id"], "pid": pid})
 
@@ -235,4 +348,4 @@ def _run_instance(req: dict) -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _main()

@@ -18,6 +18,7 @@ import threading
 import time
 
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
+from elastic_step.backends.preloaded import fork_preloader
 from elastic_step.data.api import load_manifest
 from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
@@ -687,6 +688,10 @@ def train(cfg: TrainConfig) -> dict:
     from elastic_step.backends.kubernetes.config import in_cluster, master_host
 
     in_pod = in_cluster()
+    if cfg.validate().backend == "local" or (cfg.backend == "auto" and not in_pod):
+        # Before the health endpoint's thread: the instances' preloader forked from this process, which imports
+        # TensorFlow anyway, instead of a second interpreter importing it (backends/preloaded.py).
+        fork_preloader()
     # Served from here to the step's end (the upload too): a probe that finds no endpoint counts a failure. In a
     # pod, on the pod's IP, where the kubelet's probe asks (and a mesh's rewritten probe too).
     with serving(cfg.validate().health_port, in_pod, master_host(in_pod)) as health:

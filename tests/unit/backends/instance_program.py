@@ -2,6 +2,7 @@
 ACTION`: reports what it inherited, then exits, sleeps or raises as ACTION says."""
 
 import json
+import logging
 import os
 import sys
 
@@ -16,6 +17,7 @@ if __name__ == "__main__":
                 "env": os.environ.get("INSTANCE_PROGRAM"),
                 "env_size": len(os.environ),
                 "tensorflow_preloaded": "tensorflow" in sys.modules,
+                "logging_handlers": len(logging.root.handlers),  # none: an instance configures its own
             }
         ),
         flush=True,

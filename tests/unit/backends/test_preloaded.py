@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -130,3 +131,36 @@ def test_the_preloader_exits_by_itself_when_its_pipe_closes(preloader):
     """Last in this module: it ends the module's preloader. EOF is what a dead master leaves."""
     preloader._proc.stdin.close()
     assert preloader._proc.wait(30) == 0
+
+
+def run_master(tmp_path, *args: str) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.unit.backends.forking_master", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_master_with_one_thread_forks_its_preloader_from_itself(tmp_path):
+    seen = run_master(tmp_path)
+    assert seen["forked"] and seen["code"] == 3
+    # not a fresh interpreter: the master's own command line, in a process of the master's
+    assert seen["preloader_cmdline"][1:] == ["-m", "tests.unit.backends.forking_master"]
+    first = first_line(tmp_path / "instance.log")
+    assert first["ppid"] == seen["preloader"] and first["tensorflow_preloaded"]
+    assert first["env"] == "mine" and first["env_size"] == 3  # only its own environment
+    assert first["logging_handlers"] == 0  # the master's logging stayed the master's
+    assert "the master's own line" not in (tmp_path / "instance.log").read_text()  # nor its buffered output
+    assert seen["preloader_stderr"] == str(tmp_path / "preloader.log")  # its own log, as named
+    assert gone(seen["preloader"]), "the forked preloader outlived its master"
+
+
+def test_a_master_already_running_threads_starts_a_fresh_preloader(tmp_path):
+    seen = run_master(tmp_path, "thread")
+    assert not seen["forked"] and seen["code"] == 3
+    assert seen["preloader_cmdline"][1:] == ["-m", "elastic_step.backends.preloaded"]
+    assert first_line(tmp_path / "instance.log")["tensorflow_preloaded"]
+    assert gone(seen["preloader"])
