@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from elastic_step.util.process import PARENT_ENV
 
@@ -312,12 +313,9 @@ def _serve(requests: int, replies: int) -> None:
                 reply({"id": req["id"], "pid": pid})
 
 
-def _run_instance(req: dict) -> None:
+def _run_instance(req: dict) -> NoReturn:
     """In the forked child: become the instance `python -m MODULE ARGS` would have been, then exit."""
-    import runpy
-    import traceback
-
-    from elastic_step.util.process import die_with_parent, exit_before_native_teardown
+    from elastic_step.util.process import die_with_parent
 
     os.setsid()
     log = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -331,10 +329,21 @@ def _run_instance(req: dict) -> None:
     os.environ.update(req["env"])
     os.environ[PARENT_ENV] = str(os.getppid())  # the preloader, which dies with the master
     die_with_parent()
-    sys.argv = [req["module"], *req["args"]]
+    run_as_main(req["module"], req["args"])
+
+
+def run_as_main(module: str, args: list[str]) -> NoReturn:
+    """In a forked child: run `module` as `python -m MODULE ARGS` would, then end the process with the exit
+    status that would have had."""
+    import runpy
+    import traceback
+
+    from elastic_step.util.process import exit_before_native_teardown
+
+    sys.argv = [module, *args]
     code = 0
     try:
-        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -431,6 +432,35 @@ def test_a_frozen_pod_stays_running_to_the_api_resumes_and_dies_when_deleted(cor
     wait_for(lambda: not any(alive(pid) for pid in frozen), 30, what="every frozen process killed")
     with pytest.raises(LookupError, match="has no running process"):
         node.freeze(namespace, "frozen")
+
+
+def test_the_projects_programs_are_forked_preloaded_in_their_containers_namespaces(core, node, namespace):
+    """`python -m elastic_step.*` with this interpreter runs forked from the zygote (harness/zygote.py), which
+    imported TensorFlow once: its process is the zygote's (its command line), in the container's PID namespace
+    (among the pod's processes, which a freeze stops), with the container's stdout and stderr (the CLI's usage
+    error in the pod's log) and its exit status (2) as the pod's. Deleted, the pod takes it along."""
+    m = [sys.executable, "-m"]
+    core.create_namespaced_pod(namespace, pod_body("usage", [*m, "elastic_step.cli", "train"]))
+    worker = [*m, "elastic_step.worker", "--master", "127.0.0.1:9", "--index", "0", "--model-def", "none.py"]
+    token = [{"name": "ELASTIC_STEP_TOKEN", "value": "t"}]  # its master never answers: it keeps asking
+    core.create_namespaced_pod(namespace, pod_body("worker", [*worker, "--num-ps", "0"], env=token))
+    usage = wait_phase(core, namespace, "usage", ("Succeeded", "Failed"), timeout=120)
+    assert usage.status.container_statuses[0].state.terminated.exit_code == 2
+    assert "error: the following arguments are required" in node.log_path(namespace, "usage").read_text()
+
+    def forked() -> set[int]:
+        found = set()
+        for pid in node.processes(namespace, "worker"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"harness/zygote.py" in f.read():
+                    found.add(pid)
+        return found
+
+    wait_phase(core, namespace, "worker", ("Running",))
+    (instance,) = wait_for(forked, 60, what="the worker forked from the zygote")
+    core.delete_namespaced_pod("worker", namespace, grace_period_seconds=0)
+    wait_gone(core, namespace, "worker")
+    wait_for(lambda: not alive(instance), 30, what="the forked worker gone with its pod")
 
 
 def test_a_pod_whose_kill_is_held_lives_on_after_its_deletion_until_released(core, node, namespace, tmp_path):

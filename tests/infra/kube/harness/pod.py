@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
 from .process import alive, die_with_parent, stopped, wait_for
+from .zygote import client_argv
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -137,7 +138,12 @@ class Container:
                 with open(self.log_file, "ab") as out:
                     log_start = out.tell()
                     self.proc = subprocess.Popen(
-                        in_namespaces(argv, mounts, map_root_user=k.map_root_user, cwd=self.spec.get("workingDir")),
+                        in_namespaces(
+                            client_argv(argv, k.map_root_user),  # the project's programs forked, preloaded
+                            mounts,
+                            map_root_user=k.map_root_user,
+                            cwd=self.spec.get("workingDir"),
+                        ),
                         env=env,
                         cwd=k.cwd,
                         stdin=subprocess.DEVNULL,
