@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -109,7 +110,7 @@ class ForkedPreloader:
 
     def kill(self) -> None:
         if self.poll() is None:
-            os.kill(self.pid, 9)
+            os.kill(self.pid, signal.SIGKILL)
 
 
 _forked: ForkedPreloader | None = None  # forked by fork_preloader, for the next Preloader
@@ -259,7 +260,6 @@ def _main() -> None:
 def _serve(requests: int, replies: int) -> None:
     """The preloader's loop, PRELOAD imported: requests from the master on `requests`, replies on `replies`."""
     import selectors
-    import signal
 
     from elastic_step.util.process import die_with_parent
 
