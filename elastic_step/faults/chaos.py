@@ -374,14 +374,16 @@ class Chaos(api.JobFaults):
             if not ready:
                 return
             target = ready[0]
+        if sig.action == "kill" and coord.rendezvous is not None and target.role == "worker":
+            # allreduce: a run the victim already reported ready would otherwise commit with the others' reports
+            # before its loss is seen, and leave nothing to requeue. Its lease is checked again under the lock runs
+            # commit under: a run that committed since this tick's look ended the lease, so the kill waits.
+            if not coord.rendezvous.leave(str(target), lambda: self._untouched(coord, str(target))):
+                return
         self._fire(sig, str(target), committed)
         coord.record("chaos", str(target), f"{sig.action} at {committed} records")
         log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
         if sig.action == "kill":
-            if coord.rendezvous is not None and target.role == "worker":
-                # allreduce: a run the victim already reported ready would otherwise commit with the others'
-                # reports before its loss is seen, and leave nothing to requeue.
-                coord.rendezvous.leave(str(target))
             backend.kill(target)
         elif sig.action == "stop":
             backend.freeze(target)
@@ -400,12 +402,15 @@ class Chaos(api.JobFaults):
         marks, self._marks = self._marks, {w: lease.watermark for w, lease in leases.items()}
         if marks is None:
             return set()  # the first tick: nothing to tell a move from
-        left = MINIBATCHES_LEFT * coord.ledger.minibatch_size
-        return {
-            w
-            for w, lease in leases.items()
-            if marks.get(w) != lease.watermark and lease.task.end - lease.watermark >= left  # get: None, no lease then
-        }
+        # get: None, no lease then
+        return {w for w, lease in leases.items() if marks.get(w) != lease.watermark and _left(coord, lease)}
+
+    def _untouched(self, coord, worker: str) -> bool:
+        """Whether `worker`'s lease is as _cuttable saw it this tick: nothing of it reported since, and
+        MINIBATCHES_LEFT of it still to commit."""
+        lease = coord.ledger.leases.get(worker)
+        marks = self._marks or {}
+        return lease is not None and marks.get(worker) == lease.watermark and _left(coord, lease)
 
     def summary(self) -> dict | None:
         if not self.schedule:
@@ -421,3 +426,8 @@ class Chaos(api.JobFaults):
         """The job's instances are stopped: nobody looks for a slow worker's gate any more."""
         if self._gates:
             shutil.rmtree(self._gates, ignore_errors=True)
+
+
+def _left(coord, lease) -> bool:
+    """Whether MINIBATCHES_LEFT of `lease` are still to commit."""
+    return lease.task.end - lease.watermark >= MINIBATCHES_LEFT * coord.ledger.minibatch_size

@@ -217,11 +217,14 @@ class Rendezvous:
         with self.cv:
             self.join_locked(worker, address)
 
-    def leave(self, worker: str) -> None:
-        """`worker` is about to be killed: until its loss is seen, no run it is ready in commits."""
+    def leave(self, worker: str, still: Callable[[], bool] = lambda: True) -> bool:
+        """`worker` is about to be killed: until its loss is seen, no run it is ready in commits. Only if `still()`
+        holds, asked under the lock runs commit under (so no run commits between the two); whether it did."""
         with self.cv:
-            if worker in self._names():
+            if worker in self._names() and still():
                 self.leaving.add(worker)
+                return True
+            return False
 
     def lost(self, worker: str, why: str = "lost") -> bool:
         with self.cv:

@@ -127,10 +127,27 @@ def test_a_member_being_killed_holds_the_run_it_reported_until_its_loss_aborts_i
 
 def test_leaving_names_members_only():
     r = started()
-    r.leave("worker-7")
+    assert not r.leave("worker-7")
     assert not r.leaving
     assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
     assert r.step_ready("worker-1", 1, 1, ready())[0] == COMMIT
+
+
+def test_a_member_leaves_only_while_its_condition_holds_under_the_commit_lock():
+    # The chaos looks at the victim's lease without the lock; a run that committed before the kill ended it. So
+    # leave() asks again under the lock runs commit under, and holds nothing when the lease moved meanwhile.
+    r = started()
+    asked = []
+
+    def moved() -> bool:
+        asked.append(r.cv._is_owned())  # under the lock
+        return False
+
+    assert not r.leave("worker-1", moved) and asked == [True]
+    assert not r.leaving
+    assert r.step_ready("worker-0", 1, 1, ready())[0] == WAIT
+    assert r.step_ready("worker-1", 1, 1, ready())[0] == COMMIT
+    assert r.leave("worker-1", lambda: True) and r.leaving == {"worker-1"}
 
 
 def test_peer_failure_of_a_stale_version_is_ignored():
