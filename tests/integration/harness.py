@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterable
 
 from elastic_step.spec import cli_args
+from tests.infra import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGITS_MODEL = os.path.join(ROOT, "samples", "digits", "model.py")
@@ -25,16 +26,12 @@ LEASES_OUTLAST_A_KILL = {"records_per_task": 512}
 def run_cli(
     *args: str, timeout: float = 600, env: dict | None = None, unset: Iterable[str] = ()
 ) -> subprocess.CompletedProcess:
-    """Run the real `elastic-step` CLI in a subprocess, as a user or a pipeline step does
-    (`env`: variables to add to this process's environment; `unset`: variables of it to leave out)."""
+    """Run the real `elastic-step` CLI in a process of its own, as a user or a pipeline step does, forked from the
+    test process's zygote, which imported TensorFlow once (tests/infra/zygote.py); `env`: variables to add to this
+    process's environment; `unset`: variables of it to leave out."""
     inherited = {k: v for k, v in os.environ.items() if k not in set(unset)}
-    return subprocess.run(
-        [sys.executable, "-m", "elastic_step.cli", *args],
-        cwd=ROOT,
-        text=True,
-        capture_output=True,
-        timeout=timeout,
-        env={**inherited, **(env or {})},
+    return zygote.run(
+        [sys.executable, "-m", "elastic_step.cli", *args], cwd=ROOT, env={**inherited, **(env or {})}, timeout=timeout
     )
 
 

@@ -435,7 +435,7 @@ def test_a_frozen_pod_stays_running_to_the_api_resumes_and_dies_when_deleted(cor
 
 
 def test_the_projects_programs_are_forked_preloaded_in_their_containers_namespaces(core, node, namespace):
-    """`python -m elastic_step.*` with this interpreter runs forked from the zygote (harness/zygote.py), which
+    """`python -m elastic_step.*` with this interpreter runs forked from the zygote (tests/infra/zygote.py), which
     imported TensorFlow once: its process is the zygote's (its command line), in the container's PID namespace
     (among the pod's processes, which a freeze stops), with the container's stdout and stderr (the CLI's usage
     error in the pod's log) and its exit status (2) as the pod's. Deleted, the pod takes it along."""
@@ -452,7 +452,7 @@ def test_the_projects_programs_are_forked_preloaded_in_their_containers_namespac
         found = set()
         for pid in node.processes(namespace, "worker"):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"harness/zygote.py" in f.read():
+                if b"tests/infra/zygote.py" in f.read():
                     found.add(pid)
         return found
 

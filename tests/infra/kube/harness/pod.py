@@ -29,9 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.infra.zygote import client_argv
+
 from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
 from .process import alive, die_with_parent, stopped, wait_for
-from .zygote import client_argv
 
 TERMINAL = ("Succeeded", "Failed")
 

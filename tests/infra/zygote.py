@@ -1,24 +1,24 @@
-"""Containers of the project's own programs forked from an interpreter that has imported TensorFlow once.
+"""The project's programs forked from an interpreter that has imported TensorFlow once, for the test suite.
 
-Each pod's worker, PS or master would otherwise be a fresh interpreter importing TensorFlow and Keras: about 5 s
-of CPU a container, on the 2 cores the suite shares. The local backend's preloader (elastic_step/backends/
-preloaded.py) forks its instances for the same reason; here the fork must land in the container's own mount and
-PID namespaces, which are made before the command runs (mounts.py). So the container's command becomes this
-module's small *client* (zygote_client.py: the standard library only, started in milliseconds), and the client
-asks the *zygote*, one process per test process, over an abstract Unix socket:
+Each master a test starts, and each pod's worker, PS or master, would otherwise be a fresh interpreter importing
+TensorFlow and Keras: about 5 s of CPU each, on the 2 cores the suite shares. The local backend's preloader
+(elastic_step/backends/preloaded.py) forks its instances for the same reason. Here one *zygote* per test process
+imports them once and, for each request over an abstract Unix socket, forks a *keeper*, which forks the program:
 
-- the zygote forks a *keeper*, which enters the client's mount and PID namespaces (found from the socket's
-  peer credentials), and forks the *instance* there: a process of the container's PID namespace, in its own
-  session, with the client's standard input, output and error (passed over the socket), working directory and
-  environment, running `python -m MODULE ARGS` (the product's run_as_main, as the preloader's instances do);
-- the client passes on the SIGTERM or SIGINT the container's init sends it, and ends as the instance ended (its
-  exit code, or the same signal), so the kubelet reads the status a fresh interpreter would have left;
-- what ends a container ends the instance: its PID namespace's end kills every process in it, the instance
-  included, and the keeper kills the instance when the client is gone.
+- `run` (tests/integration/harness.py's masters): as `subprocess.run` with captured output, the test process being
+  the client: the program gets its argv, environment, working directory, and pipes for its output;
+- `client_argv` (the process kubelet's containers): the container's command becomes a small client
+  (zygote_client.py: the standard library only, started in milliseconds), whose namespaces the keeper enters (found
+  from the socket's peer credentials) before it forks the program: a process of the container's PID namespace,
+  with the client's standard streams, working directory and environment. The client passes on the SIGTERM or
+  SIGINT the container's init sends it, and ends as the program ended (its exit code, or the same signal), so the
+  kubelet reads the status a fresh interpreter would have left; the container's end kills every process of its
+  PID namespace, the program included, and the keeper kills the program when its client is gone.
 
-A freeze finds the instance among the container's processes (its PID namespace). Only `python -m elastic_step.*`
-with this interpreter is forked (backends/preloaded.py's `preloadable`), and only as root (a container with a
-user namespace of its own would need the keeper in it too); anything else runs as it is.
+The program runs in a session of its own, as `python -m MODULE ARGS` (the product's run_as_main, as the preloader's
+instances do). Only `python -m elastic_step.*` with this interpreter is forked (backends/preloaded.py's
+`preloadable`), and in a container only as root (one with a user namespace of its own would need the keeper in
+it too); anything else runs as it is, and so does everything with ELASTIC_STEP_TEST_ZYGOTE=0.
 """
 
 from __future__ import annotations
@@ -41,13 +41,77 @@ _zygote: tuple[subprocess.Popen, str] | None = None  # this test process's zygot
 _alive_w: list[int] = []  # pipes' write ends, open for this test process's life: their EOF ends its zygotes
 
 
-def client_argv(argv: list[str], map_root_user: bool) -> list[str]:
-    """The container command that runs `argv` forked from the zygote, or `argv` itself when it cannot be."""
+def forks(argv: list[str]) -> bool:
+    """Whether `argv` is a program the zygote forks."""
     from elastic_step.backends.preloaded import preloadable
 
-    if map_root_user or not preloadable(argv) or os.environ.get("ELASTIC_STEP_KUBELET_ZYGOTE") == "0":
+    return preloadable(argv) and os.environ.get("ELASTIC_STEP_TEST_ZYGOTE") != "0"
+
+
+def client_argv(argv: list[str], map_root_user: bool) -> list[str]:
+    """The container command that runs `argv` forked from the zygote, or `argv` itself when it cannot be."""
+    if map_root_user or not forks(argv):
         return argv
     return [sys.executable, "-I", "-S", str(CLIENT), _started(), "--", *argv]
+
+
+def run(argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)`, the program
+    forked from the zygote when it forks it."""
+    if not forks(argv):
+        return subprocess.run(argv, cwd=cwd, env=env, text=True, capture_output=True, timeout=timeout)
+    import selectors
+    import time
+
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect("\0" + _started())
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDONLY)
+    request = {"argv": argv, "env": env, "cwd": cwd}
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [null, out_w, err_w])
+    for fd in (null, out_w, err_w):
+        os.close(fd)
+    chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+    selector = selectors.DefaultSelector()
+    for fd in (out_r, err_r, conn.fileno()):
+        selector.register(fd, selectors.EVENT_READ)
+    replies, pid, code = b"", None, None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(selector.get_map()) > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if pid is not None:
+                    os.kill(pid, 9)
+                raise subprocess.TimeoutExpired(argv, timeout)
+            for key, _ in selector.select(left):
+                if key.fd == conn.fileno():
+                    more = conn.recv(4096)
+                    if not more:
+                        selector.unregister(conn)
+                        continue
+                    replies += more
+                    for line in replies.split(b"\n")[:-1]:
+                        msg = json.loads(line)
+                        pid = msg.get("pid", pid)
+                        code = msg.get("exit", code)
+                    replies = replies.rsplit(b"\n", 1)[-1]
+                    continue
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    chunks[key.fd].append(data)
+                else:
+                    selector.unregister(key.fd)
+    finally:
+        selector.close()
+        conn.close()
+        os.close(out_r)
+        os.close(err_r)
+    if code is None:
+        raise RuntimeError(f"the zygote's keeper ended without the status of {argv}")
+    out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def _started() -> str:
@@ -132,10 +196,13 @@ def _keep(conn: socket.socket) -> None:
     req = json.loads(data)
     pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     for kind, nstype in (("pid", CLONE_NEWPID), ("mnt", CLONE_NEWNS)):
-        ns = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
-        _setns(ns, nstype)
-        os.close(ns)
-    child = os.fork()  # in the container's PID namespace
+        if os.readlink(f"/proc/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):  # a container's
+            ns = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
+            _setns(ns, nstype)
+            os.close(ns)
+    child = os.fork()  # in the client's PID namespace
+    if child:
+        conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
     if child == 0:
         _instance(req, fds, conn)
     for fd in fds:

@@ -24,14 +24,16 @@ if __name__ == "__main__":
 
     signal.signal(signal.SIGTERM, pass_on)
     signal.signal(signal.SIGINT, pass_on)
-    reply = b""
-    while not reply.endswith(b"\n"):
+    reply, code = b"", None
+    while code is None:  # {"pid"} at the fork, then {"exit"}
         more = conn.recv(4096)
         if not more:
             print("zygote client: the zygote's keeper ended without the instance's status", file=sys.stderr)
             sys.exit(1)
         reply += more
-    code = json.loads(reply)["exit"]
+        for line in reply.split(b"\n")[:-1]:
+            code = json.loads(line).get("exit", code)
+        reply = reply.rsplit(b"\n", 1)[-1]
     if code < 0:  # ended by a signal: end by the same one
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
