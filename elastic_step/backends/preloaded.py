@@ -123,13 +123,7 @@ def fork_preloader() -> bool:
     global _forked
     if _forked is not None or not sys.platform.startswith("linux") or threading.active_count() != 1:
         return _forked is not None
-    import importlib
-
-    from elastic_step.util.process import quiet_tensorflow
-
-    quiet_tensorflow()
-    for name in PRELOAD:
-        importlib.import_module(name)
+    preload()
     from tensorflow.python.eager import context
 
     if threading.active_count() != 1 or context.context_safe() is not None:
@@ -245,8 +239,8 @@ class Preloader:
 
 
 # ---------------------------------------------------------------------------------- the preloader itself
-def _main() -> None:
-    """`python -m elastic_step.backends.preloaded`: the preloader as a fresh interpreter."""
+def preload() -> None:
+    """Import PRELOAD, TensorFlow's C++ log quieted first: what a process does before it forks instances."""
     import importlib
 
     from elastic_step.util.process import quiet_tensorflow
@@ -254,6 +248,11 @@ def _main() -> None:
     quiet_tensorflow()
     for name in PRELOAD:
         importlib.import_module(name)
+
+
+def _main() -> None:
+    """`python -m elastic_step.backends.preloaded`: the preloader as a fresh interpreter."""
+    preload()
     _serve(sys.stdin.buffer.raw.fileno(), os.dup(sys.stdout.fileno()))
 
 

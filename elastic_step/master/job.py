@@ -688,13 +688,14 @@ def train(cfg: TrainConfig) -> dict:
     from elastic_step.backends.kubernetes.config import in_cluster, master_host
 
     in_pod = in_cluster()
-    if cfg.validate().backend == "local" or (cfg.backend == "auto" and not in_pod):
+    cfg.validate()
+    if cfg.backend == "local" or (cfg.backend == "auto" and not in_pod):
         # Before the health endpoint's thread: the instances' preloader forked from this process, which imports
         # TensorFlow anyway, instead of a second interpreter importing it (backends/preloaded.py).
         fork_preloader()
     # Served from here to the step's end (the upload too): a probe that finds no endpoint counts a failure. In a
     # pod, on the pod's IP, where the kubelet's probe asks (and a mesh's rewritten probe too).
-    with serving(cfg.validate().health_port, in_pod, master_host(in_pod)) as health:
+    with serving(cfg.health_port, in_pod, master_host(in_pod)) as health:
         if local_path(cfg.output) is not None:
             return TrainingJob(cfg, health=health).run()
         staging = tempfile.mkdtemp(prefix="elastic-step-output-")

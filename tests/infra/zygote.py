@@ -28,11 +28,13 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NoReturn
 
 CLIENT = Path(__file__).with_name("zygote_client.py")
 
@@ -83,7 +85,7 @@ def run(argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> su
             left = deadline - time.monotonic()
             if left <= 0:
                 if pid is not None:
-                    os.kill(pid, 9)
+                    os.kill(pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(argv, timeout)
             for key, _ in selector.select(left):
                 if key.fd == conn.fileno():
@@ -141,16 +143,11 @@ def _started() -> str:
 
 # --------------------------------------------------------------------------------------------- the zygote
 def _serve(listener: socket.socket, alive: int) -> None:
-    import importlib
     import selectors
-    import signal
 
-    from elastic_step.backends.preloaded import PRELOAD
-    from elastic_step.util.process import quiet_tensorflow
+    from elastic_step.backends.preloaded import preload
 
-    quiet_tensorflow()
-    for name in PRELOAD:
-        importlib.import_module(name)
+    preload()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are reaped by the kernel
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -201,10 +198,9 @@ def _keep(conn: socket.socket) -> None:
             _setns(ns, nstype)
             os.close(ns)
     child = os.fork()  # in the client's PID namespace
-    if child:
-        conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
     if child == 0:
         _instance(req, fds, conn)
+    conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
     for fd in fds:
         os.close(fd)
     exited = os.pidfd_open(child)
@@ -221,7 +217,7 @@ def _keep(conn: socket.socket) -> None:
                 return
             more = conn.recv(4096)
             if not more:  # the client is gone: so is the container
-                os.kill(child, 9)
+                os.kill(child, signal.SIGKILL)
                 selector.unregister(conn)
                 continue
             pending += more
@@ -230,7 +226,7 @@ def _keep(conn: socket.socket) -> None:
                 os.kill(child, json.loads(line)["signal"])
 
 
-def _instance(req: dict, fds: list[int], conn: socket.socket) -> None:
+def _instance(req: dict, fds: list[int], conn: socket.socket) -> NoReturn:
     from elastic_step.backends.preloaded import run_as_main
 
     os.setsid()
