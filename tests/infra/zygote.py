@@ -93,12 +93,10 @@ def run(argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> su
                     if not more:
                         selector.unregister(conn)
                         continue
-                    replies += more
-                    for line in replies.split(b"\n")[:-1]:
-                        msg = json.loads(line)
+                    msgs, replies = _messages(replies + more)
+                    for msg in msgs:
                         pid = msg.get("pid", pid)
                         code = msg.get("exit", code)
-                    replies = replies.rsplit(b"\n", 1)[-1]
                     continue
                 data = os.read(key.fd, 1 << 16)
                 if data:
@@ -220,10 +218,15 @@ def _keep(conn: socket.socket) -> None:
                 os.kill(child, signal.SIGKILL)
                 selector.unregister(conn)
                 continue
-            pending += more
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                os.kill(child, json.loads(line)["signal"])
+            msgs, pending = _messages(pending + more)
+            for msg in msgs:
+                os.kill(child, msg["signal"])
+
+
+def _messages(buffer: bytes) -> tuple[list[dict], bytes]:
+    """The whole JSON lines at the start of `buffer`, and the partial line after them."""
+    *lines, rest = buffer.split(b"\n")
+    return [json.loads(line) for line in lines], rest
 
 
 def _instance(req: dict, fds: list[int], conn: socket.socket) -> NoReturn:
