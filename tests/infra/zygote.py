@@ -85,7 +85,9 @@ def run(argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> su
             left = deadline - time.monotonic()
             if left <= 0:
                 if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
+                    # The keeper may have reaped it at the deadline; closing the socket (below) kills it anyway.
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 raise subprocess.TimeoutExpired(argv, timeout)
             for key, _ in selector.select(left):
                 if key.fd == conn.fileno():
