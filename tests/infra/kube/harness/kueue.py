@@ -27,7 +27,10 @@ written to the host's /etc.
 The webhook configurations point at ``https://127.0.0.1:<port>/...`` with the control plane's CA, and exist only
 while the manager runs (their failure policy is Fail). On stop they go first, then the manager, then Kueue's
 finalizers on the pods and Workloads left (a managed pod keeps ``kueue.x-k8s.io/managed`` until Kueue removes it,
-so without Kueue it would stay Terminating for ever). CRD conversion stays None: everything here speaks v1beta2.
+so without Kueue it would stay Terminating for ever). The tests speak v1beta2, and this release stores v1beta1: the
+CRDs that Kueue's own install converts (``CONVERTED``) call the manager's conversion webhook on the same port, as
+its config/components/crd patches set it up (without it a v1beta2 field renamed in v1beta1, such as a
+ClusterQueue's ``cohortName``, is dropped on the way to storage).
 
 Logs: ``<control plane workdir>/logs/kueue.log``; files in ``<control plane workdir>/kueue/`` (kept with the
 control plane's under ``ELASTIC_STEP_KEEP_KUBE=1``).
@@ -60,6 +63,8 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"
 FINALIZER = "kueue.x-k8s.io/managed"  # on managed pods
+# The CRDs Kueue's config/components/crd/kustomization.yaml gives a conversion webhook (its webhook_in_* patches).
+CONVERTED = ("localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters")
 WEBHOOKS = "elastic-step-kueue"  # name of both webhook configurations
 PROBE_NAMESPACE = "kueue-probe"  # opted in, never holds a pod: dry runs there prove the webhooks are called
 
@@ -219,6 +224,7 @@ class Kueue(Service):
         self._api = self.cp.api_client()
         self.custom = kubernetes.client.CustomObjectsApi(self._api)
         self.core = kubernetes.client.CoreV1Api(self._api)
+        self.webhook_port, self.health_port = free_port(), free_port()
         try:
             self._install_crds(bin_dir.parent / "crd")
             self.timings["crds"] = time.monotonic() - t0
@@ -256,23 +262,41 @@ class Kueue(Service):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _install_crds(self, crd_dir: Path) -> None:
-        """The 11 CRDs of the module (MultiKueue and the others are watched even when unused); waits until each is
-        Established. Idempotent: a CRD already there (an earlier Kueue on this control plane) is kept."""
+        """The 11 CRDs of the module (MultiKueue and the others are watched even when unused), those of ``CONVERTED``
+        converted by this manager's webhook; waits until each is Established. Idempotent: a CRD already there (an
+        earlier Kueue on this control plane) is kept, its conversion pointed at this manager."""
         import kubernetes.client
 
         ext = kubernetes.client.ApiextensionsV1Api(self._api)
+        conversion = {
+            "strategy": "Webhook",
+            "webhook": {
+                "clientConfig": {
+                    "url": f"https://127.0.0.1:{self.webhook_port}/convert",
+                    "caBundle": base64.b64encode(self.cp.ca_path.read_bytes()).decode(),
+                },
+                "conversionReviewVersions": ["v1"],
+            },
+        }
         files = sorted(crd_dir.glob("*.yaml"))
         if not files:
             raise KueueError(f"no CRDs in {crd_dir}; remove {crd_dir.parent} and run {BUILD_SCRIPT} again")
         names = []
         for f in files:
             doc = yaml.safe_load(f.read_text())
-            names.append(doc["metadata"]["name"])
+            name = doc["metadata"]["name"]
+            names.append(name)
+            converted = name.split(".")[0] in CONVERTED
+            if converted:
+                doc["spec"]["conversion"] = conversion
             try:  # the raw answer: the workloads CRD alone is 19k lines of schema to deserialize otherwise
                 ext.create_custom_resource_definition(doc, _preload_content=False)
             except kubernetes.client.ApiException as e:
                 if e.status != 409:
                     raise
+                if converted:
+                    patch = {"spec": {"conversion": conversion}}
+                    ext.patch_custom_resource_definition(name, patch, _preload_content=False)
 
         def established(name: str) -> bool:
             crd = json.loads(ext.read_custom_resource_definition(name, _preload_content=False).data)
@@ -294,7 +318,6 @@ class Kueue(Service):
         for d in (certs, metrics):
             shutil.copy(pki / "server.crt", d / "tls.crt")
             shutil.copy(pki / "server.key", d / "tls.key")
-        self.webhook_port, self.health_port = free_port(), free_port()
         config = self.workdir / "config.yaml"
         config.write_text(
             yaml.safe_dump(manager_config(webhook_port=self.webhook_port, cert_dir=certs, health_port=self.health_port))
