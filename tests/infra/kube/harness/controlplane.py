@@ -617,8 +617,9 @@ class ControlPlane(Service):
 
     def drain_node(self, name: str, timeout: float = 60.0) -> list[str]:
         """``kubectl drain``: cordon Node ``name``, then evict each of its pods through the Eviction API (which
-        honours PodDisruptionBudgets: a refused eviction is retried until ``timeout``) and wait until they are gone.
-        Returns the evicted pods (``namespace/name``); raises ControlPlaneError naming those a budget kept."""
+        honours PodDisruptionBudgets: a refused eviction is retried until ``timeout``) and wait until they are gone
+        from the API. Returns the evicted pods (``namespace/name``); raises ControlPlaneError naming those a budget
+        kept."""
         import kubernetes.client
 
         core = kubernetes.client.CoreV1Api(self.api_client())
@@ -626,11 +627,11 @@ class ControlPlane(Service):
         deadline = time.monotonic() + timeout
         evicted: set[str] = set()
         while True:
-            pods = [
-                p
-                for p in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}").items
-                if p.status.phase not in ("Succeeded", "Failed")
-            ]
+            on_node = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}").items
+            pods = [p for p in on_node if p.status.phase not in ("Succeeded", "Failed")]
+            # An evicted pod's processes can be over before the kubelet has removed it from the API: as kubectl
+            # drain does, wait until it is gone.
+            leaving = evicted & {f"{p.metadata.namespace}/{p.metadata.name}" for p in on_node}
             refused = []
             for p in pods:
                 ref = f"{p.metadata.namespace}/{p.metadata.name}"
@@ -649,13 +650,13 @@ class ControlPlane(Service):
                         refused.append(ref)
                     elif e.status != 404:
                         raise
-            if not pods:
+            if not pods and not leaving:
                 return sorted(evicted)
             if time.monotonic() > deadline:
                 raise ControlPlaneError(
                     f"drain of node {name}: not done after {timeout}s; evictions refused by a "
                     f"PodDisruptionBudget: {refused or 'none'}; still there: "
-                    f"{[f'{p.metadata.namespace}/{p.metadata.name}' for p in pods]}"
+                    f"{sorted(leaving | {f'{p.metadata.namespace}/{p.metadata.name}' for p in pods})}"
                 )
             time.sleep(0.2)
 
