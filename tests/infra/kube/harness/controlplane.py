@@ -626,15 +626,18 @@ class ControlPlane(Service):
         self.cordon_node(name)
         deadline = time.monotonic() + timeout
         evicted: set[str] = set()
+
+        def ref(p) -> str:
+            return f"{p.metadata.namespace}/{p.metadata.name}"
+
         while True:
             on_node = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={name}").items
             pods = [p for p in on_node if p.status.phase not in ("Succeeded", "Failed")]
             # An evicted pod's processes can be over before the kubelet has removed it from the API: as kubectl
             # drain does, wait until it is gone.
-            leaving = evicted & {f"{p.metadata.namespace}/{p.metadata.name}" for p in on_node}
+            leaving = evicted & {ref(p) for p in on_node}
             refused = []
             for p in pods:
-                ref = f"{p.metadata.namespace}/{p.metadata.name}"
                 if p.metadata.deletion_timestamp is not None:
                     continue
                 body = {
@@ -644,10 +647,10 @@ class ControlPlane(Service):
                 }
                 try:
                     core.create_namespaced_pod_eviction(p.metadata.name, p.metadata.namespace, body)
-                    evicted.add(ref)
+                    evicted.add(ref(p))
                 except kubernetes.client.ApiException as e:
                     if e.status == 429:  # a PodDisruptionBudget allows no disruption now
-                        refused.append(ref)
+                        refused.append(ref(p))
                     elif e.status != 404:
                         raise
             if not pods and not leaving:
@@ -656,7 +659,7 @@ class ControlPlane(Service):
                 raise ControlPlaneError(
                     f"drain of node {name}: not done after {timeout}s; evictions refused by a "
                     f"PodDisruptionBudget: {refused or 'none'}; still there: "
-                    f"{sorted(leaving | {f'{p.metadata.namespace}/{p.metadata.name}' for p in pods})}"
+                    f"{sorted(leaving | {ref(p) for p in pods})}"
                 )
             time.sleep(0.2)
 

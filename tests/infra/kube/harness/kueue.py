@@ -109,11 +109,22 @@ def _webhook(name: str, path: str, rules: list[dict], url: str, ca: str, **extra
     }
 
 
+def _ca_bundle(ca_pem: bytes) -> str:
+    return base64.b64encode(ca_pem).decode()
+
+
+def crd_conversion(url: str, ca_pem: bytes) -> dict:
+    """The conversion of the CRDs of ``CONVERTED``, as Kueue's webhook_in_* patches have it, with a URL on loopback
+    and our CA."""
+    client = {"url": url + "/convert", "caBundle": _ca_bundle(ca_pem)}
+    return {"strategy": "Webhook", "webhook": {"clientConfig": client, "conversionReviewVersions": ["v1"]}}
+
+
 def webhook_configurations(url: str, ca_pem: bytes) -> tuple[dict, dict]:
     """The Mutating and Validating webhook configurations of the pod integration and of Kueue's own objects, as
     Kueue's config/components/webhook/manifests.yaml has them, with a URL on loopback and our CA; the pod webhooks
     only in opted-in namespaces."""
-    ca = base64.b64encode(ca_pem).decode()
+    ca = _ca_bundle(ca_pem)
     pods = {"namespaceSelector": {"matchLabels": dict(OPT_IN)}}
 
     def rule(resources: list[str], ops: list[str], group: str = GROUP, version: str = API_VERSION) -> list[dict]:
@@ -261,6 +272,10 @@ class Kueue(Service):
         if not self.cp.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
+    @property
+    def _webhook_url(self) -> str:
+        return f"https://127.0.0.1:{self.webhook_port}"
+
     def _install_crds(self, crd_dir: Path) -> None:
         """The 11 CRDs of the module (MultiKueue and the others are watched even when unused), those of ``CONVERTED``
         converted by this manager's webhook; waits until each is Established. Idempotent: a CRD already there (an
@@ -268,16 +283,7 @@ class Kueue(Service):
         import kubernetes.client
 
         ext = kubernetes.client.ApiextensionsV1Api(self._api)
-        conversion = {
-            "strategy": "Webhook",
-            "webhook": {
-                "clientConfig": {
-                    "url": f"https://127.0.0.1:{self.webhook_port}/convert",
-                    "caBundle": base64.b64encode(self.cp.ca_path.read_bytes()).decode(),
-                },
-                "conversionReviewVersions": ["v1"],
-            },
-        }
+        conversion = crd_conversion(self._webhook_url, self.cp.ca_path.read_bytes())
         files = sorted(crd_dir.glob("*.yaml"))
         if not files:
             raise KueueError(f"no CRDs in {crd_dir}; remove {crd_dir.parent} and run {BUILD_SCRIPT} again")
@@ -359,9 +365,7 @@ class Kueue(Service):
         import kubernetes.client
 
         adm = kubernetes.client.AdmissionregistrationV1Api(self._api)
-        mutating, validating = webhook_configurations(
-            f"https://127.0.0.1:{self.webhook_port}", self.cp.ca_path.read_bytes()
-        )
+        mutating, validating = webhook_configurations(self._webhook_url, self.cp.ca_path.read_bytes())
         for create, replace, body in (
             (adm.create_mutating_webhook_configuration, adm.replace_mutating_webhook_configuration, mutating),
             (adm.create_validating_webhook_configuration, adm.replace_validating_webhook_configuration, validating),
