@@ -120,15 +120,22 @@ def registrations(log: Path) -> int:
     return len(re.findall(r"worker-\d+ registered", log.read_text()))
 
 
-def run_held(kubeconfig: Path, namespace: str, tmp_path: Path, tally_data: dict, job: str, steps, **params):
+def run_held(
+    kubeconfig: Path, namespace: str, tmp_path: Path, tally_data: dict, job: str, steps, diagnose=None, **params
+):
     """Run job `job` (the tally, EPOCHS_HELD, `params`) held: paced until `steps(master, log)` has returned, then
-    released to its end. Returns (its summary, the master's log, its output folder)."""
+    released to its end. Returns (its summary, the master's log, its output folder). When a step fails,
+    `diagnose()` (if given) says what the cluster held at that moment, beside the master's log."""
     out, log, hold = tmp_path / "out", tmp_path / "master.log", tmp_path / "hold"
     hold.write_text("")
     params = tally_job(job, tally_data, out, EPOCHS_HELD, **params) | {"model_def": paced_tally(tmp_path, hold)}
     master = start_train(kubeconfig, namespace, log, **params)
     try:
-        steps(master, log)
+        try:
+            steps(master, log)
+        except AssertionError as e:
+            state = diagnose() if diagnose else ""
+            raise AssertionError(f"{e}\n{state}\n--- the master's log, last lines:\n{log.read_text()[-6000:]}") from e
         assert master.poll() is None, f"the job ended before the test's last step\n{log.read_text()[-4000:]}"
         hold.unlink()
         master.wait(timeout=400)

@@ -192,6 +192,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         tally_data,
         job,
         steps,
+        diagnose=lambda: kueue.describe(namespace, (cq,)),
         **QUEUED,
         queue="team",
         checkpoint_every=str(tally_data["rows"] * 2),
@@ -248,7 +249,17 @@ def test_the_job_borrows_idle_quota_in_its_cohort_and_gives_it_back(
         core.delete_namespaced_pod("theirs", namespace, grace_period_seconds=0)
         wait_for(lambda: registrations(log) >= before + 3 or master.poll() is not None, 240, what="borrowing again")
 
-    summary, text, out = run_held(sa_kubeconfig, namespace, tmp_path, tally_data, job, steps, **QUEUED, queue="team-a")
+    summary, text, out = run_held(
+        sa_kubeconfig,
+        namespace,
+        tmp_path,
+        tally_data,
+        job,
+        steps,
+        diagnose=lambda: kueue.describe(namespace, (ours, theirs)),
+        **QUEUED,
+        queue="team-a",
+    )
     losses = kueue_losses(summary)
     assert len(losses) == 3 and all(e["instance"].startswith("worker-") for e in losses), losses
     assert all("due to reclamation within the cohort" in e["detail"] for e in losses), losses  # Kueue's words

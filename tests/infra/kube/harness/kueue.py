@@ -546,6 +546,43 @@ class Kueue(Service):
         while len(self.cluster_objects) > mark:
             self.delete(*self.cluster_objects.pop())
 
+    def describe(self, namespace: str, cluster_queues: tuple[str, ...] = ()) -> str:
+        """What Kueue and the API hold for ``namespace`` now, as a person would read it with kubectl when a test
+        fails: every Workload with all its conditions and requeue state, the ClusterQueues' status, and the pods
+        with their phase, gates, finalizers and deletion."""
+        lines = ["--- Kueue's Workloads:"]
+        items = self.custom.list_namespaced_custom_object(GROUP, API_VERSION, namespace, "workloads")["items"]
+        for o in sorted(items, key=lambda o: o["metadata"]["creationTimestamp"]):
+            meta, status = o["metadata"], o.get("status") or {}
+            owners = ",".join(r["name"] for r in meta.get("ownerReferences") or [])
+            lines.append(
+                f"{meta['name']} (pod {owners}, priority {(o.get('spec') or {}).get('priority')}, "
+                f"deleting {meta.get('deletionTimestamp')}, finalizers {meta.get('finalizers')}, "
+                f"requeueState {status.get('requeueState')})"
+            )
+            lines += [
+                f"    {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}"
+                f" ({c.get('lastTransitionTime')})"
+                for c in status.get("conditions") or []
+            ]
+        for cq in cluster_queues:
+            try:
+                got = self.custom.get_cluster_custom_object(GROUP, API_VERSION, "clusterqueues", cq)
+            except Exception as e:  # noqa: BLE001 - a dump for a failing test: say what went wrong and go on
+                lines.append(f"--- ClusterQueue {cq}: {e}")
+                continue
+            lines.append(f"--- ClusterQueue {cq}: spec {json.dumps(got.get('spec'))}")
+            lines.append(f"    status {json.dumps(got.get('status'))}")
+        lines.append("--- pods:")
+        for p in self.core.list_namespaced_pod(namespace).items:
+            gates = [g.name for g in p.spec.scheduling_gates or []]
+            lines.append(
+                f"{p.metadata.name}: {p.status.phase} node={p.spec.node_name} gates={gates} "
+                f"finalizers={p.metadata.finalizers} deleting={p.metadata.deletion_timestamp} "
+                f"conditions={[(c.type, c.status, c.reason) for c in p.status.conditions or []]}"
+            )
+        return "\n".join(lines)
+
     def workloads(self, namespace: str) -> list[Workload]:
         """The Workloads of ``namespace``, oldest first."""
         items = self.custom.list_namespaced_custom_object(GROUP, API_VERSION, namespace, "workloads")["items"]
