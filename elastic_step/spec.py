@@ -661,6 +661,31 @@ def reference_markdown() -> str:
         )
     lines += [
         "",
+        "## Flags of one command",
+        "",
+        "These belong to one command of the CLI, not to the job, so the table above leaves them out:",
+        "",
+        "| command | flag | meaning |",
+        "|---|---|---|",
+        "| `data prep` | `--output DIR` (required) | the folder for `train/` and `eval/`, each a manifest and its shards |",
+        "| `train` | `--prepared DIR` | the folder `data prep` wrote: the same as `--train-data DIR/train "
+        "--eval-data DIR/eval` |",
+        "| `train`, `pipeline run` | `--chaos ACTION:INSTANCE@RECORDS` (repeatable) | testing and the demo: "
+        "disturb the job on purpose, e.g. `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed; "
+        "none given, the job reads `ELASTIC_STEP_CHAOS` ([guarantees.md](guarantees.md#fault-injection)) |",
+        "| `evaluate` | `--model` (required), `--eval-data` or `--prepared DIR`, `--metrics-out FILE`, "
+        "`--passed-out FILE` | the model folder or `model.keras`; the eval manifest (or `DIR/eval`); also write "
+        "the result as JSON, and the gate as true/false |",
+        "| `publish` | `--model` (required), `--to` (required) | the model folder, and the folder URI to copy it to |",
+        "| `pipeline run` | `--json` | print the whole result as JSON instead of the summary for a person |",
+        "| `schedule create` | `--host` (required), `--cron` (required), `--experiment` (`elastic-step`), "
+        "`--name` (`elastic-step-train-eval-nightly`), `--namespace`, `--service-account`, `--pipeline-root` | "
+        "the KFP API endpoint; 6 cron fields, seconds first; the recurring run's experiment, name and namespace; "
+        "the runs' service account; where the runs' artifacts go (empty: the cluster's) "
+        "([kfp.md](kfp.md#recurring-runs)) |",
+        "| `compile` | `--root` (`.`) | the repository root the generated files go to |",
+        "| any (before the command: `elastic-step -v train ...`) | `-v`, `--verbose` | debug logging |",
+        "",
         "Adding a parameter: one `Param` in elastic_step/spec.py (a training parameter also needs its "
         "TrainConfig field, a KFP surface its argument in the signature), then `elastic-step compile`; "
         "tests/unit/test_spec.py checks the signatures and TrainConfig against the spec.",
