@@ -330,6 +330,17 @@ PARAMS: tuple[Param, ...] = (
         metavar="LOCALQUEUE",
     ),
     Param(
+        "pending_report",
+        float,
+        300.0,
+        "kubernetes: seconds a worker or parameter server pod may stay pending before the master reports what "
+        "holds it, in its log and summary.json: Kueue's Workload and its condition while a queue holds the pod, "
+        "else the scheduler's reason. The pod keeps waiting, and is reported again after each further such wait. "
+        "0: never",
+        _on(CONFIG, TRAIN),
+        metavar="SECONDS",
+    ),
+    Param(
         "ps_cpu",
         str,
         "",
@@ -667,7 +678,8 @@ def reference_markdown() -> str:
         "",
         "| command | flag | meaning |",
         "|---|---|---|",
-        "| `data prep` | `--output DIR` (required) | the folder for `train/` and `eval/`, each a manifest and its shards |",
+        "| `data prep` | `--output DIR` (required) | the folder for `train/` and `eval/`, each a manifest and its "
+        "shards |",
         "| `train` | `--prepared DIR` | the folder `data prep` wrote: the same as `--train-data DIR/train "
         "--eval-data DIR/eval` |",
         "| `train`, `pipeline run` | `--chaos ACTION:INSTANCE@RECORDS` (repeatable) | testing and the demo: "

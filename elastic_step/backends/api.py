@@ -56,6 +56,7 @@ class EventKind(str, enum.Enum):
     RUNNING = "running"  # the process runs
     EXITED = "exited"  # ended by itself; exit_code says how
     LOST = "lost"  # killed, preempted or deleted from outside
+    WAITING = "waiting"  # still not running past the job's bound (pending_report); detail: what holds it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ class TrainConfig:
     worker_priority_class: str = _D["worker_priority_class"]
     ps_priority_class: str = _D["ps_priority_class"]
     queue: str = _D["queue"]  # a Kueue LocalQueue (backends/kubernetes/kueue.py)
+    pending_report: float = _D["pending_report"]  # seconds; 0: never (backends/kubernetes/pending.py)
     # what dresses the pods of each role (backends/kubernetes/settings.py)
     ps_cpu: str = _D["ps_cpu"]
     ps_memory: str = _D["ps_memory"]
@@ -103,6 +104,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--hang-timeout must be a number of seconds >= 0 (0: measured from each worker's pace), "
                 f"got {self.hang_timeout}."
+            )
+        if not self.pending_report >= 0:  # NaN too
+            raise ConfigError(
+                f"--pending-report must be a number of seconds >= 0 (0: never report a pending pod), "
+                f"got {self.pending_report}."
             )
         if self.pushes_in_flight > MAX_PUSHES_IN_FLIGHT:
             raise ConfigError(

@@ -412,6 +412,8 @@ class TrainingJob:
     def _on_event(self, ev) -> None:
         ev = self.gray.on_end(ev)
         remainder = self.coord.on_instance_event(ev)
+        if ev.kind == EventKind.WAITING:  # below strength, and why: the platform's queue or scheduler
+            log.warning("%s is waiting: %s", ev.instance, ev.detail)
         if ev.kind not in (EventKind.EXITED, EventKind.LOST):
             return
         over = self.coord.finished.is_set()

@@ -51,6 +51,13 @@ def preempted(log: Path) -> set[str]:
     return set(re.findall(r"(worker-\d+) preempted by Kueue", log.read_text()))
 
 
+def preempted_for(log: Path, preemptor_pod_uid: str) -> list[str]:
+    """The pods the master logged as preempted by Kueue for the workload of pod ``preemptor_pod_uid`` (the master's
+    log quotes Kueue's reason, which names the preemptor's JobUID)."""
+    pattern = r"preempted by Kueue \(pod ([\w-]+)\): Preempted to accommodate a workload \(UID: [\w-]+, JobUID: "
+    return sorted(set(re.findall(pattern + re.escape(preemptor_pod_uid) + r"\)", log.read_text())))
+
+
 def urgent_pod(core, namespace: str, name: str, queue: str, cpu: str, priority_class: str) -> None:
     """Another team's workload in a queue: a plain pod Kueue admits (or not) by its quota and priority."""
     core.create_namespaced_pod(
@@ -127,6 +134,8 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     kueue.local_queue(namespace, "team", cq)
 
     urgent_took = []  # the workers Kueue preempted for the urgent workload, before the critical one arrived
+    first_waiting = []  # the worker pods Kueue kept waiting for quota at first
+    kueue_took = []  # the pods Kueue's Events say it preempted for the urgent workload
 
     def steps(master, log):
         # Kueue admits two workers and keeps two waiting: their workloads pending, their pods gated.
@@ -144,8 +153,20 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         states = worker_workloads(kueue, namespace, job)
         assert sorted(states.values()) == ["admitted", "admitted", "pending", "pending"], states
         waiting = sorted(p for p, s in states.items() if s == "pending")
+        first_waiting.extend(waiting)
         assert all(gated(core.read_namespaced_pod(p, namespace)) for p in waiting), waiting
         assert len(running_workers(core, namespace, job)) == 2
+        # Past `pending_report`, the master says which workers wait and why, in Kueue's own words.
+        wait_for(
+            lambda: all(
+                f"pod {w.pod} pending for" in log.read_text()
+                and f"Workload {w.name} not admitted ({w.reason}): {w.message}" in log.read_text()
+                for w in kueue.workloads(namespace)
+                if w.pod in waiting
+            ),
+            60,
+            what="each waiting worker reported with its Workload's condition",
+        )
         # More quota: Kueue admits the two waiting workers, and they join the job.
         kueue.set_quota(cq, "cpu", "4500m")
         wait_for(lambda: registrations(log) >= 4 or master.poll() is not None, 240, what="all four workers")
@@ -159,6 +180,16 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         )
         wait_for(lambda: core.read_namespaced_pod("urgent", namespace).status.phase == "Running", 120, what="urgent")
         assert len(running_workers(core, namespace, job)) <= 2
+        # As many workers as Kueue says it preempted for that workload (its Events), no more, no fewer: the two it
+        # needed, and any replacement it admitted meanwhile and took back.
+        urgent_uid = core.read_namespaced_pod("urgent", namespace).metadata.uid
+        took = wait_for(
+            lambda: (pods := kueue.preempted_pods(namespace, urgent_uid)) == preempted_for(log, urgent_uid) and pods,
+            60,
+            what="the master's preemptions to agree with Kueue's Events",
+        )
+        assert len(took) >= 2, took
+        kueue_took.extend(took)
         before = registrations(log)
         # That workload ends: Kueue admits the replacements, which join.
         core.delete_namespaced_pod("urgent", namespace, grace_period_seconds=0)
@@ -196,13 +227,18 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
         **QUEUED,
         queue="team",
         checkpoint_every=str(tally_data["rows"] * 2),
+        pending_report="5",
     )
+    # The waits are in summary.json too, each naming its pod and what held it.
+    waits = [e["detail"] for e in summary["events"] if e["kind"] == "waiting"]
+    for pod in first_waiting:
+        assert any(d.startswith(f"pod {pod} pending for") and "admission gate in queue 'team'" in d for d in waits)
     losses = kueue_losses(summary)
     assert all("preempted by Kueue" in e["detail"] for e in losses), losses
     # The urgent workload took two workers and no PS: the core went only to the workload above its own priority
     # (which takes the workers too, in an order of Kueue's choosing).
-    assert len(urgent_took) == 2, urgent_took
-    assert [e["instance"] for e in losses[:2]] == urgent_took, losses
+    assert len(urgent_took) == len(kueue_took), (urgent_took, kueue_took)  # one loss per preemption Kueue made
+    assert [e["instance"] for e in losses[: len(urgent_took)]] == urgent_took, losses
     (critical,) = [i for i, e in enumerate(losses) if e["instance"] == "ps-0"]
     assert critical >= 2 and all(e["instance"].startswith("worker-") for e in losses[:critical]), losses
     assert "due to prioritization in the ClusterQueue" in losses[0]["detail"], losses  # Kueue's own words

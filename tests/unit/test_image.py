@@ -187,7 +187,10 @@ def test_rbac_is_namespaced_exact_and_without_wildcards():
         assert "resourceNames" not in rule or rule["resourceNames"]
     assert rules(role) == {("", "pods", v) for v in ("create", "get", "list", "watch", "delete", "patch")} | {
         ("", "secrets", v) for v in ("create", "get", "delete")
-    } | {("kueue.x-k8s.io", "localqueues", "get")}  # a queue's LocalQueue, looked up before any pod
+    } | {
+        ("kueue.x-k8s.io", "localqueues", "get"),
+        ("kueue.x-k8s.io", "workloads", "list"),
+    }  # a queue: its LocalQueue, looked up before any pod; its Workloads, read to say why a pod waits
     binding = docs[("RoleBinding", "elastic-step")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elastic-step"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "elastic-step"}]

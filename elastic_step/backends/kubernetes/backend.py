@@ -31,6 +31,7 @@ from elastic_step.backends.kubernetes.config import (
     owner_refs,
 )
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
+from elastic_step.backends.kubernetes.pending import due, read_workloads, what_holds
 from elastic_step.backends.kubernetes.permissions import check_permissions, translate
 from elastic_step.backends.kubernetes.pods import (
     _JOB_ID,
@@ -75,6 +76,7 @@ class KubernetesBackend(Backend):
         settings: PodSettings | None = None,
         grace_s: int = 30,
         watch_timeout_s: int = 240,
+        pending_report_s: float = 300.0,
         preflight: bool = True,
         reuse_token: bool = True,
     ):
@@ -152,6 +154,10 @@ class KubernetesBackend(Backend):
         )
         self._watcher = threading.Thread(target=self._watch.run, name=f"k8s-watch-{job_id}", daemon=True)
         self._watcher.start()
+        self.pending_report_s = float(pending_report_s)
+        self._workloads = read_workloads(kubernetes.client.CustomObjectsApi(api_client), self.namespace, self._call)
+        if self.pending_report_s > 0:
+            threading.Thread(target=self._report_pending, name=f"k8s-pending-{job_id}", daemon=True).start()
 
     @classmethod
     def from_train_config(cls, cfg, job_id: str, token: str, **kwargs) -> KubernetesBackend:
@@ -163,6 +169,7 @@ class KubernetesBackend(Backend):
             token,
             image=cfg.worker_image or None,
             queue=cfg.queue,
+            pending_report_s=cfg.pending_report,
             num_ps=cfg.num_ps,
             settings=PodSettings.from_train_config(cfg),
             **kwargs,
@@ -226,6 +233,7 @@ class KubernetesBackend(Backend):
                     name=pod.name,
                     adopted=True,
                     state="running" if pod.phase == "Running" else "pending",
+                    pending_since=time.monotonic(),
                 )
                 self._launches[inst] = launch
         if keep:
@@ -524,6 +532,7 @@ class KubernetesBackend(Backend):
         """After the create call: STARTED (unless already said), then whatever the watch saw meanwhile."""
         with self._lock:
             launch.state = "pending"
+            launch.pending_since = time.monotonic()
             pod = self._pods.get(launch.name)
             if pod is None:  # deleted before the create call even returned
                 launch.end()
@@ -543,6 +552,29 @@ class KubernetesBackend(Backend):
             self.emit(event)
         for launch in ready:
             self._create_deferred(launch)
+
+    def _report_pending(self) -> None:
+        """The pending-pod reporter's thread: a launch still pending past each multiple of the bound is reported
+        (WAITING) with what holds its pod: Kueue's Workload and condition, or the scheduler's reason."""
+        period = max(0.5, min(5.0, self.pending_report_s / 4))
+        while not self._closed.wait(period):
+            now = time.monotonic()
+            with self._lock:
+                waiting = [
+                    (l, self._pods[l.name].obj)
+                    for l in self._launches.values()
+                    if l.state == "pending"
+                    and l.pending_since is not None
+                    and l.name in self._pods
+                    and not self._pods[l.name].deleting
+                    and due(now - l.pending_since, l.waits_reported, self.pending_report_s)
+                ]
+                for launch, _ in waiting:
+                    launch.waits_reported += 1
+            for launch, obj in waiting:
+                waited = now - launch.pending_since
+                detail = f"pod {launch.name} pending for {waited:.0f}s: {what_holds(obj, self._workloads)}"
+                self.emit(InstanceEvent(EventKind.WAITING, launch.spec.id, detail=detail))
 
     def _lost_after_grace(self, launch: _Launch, name: str) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ GROUP, VERSION = "kueue.x-k8s.io", "v1beta2"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 POD_GROUP_LABEL = "kueue.x-k8s.io/pod-group-name"
 POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
+ADMISSION_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate a queued pod carries until Kueue admits it
 EVICTED_CONDITION = "TerminationTarget"  # what Kueue sets on a pod it stops, before deleting it
 NEEDED = (("get", "localqueues", GROUP),)  # the Role's extra rule when a queue is set
 

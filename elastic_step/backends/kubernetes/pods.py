@@ -94,6 +94,8 @@ class _Launch:
     ended: threading.Event = dataclasses.field(default_factory=threading.Event)
     timer: threading.Timer | None = None  # forces a deferred creation
     loss_timer: threading.Timer | None = None  # bounds the wait for a deleted pod's end
+    pending_since: float | None = None  # monotonic time its pod was created (or adopted) pending
+    waits_reported: int = 0  # WAITING events given for its pod (pending.py)
 
     def end(self) -> None:
         self.state = "ended"

@@ -42,6 +42,7 @@ import base64
 import contextlib
 import json
 import logging
+import re
 import shutil
 import subprocess
 import time
@@ -545,6 +546,18 @@ class Kueue(Service):
         namespace's deletion takes its LocalQueues, not the ClusterQueues and flavors a test made for it."""
         while len(self.cluster_objects) > mark:
             self.delete(*self.cluster_objects.pop())
+
+    def preempted_pods(self, namespace: str, preemptor_pod_uid: str) -> list[str]:
+        """The pods whose Workloads Kueue preempted to admit the workload of the pod ``preemptor_pod_uid``, by
+        Kueue's own Events (reason Preempted, "... JobUID: <uid>) ..."); a pod's Workload is ``pod-<pod>-<hash>``."""
+        events = self.core.list_namespaced_event(namespace, field_selector="reason=Preempted").items
+        return sorted(
+            {
+                re.sub(r"^pod-(.+)-[0-9a-f]{5}$", r"\1", e.involved_object.name)
+                for e in events
+                if e.involved_object.kind == "Workload" and f"JobUID: {preemptor_pod_uid})" in (e.message or "")
+            }
+        )
 
     def describe(self, namespace: str, cluster_queues: tuple[str, ...] = ()) -> str:
         """What Kueue and the API hold for ``namespace`` now, as a person would read it with kubectl when a test
