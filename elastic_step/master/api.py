@@ -64,7 +64,7 @@ class TrainConfig:
     spot_nodes: str = _D["spot_nodes"]
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
     health_port: int = _D["health_port"]  # -1: 8080 in a pod, else none; 0: none (master/health.py)
-    hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/hang.py)
+    hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/gray/hang.py)
     progress: str = _D["progress"]
     checkpoint_every: str = _D["checkpoint_every"]  # a time (60s, 5m) or records (50000); 0: no checkpoints
     # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
@@ -128,7 +128,7 @@ class TrainConfig:
             raise ConfigError(f"Unknown --global-batch {self.global_batch!r}; choose one of {', '.join(GLOBAL_BATCH)}.")
         if self.resume not in BY_NAME["resume"].choices:
             raise ConfigError(f"Unknown --resume {self.resume!r}; choose auto or never.")
-        from elastic_step.master.checkpoint_store import parse_interval
+        from elastic_step.master.durability.store import parse_interval
 
         parse_interval(self.checkpoint_every)
         if not -1 <= self.health_port <= 65535:

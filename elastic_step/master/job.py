@@ -26,15 +26,15 @@ from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
 from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
-from elastic_step.master.audit import EXACT, audit, describe
-from elastic_step.master.checkpoint import JobCheckpoints
-from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
-from elastic_step.master.gray import GrayFailures
+from elastic_step.master.durability.audit import EXACT, audit, describe
+from elastic_step.master.durability.checkpoint import JobCheckpoints
+from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
-from elastic_step.master.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
 from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
@@ -165,9 +165,15 @@ class TrainingJob:
             token=started[1],
         )
         self.durable.token = self.plan.token
-        # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray.py).
+        # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
-            self.coord, self.backend, self.faults, self.relaunch, self.plan.token, self.allreduce, cfg.hang_timeout
+            self.coord,
+            self.backend,
+            self.faults,
+            self.relaunch.retire,
+            self.plan.token,
+            self.allreduce,
+            cfg.hang_timeout,
         )
         if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
             self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
@@ -485,7 +491,7 @@ class TrainingJob:
         elif f["kind"] == "same_error" and f.get("traceback"):
             detail += "\nIts traceback:\n" + f["traceback"].rstrip()
         # A worker's refusal of a state that does not fit the model (a changed model) is bad input, as the same
-        # refusal by a PS shard's restore is (master/checkpoint.py): the same exit code in both strategies.
+        # refusal by a PS shard's restore is (master/durability/checkpoint.py): the same exit code in both strategies.
         return (ConfigError if f["kind"] == "config_error" else JobFailed)(f"Training failed{where}: {detail}")
 
     # ------------------------------------------------------------------ the end
@@ -581,7 +587,7 @@ class TrainingJob:
 
     def _audit(self, evidence: list[dict]) -> dict:
         """What the PS shards (or the allreduce member whose weights are the model) say they applied,
-        laid over the training data, not over the ledger: see master/audit.py."""
+        laid over the training data, not over the ledger: see master/durability/audit.py."""
         result = audit(
             [s.rows for s in self.train.shards],
             self.cfg.epochs,
@@ -663,7 +669,7 @@ def ps_summary(stats) -> dict:
         "shard": stats.shard,
         "pushes_applied": stats.pushes_applied,
         "pushes_skipped": stats.pushes_skipped,
-        "pushes_fenced": stats.pushes_fenced,  # refused: a fenced worker launch's (master/fence.py)
+        "pushes_fenced": stats.pushes_fenced,  # refused: a fenced worker launch's (master/gray/fence.py)
         "dense_parameters": stats.dense_parameters,
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},

@@ -34,7 +34,7 @@ from concurrent import futures
 import grpc
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
@@ -174,7 +174,7 @@ class MasterService(pb_grpc.MasterServicer):
         self.pushes_in_flight = pushes_in_flight
         self.minibatches_per_push = minibatches_per_push
         # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
-        # None (see master/checkpoint.py).
+        # None (see master/durability/checkpoint.py).
         self.checkpoint_state = lambda: None
         # A URI as instances open it: a file local to the step, served by the master (input_server.py).
         self.locate: Callable[[str], str] = lambda uri: uri
@@ -193,7 +193,7 @@ class MasterService(pb_grpc.MasterServicer):
         return random.uniform(0.5, 1.5) * self.wait_retry_s
 
     def _caller(self, call: str, request) -> InstanceId | tuple[grpc.StatusCode, str]:
-        """The caller, once its token is checked, unless its launch is fenced (master/fence.py); else the status
+        """The caller, once its token is checked, unless its launch is fenced (master/gray/fence.py); else the status
         its call is refused with: PERMISSION_DENIED for a fenced launch. Unary calls and the Session stream's
         alike."""
         self.calls += 1
@@ -360,7 +360,7 @@ class MasterService(pb_grpc.MasterServicer):
         thread switches besides (a pair of members' calls, timed alone: 1.05 ms a step against 1.23).
         `step_ready` never blocks (wait_s 0, the lock is short); a member told to wait is woken by the
         rendezvous's next change (`_steps_changed`)."""
-        from elastic_step.master.rendezvous import ABORT, COMMIT, WAIT, Ready
+        from elastic_step.master.leases.rendezvous import ABORT, COMMIT, WAIT, Ready
 
         inst = await self._instance(context, "StepReady", request)
         rdv = await self._rendezvous(context)

@@ -11,12 +11,12 @@ import threading
 import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.fence import Fences
-from elastic_step.master.hang import HangWatch, Hung
-from elastic_step.master.ledger import Lease, LeaseOver, Ledger, LedgerError
-from elastic_step.master.membership import Membership
-from elastic_step.master.ring_straggler import RingPaceWatch, Straggler
-from elastic_step.master.straggler import StragglerWatch
+from elastic_step.master.gray.fence import Fences
+from elastic_step.master.gray.hang import HangWatch, Hung
+from elastic_step.master.gray.ring_straggler import RingPaceWatch, Straggler
+from elastic_step.master.gray.straggler import StragglerWatch
+from elastic_step.master.leases.ledger import Lease, LeaseOver, Ledger, LedgerError
+from elastic_step.master.leases.membership import Membership
 
 log = logging.getLogger("elastic_step.master")
 
@@ -26,10 +26,10 @@ class Coordinator:
         self.lock = threading.Lock()
         self.ledger = ledger
         self.membership = Membership()
-        self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/hang.py)
-        self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/fence.py)
-        self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/straggler.py)
-        self.ring_paces = RingPaceWatch()  # allreduce: whom the ring leaves out (see master/ring_straggler.py)
+        self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/gray/hang.py)
+        self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/gray/fence.py)
+        self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/gray/straggler.py)
+        self.ring_paces = RingPaceWatch()  # allreduce: whom the ring leaves out (see master/gray/ring_straggler.py)
         self.retired: set[str] = set()  # workers left out for good: the job trains on without them
         self.num_ps = num_ps
         self.min_workers = min_workers
@@ -75,7 +75,7 @@ class Coordinator:
 
     def attach_rendezvous(self, max_workers: int):
         """--strategy allreduce: versioned membership and atomic step commits, under this lock."""
-        from elastic_step.master.rendezvous import Rendezvous
+        from elastic_step.master.leases.rendezvous import Rendezvous
 
         self.rendezvous = Rendezvous(
             self.min_workers,
@@ -422,7 +422,7 @@ class Coordinator:
             self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})", t=t)
         return remainder
 
-    # ------------------------------------------------------------ fencing (master/fence.py)
+    # ------------------------------------------------------------ fencing (master/gray/fence.py)
     def fence(self, inst: InstanceId, why: str) -> int:
         """The master gives `inst`'s current launch up: fence it (before its lease is requeued). Returns the launch
         fenced, 0 when there was none to fence (already fenced, or not a worker)."""
@@ -460,7 +460,7 @@ class Coordinator:
             self.membership.seen(inst)
 
     def hung_workers(self, now: float, paused: bool = False) -> list[Hung]:
-        """Advance the workers' hang clocks; the workers past their bound (master/hang.py). A clock runs while
+        """Advance the workers' hang clocks; the workers past their bound (master/gray/hang.py). A clock runs while
         its worker holds work the job waits on and may progress: a lease, and not waiting in a checkpoint's
         barrier (ps); a place in the ring, while steps may commit (allreduce). `paused`: the job holds every
         worker (an epoch's evaluation)."""
@@ -498,7 +498,7 @@ class Coordinator:
         return remainder
 
     def ring_straggler(self, paused: bool = False) -> Straggler | None:
-        """allreduce: the member to leave out of the ring as a straggler, if any (master/ring_straggler.py). None
+        """allreduce: the member to leave out of the ring as a straggler, if any (master/gray/ring_straggler.py). None
         while the ring does not train at its own pace: `paused` (an epoch's evaluation), a checkpoint's hold, a
         restore."""
         with self.lock:

@@ -1,4 +1,4 @@
-"""Hang detection's bound and clock (master/hang.py), and the coordinator's decisions on it: who is hung,
+"""Hang detection's bound and clock (master/gray/hang.py), and the coordinator's decisions on it: who is hung,
 who is only waiting, and what a declared-hung worker leaves behind."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.hang import FACTOR, FLOOR_S, MAX_TICK_S, STARTUP_FACTOR, STARTUP_FLOOR_S, HangWatch, Hung
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.gray.hang import FACTOR, FLOOR_S, MAX_TICK_S, STARTUP_FACTOR, STARTUP_FLOOR_S, HangWatch, Hung
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 
 def run(watch: HangWatch, start: float, seconds: float, running=("worker-0",), step: float = 0.1) -> list:
@@ -158,7 +158,7 @@ def test_allreduce_the_silent_member_of_a_stalled_ring_is_hung_not_the_members_w
         coord.membership.launched(w, relaunch=False)
         coord.register(w, f"addr-{w.index}")
     assert rdv.version == 1 and len(rdv.members) == 2
-    from elastic_step.master.rendezvous import Ready
+    from elastic_step.master.leases.rendezvous import Ready
 
     coord.hung_workers(0.0)
     for w in workers:  # step 1 commits with no records: neither has traced its model yet, no clock runs

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 W0, W1 = InstanceId("worker", 0), InstanceId("worker", 1)
 

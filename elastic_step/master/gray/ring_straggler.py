@@ -1,7 +1,7 @@
 """Stragglers (allreduce): a member so much slower than the others that every step waits on it.
 
 A step commits once every member is ready for it, so the ring goes at its slowest member's pace: one member 10x
-slower makes every step 10x slower, not only an epoch's tail as in ps (master/straggler.py). A ring of N-1 at full
+slower makes every step 10x slower, not only an epoch's tail as in ps (master/gray/straggler.py). A ring of N-1 at full
 pace beats N at a straggler's pace whenever it is more than N/(N-1) times slower, so the master leaves such a member
 out of the ring: the path of a hung one (fenced, stopped through the backend, its lease remainder requeued, the
 ring re-formed without it), and it is replaced, since a new instance may land on a healthy node. A replacement as

@@ -51,7 +51,7 @@ class Ready:
     records: int
     loss: float
     checksum: int
-    compute_s: float = 0.0  # the member's own time for the run's minibatches (master/ring_straggler.py)
+    compute_s: float = 0.0  # the member's own time for the run's minibatches (master/gray/ring_straggler.py)
     steps: int = 1  # the run's
     step_compute_s: tuple[float, ...] = ()  # its own time for each step's minibatches
 

@@ -1,6 +1,6 @@
 """Checkpoints of a job's state at one consistent cut: when they are cut, and what a resumed job, a
 lost PS or a ring that lost every member goes back to. Where they live and their layout is
-master/checkpoint_store.py's.
+master/durability/store.py's.
 
 A checkpoint is the model's whole state plus the master's ledger at one cut. PS mode: every shard's
 state, taken while no push is in flight (the barrier lives in the coordinator: workers finish and
@@ -16,7 +16,7 @@ import os
 import time
 
 from elastic_step.faults.api import NO_FAULTS, JobFaults
-from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, fingerprint, parse_interval
+from elastic_step.master.durability.store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes
 from elastic_step.util.json_text import write_json
 from elastic_step.util.phases import phase
