@@ -30,6 +30,7 @@ from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
 from elastic_step.master.durability.audit import EXACT, audit, describe
 from elastic_step.master.durability.checkpoint import JobCheckpoints
+from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
@@ -130,7 +131,8 @@ class TrainingJob:
             cfg.seed,
         )
         self.allreduce = cfg.strategy == "allreduce"
-        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, cfg.hang_timeout)
+        self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
+        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds)
         self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
@@ -139,7 +141,7 @@ class TrainingJob:
             self.ledger.records_per_epoch * cfg.epochs,
             cfg.max_workers,
             0 if self.allreduce else cfg.num_ps,
-            hang_bound_s=self.coord.hangs.least_bound,
+            hang_bound_s=self.bounds.least,
         )
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
@@ -170,10 +172,10 @@ class TrainingJob:
             self.coord,
             self.backend,
             self.faults,
-            self.relaunch.retire,
-            self.plan.token,
-            self.allreduce,
-            cfg.hang_timeout,
+            retire=self.relaunch.retire,
+            token=self.plan.token,
+            allreduce=self.allreduce,
+            bounds=self.bounds,
         )
         if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
             self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
@@ -552,7 +554,7 @@ class TrainingJob:
         errors = []
         # An epoch's evaluation holds the hang clocks: a frozen member asked first holds it no longer than the
         # shortest hang bound (--hang-timeout; the final pull waits the usual 30 s on each).
-        timeout = 30.0 if final else min(30.0, self.coord.hangs.least_bound)
+        timeout = 30.0 if final else min(30.0, self.bounds.least)
         for name, address in members:
             try:
                 state = pull_state(address, self.plan.token, step if final else -1, timeout=timeout)

@@ -3,7 +3,8 @@
 An instance the backend still reports alive can fail the job all the same. The master gives such an instance
 up, fences it and stops it; its end is then a loss like a kill, and the relaunch policy replaces it.
 
-- `hang.py`    a worker that holds work and commits nothing past its bound is hung (its clock, its bound).
+- `hang.py`    a worker that holds work and commits nothing past its bound is hung. HangBounds, how long
+  silence may last, is built once from --hang-timeout and given to every watch.
 - `ps_watch.py`  a PS shard that does not answer the master's probe past its bound is hung; while a shard is
   silent, the workers' clocks hold (a push waits on it: not the worker's fault).
 - `straggler.py`  ps: an idle worker takes a much slower worker's lease ahead, or the tail of its lease.

@@ -19,7 +19,7 @@ from typing import Protocol
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId
 from elastic_step.faults.api import JobFaults
 from elastic_step.instance import EXIT_FENCED
-from elastic_step.master.gray.hang import Hung
+from elastic_step.master.gray.hang import HangBounds, Hung
 from elastic_step.master.gray.ps_watch import PSWatch
 from elastic_step.master.gray.ring_straggler import Straggler
 
@@ -51,16 +51,17 @@ class GrayFailures:
         coord: Decisions,
         backend: Backend,
         faults: JobFaults,
+        *,
         retire: Callable[[InstanceId, str], None],
         token: str,
         allreduce: bool,
-        hang_timeout: float,
+        bounds: HangBounds,
     ):
         """`retire(inst, why)`: `inst` is left out for good, its end is not relaunched (the relaunch policy's)."""
         self.coord, self.backend, self.faults, self.retire = coord, backend, faults, retire
         self.token, self.allreduce = token, allreduce
         # ps: a shard that does not answer is declared hung and handled as a lost one.
-        self.ps_watch = None if allreduce else PSWatch(coord, token, hang_timeout)
+        self.ps_watch = None if allreduce else PSWatch(coord, token, bounds)
         self._hung: set[InstanceId] = set()  # declared hung, stopped, their end not seen yet
         self._left_out: set[InstanceId] = set()  # allreduce stragglers left out of the ring, their end not seen yet
         self._kill_at: dict[InstanceId, float] = {}  # declared hung, their kill deferred (faults only) until then

@@ -28,7 +28,7 @@ import time
 import grpc
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.gray.hang import HangWatch, Hung
+from elastic_step.master.gray.hang import HangBounds, HangWatch, Hung
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc
@@ -42,10 +42,10 @@ ANSWER = "answer"
 
 
 class PSWatch:
-    def __init__(self, coord, token: str, timeout_s: float = 0.0, every_s: float = PROBE_EVERY_S):
-        """`coord`: the job's coordinator (the shards' addresses); `timeout_s`: --hang-timeout (0: measured)."""
+    def __init__(self, coord, token: str, bounds: HangBounds, every_s: float = PROBE_EVERY_S):
+        """`coord`: the job's coordinator (the shards' addresses); `bounds`: the job's, the workers' too."""
         self.coord, self.token, self.every_s = coord, token, every_s
-        self.hangs = HangWatch(timeout_s)
+        self.hangs = HangWatch(bounds)
         self._lock = threading.Lock()
         self._answered: dict[int, tuple[str, float]] = {}  # shard -> (its address, when it last answered)
         self._seen: dict[int, float] = {}  # shard -> the last answer the pump counted

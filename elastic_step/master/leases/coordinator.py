@@ -12,7 +12,7 @@ import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.master.gray.fence import Fences
-from elastic_step.master.gray.hang import HangWatch, Hung
+from elastic_step.master.gray.hang import MEASURED, HangBounds, HangWatch, Hung
 from elastic_step.master.gray.ring_straggler import RingPaceWatch, Straggler
 from elastic_step.master.gray.straggler import StragglerWatch
 from elastic_step.master.leases.ledger import Lease, LeaseOver, Ledger, LedgerError
@@ -22,11 +22,11 @@ log = logging.getLogger("elastic_step.master")
 
 
 class Coordinator:
-    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1, hang_timeout: float = 0.0):
+    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1, bounds: HangBounds = MEASURED):
         self.lock = threading.Lock()
         self.ledger = ledger
         self.membership = Membership()
-        self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/gray/hang.py)
+        self.hangs = HangWatch(bounds)  # the workers' clocks (master/gray/hang.py)
         self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/gray/fence.py)
         self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/gray/straggler.py)
         self.ring_paces = RingPaceWatch()  # allreduce: whom the ring leaves out (see master/gray/ring_straggler.py)

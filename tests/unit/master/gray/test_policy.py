@@ -10,6 +10,7 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.local import LocalBackend
 from elastic_step.faults.api import JobFaults
 from elastic_step.instance import EXIT_FENCED
+from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import Ledger, ShardInfo
@@ -20,12 +21,16 @@ W0, W1 = InstanceId("worker", 0), InstanceId("worker", 1)
 
 @pytest.fixture
 def gray(tmp_path):
-    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, hang_timeout=1.0)
+    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, bounds=HangBounds(1.0))
     for inst in (W0, W1):
         coord.membership.launched(inst, relaunch=False)
         coord.register(inst, "")
     backend = LocalBackend(tmp_path / "logs")
-    yield coord, GrayFailures(coord, backend, JobFaults(), RelaunchPolicy(3).retire, "token", True, 1.0)
+    retire = RelaunchPolicy(3).retire
+    yield (
+        coord,
+        GrayFailures(coord, backend, JobFaults(), retire=retire, token="token", allreduce=True, bounds=HangBounds(1.0)),
+    )
     backend.close()
 
 
