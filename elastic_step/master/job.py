@@ -36,7 +36,7 @@ from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
-from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
+from elastic_step.master.plan import JobPlan, checked, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
@@ -112,7 +112,7 @@ class TrainingJob:
         """`backend`: one already started (tests), else the config's; `staging`: a local folder the job
         writes in, for an output in an object store that train() uploads at the end; `health`: what the
         step's health endpoint answers from (train() serves it), told of every turn of the pump."""
-        self.cfg = cfg.validate()
+        self.cfg = checked(cfg)
         self.health = health or Health()
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
@@ -696,7 +696,7 @@ def train(cfg: TrainConfig) -> dict:
     from elastic_step.backends.kubernetes.config import in_cluster, master_host
 
     in_pod = in_cluster()
-    cfg.validate()
+    checked(cfg)
     if cfg.backend == "local" or (cfg.backend == "auto" and not in_pod):
         # Before the health endpoint's thread: the instances' preloader forked from this process, which imports
         # TensorFlow anyway, instead of a second interpreter importing it (backends/preloaded.py).
