@@ -133,7 +133,6 @@ class TrainingJob:
         self.allreduce = cfg.strategy == "allreduce"
         self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds)
-        self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
         self.faults = chaos.for_job(
@@ -146,25 +145,19 @@ class TrainingJob:
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
         self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
-        if backend is not None:  # tests: a Kubernetes backend made for this job, with its token
-            if getattr(backend, "job_id", job_id) != job_id:
-                raise ValueError(f"the backend given is job {backend.job_id}'s, not {job_id}'s")
-            started = backend, backend.token
-        else:  # starts processes: after every check
-            started = make_backend(cfg, job_id, self.output / "logs")
-        self.backend = started[0]
-        try:
-            self.faults.check_backend(self.backend)
-        except ConfigError:
-            self.backend.close()
-            raise
+        self.rendezvous = (
+            self.coord.attach_rendezvous(cfg.max_workers, self.durable.members_lost, self.durable.ring_start)
+            if self.allreduce
+            else None
+        )
+        self.backend, token = self._start_backend(backend, job_id)
         self.plan = JobPlan(
             job_id=job_id,
             output=output,
             output_uri=cfg.output,
             checkpoint_root=ckpt_root,
-            backend=started[0].name,
-            token=started[1],
+            backend=self.backend.name,
+            token=token,
         )
         self.durable.token = self.plan.token
         # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
@@ -185,21 +178,34 @@ class TrainingJob:
         self._multiply_adds: int | None = None  # a minibatch's, counted at the first launch (_minibatch_multiply_adds)
         self.terminated_at: float | None = None  # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
-        self.curve = (
-            EvalCurve(
-                self.model_def,
-                self.eval,
-                self.coord,
-                self.eval_history,
-                self.tensorboard,
-                pull=self._load_from_rank0
-                if self.allreduce
-                else ShardPuller(self.coord.shard_addresses, self.plan.token, cfg.num_ps),
-            )
-            if self.eval is not None
-            else None
-        )
+        self.curve = self._eval_curve() if self.eval is not None else None
         self._input_server: InputServer | None = None
+
+    def _start_backend(self, given: Backend | None, job_id: str) -> tuple[Backend, str]:
+        """The job's backend and its token: `given` (tests: a Kubernetes backend made for this job, with its
+        token), else the config's, which starts processes: after every check. Closed again when the job's
+        faults cannot run on it."""
+        if given is not None:
+            if getattr(given, "job_id", job_id) != job_id:
+                raise ValueError(f"the backend given is job {given.job_id}'s, not {job_id}'s")
+            started = given, given.token
+        else:
+            started = make_backend(self.cfg, job_id, self.output / "logs")
+        try:
+            self.faults.check_backend(started[0])
+        except ConfigError:
+            started[0].close()
+            raise
+        return started
+
+    def _eval_curve(self) -> EvalCurve:
+        """The eval curve, pulling the weights from the shards (ps) or from a member of the ring (allreduce)."""
+        pull = (
+            self._load_from_rank0
+            if self.allreduce
+            else ShardPuller(self.coord.shard_addresses, self.plan.token, self.cfg.num_ps)
+        )
+        return EvalCurve(self.model_def, self.eval, self.coord, self.eval_history, self.tensorboard, pull=pull)
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -287,6 +293,21 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
+        """The step's life: start (serve the instances, launch them), pump until training is over, end (pull
+        the model, evaluate and save it). Whatever ends with the job stops on one stack, whatever happened."""
+        server = self._serve()
+        self._log_plan()
+        with self._teardown(server):
+            self._train()
+            with self.health.busy("pulling the trained model"):
+                if self.curve is not None:
+                    self.curve.stop()
+                model, ps_stats, evidence = self._final_model()
+        with self.health.busy("evaluating and saving the model"):
+            return self._finish(model, ps_stats, evidence)
+
+    def _serve(self):
+        """The master's service, served where the instances reach it, and the step's local inputs for pods."""
         cfg, plan = self.cfg, self.plan
         service = MasterService(
             self.coord,
@@ -297,17 +318,37 @@ class TrainingJob:
             cfg.max_workers,
             cfg.pushes_in_flight,
             cfg.minibatches_per_push,
+            checkpoint_state=lambda: self.durable.member_state,  # allreduce, resumed
+            locate=self.locate,
         )
-        service.checkpoint_state = lambda: self.durable.member_state  # allreduce, resumed
         host = "127.0.0.1" if plan.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)
         self._serve_local_inputs(host)
-        service.locate = self.locate
-        previous = signal.getsignal(signal.SIGTERM)
+        return server
+
+    def _teardown(self, server) -> contextlib.ExitStack:
+        """What stops when the job ends, last started first stopped. SIGTERM (the step's pod is being deleted)
+        from now on cuts a last checkpoint, then stops our instances (the pump)."""
+        stack = contextlib.ExitStack()
+        stack.callback(phases.dump, "master")
         if threading.current_thread() is threading.main_thread():
-            # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
+            stack.callback(signal.signal, signal.SIGTERM, signal.getsignal(signal.SIGTERM))
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated_at", time.time()))
+        if self._input_server is not None:
+            stack.callback(self._input_server.stop)
+        stack.callback(server.stop, grace=1)
+        stack.callback(self.faults.close)
+        stack.callback(self.backend.close, grace_s=10.0)
+        stack.callback(self.coord.stop_all.set)
+        stack.callback(self.durable.close)
+        stack.callback(self.gray.close)
+        if self.curve is not None:
+            stack.callback(self.curve.close)
+        return stack
+
+    def _log_plan(self) -> None:
+        cfg, plan = self.cfg, self.plan
         log.info(
             "job %s: %d records/epoch in %d tasks of <= %d records%s, %d epoch(s); %d PS, "
             "%d-%d workers on the %s backend",
@@ -336,52 +377,38 @@ class TrainingJob:
             if inter
             else "",
         )
+
+    def _train(self) -> None:
+        """Launch the instances, open the shards, and pump until training is over; a failure is raised."""
         t_start = time.time()
-        try:
-            # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
-            # model's build) overlaps the shards'. The master withholds the shards' addresses until
-            # every shard is up and restored, so no worker pushes before then.
-            for i in range(0 if self.allreduce else cfg.num_ps):  # allreduce: no parameter servers
-                self._launch(InstanceId("ps", i))
-            for i in range(cfg.max_workers):
-                self._launch(InstanceId("worker", i))
-            if self.curve is not None:
-                self.curve.prepare()  # while they start
-            self.gray.start()
-            if not self.allreduce:
-                self._pump(until=self.coord.ps_ready.is_set)
-                if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
-                    with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
-                        self.durable.shards_ready()
-                        if self.curve is not None and not self.eval_history:  # it starts at the initial weights
-                            self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
-                    self.coord.open_shards()
-            with phases.span("master: training, from the shards' opening to the last commit"):
-                self._pump(until=self.coord.finished.is_set)
-            self.train_seconds = time.time() - t_start
-            if self.coord.failure:
-                raise self._failure()
-            self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
-            with self.health.busy("pulling the trained model"):
-                if self.curve is not None:
-                    self.curve.stop()
-                model, ps_stats, evidence = self._final_model()
-        finally:
-            if self.curve is not None:
-                self.curve.close()
-            self.gray.close()
-            self.durable.close()
-            self.coord.stop_all.set()
-            self.backend.close(grace_s=10.0)
-            self.faults.close()
-            server.stop(grace=1)
-            if self._input_server is not None:
-                self._input_server.stop()
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)
-            phases.dump("master")
-        with self.health.busy("evaluating and saving the model"):
-            return self._finish(model, ps_stats, evidence)
+        # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
+        # model's build) overlaps the shards'. The master withholds the shards' addresses until
+        # every shard is up and restored, so no worker pushes before then.
+        for i in range(0 if self.allreduce else self.cfg.num_ps):  # allreduce: no parameter servers
+            self._launch(InstanceId("ps", i))
+        for i in range(self.cfg.max_workers):
+            self._launch(InstanceId("worker", i))
+        if self.curve is not None:
+            self.curve.prepare()  # while they start
+        self.gray.start()
+        if not self.allreduce:
+            self._open_shards()
+        with phases.span("master: training, from the shards' opening to the last commit"):
+            self._pump(until=self.coord.finished.is_set)
+        self.train_seconds = time.time() - t_start
+        if self.coord.failure:
+            raise self._failure()
+        self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
+
+    def _open_shards(self) -> None:
+        """ps: once every shard is up, a first checkpoint (or a resumed job's restore), then workers may push."""
+        self._pump(until=self.coord.ps_ready.is_set)
+        if self.coord.ps_ready.is_set():  # else a shard failed: the job fails after the pump
+            with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
+                self.durable.shards_ready()
+                if self.curve is not None and not self.eval_history:  # it starts at the initial weights
+                    self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
+        self.coord.open_shards()
 
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""

@@ -212,8 +212,9 @@ class JobCheckpoints:
         self.token: str | None = None  # the job's, set once its backend is up (before any checkpoint is cut)
         self.store = CheckpointStore(root, fingerprint(cfg, job_id, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
-        self.allreduce = coord.rendezvous is not None
+        self.allreduce = cfg.strategy == "allreduce"
         self.member_state = None  # allreduce: the MemberState newcomers load (resumed, or every member lost)
+        self.ring_start: tuple[int, int] | None = None  # allreduce, resumed: the (step, checkpoint id) to start at
         if every:
             self.store.check_writable()
         self.resumed = self.store.latest() if cfg.resume == "auto" else None
@@ -223,7 +224,7 @@ class JobCheckpoints:
             self.ledger.restore(self.state["ledger"])
             if self.allreduce:
                 self.member_state = self.store.read_members(self.resumed)
-                coord.rendezvous.restore(self.member_state.step, self.resumed["id"])
+                self.ring_start = (self.member_state.step, self.resumed["id"])
             coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
             started = time.time()
             before = self.store.watermark()
@@ -255,10 +256,8 @@ class JobCheckpoints:
             )
         self._last_members: tuple | None = None  # allreduce: (id, ledger cut, member state) of the last cut
         self._cut_members: tuple | None = None  # allreduce: (id, member state) pulled for the cut in progress
-        if self.allreduce and every:
-            coord.members_lost = self._members_lost
-            if self.resumed:
-                self._last_members = (self.resumed["id"], self.state, self.member_state)
+        if self.allreduce and every and self.resumed:
+            self._last_members = (self.resumed["id"], self.state, self.member_state)
         self.cutter = (
             Checkpointer(
                 self.store,
@@ -288,9 +287,10 @@ class JobCheckpoints:
 
         return isinstance(error, grpc.RpcError)
 
-    def _members_lost(self) -> bool:
+    def members_lost(self) -> bool:
         """allreduce, every member gone (lock held): the ledger goes back to the last checkpoint's cut, and
-        the newcomers load its state from the master, instead of everything being trained again."""
+        the newcomers load its state from the master, instead of everything being trained again. False when
+        there is no checkpoint to go back to."""
         if self._last_members is None:
             return False
         ckpt_id, state, member = self._last_members

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.master.gray.fence import Fences
@@ -70,11 +71,17 @@ class Coordinator:
         self.rewinding = False
         self.ps_generation = 0
         self.on_next_commit: list = []  # callables(now), each called once at the next commit
-        self.members_lost = lambda: False  # allreduce, lock held: True once back at a checkpoint
         self._released = threading.Condition(self.lock)
 
-    def attach_rendezvous(self, max_workers: int):
-        """--strategy allreduce: versioned membership and atomic step commits, under this lock."""
+    def attach_rendezvous(
+        self,
+        max_workers: int,
+        members_lost: Callable[[], bool] = lambda: False,
+        start: tuple[int, int] | None = None,
+    ):
+        """--strategy allreduce: versioned membership and atomic step commits, under this lock. `members_lost`
+        (lock held): every member is gone; True once the job's checkpoints took it back to the last one. `start`:
+        a resumed job's (step, checkpoint id), whose state the members of the first version load."""
         from elastic_step.master.leases.rendezvous import Rendezvous
 
         self.rendezvous = Rendezvous(
@@ -83,16 +90,18 @@ class Coordinator:
             lock=self.lock,
             commit_fn=self._commit_step,
             record=self.record,
-            state_lost_fn=self._state_lost,
+            state_lost_fn=lambda: self._state_lost(members_lost),
         )
+        if start is not None:
+            self.rendezvous.restore(*start)
         return self.rendezvous
 
-    def _state_lost(self) -> None:
+    def _state_lost(self, members_lost: Callable[[], bool]) -> None:
         """allreduce: the last member is gone, and the only copy of the weights with it (lock held).
-        The ledger and the newcomers go back to the last checkpoint (`members_lost`, set by the job's
-        checkpoints); without one, the ledger goes back to the start. Either way the final model still
-        holds every record exactly once."""
-        if self.members_lost():
+        The ledger and the newcomers go back to the last checkpoint (`members_lost`, the job's checkpoints);
+        without one, the ledger goes back to the start. Either way the final model still holds every record
+        exactly once."""
+        if members_lost():
             return
         again = self.ledger.rewind()
         if again:
