@@ -663,7 +663,7 @@ class TrainingJob:
                 "workers": coord.membership.summary(),
                 "recovery": {
                     "requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
-                    "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s],
+                    "first_commit_after_loss_s": [round(x, 3) for x in coord.pace.recovery_first_commit_s],
                     **(
                         {k: rdv_summary.pop(k) for k in ("loss_to_next_commit_s", "join_to_first_commit_s")}
                         if rdv_summary
@@ -672,11 +672,11 @@ class TrainingJob:
                 },
                 **({"allreduce": {**rdv_summary, "global_batch": c.global_batch}} if rdv_summary else {}),
                 "training_seconds": round(self.train_seconds, 3),
-                "startup_seconds": round((coord.first_commit_at or time.time()) - coord.t0, 3),
+                "startup_seconds": round((coord.pace.first_commit_at or time.time()) - coord.t0, 3),
                 "throughput_records_per_s": round(coord.throughput(), 1),
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "eval_history": list(self.eval_history),
-                "timeseries": list(coord.samples),
+                "timeseries": list(coord.pace.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
                 "fencing": coord.fences.summary(),

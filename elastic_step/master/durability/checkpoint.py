@@ -240,7 +240,7 @@ class JobCheckpoints:
                 }
             )
             entry = self.restarts[-1]
-            coord.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
+            coord.pace.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
             log.info(
                 "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
                 "records the previous master committed after it are trained again",
@@ -400,7 +400,7 @@ class JobCheckpoints:
         entry = {"at": lost_at, "ps": lost_ps, "from_checkpoint": manifest["id"], "records_trained_again": again}
         self.ps_restores.append(entry)
         with coord.lock:
-            coord.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
+            coord.pace.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
         coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
         log.warning(
             "ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "

@@ -18,6 +18,7 @@ from elastic_step.master.gray.ring_straggler import RingPaceWatch, Straggler
 from elastic_step.master.gray.straggler import StragglerWatch
 from elastic_step.master.leases.ledger import Lease, LeaseOver, Ledger, LedgerError
 from elastic_step.master.leases.membership import Membership
+from elastic_step.master.pace import Pace
 
 log = logging.getLogger("elastic_step.master")
 
@@ -41,8 +42,6 @@ class Coordinator:
         # restored (see open_shards): workers start beside the shards, not after them.
         self.shards_open = num_ps == 0
         self.events: list[dict] = []
-        self.samples: list[dict] = []  # progress over time, for the report
-        self._alive_seen = 0  # membership.alive_samples already folded into a sample
         self.failure: dict | None = None
         # A worker's failure not known to be the user's, by instance, until the relaunch policy sees it end.
         self.failure_reports: dict[str, dict] = {}
@@ -50,16 +49,9 @@ class Coordinator:
         self.skipped: dict[tuple[int, int, int, int], dict] = {}
         self.finished = threading.Event()  # training over (done or failed)
         self.stop_all = threading.Event()  # the master no longer needs any instance (PS included)
-        self.loss_ema: float | None = None
         self.duplicates_suppressed = 0
         self.t0 = time.time()
-        self._replacement_lost_at: dict[str, float] = {}  # worker -> its predecessor's loss time
-        self.recovery_first_commit_s: list[float] = []
-        # Throughput: the records committed after the first commit, over the span from it to the last. The first
-        # commit's own records (and a resumed job's before it) were trained before that span began.
-        self.first_commit_at: float | None = None
-        self.committed_at_first_commit = 0
-        self.last_commit_at: float | None = None
+        self.pace = Pace()  # figures, fed as commits happen: throughput, loss, recovery, samples
         self.rendezvous = None  # --strategy allreduce: see attach_rendezvous
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
         # its worker to hold, and the workers that finished their pushes wait in `hold`.
@@ -70,7 +62,6 @@ class Coordinator:
         # the shards' state. While `rewinding`, no lease is handed out and no report commits.
         self.rewinding = False
         self.ps_generation = 0
-        self.on_next_commit: list = []  # callables(now), each called once at the next commit
         self._released = threading.Condition(self.lock)
 
     def attach_rendezvous(
@@ -127,7 +118,7 @@ class Coordinator:
             if r.records or self.hangs.idle(worker) is not None:
                 # A member's clock starts at its first step with records: one before (no lease yet) traced nothing.
                 self.hangs.committed(worker)
-            self._replacement_committed(worker, now)
+            self.pace.replacement_committed(worker, now)
             if r.task_id < 0:
                 continue
             try:
@@ -139,29 +130,13 @@ class Coordinator:
             self._committed(now, sum(r.loss * r.records for r in ready.values()) / records, epoch_before)
         return self.ledger.done
 
-    def _replacement_committed(self, worker: str, now: float) -> None:
-        """A relaunched worker's first commit closes its recovery figure (lock held)."""
-        lost_at = self._replacement_lost_at.pop(worker, None)
-        if lost_at is not None:
-            self.recovery_first_commit_s.append(now - lost_at)
-
     def throughput(self) -> float:
-        """The steady state's records a second: those committed after the first commit, over the span from it to
-        the last commit (0 before two commits; lock held)."""
-        if self.first_commit_at is None or self.last_commit_at <= self.first_commit_at:
-            return 0.0
-        records = self.ledger.records_committed_total() - self.committed_at_first_commit  # < 0 after a rewind
-        return max(0.0, records / (self.last_commit_at - self.first_commit_at))
+        """The steady state's records a second (lock held): see Pace.throughput."""
+        return self.pace.throughput(self.ledger.records_committed_total())
 
     def _committed(self, now: float, loss: float, epoch_before: int) -> None:
-        """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
-        if self.first_commit_at is None:
-            self.first_commit_at, self.committed_at_first_commit = now, self.ledger.records_committed_total()
-        self.last_commit_at = now
-        while self.on_next_commit:  # recovery figures: from a loss or a restart to training again
-            self.on_next_commit.pop()(now)
-        if loss == loss:  # not NaN
-            self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        """After records committed (lock held): the pace's figures, an epoch's end, the end of the job."""
+        self.pace.committed(now, loss, self.ledger.records_committed_total())
         if self.ledger.epoch != epoch_before:
             self.record(
                 "epoch_end",
@@ -342,7 +317,7 @@ class Coordinator:
             self.membership.seen(inst, progressed=True)
             self.hangs.committed(worker)
             self.stragglers.reported(worker, task_id, fresh, now)
-            self._replacement_committed(worker, now)
+            self.pace.replacement_committed(worker, now)
             if duplicate:
                 self.duplicates_suppressed += 1
             self._committed(now, loss, epoch_before)
@@ -535,28 +510,22 @@ class Coordinator:
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
         """A replacement of `inst` was launched; its first commit closes the recovery figure."""
         with self.lock:
-            self._replacement_lost_at[str(inst)] = lost_at
+            self.pace.replaced(str(inst), lost_at)
 
     def count_worker_loss(self) -> None:
         with self.lock:
             self.membership.lost += 1
 
     def sample(self, records_per_s: float) -> dict:
-        """Progress now. `workers_alive` is the fewest workers training since the previous sample, so that
-        a worker lost and back within one interval still shows as a dip (a relaunch can take under a second)."""
+        """Progress now (Pace.sample)."""
         with self.lock:
-            changes = self.membership.alive_samples[self._alive_seen :]
-            self._alive_seen += len(changes)
-            s = {
-                "t": round(time.time() - self.t0, 3),
+            fields = {
                 "epoch": min(self.ledger.epoch, self.ledger.epochs - 1),
                 "records": self.ledger.records_committed_total(),
                 "records_per_s": round(records_per_s, 1),
-                "loss": None if self.loss_ema is None else round(self.loss_ema, 5),
-                "workers_alive": min([n for _, n in changes] + [len(self.membership.training())]),
             }
-            self.samples.append(s)
-            return s
+            alive = self.membership.alive_samples
+            return self.pace.sample(time.time() - self.t0, fields, alive, len(self.membership.training()))
 
 
 def _nth(values: tuple[float, ...], i: int, otherwise: float) -> float:
