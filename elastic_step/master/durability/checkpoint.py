@@ -35,10 +35,10 @@ class Checkpointer:
     `parts(ckpt_id)` takes the model's state from its holders (the PS Save RPCs) and returns a function
     that writes it and returns the parts' names; `state()` is the ledger's cut and the job's counters,
     taken under the coordinator's lock. Both are taken while the workers are held, so they are at the
-    same pushes; the files are written once the workers go on (held for the writes too, a worker lost
-    ~10 ms a checkpoint). `parts_lost(error)` says whether an error of `parts` means the state's holder
-    was lost (a PS shard by default): then the checkpoint is abandoned and tried again an interval
-    later. `faults`: the job's hook points (a kill mid-checkpoint)."""
+    same pushes; the files are written once the workers go on, so that no worker waits on the store (the
+    barrier's cost: docs/benchmarks.md, Durability). `parts_lost(error)` says whether an error of `parts`
+    means the state's holder was lost (a PS shard by default): then the checkpoint is abandoned and tried
+    again an interval later. `faults`: the job's hook points (a kill mid-checkpoint)."""
 
     HOLD_TIMEOUT_S = 60.0
 

@@ -29,8 +29,8 @@ WINDOW = 20  # committed steps whose paces make a member's pace
 SKIP = 3  # a member's first steps with records of a launch: tracing, not pace
 MIN_SAMPLES = 10  # steps before a member's pace counts
 # The least a straggler must cost each step: below it, a model so small that a scheduler's hiccup is a large ratio,
-# and leaving a member out (a ring re-formed, a replacement started: seconds) would take long to pay back. (At 10 ms,
-# a healthy replacement on a loaded machine measured 13 ms a step against the others' 2 ms, and was left out.)
+# and leaving a member out (a ring re-formed, a replacement started: seconds) would take long to pay back; lower,
+# a healthy replacement on a loaded machine is left out (docs/benchmarks.md, Gray failures).
 MIN_COST_S = 0.02
 
 
