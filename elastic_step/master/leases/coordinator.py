@@ -1,7 +1,9 @@
-"""The master's state machine: ledger + membership + timeline behind one lock.
+"""The master's decisions, under one lock: who gets a lease, what a report commits, what a loss requeues, who is
+given up, and the membership they rest on; and the timeline of those decisions.
 
-The gRPC service and the job loop both call into it; it decides nothing about processes
-(that is the relaunch policy's job) and never blocks on I/O while holding its lock.
+The gRPC service and the job loop both call into it; it decides nothing about processes (that is the relaunch
+policy's job) and never blocks on I/O while holding its lock. The watches it keeps under the lock (master/gray/)
+and the figures it feeds (master/pace.py) are plain data that decide nothing by themselves.
 """
 
 from __future__ import annotations
