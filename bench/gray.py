@@ -9,7 +9,7 @@ Per strategy, side by side in one run, each pair alternating, `--runs` times:
     the hang bound is most of it; `-` when it held nothing to requeue), the records requeued, and the records
     trained again (ps: minibatches pushed twice, the second
     skipped by the shards; allreduce: committed records the ring rewound). The freeze's bound is
-    `--hang-timeout`: the measured one (master/hang.py) has a 30 s floor.
+    `--hang-timeout`: the measured one (master/gray/hang.py) has a 30 s floor.
   * a straggler against its absence: 4 workers, one slowed ten times from its start (`slow:worker-3@0:x10`),
     against 3 healthy workers alone. Figure: throughput (records/s between the first and the last commit, the
     master's own), best against best, with the spread (slowest/best), and the master's straggler decisions per run

@@ -51,7 +51,7 @@ def _records(args, workers: int) -> int:
 
 
 def _ledger(args, workers: int):
-    from elastic_step.master.ledger import Ledger, ShardInfo
+    from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
     records = _records(args, workers)
     per_shard = records // args.shards
@@ -232,7 +232,7 @@ async def _clients(address, indices, minibatch, think_s, unary, ramp_s, ready, s
 
 
 def run_grpc(args, workers: int, window_s: float) -> dict:
-    from elastic_step.master.coordinator import Coordinator
+    from elastic_step.master.leases.coordinator import Coordinator
     from elastic_step.master.service import MasterService, serve
 
     ledger = _ledger(args, workers)
@@ -326,7 +326,7 @@ def _committed_exactly_once(ledger) -> bool | None:
 def run_inprocess(args, workers: int, window_s: float, with_coordinator: bool) -> dict:
     """The same workload, round-robin over `workers` simulated workers, no gRPC."""
     from elastic_step.backends.api import InstanceId
-    from elastic_step.master.coordinator import Coordinator
+    from elastic_step.master.leases.coordinator import Coordinator
 
     ledger = _ledger(args, workers)
     names = [f"worker-{i}" for i in range(workers)]

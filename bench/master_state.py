@@ -35,19 +35,26 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
+LEDGER_PATHS = ("elastic_step/master/leases/ledger.py", "elastic_step/master/ledger.py")  # now, and before
+
+
 def _ledger_module(rev: str | None):
     """This tree's ledger, or the one of git revision `rev` (loaded under another name)."""
     if rev is None:
-        from elastic_step.master import ledger
+        from elastic_step.master.leases import ledger
 
         return ledger
-    source = subprocess.run(
-        ["git", "-C", ROOT, "show", f"{rev}:elastic_step/master/ledger.py"], check=True, capture_output=True, text=True
-    ).stdout
+    for path in LEDGER_PATHS:  # the ledger's place at `rev`: the first that git knows there
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"no ledger at revision {rev}: none of {', '.join(LEDGER_PATHS)}")
+    source = shown.stdout
     spec = importlib.util.spec_from_loader(f"ledger_{rev}", loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
-    exec(compile(source, f"{rev}:elastic_step/master/ledger.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 

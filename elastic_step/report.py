@@ -603,7 +603,7 @@ def _ledger(summary: dict) -> str:
 
 
 def _audit(summary: dict) -> str:
-    """The exactly-once audit: the model state's own accounting laid over the data set (master/audit.py)."""
+    """The exactly-once audit: the model state's own accounting laid over the data set (master/durability/audit.py)."""
     audit = _dict(summary, "audit")
     if not audit:
         return '<p id="audit-verdict">No audit in this summary.</p>'

@@ -168,7 +168,7 @@ class AppliedRecords:
     per (epoch, data shard index in the training manifest), the [start, end) range of each applied
     update. A range that starts where the last one ended extends it (a lease's minibatches arrive
     in order); any other, overlapping ones included, is kept apart, so a record applied twice shows.
-    The exactly-once audit (master/audit.py) lays them over the data set."""
+    The exactly-once audit (master/durability/audit.py) lays them over the data set."""
 
     def __init__(self):
         self.ranges: dict[tuple[int, int], list[list[int]]] = {}

@@ -13,9 +13,9 @@ job's start by `for_job`):
   `term:master@900` SIGTERMs it instead (the step's pod evicted or preempted, with a grace period).
 - `stop:worker-1@400` freezes worker-1 (SIGSTOP) once 400 records are committed, mid-lease and after its first
   commit, as a worker that deadlocks, hangs on a read or is cut off from the network: it keeps its lease and says
-  nothing, and the master must declare it hung (master/hang.py). `stop:ps-0@400` freezes a parameter server: the
-  master's probe finds it silent (master/ps_watch.py) and handles it as a lost PS. Not the master: its own liveness is
-  the step's health endpoint, which the platform probes.
+  nothing, and the master must declare it hung (master/gray/hang.py). `stop:ps-0@400` freezes a parameter server:
+  the master's probe finds it silent (master/gray/ps_watch.py) and handles it as a lost PS. Not the master: its own
+  liveness is the step's health endpoint, which the platform probes.
   `stop:worker-1@400:resume` makes it a zombie: once the master declares it hung (and fences it), it is resumed
   (SIGCONT) before its kill, and the kill waits up to ZOMBIE_KILL_AFTER_S for it to end by itself, as a pod in its
   grace period or a partitioned node whose network returns. Fenced, it must apply nothing, and exit.
@@ -340,7 +340,7 @@ class Chaos(api.JobFaults):
         leased = self._cuttable(coord)
         if sig.action == "stop":
             # A freeze lands after the worker's first commit of its launch: before it, a freeze is a start-up hang,
-            # which has a bound of minutes (master/hang.py), not the one a test gives.
+            # which has a bound of minutes (master/gray/hang.py), not the one a test gives.
             leased = {w for w in leased if coord.hangs.idle(w) is not None}
             if coord.rendezvous is not None and any(coord.hangs.idle(m) is None for m, _ in coord.rendezvous.members):
                 # allreduce: on a ring whose members have all committed. A newcomer still joining would find the frozen

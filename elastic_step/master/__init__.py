@@ -1,1 +1,9 @@
-"""master role of elastic-step."""
+"""The elastic master: one for the length of a training step.
+
+- `job.py`  the step's life: start, pump, end; `plan.py` what it decides at start; `api.py` its parameters.
+- `service.py`  the gRPC service the workers and shards call.
+- `leases/`  how a lease is granted: the coordinator's decisions under one lock, the ledger, the membership.
+- `gray/`  what happens to a frozen worker, a silent shard and a straggler: watched, fenced, stopped, replaced.
+- `durability/`  how a checkpoint is cut, where it is kept, and the audit that proves exactly-once.
+- `relaunch.py`  what an instance's end leads to: relaunch, restore or fail.
+"""

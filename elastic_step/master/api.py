@@ -1,4 +1,7 @@
-"""Master contract: the validated parameters of a training job and the job's outcome."""
+"""Master contract: the parameters of a training job, and the rules each one keeps by itself.
+
+Only types and their own checks here: what needs an implementation to check (the checkpoint interval's parser,
+the pods' settings) is checked where the job's plan is made (master/plan.py `checked`)."""
 
 from __future__ import annotations
 
@@ -65,7 +68,7 @@ class TrainConfig:
     spot_nodes: str = _D["spot_nodes"]
     max_relaunches: int = _D["max_relaunches"]  # per job: a crash loop fails the job instead of spinning
     health_port: int = _D["health_port"]  # -1: 8080 in a pod, else none; 0: none (master/health.py)
-    hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/hang.py)
+    hang_timeout: float = _D["hang_timeout"]  # seconds; 0: the measured bound (master/gray/hang.py)
     progress: str = _D["progress"]
     checkpoint_every: str = _D["checkpoint_every"]  # a time (60s, 5m) or records (50000); 0: no checkpoints
     # <checkpoint_uri>/<job id>/ (any fsspec URI); empty: <output>/checkpoints/<job id>/ (master/plan.py)
@@ -76,6 +79,8 @@ class TrainConfig:
     chaos: tuple[str, ...] = ()
 
     def validate(self) -> TrainConfig:
+        """Each parameter by its own rules; master/plan.py `checked` adds those that need what reads them."""
+
         def positive(name: str) -> None:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
@@ -134,9 +139,6 @@ class TrainConfig:
             raise ConfigError(f"Unknown --global-batch {self.global_batch!r}; choose one of {', '.join(GLOBAL_BATCH)}.")
         if self.resume not in BY_NAME["resume"].choices:
             raise ConfigError(f"Unknown --resume {self.resume!r}; choose auto or never.")
-        from elastic_step.master.checkpoint_store import parse_interval
-
-        parse_interval(self.checkpoint_every)
         if not -1 <= self.health_port <= 65535:
             raise ConfigError(
                 "--health-port must be a TCP port, 0 (no health endpoint) or -1 (8080 in a pod), "
@@ -144,7 +146,4 @@ class TrainConfig:
             )
         if self.progress not in BY_NAME["progress"].choices:
             raise ConfigError(f"Unknown progress mode {self.progress!r}.")
-        from elastic_step.backends.kubernetes.settings import PodSettings
-
-        PodSettings.from_train_config(self)  # every pod setting parses, whatever the backend: before any pod
         return self

@@ -145,7 +145,7 @@ class EvalCurve:
         self._pending = self._evaluator.submit(self._point, epoch - 1)
 
     def computing(self) -> bool:
-        """A point is being computed (it holds the hang clocks: see gray.py)."""
+        """A point is being computed (it holds the hang clocks: see master/gray/policy.py)."""
         return self._pending is not None and not self._pending.done()
 
     def stop(self) -> None:

@@ -26,16 +26,17 @@ from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
 from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
-from elastic_step.master.audit import EXACT, audit, describe
-from elastic_step.master.checkpoint import JobCheckpoints
-from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
-from elastic_step.master.gray import GrayFailures
+from elastic_step.master.durability.audit import EXACT, audit, describe
+from elastic_step.master.durability.checkpoint import JobCheckpoints
+from elastic_step.master.gray.hang import HangBounds
+from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
-from elastic_step.master.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
-from elastic_step.master.plan import JobPlan, checkpoint_root, new_job_id, new_token
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
+from elastic_step.master.plan import JobPlan, checked, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
@@ -111,7 +112,7 @@ class TrainingJob:
         """`backend`: one already started (tests), else the config's; `staging`: a local folder the job
         writes in, for an output in an object store that train() uploads at the end; `health`: what the
         step's health endpoint answers from (train() serves it), told of every turn of the pump."""
-        self.cfg = cfg.validate()
+        self.cfg = checked(cfg)
         self.health = health or Health()
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
@@ -130,8 +131,8 @@ class TrainingJob:
             cfg.seed,
         )
         self.allreduce = cfg.strategy == "allreduce"
-        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, cfg.hang_timeout)
-        self.rendezvous = self.coord.attach_rendezvous(cfg.max_workers) if self.allreduce else None
+        self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
+        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds)
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
         self.faults = chaos.for_job(
@@ -139,35 +140,35 @@ class TrainingJob:
             self.ledger.records_per_epoch * cfg.epochs,
             cfg.max_workers,
             0 if self.allreduce else cfg.num_ps,
-            hang_bound_s=self.coord.hangs.least_bound,
+            hang_bound_s=self.bounds.least,
         )
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
         self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
-        if backend is not None:  # tests: a Kubernetes backend made for this job, with its token
-            if getattr(backend, "job_id", job_id) != job_id:
-                raise ValueError(f"the backend given is job {backend.job_id}'s, not {job_id}'s")
-            started = backend, backend.token
-        else:  # starts processes: after every check
-            started = make_backend(cfg, job_id, self.output / "logs")
-        self.backend = started[0]
-        try:
-            self.faults.check_backend(self.backend)
-        except ConfigError:
-            self.backend.close()
-            raise
+        self.rendezvous = (
+            self.coord.attach_rendezvous(cfg.max_workers, self.durable.members_lost, self.durable.ring_start)
+            if self.allreduce
+            else None
+        )
+        self.backend, token = self._start_backend(backend, job_id)
         self.plan = JobPlan(
             job_id=job_id,
             output=output,
             output_uri=cfg.output,
             checkpoint_root=ckpt_root,
-            backend=started[0].name,
-            token=started[1],
+            backend=self.backend.name,
+            token=token,
         )
         self.durable.token = self.plan.token
-        # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray.py).
+        # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
-            self.coord, self.backend, self.faults, self.relaunch, self.plan.token, self.allreduce, cfg.hang_timeout
+            self.coord,
+            self.backend,
+            self.faults,
+            retire=self.relaunch.retire,
+            token=self.plan.token,
+            allreduce=self.allreduce,
+            bounds=self.bounds,
         )
         if self.durable.cutter is not None:  # a retried step goes on with the schedule, not over it
             self.faults.resume(self.durable.store.uri("chaos.json"), job_id, cfg.resume == "auto")
@@ -177,21 +178,34 @@ class TrainingJob:
         self._multiply_adds: int | None = None  # a minibatch's, counted at the first launch (_minibatch_multiply_adds)
         self.terminated_at: float | None = None  # SIGTERM: the step is being stopped
         self.eval_history: list[dict] = self.durable.eval_history
-        self.curve = (
-            EvalCurve(
-                self.model_def,
-                self.eval,
-                self.coord,
-                self.eval_history,
-                self.tensorboard,
-                pull=self._load_from_rank0
-                if self.allreduce
-                else ShardPuller(self.coord.shard_addresses, self.plan.token, cfg.num_ps),
-            )
-            if self.eval is not None
-            else None
-        )
+        self.curve = self._eval_curve() if self.eval is not None else None
         self._input_server: InputServer | None = None
+
+    def _start_backend(self, given: Backend | None, job_id: str) -> tuple[Backend, str]:
+        """The job's backend and its token: `given` (tests: a Kubernetes backend made for this job, with its
+        token), else the config's, which starts processes: after every check. Closed again when the job's
+        faults cannot run on it."""
+        if given is not None:
+            if getattr(given, "job_id", job_id) != job_id:
+                raise ValueError(f"the backend given is job {given.job_id}'s, not {job_id}'s")
+            started = given, given.token
+        else:
+            started = make_backend(self.cfg, job_id, self.output / "logs")
+        try:
+            self.faults.check_backend(started[0])
+        except ConfigError:
+            started[0].close()
+            raise
+        return started
+
+    def _eval_curve(self) -> EvalCurve:
+        """The eval curve, pulling the weights from the shards (ps) or from a member of the ring (allreduce)."""
+        pull = (
+            self._load_from_rank0
+            if self.allreduce
+            else ShardPuller(self.coord.shard_addresses, self.plan.token, self.cfg.num_ps)
+        )
+        return EvalCurve(self.model_def, self.eval, self.coord, self.eval_history, self.tensorboard, pull=pull)
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -279,6 +293,21 @@ class TrainingJob:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
+        """The step's life: start (serve the instances, launch them), pump until training is over, end (pull
+        the model, evaluate and save it). Whatever ends with the job stops on one stack, whatever happened."""
+        server = self._serve()
+        self._log_plan()
+        with self._teardown(server):
+            self._train()
+            with self.health.busy("pulling the trained model"):
+                if self.curve is not None:
+                    self.curve.stop()
+                model, ps_stats, evidence = self._final_model()
+        with self.health.busy("evaluating and saving the model"):
+            return self._finish(model, ps_stats, evidence)
+
+    def _serve(self):
+        """The master's service, served where the instances reach it, and the step's local inputs for pods."""
         cfg, plan = self.cfg, self.plan
         service = MasterService(
             self.coord,
@@ -289,17 +318,37 @@ class TrainingJob:
             cfg.max_workers,
             cfg.pushes_in_flight,
             cfg.minibatches_per_push,
+            checkpoint_state=lambda: self.durable.member_state,  # allreduce, resumed
+            locate=self.locate,
         )
-        service.checkpoint_state = lambda: self.durable.member_state  # allreduce, resumed
         host = "127.0.0.1" if plan.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
         self.master_address = self.backend.master_address(port)
         self._serve_local_inputs(host)
-        service.locate = self.locate
-        previous = signal.getsignal(signal.SIGTERM)
+        return server
+
+    def _teardown(self, server) -> contextlib.ExitStack:
+        """What stops when the job ends, last started first stopped. SIGTERM (the step's pod is being deleted)
+        from now on cuts a last checkpoint, then stops our instances (the pump)."""
+        stack = contextlib.ExitStack()
+        stack.callback(phases.dump, "master")
         if threading.current_thread() is threading.main_thread():
-            # The step's pod is being deleted: cut a last checkpoint, then stop our instances (the pump).
+            stack.callback(signal.signal, signal.SIGTERM, signal.getsignal(signal.SIGTERM))
             signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated_at", time.time()))
+        if self._input_server is not None:
+            stack.callback(self._input_server.stop)
+        stack.callback(server.stop, grace=1)
+        stack.callback(self.faults.close)
+        stack.callback(self.backend.close, grace_s=10.0)
+        stack.callback(self.coord.stop_all.set)
+        stack.callback(self.durable.close)
+        stack.callback(self.gray.close)
+        if self.curve is not None:
+            stack.callback(self.curve.close)
+        return stack
+
+    def _log_plan(self) -> None:
+        cfg, plan = self.cfg, self.plan
         log.info(
             "job %s: %d records/epoch in %d tasks of <= %d records%s, %d epoch(s); %d PS, "
             "%d-%d workers on the %s backend",
@@ -328,52 +377,38 @@ class TrainingJob:
             if inter
             else "",
         )
+
+    def _train(self) -> None:
+        """Launch the instances, open the shards, and pump until training is over; a failure is raised."""
         t_start = time.time()
-        try:
-            # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
-            # model's build) overlaps the shards'. The master withholds the shards' addresses until
-            # every shard is up and restored, so no worker pushes before then.
-            for i in range(0 if self.allreduce else cfg.num_ps):  # allreduce: no parameter servers
-                self._launch(InstanceId("ps", i))
-            for i in range(cfg.max_workers):
-                self._launch(InstanceId("worker", i))
-            if self.curve is not None:
-                self.curve.prepare()  # while they start
-            self.gray.start()
-            if not self.allreduce:
-                self._pump(until=self.coord.ps_ready.is_set)
-                if self.coord.ps_ready.is_set():  # else a shard failed: the job fails below
-                    with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
-                        self.durable.shards_ready()
-                        if self.curve is not None and not self.eval_history:  # it starts at the initial weights
-                            self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
-                    self.coord.open_shards()
-            with phases.span("master: training, from the shards' opening to the last commit"):
-                self._pump(until=self.coord.finished.is_set)
-            self.train_seconds = time.time() - t_start
-            if self.coord.failure:
-                raise self._failure()
-            self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
-            with self.health.busy("pulling the trained model"):
-                if self.curve is not None:
-                    self.curve.stop()
-                model, ps_stats, evidence = self._final_model()
-        finally:
-            if self.curve is not None:
-                self.curve.close()
-            self.gray.close()
-            self.durable.close()
-            self.coord.stop_all.set()
-            self.backend.close(grace_s=10.0)
-            self.faults.close()
-            server.stop(grace=1)
-            if self._input_server is not None:
-                self._input_server.stop()
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)
-            phases.dump("master")
-        with self.health.busy("evaluating and saving the model"):
-            return self._finish(model, ps_stats, evidence)
+        # Workers start with the shards, not after them: their start-up (TensorFlow's import, the
+        # model's build) overlaps the shards'. The master withholds the shards' addresses until
+        # every shard is up and restored, so no worker pushes before then.
+        for i in range(0 if self.allreduce else self.cfg.num_ps):  # allreduce: no parameter servers
+            self._launch(InstanceId("ps", i))
+        for i in range(self.cfg.max_workers):
+            self._launch(InstanceId("worker", i))
+        if self.curve is not None:
+            self.curve.prepare()  # while they start
+        self.gray.start()
+        if not self.allreduce:
+            self._open_shards()
+        with phases.span("master: training, from the shards' opening to the last commit"):
+            self._pump(until=self.coord.finished.is_set)
+        self.train_seconds = time.time() - t_start
+        if self.coord.failure:
+            raise self._failure()
+        self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
+
+    def _open_shards(self) -> None:
+        """ps: once every shard is up, a first checkpoint (or a resumed job's restore), then workers may push."""
+        self._pump(until=self.coord.ps_ready.is_set)
+        if self.coord.ps_ready.is_set():  # else a shard failed: the job fails after the pump
+            with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
+                self.durable.shards_ready()
+                if self.curve is not None and not self.eval_history:  # it starts at the initial weights
+                    self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
+        self.coord.open_shards()
 
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""
@@ -487,7 +522,7 @@ class TrainingJob:
         elif f["kind"] == "same_error" and f.get("traceback"):
             detail += "\nIts traceback:\n" + f["traceback"].rstrip()
         # A worker's refusal of a state that does not fit the model (a changed model) is bad input, as the same
-        # refusal by a PS shard's restore is (master/checkpoint.py): the same exit code in both strategies.
+        # refusal by a PS shard's restore is (master/durability/checkpoint.py): the same exit code in both strategies.
         return (ConfigError if f["kind"] == "config_error" else JobFailed)(f"Training failed{where}: {detail}")
 
     # ------------------------------------------------------------------ the end
@@ -548,7 +583,7 @@ class TrainingJob:
         errors = []
         # An epoch's evaluation holds the hang clocks: a frozen member asked first holds it no longer than the
         # shortest hang bound (--hang-timeout; the final pull waits the usual 30 s on each).
-        timeout = 30.0 if final else min(30.0, self.coord.hangs.least_bound)
+        timeout = 30.0 if final else min(30.0, self.bounds.least)
         for name, address in members:
             try:
                 state = pull_state(address, self.plan.token, step if final else -1, timeout=timeout)
@@ -583,7 +618,7 @@ class TrainingJob:
 
     def _audit(self, evidence: list[dict]) -> dict:
         """What the PS shards (or the allreduce member whose weights are the model) say they applied,
-        laid over the training data, not over the ledger: see master/audit.py."""
+        laid over the training data, not over the ledger: see master/durability/audit.py."""
         result = audit(
             [s.rows for s in self.train.shards],
             self.cfg.epochs,
@@ -630,7 +665,7 @@ class TrainingJob:
                 "workers": coord.membership.summary(),
                 "recovery": {
                     "requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
-                    "first_commit_after_loss_s": [round(x, 3) for x in coord.recovery_first_commit_s],
+                    "first_commit_after_loss_s": [round(x, 3) for x in coord.pace.recovery_first_commit_s],
                     **(
                         {k: rdv_summary.pop(k) for k in ("loss_to_next_commit_s", "join_to_first_commit_s")}
                         if rdv_summary
@@ -639,11 +674,11 @@ class TrainingJob:
                 },
                 **({"allreduce": {**rdv_summary, "global_batch": c.global_batch}} if rdv_summary else {}),
                 "training_seconds": round(self.train_seconds, 3),
-                "startup_seconds": round((coord.first_commit_at or time.time()) - coord.t0, 3),
+                "startup_seconds": round((coord.pace.first_commit_at or time.time()) - coord.t0, 3),
                 "throughput_records_per_s": round(coord.throughput(), 1),
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "eval_history": list(self.eval_history),
-                "timeseries": list(coord.samples),
+                "timeseries": list(coord.pace.samples),
                 "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
                 "events": list(coord.events),
                 "fencing": coord.fences.summary(),
@@ -665,7 +700,7 @@ def ps_summary(stats) -> dict:
         "shard": stats.shard,
         "pushes_applied": stats.pushes_applied,
         "pushes_skipped": stats.pushes_skipped,
-        "pushes_fenced": stats.pushes_fenced,  # refused: a fenced worker launch's (master/fence.py)
+        "pushes_fenced": stats.pushes_fenced,  # refused: a fenced worker launch's (master/gray/fence.py)
         "dense_parameters": stats.dense_parameters,
         "embedding_rows_touched": {t.name: int(tensors.decode(t.ids).size) for t in stats.touched},
         "embedding_ids_sample": {t.name: tensors.decode(t.ids)[:20].tolist() for t in stats.touched},
@@ -690,7 +725,7 @@ def train(cfg: TrainConfig) -> dict:
     from elastic_step.backends.kubernetes.config import in_cluster, master_host
 
     in_pod = in_cluster()
-    cfg.validate()
+    checked(cfg)
     if cfg.backend == "local" or (cfg.backend == "auto" and not in_pod):
         # Before the health endpoint's thread: the instances' preloader forked from this process, which imports
         # TensorFlow anyway, instead of a second interpreter importing it (backends/preloaded.py).

@@ -8,6 +8,9 @@
 - the backend actually used (--backend auto picks local or kubernetes) and the job's token, which the
   Kubernetes backend may take from a restarted job's Secret: both known once the backend is up.
 
+Before any of it, the config is `checked`: each parameter by its own rules (TrainConfig.validate), then those
+whose check is the parser that reads them, so that a bad value fails the step before anything starts.
+
 The job, the backend and the summary read the plan; nothing writes the config back.
 """
 
@@ -16,6 +19,18 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import uuid
+
+from elastic_step.backends.kubernetes.settings import PodSettings
+from elastic_step.master.api import TrainConfig
+from elastic_step.master.durability.store import parse_interval
+
+
+def checked(cfg: TrainConfig) -> TrainConfig:
+    """`cfg`, every parameter checked, or a ConfigError naming the first bad one and its fix."""
+    cfg.validate()
+    parse_interval(cfg.checkpoint_every)
+    PodSettings.from_train_config(cfg)  # every pod setting parses, whatever the backend: before any pod
+    return cfg
 
 
 def new_job_id() -> str:

@@ -7,7 +7,7 @@ user's model or data is not: relaunching it would fail the same way forever. Nor
 failed with an error not known to be the user's, when another instance already failed with the
 same error on the same minibatch: the error is the data's or the code's, not the instance's, and
 a relaunch would only loop. Nor is a worker the master left out for good (an allreduce straggler whose
-replacement was as slow: master/ring_straggler.py): the job trains on without it.
+replacement was as slow: master/gray/ring_straggler.py): the job trains on without it.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ has at most a call or two in flight, so their queue is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import math
 import os
@@ -34,10 +33,11 @@ from concurrent import futures
 import grpc
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.coordinator import Coordinator
+from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
+from elastic_step.proto.tensors import MemberState
 from elastic_step.util.phases import phase
 
 WAIT_S = 0.05
@@ -159,12 +159,17 @@ class MasterService(pb_grpc.MasterServicer):
         pushes_in_flight: int = 1,
         minibatches_per_push: int = 1,
         queue_target_s: float = QUEUE_TARGET_S,
+        *,
+        checkpoint_state: Callable[[], MemberState | None] = lambda: None,
+        locate: Callable[[str], str] = lambda uri: uri,
     ):
+        """`checkpoint_state`: allreduce, a resumed job: the state the members start from, or None (see
+        master/durability/checkpoint.py). `locate`: a URI as instances open it (a file local to the step is
+        served by the master: input_server.py)."""
         self.c = coordinator
         self.admission = Admission(queue_target_s)
         self.calls = 0  # served, of every kind (the event loop is the only writer)
         self._waiting = futures.ThreadPoolExecutor(max_workers=WAITING_CALLS, thread_name_prefix="master-wait")
-        self._step_change: asyncio.Future | None = None  # allreduce: set at the rendezvous's next change
         self.token = token
         self.job_id = job_id
         self.minibatch_size = minibatch_size
@@ -173,11 +178,7 @@ class MasterService(pb_grpc.MasterServicer):
         self.wait_retry_s = max(WAIT_S, max_workers / WAITS_PER_S_BUDGET)
         self.pushes_in_flight = pushes_in_flight
         self.minibatches_per_push = minibatches_per_push
-        # allreduce, a resumed job: () -> the MemberState of the checkpoint the members start from, or
-        # None (see master/checkpoint.py).
-        self.checkpoint_state = lambda: None
-        # A URI as instances open it: a file local to the step, served by the master (input_server.py).
-        self.locate: Callable[[str], str] = lambda uri: uri
+        self.checkpoint_state, self.locate = checkpoint_state, locate
         # Session: a call's field in SessionCall -> its unary name (as fencing logs it) and its handler.
         self._streamed = {
             "get_task": ("GetTask", self._get_task),
@@ -193,7 +194,7 @@ class MasterService(pb_grpc.MasterServicer):
         return random.uniform(0.5, 1.5) * self.wait_retry_s
 
     def _caller(self, call: str, request) -> InstanceId | tuple[grpc.StatusCode, str]:
-        """The caller, once its token is checked, unless its launch is fenced (master/fence.py); else the status
+        """The caller, once its token is checked, unless its launch is fenced (master/gray/fence.py); else the status
         its call is refused with: PERMISSION_DENIED for a fenced launch. Unary calls and the Session stream's
         alike."""
         self.calls += 1
@@ -359,8 +360,8 @@ class MasterService(pb_grpc.MasterServicer):
         waiting pool a ring of more than WAITING_CALLS members would queue behind it, each wait costing two
         thread switches besides (a pair of members' calls, timed alone: 1.05 ms a step against 1.23).
         `step_ready` never blocks (wait_s 0, the lock is short); a member told to wait is woken by the
-        rendezvous's next change (`_steps_changed`)."""
-        from elastic_step.master.rendezvous import ABORT, COMMIT, WAIT, Ready
+        rendezvous's next change (its `changes`)."""
+        from elastic_step.master.leases.rendezvous import ABORT, COMMIT, WAIT, Ready
 
         inst = await self._instance(context, "StepReady", request)
         rdv = await self._rendezvous(context)
@@ -370,28 +371,15 @@ class MasterService(pb_grpc.MasterServicer):
             r.task_id, r.watermark, r.records, r.loss, r.checksum, r.compute_s, max(1, r.steps), tuple(r.step_compute_s)
         )
         loop = asyncio.get_running_loop()
-        if self._step_change is None:
-            self._step_change = loop.create_future()
-            rdv.on_change = lambda: self._wake_steps(loop)
         deadline = loop.time() + STEP_WAIT_S
         while True:
-            change = self._step_change  # before the check: a change after it sets this one
+            change = rdv.changes.next_change()  # before the check: a change after it sets this one
             kind, view = rdv.step_ready(str(inst), request.version, request.step, ready)
             if kind != WAIT or (left := deadline - loop.time()) <= 0:
                 break
             await asyncio.wait((change,), timeout=left)
         k = {COMMIT: pb.StepReadyReply.COMMIT, ABORT: pb.StepReadyReply.ABORT}.get(kind, pb.StepReadyReply.WAIT)
         return pb.StepReadyReply(kind=k, membership=self._view(view), done=rdv.done)
-
-    def _wake_steps(self, loop) -> None:
-        """From any thread (the rendezvous's lock held): the step calls look again, on the loop."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the master has stopped serving, no call waits
-            loop.call_soon_threadsafe(self._steps_changed)
-
-    def _steps_changed(self) -> None:
-        """On the loop: the rendezvous changed; the step calls waiting on it look again."""
-        change, self._step_change = self._step_change, asyncio.get_running_loop().create_future()
-        change.set_result(None)
 
     async def PullCheckpointState(self, request, context):
         self.calls += 1

@@ -265,7 +265,7 @@ def _workers_text(summary: dict, workers: dict) -> str:
 def _audit_text(audit: dict | None) -> str:
     if not audit or "verdict" not in audit:
         return "audit not available (the training step's summary has none)"
-    from elastic_step.master.audit import UNAVAILABLE, describe
+    from elastic_step.master.durability.audit import UNAVAILABLE, describe
 
     if audit["verdict"] == UNAVAILABLE:
         return f"audit not available ({audit.get('reason', 'no evidence')})"

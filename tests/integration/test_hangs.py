@@ -3,10 +3,10 @@ nothing, and the master must find it by its missing progress, declare it hung, r
 stop it and replace it. In the same job, nothing else may be declared hung: every worker's first step is long (its
 first feed() sleeps, as a model that traces for long), the frozen worker's replacement's too, and one worker runs
 ten times slower than the others (thirty in allreduce) but still reports: in ps it turns slow mid-epoch (a
-straggler), and the idle workers take its work at the epochs' ends (master/straggler.py): its lease ahead, or its
+straggler), and the idle workers take its work at the epochs' ends (master/gray/straggler.py): its lease ahead, or its
 current lease's tail. In allreduce, where every step waits on it, it is slow from its start: the master finds it a
 straggler by its own time per step, leaves it out of the ring and replaces it, and leaves out for good its
-replacement, slow again (master/ring_straggler.py); the job trains on without it. The frozen worker is resumed once
+replacement, slow again (master/gray/ring_straggler.py); the job trains on without it. The frozen worker is resumed once
 declared hung, before its kill (a zombie, as a pod in its grace period or a partitioned node back): fenced before
 its lease was requeued, it is refused (its pushes by the PS shards, its calls by the master) and exits by itself. In
 ps mode, later in the same job, the parameter server is frozen too: the master's probe finds it silent, declares it
@@ -51,7 +51,7 @@ def test_a_frozen_worker_is_declared_hung_and_replaced_and_nothing_else_is(tally
     # ps: slowed once training is under way (through the gate its process looks for), to be a straggler.
     slow_at = rows // 2 if strategy == "ps" else 0
     # allreduce: the ring's tally steps take milliseconds; 30 times slower costs each step far more than the least a
-    # straggler must cost (master/ring_straggler.py), which a healthy member's noise on a loaded machine reaches.
+    # straggler must cost (master/gray/ring_straggler.py), which a healthy member's noise on a loaded machine reaches.
     times = 10 if strategy == "ps" else 30
     epochs = PS_EPOCHS if strategy == "ps" else RING_EPOCHS
     out = tmp_path / "out"

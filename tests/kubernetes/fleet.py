@@ -24,8 +24,8 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import KubernetesBackend, load_manifests
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from elastic_step.master.service import MasterService, serve
 from tests.infra.kube.harness import wait_for
 

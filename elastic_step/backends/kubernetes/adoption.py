@@ -10,7 +10,7 @@ connection is dead: its argv points at the old master, which no longer exists, s
 register again (left alone, a PS stops after ~10 s of failed heartbeats, a worker after its RPCs
 have retried for 60 s). Such a pod is deleted at once (grace 0) and its replacement created in
 its place; the new master restores the shards and the ledger from the job's last checkpoint
-(master/checkpoint.py). Finished pods of the old master are deleted.
+(master/durability/checkpoint.py). Finished pods of the old master are deleted.
 """
 
 from __future__ import annotations

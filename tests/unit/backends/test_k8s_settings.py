@@ -1,4 +1,4 @@
-"""The pod settings of each role: every parser, every error (before any pod: TrainConfig.validate), what
+"""The pod settings of each role: every parser, every error (before any pod: master/plan.py checked), what
 pod_body makes of them per role, the spot defaults, and KFP's TaskConfig as its driver injects it (no cluster)."""
 
 import json
@@ -9,6 +9,7 @@ from elastic_step.backends.kubernetes import settings as s
 from elastic_step.backends.kubernetes.settings import PodSettings, from_task_config
 from elastic_step.errors import ConfigError
 from elastic_step.master.api import TrainConfig
+from elastic_step.master.plan import checked
 from tests.unit.backends.pods import job_pod
 
 GPU = "nvidia.com/gpu"
@@ -40,7 +41,7 @@ def test_a_quantity_that_does_not_parse_names_the_parameter_the_value_and_a_good
 @pytest.mark.parametrize("param", ["worker_cpu", "worker_memory", "ps_cpu", "ps_memory"])
 def test_train_config_checks_every_quantity(param):
     with pytest.raises(ConfigError, match=f"{param} '2GB'"):
-        config(**{param: "2GB"}).validate()
+        checked(config(**{param: "2GB"}))
 
 
 # ---------------------------------------------------------------- accelerators
@@ -63,7 +64,7 @@ def test_accelerators():
 )
 def test_bad_accelerators(bad, why):
     with pytest.raises(ConfigError) as e:
-        config(ps_accelerators=bad).validate()
+        checked(config(ps_accelerators=bad))
     assert f"ps_accelerators {bad!r}" in str(e.value) and why in str(e.value)
     assert "ps_accelerators=nvidia.com/gpu=1" in str(e.value)
 
@@ -94,7 +95,7 @@ def test_tolerations_in_kubectl_taint_syntax_and_json():
 )
 def test_bad_tolerations(bad, why):
     with pytest.raises(ConfigError) as e:
-        config(worker_tolerations=bad).validate()
+        checked(config(worker_tolerations=bad))
     assert f"worker_tolerations {bad!r}" in str(e.value) and why in str(e.value)
     assert "e.g. worker_tolerations=" in str(e.value)
 
@@ -116,7 +117,7 @@ def test_node_selectors():
 )
 def test_bad_node_selectors(bad, why):
     with pytest.raises(ConfigError) as e:
-        config(ps_node_selector=bad).validate()
+        checked(config(ps_node_selector=bad))
     assert f"ps_node_selector {bad!r}" in str(e.value) and why in str(e.value) and "ps_node_selector=" in str(e.value)
 
 
@@ -130,7 +131,7 @@ def test_bad_node_selectors(bad, why):
 )
 def test_bad_affinity(bad, why):
     with pytest.raises(ConfigError) as e:
-        config(worker_affinity=bad).validate()
+        checked(config(worker_affinity=bad))
     assert f"worker_affinity {bad!r}" in str(e.value) and why in str(e.value)
 
 
@@ -179,7 +180,7 @@ def test_env_and_secrets():
 )
 def test_bad_env_secrets_volumes_service_account_spot(param, bad, why):
     with pytest.raises(ConfigError) as e:
-        config(**{param: bad}).validate()
+        checked(config(**{param: bad}))
     assert f"{param} {bad!r}" in str(e.value) and why in str(e.value) and f"e.g. {param}=" in str(e.value)
 
 
@@ -224,21 +225,23 @@ def test_spot_none_and_own_labels():
 
 
 def test_each_role_gets_its_own_settings_and_both_the_shared_ones():
-    cfg = config(
-        worker_accelerators="nvidia.com/gpu=1",
-        ps_cpu="2",
-        ps_memory="4Gi",
-        worker_tolerations="gpu:NoSchedule",
-        ps_tolerations="core=yes:NoExecute",
-        worker_node_selector="pool=gpu",
-        ps_node_selector='{"pool": "core"}',
-        ps_affinity=json.dumps({"podAntiAffinity": {s._PREFERRED: [{"weight": 1}]}}),
-        job_service_account="training",
-        env="LOG=info,A=shadowed",
-        env_from_secrets="aws,DB_PASSWORD=db/password",
-        volumes="pvc:data:/data:ro",
-        spot_nodes="none",
-    ).validate()
+    cfg = checked(
+        config(
+            worker_accelerators="nvidia.com/gpu=1",
+            ps_cpu="2",
+            ps_memory="4Gi",
+            worker_tolerations="gpu:NoSchedule",
+            ps_tolerations="core=yes:NoExecute",
+            worker_node_selector="pool=gpu",
+            ps_node_selector='{"pool": "core"}',
+            ps_affinity=json.dumps({"podAntiAffinity": {s._PREFERRED: [{"weight": 1}]}}),
+            job_service_account="training",
+            env="LOG=info,A=shadowed",
+            env_from_secrets="aws,DB_PASSWORD=db/password",
+            volumes="pvc:data:/data:ro",
+            spot_nodes="none",
+        )
+    )
     worker = body("worker", cfg, cpu="1", memory="2Gi")
     ps = body("ps", cfg, cpu=cfg.ps_cpu, memory=cfg.ps_memory)
     wc, pc = worker["spec"]["containers"][0], ps["spec"]["containers"][0]
@@ -340,7 +343,7 @@ def test_the_task_config_as_kfp_injects_it_dresses_the_workers_and_every_pod(tmp
         "100Mi",
         f"{GPU}=1",
     )
-    cfg = config(**values).validate()
+    cfg = checked(config(**values))
     worker = body("worker", cfg, cpu=cfg.worker_cpu, memory=cfg.worker_memory)
     ps = body("ps", cfg)
     assert worker["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "100m", "memory": "100Mi", GPU: "1"}

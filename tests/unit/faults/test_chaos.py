@@ -100,8 +100,8 @@ def job(tmp_path):
     ps-0 and worker-0 as processes."""
     from elastic_step.backends.api import InstanceSpec
     from elastic_step.backends.local import LocalBackend
-    from elastic_step.master.coordinator import Coordinator
-    from elastic_step.master.ledger import Ledger, ShardInfo
+    from elastic_step.master.leases.coordinator import Coordinator
+    from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
     coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=1)
     backend = LocalBackend(tmp_path / "logs")

@@ -11,7 +11,6 @@ import threading
 import numpy as np
 import pytest
 
-from elastic_step.master.coordinator import Coordinator
 from elastic_step.master.curve import (
     EPOCH_EVAL_RECORDS,
     EVAL_SHARE,
@@ -23,7 +22,8 @@ from elastic_step.master.curve import (
     point_due,
     yield_to_training,
 )
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 
 def test_the_evaluator_thread_yields_the_cores_to_training_and_the_master_keeps_its_priority():

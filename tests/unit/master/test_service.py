@@ -12,8 +12,8 @@ import pytest
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.master import service
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from elastic_step.master.service import TURN_GRID_S, Admission, MasterService, serve
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc

@@ -1,5 +1,5 @@
 """A shard whose port stays open but answers nothing while `frozen` is set, as a stopped process's does: what the
-master's probe (master/ps_watch.py) and a worker's pull (ps/client.py) meet when a PS freezes. A stand-in for a
+master's probe (master/gray/ps_watch.py) and a worker's pull (ps/client.py) meet when a PS freezes. A stand-in for a
 real shard only in its silence: a SIGSTOPped real one is in tests/integration/test_hangs.py."""
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ change together. `now` is injectable for tests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -51,7 +53,7 @@ class Ready:
     records: int
     loss: float
     checksum: int
-    compute_s: float = 0.0  # the member's own time for the run's minibatches (master/ring_straggler.py)
+    compute_s: float = 0.0  # the member's own time for the run's minibatches (master/gray/ring_straggler.py)
     steps: int = 1  # the run's
     step_compute_s: tuple[float, ...] = ()  # its own time for each step's minibatches
 
@@ -67,6 +69,33 @@ class View:
     base_step: int
     committed_step: int
     restore_checkpoint: int = 0  # nonzero: the base state is this checkpoint's, loaded from the master
+
+
+class LoopWake:
+    """Wakes what waits for the rendezvous to change on one asyncio event loop (the master's step calls), from
+    any thread: the loop's counterpart of the rendezvous's condition, which wakes threads."""
+
+    def __init__(self):
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next: asyncio.Future | None = None
+
+    def next_change(self) -> asyncio.Future:
+        """On the loop: a future set at the next change. Taken before the state is looked at, so that a change
+        after the look sets it."""
+        if self._next is None:
+            self._loop = asyncio.get_running_loop()
+            self._next = self._loop.create_future()
+        return self._next
+
+    def ring(self) -> None:
+        """From any thread (the rendezvous's lock held): the loop's waiters look again."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the master stopped serving, none waits
+                self._loop.call_soon_threadsafe(self._rang)
+
+    def _rang(self) -> None:
+        change, self._next = self._next, self._loop.create_future()
+        change.set_result(None)
 
 
 class Rendezvous:
@@ -96,7 +125,7 @@ class Rendezvous:
         self.ready_step = 0  # the run's last step the ready members are at
         self.hold_commits = False  # a checkpoint is being cut
         self.leaving: set[str] = set()  # members being killed, until their loss is seen: no run commits with them
-        self.on_change: Callable[[], None] = lambda: None  # called (lock held) wherever the condition is notified
+        self.changes = LoopWake()  # rung (lock held) wherever the condition is notified
         self.restore_checkpoint = 0  # see View.restore_checkpoint
         self.commits: dict[int, tuple[int, frozenset[str]]] = {}  # a run's last step -> (version, members)
         self.done = False
@@ -114,9 +143,9 @@ class Rendezvous:
     # ------------------------------------------------------------------ helpers (lock held)
     def _changed(self) -> None:
         """Steps, membership or the end changed: wake the calls waiting on them (threads on the condition, and
-        whatever waits through `on_change`: the master's step calls, on its event loop)."""
+        the master's step calls, on its event loop, through `changes`)."""
         self.cv.notify_all()
-        self.on_change()
+        self.changes.ring()
 
     def _names(self) -> list[str]:
         return [n for n, _ in self.members]

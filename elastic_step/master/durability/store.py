@@ -1,5 +1,5 @@
 """Where a job's checkpoints live and how they are laid out, through fsspec (a local path, gs://,
-s3://). What a checkpoint holds and when it is cut is master/checkpoint.py's.
+s3://). What a checkpoint holds and when it is cut is master/durability/checkpoint.py's.
 
 Under `<checkpoint_uri or output/checkpoints>/<job id>/` (master/plan.py checkpoint_root):
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import threading
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.rendezvous import ABORT, COMMIT, WAIT, Ready, Rendezvous
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.rendezvous import ABORT, COMMIT, WAIT, Ready, Rendezvous
 
 
 def ready(task=-1, wm=0, records=0, checksum=7):
@@ -195,8 +195,8 @@ def test_coordinator_commits_every_member_watermark_at_once_and_requeues_the_los
 def one_member_that_committed(max_workers: int):
     """A coordinator whose rendezvous has worker-0 as its only member, with one task (16 records)
     committed: (coord, rendezvous, ledger)."""
-    from elastic_step.master.coordinator import Coordinator
-    from elastic_step.master.ledger import Ledger, ShardInfo
+    from elastic_step.master.leases.coordinator import Coordinator
+    from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
     ledger = Ledger([ShardInfo("s0", 64)], records_per_task=16, epochs=2, minibatch_size=16)
     coord = Coordinator(ledger, 0, min_workers=1)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 W0, W1 = InstanceId("worker", 0), InstanceId("worker", 1)
 
@@ -67,5 +67,5 @@ def test_throughput_counts_only_what_was_trained_within_its_span():
     assert coord.throughput() == 0.0
     for i, watermark in enumerate((384, 448, 512), start=1):
         assert coord.report_progress(W0, lease.task.task_id, watermark, 0.1, False)
-        coord.last_commit_at = coord.first_commit_at + i * (2 / 3)
+        coord.pace.last_commit_at = coord.pace.first_commit_at + i * (2 / 3)
     assert abs(coord.throughput() - 192 / 2) < 1e-9

@@ -1,4 +1,4 @@
-"""What the master makes of the end of an instance it gave up (master/gray.py), with a real coordinator and a real
+"""What the master makes of the end of an instance it gave up (master/gray/), with a real coordinator and a real
 local backend: a hung worker's end is a loss, whatever its exit code; a fenced worker's own exit is a loss, never a
 crash; a worker lost is fenced before its lease is requeued; a clean exit is left as it is."""
 
@@ -10,9 +10,10 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.local import LocalBackend
 from elastic_step.faults.api import JobFaults
 from elastic_step.instance import EXIT_FENCED
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.gray import GrayFailures
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.gray.hang import HangBounds
+from elastic_step.master.gray.policy import GrayFailures
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from elastic_step.master.relaunch import RelaunchPolicy
 
 W0, W1 = InstanceId("worker", 0), InstanceId("worker", 1)
@@ -20,12 +21,16 @@ W0, W1 = InstanceId("worker", 0), InstanceId("worker", 1)
 
 @pytest.fixture
 def gray(tmp_path):
-    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, hang_timeout=1.0)
+    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, bounds=HangBounds(1.0))
     for inst in (W0, W1):
         coord.membership.launched(inst, relaunch=False)
         coord.register(inst, "")
     backend = LocalBackend(tmp_path / "logs")
-    yield coord, GrayFailures(coord, backend, JobFaults(), RelaunchPolicy(3), "token", True, 1.0)
+    retire = RelaunchPolicy(3).retire
+    yield (
+        coord,
+        GrayFailures(coord, backend, JobFaults(), retire=retire, token="token", allreduce=True, bounds=HangBounds(1.0)),
+    )
     backend.close()
 
 

@@ -1,7 +1,9 @@
-"""The master's state machine: ledger + membership + timeline behind one lock.
+"""The master's decisions, under one lock: who gets a lease, what a report commits, what a loss requeues, who is
+given up, and the membership they rest on; and the timeline of those decisions.
 
-The gRPC service and the job loop both call into it; it decides nothing about processes
-(that is the relaunch policy's job) and never blocks on I/O while holding its lock.
+The gRPC service and the job loop both call into it; it decides nothing about processes (that is the relaunch
+policy's job) and never blocks on I/O while holding its lock. The watches it keeps under the lock (master/gray/)
+and the figures it feeds (master/pace.py) are plain data that decide nothing by themselves.
 """
 
 from __future__ import annotations
@@ -9,27 +11,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.fence import Fences
-from elastic_step.master.hang import HangWatch, Hung
-from elastic_step.master.ledger import Lease, LeaseOver, Ledger, LedgerError
-from elastic_step.master.membership import Membership
-from elastic_step.master.ring_straggler import RingPaceWatch, Straggler
-from elastic_step.master.straggler import StragglerWatch
+from elastic_step.master.gray.fence import Fences
+from elastic_step.master.gray.hang import MEASURED, HangBounds, HangWatch, Hung
+from elastic_step.master.gray.ring_straggler import RingPaceWatch, Straggler
+from elastic_step.master.gray.straggler import StragglerWatch
+from elastic_step.master.leases.ledger import Lease, LeaseOver, Ledger, LedgerError
+from elastic_step.master.leases.membership import Membership
+from elastic_step.master.pace import Pace
 
 log = logging.getLogger("elastic_step.master")
 
 
 class Coordinator:
-    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1, hang_timeout: float = 0.0):
+    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1, bounds: HangBounds = MEASURED):
         self.lock = threading.Lock()
         self.ledger = ledger
         self.membership = Membership()
-        self.hangs = HangWatch(hang_timeout)  # --hang-timeout; 0: the measured bound (see master/hang.py)
-        self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/fence.py)
-        self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/straggler.py)
-        self.ring_paces = RingPaceWatch()  # allreduce: whom the ring leaves out (see master/ring_straggler.py)
+        self.hangs = HangWatch(bounds)  # the workers' clocks (master/gray/hang.py)
+        self.fences = Fences()  # worker launches given up: their calls and pushes are refused (master/gray/fence.py)
+        self.stragglers = StragglerWatch()  # ps: whose work an idle worker takes (see master/gray/straggler.py)
+        self.ring_paces = RingPaceWatch()  # allreduce: whom the ring leaves out (see master/gray/ring_straggler.py)
         self.retired: set[str] = set()  # workers left out for good: the job trains on without them
         self.num_ps = num_ps
         self.min_workers = min_workers
@@ -40,8 +44,6 @@ class Coordinator:
         # restored (see open_shards): workers start beside the shards, not after them.
         self.shards_open = num_ps == 0
         self.events: list[dict] = []
-        self.samples: list[dict] = []  # progress over time, for the report
-        self._alive_seen = 0  # membership.alive_samples already folded into a sample
         self.failure: dict | None = None
         # A worker's failure not known to be the user's, by instance, until the relaunch policy sees it end.
         self.failure_reports: dict[str, dict] = {}
@@ -49,16 +51,9 @@ class Coordinator:
         self.skipped: dict[tuple[int, int, int, int], dict] = {}
         self.finished = threading.Event()  # training over (done or failed)
         self.stop_all = threading.Event()  # the master no longer needs any instance (PS included)
-        self.loss_ema: float | None = None
         self.duplicates_suppressed = 0
         self.t0 = time.time()
-        self._replacement_lost_at: dict[str, float] = {}  # worker -> its predecessor's loss time
-        self.recovery_first_commit_s: list[float] = []
-        # Throughput: the records committed after the first commit, over the span from it to the last. The first
-        # commit's own records (and a resumed job's before it) were trained before that span began.
-        self.first_commit_at: float | None = None
-        self.committed_at_first_commit = 0
-        self.last_commit_at: float | None = None
+        self.pace = Pace()  # figures, fed as commits happen: throughput, loss, recovery, samples
         self.rendezvous = None  # --strategy allreduce: see attach_rendezvous
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
         # its worker to hold, and the workers that finished their pushes wait in `hold`.
@@ -69,13 +64,18 @@ class Coordinator:
         # the shards' state. While `rewinding`, no lease is handed out and no report commits.
         self.rewinding = False
         self.ps_generation = 0
-        self.on_next_commit: list = []  # callables(now), each called once at the next commit
-        self.members_lost = lambda: False  # allreduce, lock held: True once back at a checkpoint
         self._released = threading.Condition(self.lock)
 
-    def attach_rendezvous(self, max_workers: int):
-        """--strategy allreduce: versioned membership and atomic step commits, under this lock."""
-        from elastic_step.master.rendezvous import Rendezvous
+    def attach_rendezvous(
+        self,
+        max_workers: int,
+        members_lost: Callable[[], bool] = lambda: False,
+        start: tuple[int, int] | None = None,
+    ):
+        """--strategy allreduce: versioned membership and atomic step commits, under this lock. `members_lost`
+        (lock held): every member is gone; True once the job's checkpoints took it back to the last one. `start`:
+        a resumed job's (step, checkpoint id), whose state the members of the first version load."""
+        from elastic_step.master.leases.rendezvous import Rendezvous
 
         self.rendezvous = Rendezvous(
             self.min_workers,
@@ -83,16 +83,18 @@ class Coordinator:
             lock=self.lock,
             commit_fn=self._commit_step,
             record=self.record,
-            state_lost_fn=self._state_lost,
+            state_lost_fn=lambda: self._state_lost(members_lost),
         )
+        if start is not None:
+            self.rendezvous.restore(*start)
         return self.rendezvous
 
-    def _state_lost(self) -> None:
+    def _state_lost(self, members_lost: Callable[[], bool]) -> None:
         """allreduce: the last member is gone, and the only copy of the weights with it (lock held).
-        The ledger and the newcomers go back to the last checkpoint (`members_lost`, set by the job's
-        checkpoints); without one, the ledger goes back to the start. Either way the final model still
-        holds every record exactly once."""
-        if self.members_lost():
+        The ledger and the newcomers go back to the last checkpoint (`members_lost`, the job's checkpoints);
+        without one, the ledger goes back to the start. Either way the final model still holds every record
+        exactly once."""
+        if members_lost():
             return
         again = self.ledger.rewind()
         if again:
@@ -118,7 +120,7 @@ class Coordinator:
             if r.records or self.hangs.idle(worker) is not None:
                 # A member's clock starts at its first step with records: one before (no lease yet) traced nothing.
                 self.hangs.committed(worker)
-            self._replacement_committed(worker, now)
+            self.pace.replacement_committed(worker, now)
             if r.task_id < 0:
                 continue
             try:
@@ -130,29 +132,13 @@ class Coordinator:
             self._committed(now, sum(r.loss * r.records for r in ready.values()) / records, epoch_before)
         return self.ledger.done
 
-    def _replacement_committed(self, worker: str, now: float) -> None:
-        """A relaunched worker's first commit closes its recovery figure (lock held)."""
-        lost_at = self._replacement_lost_at.pop(worker, None)
-        if lost_at is not None:
-            self.recovery_first_commit_s.append(now - lost_at)
-
     def throughput(self) -> float:
-        """The steady state's records a second: those committed after the first commit, over the span from it to
-        the last commit (0 before two commits; lock held)."""
-        if self.first_commit_at is None or self.last_commit_at <= self.first_commit_at:
-            return 0.0
-        records = self.ledger.records_committed_total() - self.committed_at_first_commit  # < 0 after a rewind
-        return max(0.0, records / (self.last_commit_at - self.first_commit_at))
+        """The steady state's records a second (lock held): see Pace.throughput."""
+        return self.pace.throughput(self.ledger.records_committed_total())
 
     def _committed(self, now: float, loss: float, epoch_before: int) -> None:
-        """Bookkeeping after records committed (lock held): timing, loss, epoch end, the end of the job."""
-        if self.first_commit_at is None:
-            self.first_commit_at, self.committed_at_first_commit = now, self.ledger.records_committed_total()
-        self.last_commit_at = now
-        while self.on_next_commit:  # recovery figures: from a loss or a restart to training again
-            self.on_next_commit.pop()(now)
-        if loss == loss:  # not NaN
-            self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+        """After records committed (lock held): the pace's figures, an epoch's end, the end of the job."""
+        self.pace.committed(now, loss, self.ledger.records_committed_total())
         if self.ledger.epoch != epoch_before:
             self.record(
                 "epoch_end",
@@ -333,7 +319,7 @@ class Coordinator:
             self.membership.seen(inst, progressed=True)
             self.hangs.committed(worker)
             self.stragglers.reported(worker, task_id, fresh, now)
-            self._replacement_committed(worker, now)
+            self.pace.replacement_committed(worker, now)
             if duplicate:
                 self.duplicates_suppressed += 1
             self._committed(now, loss, epoch_before)
@@ -422,7 +408,7 @@ class Coordinator:
             self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})", t=t)
         return remainder
 
-    # ------------------------------------------------------------ fencing (master/fence.py)
+    # ------------------------------------------------------------ fencing (master/gray/fence.py)
     def fence(self, inst: InstanceId, why: str) -> int:
         """The master gives `inst`'s current launch up: fence it (before its lease is requeued). Returns the launch
         fenced, 0 when there was none to fence (already fenced, or not a worker)."""
@@ -460,7 +446,7 @@ class Coordinator:
             self.membership.seen(inst)
 
     def hung_workers(self, now: float, paused: bool = False) -> list[Hung]:
-        """Advance the workers' hang clocks; the workers past their bound (master/hang.py). A clock runs while
+        """Advance the workers' hang clocks; the workers past their bound (master/gray/hang.py). A clock runs while
         its worker holds work the job waits on and may progress: a lease, and not waiting in a checkpoint's
         barrier (ps); a place in the ring, while steps may commit (allreduce). `paused`: the job holds every
         worker (an epoch's evaluation)."""
@@ -498,7 +484,7 @@ class Coordinator:
         return remainder
 
     def ring_straggler(self, paused: bool = False) -> Straggler | None:
-        """allreduce: the member to leave out of the ring as a straggler, if any (master/ring_straggler.py). None
+        """allreduce: the member to leave out of the ring as a straggler, if any (master/gray/ring_straggler.py). None
         while the ring does not train at its own pace: `paused` (an epoch's evaluation), a checkpoint's hold, a
         restore."""
         with self.lock:
@@ -526,28 +512,22 @@ class Coordinator:
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
         """A replacement of `inst` was launched; its first commit closes the recovery figure."""
         with self.lock:
-            self._replacement_lost_at[str(inst)] = lost_at
+            self.pace.replaced(str(inst), lost_at)
 
     def count_worker_loss(self) -> None:
         with self.lock:
             self.membership.lost += 1
 
     def sample(self, records_per_s: float) -> dict:
-        """Progress now. `workers_alive` is the fewest workers training since the previous sample, so that
-        a worker lost and back within one interval still shows as a dip (a relaunch can take under a second)."""
+        """Progress now (Pace.sample)."""
         with self.lock:
-            changes = self.membership.alive_samples[self._alive_seen :]
-            self._alive_seen += len(changes)
-            s = {
-                "t": round(time.time() - self.t0, 3),
+            fields = {
                 "epoch": min(self.ledger.epoch, self.ledger.epochs - 1),
                 "records": self.ledger.records_committed_total(),
                 "records_per_s": round(records_per_s, 1),
-                "loss": None if self.loss_ema is None else round(self.loss_ema, 5),
-                "workers_alive": min([n for _, n in changes] + [len(self.membership.training())]),
             }
-            self.samples.append(s)
-            return s
+            alive = self.membership.alive_samples
+            return self.pace.sample(time.time() - self.t0, fields, alive, len(self.membership.training()))
 
 
 def _nth(values: tuple[float, ...], i: int, otherwise: float) -> float:

@@ -55,10 +55,42 @@ class Hung:
 FIRST_COMMIT = "first commit"
 
 
+@dataclasses.dataclass(frozen=True)
+class HangBounds:
+    """How long an instance may say nothing: built once, from --hang-timeout, and given to every watch that
+    times one (the workers' in the coordinator, the shards' in the PS watch) and to whoever must stay under it."""
+
+    timeout_s: float = 0.0  # --hang-timeout, the bound for everyone; 0: the measured bound
+    floor_s: float = FLOOR_S
+    factor: float = FACTOR
+    window: int = WINDOW
+
+    @property
+    def measured(self) -> bool:
+        return self.timeout_s <= 0
+
+    def between_commits(self, gaps: Iterable[float]) -> float:
+        """The bound of one whose last times between commits were `gaps`."""
+        if self.timeout_s > 0:
+            return self.timeout_s
+        return max(self.floor_s, self.factor * max(gaps, default=0.0))
+
+    @property
+    def least(self) -> float:
+        """The shortest bound any time between commits gets: --hang-timeout, else the floor."""
+        return self.timeout_s if self.timeout_s > 0 else self.floor_s
+
+    def startup(self, slowest_first: float) -> float:
+        """Before a first commit of a launch (see the module): --hang-timeout only lengthens it."""
+        return max(STARTUP_FLOOR_S, STARTUP_FACTOR * slowest_first, self.timeout_s)
+
+
+MEASURED = HangBounds()  # no --hang-timeout: every bound from the pace
+
+
 class HangWatch:
-    def __init__(self, timeout_s: float = 0.0, floor_s: float = FLOOR_S, factor: float = FACTOR, window: int = WINDOW):
-        """`timeout_s`: --hang-timeout, the bound for every worker; 0: the measured bound."""
-        self.timeout_s, self.floor_s, self.factor, self.window = timeout_s, floor_s, factor, window
+    def __init__(self, bounds: HangBounds = MEASURED):
+        self.bounds = bounds
         self._idle: dict[str, float] = {}  # worker -> running seconds since its last commit (once it committed)
         self._starting: dict[str, float] = {}  # worker -> running seconds of this launch before its first commit
         self._slowest_first = 0.0  # the longest start-up clock seen at a first commit, in this job
@@ -69,7 +101,7 @@ class HangWatch:
     def committed(self, worker: str) -> None:
         """The worker committed: its clock starts (the first commit of a launch) or starts over."""
         if worker in self._idle:
-            self._gaps.setdefault(worker, collections.deque(maxlen=self.window)).append(self._idle[worker])
+            self._gaps.setdefault(worker, collections.deque(maxlen=self.bounds.window)).append(self._idle[worker])
         else:
             self._slowest_first = max(self._slowest_first, self._starting.pop(worker, 0.0))
         self._idle[worker] = 0.0
@@ -81,18 +113,10 @@ class HangWatch:
         self._starting.pop(worker, None)
 
     def bound(self, worker: str) -> float:
-        if self.timeout_s > 0:
-            return self.timeout_s
-        return max(self.floor_s, self.factor * max(self._gaps.get(worker, ()), default=0.0))
-
-    @property
-    def least_bound(self) -> float:
-        """The shortest bound any worker's time between commits gets: --hang-timeout, else the floor."""
-        return self.timeout_s if self.timeout_s > 0 else self.floor_s
+        return self.bounds.between_commits(self._gaps.get(worker, ()))
 
     def startup_bound(self) -> float:
-        """Before a worker's first commit of a launch (see the module): --hang-timeout only lengthens it."""
-        return max(STARTUP_FLOOR_S, STARTUP_FACTOR * self._slowest_first, self.timeout_s)
+        return self.bounds.startup(self._slowest_first)
 
     def tick(self, now: float, running: Iterable[str]) -> list[Hung]:
         """Advance the clocks of the workers `running` now (that ran at the previous tick too), and return
@@ -105,11 +129,13 @@ class HangWatch:
             if worker not in self._idle:  # not committed yet in this launch: the start-up clock
                 starting = self._starting[worker] = self._starting.get(worker, 0.0) + dt
                 if starting > (bound := self.startup_bound()):
-                    late.append(Hung(worker, starting, bound, measured=bound > self.timeout_s, what=FIRST_COMMIT))
+                    late.append(
+                        Hung(worker, starting, bound, measured=bound > self.bounds.timeout_s, what=FIRST_COMMIT)
+                    )
                 continue
             self._idle[worker] += dt
             if self._idle[worker] > (bound := self.bound(worker)):
-                late.append(Hung(worker, self._idle[worker], bound, measured=self.timeout_s <= 0))
+                late.append(Hung(worker, self._idle[worker], bound, measured=self.bounds.measured))
         self._running = running
         return late
 

@@ -3,7 +3,7 @@
 A PS that is frozen, deadlocked or cut off keeps its process and its port: the backend never says it is gone, and
 the workers' pushes to it only wait. So the master asks every shard, from a thread of its own, PROBE_EVERY_S, for
 its counters (Stats, brief: no lock, nothing a push holds), with a deadline of PROBE_DEADLINE_S; the thread never
-blocks the pump, which only reads when each shard last answered. Each shard has a hang clock of master/hang.py
+blocks the pump, which only reads when each shard last answered. Each shard has a hang clock of master/gray/hang.py
 (an answer is its commit, the bound is the same: --hang-timeout, else max(FLOOR_S, FACTOR × its slowest recent
 time between answers)), which does not run while the shards are restored after a loss; a checkpoint's Save
 holds the pump itself, whose next tick counts at most MAX_TICK_S of it. A shard past its bound is killed through
@@ -28,7 +28,7 @@ import time
 import grpc
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.hang import HangWatch, Hung
+from elastic_step.master.gray.hang import HangBounds, HangWatch, Hung
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc
@@ -42,10 +42,10 @@ ANSWER = "answer"
 
 
 class PSWatch:
-    def __init__(self, coord, token: str, timeout_s: float = 0.0, every_s: float = PROBE_EVERY_S):
-        """`coord`: the job's coordinator (the shards' addresses); `timeout_s`: --hang-timeout (0: measured)."""
+    def __init__(self, coord, token: str, bounds: HangBounds, every_s: float = PROBE_EVERY_S):
+        """`coord`: the job's coordinator (the shards' addresses); `bounds`: the job's, the workers' too."""
         self.coord, self.token, self.every_s = coord, token, every_s
-        self.hangs = HangWatch(timeout_s)
+        self.hangs = HangWatch(bounds)
         self._lock = threading.Lock()
         self._answered: dict[int, tuple[str, float]] = {}  # shard -> (its address, when it last answered)
         self._seen: dict[int, float] = {}  # shard -> the last answer the pump counted
@@ -122,7 +122,7 @@ class PSWatch:
                 self._seen[shard] = t
                 self.hangs.committed(name(shard))
         # A shard's clock starts at its first answer; a shard registered and never answering has the
-        # start-up bound (master/hang.py).
+        # start-up bound (master/gray/hang.py).
         running = [] if paused or rewinding else [name(s) for s, a in enumerate(addresses) if a]
         return [Hung(h.worker, h.idle_s, h.bound_s, h.measured, what=ANSWER) for h in self.hangs.tick(now, running)]
 

@@ -1,5 +1,5 @@
-"""A frozen parameter server (master/ps_watch.py): the master's probe, over real gRPC, finds a shard that stops
-answering; the shard's clock and bound are master/hang.py's, and a silent shard holds the workers' clocks."""
+"""A frozen parameter server (master/gray/ps_watch.py): the master's probe, over real gRPC, finds a shard that stops
+answering; the shard's clock and bound are master/gray/hang.py's, and a silent shard holds the workers' clocks."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import time
 import pytest
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master import ps_watch
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.ps_watch import PSWatch
+from elastic_step.master.gray import ps_watch
+from elastic_step.master.gray.hang import HangBounds
+from elastic_step.master.gray.ps_watch import PSWatch
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from tests.unit.ps.frozen_shard import FrozenShard, serving
 
 
@@ -37,7 +38,7 @@ def test_a_shard_that_stops_answering_is_hung_after_its_bound_and_holds_the_work
     servicer, address = shard
     coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=1)
     coord.register(InstanceId("ps", 0), address)
-    watch = PSWatch(coord, "token", timeout_s=1.5, every_s=0.1)
+    watch = PSWatch(coord, "token", HangBounds(timeout_s=1.5), every_s=0.1)
     watch.start()
     try:
         assert until(watch, 2.0) == []  # it answers: never late

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from elastic_step.errors import ConfigError
-from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, parse_interval
+from elastic_step.master.durability.store import CheckpointError, CheckpointStore, parse_interval
 from elastic_step.proto.tensors import MemberState
 
 

@@ -1,7 +1,7 @@
 """Stragglers (allreduce): a member so much slower than the others that every step waits on it.
 
 A step commits once every member is ready for it, so the ring goes at its slowest member's pace: one member 10x
-slower makes every step 10x slower, not only an epoch's tail as in ps (master/straggler.py). A ring of N-1 at full
+slower makes every step 10x slower, not only an epoch's tail as in ps (master/gray/straggler.py). A ring of N-1 at full
 pace beats N at a straggler's pace whenever it is more than N/(N-1) times slower, so the master leaves such a member
 out of the ring: the path of a hung one (fenced, stopped through the backend, its lease remainder requeued, the
 ring re-formed without it), and it is replaced, since a new instance may land on a healthy node. A replacement as
@@ -29,8 +29,8 @@ WINDOW = 20  # committed steps whose paces make a member's pace
 SKIP = 3  # a member's first steps with records of a launch: tracing, not pace
 MIN_SAMPLES = 10  # steps before a member's pace counts
 # The least a straggler must cost each step: below it, a model so small that a scheduler's hiccup is a large ratio,
-# and leaving a member out (a ring re-formed, a replacement started: seconds) would take long to pay back. (At 10 ms,
-# a healthy replacement on a loaded machine measured 13 ms a step against the others' 2 ms, and was left out.)
+# and leaving a member out (a ring re-formed, a replacement started: seconds) would take long to pay back; lower,
+# a healthy replacement on a loaded machine is left out (docs/benchmarks.md, Gray failures).
 MIN_COST_S = 0.02
 
 

@@ -5,7 +5,7 @@ is empty, the fast workers are idle, and the epoch waits for the straggler's las
 for work and there is none, the master looks for a lease whose holder is at least FACTOR times slower than the
 asking worker and would still need MIN_TAIL_S or more at its own pace, and hands part of it over (as MapReduce's
 backup tasks, but without running anything twice): the straggler's lease ahead whole, or else the tail of its
-current lease, cut where both should finish together. Master/ledger.py says why that is exactly-once: the tail
+current lease, cut where both should finish together. master/leases/ledger.py says why that is exactly-once: the tail
 keeps its task id and minibatch boundaries, so the shards apply each of its minibatches once, whoever pushes it
 first, and the straggler's reports past the cut are refused (it stops, and asks for new work).
 
@@ -16,7 +16,7 @@ makes no straggler; contention that falls on one worker more than the others may
 then costs nothing (exactly-once holds whoever pushes first).
 
 allreduce needs another remedy: a step takes every member's minibatch together, so a slow member slows every
-step, not only an epoch's tail. There the master leaves it out of the ring (master/ring_straggler.py).
+step, not only an epoch's tail. There the master leaves it out of the ring (master/gray/ring_straggler.py).
 
 Plain data, no clock and no threads: the coordinator calls it under its lock, with `now`.
 """

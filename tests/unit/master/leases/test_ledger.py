@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from elastic_step.errors import ConfigError
-from elastic_step.master.ledger import LeaseOver, Ledger, LedgerError, ShardInfo
+from elastic_step.master.leases.ledger import LeaseOver, Ledger, LedgerError, ShardInfo
 
 
 def _queued(ledger: Ledger) -> list[tuple[str, int, int]]:

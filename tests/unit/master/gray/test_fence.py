@@ -1,4 +1,4 @@
-"""Fencing (master/fence.py) and its refusals at the master's service, for real: a gRPC server on 127.0.0.1 and the
+"""Fencing (master/gray/fence.py) and its refusals at the master's service, for real: a gRPC server on 127.0.0.1 and the
 workers' MasterClient, refused as a fenced worker sees it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from elastic_step.backends.api import InstanceId
 from elastic_step.instance import fenced
 from elastic_step.instance.master_client import MasterClient
-from elastic_step.master.fence import Fences
+from elastic_step.master.gray.fence import Fences
 from elastic_step.proto import elastic_pb2 as pb
 from tests.unit.master.test_service import TOKEN, Master
 

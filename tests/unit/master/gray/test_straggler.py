@@ -1,9 +1,9 @@
-"""Straggler decisions (master/straggler.py): whose work an idle worker takes, and where a tail is cut."""
+"""Straggler decisions (master/gray/straggler.py): whose work an idle worker takes, and where a tail is cut."""
 
 from __future__ import annotations
 
-from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.straggler import RESEARCH_S, StragglerWatch
+from elastic_step.master.gray.straggler import RESEARCH_S, StragglerWatch
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 
 def _paced(watch: StragglerWatch, worker: str, records_per_s: float, reports: int = 5, task_id: int = 999) -> None:

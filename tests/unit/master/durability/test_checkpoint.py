@@ -9,10 +9,10 @@ import pytest
 
 from elastic_step.backends.api import InstanceId
 from elastic_step.faults.api import NO_FAULTS, JobFaults
-from elastic_step.master.checkpoint import Checkpointer
-from elastic_step.master.checkpoint_store import CheckpointStore
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.durability.checkpoint import Checkpointer
+from elastic_step.master.durability.store import CheckpointStore
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 
 def cutter(tmp_path, parts_written: list, seen: list | None = None):

@@ -1,4 +1,4 @@
-"""Hang detection's bound and clock (master/hang.py), and the coordinator's decisions on it: who is hung,
+"""Hang detection's bound and clock (master/gray/hang.py), and the coordinator's decisions on it: who is hung,
 who is only waiting, and what a declared-hung worker leaves behind."""
 
 from __future__ import annotations
@@ -6,9 +6,18 @@ from __future__ import annotations
 import pytest
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.hang import FACTOR, FLOOR_S, MAX_TICK_S, STARTUP_FACTOR, STARTUP_FLOOR_S, HangWatch, Hung
-from elastic_step.master.ledger import Ledger, ShardInfo
+from elastic_step.master.gray.hang import (
+    FACTOR,
+    FLOOR_S,
+    MAX_TICK_S,
+    STARTUP_FACTOR,
+    STARTUP_FLOOR_S,
+    HangBounds,
+    HangWatch,
+    Hung,
+)
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
 
 def run(watch: HangWatch, start: float, seconds: float, running=("worker-0",), step: float = 0.1) -> list:
@@ -34,13 +43,13 @@ def test_the_measured_bound_is_the_floor_for_a_fast_worker_and_its_own_pace_for_
             watch.committed("worker-1")
     assert watch.bound("worker-0") == FLOOR_S
     assert watch.bound("worker-1") == pytest.approx(FACTOR * 8.0)  # 80 s: past the floor
-    assert HangWatch(timeout_s=5.0).bound("worker-1") == 5.0  # --hang-timeout overrides it
+    assert HangWatch(HangBounds(timeout_s=5.0)).bound("worker-1") == 5.0  # --hang-timeout overrides it
     # The shortest any worker gets, whatever its pace (what a slowed worker's pauses stay under: faults/chaos.py).
-    assert watch.least_bound == FLOOR_S and HangWatch(timeout_s=5.0).least_bound == 5.0
+    assert watch.bounds.least == FLOOR_S and HangBounds(timeout_s=5.0).least == 5.0
 
 
 def test_a_worker_past_its_bound_is_reported_with_the_figures_and_one_that_commits_never():
-    watch = HangWatch(floor_s=3.0)
+    watch = HangWatch(HangBounds(floor_s=3.0))
     watch.tick(0.0, ["worker-0"])
     watch.committed("worker-0")
     t = 0.0
@@ -56,14 +65,14 @@ def test_a_worker_past_its_bound_is_reported_with_the_figures_and_one_that_commi
 
 
 def _fixed(timeout: float) -> HangWatch:
-    watch = HangWatch(timeout_s=timeout)
+    watch = HangWatch(HangBounds(timeout_s=timeout))
     watch.tick(0.0, ["worker-0"])
     watch.committed("worker-0")
     return watch
 
 
 def test_the_clock_starts_at_the_first_commit_so_a_long_first_step_is_no_hang():
-    watch = HangWatch(timeout_s=1.0)
+    watch = HangWatch(HangBounds(timeout_s=1.0))
     assert run(watch, 0.0, 60.0) == []  # a minute of tracing: no commit, no clock
     watch.committed("worker-0")
     assert run(watch, 60.0, 2.0)  # from the first commit on, the bound holds
@@ -80,7 +89,7 @@ def test_the_clock_stops_while_the_worker_may_not_progress_and_a_stalled_master_
 
 
 def test_a_forgotten_worker_s_successor_starts_with_no_clock_and_no_pace():
-    watch = HangWatch(floor_s=1.0)
+    watch = HangWatch(HangBounds(floor_s=1.0))
     watch.tick(0.0, ["worker-0"])
     watch.committed("worker-0")
     run(watch, 0.0, 50.0 / FACTOR)
@@ -93,7 +102,7 @@ def test_a_forgotten_worker_s_successor_starts_with_no_clock_and_no_pace():
 
 # ------------------------------------------------------------------ the coordinator's decisions
 def ps_job(timeout: float = 2.0) -> Coordinator:
-    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=1, hang_timeout=timeout)
+    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=1, bounds=HangBounds(timeout))
     for i in (0, 1):
         coord.membership.launched(InstanceId("worker", i), relaunch=False)
         coord.register(InstanceId("worker", i), "")
@@ -151,14 +160,14 @@ def test_ps_a_worker_waiting_in_a_checkpoint_barrier_is_not_hung_one_that_never_
 
 
 def test_allreduce_the_silent_member_of_a_stalled_ring_is_hung_not_the_members_waiting_on_it():
-    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, min_workers=2, hang_timeout=2.0)
+    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, min_workers=2, bounds=HangBounds(2.0))
     rdv = coord.attach_rendezvous(2)
     workers = [InstanceId("worker", i) for i in (0, 1)]
     for w in workers:
         coord.membership.launched(w, relaunch=False)
         coord.register(w, f"addr-{w.index}")
     assert rdv.version == 1 and len(rdv.members) == 2
-    from elastic_step.master.rendezvous import Ready
+    from elastic_step.master.leases.rendezvous import Ready
 
     coord.hung_workers(0.0)
     for w in workers:  # step 1 commits with no records: neither has traced its model yet, no clock runs
@@ -183,7 +192,7 @@ def test_allreduce_the_silent_member_of_a_stalled_ring_is_hung_not_the_members_w
 
 # ------------------------------------------------------------------ the start-up bound
 def test_a_worker_that_never_commits_is_hung_after_the_start_up_bound_which_the_job_s_first_steps_lengthen():
-    watch = HangWatch(timeout_s=2.0)
+    watch = HangWatch(HangBounds(timeout_s=2.0))
     assert watch.startup_bound() == STARTUP_FLOOR_S  # --hang-timeout does not shorten it
     assert run(watch, 0.0, STARTUP_FLOOR_S - 1, step=0.5) == []  # minutes of a first step: no alarm
     late = run(watch, STARTUP_FLOOR_S - 1, 2.0, step=0.5)
@@ -194,14 +203,14 @@ def test_a_worker_that_never_commits_is_hung_after_the_start_up_bound_which_the_
     run(other, 0.0, 100.0, running=("worker-1",), step=0.5)
     other.committed("worker-1")
     assert other.starting("worker-1") is None and other.startup_bound() == pytest.approx(STARTUP_FACTOR * 99.5)
-    assert HangWatch(timeout_s=600.0).startup_bound() == 600.0  # a longer --hang-timeout lengthens it
+    assert HangWatch(HangBounds(timeout_s=600.0)).startup_bound() == 600.0  # a longer --hang-timeout lengthens it
     # A forgotten worker's successor starts its own start-up clock.
     other.forget("worker-1")
     assert other.starting("worker-1") is None and other.idle("worker-1") is None
 
 
 def test_the_start_up_clock_runs_only_while_the_worker_holds_work_and_stops_at_its_first_commit():
-    watch = HangWatch(timeout_s=2.0)
+    watch = HangWatch(HangBounds(timeout_s=2.0))
     run(watch, 0.0, 10.0, running=())  # no lease yet (building its model, waiting for the shards)
     assert watch.starting("worker-0") is None
     run(watch, 10.0, 5.0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
-from elastic_step.master.membership import Membership
+from elastic_step.master.leases.membership import Membership
 
 
 def test_the_training_count_follows_registrations_losses_and_relaunches():

@@ -8,7 +8,7 @@ current one's last report arrives (reports come in order). When a worker is lost
 remainders `[watermark, end)` go back to the front of the queue. Epochs never overlap: epoch e+1 is
 cut only when every record of epoch e is committed.
 
-A straggler's work may be *handed over* to an idle worker (see master/straggler.py for when): its lease ahead
+A straggler's work may be *handed over* to an idle worker (see master/gray/straggler.py for when): its lease ahead
 whole, or the tail `[cut, end)` of its current lease, which then ends at `cut`. The tail keeps the task's id and
 its minibatch boundaries (the cut is on one), so whichever of the two pushes a minibatch first, the shards apply
 it once (its push key is the same); the ledger commits the tail from its new holder only, and the straggler's

@@ -1,14 +1,14 @@
-"""allreduce straggler decisions (master/ring_straggler.py): whom the ring leaves out, and when not."""
+"""allreduce straggler decisions (master/gray/ring_straggler.py): whom the ring leaves out, and when not."""
 
 from __future__ import annotations
 
 import time
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ledger import Ledger, ShardInfo
-from elastic_step.master.rendezvous import Ready
-from elastic_step.master.ring_straggler import MIN_SAMPLES, SKIP, RingPaceWatch
+from elastic_step.master.gray.ring_straggler import MIN_SAMPLES, SKIP, RingPaceWatch
+from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.leases.ledger import Ledger, ShardInfo
+from elastic_step.master.leases.rendezvous import Ready
 
 RING = ["worker-0", "worker-1", "worker-2"]
 

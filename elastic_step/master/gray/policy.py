@@ -1,9 +1,9 @@
 """Gray failures: what the master does with an instance the backend still reports alive, but that fails the job all
-the same. A worker that holds work and commits nothing (master/hang.py), a ring member that holds every step to its
-pace (master/ring_straggler.py) and a PS shard that does not answer (master/ps_watch.py) are given up: fenced first
-(master/fence.py), so that nothing they send after their work is requeued is applied, then stopped through the
-backend. Their end, when the backend reports it, is a loss, whatever their exit code said, and the relaunch policy
-replaces them (a PS: restores every shard from the last checkpoint).
+the same. A worker that holds work and commits nothing (hang.py), a ring member that holds every step to its pace
+(ring_straggler.py) and a PS shard that does not answer (ps_watch.py) are given up: fenced first (fence.py), so
+that nothing they send after their work is requeued is applied, then stopped through the backend. Their end, when
+the backend reports it, is a loss, whatever their exit code said, and the relaunch policy replaces them (a PS:
+restores every shard from the last checkpoint).
 
 The job's pump calls `tick` every turn and passes every backend event through `on_end` before it acts on it.
 """
@@ -12,34 +12,56 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+from collections.abc import Callable
+from typing import Protocol
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId
 from elastic_step.faults.api import JobFaults
 from elastic_step.instance import EXIT_FENCED
-from elastic_step.master.coordinator import Coordinator
-from elastic_step.master.ps_watch import PSWatch
-from elastic_step.master.relaunch import RelaunchPolicy
+from elastic_step.master.gray.hang import HangBounds, Hung
+from elastic_step.master.gray.ps_watch import PSWatch
+from elastic_step.master.gray.ring_straggler import Straggler
 
 log = logging.getLogger("elastic_step.master")
 
 FENCE_DEADLINE_S = 2.0  # the most the pump waits for the PS shards to hear that a worker launch is fenced
 
 
+class Decisions(Protocol):
+    """What the policy asks of the job's coordinator (master/leases/coordinator.py), which decides under its
+    lock who is past its bound and what becomes of its lease; the PS watch reads the shards' addresses."""
+
+    lock: threading.Lock
+    ps_ready: threading.Event
+    ps_addresses: list[str]
+    rewinding: bool
+
+    def hung_workers(self, now: float, paused: bool = False) -> list[Hung]: ...
+    def declare_hung(self, hung: Hung, now: float) -> tuple[int, int] | None: ...
+    def ring_straggler(self, paused: bool = False) -> Straggler | None: ...
+    def declare_straggler(self, straggler: Straggler, now: float) -> tuple[int, int] | None: ...
+    def fence(self, inst: InstanceId, why: str) -> int: ...
+    def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None, **figures) -> None: ...
+
+
 class GrayFailures:
     def __init__(
         self,
-        coord: Coordinator,
+        coord: Decisions,
         backend: Backend,
         faults: JobFaults,
-        relaunch: RelaunchPolicy,
+        *,
+        retire: Callable[[InstanceId, str], None],
         token: str,
         allreduce: bool,
-        hang_timeout: float,
+        bounds: HangBounds,
     ):
-        self.coord, self.backend, self.faults, self.relaunch = coord, backend, faults, relaunch
+        """`retire(inst, why)`: `inst` is left out for good, its end is not relaunched (the relaunch policy's)."""
+        self.coord, self.backend, self.faults, self.retire = coord, backend, faults, retire
         self.token, self.allreduce = token, allreduce
         # ps: a shard that does not answer is declared hung and handled as a lost one.
-        self.ps_watch = None if allreduce else PSWatch(coord, token, hang_timeout)
+        self.ps_watch = None if allreduce else PSWatch(coord, token, bounds)
         self._hung: set[InstanceId] = set()  # declared hung, stopped, their end not seen yet
         self._left_out: set[InstanceId] = set()  # allreduce stragglers left out of the ring, their end not seen yet
         self._kill_at: dict[InstanceId, float] = {}  # declared hung, their kill deferred (faults only) until then
@@ -73,7 +95,7 @@ class GrayFailures:
             self._left_out.add(inst)
             self.fence(inst, f"left out of the ring as a straggler: {straggler}", tell_shards=False)
             if straggler.again:
-                self.relaunch.retire(inst, f"left out of the ring for good as a straggler: {straggler}")
+                self.retire(inst, f"left out of the ring for good as a straggler: {straggler}")
             self.backend.kill(inst)
             self.coord.declare_straggler(straggler, now)
         # A shard that does not answer: killed, and its end is a lost PS (a restore from the last checkpoint). A

@@ -1,6 +1,6 @@
 """Checkpoints of a job's state at one consistent cut: when they are cut, and what a resumed job, a
 lost PS or a ring that lost every member goes back to. Where they live and their layout is
-master/checkpoint_store.py's.
+master/durability/store.py's.
 
 A checkpoint is the model's whole state plus the master's ledger at one cut. PS mode: every shard's
 state, taken while no push is in flight (the barrier lives in the coordinator: workers finish and
@@ -16,7 +16,7 @@ import os
 import time
 
 from elastic_step.faults.api import NO_FAULTS, JobFaults
-from elastic_step.master.checkpoint_store import CheckpointError, CheckpointStore, fingerprint, parse_interval
+from elastic_step.master.durability.store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes
 from elastic_step.util.json_text import write_json
 from elastic_step.util.phases import phase
@@ -35,10 +35,10 @@ class Checkpointer:
     `parts(ckpt_id)` takes the model's state from its holders (the PS Save RPCs) and returns a function
     that writes it and returns the parts' names; `state()` is the ledger's cut and the job's counters,
     taken under the coordinator's lock. Both are taken while the workers are held, so they are at the
-    same pushes; the files are written once the workers go on (held for the writes too, a worker lost
-    ~10 ms a checkpoint). `parts_lost(error)` says whether an error of `parts` means the state's holder
-    was lost (a PS shard by default): then the checkpoint is abandoned and tried again an interval
-    later. `faults`: the job's hook points (a kill mid-checkpoint)."""
+    same pushes; the files are written once the workers go on, so that no worker waits on the store (the
+    barrier's cost: docs/benchmarks.md, Durability). `parts_lost(error)` says whether an error of `parts`
+    means the state's holder was lost (a PS shard by default): then the checkpoint is abandoned and tried
+    again an interval later. `faults`: the job's hook points (a kill mid-checkpoint)."""
 
     HOLD_TIMEOUT_S = 60.0
 
@@ -212,8 +212,9 @@ class JobCheckpoints:
         self.token: str | None = None  # the job's, set once its backend is up (before any checkpoint is cut)
         self.store = CheckpointStore(root, fingerprint(cfg, job_id, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
-        self.allreduce = coord.rendezvous is not None
+        self.allreduce = cfg.strategy == "allreduce"
         self.member_state = None  # allreduce: the MemberState newcomers load (resumed, or every member lost)
+        self.ring_start: tuple[int, int] | None = None  # allreduce, resumed: the (step, checkpoint id) to start at
         if every:
             self.store.check_writable()
         self.resumed = self.store.latest() if cfg.resume == "auto" else None
@@ -223,7 +224,7 @@ class JobCheckpoints:
             self.ledger.restore(self.state["ledger"])
             if self.allreduce:
                 self.member_state = self.store.read_members(self.resumed)
-                coord.rendezvous.restore(self.member_state.step, self.resumed["id"])
+                self.ring_start = (self.member_state.step, self.resumed["id"])
             coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
             started = time.time()
             before = self.store.watermark()
@@ -239,7 +240,7 @@ class JobCheckpoints:
                 }
             )
             entry = self.restarts[-1]
-            coord.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
+            coord.pace.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
             log.info(
                 "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
                 "records the previous master committed after it are trained again",
@@ -255,10 +256,8 @@ class JobCheckpoints:
             )
         self._last_members: tuple | None = None  # allreduce: (id, ledger cut, member state) of the last cut
         self._cut_members: tuple | None = None  # allreduce: (id, member state) pulled for the cut in progress
-        if self.allreduce and every:
-            coord.members_lost = self._members_lost
-            if self.resumed:
-                self._last_members = (self.resumed["id"], self.state, self.member_state)
+        if self.allreduce and every and self.resumed:
+            self._last_members = (self.resumed["id"], self.state, self.member_state)
         self.cutter = (
             Checkpointer(
                 self.store,
@@ -288,9 +287,10 @@ class JobCheckpoints:
 
         return isinstance(error, grpc.RpcError)
 
-    def _members_lost(self) -> bool:
+    def members_lost(self) -> bool:
         """allreduce, every member gone (lock held): the ledger goes back to the last checkpoint's cut, and
-        the newcomers load its state from the master, instead of everything being trained again."""
+        the newcomers load its state from the master, instead of everything being trained again. False when
+        there is no checkpoint to go back to."""
         if self._last_members is None:
             return False
         ckpt_id, state, member = self._last_members
@@ -400,7 +400,7 @@ class JobCheckpoints:
         entry = {"at": lost_at, "ps": lost_ps, "from_checkpoint": manifest["id"], "records_trained_again": again}
         self.ps_restores.append(entry)
         with coord.lock:
-            coord.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
+            coord.pace.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
         coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
         log.warning(
             "ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
