@@ -58,7 +58,7 @@ class ParameterShard:
     state (TensorFlow inside)."""
 
     def __init__(self, model, optimizer, placement: Placement, shard: int, serve: bool = True):
-        """`serve` False: a worker's copy of the shard (trainer.py), updated inside the worker's own compiled
+        """`serve` False: a worker's copy of the shard (worker/ps/step.py), updated inside the worker's own compiled
         call through `update` and `values`: nothing of its own is traced."""
         import tensorflow as tf
 

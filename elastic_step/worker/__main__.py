@@ -28,12 +28,13 @@ KINDS = ((DataError, "data_error"), (ConfigError, "config_error"))
 
 
 def run_allreduce(args, model_def, master: MasterClient, stop: threading.Event) -> int:
-    """--strategy allreduce: see worker/allreduce_loop.py."""
+    """--strategy allreduce: see worker/allreduce/member.py."""
     import keras
 
     from elastic_step.data.reader import ReaderPool
-    from elastic_step.worker import collective
-    from elastic_step.worker.allreduce_loop import AllReduceTrainer, AllReduceWorker
+    from elastic_step.worker.allreduce import collective
+    from elastic_step.worker.allreduce.member import AllReduceWorker
+    from elastic_step.worker.allreduce.trainer import AllReduceTrainer
     from elastic_step.worker.finite import NonFinite
 
     keras.utils.set_random_seed(args.seed)
@@ -96,8 +97,8 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient, ShardsMoved
     from elastic_step.worker.finite import NonFinite
-    from elastic_step.worker.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
-    from elastic_step.worker.trainer import PSTrainer
+    from elastic_step.worker.ps.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
+    from elastic_step.worker.ps.trainer import PSTrainer
 
     keras.utils.set_random_seed(args.seed)
     model = model_def.model()

@@ -22,7 +22,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.ps.api import Placement, PushKey, load_named, named_variables  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
-from elastic_step.worker.trainer import ALONE_AGAIN, Company, PSTrainer  # noqa: E402
+from elastic_step.worker.ps.trainer import ALONE_AGAIN, Company, PSTrainer  # noqa: E402
 
 TOKEN = "t0ken"
 ROWS = 50
