@@ -97,7 +97,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
     from elastic_step.ps.api import Placement
     from elastic_step.ps.client import PSClient, ShardsMoved
     from elastic_step.worker.finite import NonFinite
-    from elastic_step.worker.ps.loop import PUSH_DEPTH, REPORT_INTERVAL_S, train_tasks
+    from elastic_step.worker.ps.loop import PUSH_DEPTH, REPORT_INTERVAL_S, TaskLoop
     from elastic_step.worker.ps.trainer import PSTrainer
 
     keras.utils.set_random_seed(args.seed)
@@ -144,7 +144,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
             log.warning("the PS shards moved before my first pull (%s): registering again", str(e).splitlines()[0][:99])
             rejoin()
         with span("worker: training, whole"):
-            why = train_tasks(
+            why = TaskLoop(
                 master,
                 trainer,
                 readers,
@@ -153,7 +153,7 @@ def run(args, model_def, master: MasterClient, stop: threading.Event) -> int:
                 report_interval_s=info.report_interval_s or REPORT_INTERVAL_S,
                 pushes_in_flight=depth,
                 rejoin=rejoin,
-            )
+            ).run()
         log.info("exiting: %s", "no more tasks" if why == "done" else "SIGTERM, last minibatch reported")
         return 0
     finally:

@@ -191,170 +191,207 @@ def minibatches(task, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def train_tasks(
-    master: MasterClient,
-    trainer,
-    readers,
-    records_per_push: int,
-    stop: threading.Event,
-    report_interval_s: float = REPORT_INTERVAL_S,
-    pushes_in_flight: int = PUSH_DEPTH,
-    rejoin=None,
-) -> str:
-    """Train until the master says DONE or `stop` is set. Returns why it ended. When the shards move
-    (a PS lost, every shard restored to a checkpoint), `rejoin()` waits for them and reconnects."""
-    reporter = Reporter(master, report_interval_s)
-    # The next lease is asked for and read on its own thread while the current one trains: at the
-    # current one's end the worker goes straight on, instead of waiting for its last push and
-    # report, a GetTask and a read (several minibatches' worth of time for a small model).
-    prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ahead")
-    # (handle, task_id, its minibatches [(seq, hi), ...], whether the last is the lease's last), oldest first
-    in_flight: collections.deque = collections.deque()
+class TaskLoop:
+    """The task loop of one worker: trains until the master says DONE or `stop` is set (`run`). When the shards
+    move (a PS lost, every shard restored to a checkpoint), `rejoin()` waits for them and reconnects.
 
-    def settle(keep: int = 0, done_only: bool = False) -> None:
-        """Collect the oldest pushes until at most `keep` are in flight (`done_only`: those done, without
-        waiting); report them in order, each minibatch on its own (the master counts duplicates one by one;
-        consecutive others are coalesced)."""
+    Its state is what the loop shares between its steps: the lease being trained, the lease asked for ahead of it,
+    the pushes in flight and the reports behind them."""
+
+    def __init__(
+        self,
+        master: MasterClient,
+        trainer,
+        readers,
+        records_per_push: int,
+        stop: threading.Event,
+        report_interval_s: float = REPORT_INTERVAL_S,
+        pushes_in_flight: int = PUSH_DEPTH,
+        rejoin=None,
+    ):
+        self.master, self.trainer, self.readers = master, trainer, readers
+        self.records_per_push, self.stop, self.pushes_in_flight = records_per_push, stop, pushes_in_flight
+        self.rejoin = rejoin
+        self.reporter = Reporter(master, report_interval_s)
+        # The next lease is asked for and read on its own thread while the current one trains: at the current one's
+        # end the worker goes straight on, instead of waiting for its last push and report, a GetTask and a read
+        # (several minibatches' worth of time for a small model).
+        self.prefetch = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="lease-ahead")
+        # (handle, task_id, its minibatches [(seq, hi), ...], whether the last is the lease's last), oldest first
+        self.in_flight: collections.deque = collections.deque()
+        self.ahead: concurrent.futures.Future | None = None  # of lease_ahead()
+        self.task = None  # the lease being trained
+        self.traced = False  # the step has been traced (its first call, before the first commit)
+        self.leaving = threading.Event()  # set when the worker leaves the lease it asked ahead of
+        self.waited = False  # for work: others pushed meanwhile, so this worker's values are old
+
+    def run(self) -> str:
+        """Train until the master says DONE ("done") or `stop` is set ("stopped")."""
+        try:
+            while not self.stop.is_set():
+                try:
+                    taken = self.take_lease()
+                    if taken == "done":
+                        return "done"
+                    if taken is not None:
+                        self.train_lease(*taken)
+                except ShardsMoved as e:
+                    if self.rejoin is None:
+                        raise
+                    log.warning(
+                        "the PS shards moved (%s): dropping my leases and pushes in flight, then registering again",
+                        str(e).splitlines()[0][:200],
+                    )
+                    self.drop_everything()
+                    self.ahead = None
+                    self.rejoin()
+            return "stopped"
+        finally:
+            self.finish()
+
+    def take_lease(self):
+        """The next lease (`task`) as (its fed rows, the task trained before it whose last report may still be on its
+        way, or None); "done" when the master has no more; None while it has none yet."""
+        # Reports arrive in order, so the master takes the next lease's once this one's last is in.
+        self.waited = self.waited or (self.ahead is not None and not self.ahead.done())
+        with phase("train: wait for the lease ahead"):
+            nxt = self.ahead.result() if self.ahead is not None else None
+        self.ahead = None
+        if nxt is not None and not self.reporter.refused:
+            before = self.task.task_id  # its last report may still be on its way
+            self.task, fed = nxt
+            return fed, before
+        # The master hands a worker its current lease again until the lease's last report arrives, so deliver
+        # every report before asking for more work.
+        with phase("train: no lease ahead: settle, flush reports"):
+            self.settle()
+            self.reporter.flush()
+        if self.reporter.refused:
+            # The master no longer counts the lease ours (it thought us lost): start afresh.
+            log.warning("master refused a progress report: dropping the lease")
+            self.reporter.refused = False
+        with phase("train: no lease ahead: GetTask"):
+            reply = self.master.get_task()
+        if reply.kind == pb.GetTaskResponse.DONE:
+            return "done"
+        if reply.kind == pb.GetTaskResponse.WAIT:
+            time.sleep(reply.retry_after_s or 0.05)
+            self.waited = True
+            return None
+        self.task = reply.task
+        return self.feed_lease(self.task), None  # every report is delivered above
+
+    def train_lease(self, fed, before: int | None) -> None:
+        """The lease's minibatches, a call at a time, with the next lease asked for ahead meanwhile."""
+        t = self.task
+        bounds = minibatches(t, self.records_per_push)  # never empty: the ledger cuts no empty task
+        if self.waited:
+            self.trainer.refresh_dense()
+            self.waited = False
+        self.leaving = threading.Event()
+        self.ahead = self.prefetch.submit(self.lease_ahead, t.task_id, self.leaving, before)
+        done = 0  # minibatches of the lease computed
+        while done < len(bounds):
+            if self.reporter.hold:
+                self.hold_for_checkpoint()
+            if self.reporter.refused or self.stop.is_set():
+                break
+            # Before the step, not after: its gradient is then taken on values that hold every push of this
+            # worker's but the newest pushes_in_flight - 1 (with one, all of them).
+            with phase("train: wait for push and pull"):
+                self.settle(keep=self.trainer.pushes_ahead(self.pushes_in_flight))
+            group = bounds[done : done + self.trainer.minibatches_per_call(len(bounds) - done, len(bounds))]
+            done += len(group)
+            self.train_call(fed, group)
+        self.leaving.set()
+
+    def train_call(self, fed, group: list[tuple[int, int]]) -> None:
+        """One call of the lease's minibatches `group`, computed and its push handed over."""
+        t = self.task
+        (seq, _), (_, hi) = group[0], group[-1]
+        at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
+        batch = self.trainer.minibatch(fed, seq - t.start, hi - t.start, [lo - t.start for lo, _ in group])
+        started = time.monotonic()
+        with working_on(at), phase(COMPUTE if self.traced else "train: first compute (traces the step)"):
+            result = self.trainer.compute(batch, at)
+        faults.STEP_DONE(time.monotonic() - started)
+        self.traced = True
+        key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
+        with phase("train: hand the push over, pump reports"):
+            handle = self.trainer.push_start(result, key, [lo for lo, _ in group] + [hi])
+            self.in_flight.append((handle, t.task_id, group, hi == t.end))
+            self.settle(keep=1, done_only=True)  # reported as soon as possible: the lease ahead waits on it
+            self.reporter.pump()
+
+    def hold_for_checkpoint(self) -> None:
+        """A checkpoint: every push this worker made is applied and reported before it waits, so the shards' state
+        and the ledger are cut at the same pushes."""
+        with phase("train: checkpoint: settle pushes, flush reports"):
+            self.settle()
+            self.reporter.flush()
+        self.reporter.hold = False
+        with phase("train: checkpoint: held while the master cuts it"):
+            cut = self.master.hold(self.stop)
+        with phase("train: checkpoint: pull the values others pushed"):
+            self.trainer.refresh_dense(unless_at=cut)  # others may have pushed after our last push
+
+    def settle(self, keep: int = 0, done_only: bool = False) -> None:
+        """Collect the oldest pushes until at most `keep` are in flight (`done_only`: those done, without waiting);
+        report them in order, each minibatch on its own (the master counts duplicates one by one; consecutive
+        others are coalesced)."""
+        in_flight = self.in_flight
         while len(in_flight) > keep and not (done_only and not in_flight[0][0].done()):
             handle, task_id, group, last = in_flight.popleft()
-            for (seq, hi), (applied, loss) in zip(group, trainer.push_finish_each(handle)):
-                reporter.report(task_id, hi, hi - seq, loss, duplicate=not applied, last=last and hi == group[-1][1])
+            for (seq, hi), (applied, loss) in zip(group, self.trainer.push_finish_each(handle)):
+                self.reporter.report(
+                    task_id, hi, hi - seq, loss, duplicate=not applied, last=last and hi == group[-1][1]
+                )
 
-    def feed_lease(task):
+    def feed_lease(self, task):
         with working_on(Records(task.shard, task.shard_index, task.epoch, task.start, task.end)):
             with phase("lease: read"):
-                rows = readers.read(task.shard, task.start, task.end)
+                rows = self.readers.read(task.shard, task.start, task.end)
             with phase("lease: feed()"):
-                return trainer.feed_lease(rows)
+                return self.trainer.feed_lease(rows)
 
-    def lease_ahead(after: int, leaving: threading.Event, before: int | None):
-        """(task, its fed rows) to start after task `after`, or None once the worker leaves that
-        task with nothing leased ahead. `before`: the task the worker trained before `after`, whose last
-        report may still be on its way; the master hands out no lease ahead until it has it, so the request
-        waits for its answer rather than polling (a small model's lease lasts a few milliseconds)."""
+    def lease_ahead(self, after: int, leaving: threading.Event, before: int | None):
+        """(task, its fed rows) to start after task `after`, or None once the worker leaves that task with nothing
+        leased ahead. `before`: the task the worker trained before `after`, whose last report may still be on its
+        way; the master hands out no lease ahead until it has it, so the request waits for its answer rather than
+        polling (a small model's lease lasts a few milliseconds). On the lease-ahead thread."""
         if before is not None:
             with phase("lease: wait for the last report of the lease before"):
-                reporter.wait_finished(before, leaving)
+                self.reporter.wait_finished(before, leaving)
         retry = AHEAD_RETRY_S
         while True:
             with phase("lease: GetTask ahead"):
-                reply = master.get_task(ahead_of=after)
+                reply = self.master.get_task(ahead_of=after)
             if reply.kind == pb.GetTaskResponse.TASK:
-                return reply.task, feed_lease(reply.task)
+                return reply.task, self.feed_lease(reply.task)
             if reply.kind == pb.GetTaskResponse.DONE or leaving.wait(retry):
                 return None
             retry = min(2 * retry, AHEAD_RETRY_MAX_S)
 
-    def drop_everything() -> None:
-        """The shards moved: the pushes in flight may or may not have landed before the restore that
-        erased them, and the master rewound its ledger to the same cut, so nothing in hand counts."""
-        leaving.set()
-        while in_flight:
+    def drop_everything(self) -> None:
+        """The shards moved: the pushes in flight may or may not have landed before the restore that erased them,
+        and the master rewound its ledger to the same cut, so nothing in hand counts."""
+        self.leaving.set()
+        while self.in_flight:
             with contextlib.suppress(Exception):
-                trainer.push_finish_each(in_flight.popleft()[0])
-        if ahead is not None:
+                self.trainer.push_finish_each(self.in_flight.popleft()[0])
+        if self.ahead is not None:
             with contextlib.suppress(Exception):
-                ahead.result()
-        reporter.drop()
+                self.ahead.result()
+        self.reporter.drop()
 
-    ahead = None  # Future of lease_ahead()
-    t = None  # the lease being trained
-    traced = False  # the step has been traced (its first call, before the first commit)
-    leaving = threading.Event()  # set when the worker leaves the lease it asked ahead of
-    waited = False  # for work: others pushed meanwhile, so this worker's values are old
-    try:
-        while not stop.is_set():
-            try:
-                # Reports arrive in order, so the master takes the next lease's once this one's last is in.
-                waited = waited or (ahead is not None and not ahead.done())
-                with phase("train: wait for the lease ahead"):
-                    nxt = ahead.result() if ahead is not None else None
-                ahead = None
-                if nxt is not None and not reporter.refused:
-                    before = t.task_id  # its last report may still be on its way
-                    t, fed = nxt
-                else:
-                    before = None  # every report is delivered below
-                    # The master hands a worker its current lease again until the lease's last report
-                    # arrives, so deliver every report before asking for more work.
-                    with phase("train: no lease ahead: settle, flush reports"):
-                        settle()
-                        reporter.flush()
-                    if reporter.refused:
-                        # The master no longer counts the lease ours (it thought us lost): start afresh.
-                        log.warning("master refused a progress report: dropping the lease")
-                        reporter.refused = False
-                    with phase("train: no lease ahead: GetTask"):
-                        reply = master.get_task()
-                    if reply.kind == pb.GetTaskResponse.DONE:
-                        return "done"
-                    if reply.kind == pb.GetTaskResponse.WAIT:
-                        time.sleep(reply.retry_after_s or 0.05)
-                        waited = True
-                        continue
-                    t = reply.task
-                    fed = feed_lease(t)
-                bounds = minibatches(t, records_per_push)  # never empty: the ledger cuts no empty task
-                if waited:
-                    trainer.refresh_dense()
-                    waited = False
-                leaving = threading.Event()
-                ahead = prefetch.submit(lease_ahead, t.task_id, leaving, before)
-                done = 0  # minibatches of the lease computed
-                while done < len(bounds):
-                    if reporter.hold:
-                        # A checkpoint: every push this worker made is applied and reported before it
-                        # waits, so the shards' state and the ledger are cut at the same pushes.
-                        with phase("train: checkpoint: settle pushes, flush reports"):
-                            settle()
-                            reporter.flush()
-                        reporter.hold = False
-                        with phase("train: checkpoint: held while the master cuts it"):
-                            cut = master.hold(stop)
-                        with phase("train: checkpoint: pull the values others pushed"):
-                            trainer.refresh_dense(unless_at=cut)  # others may have pushed after our last push
-                    if reporter.refused or stop.is_set():
-                        break
-                    # Before the step, not after: its gradient is then taken on values that hold every
-                    # push of this worker's but the newest pushes_in_flight - 1 (with one, all of them).
-                    with phase("train: wait for push and pull"):
-                        settle(keep=trainer.pushes_ahead(pushes_in_flight))
-                    group = bounds[done : done + trainer.minibatches_per_call(len(bounds) - done, len(bounds))]
-                    done += len(group)
-                    (seq, _), (_, hi) = group[0], group[-1]
-                    at = Records(t.shard, t.shard_index, t.epoch, seq, hi)
-                    batch = trainer.minibatch(fed, seq - t.start, hi - t.start, [lo - t.start for lo, _ in group])
-                    started = time.monotonic()
-                    with working_on(at), phase(COMPUTE if traced else "train: first compute (traces the step)"):
-                        result = trainer.compute(batch, at)
-                    faults.STEP_DONE(time.monotonic() - started)
-                    traced = True
-                    key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
-                    with phase("train: hand the push over, pump reports"):
-                        handle = trainer.push_start(result, key, [lo for lo, _ in group] + [hi])
-                        in_flight.append((handle, t.task_id, group, hi == t.end))
-                        settle(keep=1, done_only=True)  # reported as soon as possible: the lease ahead waits on it
-                        reporter.pump()
-                leaving.set()
-            except ShardsMoved as e:
-                if rejoin is None:
-                    raise
-                log.warning(
-                    "the PS shards moved (%s): dropping my leases and pushes in flight, then registering again",
-                    str(e).splitlines()[0][:200],
-                )
-                drop_everything()
-                ahead = None
-                rejoin()
-        return "stopped"
-    finally:
-        # SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit. A lease
-        # taken ahead and never started goes back to the queue when the master sees us exit.
-        leaving.set()
+    def finish(self) -> None:
+        """SIGTERM or DONE: finish the minibatches in hand, deliver every report, then exit. A lease taken ahead and
+        never started goes back to the queue when the master sees us exit."""
+        self.leaving.set()
         try:
             with contextlib.suppress(ShardsMoved):  # nothing to deliver to: the master rewinds past it
-                settle()
-            reporter.flush()
+                self.settle()
+            self.reporter.flush()
         finally:
-            reporter.close()
-            prefetch.shutdown(wait=True, cancel_futures=True)
+            self.reporter.close()
+            self.prefetch.shutdown(wait=True, cancel_futures=True)
