@@ -84,24 +84,6 @@ def build_steps(model_def, model, optimizer, step_done: Callable) -> AllReduceSt
 
         return tf.function(step)
 
-    def run_loop(flat, data, begin, end, keeping):
-        if keeping:  # the loop's first apply is the run's first: what it is applied to is kept first
-            keep()
-
-        def body(flat, begin, end, going):
-            apply_mean(flat)
-            loss, grad = loss_and_gradient(sliced(data, begin, end))
-            flat, begin, end, going = tf.numpy_function(
-                step_done, [loss, grad], [tf.float32, tf.int64, tf.int64, tf.bool], stateful=True
-            )
-            flat.set_shape([size])
-            begin.set_shape([1])
-            end.set_shape([1])
-            going.set_shape([])
-            return flat, begin, end, going
-
-        tf.while_loop(lambda *loop: loop[-1], body, [flat, begin, end, tf.constant(True)])
-
     def applying(keeping):
         def apply(flat):
             if keeping:
@@ -116,13 +98,39 @@ def build_steps(model_def, model, optimizer, step_done: Callable) -> AllReduceSt
         grad_step=tf.function(loss_and_gradient, reduce_retracing=True),
         lease_steps={None: tf.function(lease_step), **{k: lease_step_after(k) for k in (False, True)}},
         apply={keeping: applying(keeping) for keeping in (False, True)},
-        run_loop=tf.function(run_loop),
+        run_loop=_run_loop(size, keep, apply_mean, lease_step, step_done),
         keep=tf.function(keep),
         undo=tf.function(undo),
         flat_weights=tf.function(flat_weights),
         kept=kept,
         targets=targets,
     )
+
+
+def _run_loop(size: int, keep, apply_mean, lease_step, step_done: Callable):
+    """A run's steps in one call: apply the average, compute the next minibatch's gradient (`lease_step`), hand it
+    to `step_done`, which hands back the next average and bounds, until it says stop."""
+    import tensorflow as tf
+
+    def run_loop(flat, data, begin, end, keeping):
+        if keeping:  # the loop's first apply is the run's first: what it is applied to is kept first
+            keep()
+
+        def body(flat, begin, end, going):
+            apply_mean(flat)
+            loss, grad = lease_step(data, begin, end)
+            flat, begin, end, going = tf.numpy_function(
+                step_done, [loss, grad], [tf.float32, tf.int64, tf.int64, tf.bool], stateful=True
+            )
+            flat.set_shape([size])
+            begin.set_shape([1])
+            end.set_shape([1])
+            going.set_shape([])
+            return flat, begin, end, going
+
+        tf.while_loop(lambda *loop: loop[-1], body, [flat, begin, end, tf.constant(True)])
+
+    return tf.function(run_loop)
 
 
 def _loss_and_gradient(model_def, model):

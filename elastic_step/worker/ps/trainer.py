@@ -28,12 +28,12 @@ apply every gradient with their own). The number of minibatches a call is sized 
 step time (CALL_S), so a user tunes nothing.
 
 Several minibatches a call only while the worker trains alone (Company): with others pushing, a call of
-CALL_S is local SGD, hundreds of the digits MLP's steps before the worker takes the others' (a 2-worker digits
-job reached 0.81 accuracy where async SGD reaches 0.96). So once the shards' versions show another worker's
-pushes, the worker trains as a worker without copies does (one minibatch a call on the shards' newest values,
-which each push brings back, with as many pushes in flight as pushes_in_flight says), until it has
-seen itself alone again for ALONE_AGAIN minibatches in a row; then, its pushes all back, the copies take the
-shards' values and optimizer state once more.
+CALL_S is local SGD, hundreds of a small model's steps before the worker takes the others', and it trains to a
+worse model than async SGD does (docs/benchmarks.md, the throughput section). So once the shards' versions show
+another worker's pushes, the worker trains as a worker without copies does (one minibatch a call on the shards'
+newest values, which each push brings back, with as many pushes in flight as pushes_in_flight says), until it
+has seen itself alone again for ALONE_AGAIN minibatches in a row; then, its pushes all back, the copies take
+the shards' values and optimizer state once more.
 """
 
 from __future__ import annotations
@@ -59,9 +59,8 @@ log = logging.getLogger("elastic_step.worker")
 
 # Several minibatches a call: about this long a call (from the measured time of a minibatch), at most half a lease.
 # Long enough that a call's fixed costs (the call, the push, the shard's taking of the state, a report) weigh
-# little, and that a lease of a ~6 ms step (the digits CNN's, 32 minibatches) goes in 2 calls, not 3 when the step
-# runs a little slow: 0.2 s against 0.1 s, the CNN's lone worker faster in 10 of 13 paired runs (median +4.6 % in
-# 8), as 0.1 s was against 0.05 s (9 of 10); the MLP's calls are half a lease either way. Short enough that a
+# little, and that a lease of a small model's minibatches goes in 2 calls, not 3 when the step runs a little slow
+# (the choice against shorter calls: docs/benchmarks.md, the throughput section). Short enough that a
 # checkpoint's hold waits little for a call.
 CALL_S = 0.2
 # At most this many bytes of gradients a push (its shared slot holds them): a large model runs fewer a call.
@@ -214,8 +213,7 @@ class PSTrainer:
     def refresh_dense(self, unless_at: list[int] | None = None) -> None:
         """Pull the shards' current values now. For when this worker's values may be many updates
         old: at its start, after tracing its step (a second or more) and after it waited for work
-        (others pushed meanwhile). Gradients from such values, applied late, set the model back:
-        a 2-worker digits job's accuracy dipped from 0.96 to 0.67-0.89 in some runs.
+        (others pushed meanwhile). Gradients from such values, applied late, set the model back.
         With copies of the shards: their values and optimizer state, now, or once this worker's pushes in
         flight are back (the newest brings the shards' values).
         `unless_at`: the shards' versions (a checkpoint's cut): nothing is pulled when the copies are at them,
@@ -392,7 +390,7 @@ class PSTrainer:
 
     def _warm_step(self, batch: Minibatch) -> None:
         """Trace the one-minibatch step too, and run it once (its first run optimizes its graph), result
-        unused: once another worker's pushes show, this worker switches to it mid-job, where the ~0.1 s
+        unused: once another worker's pushes show, this worker switches to it mid-job, where that first run
         would be taken from training; here it is part of the start."""
         step = self._step_for(batch.specs)
         begin, end = (self.tf.constant([b], self.tf.int64) for b in (batch.bounds[0], batch.bounds[0] + 1))
