@@ -4,35 +4,13 @@ run's loop applies, computes and hands each gradient to its callback, step after
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.worker.allreduce.step import build_steps  # noqa: E402
-
-MODEL = textwrap.dedent("""
-    import keras
-
-    def model():
-        x = keras.Input(shape=(3,))
-        h = keras.layers.Dense(4, name="hidden")(x)
-        return keras.Model(x, keras.layers.Dense(1, name="out")(h))
-
-    def loss(labels, predictions):
-        return keras.ops.mean(keras.ops.square(labels - predictions))
-
-    def optimizer():
-        return keras.optimizers.SGD(0.1)
-
-    def feed(batch):
-        return batch["x"], batch["y"]
-""")
-
-LR = 0.1
+from tests.unit.worker.tiny import LR, bound, tiny  # noqa: E402
 
 
 def no_loop(loss, flat):
@@ -40,14 +18,11 @@ def no_loop(loss, flat):
 
 
 @pytest.fixture()
-def tiny(tmp_path):
-    (tmp_path / "m.py").write_text(MODEL)
-    model_def = load_model_def(str(tmp_path / "m.py"))
-    model = model_def.model()
+def tiny_model(tmp_path):
+    """(model definition, model, its optimizer built, 8 records)."""
+    model_def, model, data = tiny(tmp_path)
     optimizer = model_def.optimizer()
     optimizer.build(model.trainable_variables)
-    rng = np.random.default_rng(0)
-    data = (tf.constant(rng.normal(size=(8, 3)), tf.float32), tf.constant(rng.normal(size=(8, 1)), tf.float32))
     return model_def, model, optimizer, data
 
 
@@ -62,12 +37,8 @@ def loss_and_flat(model, x, y) -> tuple[float, np.ndarray]:
     return float(loss), np.concatenate([g.numpy().ravel() for g in grads])
 
 
-def bound(b: int):
-    return tf.constant([b], tf.int64)
-
-
-def test_a_minibatchs_gradient_is_the_models_in_one_flat_buffer(tiny):
-    model_def, model, optimizer, data = tiny
+def test_a_minibatchs_gradient_is_the_models_in_one_flat_buffer(tiny_model):
+    model_def, model, optimizer, data = tiny_model
     steps = build_steps(model_def, model, optimizer, no_loop)
     assert steps.size == weights(model).size
     loss, flat = steps.grad_step(data)
@@ -80,8 +51,8 @@ def test_a_minibatchs_gradient_is_the_models_in_one_flat_buffer(tiny):
     np.testing.assert_allclose(flat.numpy(), want_flat, rtol=1e-5, atol=1e-6)
 
 
-def test_an_average_applies_through_the_optimizer_and_an_undo_goes_back_to_the_kept_state(tiny):
-    model_def, model, optimizer, data = tiny
+def test_an_average_applies_through_the_optimizer_and_an_undo_goes_back_to_the_kept_state(tiny_model):
+    model_def, model, optimizer, data = tiny_model
     steps = build_steps(model_def, model, optimizer, no_loop)
     before = weights(model)
     mean = np.linspace(-1, 1, steps.size).astype(np.float32)
@@ -93,8 +64,8 @@ def test_an_average_applies_through_the_optimizer_and_an_undo_goes_back_to_the_k
     np.testing.assert_allclose(weights(model), before)
 
 
-def test_a_lease_step_after_a_step_computes_its_gradient_on_the_weights_that_step_left(tiny):
-    model_def, model, optimizer, data = tiny
+def test_a_lease_step_after_a_step_computes_its_gradient_on_the_weights_that_step_left(tiny_model):
+    model_def, model, optimizer, data = tiny_model
     steps = build_steps(model_def, model, optimizer, no_loop)
     before = weights(model)
     mean = np.full(steps.size, 0.5, np.float32)
@@ -107,10 +78,10 @@ def test_a_lease_step_after_a_step_computes_its_gradient_on_the_weights_that_ste
     np.testing.assert_allclose(weights(model), before)
 
 
-def test_a_runs_loop_hands_each_gradient_to_its_callback_and_applies_what_it_hands_back(tiny):
+def test_a_runs_loop_hands_each_gradient_to_its_callback_and_applies_what_it_hands_back(tiny_model):
     """Two steps in one call: each applies the average it was handed, then computes the next minibatch's gradient
     on the weights that left; the callback hands back the next average and records, or stops the loop."""
-    model_def, model, optimizer, data = tiny
+    model_def, model, optimizer, data = tiny_model
     seen = []
 
     def step_done(loss, flat):

@@ -4,47 +4,23 @@ of its minibatches' gradients; a call on copies of the shards applies each minib
 
 from __future__ import annotations
 
-import textwrap
-
 import numpy as np
 import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from elastic_step.model_def import load_model_def  # noqa: E402
 from elastic_step.ps.api import Placement, variable_names  # noqa: E402
 from elastic_step.worker.ps.step import build_steps  # noqa: E402
-
-MODEL = textwrap.dedent("""
-    import keras
-
-    def model():
-        x = keras.Input(shape=(3,))
-        h = keras.layers.Dense(4, name="hidden")(x)
-        return keras.Model(x, keras.layers.Dense(1, name="out")(h))
-
-    def loss(labels, predictions):
-        return keras.ops.mean(keras.ops.square(labels - predictions))
-
-    def optimizer():
-        return keras.optimizers.SGD(0.1)
-
-    def feed(batch):
-        return batch["x"], batch["y"]
-""")
+from tests.unit.worker.tiny import LR, bound, tiny  # noqa: E402
 
 SHARDS = 2
 
 
 @pytest.fixture()
-def tiny(tmp_path):
-    (tmp_path / "m.py").write_text(MODEL)
-    model_def = load_model_def(str(tmp_path / "m.py"))
-    model = model_def.model()
-    placement = Placement.of(model, SHARDS)
-    rng = np.random.default_rng(0)
-    data = (tf.constant(rng.normal(size=(8, 3)), tf.float32), tf.constant(rng.normal(size=(8, 1)), tf.float32))
-    return model_def, model, placement, data
+def tiny_model(tmp_path):
+    """(model definition, model, placement over SHARDS shards, 8 records)."""
+    model_def, model, data = tiny(tmp_path)
+    return model_def, model, Placement.of(model, SHARDS), data
 
 
 def flats_of(model, placement, values=None) -> list[np.ndarray]:
@@ -70,12 +46,8 @@ def loss_and_grads(model, x, y, values=None):
     return float(loss), {n: g.numpy() for n, g in zip(names, grads)}
 
 
-def bound(b: int):
-    return tf.constant([b], tf.int64)
-
-
-def test_a_step_gives_the_models_loss_and_its_gradient_laid_out_over_the_shards(tiny):
-    model_def, model, placement, data = tiny
+def test_a_step_gives_the_models_loss_and_its_gradient_laid_out_over_the_shards(tiny_model):
+    model_def, model, placement, data = tiny_model
     steps = build_steps(model_def, model, placement)
     assert steps.copies_step is None and steps.copies == []
     assert [int(spec.shape[0]) for spec in steps.flat_specs] == [f.size for f in flats_of(model, placement)]
@@ -87,8 +59,8 @@ def test_a_step_gives_the_models_loss_and_its_gradient_laid_out_over_the_shards(
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_step_runs_on_the_values_it_is_given_not_the_models_variables(tiny):
-    model_def, model, placement, data = tiny
+def test_a_step_runs_on_the_values_it_is_given_not_the_models_variables(tiny_model):
+    model_def, model, placement, data = tiny_model
     steps = build_steps(model_def, model, placement)
     given = {n: v.numpy() + 0.5 for n, v in zip(variable_names(model), model.trainable_variables)}
     loss, dense, _ = steps.step(data, bound(0), bound(8), [tf.constant(f) for f in flats_of(model, placement, given)])
@@ -98,8 +70,8 @@ def test_a_step_runs_on_the_values_it_is_given_not_the_models_variables(tiny):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_group_step_pushes_the_mean_of_its_minibatches_gradients(tiny):
-    model_def, model, placement, data = tiny
+def test_a_group_step_pushes_the_mean_of_its_minibatches_gradients(tiny_model):
+    model_def, model, placement, data = tiny_model
     steps = build_steps(model_def, model, placement, minibatch_size=4, minibatches_per_push=2)
     loss, dense, _ = steps.step(data, bound(0), bound(8), [tf.constant(f) for f in flats_of(model, placement)])
     (loss_a, grads_a), (loss_b, grads_b) = (
@@ -111,8 +83,8 @@ def test_a_group_step_pushes_the_mean_of_its_minibatches_gradients(tiny):
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_a_call_on_copies_applies_each_minibatchs_update_to_them_in_turn(tiny):
-    model_def, model, placement, data = tiny
+def test_a_call_on_copies_applies_each_minibatchs_update_to_them_in_turn(tiny_model):
+    model_def, model, placement, data = tiny_model
     steps = build_steps(model_def, model, placement, on_copies=True)
     assert len(steps.copies) == SHARDS and not steps.copies_carry_state
     values = {n: v.numpy() for n, v in zip(variable_names(model), model.trainable_variables)}
@@ -125,6 +97,6 @@ def test_a_call_on_copies_applies_each_minibatchs_update_to_them_in_turn(tiny):
         assert float(losses[k]) == pytest.approx(loss, rel=1e-5)
         for shard, want in enumerate(flats_of(model, placement, g)):
             np.testing.assert_allclose(grads[shard][k].numpy(), want, rtol=1e-5, atol=1e-6)
-        values = {n: values[n] - 0.1 * g[n] for n in values}
+        values = {n: values[n] - LR * g[n] for n in values}
     for copy, want in zip(steps.copies, flats_of(model, placement, values)):
         np.testing.assert_allclose(copy.values().numpy(), want, rtol=1e-5, atol=1e-6)
