@@ -1,5 +1,6 @@
 """The worker of `--strategy allreduce`: synchronous SGD over an elastic ring AllReduce.
 
+- process.py: the worker process of this strategy, wired from its command line;
 - member.py: a member of the master's membership, which trains runs of steps and commits them atomically;
 - trainer.py: the model, the user's optimizer and the state a run is applied beyond and goes back to;
 - step.py: the member's step graph, compiled by a builder from the model and its optimizer alone;

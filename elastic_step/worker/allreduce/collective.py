@@ -60,11 +60,12 @@ PIECE_VALUES = 1 << 20  # float32 values per frame (4 MB: fewer frames, system c
 class StateProvider:
     """What PullState serves: the worker's applied step and a snapshot of its variables."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[], tuple[int, list[np.ndarray], dict]] | None = None) -> None:
+        """`snapshot`: () -> (number of model weights, weights then optimizer variables, the records they hold);
+        None: no state to serve (PullState answers UNAVAILABLE)."""
         self.cv = threading.Condition()
         self.applied_step = -1
-        # () -> (number of model weights, weights then optimizer variables, the records they hold)
-        self.snapshot: Callable[[], tuple[int, list[np.ndarray], dict]] | None = None
+        self.snapshot = snapshot
 
     def set_applied(self, step: int) -> None:
         with self.cv:
