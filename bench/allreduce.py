@@ -160,7 +160,7 @@ def free_ports(k: int) -> list[int]:
 
 
 def _ours(rank: int, n: int, rendezvous, shared_memory: bool = True):
-    from elastic_step.worker import collective
+    from elastic_step.worker.allreduce import collective
 
     name = f"worker-{rank}"
     ring = collective.Ring(TOKEN, name, "127.0.0.1", shared_memory)

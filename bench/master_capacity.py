@@ -1,7 +1,7 @@
 """How many workers can one master serve? The real gRPC master against thousands of simulated workers.
 
 No TensorFlow: each simulated worker is a coroutine with its own grpc.aio channel (as each worker pod has its
-own connection), many to a client process, doing what `elastic_step.worker.loop` does minus the compute:
+own connection), many to a client process, doing what `elastic_step.worker.ps.loop` does minus the compute:
 register (coming back when the master says so), then lease after lease, a report at the master's pace and at
 each lease's end, until DONE or the window ends. Register, GetTask and ReportProgress go on the worker's Session
 stream, as MasterClient sends them (--unary: as unary calls, the path before the stream).
@@ -116,7 +116,7 @@ class _SessionCalls:
 
 
 async def _simulated_worker(address, index, minibatch, think_s, unary, halt, stats) -> None:
-    """One worker as elastic_step.worker.loop drives the master, minus the compute, on its Session stream:
+    """One worker as elastic_step.worker.ps.loop drives the master, minus the compute, on its Session stream:
     register, then lease after lease, a report at most every `report_interval_s` (the master's pace) and at each
     lease's end, honouring every "come back after" the master answers."""
     import grpc

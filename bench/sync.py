@@ -169,7 +169,7 @@ def elastic(model_path: str, data: pathlib.Path, workers: int, epochs: int, out:
         max_workers=workers,
         **values,
     )
-    # Each worker's own profile of its steps (allreduce_loop.StepProfile), as its log ends it.
+    # Each worker's own profile of its steps (worker/allreduce/member.py: StepProfile), as its log ends it.
     for log_file in sorted(out.rglob("worker-*.log")):
         for line in log_file.read_text(errors="replace").splitlines():
             if "where my steps' time went" in line:

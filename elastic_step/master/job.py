@@ -558,7 +558,7 @@ class TrainingJob:
         `final`: the state of the last committed step, finalized as `fit` leaves a model (with use_ema, the
         moving averages); else whatever step the member is at. Returns
         the records those weights hold, as the member accounted them (the audit's evidence)."""
-        from elastic_step.worker.collective import pull_state
+        from elastic_step.instance.collective_client import pull_state
 
         def load(num_model, values):
             for var, value in zip(model.weights, values[:num_model]):

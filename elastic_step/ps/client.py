@@ -176,7 +176,7 @@ class PSClient:
 
     def pull_with_optimizer(self) -> list[tuple[int, np.ndarray, list[np.ndarray]]]:
         """Each shard's (version, flat dense values, its optimizer's variables) at one moment, in shard order:
-        for a worker that applies the shards' updates to a copy of its own (worker/trainer.py)."""
+        for a worker that applies the shards' updates to a copy of its own (worker/ps/trainer.py)."""
         with moved_shards_named():
             futures = [
                 s.PullDense.future(pb.PullDenseRequest(token=self.token, optimizer=True), timeout=self.timeout)

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 
 from elastic_step.data.api import AppliedRecords
-from elastic_step.optimizers import moving_averages, updater, without_clipping
+from elastic_step.optimizers import without_clipping
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import tensors
@@ -28,29 +28,13 @@ from elastic_step.ps.api import (
     Placement,
     PushKey,
     layout_mismatch,
-    named_variables,
 )
 from elastic_step.ps.doorbell import DoorbellServer, Dropped, FencedPush, Refused
 from elastic_step.ps.push_slots import SharedSegments
+from elastic_step.ps.shard_graph import build_graph, compile_graph, shard_variables
 from elastic_step.util.phases import phase
 
 log = logging.getLogger("elastic_step.ps")
-
-
-# Optimizers whose update of an element depends only on that element's gradient and slots: on them
-# a shard's dense variables can be one flat variable, updated by a handful of ops per push instead
-# of a handful per variable (the same arithmetic, a fraction of the op dispatch).
-ELEMENTWISE_OPTIMIZERS = frozenset({"SGD", "Adam", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Ftrl", "Lion"})
-
-
-def updates_elementwise(optimizer) -> bool:
-    """True for a stock Keras optimizer without per-variable options (weight decay can exclude
-    variables by name). Clipping is the workers' (see elastic_step/optimizers.py)."""
-    return (
-        type(optimizer).__name__ in ELEMENTWISE_OPTIMIZERS
-        and type(optimizer).__module__.startswith("keras.")
-        and not getattr(optimizer, "weight_decay", None)
-    )
 
 
 class ParameterShard:
@@ -58,7 +42,7 @@ class ParameterShard:
     state (TensorFlow inside)."""
 
     def __init__(self, model, optimizer, placement: Placement, shard: int, serve: bool = True):
-        """`serve` False: a worker's copy of the shard (trainer.py), updated inside the worker's own compiled
+        """`serve` False: a worker's copy of the shard (worker/ps/step.py), updated inside the worker's own compiled
         call through `update` and `values`: nothing of its own is traced."""
         import tensorflow as tf
 
@@ -67,46 +51,14 @@ class ParameterShard:
         self.num_ps = placement.num_ps
         # A norm to clip by spans every shard's gradients: the worker clips each push as the optimizer
         # would, before splitting it over the shards.
-        optimizer = without_clipping(optimizer)
-        values = named_variables(model)
-        self.dense_names = placement.weights_on(shard)
-        state_names = placement.state_on(shard)
-        if (
-            updates_elementwise(optimizer)
-            and self.dense_names
-            and all(values[n].dtype == "float32" for n in self.dense_names)
-        ):
-            flat = np.concatenate([values[n].numpy().astype(np.float32).ravel() for n in self.dense_names])
-            dense_vars = [tf.Variable(flat, name="dense_flat")]
-        else:
-            # Named as the model's variables, so that weight decay excludes the ones a user names.
-            dense_vars = [tf.Variable(values[n].numpy(), name=values[n].name) for n in self.dense_names]
-        self.tables: dict[str, tf.Variable] = {
-            name: tf.Variable(values[name].numpy()[shard :: self.num_ps], name=f"e{i}")
-            for i, name in enumerate(placement.embeddings)
-        }
-        tables = list(self.tables.values())
-        # The state (BatchNormalization's moving statistics) is no optimizer's: a push adds how the
-        # worker's step changed it, so every step's update lands, as in one process.
-        state = tf.Variable(
-            np.concatenate(
-                [values[n].numpy().astype(np.float32).ravel() for n in state_names] + [np.zeros(0, np.float32)]
-            ),
-            name="state_flat",
-        )
-        self.dense_vars = dense_vars
-        self.state = state
-        self.optimizer = optimizer
-        self.optimizer.build(dense_vars + tables)
-        tables_named = self.tables.items()
-        # Every value a checkpoint of this shard holds, (name, shape, dtype), in order: a restore checks each.
-        self.layout = (
-            [(values[n].path, tuple(values[n].shape), values[n].dtype) for n in self.dense_names + state_names]
-            + [(f"{values[n].path} (its rows on shard {shard})", tuple(t.shape), t.dtype.name) for n, t in tables_named]
-            + [(v.path, tuple(v.shape), v.dtype) for v in self.optimizer.variables]
-        )
-        weights_size = sum(int(v.shape.num_elements()) for v in dense_vars)
-        self.dense_size = weights_size + int(state.shape.num_elements())
+        variables = shard_variables(model, without_clipping(optimizer), placement, shard)
+        self.dense_names = variables.dense_names
+        self.tables: dict[str, tf.Variable] = variables.tables
+        self.dense_vars = variables.dense_vars
+        self.state = variables.state
+        self.optimizer = variables.optimizer
+        self.layout = variables.layout
+        self.dense_size = variables.dense_size
         self.version = 0
         self.applied: set[tuple[int, int]] = set()
         self.applied_records = AppliedRecords()
@@ -116,106 +68,20 @@ class ParameterShard:
         self.touched: dict[str, set[int]] = {n: set() for n in self.tables}
         self.lock = threading.Lock()
         self._taken: tuple[int, dict] | None = None  # (checkpoint, state arrays): taken, not yet sent
-        sizes = [int(v.shape.num_elements()) for v in dense_vars]
-        update_variables = updater(optimizer, dense_vars + tables)
-
-        def flat_values():
-            return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in dense_vars] + [state], 0)
-
-        # One call per push: split the flat gradient, apply the user's optimizer to the dense
-        # variables and the pushed embedding rows, add the state's change, and read the fresh flat
-        # values back. Traced once into a concrete function (any number of rows per table): for a
-        # small model, matching arguments against traces and a second call for the read cost as
-        # much as the update.
-        def apply(flat_grad, table_ids, table_values):
-            flat_grad, state_change = tf.split(flat_grad, [weights_size, self.dense_size - weights_size])
-            state.assign_add(state_change)
-            grads = [
-                tf.cast(tf.reshape(g, v.shape), v.dtype)
-                for g, v in zip(tf.split(flat_grad, sizes) if sizes else [], dense_vars)
-            ]
-            for ids, rows, table in zip(table_ids, table_values, tables):
-                grads.append(tf.IndexedSlices(rows, ids // self.num_ps, tf.shape(table, out_type=tf.int64)))
-            update_variables(grads)
-            return flat_values()
-
-        def update(flat_grad):
-            """One minibatch's update of a shard without tables (the dense part only): its fresh values."""
-            return apply(flat_grad, [], [])
-
-        def apply_many(flat_grads):
-            """The updates of several minibatches, in turn (one push of several, see push_many)."""
-            _, fresh = tf.while_loop(
-                lambda k, _: k < tf.shape(flat_grads)[0],
-                lambda k, _: (k + 1, update(flat_grads[k])),
-                (tf.constant(0), flat_values()),
-            )
-            return fresh
-
-        # A copy's whole state as float32 words: its flat values, then each optimizer variable's bytes (the
-        # iteration count included, bit for bit). A lone worker hands the shard these after a call instead of
-        # the shard running the same updates again (push_many). 0 words: not offered (a variable that is not
-        # float32 or not whole words, whose values would not come back bit for bit).
-        opt_vars = list(self.optimizer.variables)
-        opt_words = [int(v.shape.num_elements()) * np.dtype(v.dtype).itemsize // 4 for v in opt_vars]
-        whole = all(np.dtype(v.dtype).itemsize % 4 == 0 for v in opt_vars) and all(
-            v.dtype == tf.float32 for v in dense_vars
-        )
-        self.state_words = self.dense_size + sum(opt_words) if whole else 0
+        graph = build_graph(variables, self.num_ps)
+        self.state_words = graph.state_words
         self.states_taken = 0
         # The newest state taken (push_many), not yet in the variables: loaded once they are read or updated
-        # (_settle). A lone worker's every push then costs the shard a copy, not a call into TensorFlow (the digits
-        # CNN's, 565k words: 0.05 ms against 1.0 ms of the shard's CPU).
+        # (_settle). A lone worker's every push then costs the shard a copy, not a call into TensorFlow.
         self._kept: np.ndarray | None = None
         self._kept_new = False
-
-        def words():
-            parts = [flat_values()]
-            for v in opt_vars:
-                t = tf.convert_to_tensor(v)
-                parts.append(tf.reshape(t if t.dtype == tf.float32 else tf.bitcast(t, tf.float32), [-1]))
-            return tf.concat(parts, 0)
-
-        def load_words(flat):
-            """`words` back into the variables, in one call (assigning from numpy, variable by variable,
-            costs as much as the updates it spares)."""
-            values, state_part, *opt_parts = tf.split(flat, [weights_size, self.dense_size - weights_size, *opt_words])
-            for v, part in zip(dense_vars, tf.split(values, sizes) if sizes else []):
-                v.assign(tf.reshape(part, v.shape))
-            state.assign(state_part)
-            for v, part in zip(opt_vars, opt_parts):
-                dtype = tf.as_dtype(v.dtype)
-                if dtype != tf.float32:
-                    part = tf.bitcast(tf.reshape(part, [-1, dtype.size // 4]), dtype)
-                v.assign(tf.reshape(part, v.shape))
-
-        self.update, self.values, self.words = update, flat_values, words
+        self.update, self.values, self.words = graph.update, graph.values, graph.words
         self._apply_many = self._final = None
         if not serve:
             return
-        self._apply = tf.function(apply).get_concrete_function(
-            tf.TensorSpec([self.dense_size], tf.float32),
-            [tf.TensorSpec([None], tf.int64) for _ in tables],
-            [tf.TensorSpec([None, *t.shape[1:]], t.dtype) for t in tables],
-        )
-        if not tables:
-            self._apply_many = tf.function(apply_many).get_concrete_function(
-                tf.TensorSpec([None, self.dense_size], tf.float32)
-            )
-        self._read = tf.function(flat_values).get_concrete_function()
-        if self.state_words:
-            self._load_words = tf.function(load_words).get_concrete_function(
-                tf.TensorSpec([self.state_words], tf.float32)
-            )
-        averages = moving_averages(optimizer, dense_vars + tables)
-        if averages is not None:  # use_ema: the final model holds the averages, as after fit
-            dense_averages, table_averages = averages[: len(dense_vars)], averages[len(dense_vars) :]
-
-            def final_values():
-                flat = tf.concat([tf.reshape(tf.cast(a, tf.float32), [-1]) for a in dense_averages] + [state], 0)
-                return flat, table_averages
-
-            self._final = tf.function(final_values).get_concrete_function()
+        compiled = compile_graph(variables, graph)
+        self._apply, self._apply_many, self._read = compiled.apply, compiled.apply_many, compiled.read
+        self._load_words, self._final = compiled.load_words, compiled.final
 
     def push(
         self,

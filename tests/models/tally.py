@@ -13,7 +13,7 @@ times its record was applied: `epochs` for a train record, 0 for an eval record.
 a record held twice by one allreduce step would count once. Nothing else is.)
 
 With TALLY_TABLE=0 the model has the Dense kernel alone: no table, so in `ps` mode a worker runs
-several minibatches a call on its copies of the shards (worker/trainer.py).
+several minibatches a call on its copies of the shards (worker/ps/trainer.py).
 """
 
 from __future__ import annotations

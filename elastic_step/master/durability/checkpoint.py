@@ -309,7 +309,7 @@ class JobCheckpoints:
     def _save_members(self, ckpt_id: int):
         """Rank 0's state at the last committed step (no step commits meanwhile), written by the master (by the
         function returned)."""
-        from elastic_step.worker.collective import pull_state
+        from elastic_step.instance.collective_client import pull_state
 
         rdv = self.coord.rendezvous
         with self.coord.lock:

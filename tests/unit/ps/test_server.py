@@ -13,9 +13,10 @@ keras = pytest.importorskip("keras")
 
 from elastic_step import optimizers  # noqa: E402
 from elastic_step.data.api import skipped_key  # noqa: E402
-from elastic_step.ps import server  # noqa: E402
+from elastic_step.ps import server, shard_graph  # noqa: E402
 from elastic_step.ps.api import Placement  # noqa: E402
-from elastic_step.ps.server import ParameterShard, updates_elementwise  # noqa: E402
+from elastic_step.ps.server import ParameterShard  # noqa: E402
+from elastic_step.ps.shard_graph import updates_elementwise  # noqa: E402
 
 
 def small_model():
@@ -27,7 +28,7 @@ def small_model():
 
 def shard(optimizer, monkeypatch=None, fused=True):
     if not fused:
-        monkeypatch.setattr(server, "updates_elementwise", lambda _opt: False)
+        monkeypatch.setattr(shard_graph, "updates_elementwise", lambda _opt: False)
     m = small_model()
     return ParameterShard(m, optimizer, Placement.of(m, 1), 0)
 

@@ -45,7 +45,7 @@ from collections.abc import Callable
 import numpy as np
 
 from elastic_step.util.shared_memory import SharedMemoryUnavailable
-from elastic_step.worker.ring_lane import Lane
+from elastic_step.worker.allreduce.ring_lane import Lane
 
 log = logging.getLogger("elastic_step.worker")
 

@@ -28,12 +28,12 @@ apply every gradient with their own). The number of minibatches a call is sized 
 step time (CALL_S), so a user tunes nothing.
 
 Several minibatches a call only while the worker trains alone (Company): with others pushing, a call of
-CALL_S is local SGD, hundreds of the digits MLP's steps before the worker takes the others' (a 2-worker digits
-job reached 0.81 accuracy where async SGD reaches 0.96). So once the shards' versions show another worker's
-pushes, the worker trains as a worker without copies does (one minibatch a call on the shards' newest values,
-which each push brings back, with as many pushes in flight as pushes_in_flight says), until it has
-seen itself alone again for ALONE_AGAIN minibatches in a row; then, its pushes all back, the copies take the
-shards' values and optimizer state once more.
+CALL_S is local SGD, hundreds of a small model's steps before the worker takes the others', and it trains to a
+worse model than async SGD does (docs/benchmarks.md, the throughput section). So once the shards' versions show
+another worker's pushes, the worker trains as a worker without copies does (one minibatch a call on the shards'
+newest values, which each push brings back, with as many pushes in flight as pushes_in_flight says), until it
+has seen itself alone again for ALONE_AGAIN minibatches in a row; then, its pushes all back, the copies take
+the shards' values and optimizer state once more.
 """
 
 from __future__ import annotations
@@ -47,29 +47,24 @@ from typing import NamedTuple
 import numpy as np
 
 from elastic_step.data.api import skipped_key
-from elastic_step.optimizers import clip_gradients, clips
-from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, state_variables, variable_names
+from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
 from elastic_step.ps.doorbell import MAX_MINIBATCHES
-from elastic_step.ps.server import ParameterShard
 from elastic_step.util.phases import phase
 from elastic_step.worker.finite import NonFinite
+from elastic_step.worker.ps.step import PSSteps, build_steps
 from elastic_step.worker.records import Records
 
 log = logging.getLogger("elastic_step.worker")
 
 # Several minibatches a call: about this long a call (from the measured time of a minibatch), at most half a lease.
 # Long enough that a call's fixed costs (the call, the push, the shard's taking of the state, a report) weigh
-# little, and that a lease of a ~6 ms step (the digits CNN's, 32 minibatches) goes in 2 calls, not 3 when the step
-# runs a little slow: 0.2 s against 0.1 s, the CNN's lone worker faster in 10 of 13 paired runs (median +4.6 % in
-# 8), as 0.1 s was against 0.05 s (9 of 10); the MLP's calls are half a lease either way. Short enough that a
+# little, and that a lease of a small model's minibatches goes in 2 calls, not 3 when the step runs a little slow
+# (the choice against shorter calls: docs/benchmarks.md, the throughput section). Short enough that a
 # checkpoint's hold waits little for a call.
 CALL_S = 0.2
 # At most this many bytes of gradients a push (its shared slot holds them): a large model runs fewer a call.
 MAX_CALL_BYTES = 16 << 20
-# A copy's state (values and optimizer slots: Adam's are 3x the model) rides in each push only up to this size:
-# beyond it the shared slots would hold more than the model several times over, in /dev/shm.
-MAX_STATE_BYTES = 64 << 20
 # After another worker's push, one minibatch a call until this many of this worker's own in a row found no
 # other's push on the shards (a few leases: another worker that only paused, waiting for work, is seen back).
 ALONE_AGAIN = 256
@@ -144,210 +139,25 @@ class PSTrainer:
         self.variables = dict(zip(self.names, model.trainable_variables))
         self.table_names = [n for n in self.names if n in placement.embeddings]
         self._ids_of = self._id_extractor(keras, model)
-        trainable = model.trainable_variables
-        state_vars = model.non_trainable_variables
-        # Each shard's flat buffer, in order: ("weight", position in trainable) or ("state", position
-        # in state_vars). A push carries the weights' gradients and how the step changed the state.
-        where = {
-            **{n: ("weight", i) for i, n in enumerate(self.names)},
-            **{n: ("state", i) for n, i in state_variables(model)},
-        }
-        layouts = [[where[n] for n in placement.dense_on(s)] for s in range(placement.num_ps)]
-        table_pos = [self.names.index(n) for n in self.table_names]
-
-        def flat(tensors_):
-            if not tensors_:
-                return tf.zeros([0], tf.float32)
-            return tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors_], 0)
-
-        def var(kind, i):
-            return trainable[i] if kind == "weight" else state_vars[i]
-
-        part_sizes = [[int(var(*at).shape.num_elements()) for at in layout] for layout in layouts]
-
-        def unpack(flats):
-            """Each trainable's value and each pushed state's, from the shards' flat buffers."""
-            values, state = [None] * len(trainable), {}
-            for layout, sizes_, buf in zip(layouts, part_sizes, flats):
-                for (kind, i), part in zip(layout, tf.split(buf, sizes_) if layout else []):
-                    v = var(kind, i)
-                    value = tf.cast(tf.reshape(part, v.shape), v.dtype)
-                    if kind == "weight":
-                        values[i] = value
-                    else:
-                        state[i] = value
-            for i in table_pos:  # tables stay variables: the rows a minibatch needs are pulled into them
-                values[i] = tf.convert_to_tensor(trainable[i].value)
-            return values, state
-
-        def dense_grad(g, i):
-            return tf.zeros_like(trainable[i]) if g is None else tf.convert_to_tensor(g)
-
-        def table_grad(g, i):
-            """A table's gradient as (ids, rows): only the rows it touched."""
-            if g is None:
-                return tf.zeros([0], tf.int64), tf.zeros([0, trainable[i].shape[1]], trainable[i].dtype)
-            if not isinstance(g, tf.IndexedSlices):  # a dense gradient of a table: keep touched rows
-                rows = tf.where(tf.reduce_any(tf.not_equal(g, 0), axis=1))[:, 0]
-                return rows, tf.gather(g, rows)
-            return tf.cast(g.indices, tf.int64), g.values
-
-        clipper = model_def.optimizer()  # its clipping options: the shards' copies do not clip
-        dense_pos = [i for i in range(len(trainable)) if i not in table_pos]
-
-        def pack(grads, state_delta, tables):
-            """One flat buffer per PS shard (one tensor on the wire instead of one per variable), and
-            each table's unique ids with their summed rows, clipped as the user's optimizer clips a
-            step's gradients (a table's by the rows it touched: the rest of its gradient is zeros)."""
-            sparse = []
-            for ids, rows in tables:
-                ids, pos = tf.unique(ids)
-                sparse.append((ids, tf.math.unsorted_segment_sum(rows, pos, tf.size(ids))))
-            grads = {i: dense_grad(grads[i], i) for i in dense_pos}
-            if clips(clipper):
-                clipped = clip_gradients(clipper, [grads[i] for i in dense_pos] + [rows for _, rows in sparse])
-                grads = dict(zip(dense_pos, clipped))
-                sparse = [(ids, rows) for (ids, _), rows in zip(sparse, clipped[len(dense_pos) :])]
-            dense = [
-                flat([state_delta[i] if kind == "state" else grads[i] for kind, i in layout]) for layout in layouts
-            ]
-            return dense, sparse
-
-        def gradients(data, lo, hi, values, state):
-            """Loss, gradients and new state of records [lo, hi) of the lease's tensors: `data` is
-            (features, labels) or (features, labels, sample weights)."""
-            # The minibatch is sliced from its lease's tensors here, in the graph: no Python per step.
-            # (One op per tensor: `lo`/`hi` are [lo]/[hi], the other dimensions taken whole.)
-            features, labels, *weights = tf.nest.map_structure(lambda t: tf.strided_slice(t, lo, hi), data)
-            with tf.GradientTape() as tape:
-                tape.watch(values)
-                loss, new_state = model_def.training_loss(
-                    model, features, labels, *weights, trainable_values=values, state_values=state
-                )
-            return loss, tape.gradient(loss, values), new_state
-
-        @tf.function(reduce_retracing=True)
-        def step(data, begin, end, flats):
-            values, state = unpack(flats)
-            loss, grads, new_state = gradients(data, begin, end, values, state)
-            return (
-                loss,
-                *pack(grads, {i: new_state[i] - state[i] for i in state}, [table_grad(grads[i], i) for i in table_pos]),
-            )
-
-        @tf.function(reduce_retracing=True)
-        def group_step(data, begin, end, flats):
-            # Several minibatches at the same values, one after another (each minibatch_size records,
-            # the last maybe fewer), in one call: the mean of their gradients is pushed once, as Keras's
-            # gradient_accumulation_steps applies it. The state (batch norm's statistics) runs on from
-            # one minibatch to the next.
-            values, state = unpack(flats)
-            n = tf.cast((end[0] - begin[0] + minibatch_size - 1) // minibatch_size, tf.int32)
-            tas = [
-                (
-                    tf.TensorArray(tf.int64, size=n, infer_shape=False),
-                    tf.TensorArray(trainable[i].dtype, size=n, infer_shape=False),
-                )
-                for i in table_pos
-            ]
-
-            def body(k, loss_sum, sums, state_k, tas):
-                lo = begin + tf.cast(k, tf.int64) * minibatch_size
-                loss, grads, new_state = gradients(data, lo, tf.minimum(lo + minibatch_size, end), values, state_k)
-                sums = [s + dense_grad(grads[i], i) for s, i in zip(sums, dense_pos)]
-                tas = [
-                    (ids_ta.write(k, ids), rows_ta.write(k, rows))
-                    for (ids_ta, rows_ta), (ids, rows) in zip(tas, (table_grad(grads[i], i) for i in table_pos))
-                ]
-                return k + 1, loss_sum + tf.cast(loss, tf.float32), sums, new_state, tas
-
-            _, loss_sum, sums, last_state, tas = tf.while_loop(
-                lambda k, *_: k < n,
-                body,
-                (tf.constant(0), tf.constant(0.0), [tf.zeros_like(trainable[i]) for i in dense_pos], state, tas),
-            )
-            count = tf.cast(n, tf.float32)
-            grads = [None] * len(trainable)
-            for s, i in zip(sums, dense_pos):
-                grads[i] = s / tf.cast(count, s.dtype)
-            tables = [
-                (ids_ta.concat(), rows_ta.concat() / tf.cast(count, trainable[i].dtype))
-                for (ids_ta, rows_ta), i in zip(tas, table_pos)
-            ]
-            return (loss_sum / count, *pack(grads, {i: last_state[i] - state[i] for i in state}, tables))
-
-        self._step = step if minibatches_per_push == 1 else group_step
         # Several minibatches a call, on copies of the shards (see the module's docstring): for dense shards.
         self.local = minibatches_per_push == 1 and not self.table_names
+        steps = build_steps(
+            model_def,
+            model,
+            placement,
+            minibatch_size=minibatch_size,
+            minibatches_per_push=minibatches_per_push,
+            on_copies=self.local,
+            skip_non_finite=self.non_finite.skip,
+            state_may_ride=self.local and ps.carries_state(),
+        )
+        self._step = steps.step
         self._copies_pushes: set[concurrent.futures.Future] = set()  # pushes of calls on the copies, in flight
         self._step_pushes = 0  # with copies: pushes of one-minibatch steps (not on the copies) not yet finished
         if self.local:
-            copies = [
-                ParameterShard(model, model_def.optimizer(), placement, s, serve=False) for s in range(placement.num_ps)
-            ]
-            skip = self.non_finite.skip
-            # On one host a call's push also carries the copies' state after it, which a shard still at the
-            # state the call started from takes instead of running the same updates again (ParameterShard.
-            # push_many): the shard's update competes with the worker's step for the cores only there.
-            fits = all(0 < c.state_words * 4 <= MAX_STATE_BYTES for c in copies)
-            self._state_words = [c.state_words for c in copies] if ps.carries_state() and fits else None
-            words = self._state_words is not None
-
-            def local_steps(data, begins, ends):
-                # Minibatch k is [begins[k], ends[k]) of the lease's tensors; each is a step on the copies' current
-                # values, and the shard's update of the copies with its gradient (unless not finite, when
-                # skipping). Returns each one's loss, per shard its flat gradients [minibatches, floats], per
-                # shard the copy's state after them (when pushes carry it), and whether each one's loss and
-                # gradients are finite (so the push thread reads the gradients only when they are sent).
-                n = tf.size(begins)
-                losses = tf.TensorArray(tf.float32, size=n)
-                finites = tf.TensorArray(tf.bool, size=n)
-                grads_tas = [tf.TensorArray(tf.float32, size=n, element_shape=[c.dense_size]) for c in copies]
-
-                def body(k, flats, losses, finites, grads_tas):
-                    values, state = unpack(flats)
-                    loss, grads, new_state = gradients(data, begins[k][None], ends[k][None], values, state)
-                    dense, _ = pack(grads, {i: new_state[i] - state[i] for i in state}, [])
-                    loss = tf.cast(loss, tf.float32)
-                    finite = tf.reduce_all(
-                        [tf.math.is_finite(loss)] + [tf.reduce_all(tf.math.is_finite(g)) for g in dense]
-                    )
-                    if skip:
-                        flats = [
-                            tf.cond(finite, lambda c=c, g=g: c.update(g), lambda f=f: f)
-                            for c, g, f in zip(copies, dense, flats)
-                        ]
-                    else:
-                        flats = [c.update(g) for c, g in zip(copies, dense)]
-                    grads_tas = [ta.write(k, g) for ta, g in zip(grads_tas, dense)]
-                    return k + 1, flats, losses.write(k, loss), finites.write(k, finite), grads_tas
-
-                _, _, losses, finites, grads_tas = tf.while_loop(
-                    lambda k, *_: k < n,
-                    body,
-                    (tf.constant(0), [c.values() for c in copies], losses, finites, grads_tas),
-                )
-                states = [c.words() for c in copies] if words else []
-                return losses.stack(), [ta.stack() for ta in grads_tas], states, finites.stack()
-
-            self._copies = copies
-            self._local_steps = tf.function(local_steps)
-            self._traced_copies = None  # (input specs, concrete local_steps)
-            largest = max([c.dense_size for c in copies] + [1])
-            self._max_call = max(1, min(MAX_MINIBATCHES, MAX_CALL_BYTES // (4 * largest)))
-            self._minibatch_s: float | None = None  # measured, calls that traced left out
-            self._lose_track()  # nothing pulled yet: _expect (the shards' versions the copies match), _resync, _base
-            self._pending = 0  # pushes of calls on the copies handed over and not yet finished
-            self.company = Company()  # several minibatches a call only while alone
-            self._pusher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
-            # The push of one call in flight while the next computes; pushes_in_flight when not alone.
-            ps.reserve(max(2, pushes_in_flight), self._max_call, self._state_words)
-            log.info(
-                "dense shards: this worker applies their updates to copies of its own, up to %d minibatches a call",
-                self._max_call,
-            )
+            self._start_copies(steps, pushes_in_flight)
         self._traced = None  # (input specs, concrete step)
-        self._flat_specs = [tf.TensorSpec([sum(sizes_)], tf.float32) for sizes_ in part_sizes]
+        self._flat_specs = steps.flat_specs
         self._bound_spec = tf.TensorSpec([1], tf.int64)
         self._flats = None  # each shard's dense values, as the step's inputs
         self._versions = [-1] * placement.num_ps
@@ -355,6 +165,28 @@ class PSTrainer:
         self._depth = pushes_in_flight
         self._push_threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=pushes_in_flight, thread_name_prefix="push"
+        )
+
+    def _start_copies(self, steps: PSSteps, pushes_in_flight: int) -> None:
+        """Several minibatches a call on the copies of the shards that `steps` built: their call, the bookkeeping of
+        which shards' versions they match, and the push thread of their calls."""
+        copies = steps.copies
+        self._state_words = [c.state_words for c in copies] if steps.copies_carry_state else None
+        self._copies = copies
+        self._local_steps = steps.copies_step
+        self._traced_copies = None  # (input specs, concrete local_steps)
+        largest = max([c.dense_size for c in copies] + [1])
+        self._max_call = max(1, min(MAX_MINIBATCHES, MAX_CALL_BYTES // (4 * largest)))
+        self._minibatch_s: float | None = None  # measured, calls that traced left out
+        self._lose_track()  # nothing pulled yet: _expect (the shards' versions the copies match), _resync, _base
+        self._pending = 0  # pushes of calls on the copies handed over and not yet finished
+        self.company = Company()  # several minibatches a call only while alone
+        self._pusher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        # The push of one call in flight while the next computes; pushes_in_flight when not alone.
+        self.ps.reserve(max(2, pushes_in_flight), self._max_call, self._state_words)
+        log.info(
+            "dense shards: this worker applies their updates to copies of its own, up to %d minibatches a call",
+            self._max_call,
         )
 
     @staticmethod
@@ -381,8 +213,7 @@ class PSTrainer:
     def refresh_dense(self, unless_at: list[int] | None = None) -> None:
         """Pull the shards' current values now. For when this worker's values may be many updates
         old: at its start, after tracing its step (a second or more) and after it waited for work
-        (others pushed meanwhile). Gradients from such values, applied late, set the model back:
-        a 2-worker digits job's accuracy dipped from 0.96 to 0.67-0.89 in some runs.
+        (others pushed meanwhile). Gradients from such values, applied late, set the model back.
         With copies of the shards: their values and optimizer state, now, or once this worker's pushes in
         flight are back (the newest brings the shards' values).
         `unless_at`: the shards' versions (a checkpoint's cut): nothing is pulled when the copies are at them,
@@ -559,7 +390,7 @@ class PSTrainer:
 
     def _warm_step(self, batch: Minibatch) -> None:
         """Trace the one-minibatch step too, and run it once (its first run optimizes its graph), result
-        unused: once another worker's pushes show, this worker switches to it mid-job, where the ~0.1 s
+        unused: once another worker's pushes show, this worker switches to it mid-job, where that first run
         would be taken from training; here it is part of the start."""
         step = self._step_for(batch.specs)
         begin, end = (self.tf.constant([b], self.tf.int64) for b in (batch.bounds[0], batch.bounds[0] + 1))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_step.worker.ring_lane import Lane
+from elastic_step.worker.allreduce.ring_lane import Lane
 
 
 class SharedResult:

@@ -22,7 +22,7 @@ from elastic_step.proto import elastic_pb2_grpc as pb_grpc  # noqa: E402
 from elastic_step.ps.api import Placement, PushKey, load_named, named_variables  # noqa: E402
 from elastic_step.ps.client import PSClient  # noqa: E402
 from elastic_step.ps.server import ParameterServerService, ParameterShard  # noqa: E402
-from elastic_step.worker.trainer import ALONE_AGAIN, Company, PSTrainer  # noqa: E402
+from elastic_step.worker.ps.trainer import ALONE_AGAIN, Company, PSTrainer  # noqa: E402
 
 TOKEN = "t0ken"
 ROWS = 50
@@ -402,20 +402,26 @@ def keras_weighted_loss(net, rows, lo, hi, weights):
     return float(np.sum(weights[lo:hi] * (rows["y"][lo:hi] - p[:, 0]) ** 2) / (hi - lo))
 
 
+def assert_step_loss_is_keras(tmp_path, source, rows, lo, hi, weights, **options) -> None:
+    """The loss of records [lo, hi) of `rows`, as a trainer on the model `source` computes it, is Keras's loss of
+    them with these sample weights."""
+    gen = serve(tmp_path, source, **options)
+    t, _ps, ps_model = next(gen)
+    try:
+        result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
+        (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
+        assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
+    finally:
+        gen.close()
+
+
 def test_a_weight_column_weighs_each_records_loss_as_fits_sample_weight(tmp_path):
     """The data's weight column (named at prep) is each record's sample weight in the step, with inputs
     given as a tuple that holds strings; without it, every record weighs 1."""
     rows = weighted_rows(40)
     lo, hi = 8, 24
     for column, weights in (("w", rows["w"]), (None, np.ones(40))):
-        gen = serve(tmp_path, WEIGHTED, weight_column=column)
-        t, _ps, ps_model = next(gen)
-        try:
-            result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
-            (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
-            assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
-        finally:
-            gen.close()
+        assert_step_loss_is_keras(tmp_path, WEIGHTED, rows, lo, hi, weights, weight_column=column)
 
 
 def test_feed_may_return_sample_weights_and_class_weight_weighs_by_label(tmp_path):
@@ -430,14 +436,7 @@ def test_feed_may_return_sample_weights_and_class_weight_weighs_by_label(tmp_pat
     )
     by_class = WEIGHTED + "\ndef class_weight():\n    return {0: 0.5, 2: 4.0}\n"
     for source, weights in ((by_feed, rows["w"]), (by_class, np.array([0.5, 1.0, 4.0])[classes])):
-        gen = serve(tmp_path, source)
-        t, _ps, ps_model = next(gen)
-        try:
-            result = t.compute(t.minibatch(t.feed_lease(rows), lo, hi))
-            (loss,) = np.ravel(result.loss)  # a call of one minibatch (a model without tables: one loss each)
-            assert float(loss) == pytest.approx(keras_weighted_loss(ps_model, rows, lo, hi, weights), rel=1e-5)
-        finally:
-            gen.close()
+        assert_step_loss_is_keras(tmp_path, source, rows, lo, hi, weights)
 
 
 def test_a_minibatch_whose_loss_is_not_finite_is_never_pushed_and_names_its_records(trainer):

@@ -20,7 +20,7 @@ frames may still be in flight): the retry waits for the next membership version.
 
 The gRPC server answers `RingEndpoint` (the port of the member's ring listener, asked once per
 peer) and `PullState`: a newcomer asks a live peer for every model weight and optimizer variable
-once that peer has applied a given step.
+once that peer has applied a given step (instance/collective_client.py is its client).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
 from elastic_step.proto.rpc import check_token
-from elastic_step.worker.ring_result import SharedResult
-from elastic_step.worker.ring_transport import (
+from elastic_step.worker.allreduce.ring_result import SharedResult
+from elastic_step.worker.allreduce.ring_transport import (
     PEER_TIMEOUT_S,
     POLL_S,
     Aborted,
@@ -50,7 +50,7 @@ from elastic_step.worker.ring_transport import (
     connect,
 )
 
-__all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve", "pull_state", "Ring"]
+__all__ = ["Aborted", "PeerFailed", "StateProvider", "CollectiveService", "serve", "Ring"]
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -60,11 +60,12 @@ PIECE_VALUES = 1 << 20  # float32 values per frame (4 MB: fewer frames, system c
 class StateProvider:
     """What PullState serves: the worker's applied step and a snapshot of its variables."""
 
-    def __init__(self) -> None:
+    def __init__(self, snapshot: Callable[[], tuple[int, list[np.ndarray], dict]] | None = None) -> None:
+        """`snapshot`: () -> (number of model weights, weights then optimizer variables, the records they hold);
+        None: no state to serve (PullState answers UNAVAILABLE)."""
         self.cv = threading.Condition()
         self.applied_step = -1
-        # () -> (number of model weights, weights then optimizer variables, the records they hold)
-        self.snapshot: Callable[[], tuple[int, list[np.ndarray], dict]] | None = None
+        self.snapshot = snapshot
 
     def set_applied(self, step: int) -> None:
         with self.cv:
@@ -105,16 +106,6 @@ def serve(service: CollectiveService, host: str) -> tuple[grpc.Server, int]:
     port = server.add_insecure_port(f"{host}:0")
     server.start()
     return server, port
-
-
-def pull_state(address: str, token: str, step: int, timeout: float = 60.0) -> tensors.MemberState:
-    ch = rpc.channel(address)
-    try:
-        return tensors.decode_state(
-            pb_grpc.CollectiveStub(ch).PullState(pb.StateRequest(token=token, step=step), timeout=timeout)
-        )
-    finally:
-        ch.close()
 
 
 class Ring:

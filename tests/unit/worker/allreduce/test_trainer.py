@@ -1,6 +1,5 @@
-"""A step's contributions ride in the allreduced buffer: summing the members' slots hands every member
-all of them, exactly, for record indices far beyond float32's 2**24. A member's gradients weigh its
-records as fit does."""
+"""An allreduce member's trainer: its gradients weigh its records as fit does, and a run of steps applied
+before the master commits it is kept, served and undone as one."""
 
 from __future__ import annotations
 
@@ -11,23 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from elastic_step.data.api import skipped_key
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.model_def import load_model_def
-from elastic_step.worker.allreduce_loop import AllReduceTrainer, contribution_slots, contributions, step_lr_scale
+from elastic_step.worker.allreduce.trainer import AllReduceTrainer
 from elastic_step.worker.finite import NonFinite
-
-
-def test_the_sum_of_the_members_slots_is_every_contribution_exactly():
-    world = 3
-    mine = [(7, 2, 50_000_000_000, 50_000_000_064), None, (0, 0, 0, 16)]  # rank 1 had no data this step
-    total = sum(contribution_slots(c, rank, world) for rank, c in enumerate(mine))
-    assert total.dtype == np.float32
-    assert contributions(total) == [mine[0], mine[2]]
-
-
-def test_a_member_without_data_contributes_nothing():
-    assert contributions(contribution_slots(None, 0, 2)) == []
 
 
 def test_the_allreduce_step_weighs_records_as_fit_and_takes_mixed_inputs(tmp_path):
@@ -37,7 +23,7 @@ def test_the_allreduce_step_weighs_records_as_fit_and_takes_mixed_inputs(tmp_pat
 
     tf = pytest.importorskip("tensorflow")
     from elastic_step.model_def import load_model_def
-    from elastic_step.worker.allreduce_loop import AllReduceTrainer
+    from elastic_step.worker.allreduce.trainer import AllReduceTrainer
 
     (tmp_path / "m.py").write_text(
         textwrap.dedent("""
@@ -77,12 +63,6 @@ def test_the_allreduce_step_weighs_records_as_fit_and_takes_mixed_inputs(tmp_pat
     ).numpy()[:, 0]
     assert n == 12 and flat.size == trainer.size and skipped is None
     assert loss == pytest.approx(float(np.sum(rows["w"] * (rows["y"] - p) ** 2) / 12), rel=1e-5)
-
-
-def test_a_skipped_minibatch_rides_under_its_data_shards_complement():
-    skipped = (3, skipped_key(3, 5)[1], 1_000_000_000, 1_000_000_032)
-    total = contribution_slots(skipped, 1, 2) + contribution_slots((3, 0, 0, 32), 0, 2)
-    assert contributions(total) == [(3, 0, 0, 32), skipped]
 
 
 MODEL = textwrap.dedent("""
@@ -149,17 +129,6 @@ def test_a_skipped_minibatch_says_why_and_is_not_an_error(tmp_path):
     assert t.gradients(batch)[3] is None
     batch["y"][1] = np.nan
     assert t.gradients(batch, "records [4, 8) of part-0 in epoch 1")[3] == "the loss became nan"
-
-
-def test_the_learning_rate_follows_the_members_that_trained_in_the_step():
-    """A step one member trains alone (the other's lease ran out) is half the global batch: half the rate."""
-    both, alone = [(0, 0, 0, 16), (0, 1, 512, 528)], [(0, 1, 528, 544)]
-    skipped = [(0, 1, 544, 560), (0, skipped_key(0, 0)[1], 16, 32)]
-    assert step_lr_scale("scaled", both, 2) == 1.0
-    assert step_lr_scale("scaled", alone, 2) == 0.5
-    assert step_lr_scale("scaled", skipped, 2) == 0.5  # a skipped minibatch trains nothing
-    assert step_lr_scale("scaled", both, 4) == 0.5  # two of four: the job at half strength
-    assert step_lr_scale("fixed", alone, 2) == 1.0
 
 
 def test_a_lease_fed_once_gives_each_minibatch_the_gradient_it_gets_fed_alone(tmp_path):

@@ -6,7 +6,7 @@ import threading
 import types
 
 from elastic_step.proto import elastic_pb2 as pb
-from elastic_step.worker.loop import Reporter, coalesce, minibatches
+from elastic_step.worker.ps.loop import Reporter, coalesce, minibatches
 
 
 def task(start, end, task_start=0):

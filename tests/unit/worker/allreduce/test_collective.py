@@ -18,8 +18,8 @@ import pytest
 
 from elastic_step.ps.push_slots import PushSlots
 from elastic_step.util import shared_memory
-from elastic_step.worker import collective, ring_lane, ring_transport
-from elastic_step.worker.collective import PIECE_VALUES, Aborted, PeerFailed
+from elastic_step.worker.allreduce import collective, ring_lane, ring_transport
+from elastic_step.worker.allreduce.collective import PIECE_VALUES, Aborted, PeerFailed
 
 TOKEN = "test-token"
 LANE_VALUES = ring_lane.INITIAL_BYTES // 4  # a lane grows past it
@@ -277,7 +277,7 @@ def test_a_ring_connection_of_a_launch_older_than_one_that_connected_is_refused_
 PEER = """
 import sys, numpy as np
 from elastic_step.faults.process import install_worker_faults
-from elastic_step.worker import collective
+from elastic_step.worker.allreduce import collective
 me, address_file, ring_file = sys.argv[1:]
 install_worker_faults(me)
 ring = collective.Ring("test-token", me, "127.0.0.1")
