@@ -31,6 +31,7 @@ from elastic_step.backends.kubernetes import (
     load_manifests,
 )
 from elastic_step.backends.kubernetes.kueue import NEEDED as KUEUE_NEEDED
+from elastic_step.backends.kubernetes.kueue import WANTED as KUEUE_WANTED
 from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
@@ -905,11 +906,14 @@ def test_shipped_role_is_namespaced_exact_and_matches_the_component_rbac():
         ("pods",): {"create", "get", "list", "watch", "delete", "patch"},
         ("secrets",): {"create", "get", "delete"},
         ("localqueues",): {"get"},
+        ("workloads",): {"list"},
     }
     needed: dict = {}
-    for verb, resource in NEEDED + tuple((v, r) for v, r, _ in KUEUE_NEEDED):
+    for verb, resource in NEEDED + tuple((v, r) for v, r, _ in (*KUEUE_NEEDED, *KUEUE_WANTED)):
         needed.setdefault((resource,), set()).add(verb)
-    assert rules == needed  # exactly what the backend checks for (a queue: localqueues too), no wildcard
+    # Exactly what the backend checks for (a queue: localqueues, and the workloads it reads to explain a wait), no
+    # wildcard.
+    assert rules == needed
     import yaml
 
     component = {

@@ -120,7 +120,14 @@ class KubernetesBackend(Backend):
         self._closed = threading.Event()
 
         if preflight:
-            check_permissions(self.k8s, self.api, self.namespace, self._call, kueue.NEEDED if queue else ())
+            check_permissions(
+                self.k8s,
+                self.api,
+                self.namespace,
+                self._call,
+                kueue.NEEDED if queue else (),
+                kueue.WANTED if queue else None,
+            )
         if queue:
             kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
         self.token, self.token_reused = ensure_secret(

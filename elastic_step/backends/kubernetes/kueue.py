@@ -28,6 +28,8 @@ POD_GROUP_COUNT = "kueue.x-k8s.io/pod-group-total-count"
 ADMISSION_GATE = "kueue.x-k8s.io/admission"  # the scheduling gate a queued pod carries until Kueue admits it
 EVICTED_CONDITION = "TerminationTarget"  # what Kueue sets on a pod it stops, before deleting it
 NEEDED = (("get", "localqueues", GROUP),)  # the Role's extra rule when a queue is set
+# ... and the one it does without: a pod the queue keeps pending is then reported without Kueue's reason
+WANTED = {("list", "workloads", GROUP): "a pod the queue keeps pending is reported without Kueue's reason"}
 
 
 def in_group(queue: str, role: str) -> bool:

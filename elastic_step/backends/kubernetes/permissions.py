@@ -93,14 +93,23 @@ def translate(e, verb: str, resource: str, namespace: str) -> Exception:
     )
 
 
-def check_permissions(k8s, api, namespace: str, call, extra: tuple[tuple[str, str, str], ...] = ()) -> None:
+def check_permissions(
+    k8s,
+    api,
+    namespace: str,
+    call,
+    extra: tuple[tuple[str, str, str], ...] = (),
+    wanted: dict[tuple[str, str, str], str] | None = None,
+) -> None:
     """Fail before anything is created when the Role lacks a verb (not after training, when
     the pods could not be deleted). `k8s`: the kubernetes.client module; `api`: its ApiClient;
     `call`: the backend's API call (it turns refusals into the errors above); `extra`: (verb, resource,
-    API group) a setting needs besides NEEDED (a Kueue queue: get localqueues)."""
+    API group) a setting needs besides NEEDED (a Kueue queue: get localqueues); `wanted`: rights the job does
+    without, each with what its lack costs: a warning, not an error."""
     auth = k8s.AuthorizationV1Api(api)
     missing = []
-    for verb, resource, group in [(v, r, "") for v, r in NEEDED] + list(extra):
+    wanted = wanted or {}
+    for verb, resource, group in [(v, r, "") for v, r in NEEDED] + list(extra) + list(wanted):
         body = {
             "apiVersion": "authorization.k8s.io/v1",
             "kind": "SelfSubjectAccessReview",
@@ -123,7 +132,19 @@ def check_permissions(k8s, api, namespace: str, call, extra: tuple[tuple[str, st
                 raise
             log.warning("cannot check permissions (%s); relying on the API's answers", e)
             return
-        if not json.loads(r.data).get("status", {}).get("allowed"):
+        if json.loads(r.data).get("status", {}).get("allowed"):
+            continue
+        if (verb, resource, group) in wanted:
+            log.warning(
+                "the step's Role lacks %s on %s.%s in namespace %s: %s (the shipped Role grants it: %s)",
+                verb,
+                resource,
+                group,
+                namespace,
+                wanted[(verb, resource, group)],
+                ROLE_FILE,
+            )
+        else:
             missing.append((verb, resource))
     if missing:
         who = ""
