@@ -84,23 +84,32 @@ def urgent_pod(core, namespace: str, name: str, queue: str, cpu: str, priority_c
     )
 
 
-def priority_class(control_plane, name: str, value: int) -> str:
+@contextlib.contextmanager
+def priority_class(control_plane, name: str, value: int):
+    """Another team's PriorityClass, for this test only: it leaves nothing cluster-wide behind for the next test."""
     api = client.SchedulingV1Api(control_plane.api_client())
-    with contextlib.suppress(client.ApiException):  # made by an earlier test of the session
-        api.create_priority_class({"metadata": {"name": name}, "value": value, "preemptionPolicy": "Never"})
-    return name
+    with contextlib.suppress(client.ApiException):  # left by a test that was killed
+        api.delete_priority_class(name)
+    api.create_priority_class({"metadata": {"name": name}, "value": value, "preemptionPolicy": "Never"})
+    try:
+        yield name
+    finally:
+        with contextlib.suppress(client.ApiException):
+            api.delete_priority_class(name)
 
 
 @pytest.fixture
 def urgent_priority(control_plane):
     """Above the workers' elastic-low, below the core's elastic-high."""
-    return priority_class(control_plane, "team-urgent", 100)
+    with priority_class(control_plane, "team-urgent", 100) as name:
+        yield name
 
 
 @pytest.fixture
 def critical_priority(control_plane):
     """Above the core's elastic-high."""
-    return priority_class(control_plane, "team-critical", 5000)
+    with priority_class(control_plane, "team-critical", 5000) as name:
+        yield name
 
 
 def kueue_losses(summary: dict) -> list[dict]:
