@@ -334,7 +334,7 @@ class Chaos(api.JobFaults):
                     open(self._gate(sig), "w").close()
                 self._fire(sig, str(sig.target), committed)
                 since = f"at {committed} records" if sig.at else "from its start"
-                coord.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
+                coord.timeline.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
                 log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
             return
         leased = self._cuttable(coord)
@@ -381,7 +381,7 @@ class Chaos(api.JobFaults):
             if not coord.rendezvous.leave(str(target), lambda: self._untouched(coord, str(target))):
                 return
         self._fire(sig, str(target), committed)
-        coord.record("chaos", str(target), f"{sig.action} at {committed} records")
+        coord.timeline.record("chaos", str(target), f"{sig.action} at {committed} records")
         log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
         if sig.action == "kill":
             backend.kill(target)

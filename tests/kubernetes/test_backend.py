@@ -461,7 +461,7 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(
             for n, o in recorder.current.items()
         }
         raise AssertionError(
-            f"{e}\nmaster events: {coord.events[-25:]}\npods: {pods}\n"
+            f"{e}\nmaster events: {coord.timeline.events[-25:]}\npods: {pods}\n"
             f"ledger: {ledger.records_committed_total()} committed, leases {ledger.leases}"
         ) from None
 
@@ -493,7 +493,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
         },
     }
     core.create_namespaced_pod(namespace, intruder)
-    lost = wait_for(lambda: [e for e in coord.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
+    lost = wait_for(lambda: [e for e in coord.timeline.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]
     assert "preempted by the scheduler" in lost["detail"], lost
     wait_for(

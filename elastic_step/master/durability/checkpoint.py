@@ -165,7 +165,7 @@ class Checkpointer:
                 "write_s": round(took, 4),
             }
         )
-        self.coord.record(
+        self.coord.timeline.record(
             "checkpoint",
             "",
             f"checkpoint {ckpt_id} at {records} records "
@@ -251,7 +251,7 @@ class JobCheckpoints:
                 self.ledger.epoch,
                 "(unknown number of)" if before is None else entry["records_trained_again"],
             )
-            coord.record(
+            coord.timeline.record(
                 "resumed", "", f"from checkpoint {self.resumed['id']} at {self.resumed['records_committed']} records"
             )
         self._last_members: tuple | None = None  # allreduce: (id, ledger cut, member state) of the last cut
@@ -297,7 +297,9 @@ class JobCheckpoints:
         again = self.ledger.restore(state["ledger"])
         self.member_state = member
         self.coord.rendezvous.restore_locked(member.step, ckpt_id)
-        self.coord.record("rewound", "", f"every member lost: to checkpoint {ckpt_id}, {again} records to train again")
+        self.coord.timeline.record(
+            "rewound", "", f"every member lost: to checkpoint {ckpt_id}, {again} records to train again"
+        )
         log.warning(
             "every allreduce member was lost, and the trained weights with them: the ledger goes back to "
             "checkpoint %d, whose state the newcomers load; the %d records committed since are trained again",
@@ -401,7 +403,9 @@ class JobCheckpoints:
         self.ps_restores.append(entry)
         with coord.lock:
             coord.pace.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
-        coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
+        coord.timeline.record(
+            "rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again"
+        )
         log.warning(
             "ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
             "the %d records committed since are trained again",

@@ -176,7 +176,7 @@ def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
         while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # stopped
             assert time.monotonic() < deadline, f"{inst} was never frozen"
             time.sleep(0.02)
-    assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
+    assert [e["kind"] for e in coord.timeline.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
 
 
 def test_a_signal_to_a_worker_lands_right_after_a_commit_with_minibatches_of_its_lease_to_go(job):
@@ -334,7 +334,7 @@ def test_a_worker_slowed_later_is_slowed_once_its_gate_opens_and_later_launches_
         api.STEP_DONE.install(None)
     assert slept == pytest.approx([0.06])
     assert chaos.instance_env(InstanceId("worker", 0)) == {process.SLOW_ENV: "4"}  # fired: a relaunch starts slow
-    assert "slow x4 at 15 records" in [e["detail"] for e in coord.events if e["kind"] == "chaos"]
+    assert "slow x4 at 15 records" in [e["detail"] for e in coord.timeline.events if e["kind"] == "chaos"]
     chaos.close()  # the job's end: the gate's folder goes
     assert not os.path.exists(os.path.dirname(gate))
     with pytest.raises(ElasticStepError, match="one slow: spec per worker"):
