@@ -152,7 +152,9 @@ class TrainingJob:
         )
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
-        self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
+        self.durable = JobCheckpoints(
+            cfg, job_id, ckpt_root, self.model_def, self.coord, token=lambda: self.plan.token, faults=self.faults
+        )
         self.rendezvous = (
             self.coord.attach_rendezvous(cfg.max_workers, self.durable.members_lost, self.durable.ring_start)
             if self.allreduce
@@ -167,7 +169,6 @@ class TrainingJob:
             backend=self.backend.name,
             token=token,
         )
-        self.durable.token = self.plan.token
         # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
             self.coord,
