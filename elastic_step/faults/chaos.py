@@ -314,12 +314,7 @@ class Chaos(api.JobFaults):
             return
         sig = self.pending[0]
         if sig.target == MASTER:
-            # SIGKILL: a lost step pod, nothing cleaned up or flushed. SIGTERM: the pod stopped with a
-            # grace period, which the master's own handler uses.
-            self._fire(sig, MASTER, committed)
-            number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
-            log.warning("chaos: %s the master at %d committed records", number.name, committed)
-            kill_self(number)
+            self._signal_master(sig, committed)
             return
         if sig.action == "stop" and self.zombies:
             # One freeze at a time: a PS frozen beside a frozen worker holds that worker's hang clock (by design),
@@ -327,53 +322,11 @@ class Chaos(api.JobFaults):
             return
         alive = backend.alive()
         if sig.action == "slow":
-            # At 0, launched slow (instance_env): it fires, for the record, once the worker is training. Later, the
-            # gate its process looks for opens.
-            if sig.target in coord.membership.training():
-                if sig.at:
-                    open(self._gate(sig), "w").close()
-                self._fire(sig, str(sig.target), committed)
-                since = f"at {committed} records" if sig.at else "from its start"
-                coord.timeline.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
-                log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
+            self._slow_down(sig, committed, coord)
             return
-        leased = self._cuttable(coord)
-        if sig.action == "stop":
-            # A freeze lands after the worker's first commit of its launch: before it, a freeze is a start-up hang,
-            # which has a bound of minutes (master/gray/hang.py), not the one a test gives.
-            leased = {w for w in leased if coord.hangs.idle(w) is not None}
-            if coord.rendezvous is not None and any(coord.hangs.idle(m) is None for m, _ in coord.rendezvous.members):
-                # allreduce: on a ring whose members have all committed. A newcomer still joining would find the frozen
-                # member unreachable first (its pull, its ring endpoint) and have it leave as lost, not as hung.
-                leased = set()
-        if sig.target is not None and sig.target.role == "ps":
-            if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
-                return
-            if sig.action == "stop" and coord.ledger.done:
-                # Training is over: a freeze now only holds the master's final pull of the model (not yet handled: it
-                # fails the job after the pull's deadline), and tests nothing of training.
-                return
-            target = sig.target
-        elif sig.target is not None:
-            # In threshold order, each at full strength (the workers the job keeps: not those it left out for
-            # good) and while its target holds a lease, so the signal cuts a task short and leaves a remainder,
-            # whatever this machine's speed.
-            if (
-                len(coord.membership.training()) < self.max_workers - len(coord.retired)
-                or sig.target not in alive
-                or str(sig.target) not in leased
-            ):
-                return
-            target = sig.target
-        else:
-            ready = [
-                InstanceId("worker", i)
-                for i in sig.rank
-                if InstanceId("worker", i) in alive and f"worker-{i}" in leased
-            ]
-            if not ready:
-                return
-            target = ready[0]
+        target = self._ready_target(sig, alive, coord)
+        if target is None:
+            return
         if sig.action == "kill" and coord.rendezvous is not None and target.role == "worker":
             # allreduce: a run the victim already reported ready would otherwise commit with the others' reports
             # before its loss is seen, and leave nothing to requeue. Its lease is checked again under the lock runs
@@ -391,6 +344,60 @@ class Chaos(api.JobFaults):
                 self.zombies.add(target)
         else:
             threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
+
+    def _signal_master(self, sig: Signal, committed: int) -> None:
+        """SIGKILL: a lost step pod, nothing cleaned up or flushed. SIGTERM: the pod stopped with a grace period,
+        which the master's own handler uses."""
+        self._fire(sig, MASTER, committed)
+        number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
+        log.warning("chaos: %s the master at %d committed records", number.name, committed)
+        kill_self(number)
+
+    def _slow_down(self, sig: Signal, committed: int, coord) -> None:
+        """At 0, launched slow (instance_env): it fires, for the record, once the worker is training. Later, the
+        gate its process looks for opens."""
+        if sig.target in coord.membership.training():
+            if sig.at:
+                open(self._gate(sig), "w").close()
+            self._fire(sig, str(sig.target), committed)
+            since = f"at {committed} records" if sig.at else "from its start"
+            coord.timeline.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
+            log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
+
+    def _ready_target(self, sig: Signal, alive: set[InstanceId], coord) -> InstanceId | None:
+        """The instance `sig` lands on now, or None while none is ready for it."""
+        leased = self._cuttable(coord)
+        if sig.action == "stop":
+            # A freeze lands after the worker's first commit of its launch: before it, a freeze is a start-up hang,
+            # which has a bound of minutes (master/gray/hang.py), not the one a test gives.
+            leased = {w for w in leased if coord.hangs.idle(w) is not None}
+            if coord.rendezvous is not None and any(coord.hangs.idle(m) is None for m, _ in coord.rendezvous.members):
+                # allreduce: on a ring whose members have all committed. A newcomer still joining would find the frozen
+                # member unreachable first (its pull, its ring endpoint) and have it leave as lost, not as hung.
+                leased = set()
+        if sig.target is not None and sig.target.role == "ps":
+            if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
+                return None
+            if sig.action == "stop" and coord.ledger.done:
+                # Training is over: a freeze now only holds the master's final pull of the model (not yet handled: it
+                # fails the job after the pull's deadline), and tests nothing of training.
+                return None
+            return sig.target
+        if sig.target is not None:
+            # In threshold order, each at full strength (the workers the job keeps: not those it left out for
+            # good) and while its target holds a lease, so the signal cuts a task short and leaves a remainder,
+            # whatever this machine's speed.
+            if (
+                len(coord.membership.training()) < self.max_workers - len(coord.retired)
+                or sig.target not in alive
+                or str(sig.target) not in leased
+            ):
+                return None
+            return sig.target
+        ready = [
+            InstanceId("worker", i) for i in sig.rank if InstanceId("worker", i) in alive and f"worker-{i}" in leased
+        ]
+        return ready[0] if ready else None
 
     def _cuttable(self, coord) -> set[str]:
         """The workers a signal would cut short now: their lease's watermark moved since the last tick (a commit, or
