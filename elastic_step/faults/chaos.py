@@ -1,5 +1,5 @@
 """Chaos: fault injection for tests, benchmarks and the demo, fired on training progress through the
-runtime's hook points (faults/api.py).
+runtime's hook points (elastic_step/fault_hooks.py).
 
 Specs of a job (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated when the job has none; read at the
 job's start by `for_job`):
@@ -62,9 +62,9 @@ import tempfile
 import threading
 from collections.abc import Sequence
 
+from elastic_step import fault_hooks
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ConfigError, ElasticStepError
-from elastic_step.faults import api
 from elastic_step.faults.process import SLOW_ENV, SLOW_MAX_ENV, kill_self
 from elastic_step.util.json_text import write_json
 
@@ -112,11 +112,11 @@ def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
 
 def for_job(
     configured: Sequence[str], records_total: int, max_workers: int, num_ps: int = 0, hang_bound_s: float = 0.0
-) -> api.JobFaults:
+) -> fault_hooks.JobFaults:
     """A job's hook points, at its start: its chaos, or none at all (a bad spec raises here, before
     anything starts). `hang_bound_s`: the shortest time between commits the master declares a worker hung after."""
     asked = specs(configured)
-    return Chaos(list(asked), records_total, max_workers, num_ps, hang_bound_s) if asked else api.NO_FAULTS
+    return Chaos(list(asked), records_total, max_workers, num_ps, hang_bound_s) if asked else fault_hooks.NO_FAULTS
 
 
 # A slowed step's pause is at most the hang bound over this: between two commits an allreduce member takes at least
@@ -124,7 +124,7 @@ def for_job(
 SLOW_PAUSES_PER_BOUND = 4
 
 
-class Chaos(api.JobFaults):
+class Chaos(fault_hooks.JobFaults):
     """A job's chaos: its schedule of signals, fired on the master's ticks (see the module)."""
 
     def __init__(

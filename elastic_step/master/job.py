@@ -17,12 +17,12 @@ import tempfile
 import threading
 import time
 
+from elastic_step import fault_hooks
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.preloaded import fork_preloader
 from elastic_step.data.api import load_manifest
 from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
-from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
 from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
@@ -434,7 +434,7 @@ class TrainingJob:
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
-            faults_api.PUMP_TURN(committed)
+            fault_hooks.PUMP_TURN(committed)
             if self.terminated_at is not None:
                 with self.health.busy("cutting a last checkpoint"):
                     last = self.durable.last_cut(committed, now)

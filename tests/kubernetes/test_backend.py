@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from elastic_step import fault_hooks as faults
 from elastic_step.backends.api import BackendError, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import (
     NEEDED,
@@ -32,7 +33,6 @@ from elastic_step.backends.kubernetes import (
 )
 from elastic_step.backends.kubernetes.kueue import NEEDED as KUEUE_NEEDED
 from elastic_step.errors import ElasticStepError
-from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.kubernetes.fleet import PodRecorder
 from tests.kubernetes.jobs import ROOT, SMALL, start_train, train, train_command, wait_two_workers

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Callable
 
-from elastic_step.faults.api import NO_FAULTS, JobFaults
+from elastic_step.fault_hooks import NO_FAULTS, JobFaults
 from elastic_step.master.durability.store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes
 from elastic_step.util.json_text import write_json

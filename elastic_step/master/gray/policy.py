@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId
-from elastic_step.faults.api import JobFaults
+from elastic_step.fault_hooks import JobFaults
 from elastic_step.instance import EXIT_FENCED
 from elastic_step.master.gray.hang import HangBounds, Hung
 from elastic_step.master.gray.ps_watch import PSWatch
