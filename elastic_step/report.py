@@ -151,7 +151,6 @@ def time_chart(
     `points` draws each sample as a dot too (sparse series such as one evaluation per epoch)."""
     top = axis.top
     height = top + PLOT_H + PAD_B
-    bottom = top + PLOT_H
     values = [v for _, _, pts in series for _, v in pts] + [h[0] for h in hlines] + [d[1] for d in dots]
     caption = f"<figcaption>{esc(title)}{_legend(series) if legend else ''}</figcaption>"
     out = [
@@ -164,9 +163,28 @@ def time_chart(
         y_lo = -_nice_max(-y_lo)
 
     def y(v: float) -> float:
-        return bottom - (v - y_lo) / ((y_hi - y_lo) or 1.0) * PLOT_H
+        return top + PLOT_H - (v - y_lo) / ((y_hi - y_lo) or 1.0) * PLOT_H
 
-    x = axis.x
+    out += _time_axes(axis, y, y_lo, y_hi, y_label, startup)
+    out += _reference_lines(hlines, y)
+    out += _event_markers(axis)
+    out += _series_lines(series, axis.x, y, step=step, points=points)
+    out += _labelled_dots(dots, axis.x, y)
+    if not values:
+        out.append(
+            f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{top + PLOT_H / 2}" text-anchor="middle" '
+            f'class="nodata">no data</text>'
+        )
+    out.append("</svg></figure>")
+    return "".join(out)
+
+
+def _time_axes(axis: TimeAxis, y, y_lo: float, y_hi: float, y_label: str, startup: float | None) -> list[str]:
+    """A time chart's frame: the start-up band, the value grid and its ticks, the time axis and both labels."""
+    top, x = axis.top, axis.x
+    bottom = top + PLOT_H
+    height = bottom + PAD_B
+    out = []
     if startup and startup > 0:
         out.append(
             f'<rect x="{PAD_L}" y="{top}" width="{x(startup) - PAD_L:.1f}" height="{PLOT_H}" '
@@ -191,12 +209,23 @@ def time_chart(
         f"{axis.unit} since the step started</text>"
         f'<text x="6" y="{top - 6}" class="tick">{esc(y_label)}</text>'
     )
-    for v, colour, label in hlines:
-        out.append(
-            f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="{colour}" '
-            f'stroke-dasharray="6 4" class="ref"/><text x="{PAD_L + 4}" y="{y(v) - 4:.1f}" '
-            f'class="reflabel" fill="{colour}">{esc(label)}</text>'
-        )
+    return out
+
+
+def _reference_lines(hlines, y) -> list[str]:
+    """Dashed horizontal lines (y, colour, label): a figure the series is read against."""
+    return [
+        f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{y(v):.1f}" y2="{y(v):.1f}" stroke="{colour}" '
+        f'stroke-dasharray="6 4" class="ref"/><text x="{PAD_L + 4}" y="{y(v) - 4:.1f}" '
+        f'class="reflabel" fill="{colour}">{esc(label)}</text>'
+        for v, colour, label in hlines
+    ]
+
+
+def _event_markers(axis: TimeAxis) -> list[str]:
+    """The markers (see `markers`): a dashed vertical line each, labelled in the row the axis gave it."""
+    x, bottom = axis.x, axis.top + PLOT_H
+    out = []
     for t, colour, label, tx, anchor, row in axis.labels:
         ly = 10 + row * LABEL_ROW
         out.append(
@@ -205,6 +234,13 @@ def time_chart(
             f'<text x="{tx:.1f}" y="{ly}" text-anchor="{anchor}" class="mlabel" fill="{colour}">'
             f"{esc(label)}</text>"
         )
+    return out
+
+
+def _series_lines(series, x, y, *, step: bool, points: bool) -> list[str]:
+    """Each series (name, colour, [(t, y)]) as a line (`step`: held until the next sample), and as dots when
+    `points` (or when it has a single sample, which makes no line)."""
+    out = []
     for name, colour, pts in series:
         coords = []
         for i, (t, v) in enumerate(pts):
@@ -222,6 +258,12 @@ def time_chart(
                 f"<title>{esc(name)} {v:.4g} at {t:.1f} s</title></circle>"
                 for t, v in pts
             )
+    return out
+
+
+def _labelled_dots(dots, x, y) -> list[str]:
+    """Labelled dots (t, y, colour, label), such as the final evaluation's figures at the end of the axis."""
+    out = []
     for t, v, colour, label in dots:
         anchor, dx = ("end", -8) if x(t) > W - PAD_R - 150 else ("start", 8)
         out.append(
@@ -230,13 +272,7 @@ def time_chart(
             f'<text x="{x(t) + dx:.1f}" y="{y(v) + 19:.1f}" text-anchor="{anchor}" class="dotlabel" '
             f'fill="{colour}">{esc(label)}</text>'
         )
-    if not values:
-        out.append(
-            f'<text x="{(PAD_L + W - PAD_R) / 2}" y="{top + PLOT_H / 2}" text-anchor="middle" '
-            f'class="nodata">no data</text>'
-        )
-    out.append("</svg></figure>")
-    return "".join(out)
+    return out
 
 
 def _legend(series) -> str:
@@ -473,13 +509,7 @@ def ledger_chart(rows: list[dict], finished: bool = True) -> str:
     bottom = top + plot_h
     title = "Records committed per epoch"
     missing_colour = LOST if finished else "#c8c8c8"
-    keys = [(JOINED, "committed")]
-    if any(_int(r.get("requeued")) for r in rows):
-        keys.append((RATE, "of which requeued after a loss"))
-    if any(_int(r.get("committed")) < _int(r.get("records")) for r in rows):
-        keys.append((missing_colour, "not committed" if finished else "not committed (the job stopped)"))
-    if any(_int(r.get("double_applied")) for r in rows):
-        keys.append((FAILED, "applied twice"))
+    keys = _ledger_keys(rows, finished, missing_colour)
     out = [
         f"<figure><figcaption>{title}{_legend([(n, c, None) for c, n in keys])}</figcaption>"
         f'<svg id="chart-ledger" class="chart" viewBox="0 0 {W} {height}" role="img" aria-label="{title}" '
@@ -507,41 +537,8 @@ def ledger_chart(rows: list[dict], finished: bool = True) -> str:
         )
     every = max(1, math.ceil(len(rows) / 20))
     for i, r in enumerate(rows):
-        records, committed = _int(r.get("records")), _int(r.get("committed"))
-        lost, double, requeued = max(0, records - committed), _int(r.get("double_applied")), _int(r.get("requeued"))
         cx = PAD_L + slot * (i + 0.5)
-        x0 = cx - bar / 2
-        tip = (
-            f"epoch {r.get('epoch', i)}: {committed} of {records} records committed, "
-            f"{double} applied twice, {requeued} requeued after a loss"
-        )
-        out.append(
-            f'<g class="epoch"><title>{esc(tip)}</title>'
-            f'<rect x="{x0:.1f}" y="{y(committed):.1f}" width="{bar:.1f}" height="{y(0) - y(committed):.1f}" '
-            f'fill="{JOINED}" opacity="0.75"/>'
-        )
-        if requeued:
-            out.append(
-                f'<rect x="{x0:.1f}" y="{y(requeued):.1f}" width="{bar:.1f}" '
-                f'height="{y(0) - y(requeued):.1f}" fill="{RATE}"/>'
-                f'<text x="{cx:.1f}" y="{y(max(records, committed)) - 3:.1f}" text-anchor="middle" '
-                f'class="tick" fill="{RATE}">{requeued}</text>'
-            )
-        if lost:
-            out.append(
-                f'<rect x="{x0:.1f}" y="{y(committed + lost):.1f}" width="{bar:.1f}" '
-                f'height="{y(committed) - y(committed + lost):.1f}" fill="{missing_colour}"/>'
-            )
-        if double:
-            base = max(committed, records)
-            out.append(
-                f'<rect x="{x0:.1f}" y="{y(base + double):.1f}" width="{bar:.1f}" '
-                f'height="{y(base) - y(base + double):.1f}" fill="{FAILED}"/>'
-            )
-        out.append(
-            f'<line x1="{x0 - 1:.1f}" x2="{x0 + bar + 1:.1f}" y1="{y(records):.1f}" y2="{y(records):.1f}" '
-            f'stroke="#333" stroke-dasharray="2 2"/></g>'
-        )
+        out.append(_epoch_bar(r, i, cx, bar, y, missing_colour))
         if i % every == 0:
             out.append(
                 f'<text x="{cx:.1f}" y="{bottom + 14}" text-anchor="middle" class="tick">'
@@ -551,6 +548,59 @@ def ledger_chart(rows: list[dict], finished: bool = True) -> str:
         f'<text x="{W - PAD_R}" y="{height - 3}" text-anchor="end" class="tick">epoch (dashed: the '
         f'epoch\'s records)</text><text x="{PAD_L - 6}" y="{top - 2}" text-anchor="end" class="tick">'
         f"records</text></svg></figure>"
+    )
+    return "".join(out)
+
+
+def _ledger_keys(rows: list[dict], finished: bool, missing_colour: str) -> list[tuple[str, str]]:
+    """The ledger chart's legend, (colour, what): only what some epoch shows."""
+    keys = [(JOINED, "committed")]
+    if any(_int(r.get("requeued")) for r in rows):
+        keys.append((RATE, "of which requeued after a loss"))
+    if any(_int(r.get("committed")) < _int(r.get("records")) for r in rows):
+        keys.append((missing_colour, "not committed" if finished else "not committed (the job stopped)"))
+    if any(_int(r.get("double_applied")) for r in rows):
+        keys.append((FAILED, "applied twice"))
+    return keys
+
+
+def _epoch_bar(r: dict, i: int, cx: float, bar: float, y, missing_colour: str) -> str:
+    """One epoch's bar, centred on `cx`: committed, requeued inside it, not committed and applied twice on top,
+    and a dashed line at the epoch's records."""
+    out = []
+    records, committed = _int(r.get("records")), _int(r.get("committed"))
+    lost, double, requeued = max(0, records - committed), _int(r.get("double_applied")), _int(r.get("requeued"))
+    x0 = cx - bar / 2
+    tip = (
+        f"epoch {r.get('epoch', i)}: {committed} of {records} records committed, "
+        f"{double} applied twice, {requeued} requeued after a loss"
+    )
+    out.append(
+        f'<g class="epoch"><title>{esc(tip)}</title>'
+        f'<rect x="{x0:.1f}" y="{y(committed):.1f}" width="{bar:.1f}" height="{y(0) - y(committed):.1f}" '
+        f'fill="{JOINED}" opacity="0.75"/>'
+    )
+    if requeued:
+        out.append(
+            f'<rect x="{x0:.1f}" y="{y(requeued):.1f}" width="{bar:.1f}" '
+            f'height="{y(0) - y(requeued):.1f}" fill="{RATE}"/>'
+            f'<text x="{cx:.1f}" y="{y(max(records, committed)) - 3:.1f}" text-anchor="middle" '
+            f'class="tick" fill="{RATE}">{requeued}</text>'
+        )
+    if lost:
+        out.append(
+            f'<rect x="{x0:.1f}" y="{y(committed + lost):.1f}" width="{bar:.1f}" '
+            f'height="{y(committed) - y(committed + lost):.1f}" fill="{missing_colour}"/>'
+        )
+    if double:
+        base = max(committed, records)
+        out.append(
+            f'<rect x="{x0:.1f}" y="{y(base + double):.1f}" width="{bar:.1f}" '
+            f'height="{y(base) - y(base + double):.1f}" fill="{FAILED}"/>'
+        )
+    out.append(
+        f'<line x1="{x0 - 1:.1f}" x2="{x0 + bar + 1:.1f}" y1="{y(records):.1f}" y2="{y(records):.1f}" '
+        f'stroke="#333" stroke-dasharray="2 2"/></g>'
     )
     return "".join(out)
 
@@ -707,15 +757,20 @@ tr.bad td, .bad { color: #b00; } details summary { cursor: pointer; color: #444;
 """
 
 
-def render_report(summary: dict) -> str:
-    """The report as one HTML string; any summary, however incomplete, renders."""
-    summary = summary if isinstance(summary, dict) else {}
-    samples = _rows(summary, "timeseries")
-    marks = markers(summary)
-    axis = TimeAxis(_t_end(summary), marks)
-    startup = _startup(summary)
-    status = str(summary.get("status") or "unknown")
+def _loss_chart(summary: dict, axis: TimeAxis, startup: float | None) -> str:
+    return time_chart(
+        "chart-loss",
+        "Training loss (moving average over reported minibatches)",
+        axis,
+        [("loss", LOSS, _series(_rows(summary, "timeseries"), "loss"))],
+        "loss",
+        startup=startup,
+    )
 
+
+def _eval_chart(summary: dict, axis: TimeAxis, startup: float | None) -> str:
+    """Each eval metric over time, and the final evaluation's figures as dots at the end; on a 0..1 scale when
+    every figure is a share."""
     names = eval_names(summary)
     history = _rows(summary, "eval_history")
     final = _dict(summary, "eval")
@@ -726,55 +781,63 @@ def render_report(summary: dict) -> str:
         if num(final.get(n)) is not None
     ]
     bounded = all(0.0 <= v <= 1.0 for _, _, pts in eval_series for _, v in pts) and all(0 <= d[1] <= 1 for d in dots)
+    return time_chart(
+        "chart-eval",
+        "Evaluation on held-out data before training, after epochs (within 2 % of training's time), "
+        "and the final evaluation",
+        axis,
+        eval_series,
+        " / ".join(names),
+        dots=dots,
+        startup=startup,
+        y_max=1.0 if bounded else None,
+        legend=len(names) > 1,
+        points=True,
+    )
 
-    rate = throughput_series(samples)
+
+def _throughput_chart(summary: dict, axis: TimeAxis, startup: float | None) -> str:
+    rate = throughput_series(_rows(summary, "timeseries"))
     overall = num(summary.get("throughput_records_per_s"))
+    return time_chart(
+        "chart-throughput",
+        "Throughput: records committed per second",
+        axis,
+        [("records/s", RATE, rate)],
+        "records/s",
+        startup=startup,
+        hlines=[(overall, "#a0522d", f"whole job: {overall:,.0f} records/s")] if overall else [],
+    )
+
+
+def _workers_chart(summary: dict, axis: TimeAxis, startup: float | None) -> str:
     alive = _series(_rows(summary, "workers_alive"), "alive")
     if alive and alive[-1][0] < axis.t_end:
         alive.append((axis.t_end, alive[-1][1]))  # the count holds until the end
     max_workers = num(_dict(summary, "config").get("max_workers"))
+    return time_chart(
+        "chart-workers",
+        "Workers training (red: lost or ended early; green: relaunched worker rejoined)",
+        axis,
+        [("workers", ALIVE, alive)],
+        "workers",
+        step=True,
+        startup=startup,
+        hlines=[(max_workers, "#888", f"max_workers {max_workers:.0f}")] if max_workers else [],
+    )
 
+
+def render_report(summary: dict) -> str:
+    """The report as one HTML string; any summary, however incomplete, renders."""
+    summary = summary if isinstance(summary, dict) else {}
+    axis = TimeAxis(_t_end(summary), markers(summary))
+    startup = _startup(summary)
+    status = str(summary.get("status") or "unknown")
     charts = [
-        time_chart(
-            "chart-loss",
-            "Training loss (moving average over reported minibatches)",
-            axis,
-            [("loss", LOSS, _series(samples, "loss"))],
-            "loss",
-            startup=startup,
-        ),
-        time_chart(
-            "chart-eval",
-            "Evaluation on held-out data before training, after epochs (within 2 % of training's time), "
-            "and the final evaluation",
-            axis,
-            eval_series,
-            " / ".join(names),
-            dots=dots,
-            startup=startup,
-            y_max=1.0 if bounded else None,
-            legend=len(names) > 1,
-            points=True,
-        ),
-        time_chart(
-            "chart-throughput",
-            "Throughput: records committed per second",
-            axis,
-            [("records/s", RATE, rate)],
-            "records/s",
-            startup=startup,
-            hlines=[(overall, "#a0522d", f"whole job: {overall:,.0f} records/s")] if overall else [],
-        ),
-        time_chart(
-            "chart-workers",
-            "Workers training (red: lost or ended early; green: relaunched worker rejoined)",
-            axis,
-            [("workers", ALIVE, alive)],
-            "workers",
-            step=True,
-            startup=startup,
-            hlines=[(max_workers, "#888", f"max_workers {max_workers:.0f}")] if max_workers else [],
-        ),
+        _loss_chart(summary, axis, startup),
+        _eval_chart(summary, axis, startup),
+        _throughput_chart(summary, axis, startup),
+        _workers_chart(summary, axis, startup),
     ]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

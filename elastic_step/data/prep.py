@@ -85,25 +85,9 @@ def prepare(
     NaN, infinite and empty cells of numeric and bool columns are refused (`non_finite` "fail", with a
     report of each column's), or their rows dropped ("drop"), or the cells set to 0 ("zero")."""
     _check_params(source, output, label, eval_fraction, shard_rows, on_bad_rows, seed, row_group_rows, non_finite)
-    if weight_column is not None and (not isinstance(weight_column, str) or not weight_column):
-        raise ConfigError(f"weight_column must be a column name, got {weight_column!r}.")
-    if weight_column is not None and weight_column == label:
-        raise ConfigError(f"The weight column {weight_column!r} is the label: name the column of sample weights.")
-    declared = _load_schema(schema) if schema else None
-    if declared is not None and label is not None and label not in declared:
-        raise DataError(
-            f"The label column {label!r} is not in the schema {schema} (columns: "
-            f"{', '.join(declared)}). Pass a label that the schema declares, or add it there."
-        )
+    declared = _checked_schema(schema, label, weight_column)
     fs, files, sizes = _list_files(source)
-    _check_output_outside_source(source, output, fs, files)
-    local = local_path(output)
-    if local is not None:
-        if "://" not in output:  # keep the manifests' URIs valid whatever the reader's cwd
-            output = os.path.abspath(output)
-        _check_replaceable(local, output)  # before reading: the source may take a while
-    else:
-        check_writable(output, "write the prepared data to", DataError)
+    output = _checked_output(source, output, fs, files)
 
     sized = [(path, sizes[path]) for path, _ in files]
     bits, unit = shuffle.bucket_bits(sized), shuffle.unit_bytes(sized)
@@ -122,45 +106,14 @@ def prepare(
             shuffle.processes_for(sized, fs),
         )
         data_schema = combine([(s.name, s.schema) for s in spilled], declared)
-        skipped = sum(s.skipped for s in spilled)
-        bad_rows = [b for s in spilled for b in s.bad_rows][:MAX_BAD_ROWS]
-        if label is not None and label not in data_schema.names:
-            raise DataError(
-                f"The label column {label!r} is not in the data ({files[0][1]} has columns "
-                f"{', '.join(data_schema.names)}). Pass --label with one of them, or --label '' for data without one."
-            )
-        _check_weight_column(weight_column, data_schema, files[0][1])
-        found = _non_finite_report(fs, files, spilled)
-        if found and non_finite == "fail":
-            raise DataError(_non_finite_message(found) + " " + NON_FINITE_HINT)
+        found = _checked_rows(source, fs, files, spilled, data_schema, label, weight_column, non_finite)
         n = sum(s.rows for s in spilled)
-        if n < 2:
-            raise DataError(
-                f"{source} has {n} usable row(s) ({skipped} skipped); at least 2 are "
-                "needed to split train and eval. Check the source URI and the data."
-            )
 
         # An exact, seeded shuffle: the same inputs and seed give the same shards, and shuffled
         # shards let workers read contiguous ranges without biasing minibatches by source order.
         # The rows with the smallest keys are the eval split.
         n_eval = min(max(round(n * eval_fraction), 1), n - 1)
-        fields = [Field(f.name, TYPE_NAMES[f.type]) for f in data_schema]
-        manifests = {
-            split: Manifest(
-                split=split,
-                shards=[],
-                schema=fields,
-                label=label,
-                weight_column=weight_column,
-                source=source,
-                skipped_rows=skipped,
-                bad_rows=list(bad_rows),
-                non_finite={"policy": non_finite, "rows": sum(s.non_finite.rows for s in spilled), "columns": found}
-                if found
-                else {},
-            )
-            for split in SPLITS
-        }
+        manifests = _empty_manifests(source, spilled, data_schema, label, weight_column, non_finite, found)
         rows = shuffle.in_key_order(
             spill_dir, bits, np.sum([s.bucket_bytes for s in spilled], axis=0), data_schema, unit
         )
@@ -175,6 +128,80 @@ def prepare(
         train_uri=manifests["train"].uri,
         eval_uri=manifests["eval"].uri,
     )
+
+
+def _checked_schema(schema: str | None, label: str | None, weight_column: str | None) -> dict[str, pa.DataType] | None:
+    """The declared schema, if any, checked against the label and the weight column named."""
+    if weight_column is not None and (not isinstance(weight_column, str) or not weight_column):
+        raise ConfigError(f"weight_column must be a column name, got {weight_column!r}.")
+    if weight_column is not None and weight_column == label:
+        raise ConfigError(f"The weight column {weight_column!r} is the label: name the column of sample weights.")
+    declared = _load_schema(schema) if schema else None
+    if declared is not None and label is not None and label not in declared:
+        raise DataError(
+            f"The label column {label!r} is not in the schema {schema} (columns: "
+            f"{', '.join(declared)}). Pass a label that the schema declares, or add it there."
+        )
+    return declared
+
+
+def _checked_output(source: str, output: str, fs, files) -> str:
+    """Where the prepared data goes, checked before the source is read (it may take a while): outside the
+    source, and replaceable or writable. A local path comes back absolute, so the manifests' URIs hold whatever
+    the reader's working directory."""
+    _check_output_outside_source(source, output, fs, files)
+    local = local_path(output)
+    if local is not None:
+        if "://" not in output:
+            output = os.path.abspath(output)
+        _check_replaceable(local, output)
+    else:
+        check_writable(output, "write the prepared data to", DataError)
+    return output
+
+
+def _checked_rows(source: str, fs, files, spilled, data_schema, label, weight_column, non_finite: str) -> dict:
+    """The rows read, checked: the label and the weight column are in the data, non-finite cells are refused
+    (`non_finite` "fail") and at least 2 rows are left to split. Returns the non-finite cells found, by column."""
+    skipped = sum(s.skipped for s in spilled)
+    if label is not None and label not in data_schema.names:
+        raise DataError(
+            f"The label column {label!r} is not in the data ({files[0][1]} has columns "
+            f"{', '.join(data_schema.names)}). Pass --label with one of them, or --label '' for data without one."
+        )
+    _check_weight_column(weight_column, data_schema, files[0][1])
+    found = _non_finite_report(fs, files, spilled)
+    if found and non_finite == "fail":
+        raise DataError(_non_finite_message(found) + " " + NON_FINITE_HINT)
+    n = sum(s.rows for s in spilled)
+    if n < 2:
+        raise DataError(
+            f"{source} has {n} usable row(s) ({skipped} skipped); at least 2 are "
+            "needed to split train and eval. Check the source URI and the data."
+        )
+    return found
+
+
+def _empty_manifests(source: str, spilled, data_schema, label, weight_column, non_finite: str, found: dict) -> dict:
+    """Each split's manifest before its shards are written: the schema, and the account of the rows skipped."""
+    fields = [Field(f.name, TYPE_NAMES[f.type]) for f in data_schema]
+    bad_rows = [b for s in spilled for b in s.bad_rows][:MAX_BAD_ROWS]
+    return {
+        split: Manifest(
+            split=split,
+            shards=[],
+            schema=fields,
+            label=label,
+            weight_column=weight_column,
+            source=source,
+            skipped_rows=sum(s.skipped for s in spilled),
+            bad_rows=list(bad_rows),
+            non_finite={"policy": non_finite, "rows": sum(s.non_finite.rows for s in spilled), "columns": found}
+            if found
+            else {},
+        )
+        for split in SPLITS
+    }
 
 
 # ---------------------------------------------------------------- parameters, schema, files

@@ -1,5 +1,5 @@
 """Chaos: fault injection for tests, benchmarks and the demo, fired on training progress through the
-runtime's hook points (faults/api.py).
+runtime's hook points (elastic_step/fault_hooks.py).
 
 Specs of a job (`--chaos`, or ELASTIC_STEP_CHAOS comma-separated when the job has none; read at the
 job's start by `for_job`):
@@ -62,9 +62,9 @@ import tempfile
 import threading
 from collections.abc import Sequence
 
+from elastic_step import fault_hooks
 from elastic_step.backends.api import Backend, InstanceId
 from elastic_step.errors import ConfigError, ElasticStepError
-from elastic_step.faults import api
 from elastic_step.faults.process import SLOW_ENV, SLOW_MAX_ENV, kill_self
 from elastic_step.util.json_text import write_json
 
@@ -112,11 +112,11 @@ def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
 
 def for_job(
     configured: Sequence[str], records_total: int, max_workers: int, num_ps: int = 0, hang_bound_s: float = 0.0
-) -> api.JobFaults:
+) -> fault_hooks.JobFaults:
     """A job's hook points, at its start: its chaos, or none at all (a bad spec raises here, before
     anything starts). `hang_bound_s`: the shortest time between commits the master declares a worker hung after."""
     asked = specs(configured)
-    return Chaos(list(asked), records_total, max_workers, num_ps, hang_bound_s) if asked else api.NO_FAULTS
+    return Chaos(list(asked), records_total, max_workers, num_ps, hang_bound_s) if asked else fault_hooks.NO_FAULTS
 
 
 # A slowed step's pause is at most the hang bound over this: between two commits an allreduce member takes at least
@@ -124,7 +124,7 @@ def for_job(
 SLOW_PAUSES_PER_BOUND = 4
 
 
-class Chaos(api.JobFaults):
+class Chaos(fault_hooks.JobFaults):
     """A job's chaos: its schedule of signals, fired on the master's ticks (see the module)."""
 
     def __init__(
@@ -314,12 +314,7 @@ class Chaos(api.JobFaults):
             return
         sig = self.pending[0]
         if sig.target == MASTER:
-            # SIGKILL: a lost step pod, nothing cleaned up or flushed. SIGTERM: the pod stopped with a
-            # grace period, which the master's own handler uses.
-            self._fire(sig, MASTER, committed)
-            number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
-            log.warning("chaos: %s the master at %d committed records", number.name, committed)
-            kill_self(number)
+            self._signal_master(sig, committed)
             return
         if sig.action == "stop" and self.zombies:
             # One freeze at a time: a PS frozen beside a frozen worker holds that worker's hang clock (by design),
@@ -327,16 +322,50 @@ class Chaos(api.JobFaults):
             return
         alive = backend.alive()
         if sig.action == "slow":
-            # At 0, launched slow (instance_env): it fires, for the record, once the worker is training. Later, the
-            # gate its process looks for opens.
-            if sig.target in coord.membership.training():
-                if sig.at:
-                    open(self._gate(sig), "w").close()
-                self._fire(sig, str(sig.target), committed)
-                since = f"at {committed} records" if sig.at else "from its start"
-                coord.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
-                log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
+            self._slow_down(sig, committed, coord)
             return
+        target = self._ready_target(sig, alive, coord)
+        if target is None:
+            return
+        if sig.action == "kill" and coord.rendezvous is not None and target.role == "worker":
+            # allreduce: a run the victim already reported ready would otherwise commit with the others' reports
+            # before its loss is seen, and leave nothing to requeue. Its lease is checked again under the lock runs
+            # commit under: a run that committed since this tick's look ended the lease, so the kill waits.
+            if not coord.rendezvous.leave(str(target), lambda: self._untouched(coord, str(target))):
+                return
+        self._fire(sig, str(target), committed)
+        coord.timeline.record("chaos", str(target), f"{sig.action} at {committed} records")
+        log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
+        if sig.action == "kill":
+            backend.kill(target)
+        elif sig.action == "stop":
+            backend.freeze(target)
+            if sig.resume:
+                self.zombies.add(target)
+        else:
+            threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
+
+    def _signal_master(self, sig: Signal, committed: int) -> None:
+        """SIGKILL: a lost step pod, nothing cleaned up or flushed. SIGTERM: the pod stopped with a grace period,
+        which the master's own handler uses."""
+        self._fire(sig, MASTER, committed)
+        number = signal.SIGKILL if sig.action == "kill" else signal.SIGTERM
+        log.warning("chaos: %s the master at %d committed records", number.name, committed)
+        kill_self(number)
+
+    def _slow_down(self, sig: Signal, committed: int, coord) -> None:
+        """At 0, launched slow (instance_env): it fires, for the record, once the worker is training. Later, the
+        gate its process looks for opens."""
+        if sig.target in coord.membership.training():
+            if sig.at:
+                open(self._gate(sig), "w").close()
+            self._fire(sig, str(sig.target), committed)
+            since = f"at {committed} records" if sig.at else "from its start"
+            coord.timeline.record("chaos", str(sig.target), f"slow x{sig.factor:g} {since}")
+            log.info("chaos: %s runs %g times slower %s", sig.target, sig.factor, since)
+
+    def _ready_target(self, sig: Signal, alive: set[InstanceId], coord) -> InstanceId | None:
+        """The instance `sig` lands on now, or None while none is ready for it."""
         leased = self._cuttable(coord)
         if sig.action == "stop":
             # A freeze lands after the worker's first commit of its launch: before it, a freeze is a start-up hang,
@@ -348,13 +377,13 @@ class Chaos(api.JobFaults):
                 leased = set()
         if sig.target is not None and sig.target.role == "ps":
             if sig.target not in alive or coord.rewinding:  # one loss at a time: not while restoring
-                return
+                return None
             if sig.action == "stop" and coord.ledger.done:
                 # Training is over: a freeze now only holds the master's final pull of the model (not yet handled: it
                 # fails the job after the pull's deadline), and tests nothing of training.
-                return
-            target = sig.target
-        elif sig.target is not None:
+                return None
+            return sig.target
+        if sig.target is not None:
             # In threshold order, each at full strength (the workers the job keeps: not those it left out for
             # good) and while its target holds a lease, so the signal cuts a task short and leaves a remainder,
             # whatever this machine's speed.
@@ -363,34 +392,12 @@ class Chaos(api.JobFaults):
                 or sig.target not in alive
                 or str(sig.target) not in leased
             ):
-                return
-            target = sig.target
-        else:
-            ready = [
-                InstanceId("worker", i)
-                for i in sig.rank
-                if InstanceId("worker", i) in alive and f"worker-{i}" in leased
-            ]
-            if not ready:
-                return
-            target = ready[0]
-        if sig.action == "kill" and coord.rendezvous is not None and target.role == "worker":
-            # allreduce: a run the victim already reported ready would otherwise commit with the others' reports
-            # before its loss is seen, and leave nothing to requeue. Its lease is checked again under the lock runs
-            # commit under: a run that committed since this tick's look ended the lease, so the kill waits.
-            if not coord.rendezvous.leave(str(target), lambda: self._untouched(coord, str(target))):
-                return
-        self._fire(sig, str(target), committed)
-        coord.record("chaos", str(target), f"{sig.action} at {committed} records")
-        log.info("chaos: %s %s at %d committed records (planned at %d)", sig.action, target, committed, sig.at)
-        if sig.action == "kill":
-            backend.kill(target)
-        elif sig.action == "stop":
-            backend.freeze(target)
-            if sig.resume:
-                self.zombies.add(target)
-        else:
-            threading.Thread(target=backend.stop, args=(target, 30.0), daemon=True).start()
+                return None
+            return sig.target
+        ready = [
+            InstanceId("worker", i) for i in sig.rank if InstanceId("worker", i) in alive and f"worker-{i}" in leased
+        ]
+        return ready[0] if ready else None
 
     def _cuttable(self, coord) -> set[str]:
         """The workers a signal would cut short now: their lease's watermark moved since the last tick (a commit, or

@@ -23,7 +23,7 @@ import signal
 import statistics
 import time
 
-from elastic_step.faults import api
+from elastic_step import fault_hooks
 
 COLLECTIVE_ENV = "ELASTIC_STEP_COLLECTIVE_CHAOS"  # a worker's: "worker-1@step=25"
 SLOW_ENV = "ELASTIC_STEP_SLOW"  # a worker's: "10" (times slower)
@@ -48,11 +48,11 @@ def install_worker_faults(me: str) -> None:
         logging.getLogger("elastic_step.worker").warning(
             "chaos: %s runs %s times slower%s", me, factor, f" once {gate} exists" if gate else ""
         )
-        api.STEP_DONE.install(_slow(float(factor), gate, me, float(os.environ.get(SLOW_MAX_ENV) or "inf")))
+        fault_hooks.STEP_DONE.install(_slow(float(factor), gate, me, float(os.environ.get(SLOW_MAX_ENV) or "inf")))
     for spec in filter(None, os.environ.get(COLLECTIVE_ENV, "").split(",")):
         name, _, at = spec.partition("@step=")
         if name == me and at.isdigit():
-            api.COLLECTIVE_UNDER_WAY.install(_collective_kill(int(at)))
+            fault_hooks.COLLECTIVE_UNDER_WAY.install(_collective_kill(int(at)))
             return
 
 

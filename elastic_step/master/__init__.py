@@ -6,4 +6,6 @@
 - `gray/`  what happens to a frozen worker, a silent shard and a straggler: watched, fenced, stopped, replaced.
 - `durability/`  how a checkpoint is cut, where it is kept, and the audit that proves exactly-once.
 - `relaunch.py`  what an instance's end leads to: relaunch, restore or fail.
+- `timeline.py`, `failures.py`, `skipped.py`  what the job records and is told: its events, the failures
+  reported, the minibatches skipped. They decide nothing.
 """

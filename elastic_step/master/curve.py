@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic_step.errors import ModelDefError
+from elastic_step.master.failures import FailureReports
 from elastic_step.util import phases
 from elastic_step.util.process import own_threads
 
@@ -86,10 +87,21 @@ class ShardPuller:
 class EvalCurve:
     """The eval curve of a job. `pull(model)` loads the job's current weights into the model (closed with the
     curve when it has a `close()`); `history`: the points so far (a resumed job's come from its checkpoint),
-    appended to under `coord.lock`."""
+    appended to under `coord.lock`; `failures`: the job's, where a model's error in its metrics is reported."""
 
-    def __init__(self, model_def, manifest, coord, history: list[dict], tensorboard, pull, share: float = EVAL_SHARE):
+    def __init__(
+        self,
+        model_def,
+        manifest,
+        coord,
+        history: list[dict],
+        tensorboard,
+        pull,
+        failures: FailureReports,
+        share: float = EVAL_SHARE,
+    ):
         self.model_def, self.manifest, self.coord, self.history = model_def, manifest, coord, history
+        self.failures = failures
         self.tensorboard, self.pull, self.share = tensorboard, pull, share
         self.last: PointCost | None = None  # the last point this master took
         self._model = None
@@ -202,14 +214,14 @@ class EvalCurve:
                 r = evaluate_batches(model, self.model_def, self._batches, self._metrics)
                 self.last = PointCost(epoch, started, pulled_s + time.time() - evaluating)
         except ModelDefError as e:  # the user's loss or metrics: theirs, reported once, now
-            self.coord.report_failure("master", "model_error", str(e), "")
+            self.failures.report("master", "model_error", str(e), "")
             return
         except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
             log.warning("evaluation after epoch %d failed: %s", epoch, e)
             return
         log.debug("the eval curve: epoch %d's point took %.1f ms", epoch, self.last.seconds * 1000)
         point = {
-            "t": round(time.time() - self.coord.t0, 3),
+            "t": round(time.time() - self.coord.timeline.t0, 3),
             "epoch": epoch,
             **{k: round(v, 5) for k, v in r.items() if isinstance(v, float)},
         }

@@ -17,12 +17,12 @@ import tempfile
 import threading
 import time
 
+from elastic_step import fault_hooks
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.preloaded import fork_preloader
 from elastic_step.data.api import load_manifest
 from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
-from elastic_step.faults import api as faults_api
 from elastic_step.faults import chaos
 from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
@@ -30,6 +30,7 @@ from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
 from elastic_step.master.durability.audit import EXACT, audit, describe
 from elastic_step.master.durability.checkpoint import JobCheckpoints
+from elastic_step.master.failures import FailureReports
 from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.health import Health, serving
@@ -40,8 +41,10 @@ from elastic_step.master.plan import JobPlan, checked, checkpoint_root, new_job_
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy
 from elastic_step.master.service import MasterService, serve
+from elastic_step.master.skipped import SkippedMinibatches
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.master.threads import HEAVY_MINIBATCH, multiply_adds, pools_env, worker_inter_op, worker_intra_op
+from elastic_step.master.timeline import Timeline
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
 from elastic_step.util import phases
@@ -132,7 +135,12 @@ class TrainingJob:
         )
         self.allreduce = cfg.strategy == "allreduce"
         self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
-        self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds)
+        self.timeline = Timeline()  # what happened when (summary.json, the report)
+        self.coord = Coordinator(
+            self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds, self.timeline
+        )
+        self.failures = FailureReports(self.timeline, job_failed=self.coord.finished.set)
+        self.skipped = SkippedMinibatches(self.timeline)
         self.relaunch = RelaunchPolicy(cfg.max_relaunches)
         # Fault injection's hook points (tests, benchmarks, the demo); nothing in production.
         self.faults = chaos.for_job(
@@ -144,7 +152,9 @@ class TrainingJob:
         )
         # Checkpoints, and a resumed job's ledger back at its last cut, before anything starts.
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
-        self.durable = JobCheckpoints(cfg, job_id, ckpt_root, self.model_def, self.coord, self.faults)
+        self.durable = JobCheckpoints(
+            cfg, job_id, ckpt_root, self.model_def, self.coord, token=lambda: self.plan.token, faults=self.faults
+        )
         self.rendezvous = (
             self.coord.attach_rendezvous(cfg.max_workers, self.durable.members_lost, self.durable.ring_start)
             if self.allreduce
@@ -159,7 +169,6 @@ class TrainingJob:
             backend=self.backend.name,
             token=token,
         )
-        self.durable.token = self.plan.token
         # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
             self.coord,
@@ -205,7 +214,9 @@ class TrainingJob:
             if self.allreduce
             else ShardPuller(self.coord.shard_addresses, self.plan.token, self.cfg.num_ps)
         )
-        return EvalCurve(self.model_def, self.eval, self.coord, self.eval_history, self.tensorboard, pull=pull)
+        return EvalCurve(
+            self.model_def, self.eval, self.coord, self.eval_history, self.tensorboard, pull, self.failures
+        )
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -318,6 +329,8 @@ class TrainingJob:
             cfg.max_workers,
             cfg.pushes_in_flight,
             cfg.minibatches_per_push,
+            failures=self.failures,
+            skipped=self.skipped,
             checkpoint_state=lambda: self.durable.member_state,  # allreduce, resumed
             locate=self.locate,
         )
@@ -396,7 +409,7 @@ class TrainingJob:
         with phases.span("master: training, from the shards' opening to the last commit"):
             self._pump(until=self.coord.finished.is_set)
         self.train_seconds = time.time() - t_start
-        if self.coord.failure:
+        if self.failures.failure:
             raise self._failure()
         self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
 
@@ -413,7 +426,7 @@ class TrainingJob:
     def _pump(self, until) -> None:
         """Handle backend events and show progress until `until()` holds or the job fails."""
         last_tick = 0.0
-        while not until() and self.coord.failure is None:
+        while not until() and self.failures.failure is None:
             self.health.turned()
             # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
             # than once a turn, which held them ~0.1 s a checkpoint.
@@ -421,12 +434,12 @@ class TrainingJob:
                 self._on_event(ev)
             now = time.time()
             committed = self.ledger.records_committed_total()
-            faults_api.PUMP_TURN(committed)
+            fault_hooks.PUMP_TURN(committed)
             if self.terminated_at is not None:
                 with self.health.busy("cutting a last checkpoint"):
                     last = self.durable.last_cut(committed, now)
                 if last:
-                    self.coord.report_failure("master", "terminated", "the master received SIGTERM", "")
+                    self.failures.report("master", "terminated", "the master received SIGTERM", "")
                 continue
             # Events in the order of the records they wait for: a cut due at fewer records than a fault is
             # cut before the fault fires, even when one turn of a busy pump sees the records pass both.
@@ -453,11 +466,11 @@ class TrainingJob:
             return
         over = self.coord.finished.is_set()
         member = self.coord.membership.members[ev.instance]
-        report = self.coord.take_failure_report(str(ev.instance))
+        report = self.failures.take(str(ev.instance))
         decision = self.relaunch.on_end(
             ev,
             over,
-            self.coord.failure is not None,
+            self.failures.failure is not None,
             member.crashes_without_progress,
             checkpoint=self.durable.can_restore(),
             report=report,
@@ -472,18 +485,18 @@ class TrainingJob:
             decision.reason,
             f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "",
         )
-        self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")
+        self.timeline.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")
         if decision.action == "relaunch":
             self.coord.mark_replacement(ev.instance, ev.time)
             self._launch(ev.instance, relaunch=True)
         elif decision.action == "restore":
             self._restore_after_ps_loss(ev.instance, ev.time)
-        elif decision.action == "fail" and self.coord.failure is None:
+        elif decision.action == "fail" and self.failures.failure is None:
             # The error whole, as the instance reported it; else what its log ends with.
             tail = report["traceback"] if report else self._log_tail(ev.instance)
             minibatch = report["minibatch"] if report else ""
             kind = "same_error" if report else "instance_failed"
-            self.coord.report_failure(str(ev.instance), kind, decision.reason, tail, minibatch)
+            self.failures.report(str(ev.instance), kind, decision.reason, tail, minibatch)
 
     def _restore_after_ps_loss(self, inst: InstanceId, lost_at: float) -> None:
         """Every shard and the ledger back to the last checkpoint, one cut (restoring the lost shard
@@ -494,7 +507,7 @@ class TrainingJob:
             manifest, generation = self.durable.rewind(inst.index, lost_at)
         self._launch(inst, relaunch=True)
         self._pump(until=self.coord.ps_ready.is_set)
-        if self.coord.failure is None:
+        if self.failures.failure is None:
             with self.health.busy("restoring the parameter servers from the last checkpoint"):
                 self.durable.restore_shards(manifest, generation)
             self.durable.rewound(generation)
@@ -507,7 +520,7 @@ class TrainingJob:
             return ""
 
     def _failure(self) -> ElasticStepError:
-        f = self.coord.failure
+        f = self.failures.failure
         self.tensorboard.close()
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
@@ -629,7 +642,7 @@ class TrainingJob:
         return result
 
     def _write_summary(self, status: str, **extra) -> dict:
-        c, coord = self.cfg, self.coord
+        c, coord, t0 = self.cfg, self.coord, self.timeline.t0
         rdv_summary = self.rendezvous.summary() if self.rendezvous else None
         chaos_summary = self.faults.summary()
         with coord.lock:
@@ -674,15 +687,17 @@ class TrainingJob:
                 },
                 **({"allreduce": {**rdv_summary, "global_batch": c.global_batch}} if rdv_summary else {}),
                 "training_seconds": round(self.train_seconds, 3),
-                "startup_seconds": round((coord.pace.first_commit_at or time.time()) - coord.t0, 3),
+                "startup_seconds": round((coord.pace.first_commit_at or time.time()) - t0, 3),
                 "throughput_records_per_s": round(coord.throughput(), 1),
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "eval_history": list(self.eval_history),
                 "timeseries": list(coord.pace.samples),
-                "workers_alive": [{"t": round(t - coord.t0, 3), "alive": n} for t, n in coord.membership.alive_samples],
-                "events": list(coord.events),
+                "workers_alive": [
+                    {"t": round(t - self.timeline.t0, 3), "alive": n} for t, n in coord.membership.alive_samples
+                ],
+                "events": list(self.timeline.events),
                 "fencing": coord.fences.summary(),
-                **({"skipped_non_finite": coord.skipped_summary()} if c.skip_non_finite or coord.skipped else {}),
+                **({"skipped_non_finite": self.skipped.summary()} if c.skip_non_finite or self.skipped.skipped else {}),
                 **({"chaos": chaos_summary} if chaos_summary else {}),
                 "checkpoints": {"root": self.plan.checkpoint_root, **self.durable.summary()},
             }

@@ -33,7 +33,9 @@ from concurrent import futures
 import grpc
 
 from elastic_step.backends.api import InstanceId
+from elastic_step.master.failures import FailureReports
 from elastic_step.master.leases.coordinator import Coordinator
+from elastic_step.master.skipped import SkippedMinibatches
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors
@@ -160,13 +162,16 @@ class MasterService(pb_grpc.MasterServicer):
         minibatches_per_push: int = 1,
         queue_target_s: float = QUEUE_TARGET_S,
         *,
+        failures: FailureReports,
+        skipped: SkippedMinibatches,
         checkpoint_state: Callable[[], MemberState | None] = lambda: None,
         locate: Callable[[str], str] = lambda uri: uri,
     ):
-        """`checkpoint_state`: allreduce, a resumed job: the state the members start from, or None (see
-        master/durability/checkpoint.py). `locate`: a URI as instances open it (a file local to the step is
-        served by the master: input_server.py)."""
+        """`failures`, `skipped`: the job's, where the instances' reports go. `checkpoint_state`: allreduce, a
+        resumed job: the state the members start from, or None (see master/durability/checkpoint.py). `locate`: a
+        URI as instances open it (a file local to the step is served by the master: input_server.py)."""
         self.c = coordinator
+        self.failures, self.skipped = failures, skipped
         self.admission = Admission(queue_target_s)
         self.calls = 0  # served, of every kind (the event loop is the only writer)
         self._waiting = futures.ThreadPoolExecutor(max_workers=WAITING_CALLS, thread_name_prefix="master-wait")
@@ -314,7 +319,7 @@ class MasterService(pb_grpc.MasterServicer):
 
     async def ReportFailure(self, request, context):
         inst = await self._instance(context, "ReportFailure", request)
-        self.c.report_failure(
+        self.failures.report(
             str(inst),
             request.kind,
             request.message,
@@ -326,7 +331,7 @@ class MasterService(pb_grpc.MasterServicer):
     async def ReportSkipped(self, request, context):
         r = request
         worker = str(await self._instance(context, "ReportSkipped", r))
-        self.c.skipped_minibatch(worker, r.epoch, r.data_shard, r.shard, r.start, r.end, r.why, r.step)
+        self.skipped.skip(worker, r.epoch, r.data_shard, r.shard, r.start, r.end, r.why, r.step)
         return pb.Ack()
 
     # ------------------------------------------------------------ --strategy allreduce

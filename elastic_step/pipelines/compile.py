@@ -74,105 +74,96 @@ def _v1_args(step: str) -> list:
 def _v1(image: str) -> dict[str, dict]:
     """v1 component specs (for Elyra): the same steps, through the CLI."""
     return {
-        spec.DATA_PREP: {
-            "name": "elastic-step data prep",
-            "description": "CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards; "
-            "the output folder holds train/ and eval/, each with a manifest.json.",
-            "inputs": _v1_inputs(spec.DATA_PREP),
-            "outputs": [{"name": "prepared", "type": "Dataset"}],
-            "implementation": {
-                "container": {
-                    "image": image,
-                    "command": [
-                        "elastic-step",
-                        "data",
-                        "prep",
-                        *_v1_args(spec.DATA_PREP),
-                        "--output",
-                        {"outputPath": "prepared"},
-                    ],
-                }
+        spec.DATA_PREP: _v1_data_prep(image),
+        spec.ELASTIC_TRAIN: _v1_train(image),
+        spec.EVALUATE: _v1_evaluate(image),
+        spec.PUBLISH_MODEL: _v1_publish(image),
+    }
+
+
+def _v1_cli(image: str, *command) -> dict:
+    """A v1 implementation: the image's `elastic-step` CLI with `command`."""
+    return {"container": {"image": image, "command": ["elastic-step", *command]}}
+
+
+def _v1_data_prep(image: str) -> dict:
+    return {
+        "name": "elastic-step data prep",
+        "description": "CSV / Parquet / JSON lines at any fsspec URI -> validated Parquet shards; "
+        "the output folder holds train/ and eval/, each with a manifest.json.",
+        "inputs": _v1_inputs(spec.DATA_PREP),
+        "outputs": [{"name": "prepared", "type": "Dataset"}],
+        "implementation": _v1_cli(
+            image, "data", "prep", *_v1_args(spec.DATA_PREP), "--output", {"outputPath": "prepared"}
+        ),
+    }
+
+
+def _v1_train(image: str) -> dict:
+    return {
+        "name": "elastic-step train",
+        "description": "Elastic TensorFlow training: workers and parameter servers that survive "
+        "preemption. The model output folder gets model.keras, saved_model/, "
+        "summary.json and report.html.",
+        "inputs": [
+            {
+                "name": "prepared",
+                "type": "Dataset",
+                "description": "the folder written by the data prep component (train/ and eval/ manifests)",
             },
-        },
-        spec.ELASTIC_TRAIN: {
-            "name": "elastic-step train",
-            "description": "Elastic TensorFlow training: workers and parameter servers that survive "
-            "preemption. The model output folder gets model.keras, saved_model/, "
-            "summary.json and report.html.",
-            "inputs": [
-                {
-                    "name": "prepared",
-                    "type": "Dataset",
-                    "description": "the folder written by the data prep component (train/ and eval/ manifests)",
-                },
-                *_v1_inputs(spec.ELASTIC_TRAIN),
-            ],
-            "outputs": [{"name": "model", "type": "Model"}],
-            "implementation": {
-                "container": {
-                    "image": image,
-                    "command": [
-                        "elastic-step",
-                        "train",
-                        "--prepared",
-                        {"inputPath": "prepared"},  # alone: Elyra offers only a parent's output
-                        *_v1_args(spec.ELASTIC_TRAIN),
-                        "--progress",
-                        "lines",
-                        "--output",
-                        {"outputPath": "model"},
-                    ],
-                }
-            },
-        },
-        spec.EVALUATE: {
-            "name": "elastic-step evaluate",
-            "description": "Evaluate a trained model on the eval split: `result` is the JSON result, "
-            "`passed` is true when the metric reaches the threshold.",
-            "inputs": [
-                {"name": "model", "type": "Model"},
-                {"name": "prepared", "type": "Dataset"},
-                *_v1_inputs(spec.EVALUATE),
-            ],
-            "outputs": [{"name": "result", "type": "JsonObject"}, {"name": "passed", "type": "String"}],
-            "implementation": {
-                "container": {
-                    "image": image,
-                    "command": [
-                        "elastic-step",
-                        "evaluate",
-                        "--model",
-                        {"inputPath": "model"},
-                        "--prepared",
-                        {"inputPath": "prepared"},
-                        *_v1_args(spec.EVALUATE),
-                        "--metrics-out",
-                        {"outputPath": "result"},
-                        "--passed-out",
-                        {"outputPath": "passed"},
-                    ],
-                }
-            },
-        },
-        spec.PUBLISH_MODEL: {
-            "name": "elastic-step publish",
-            "description": "Copy a trained model folder (model.keras, saved_model/) to a URI (gs://, s3://, "
-            "local). Put it after the evaluate component only when its `passed` is true.",
-            "inputs": [{"name": "model", "type": "Model"}, {"name": "publish_uri", "type": "String"}],
-            "implementation": {
-                "container": {
-                    "image": image,
-                    "command": [
-                        "elastic-step",
-                        "publish",
-                        "--model",
-                        {"inputPath": "model"},
-                        "--to",
-                        {"inputValue": "publish_uri"},
-                    ],
-                }
-            },
-        },
+            *_v1_inputs(spec.ELASTIC_TRAIN),
+        ],
+        "outputs": [{"name": "model", "type": "Model"}],
+        "implementation": _v1_cli(
+            image,
+            "train",
+            "--prepared",
+            {"inputPath": "prepared"},  # alone: Elyra offers only a parent's output
+            *_v1_args(spec.ELASTIC_TRAIN),
+            "--progress",
+            "lines",
+            "--output",
+            {"outputPath": "model"},
+        ),
+    }
+
+
+def _v1_evaluate(image: str) -> dict:
+    return {
+        "name": "elastic-step evaluate",
+        "description": "Evaluate a trained model on the eval split: `result` is the JSON result, "
+        "`passed` is true when the metric reaches the threshold.",
+        "inputs": [
+            {"name": "model", "type": "Model"},
+            {"name": "prepared", "type": "Dataset"},
+            *_v1_inputs(spec.EVALUATE),
+        ],
+        "outputs": [{"name": "result", "type": "JsonObject"}, {"name": "passed", "type": "String"}],
+        "implementation": _v1_cli(
+            image,
+            "evaluate",
+            "--model",
+            {"inputPath": "model"},
+            "--prepared",
+            {"inputPath": "prepared"},
+            *_v1_args(spec.EVALUATE),
+            "--metrics-out",
+            {"outputPath": "result"},
+            "--passed-out",
+            {"outputPath": "passed"},
+        ),
+    }
+
+
+def _v1_publish(image: str) -> dict:
+    return {
+        "name": "elastic-step publish",
+        "description": "Copy a trained model folder (model.keras, saved_model/) to a URI (gs://, s3://, "
+        "local). Put it after the evaluate component only when its `passed` is true.",
+        "inputs": [{"name": "model", "type": "Model"}, {"name": "publish_uri", "type": "String"}],
+        "implementation": _v1_cli(
+            image, "publish", "--model", {"inputPath": "model"}, "--to", {"inputValue": "publish_uri"}
+        ),
     }
 
 

@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from elastic_step.faults import api
+from elastic_step import fault_hooks
 from elastic_step.master import health
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.job import train
@@ -76,7 +76,7 @@ def test_a_training_job_answers_healthz_and_a_held_pump_answers_503(tally_data, 
     port = free_port()
     monkeypatch.setattr(health, "PUMP_BOUND_S", BOUND_S)
     hold = HoldThePump(port)
-    api.PUMP_TURN.install(hold)
+    fault_hooks.PUMP_TURN.install(hold)
     try:
         cfg = TrainConfig(
             model_def=TALLY_MODEL,
@@ -92,7 +92,7 @@ def test_a_training_job_answers_healthz_and_a_held_pump_answers_503(tally_data, 
         )
         summary = train(cfg)
     finally:
-        api.PUMP_TURN.install(None)
+        fault_hooks.PUMP_TURN.install(None)
     assert set(hold.answers) == {"training", "held", "after"}, f"the pump was never held: {hold.answers}"
     status, text = hold.answers["training"]
     assert status == 200 and text.startswith("ok: the master's pump turned"), hold.answers

@@ -24,9 +24,11 @@ from kubernetes.watch.watch import iter_resp_lines
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import KubernetesBackend, load_manifests
+from elastic_step.master.failures import FailureReports
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from elastic_step.master.service import MasterService, serve
+from elastic_step.master.skipped import SkippedMinibatches
 from tests.infra.kube.harness import wait_for
 
 LIGHT_WORKER = Path(__file__).with_name("light_worker.py")
@@ -87,7 +89,17 @@ class FleetMaster:
                     raise
         self.requests.counts.clear()  # the cluster's setup, not the master's
         self.coord = Coordinator(Ledger(SHARDS, RECORDS_PER_TASK, epochs=1, minibatch_size=MINIBATCH), num_ps=0)
-        self.server, self.port = serve(MasterService(self.coord, token, job, MINIBATCH, "light-worker"), port=port)
+        failures = FailureReports(self.coord.timeline, job_failed=self.coord.finished.set)
+        service = MasterService(
+            self.coord,
+            token,
+            job,
+            MINIBATCH,
+            "light-worker",
+            failures=failures,
+            skipped=SkippedMinibatches(self.coord.timeline),
+        )
+        self.server, self.port = serve(service, port=port)
         self.address = f"127.0.0.1:{self.port}"
         self.backend = KubernetesBackend(
             job, token, api_client=self.api, namespace=namespace, owner=None, master_ip="127.0.0.1", pod_spec=pod_spec

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from elastic_step import fault_hooks as faults
 from elastic_step.backends.api import BackendError, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import (
     NEEDED,
@@ -33,7 +34,6 @@ from elastic_step.backends.kubernetes import (
 from elastic_step.backends.kubernetes.kueue import NEEDED as KUEUE_NEEDED
 from elastic_step.backends.kubernetes.kueue import WANTED as KUEUE_WANTED
 from elastic_step.errors import ElasticStepError
-from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.kubernetes.fleet import PodRecorder
 from tests.kubernetes.jobs import ROOT, SMALL, start_train, train, train_command, wait_two_workers
@@ -462,7 +462,7 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(
             for n, o in recorder.current.items()
         }
         raise AssertionError(
-            f"{e}\nmaster events: {coord.events[-25:]}\npods: {pods}\n"
+            f"{e}\nmaster events: {coord.timeline.events[-25:]}\npods: {pods}\n"
             f"ledger: {ledger.records_committed_total()} committed, leases {ledger.leases}"
         ) from None
 
@@ -494,7 +494,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
         },
     }
     core.create_namespaced_pod(namespace, intruder)
-    lost = wait_for(lambda: [e for e in coord.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
+    lost = wait_for(lambda: [e for e in coord.timeline.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]
     assert "preempted by the scheduler" in lost["detail"], lost
     wait_for(

@@ -26,10 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from elastic_step import fault_hooks as faults
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.kubernetes.permissions import translate
 from elastic_step.backends.kubernetes.pods import TERMINAL, _deletion_cause, _Launch, _Pod, _terminated, track
-from elastic_step.faults import api as faults
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 

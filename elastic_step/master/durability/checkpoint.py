@@ -14,8 +14,9 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 
-from elastic_step.faults.api import NO_FAULTS, JobFaults
+from elastic_step.fault_hooks import NO_FAULTS, JobFaults
 from elastic_step.master.durability.store import CheckpointError, CheckpointStore, fingerprint, parse_interval
 from elastic_step.util.atomic import atomic_write_bytes
 from elastic_step.util.json_text import write_json
@@ -165,7 +166,7 @@ class Checkpointer:
                 "write_s": round(took, 4),
             }
         )
-        self.coord.record(
+        self.coord.timeline.record(
             "checkpoint",
             "",
             f"checkpoint {ckpt_id} at {records} records "
@@ -206,10 +207,21 @@ class JobCheckpoints:
     checkpoint's step, and serves the checkpoint's state (`member_state`) to the members of its first
     version, which all load it."""
 
-    def __init__(self, cfg, job_id: str, root: str, model_def, coord, faults: JobFaults = NO_FAULTS):
-        """`root`: the job's checkpoint folder (master/plan.py checkpoint_root)."""
+    def __init__(
+        self,
+        cfg,
+        job_id: str,
+        root: str,
+        model_def,
+        coord,
+        token: Callable[[], str],
+        faults: JobFaults = NO_FAULTS,
+    ):
+        """`root`: the job's checkpoint folder (master/plan.py checkpoint_root). `token()`: the job's token, which
+        its backend gives: a resumed job's ledger goes back to its cut before the backend starts anything, and no
+        checkpoint is cut, nor state pulled, before it has."""
         self.cfg, self.coord, self.ledger = cfg, coord, coord.ledger
-        self.token: str | None = None  # the job's, set once its backend is up (before any checkpoint is cut)
+        self.token = token
         self.store = CheckpointStore(root, fingerprint(cfg, job_id, model_def, coord.ledger))
         every = parse_interval(cfg.checkpoint_every)
         self.allreduce = cfg.strategy == "allreduce"
@@ -221,39 +233,7 @@ class JobCheckpoints:
         self.state = self.store.read_json(self.resumed, "ledger.json") if self.resumed else {}
         self.restarts: list[dict] = list(self.state.get("restarts", []))
         if self.resumed:
-            self.ledger.restore(self.state["ledger"])
-            if self.allreduce:
-                self.member_state = self.store.read_members(self.resumed)
-                self.ring_start = (self.member_state.step, self.resumed["id"])
-            coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
-            started = time.time()
-            before = self.store.watermark()
-            self.restarts.append(
-                {
-                    "at": started,
-                    "from_checkpoint": self.resumed["id"],
-                    "records_committed_at_checkpoint": self.resumed["records_committed"],
-                    # at least: the watermark is up to WATERMARK_EVERY_S behind the lost master
-                    "records_trained_again": None
-                    if before is None
-                    else max(0, before - self.resumed["records_committed"]),
-                }
-            )
-            entry = self.restarts[-1]
-            coord.pace.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
-            log.info(
-                "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
-                "records the previous master committed after it are trained again",
-                job_id,
-                self.resumed["id"],
-                self.store.root,
-                self.resumed["records_committed"],
-                self.ledger.epoch,
-                "(unknown number of)" if before is None else entry["records_trained_again"],
-            )
-            coord.record(
-                "resumed", "", f"from checkpoint {self.resumed['id']} at {self.resumed['records_committed']} records"
-            )
+            self._resume(job_id)
         self._last_members: tuple | None = None  # allreduce: (id, ledger cut, member state) of the last cut
         self._cut_members: tuple | None = None  # allreduce: (id, member state) pulled for the cut in progress
         if self.allreduce and every and self.resumed:
@@ -280,6 +260,41 @@ class JobCheckpoints:
         self._last_cut: tuple[float, int] | None = None  # (asked at, the id it must reach), once terminated
         self._cut_shards = None  # the cuts' client of the shards (KeptClient), once one is cut
 
+    def _resume(self, job_id: str) -> None:
+        """A resumed job: the ledger back at the checkpoint's cut (allreduce: the state the ring starts from), and
+        the restart on the record, its figures closed by the first commit."""
+        self.ledger.restore(self.state["ledger"])
+        if self.allreduce:
+            self.member_state = self.store.read_members(self.resumed)
+            self.ring_start = (self.member_state.step, self.resumed["id"])
+        self.coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
+        started = time.time()
+        before = self.store.watermark()
+        self.restarts.append(
+            {
+                "at": started,
+                "from_checkpoint": self.resumed["id"],
+                "records_committed_at_checkpoint": self.resumed["records_committed"],
+                # at least: the watermark is up to WATERMARK_EVERY_S behind the lost master
+                "records_trained_again": None if before is None else max(0, before - self.resumed["records_committed"]),
+            }
+        )
+        entry = self.restarts[-1]
+        self.coord.pace.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
+        log.info(
+            "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
+            "records the previous master committed after it are trained again",
+            job_id,
+            self.resumed["id"],
+            self.store.root,
+            self.resumed["records_committed"],
+            self.ledger.epoch,
+            "(unknown number of)" if before is None else entry["records_trained_again"],
+        )
+        self.coord.timeline.record(
+            "resumed", "", f"from checkpoint {self.resumed['id']} at {self.resumed['records_committed']} records"
+        )
+
     @staticmethod
     def _rank0_unreachable(error: Exception) -> bool:
         """allreduce: rank 0 lost, or a new version formed, while its state was being pulled."""
@@ -297,7 +312,9 @@ class JobCheckpoints:
         again = self.ledger.restore(state["ledger"])
         self.member_state = member
         self.coord.rendezvous.restore_locked(member.step, ckpt_id)
-        self.coord.record("rewound", "", f"every member lost: to checkpoint {ckpt_id}, {again} records to train again")
+        self.coord.timeline.record(
+            "rewound", "", f"every member lost: to checkpoint {ckpt_id}, {again} records to train again"
+        )
         log.warning(
             "every allreduce member was lost, and the trained weights with them: the ledger goes back to "
             "checkpoint %d, whose state the newcomers load; the %d records committed since are trained again",
@@ -314,7 +331,7 @@ class JobCheckpoints:
         rdv = self.coord.rendezvous
         with self.coord.lock:
             step, (_, address) = rdv.committed_step, rdv.members[0]
-        state = pull_state(address, self.token, step)
+        state = pull_state(address, self.token(), step)
         self._cut_members = (ckpt_id, state)
         return lambda: [self.store.write_members(ckpt_id, state)]
 
@@ -323,7 +340,7 @@ class JobCheckpoints:
         from elastic_step.ps.client import KeptClient
 
         if self._cut_shards is None:
-            self._cut_shards = KeptClient(self.coord.shard_addresses, self.token)
+            self._cut_shards = KeptClient(self.coord.shard_addresses, self.token())
         return self._cut_shards
 
     def close(self) -> None:
@@ -401,7 +418,9 @@ class JobCheckpoints:
         self.ps_restores.append(entry)
         with coord.lock:
             coord.pace.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
-        coord.record("rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again")
+        coord.timeline.record(
+            "rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again"
+        )
         log.warning(
             "ps-%d lost: every shard and the ledger go back to checkpoint %d (%d committed records); "
             "the %d records committed since are trained again",

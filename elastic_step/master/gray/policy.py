@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId
-from elastic_step.faults.api import JobFaults
+from elastic_step.fault_hooks import JobFaults
 from elastic_step.instance import EXIT_FENCED
 from elastic_step.master.gray.hang import HangBounds, Hung
 from elastic_step.master.gray.ps_watch import PSWatch
 from elastic_step.master.gray.ring_straggler import Straggler
+from elastic_step.master.timeline import Timeline
 
 log = logging.getLogger("elastic_step.master")
 
@@ -36,13 +37,13 @@ class Decisions(Protocol):
     ps_ready: threading.Event
     ps_addresses: list[str]
     rewinding: bool
+    timeline: Timeline  # where the policy's own decisions are recorded
 
     def hung_workers(self, now: float, paused: bool = False) -> list[Hung]: ...
     def declare_hung(self, hung: Hung, now: float) -> tuple[int, int] | None: ...
     def ring_straggler(self, paused: bool = False) -> Straggler | None: ...
     def declare_straggler(self, straggler: Straggler, now: float) -> tuple[int, int] | None: ...
     def fence(self, inst: InstanceId, why: str) -> int: ...
-    def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None, **figures) -> None: ...
 
 
 class GrayFailures:
@@ -126,7 +127,7 @@ class GrayFailures:
             ps.close()
         if failed:
             log.warning("%s launch %d: not every PS shard was told it is fenced: %s", inst, launch, "; ".join(failed))
-            self.coord.record("fence_unsent", str(inst), "; ".join(failed), launch=launch)
+            self.coord.timeline.record("fence_unsent", str(inst), "; ".join(failed), launch=launch)
 
     def on_end(self, ev: InstanceEvent) -> InstanceEvent:
         """A backend event as the master takes it: a worker's loss is fenced (it may still run: a pod deleted on a

@@ -136,7 +136,7 @@ class PSWatch:
         figures = {"idle_s": round(hung.idle_s, 1), "bound_s": round(hung.bound_s, 1)}
         what = "declared hung, killed; it is relaunched and every shard goes back to the last checkpoint"
         with self.coord.lock:
-            self.coord.record("hung", hung.worker, f"{hung}: {what}", t=now, **figures)
+            self.coord.timeline.record("hung", hung.worker, f"{hung}: {what}", t=now, **figures)
         log.warning("%s: %s: %s", hung.worker, hung, what)
 
 

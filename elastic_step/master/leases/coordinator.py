@@ -1,5 +1,5 @@
 """The master's decisions, under one lock: who gets a lease, what a report commits, what a loss requeues, who is
-given up, and the membership they rest on; and the timeline of those decisions.
+given up, and the membership they rest on. Each decision makes the job's timeline (master/timeline.py).
 
 The gRPC service and the job loop both call into it; it decides nothing about processes (that is the relaunch
 policy's job) and never blocks on I/O while holding its lock. The watches it keeps under the lock (master/gray/)
@@ -21,13 +21,23 @@ from elastic_step.master.gray.straggler import StragglerWatch
 from elastic_step.master.leases.ledger import Lease, LeaseOver, Ledger, LedgerError
 from elastic_step.master.leases.membership import Membership
 from elastic_step.master.pace import Pace
+from elastic_step.master.timeline import Timeline
 
 log = logging.getLogger("elastic_step.master")
 
 
 class Coordinator:
-    def __init__(self, ledger: Ledger, num_ps: int, min_workers: int = 1, bounds: HangBounds = MEASURED):
+    def __init__(
+        self,
+        ledger: Ledger,
+        num_ps: int,
+        min_workers: int = 1,
+        bounds: HangBounds = MEASURED,
+        timeline: Timeline | None = None,
+    ):
+        """`timeline`: the job's, where each decision is recorded (a new one by default)."""
         self.lock = threading.Lock()
+        self.timeline = timeline or Timeline()
         self.ledger = ledger
         self.membership = Membership()
         self.hangs = HangWatch(bounds)  # the workers' clocks (master/gray/hang.py)
@@ -43,16 +53,9 @@ class Coordinator:
         # Workers learn the shards' addresses only once every shard is up and, for a resumed job,
         # restored (see open_shards): workers start beside the shards, not after them.
         self.shards_open = num_ps == 0
-        self.events: list[dict] = []
-        self.failure: dict | None = None
-        # A worker's failure not known to be the user's, by instance, until the relaunch policy sees it end.
-        self.failure_reports: dict[str, dict] = {}
-        # --skip-non-finite: the minibatches workers skipped, by (epoch, data shard, start, end).
-        self.skipped: dict[tuple[int, int, int, int], dict] = {}
         self.finished = threading.Event()  # training over (done or failed)
         self.stop_all = threading.Event()  # the master no longer needs any instance (PS included)
         self.duplicates_suppressed = 0
-        self.t0 = time.time()
         self.pace = Pace()  # figures, fed as commits happen: throughput, loss, recovery, samples
         self.rendezvous = None  # --strategy allreduce: see attach_rendezvous
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
@@ -82,7 +85,7 @@ class Coordinator:
             max_workers,
             lock=self.lock,
             commit_fn=self._commit_step,
-            record=self.record,
+            record=self.timeline.record,
             state_lost_fn=lambda: self._state_lost(members_lost),
         )
         if start is not None:
@@ -103,7 +106,7 @@ class Coordinator:
                 "to restore, so training starts over; %d committed records will be trained again",
                 again,
             )
-            self.record("rewound", "", f"every member lost: {again} committed records to train again")
+            self.timeline.record("rewound", "", f"every member lost: {again} committed records to train again")
 
     def _commit_step(self, ready: dict, now: float) -> bool:
         """An allreduce step commits (lock held): every member's watermark at once. True when done."""
@@ -127,7 +130,7 @@ class Coordinator:
                 self.ledger.report(worker, r.task_id, r.watermark)
             except LedgerError as e:
                 log.warning("refused a step commit: %s", e)
-                self.record("refused", worker, str(e))
+                self.timeline.record("refused", worker, str(e))
         if records:
             self._committed(now, sum(r.loss * r.records for r in ready.values()) / records, epoch_before)
         return self.ledger.done
@@ -140,7 +143,7 @@ class Coordinator:
         """After records committed (lock held): the pace's figures, an epoch's end, the end of the job."""
         self.pace.committed(now, loss, self.ledger.records_committed_total())
         if self.ledger.epoch != epoch_before:
-            self.record(
+            self.timeline.record(
                 "epoch_end",
                 "",
                 f"epoch {epoch_before} committed {self.ledger.accounts[epoch_before].committed} records",
@@ -156,21 +159,13 @@ class Coordinator:
                 return
             self._release(peer, f"unreachable from {reporter}", time.time())
 
-    # ------------------------------------------------------------ timeline
-    def record(self, kind: str, instance: str = "", detail: str = "", t: float | None = None, **figures) -> None:
-        """An event of the timeline (summary.json, the report); `figures`: its numbers, as fields of their own."""
-        t = time.time() if t is None else t
-        self.events.append(
-            {"t": round(t - self.t0, 4), "kind": kind, "instance": instance, "detail": detail, **figures}
-        )
-
     # ------------------------------------------------------------ RPC side
     def register(self, inst: InstanceId, address: str) -> list[str]:
         """An instance registers (a worker again and again while it waits for the shards). Returns the
         shards' addresses, or empty ones while a worker may not push to them yet."""
         with self.lock:
             if self.membership.registered(inst, address):
-                self.record("registered", str(inst), address)
+                self.timeline.record("registered", str(inst), address)
                 log.info("%s registered%s", inst, f" at {address}" if address else "")
             if inst.role == "ps":
                 self.ps_addresses[inst.index] = address
@@ -265,7 +260,7 @@ class Coordinator:
                 if self.membership.training_count() < self.min_workers:
                     return None
                 self.training_started = True
-                self.record(
+                self.timeline.record(
                     "training_started",
                     "",
                     f"{self.membership.training_count()} workers registered (min {self.min_workers})",
@@ -282,7 +277,7 @@ class Coordinator:
                 lease = self._take_from_straggler(worker, time.time())
             if lease is not None and lease not in had and lease.start != lease.task.start:
                 # Only re-leases make the timeline: a lost worker's remainder finding a new home.
-                self.record(
+                self.timeline.record(
                     "re-leased",
                     worker,
                     f"task {lease.task.task_id} records [{lease.start},{lease.task.end}) epoch {lease.task.epoch}",
@@ -295,7 +290,7 @@ class Coordinator:
         if handover is None:
             return None
         lease = self.ledger.hand_over(handover.holder, idle, now, cut=handover.cut)
-        self.record("straggler", handover.holder, str(handover), t=now, **handover.figures())
+        self.timeline.record("straggler", handover.holder, str(handover), t=now, **handover.figures())
         log.warning("%s is a straggler: %s", handover.holder, handover)
         return lease
 
@@ -314,7 +309,7 @@ class Coordinator:
                 over, fresh = e, 0
             except LedgerError as e:
                 log.warning("refused a progress report: %s", e)
-                self.record("refused", worker, str(e))
+                self.timeline.record("refused", worker, str(e))
                 return False
             self.membership.seen(inst, progressed=True)
             self.hangs.committed(worker)
@@ -325,53 +320,8 @@ class Coordinator:
             self._committed(now, loss, epoch_before)
             if over is not None:
                 log.info("%s: lease over: %s", worker, over)
-                self.record("lease_over", worker, str(over))
+                self.timeline.record("lease_over", worker, str(over))
             return over is None
-
-    def report_failure(self, instance: str, kind: str, message: str, tb: str, minibatch: str = "") -> None:
-        """The job fails; the first failure is the one reported to the user. A worker's "internal" failure (an
-        error not known to be the user's) does not fail it: it is kept for the relaunch policy, which decides
-        when the worker ends (see `take_failure_report`). `minibatch`: the records it failed on, when known."""
-        with self.lock:
-            self.record("failure", instance, f"{kind}{f' on {minibatch}' if minibatch else ''}: {message}")
-            report = {"instance": instance, "kind": kind, "message": message, "traceback": tb, "minibatch": minibatch}
-            if kind == "internal":
-                self.failure_reports[instance] = report
-            elif self.failure is None:
-                self.failure = report
-                self.finished.set()
-
-    def take_failure_report(self, instance: str) -> dict | None:
-        """The failure `instance` reported before it ended, if any (once)."""
-        with self.lock:
-            return self.failure_reports.pop(instance, None)
-
-    def skipped_minibatch(
-        self, worker: str, epoch: int, data_shard: int, shard: str, start: int, end: int, why: str, step: int
-    ) -> None:
-        """--skip-non-finite: `worker` skipped records [start, end) of a data shard in `epoch` (allreduce: in
-        `step`). Counted once, whoever skipped it again (a successor of a lost worker, a step retried)."""
-        key = (epoch, data_shard, start, end)
-        at = f"records [{start}, {end}) of {shard} in epoch {epoch + 1}" + (f", step {step}" if step >= 0 else "")
-        with self.lock:
-            if key in self.skipped:
-                return
-            self.skipped[key] = {
-                "worker": worker,
-                "epoch": epoch,
-                "data_shard": shard,
-                "start": start,
-                "end": end,
-                **({"step": step} if step >= 0 else {}),
-                "why": why,
-            }
-            self.record("skipped", worker, f"{at}: {why}")
-        log.warning("%s skipped %s: %s (--skip-non-finite)", worker, at, why)
-
-    def skipped_summary(self) -> dict:
-        """summary.json's account of the skipped minibatches (lock held)."""
-        listed = sorted(self.skipped.values(), key=lambda s: (s["epoch"], s["data_shard"], s["start"]))
-        return {"minibatches": len(listed), "records": sum(s["end"] - s["start"] for s in listed), "skipped": listed}
 
     # ------------------------------------------------------------ backend side
     def on_instance_event(self, ev: InstanceEvent) -> tuple[int, int] | None:
@@ -379,7 +329,7 @@ class Coordinator:
         with self.lock:
             self.membership.on_event(ev)
             detail = ev.detail or ("" if ev.exit_code is None else f"exit code {ev.exit_code}")
-            self.record(ev.kind.value, str(ev.instance), detail, t=ev.time)
+            self.timeline.record(ev.kind.value, str(ev.instance), detail, t=ev.time)
             if ev.kind not in (EventKind.EXITED, EventKind.LOST) or ev.instance.role != "worker":
                 return None
             remainder = self._release(str(ev.instance), detail or ev.kind.value, ev.time)
@@ -403,9 +353,9 @@ class Coordinator:
         ahead = self.ledger.ahead.get(worker)
         remainder = self.ledger.release(worker, t)
         if remainder is not None:
-            self.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})", t=t)
+            self.timeline.record("requeued", worker, f"records [{remainder[0]},{remainder[1]})", t=t)
         if ahead is not None:
-            self.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})", t=t)
+            self.timeline.record("requeued", worker, f"lease ahead, records [{ahead.watermark},{ahead.task.end})", t=t)
         return remainder
 
     # ------------------------------------------------------------ fencing (master/gray/fence.py)
@@ -416,7 +366,7 @@ class Coordinator:
             member = self.membership.members.get(inst)
             if inst.role != "worker" or member is None or not self.fences.fence(str(inst), member.launches, why):
                 return 0
-            self.record("fenced", str(inst), f"launch {member.launches}: {why}", launch=member.launches)
+            self.timeline.record("fenced", str(inst), f"launch {member.launches}: {why}", launch=member.launches)
             log.info("%s launch %d fenced (%s): its calls and pushes are refused", inst, member.launches, why)
             return member.launches
 
@@ -430,7 +380,7 @@ class Coordinator:
         with self.lock:
             refusal = self.fences.refusal(str(inst), launch)
             if refusal is not None and self.fences.fenced[str(inst)].refused == 1:
-                self.record("fence_refused", str(inst), f"launch {launch}: {call} refused", launch=launch)
+                self.timeline.record("fence_refused", str(inst), f"launch {launch}: {call} refused", launch=launch)
                 log.warning("%s launch %d called %s: refused, %s", inst, launch, call, refusal)
             member = self.membership.members.get(inst)
             if refusal is None and member is not None and launch > member.launches:
@@ -477,7 +427,7 @@ class Coordinator:
         with self.lock:
             self.membership.declared_gone(InstanceId.parse(hung.worker), now)
             figures = {"idle_s": round(hung.idle_s, 1), "bound_s": round(hung.bound_s, 1)}
-            self.record("hung", hung.worker, f"{hung}: declared hung, stopped and replaced", t=now, **figures)
+            self.timeline.record("hung", hung.worker, f"{hung}: declared hung, stopped and replaced", t=now, **figures)
             remainder = self._release(hung.worker, f"declared hung, {hung}", now)
         what = f"lease requeued, records [{remainder[0]}, {remainder[1]})" if remainder else "it held no lease"
         log.warning("%s: %s: declared hung, %s", hung.worker, hung, what)
@@ -504,7 +454,7 @@ class Coordinator:
             self.membership.declared_gone(InstanceId.parse(worker), now)
             if straggler.again:
                 self.retired.add(worker)
-            self.record("straggler", worker, str(straggler), t=now, **straggler.figures())
+            self.timeline.record("straggler", worker, str(straggler), t=now, **straggler.figures())
             remainder = self._release(worker, f"a straggler, {straggler.action}", now)
         log.warning("%s is a straggler: %s", worker, straggler)
         return remainder
@@ -527,7 +477,7 @@ class Coordinator:
                 "records_per_s": round(records_per_s, 1),
             }
             alive = self.membership.alive_samples
-            return self.pace.sample(time.time() - self.t0, fields, alive, len(self.membership.training()))
+            return self.pace.sample(time.time() - self.timeline.t0, fields, alive, len(self.membership.training()))
 
 
 def _nth(values: tuple[float, ...], i: int, otherwise: float) -> float:

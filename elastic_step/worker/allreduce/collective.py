@@ -33,7 +33,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from elastic_step.faults import api as faults
+from elastic_step import fault_hooks as faults
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc, tensors

@@ -49,8 +49,8 @@ import time
 import grpc
 import numpy as np
 
+from elastic_step import fault_hooks as faults
 from elastic_step.data.api import minibatch_end, skipped_key
-from elastic_step.faults import api as faults
 from elastic_step.instance.collective_client import pull_state
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb

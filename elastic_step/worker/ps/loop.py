@@ -25,8 +25,8 @@ import logging
 import threading
 import time
 
+from elastic_step import fault_hooks as faults
 from elastic_step.data.api import minibatch_end
-from elastic_step.faults import api as faults
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey

@@ -150,13 +150,14 @@ def test_a_resumed_master_skips_what_its_predecessor_fired(tmp_path, job):
 
 
 def test_a_job_given_no_specs_takes_elastic_step_chaos_s(monkeypatch):
-    from elastic_step.faults import api, chaos
+    from elastic_step import fault_hooks
+    from elastic_step.faults import chaos
 
     monkeypatch.setenv(chaos.ENV, "kill:worker-0@10,term:ps-0@20")
     assert chaos.specs(()) == ("kill:worker-0@10", "term:ps-0@20")  # a pipeline's step, disturbed from outside
     assert chaos.specs(["kill:worker-1@5"]) == ("kill:worker-1@5",)
     monkeypatch.delenv(chaos.ENV)
-    assert chaos.for_job((), 1000, 2, num_ps=1) is api.NO_FAULTS and api.NO_FAULTS.summary() is None
+    assert chaos.for_job((), 1000, 2, num_ps=1) is fault_hooks.NO_FAULTS and fault_hooks.NO_FAULTS.summary() is None
 
 
 def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
@@ -176,7 +177,7 @@ def test_stop_freezes_its_target_and_slow_fires_once_its_worker_trains(job):
         while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":  # stopped
             assert time.monotonic() < deadline, f"{inst} was never frozen"
             time.sleep(0.02)
-    assert [e["kind"] for e in coord.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
+    assert [e["kind"] for e in coord.timeline.events if e["instance"] == "worker-0"][-2:] == ["chaos", "chaos"]
 
 
 def test_a_signal_to_a_worker_lands_right_after_a_commit_with_minibatches_of_its_lease_to_go(job):
@@ -259,7 +260,8 @@ def test_a_freeze_waits_while_a_frozen_worker_is_not_yet_declared_hung(job):
 
 
 def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_first(monkeypatch):
-    from elastic_step.faults import api, process
+    from elastic_step import fault_hooks
+    from elastic_step.faults import process
 
     slept = []
     monkeypatch.setattr(process.time, "sleep", slept.append)
@@ -267,20 +269,21 @@ def test_a_slowed_worker_sleeps_its_factor_less_one_times_each_step_but_its_firs
     process.install_worker_faults("worker-1")
     try:
         for seconds in (4.0, 0.02, 0.03):  # the first step traces: no pace to slow
-            api.STEP_DONE(seconds)
+            fault_hooks.STEP_DONE(seconds)
         # A step far longer than the ones before (a retrace, a read on a busy machine) is slowed as twice their
         # median, not by its own time: 9 x 1.5 s would leave the worker silent for longer than a hang's bound.
         for seconds in (0.02, 0.02, 1.5):
-            api.STEP_DONE(seconds)
+            fault_hooks.STEP_DONE(seconds)
     finally:
-        api.STEP_DONE.install(None)
+        fault_hooks.STEP_DONE.install(None)
     assert slept == pytest.approx([0.18, 0.27, 0.18, 0.18, 0.36])
 
 
 def test_a_slowed_worker_on_a_loaded_machine_never_pauses_for_longer_than_its_cap(monkeypatch):
     """Steps of a second on a busy machine, slowed ten times, would leave it silent past a 6 s hang bound: a slow
     worker that still reports is capped at what the master gave it (half its bound)."""
-    from elastic_step.faults import api, process
+    from elastic_step import fault_hooks
+    from elastic_step.faults import process
 
     slept = []
     monkeypatch.setattr(process.time, "sleep", slept.append)
@@ -289,9 +292,9 @@ def test_a_slowed_worker_on_a_loaded_machine_never_pauses_for_longer_than_its_ca
     process.install_worker_faults("worker-0")
     try:
         for seconds in (4.0, 0.1, 0.8, 1.0):
-            api.STEP_DONE(seconds)
+            fault_hooks.STEP_DONE(seconds)
     finally:
-        api.STEP_DONE.install(None)
+        fault_hooks.STEP_DONE.install(None)
     assert slept == pytest.approx([0.9, 3.0, 3.0])
 
 
@@ -310,7 +313,8 @@ def test_a_stop_is_refused_at_the_jobs_start_by_a_backend_that_cannot_freeze():
 
 
 def test_a_worker_slowed_later_is_slowed_once_its_gate_opens_and_later_launches_of_it_start_slow(job, monkeypatch):
-    from elastic_step.faults import api, process
+    from elastic_step import fault_hooks
+    from elastic_step.faults import process
 
     coord, backend = job
     chaos = Chaos(["slow:worker-0@10:x4"], 1000, 1, num_ps=1)
@@ -322,19 +326,19 @@ def test_a_worker_slowed_later_is_slowed_once_its_gate_opens_and_later_launches_
     monkeypatch.setenv(process.SLOW_ENV, f"{factor}@{gate}")
     process.install_worker_faults("worker-0")
     try:
-        api.STEP_DONE(4.0)  # its first step
-        api.STEP_DONE(0.02)
+        fault_hooks.STEP_DONE(4.0)  # its first step
+        fault_hooks.STEP_DONE(0.02)
         chaos.tick(5, backend, coord)
         assert not chaos.fired and not os.path.exists(gate)
-        api.STEP_DONE(0.02)
+        fault_hooks.STEP_DONE(0.02)
         chaos.tick(15, backend, coord)
         assert [(f["action"], f["at_records"]) for f in chaos.fired] == [("slow", 15)] and os.path.exists(gate)
-        api.STEP_DONE(0.02)
+        fault_hooks.STEP_DONE(0.02)
     finally:
-        api.STEP_DONE.install(None)
+        fault_hooks.STEP_DONE.install(None)
     assert slept == pytest.approx([0.06])
     assert chaos.instance_env(InstanceId("worker", 0)) == {process.SLOW_ENV: "4"}  # fired: a relaunch starts slow
-    assert "slow x4 at 15 records" in [e["detail"] for e in coord.events if e["kind"] == "chaos"]
+    assert "slow x4 at 15 records" in [e["detail"] for e in coord.timeline.events if e["kind"] == "chaos"]
     chaos.close()  # the job's end: the gate's folder goes
     assert not os.path.exists(os.path.dirname(gate))
     with pytest.raises(ElasticStepError, match="one slow: spec per worker"):

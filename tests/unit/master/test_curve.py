@@ -22,6 +22,7 @@ from elastic_step.master.curve import (
     point_due,
     yield_to_training,
 )
+from elastic_step.master.failures import FailureReports
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
@@ -87,7 +88,7 @@ from tests.unit.test_evaluation import MODEL  # noqa: E402 - the same small mode
 
 @pytest.fixture
 def job(tmp_path):
-    """(model definition, eval manifest, the job's weights as a model, coordinator, tensorboard log)."""
+    """(model definition, eval manifest, the job's weights as a model, coordinator, tensorboard log, failures)."""
     rng = np.random.default_rng(2)
     rows = [f"{a},{b},{c}\n" for a, b, c in zip(rng.normal(size=120), rng.normal(size=120), rng.integers(0, 3, 120))]
     (tmp_path / "d.csv").write_text("a,b,label\n" + "".join(rows))
@@ -98,18 +99,19 @@ def job(tmp_path):
     trained = md.model()
     coord = Coordinator(Ledger([ShardInfo("s", 100)], 50, 10, 10), num_ps=0)
     board = TensorBoardLog.for_job(str(tmp_path / "out"), 100, environ={})
-    yield md, data.eval, trained, coord, board
+    failures = FailureReports(coord.timeline, job_failed=coord.finished.set)
+    yield md, data.eval, trained, coord, board, failures
     board.close()
 
 
 def curve_of(job, pull=None, model_def=None) -> EvalCurve:
-    md, manifest, trained, coord, board = job
+    md, manifest, trained, coord, board, failures = job
     pull = pull or (lambda model: model.set_weights(trained.get_weights()))  # as allreduce's pull is given
-    return EvalCurve(model_def or md, manifest, coord, [], board, pull)
+    return EvalCurve(model_def or md, manifest, coord, [], board, pull, failures)
 
 
 def test_each_point_is_what_evaluate_reports_on_the_weights_of_its_epoch(job):
-    md, manifest, trained, coord, _ = job
+    md, manifest, trained, coord, _, _ = job
     curve = curve_of(job)
     expected = {}
     curve.prepare()  # as the master does while the instances start
@@ -137,7 +139,7 @@ def test_each_point_is_what_evaluate_reports_on_the_weights_of_its_epoch(job):
 
 def test_an_epoch_that_ends_while_a_point_is_computed_has_none_and_the_next_one_does(job):
     release = threading.Event()
-    _, _, trained, _, _ = job
+    _, _, trained, _, _, _ = job
 
     def pull(model):  # the job's weights, after a pull that waits until the test lets it go
         release.wait(timeout=60)
@@ -187,9 +189,9 @@ def test_the_users_metrics_failing_fail_the_job_as_theirs(job, tmp_path):
     curve.tick(1, 0.0)
     curve.stop()
     curve.close()
-    coord = job[3]
+    failure = job[5].failure
     assert curve.history == []
-    assert coord.failure["kind"] == "model_error" and "eval_metrics()" in coord.failure["message"]
+    assert failure["kind"] == "model_error" and "eval_metrics()" in failure["message"]
 
 
 # ---------------------------------------------------------------------- ps: one client for the curve's pulls

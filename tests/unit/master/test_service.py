@@ -12,9 +12,11 @@ import pytest
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.master import service
+from elastic_step.master.failures import FailureReports
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from elastic_step.master.service import TURN_GRID_S, Admission, MasterService, serve
+from elastic_step.master.skipped import SkippedMinibatches
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import rpc
 
@@ -38,8 +40,19 @@ class Master:
             [ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task, epochs, minibatch_size=MINIBATCH
         )
         self.coord = Coordinator(self.ledger, num_ps=num_ps)
+        self.failures = FailureReports(self.coord.timeline, job_failed=self.coord.finished.set)
+        self.skipped = SkippedMinibatches(self.coord.timeline)
         self.service = MasterService(
-            self.coord, TOKEN, "job-1", MINIBATCH, "model.py", max_workers, pushes_in_flight, minibatches_per_push
+            self.coord,
+            TOKEN,
+            "job-1",
+            MINIBATCH,
+            "model.py",
+            max_workers,
+            pushes_in_flight,
+            minibatches_per_push,
+            failures=self.failures,
+            skipped=self.skipped,
         )
         self.server, self.port = serve(self.service)
         self.address = f"127.0.0.1:{self.port}"
@@ -124,7 +137,7 @@ def test_a_wrong_token_is_unauthenticated_on_every_rpc(master):
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
     # Nothing the impostors sent reached the coordinator.
     assert InstanceId("worker", 1) not in master.coord.membership.members
-    assert master.coord.failure is None and not master.coord.finished.is_set()
+    assert master.failures.failure is None and not master.coord.finished.is_set()
     assert master.ledger.records_committed_total() == 0
     assert list(master.ledger.leases) == ["worker-0"]
 
@@ -170,7 +183,11 @@ def test_a_worker_started_beside_the_shards_learns_their_addresses_only_once_the
         assert list(worker.register().ps_addresses) == ["", ""]  # up, but not yet open
         m.coord.open_shards()
         assert list(worker.register().ps_addresses) == ["127.0.0.1:1001", "127.0.0.1:1002"]
-        assert [e["instance"] for e in m.coord.events if e["kind"] == "registered"] == ["worker-0", "ps-0", "ps-1"]
+        assert [e["instance"] for e in m.coord.timeline.events if e["kind"] == "registered"] == [
+            "worker-0",
+            "ps-0",
+            "ps-1",
+        ]
     finally:
         m.close()
 
@@ -208,7 +225,7 @@ def test_register_get_task_report_commits_every_record_and_then_done(master):
     late = master.client(1)
     late.register()
     assert late.get_task().kind == TASK.DONE
-    assert master.coord.failure is None and master.ledger.records_committed_total() == 128
+    assert master.failures.failure is None and master.ledger.records_committed_total() == 128
 
 
 def test_the_current_lease_is_handed_out_again_until_it_is_finished(even_master):
@@ -254,7 +271,7 @@ def test_a_report_for_a_task_the_worker_does_not_hold_is_refused(master):
     never.register()
     assert never.report(ta.task_id, ta.start + MINIBATCH, MINIBATCH, 0.1, False).stop  # holds nothing
     assert master.ledger.records_committed_total() == 0
-    assert [e["instance"] for e in master.coord.events if e["kind"] == "refused"] == [
+    assert [e["instance"] for e in master.coord.timeline.events if e["kind"] == "refused"] == [
         "worker-1",
         "worker-0",
         "worker-0",
@@ -357,7 +374,7 @@ def test_a_skipped_minibatch_is_counted_once_and_an_internal_failure_waits_for_t
     w0.report_skipped(at, "the loss became nan")
     w1.report_skipped(at, "the loss became nan")  # the same minibatch again: a successor, a retried step
     w1.report_skipped(Records("s1", 1, 1, 0, 8), "the gradient of 'dense/kernel' became inf", step=7)
-    summary = master.coord.skipped_summary()
+    summary = master.skipped.summary()
     assert (summary["minibatches"], summary["records"]) == (2, 16)
     assert summary["skipped"][0] == {
         "worker": "worker-0",
@@ -370,12 +387,12 @@ def test_a_skipped_minibatch_is_counted_once_and_an_internal_failure_waits_for_t
     assert summary["skipped"][1]["step"] == 7
     # An error not known to be the user's does not fail the job: the relaunch policy decides when w1 ends.
     w1.fail("internal", OSError("disk gone"), minibatch=str(at))
-    assert master.coord.failure is None
-    report = master.coord.take_failure_report("worker-1")
+    assert master.failures.failure is None
+    report = master.failures.take("worker-1")
     assert report["message"] == "disk gone" and report["minibatch"] == str(at) and "OSError" in report["traceback"]
-    assert master.coord.take_failure_report("worker-1") is None
+    assert master.failures.take("worker-1") is None
     w0.fail("data_error", ValueError("bad row"), minibatch=str(at))
-    assert master.coord.failure["minibatch"] == str(at) and master.coord.finished.is_set()
+    assert master.failures.failure["minibatch"] == str(at) and master.coord.finished.is_set()
 
 
 class QueuedFor:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.faults.api import NO_FAULTS, JobFaults
+from elastic_step.fault_hooks import NO_FAULTS, JobFaults
 from elastic_step.master.durability.checkpoint import Checkpointer
 from elastic_step.master.durability.store import CheckpointStore
 from elastic_step.master.leases.coordinator import Coordinator

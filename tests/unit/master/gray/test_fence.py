@@ -53,7 +53,7 @@ def test_a_fenced_launch_is_refused_at_every_call_and_its_successor_is_not(maste
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert fenced(refused.value).startswith("fenced: worker-0 launch 1 was given up by the master (declared hung")
     assert master.coord.fences.fenced["worker-0"].refused == 4
-    kinds = [(e["kind"], e["instance"]) for e in master.coord.events]
+    kinds = [(e["kind"], e["instance"]) for e in master.coord.timeline.events]
     assert kinds.count(("fenced", "worker-0")) == 1 and kinds.count(("fence_refused", "worker-0")) == 1
     master.coord.membership.launched(inst, relaunch=True)
     successor = launch_of(master, 0, 2)

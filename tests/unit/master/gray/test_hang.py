@@ -136,11 +136,11 @@ def test_ps_a_leased_worker_past_its_bound_is_declared_hung_its_remainder_requeu
     remainder = coord.declare_hung(hung, 21.0)
     assert remainder == (lease.start + 20, lease.task.end)  # from its watermark, as for a kill
     assert coord.ledger.queue[0] == (lease.task, lease.start + 20)
-    event = next(e for e in coord.events if e["kind"] == "hung")
+    event = next(e for e in coord.timeline.events if e["kind"] == "hung")
     assert event["instance"] == "worker-0" and event["bound_s"] == 2.0 and event["idle_s"] > 2.0
     assert event["detail"] == f"{hung}: declared hung, stopped and replaced"
     assert "(bound 2 s, --hang-timeout)" in str(hung)
-    assert coord.events[-1]["kind"] == "requeued" and coord.events[-1]["instance"] == "worker-0"
+    assert coord.timeline.events[-1]["kind"] == "requeued" and coord.timeline.events[-1]["instance"] == "worker-0"
     assert coord.get_task(w0) == "done"  # given up: if it ever runs again, it gets nothing
     assert [h.worker for h in coord.hung_workers(21.1)] == ["worker-1"]  # worker-0's clock is gone
 
@@ -233,5 +233,5 @@ def test_ps_a_leased_worker_that_never_commits_is_declared_hung_at_the_start_up_
     late = ticks(coord, STARTUP_FLOOR_S - 2.5, 5.0)
     assert [(h.worker, h.what, h.bound_s) for h in late] == [("worker-0", "first commit", STARTUP_FLOOR_S)]
     assert coord.declare_hung(late[0], STARTUP_FLOOR_S + 2.5) == (lease.start, lease.task.end)  # all of it
-    event = [e for e in coord.events if e["kind"] == "hung"][-1]
+    event = [e for e in coord.timeline.events if e["kind"] == "hung"][-1]
     assert event["instance"] == "worker-0" and event["detail"].startswith("no first commit for")

@@ -8,7 +8,7 @@ import pytest
 
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.local import LocalBackend
-from elastic_step.faults.api import JobFaults
+from elastic_step.fault_hooks import JobFaults
 from elastic_step.instance import EXIT_FENCED
 from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
@@ -56,10 +56,10 @@ def test_a_hung_worker_is_fenced_before_it_is_declared_and_not_while_an_evaluati
     for t in range(5, 9):  # each tick counts at most a second: past the 1 s bound by the third
         g.tick(float(t), evaluating=False)
     fenced, declared = (
-        [i for i, e in enumerate(coord.events) if e["kind"] == kind and e["instance"] == "worker-1"]
+        [i for i, e in enumerate(coord.timeline.events) if e["kind"] == kind and e["instance"] == "worker-1"]
         for kind in ("fenced", "hung")
     )
-    assert fenced and declared and fenced[0] < declared[0], coord.events
+    assert fenced and declared and fenced[0] < declared[0], coord.timeline.events
     assert "worker-0" not in coord.fences.fenced  # it holds no lease: its clock never ran
     ev = g.on_end(InstanceEvent(EventKind.LOST, W1, detail="killed"))
     assert ev.detail == "declared hung, then killed"

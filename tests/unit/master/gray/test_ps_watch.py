@@ -54,7 +54,7 @@ def test_a_shard_that_stops_answering_is_hung_after_its_bound_and_holds_the_work
             assert time.time() < deadline, "a shard silent for longer than SILENT_S does not hold the workers' clocks"
             time.sleep(0.1)
         watch.declare_hung(late[0], time.time())
-        event = coord.events[-1]
+        event = coord.timeline.events[-1]
         assert (event["kind"], event["instance"], event["bound_s"]) == ("hung", "ps-0", 1.5) and event["idle_s"] >= 1.5
         assert "declared hung, killed" in event["detail"] and not watch.silent(time.time())
         # The restore: the address goes, no clock runs (rewinding); the relaunched shard's clock starts afresh.

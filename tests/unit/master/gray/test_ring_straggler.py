@@ -119,10 +119,10 @@ def test_the_coordinator_leaves_a_straggler_out_of_the_ring_and_requeues_its_lea
     remainder = coord.declare_straggler(s, time.time())
     assert remainder is not None and "worker-0" not in coord.ledger.leases
     assert [n for n, _ in coord.rendezvous.members] == ["worker-1", "worker-2"]
-    event = next(e for e in coord.events if e["kind"] == "straggler")
+    event = next(e for e in coord.timeline.events if e["kind"] == "straggler")
     assert event["instance"] == "worker-0" and event["action"] == "left out of the ring, replaced"
     assert event["step_s"] == 0.3 and event["others_step_s"] == 0.03 and event["ratio"] == 10.0
-    assert any(e["kind"] == "requeued" and e["instance"] == "worker-0" for e in coord.events)
+    assert any(e["kind"] == "requeued" and e["instance"] == "worker-0" for e in coord.timeline.events)
     assert coord.retired == set() and coord.ring_straggler() is None
 
 

@@ -41,7 +41,7 @@ def test_an_idle_worker_takes_a_stragglers_tail_and_the_stragglers_report_past_t
         coord.stragglers.reported("worker-1", 99, 320, n * 1.0)
     assert coord.report_progress(W0, slow.task.task_id, 64, 0.1, False)
     tail = coord.get_task(W1)
-    straggler = [e for e in coord.events if e["kind"] == "straggler"]
+    straggler = [e for e in coord.timeline.events if e["kind"] == "straggler"]
     assert [(e["instance"], e["records"]) for e in straggler] == [("worker-0", 640 - tail.start)]
     assert (
         tail.task.task_id == slow.task.task_id
@@ -50,7 +50,9 @@ def test_an_idle_worker_takes_a_stragglers_tail_and_the_stragglers_report_past_t
     )
     # worker-0 trained on past its cut before it knew: below the cut is committed, and it is told to stop.
     assert not coord.report_progress(W0, slow.task.task_id, tail.start + 32, 0.1, False)
-    assert coord.ledger.account.committed == tail.start and [e["kind"] for e in coord.events][-1] == "lease_over"
+    assert (
+        coord.ledger.account.committed == tail.start and [e["kind"] for e in coord.timeline.events][-1] == "lease_over"
+    )
     assert coord.report_progress(W1, tail.task.task_id, 640, 0.1, True)
     assert coord.ledger.done and coord.finished.is_set() and coord.ledger.accounts[0].double_applied == 0
 

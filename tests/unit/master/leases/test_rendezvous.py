@@ -216,7 +216,7 @@ def test_when_every_member_is_lost_the_newcomers_start_over_and_the_ledger_rewin
         rdv.join_locked("worker-1", "a1")  # from its own initial weights: nothing it holds is trained
     assert ledger.records_committed_total() == 0 and ledger.trained_again == 16
     assert ledger.epoch == 0 and len(ledger.queue) == 4 and not ledger.leases
-    assert any(e["kind"] == "rewound" for e in coord.events)
+    assert any(e["kind"] == "rewound" for e in coord.timeline.events)
 
 
 def test_when_the_last_member_is_lost_while_a_newcomer_waits_the_ledger_rewinds_too():

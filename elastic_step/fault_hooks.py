@@ -1,9 +1,10 @@
 """Fault injection's hook points: the few named places where the runtime lets a fault in.
 
 Each does nothing in production: a `JobFaults` method that returns at once, or a `Hook` whose call
-checks one attribute. What drives them lives beside this module: chaos.py, the specs of `--chaos` and
-ELASTIC_STEP_CHAOS, and process.py, ELASTIC_STEP_COLLECTIVE_CHAOS (tests, benchmarks, the demo); the Kubernetes
-tests hold the pod watch through WATCH_REQUEST themselves.
+checks one attribute. They import nothing of the package, so every layer of the runtime may call them. What
+drives them is in elastic_step/faults/: chaos.py, the specs of `--chaos` and ELASTIC_STEP_CHAOS, and process.py,
+ELASTIC_STEP_COLLECTIVE_CHAOS (tests, benchmarks, the demo); the Kubernetes tests hold the pod watch through
+WATCH_REQUEST themselves.
 
 A job's hook points, on the object `faults.chaos.for_job` makes at the job's start (one per job, so
 that jobs in one process never share them):
