@@ -143,6 +143,8 @@ class Cluster:
                 )
         slots_per_node = mix.slots_per_node
         self.free = [slots_per_node] * nodes
+        self.open = set(range(nodes))  # nodes up with a free slot: kept, not searched, for 1,000 nodes' speed
+        self.free_total = nodes * slots_per_node
         self.up = [True] * nodes
         self.on_node: list[dict[int, int]] = [{} for _ in range(nodes)]  # node -> {job id: workers}
         self.jobs = {j.id: j for j in jobs}
@@ -196,6 +198,8 @@ class Cluster:
             elif kind == "back":
                 self.up[what] = True
                 self.free[what] = self.spn
+                self.free_total += self.spn
+                self.open.add(what)
                 self.live_slots += self.spn
             self.schedule()
 
@@ -254,10 +258,12 @@ class Cluster:
     # ------------------------------------------------------------ slots
     def place(self, j: Job, k: int, ready_at: float) -> None:
         """Give `j` k free slots, filling the fullest nodes first (fewer nodes a job, as a scheduler packs)."""
-        nodes = sorted((n for n in range(len(self.free)) if self.free[n] > 0 and self.up[n]), key=self.free.__getitem__)
-        for n in nodes:
+        for n in sorted(self.open, key=lambda n: (self.free[n], n)):
             take = min(k, self.free[n])
             self.free[n] -= take
+            self.free_total -= take
+            if not self.free[n]:
+                self.open.discard(n)
             self.on_node[n][j.id] = self.on_node[n].get(j.id, 0) + take
             j.workers.extend([n, ready_at] for _ in range(take))
             self.holding.add(j.id)
@@ -284,10 +290,9 @@ class Cluster:
             del self.on_node[n][j.id]
         if self.up[n]:
             self.free[n] += k
+            self.free_total += k
+            self.open.add(n)
         self.held -= k
-
-    def free_slots(self) -> int:
-        return sum(self.free[n] for n in range(len(self.free)) if self.up[n])
 
     # ------------------------------------------------------------ the queue
     def key(self, j: Job) -> tuple:
@@ -328,7 +333,9 @@ class Cluster:
             return
         self.up[n] = False
         self.live_slots -= self.spn
+        self.free_total -= self.free[n]
         self.free[n] = 0
+        self.open.discard(n)
         for jid, k in list(self.on_node[n].items()):
             j = self.jobs[jid]
             if self.side == "elastic":
@@ -352,7 +359,7 @@ class Cluster:
             self.schedule_gang(strict=self.side == "kueue")
 
     def schedule_elastic(self) -> None:
-        free = self.free_slots()
+        free = self.free_total
         for key in list(self.queue):
             j = self.jobs[key[2]]
             want = j.max_workers - len(j.workers)
@@ -398,7 +405,7 @@ class Cluster:
         return freed
 
     def schedule_gang(self, strict: bool) -> None:
-        free = self.free_slots()
+        free = self.free_total
         for key in list(self.queue):
             if free <= 0 and key[0] == -LOW:
                 break
@@ -546,6 +553,12 @@ def main(argv=None) -> int:
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     p.add_argument("--json", type=pathlib.Path, help="write every run's figures here")
     p.add_argument("--validate-only", action="store_true")
+    p.add_argument(
+        "--svg",
+        type=pathlib.Path,
+        help="write PREFIX-utilization.svg, PREFIX-jct.svg, PREFIX-goodput.svg: median over seeds, min-max bars",
+    )
+    p.add_argument("--plot", type=pathlib.Path, help="simulate nothing: plot a --json file's runs (with --svg)")
     for f in dataclasses.fields(Costs):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default)
     for name in ("jobs_per_node", "load", "median_length_s", "high_fraction", "reclaim_mtbf_h", "node_down_s"):
@@ -553,6 +566,11 @@ def main(argv=None) -> int:
     p.add_argument("--slots-per-node", type=int, default=Mix.slots_per_node)
     p.add_argument("--budget-s", type=float, default=900.0, help="stop starting new runs after this long")
     args = p.parse_args(argv)
+    if args.plot:
+        if not args.svg:
+            p.error("--plot needs --svg PREFIX: where to write the plots")
+        plot(json.loads(args.plot.read_text())["runs"], args.svg, args.plot.stem)
+        return 0
     if min(args.nodes) < 1 or args.seeds < 1:
         p.error("--nodes and --seeds must be at least 1")
     costs = Costs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Costs)})
@@ -599,6 +617,8 @@ def main(argv=None) -> int:
                 out["runs"].append(res)
         report(nodes, by_side, mix)
     print(f"simulated in {time.monotonic() - t0:.1f} s")
+    if args.svg:
+        plot(out["runs"], args.svg, f"reclaims every {mix.reclaim_mtbf_h:g} h a node")
     return _write(args.json, out, worst)
 
 
@@ -634,6 +654,77 @@ def report(nodes: int, by_side: dict[str, list[dict]], mix: Mix) -> None:
             for k in ("jct_mean_s", "jct_p95_s", "makespan_s", "utilization"):
                 ratios = [r[k] / b[k] for r, b in zip(runs[:n], base[:n])]
                 print(f"  {side}/elastic {k}: {spread(ratios)}")
+
+
+# ---------------------------------------------------------------- plots (SVG by hand: no plotting library needed)
+COLOURS = {"elastic": "#1b7837", "gang": "#b2182b", "kueue": "#2166ac"}
+FIGURES = {
+    "utilization": ("utilization while jobs arrive", 1.0),
+    "jct": ("JCT, s: mean (solid), p95 (dashed)", None),
+    "goodput": ("goodput (useful / allocated worker-s)", 1.0),
+}
+
+
+def plot(runs: list[dict], prefix: pathlib.Path, subtitle: str) -> None:
+    """One SVG a figure: x the cluster's nodes (log), a line a side, the median over seeds, a bar min to max."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    nodes = sorted({r["nodes"] for r in runs})
+    sides = [s for s in SIDES if any(r["side"] == s for r in runs)]
+    for name, (title, top) in FIGURES.items():
+        keys = [("jct_mean_s", ""), ("jct_p95_s", "6,4")] if name == "jct" else [(name, "")]
+        lines = []
+        for side in sides:
+            for key, dash in keys:
+                pts = []
+                for n in nodes:
+                    vals = [r[key] for r in runs if r["side"] == side and r["nodes"] == n and r[key] is not None]
+                    if vals:
+                        pts.append((n, statistics.median(vals), min(vals), max(vals)))
+                lines.append((side, dash, pts))
+        ymax = top or 1.1 * max(hi for _, _, pts in lines for *_, hi in pts)
+        prefix.with_name(f"{prefix.name}-{name}.svg").write_text(svg(title, subtitle, nodes, ymax, lines))
+
+
+def svg(title: str, subtitle: str, nodes: list[int], ymax: float, lines: list) -> str:
+    W, H, L, R, T, B = 560, 340, 70, 110, 50, 45
+    lo, hi = math.log10(min(nodes)), math.log10(max(nodes))
+
+    def x(n):
+        return L + (W - L - R) * ((math.log10(n) - lo) / (hi - lo) if hi > lo else 0.5)
+
+    def y(v):
+        return H - B - (H - T - B) * v / ymax
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{W}" height="{H}" fill="white"/>',
+        f'<text x="{L}" y="20" font-size="14">{title}</text>',
+        f'<text x="{L}" y="37" fill="#555">{subtitle}; median over seeds, bars min-max</text>',
+        f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
+        f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
+    ]
+    for i in range(5):
+        v = ymax * i / 4
+        label = f"{v:.2f}" if ymax <= 2 else f"{v:,.0f}"
+        out.append(f'<line x1="{L}" y1="{y(v):.1f}" x2="{W - R}" y2="{y(v):.1f}" stroke="#ddd"/>')
+        out.append(f'<text x="{L - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{label}</text>')
+    for n in nodes:
+        out.append(f'<text x="{x(n):.1f}" y="{H - B + 18}" text-anchor="middle">{n:,}</text>')
+    out.append(f'<text x="{(L + W - R) / 2}" y="{H - 8}" text-anchor="middle">nodes (8 slots each)</text>')
+    for k, (side, dash, pts) in enumerate(lines):
+        c = COLOURS[side]
+        style = f' stroke-dasharray="{dash}"' if dash else ""
+        path = " ".join(f"{x(n):.1f},{y(m):.1f}" for n, m, _, _ in pts)
+        out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"{style}/>')
+        for n, m, a, b in pts:
+            out.append(f'<line x1="{x(n):.1f}" y1="{y(a):.1f}" x2="{x(n):.1f}" y2="{y(b):.1f}" stroke="{c}"/>')
+            out.append(f'<circle cx="{x(n):.1f}" cy="{y(m):.1f}" r="3" fill="{c}"/>')
+        if not dash:
+            ly = T + 10 + 18 * len([1 for s, d, _ in lines[:k] if not d])
+            out.append(f'<line x1="{W - R + 10}" y1="{ly}" x2="{W - R + 30}" y2="{ly}" stroke="{c}" stroke-width="2"/>')
+            out.append(f'<text x="{W - R + 35}" y="{ly + 4}">{side}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
 
 
 def _write(path, out: dict, worst: float) -> int:
