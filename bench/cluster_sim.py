@@ -28,9 +28,11 @@ The sides, on the same trace:
     StrictFIFO ClusterQueue): the queue's head blocks the jobs behind it; evictions of lower-priority whole
     workloads as in gang.
 
-Figures per side: utilization (useful work / (slots x makespan), bench/gang.py's definition), allocation (slots
-held / (slots x makespan)), goodput (useful worker-seconds / allocated worker-seconds: the one definition every
-side is held to), JCT mean and p95 (arrival to end), makespan, work lost, preemptions and restarts. Then each
+Figures per side: utilization (work done, net of work lost, / the slots' seconds while jobs arrive: the steady
+state, not the drain of the trace's longest jobs; `utilization_makespan` is bench/gang.py's definition over the
+makespan), allocation (slots held / (slots x makespan)), goodput (useful worker-seconds / allocated worker-seconds:
+the one definition every side is held to), JCT mean and p95 (arrival to end), makespan, work lost, preemptions and
+restarts. Then each
 side's ratio against elastic-step per seed: the median and the range over seeds (each seed is another trace).
 
 The costs' defaults come from the project's measurements, each cited by its section of docs/benchmarks.md where
@@ -517,7 +519,7 @@ def simulate(side: str, nodes: int, jobs: list[Job], costs: Costs, mix: Mix, rec
 # bench/gang.py's two_jobs, measured: docs/benchmarks.md#gang-scheduling-against-elastic-workers (medians of 3 runs).
 GANG_SLOTS, GANG_W = 8, 5
 GANG_RECORDS = 450_000 * 2  # a job's records: --rows 450000, 2 epochs
-GANG_RATE_PER_SLOT = 312.6  # records/s a worker (311.7-313.6 measured)
+GANG_RATE_PER_SLOT = 312.6  # records/s a worker: the middle of the measured range
 GANG_MEASURED = {"elastic": 769.6, "gang": 1201.5}  # makespan, s: elastic-all (1-8 workers), Coscheduling (5 = 5)
 GANG_MEASURED_RATIO = 0.647  # elastic-all / gang makespan, the median of the runs' ratios
 VALIDATION_BOUND = 0.10
