@@ -52,10 +52,23 @@ ROWS = {"samples/digits/model.py": 60_000, "bench/models/digits_cnn.py": 20_000}
 
 
 # ---------------------------------------------------------------- TensorFlow's side, one process per worker
-def tf_worker(ports: list[int], index: int, model_path: str, data: str, epochs: int, steps_per_call: int) -> dict:
+def mwms_replicas(ports: list[int], index: int, md):
+    """Worker `index` of a MultiWorkerMirrored cluster on loopback `ports`: its strategy, and the model module
+    `md`'s model and built optimizer under the strategy's scope (what every MultiWorkerMirrored side starts from)."""
     os.environ["TF_CONFIG"] = json.dumps(
         {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
     )
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = md.model()
+        optimizer = md.optimizer()
+        optimizer.build(model.trainable_variables)
+    return strategy, model, optimizer
+
+
+def tf_worker(ports: list[int], index: int, model_path: str, data: str, epochs: int, steps_per_call: int) -> dict:
     import keras
     import tensorflow as tf
 
@@ -67,12 +80,8 @@ def tf_worker(ports: list[int], index: int, model_path: str, data: str, epochs: 
     keras.utils.set_random_seed(0)
     md = load_model_def(model_path)
     x, y = md.feed(read_all(os.path.join(data, "train")))
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    strategy, model, optimizer = mwms_replicas(ports, index, md)
     workers = strategy.num_replicas_in_sync
-    with strategy.scope():
-        model = md.model()
-        optimizer = md.optimizer()
-        optimizer.build(model.trainable_variables)
 
     def dataset_fn(context: tf.distribute.InputContext):
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(context.num_input_pipelines, context.input_pipeline_id)
