@@ -36,9 +36,12 @@ from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
+from elastic_step.master.observe import goodput
+from elastic_step.master.observe.goodput import Goodput
+from elastic_step.master.observe.metrics import JobMetrics, JobState
 from elastic_step.master.plan import JobPlan, checked, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
-from elastic_step.master.relaunch import RelaunchPolicy
+from elastic_step.master.relaunch import RelaunchPolicy, loss_cause
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.master.threads import HEAVY_MINIBATCH, multiply_adds, pools_env, worker_inter_op, worker_intra_op
@@ -107,13 +110,20 @@ def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple
 
 class TrainingJob:
     def __init__(
-        self, cfg: TrainConfig, backend: Backend | None = None, staging: str | None = None, health: Health | None = None
+        self,
+        cfg: TrainConfig,
+        backend: Backend | None = None,
+        staging: str | None = None,
+        health: Health | None = None,
+        metrics: JobMetrics | None = None,
     ):
         """`backend`: one already started (tests), else the config's; `staging`: a local folder the job
         writes in, for an output in an object store that train() uploads at the end; `health`: what the
-        step's health endpoint answers from (train() serves it), told of every turn of the pump."""
+        step's health endpoint answers from (train() serves it), told of every turn of the pump; `metrics`: the
+        registry the step's /metrics serves (train() serves it), which the job's figures join."""
         self.cfg = checked(cfg)
         self.health = health or Health()
+        self.goodput = Goodput()  # from the master's start: its start-up is part of the step's time
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
         self.output = pathlib.Path(output)  # where this job writes
@@ -180,6 +190,26 @@ class TrainingJob:
         self.eval_history: list[dict] = self.durable.eval_history
         self.curve = self._eval_curve() if self.eval is not None else None
         self._input_server: InputServer | None = None
+        self.observed = metrics.watch(self._state()) if metrics is not None else None
+
+    def _state(self) -> JobState:
+        """What /metrics reads of this job when scraped."""
+        return JobState(
+            job_id=self.plan.job_id,
+            coord=self.coord,
+            goodput=self.goodput,
+            hung=lambda: self.gray.given_up()[0],
+            left_out=lambda: self.gray.given_up()[1],
+            relaunches=lambda: self.relaunch.relaunches,
+            checkpoints=self.durable.summary,
+            evaluation=lambda: self.eval_history[-1] if self.eval_history else {},
+        )
+
+    @contextlib.contextmanager
+    def _busy(self, what: str, cause: str):
+        """Work that holds the pump (`what`, for the health endpoint), its time spent on `cause` (goodput.py)."""
+        with self.health.busy(what), self.goodput.doing(cause):
+            yield
 
     def _start_backend(self, given: Backend | None, job_id: str) -> tuple[Backend, str]:
         """The job's backend and its token: `given` (tests: a Kubernetes backend made for this job, with its
@@ -299,11 +329,11 @@ class TrainingJob:
         self._log_plan()
         with self._teardown(server):
             self._train()
-            with self.health.busy("pulling the trained model"):
+            with self._busy("pulling the trained model", "finishing"):
                 if self.curve is not None:
                     self.curve.stop()
                 model, ps_stats, evidence = self._final_model()
-        with self.health.busy("evaluating and saving the model"):
+        with self._busy("evaluating and saving the model", "finishing"):
             return self._finish(model, ps_stats, evidence)
 
     def _serve(self):
@@ -320,6 +350,7 @@ class TrainingJob:
             cfg.minibatches_per_push,
             checkpoint_state=lambda: self.durable.member_state,  # allreduce, resumed
             locate=self.locate,
+            observed=self.observed,
         )
         host = "127.0.0.1" if plan.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
@@ -404,7 +435,7 @@ class TrainingJob:
         """ps: once every shard is up, a first checkpoint (or a resumed job's restore), then workers may push."""
         self._pump(until=self.coord.ps_ready.is_set)
         if self.coord.ps_ready.is_set():  # else a shard failed: the job fails after the pump
-            with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
+            with self._busy("opening the parameter servers (a first checkpoint, or a restore)", "startup"):
                 self.durable.shards_ready()
                 if self.curve is not None and not self.eval_history:  # it starts at the initial weights
                     self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
@@ -415,6 +446,7 @@ class TrainingJob:
         last_tick = 0.0
         while not until() and self.coord.failure is None:
             self.health.turned()
+            self.goodput.now_doing(self._doing(), *self.coord.worker_counts())
             # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
             # than once a turn, which held them ~0.1 s a checkpoint.
             for ev in self.backend.events(timeout=BARRIER_POLL_S if self.durable.cutting else PUMP_TURN_S):
@@ -423,7 +455,7 @@ class TrainingJob:
             committed = self.ledger.records_committed_total()
             faults_api.PUMP_TURN(committed)
             if self.terminated_at is not None:
-                with self.health.busy("cutting a last checkpoint"):
+                with self._busy("cutting a last checkpoint", "checkpoint"):
                     last = self.durable.last_cut(committed, now)
                 if last:
                     self.coord.report_failure("master", "terminated", "the master received SIGTERM", "")
@@ -431,7 +463,7 @@ class TrainingJob:
             # Events in the order of the records they wait for: a cut due at fewer records than a fault is
             # cut before the fault fires, even when one turn of a busy pump sees the records pass both.
             # A checkpoint is written in a turn that began with its barrier up: that turn may take long.
-            with self.health.busy("cutting a checkpoint") if self.durable.cutting else contextlib.nullcontext():
+            with self._busy("cutting a checkpoint", "checkpoint") if self.durable.cutting else contextlib.nullcontext():
                 self.durable.tick(committed, now)
             if not self.durable.cutting:
                 self.faults.tick(committed, self.backend, self.coord)
@@ -443,6 +475,18 @@ class TrainingJob:
                 sample = self.coord.sample(self.progress.rate(committed, now))
                 self.progress.show(sample)
                 self.tensorboard.progress(sample)
+
+    def _doing(self) -> str:
+        """What the master does this turn, as goodput counts it (master/observe/goodput.py). The eval curve's points
+        run beside training, within their share of it: they show as slower training, not as time of their own."""
+        coord = self.coord
+        if self.durable.cutting or coord.holding:
+            return "checkpoint"
+        if coord.rewinding:
+            return "restore"
+        if coord.pace.first_commit_at is None:
+            return "startup"
+        return "waiting" if coord.membership.training_count() == 0 else goodput.TRAINING
 
     def _on_event(self, ev) -> None:
         ev = self.gray.on_end(ev)
@@ -465,7 +509,7 @@ class TrainingJob:
         if decision.action == "none":
             return
         if ev.instance.role == "worker":
-            self.coord.count_worker_loss()
+            self.coord.count_worker_loss(loss_cause(ev))
         log.info(
             "decision: %s — %s%s",
             decision.action,
@@ -490,12 +534,12 @@ class TrainingJob:
         alone would leave the others holding updates it lost). The lost shard is relaunched and
         restored, the others restored in place, as a new generation: workers stay up, learn it from
         their next push (refused) and register again for the shards."""
-        with self.health.busy("rewinding to the last checkpoint"):
+        with self._busy("rewinding to the last checkpoint", "restore"):
             manifest, generation = self.durable.rewind(inst.index, lost_at)
         self._launch(inst, relaunch=True)
         self._pump(until=self.coord.ps_ready.is_set)
         if self.coord.failure is None:
-            with self.health.busy("restoring the parameter servers from the last checkpoint"):
+            with self._busy("restoring the parameter servers from the last checkpoint", "restore"):
                 self.durable.restore_shards(manifest, generation)
             self.durable.rewound(generation)
 
@@ -598,7 +642,8 @@ class TrainingJob:
         from elastic_step.evaluation import evaluate
         from elastic_step.model_io import save_model
 
-        metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
+        with self.goodput.doing("evaluation"):
+            metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
         self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})  # the curve's last point
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
@@ -610,9 +655,10 @@ class TrainingJob:
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
         log.info(
-            "job %s succeeded: %s",
+            "job %s succeeded: %s; %s",
             self.plan.job_id,
             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)),
+            goodput.describe(summary["goodput"]),
         )
         return summary
 
@@ -676,6 +722,7 @@ class TrainingJob:
                 "training_seconds": round(self.train_seconds, 3),
                 "startup_seconds": round((coord.pace.first_commit_at or time.time()) - coord.t0, 3),
                 "throughput_records_per_s": round(coord.throughput(), 1),
+                "goodput": self.goodput.figures(committed, self.ledger.trained_again),
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "eval_history": list(self.eval_history),
                 "timeseries": list(coord.pace.samples),
@@ -732,12 +779,13 @@ def train(cfg: TrainConfig) -> dict:
         fork_preloader()
     # Served from here to the step's end (the upload too): a probe that finds no endpoint counts a failure. In a
     # pod, on the pod's IP, where the kubelet's probe asks (and a mesh's rewritten probe too).
-    with serving(cfg.health_port, in_pod, master_host(in_pod)) as health:
+    metrics = JobMetrics()
+    with serving(cfg.health_port, in_pod, master_host(in_pod), metrics.render) as health:
         if local_path(cfg.output) is not None:
-            return TrainingJob(cfg, health=health).run()
+            return TrainingJob(cfg, health=health, metrics=metrics).run()
         staging = tempfile.mkdtemp(prefix="elastic-step-output-")
         try:
-            summary = TrainingJob(cfg, staging=staging, health=health).run()
+            summary = TrainingJob(cfg, staging=staging, health=health, metrics=metrics).run()
         except BaseException:
             with health.busy("uploading the failed step's output"):
                 _upload(staging, cfg.output, failed=True)  # a failed job's summary, report and logs

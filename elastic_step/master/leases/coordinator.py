@@ -514,9 +514,15 @@ class Coordinator:
         with self.lock:
             self.pace.replaced(str(inst), lost_at)
 
-    def count_worker_loss(self) -> None:
+    def worker_counts(self) -> tuple[int, int]:
+        """(workers launched and not gone, workers training)."""
         with self.lock:
-            self.membership.lost += 1
+            states = self.membership.states()
+            return sum(states.values()) - states["gone"], states["registered"]
+
+    def count_worker_loss(self, cause: str) -> None:
+        with self.lock:
+            self.membership.lost_one(cause)
 
     def sample(self, records_per_s: float) -> dict:
         """Progress now (Pace.sample)."""

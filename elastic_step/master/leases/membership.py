@@ -5,6 +5,7 @@ Counts what the summary reports (started, lost, relaunched, max alive) and keeps
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -14,7 +15,7 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 @dataclasses.dataclass
 class Member:
     id: InstanceId
-    state: str = "pending"  # pending -> running -> registered -> gone
+    state: str = "pending"  # pending (queued: held by the platform past its bound) -> running -> registered -> gone
     address: str = ""
     last_seen: float = 0.0
     launches: int = 1
@@ -27,6 +28,7 @@ class Membership:
         self.members: dict[InstanceId, Member] = {}
         self.started = 0
         self.lost = 0
+        self.lost_by_cause: collections.Counter[str] = collections.Counter()  # master/relaunch.py loss_cause
         self.relaunched = 0
         self.max_alive = 0
         self.alive_samples: list[tuple[float, int]] = []
@@ -50,8 +52,10 @@ class Membership:
 
     def on_event(self, ev: InstanceEvent) -> None:
         m = self.members.setdefault(ev.instance, Member(ev.instance))
-        if ev.kind == EventKind.RUNNING and m.state == "pending":
+        if ev.kind == EventKind.RUNNING and m.state in ("pending", "queued"):
             self._set_state(m, "running")
+        elif ev.kind == EventKind.WAITING and m.state == "pending":
+            self._set_state(m, "queued")
         elif ev.kind in (EventKind.EXITED, EventKind.LOST):
             self._set_state(m, "gone")
             crashed = ev.kind == EventKind.EXITED and ev.exit_code not in (0, None)
@@ -90,6 +94,15 @@ class Membership:
     def training(self, role: str = "worker") -> list[InstanceId]:
         return sorted(i for i, m in self.members.items() if i.role == role and m.state == "registered")
 
+    def lost_one(self, cause: str) -> None:
+        """A worker's end that the relaunch policy acts on, by its cause."""
+        self.lost += 1
+        self.lost_by_cause[cause] += 1
+
+    def states(self, role: str = "worker") -> collections.Counter[str]:
+        """How many instances of `role` are in each state (pending, queued, running, registered, gone)."""
+        return collections.Counter(m.state for i, m in self.members.items() if i.role == role)
+
     def training_count(self) -> int:
         """len(training()), without listing them: registrations of thousands of workers each take a sample."""
         return len(self._training)
@@ -100,4 +113,10 @@ class Membership:
         self.alive_samples.append((t, n))
 
     def summary(self) -> dict:
-        return {"started": self.started, "lost": self.lost, "relaunched": self.relaunched, "max_alive": self.max_alive}
+        return {
+            "started": self.started,
+            "lost": self.lost,
+            "lost_by_cause": dict(sorted(self.lost_by_cause.items())),
+            "relaunched": self.relaunched,
+            "max_alive": self.max_alive,
+        }
