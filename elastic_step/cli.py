@@ -102,6 +102,7 @@ def _train(args) -> dict:
         },
         "workers": s["workers"],
         "throughput_records_per_s": s["throughput_records_per_s"],
+        "goodput_ratio": s["goodput"]["ratio"],
     }
 
 
