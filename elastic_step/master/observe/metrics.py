@@ -181,7 +181,7 @@ def _checkpoints(job: list[str], summary: dict) -> Iterator[Metric]:
         job,
         last.get("hold_s", 0.0) + last.get("held_s", 0.0),
     )
-    yield _gauge("checkpoint_bytes", "The last checkpoint's size", job, last.get("bytes", 0))
+    yield _gauge("checkpoint_bytes", "The last checkpoint's size in the store", job, last.get("bytes", 0))
     yield _counter(
         "ps_restores",
         "Times every PS shard was restored from a checkpoint after a loss",
