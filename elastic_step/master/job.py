@@ -39,6 +39,7 @@ from elastic_step.master.leases.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MIN
 from elastic_step.master.observe import goodput
 from elastic_step.master.observe.goodput import Goodput
 from elastic_step.master.observe.metrics import JobMetrics, JobState
+from elastic_step.master.observe.notices import Notices
 from elastic_step.master.plan import JobPlan, checked, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
 from elastic_step.master.relaunch import RelaunchPolicy, loss_cause
@@ -170,6 +171,7 @@ class TrainingJob:
             token=token,
         )
         self.durable.token = self.plan.token
+        self.notices = Notices(self.backend.tell, self.coord.events)  # on Kubernetes, Events on the step's pod
         # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
             self.coord,
@@ -429,6 +431,11 @@ class TrainingJob:
         self.train_seconds = time.time() - t_start
         if self.coord.failure:
             raise self._failure()
+        committed = self.ledger.records_committed_total()
+        self.notices.finished(
+            f"{committed} records committed in {self.cfg.epochs} epoch(s), {self.train_seconds:.0f} s; "
+            + goodput.describe(self.goodput.figures(committed, self.ledger.trained_again))
+        )
         self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
 
     def _open_shards(self) -> None:
@@ -447,6 +454,7 @@ class TrainingJob:
         while not until() and self.coord.failure is None:
             self.health.turned()
             self.goodput.now_doing(self._doing(), *self.coord.worker_counts())
+            self.notices.tick()
             # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
             # than once a turn, which held them ~0.1 s a checkpoint.
             for ev in self.backend.events(timeout=BARRIER_POLL_S if self.durable.cutting else PUMP_TURN_S):
@@ -508,15 +516,16 @@ class TrainingJob:
         )
         if decision.action == "none":
             return
-        if ev.instance.role == "worker":
-            self.coord.count_worker_loss(loss_cause(ev))
+        cause = {"cause": loss_cause(ev)} if ev.instance.role == "worker" else {}
+        if cause:
+            self.coord.count_worker_loss(cause["cause"])
         log.info(
             "decision: %s — %s%s",
             decision.action,
             decision.reason,
             f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "",
         )
-        self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")
+        self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}", **cause)
         if decision.action == "relaunch":
             self.coord.mark_replacement(ev.instance, ev.time)
             self._launch(ev.instance, relaunch=True)
@@ -552,6 +561,8 @@ class TrainingJob:
 
     def _failure(self) -> ElasticStepError:
         f = self.coord.failure
+        where = f" ({f['instance']})" if f.get("instance") else ""
+        self.notices.failed(f"{f['kind']}{where}: {f['message']}")
         self.tensorboard.close()
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
@@ -559,7 +570,6 @@ class TrainingJob:
                 "The training step was terminated (SIGTERM) before it finished; all its "
                 f"workers and parameter servers were stopped. {self.durable.resume_note()}"
             )
-        where = f" ({f['instance']})" if f.get("instance") else ""
         detail = f["message"]
         if f["kind"] == "instance_failed" and f.get("traceback"):
             detail += "\nLast lines of its log:\n" + f["traceback"]

@@ -905,11 +905,15 @@ def test_shipped_role_is_namespaced_exact_and_matches_the_component_rbac():
         ("pods",): {"create", "get", "list", "watch", "delete", "patch"},
         ("secrets",): {"create", "get", "delete"},
         ("localqueues",): {"get"},
+        ("workloads",): {"list"},
+        ("events",): {"create", "patch"},
     }
     needed: dict = {}
     for verb, resource in NEEDED + tuple((v, r) for v, r, _ in KUEUE_NEEDED):
         needed.setdefault((resource,), set()).add(verb)
-    assert rules == needed  # exactly what the backend checks for (a queue: localqueues too), no wildcard
+    # exactly what the backend checks for (a queue: localqueues too), no wildcard; besides, the rights whose lack
+    # costs a line of the log and not the job: a waiting pod's Workload, the step's Events
+    assert {k: v for k, v in rules.items() if k not in (("workloads",), ("events",))} == needed
     import yaml
 
     component = {
