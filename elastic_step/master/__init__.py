@@ -6,4 +6,5 @@
 - `gray/`  what happens to a frozen worker, a silent shard and a straggler: watched, fenced, stopped, replaced.
 - `durability/`  how a checkpoint is cut, where it is kept, and the audit that proves exactly-once.
 - `relaunch.py`  what an instance's end leads to: relaunch, restore or fail.
+- `observe/`  what the platform sees: /metrics, the goodput, Kubernetes Events.
 """

@@ -6,19 +6,14 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
 import urllib.request
 
+from tests.infra.stores.harness import free_port
+
 SCRAPE_INTERVAL_S = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:

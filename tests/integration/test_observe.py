@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.infra.prometheus import SCRAPE_INTERVAL_S, Prometheus, free_port
+from tests.infra.prometheus import SCRAPE_INTERVAL_S, Prometheus
+from tests.infra.stores.harness import free_port
 from tests.integration.harness import LEASES_OUTLAST_A_KILL, SMALL_LEASES, train
 from tests.models.witness import TALLY_MODEL, assert_chaos_fired, assert_exactly_once
 

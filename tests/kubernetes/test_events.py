@@ -11,7 +11,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 
 from elastic_step.backends.kubernetes import Owner
-from elastic_step.backends.kubernetes.events import COMBINED, SIMILAR_MAX, EventRecorder
+from elastic_step.backends.kubernetes.events import COMBINED, CONTROLLER, SIMILAR_MAX, EventRecorder
 from elastic_step.master.api import TrainConfig
 from tests.integration.harness import LEASES_OUTLAST_A_KILL
 from tests.kubernetes.jobs import tally_job
@@ -29,9 +29,13 @@ pytestmark = pytest.mark.kubernetes
 
 
 def events_on(api_client, namespace: str, pod: str) -> list:
-    """The events.k8s.io Events regarding pod `pod`, as the apiserver holds them."""
+    """The step's events.k8s.io Events regarding pod `pod`, as the apiserver holds them (not the scheduler's)."""
     events = client.EventsV1Api(api_client).list_namespaced_event(namespace).items
-    return [e for e in events if e.regarding is not None and e.regarding.name == pod]
+    return [
+        e
+        for e in events
+        if e.regarding is not None and e.regarding.name == pod and e.reporting_controller == CONTROLLER
+    ]
 
 
 def test_a_killed_worker_and_the_jobs_end_are_events_on_the_steps_pod(
@@ -56,7 +60,7 @@ def test_a_killed_worker_and_the_jobs_end_are_events_on_the_steps_pod(
     assert len(lost) == 1, [(e.reason, e.note) for e in events]
     assert lost[0].type == "Warning" and lost[0].action == "Relaunch"
     assert lost[0].note.startswith("worker-0 lost (killed): "), lost[0].note
-    assert lost[0].regarding.uid == step.metadata.uid and lost[0].reporting_controller == "elastic-step.dev/master"
+    assert lost[0].regarding.uid == step.metadata.uid
     finished = [e for e in events if e.reason == "TrainingFinished"]
     assert len(finished) == 1 and finished[0].type == "Normal", [(e.reason, e.note) for e in events]
     assert f"{4 * rows} records committed" in finished[0].note and "goodput" in finished[0].note
