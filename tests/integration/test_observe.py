@@ -13,7 +13,7 @@ from tests.models.witness import TALLY_MODEL, assert_chaos_fired, assert_exactly
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = 5
+EPOCHS = 12  # long enough that the killed worker's replacement trains again before the freeze is due
 HANG_TIMEOUT = 6  # the frozen worker is declared hung this long after its last progress
 WINDOW = "[30m]"  # any sample of the job: the series end with it (staleness), so queries look back
 
@@ -28,7 +28,7 @@ def test_prometheus_scraping_a_job_with_chaos_agrees_with_its_summary(tally_data
             "--chaos",
             f"kill:worker-0@{rows // 2}",
             "--chaos",
-            f"stop:worker-1@{rows * 5 // 2}",  # frozen for good: declared hung, fenced, killed and replaced
+            f"stop:worker-1@{rows * 3}",  # frozen for good: declared hung, fenced, killed and replaced
             model=TALLY_MODEL,
             epochs=EPOCHS,
             max_workers=3,
