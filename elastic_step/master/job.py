@@ -690,6 +690,7 @@ class TrainingJob:
         chaos_summary = self.faults.summary()
         with coord.lock:
             committed = self.ledger.records_committed_total()
+            spent = [round(x, 3) for x in coord.pace.spent_total()]
             summary = {
                 "status": status,
                 "job_id": self.plan.job_id,
@@ -718,7 +719,8 @@ class TrainingJob:
                     "duplicate_pushes_suppressed": coord.duplicates_suppressed,
                     "records_trained_again": self.ledger.trained_again,
                 },
-                "workers": coord.membership.summary(),
+                # the workers' own time computing their steps and waiting (on the shards, or in the ring)
+                "workers": {**coord.membership.summary(), **dict(zip(("step_s", "wait_s"), spent))},
                 "recovery": {
                     "requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
                     "first_commit_after_loss_s": [round(x, 3) for x in coord.pace.recovery_first_commit_s],

@@ -312,6 +312,8 @@ class MasterService(pb_grpc.MasterServicer):
     def _report(self, inst: InstanceId, request) -> pb.ProgressResponse:
         with phase("master: ReportProgress"):
             ok = self.c.report_progress(inst, request.task_id, request.watermark, request.loss, request.duplicate)
+            if request.step_s:
+                self.c.worker_spent(inst, request.instance.launch, request.step_s, request.wait_s)
         return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
 
     async def Session(self, calls, context):
@@ -402,6 +404,8 @@ class MasterService(pb_grpc.MasterServicer):
         rdv = await self._rendezvous(context)
         self.c.heard_from(inst)
         r = request
+        if r.step_s:
+            self.c.worker_spent(inst, r.instance.launch, r.step_s, r.wait_s)
         ready = Ready(
             r.task_id, r.watermark, r.records, r.loss, r.checksum, r.compute_s, max(1, r.steps), tuple(r.step_compute_s)
         )

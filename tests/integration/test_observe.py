@@ -66,5 +66,18 @@ def test_prometheus_scraping_a_job_with_chaos_agrees_with_its_summary(tally_data
         assert prometheus.value(f'max_over_time(elastic_step_workers{{state="hung"}}{WINDOW})') >= 0
         assert last("elastic_step_master_rpc_duration_seconds_count", call="ReportProgress") > 0
         assert last("elastic_step_lease_wait_seconds_count") > 0
+        # What only the workers know, through their reports: their steps' time, and their waits on the shards.
+        assert last("elastic_step_worker_step_seconds_total") > 0
+        assert last("elastic_step_worker_wait_seconds_total", on="ps") > 0
     finally:
         prometheus.stop()
+
+
+def test_allreduce_members_report_their_steps_and_their_time_in_the_ring(tally_data, tmp_path):
+    proc, summary = train(
+        tally_data, tmp_path / "out", model=TALLY_MODEL, strategy="allreduce", epochs=2, max_workers=2, **SMALL_LEASES
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exactly_once(summary)
+    workers = summary["workers"]
+    assert workers["step_s"] > 0 and workers["wait_s"] > 0, workers  # through StepReady, each launch's so far

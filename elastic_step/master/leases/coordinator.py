@@ -514,6 +514,11 @@ class Coordinator:
         with self.lock:
             self.pace.replaced(str(inst), lost_at)
 
+    def worker_spent(self, inst: InstanceId, launch: int, step_s: float, wait_s: float) -> None:
+        """A worker's own figures (Pace.worker_spent), as its report or its run's StepReady carries them."""
+        with self.lock:
+            self.pace.worker_spent(str(inst), launch, step_s, wait_s)
+
     def worker_counts(self) -> tuple[int, int]:
         """(workers launched and not gone, workers training)."""
         with self.lock:

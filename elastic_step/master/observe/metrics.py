@@ -109,6 +109,9 @@ class JobCollector(Collector):
             lost_by_cause = dict(membership.lost_by_cause)
             goodput = s.goodput.figures(committed, trained_again)
             throughput = coord.throughput()
+            step_s, wait_s = coord.pace.spent_total()
+            pushes_skipped = coord.duplicates_suppressed
+            waits_on = "ring" if coord.rendezvous is not None else "ps"
         yield _counter("records_committed", "Records committed once (every epoch)", job, committed)
         yield _gauge("epoch", "The epoch being trained (from 0)", job, epoch)
         yield _gauge("epochs", "The epochs the step trains", job, epochs)
@@ -141,6 +144,21 @@ class JobCollector(Collector):
             losses.add_metric([s.job_id, cause], lost_by_cause.get(cause, 0))
         yield losses
         yield _counter("worker_relaunches", "Instances relaunched after a loss", job, s.relaunches())
+        # What only the workers know, as their reports carry it (ps: ReportProgress; allreduce: StepReady)
+        yield _counter("worker_step_seconds", "The workers' time computing their steps", job, step_s)
+        waited = CounterMetricFamily(
+            PREFIX + "worker_wait_seconds",
+            "The workers' time waiting on the PS shards (ps) or in the ring's collectives (allreduce)",
+            labels=["job", "on"],
+        )
+        waited.add_metric([s.job_id, waits_on], wait_s)
+        yield waited
+        yield _counter(
+            "pushes_skipped",
+            "Pushes every PS shard had already applied (a lost worker's, pushed again)",
+            job,
+            pushes_skipped,
+        )
         yield from _checkpoints(job, s.checkpoints())
         evaluation = GaugeMetricFamily(
             PREFIX + "eval_metric", "The last evaluation's metrics, by name", labels=["job", "metric"]

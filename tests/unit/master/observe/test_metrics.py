@@ -61,6 +61,9 @@ def test_metrics_follow_the_job_state_when_scraped():
         served.served("GetTask", 0.002)
         served.refused("Heartbeat", "PERMISSION_DENIED")
         served.lease_waited(0.3)
+        coord.worker_spent(W0, 1, 2.0, 0.5)
+        coord.worker_spent(W0, 1, 3.0, 1.0)  # cumulative: the launch's figures so far, not more of them
+        coord.worker_spent(W2, 1, 4.0, 2.0)  # a launch gone: its last figures stay
         got = scrape(server.port)
     finally:
         server.stop()
@@ -80,6 +83,8 @@ def test_metrics_follow_the_job_state_when_scraped():
     assert got[("elastic_step_master_rpc_errors_total", refused)] == 1
     assert got[("elastic_step_lease_wait_seconds_sum", job)] == 0.3
     assert 0 <= got[("elastic_step_goodput_ratio", job)] <= 1
+    assert got[("elastic_step_worker_step_seconds_total", job)] == 7.0
+    assert got[("elastic_step_worker_wait_seconds_total", (("job", "j1"), ("on", "ps")))] == 3.0
 
 
 def test_a_loss_is_counted_by_its_cause():
