@@ -522,7 +522,7 @@ class Coordinator:
     def worker_counts(self) -> tuple[int, int]:
         """(workers launched and not gone, workers training)."""
         with self.lock:
-            states = self.membership.states()
+            states = self.membership.worker_states()
             return sum(states.values()) - states["gone"], states["registered"]
 
     def count_worker_loss(self, cause: str) -> None:

@@ -33,17 +33,28 @@ class Membership:
         self.max_alive = 0
         self.alive_samples: list[tuple[float, int]] = []
         self._training: set[InstanceId] = set()  # workers registered: kept as states change, counted at each
+        self._workers: collections.Counter[str] = collections.Counter()  # workers by state, kept as states change
 
-    def _set_state(self, m: Member, state: str) -> None:
-        m.state = state
-        if m.id.role == "worker":
-            (self._training.add if state == "registered" else self._training.discard)(m.id)
-
-    def launched(self, inst: InstanceId, relaunch: bool) -> None:
+    def _member(self, inst: InstanceId) -> Member:
         m = self.members.get(inst)
         if m is None:
-            self.members[inst] = Member(inst)
+            m = self.members[inst] = Member(inst)
+            if inst.role == "worker":
+                self._workers[m.state] += 1
+        return m
+
+    def _set_state(self, m: Member, state: str) -> None:
+        if m.id.role == "worker":
+            self._workers[m.state] -= 1
+            self._workers[state] += 1
+            (self._training.add if state == "registered" else self._training.discard)(m.id)
+        m.state = state
+
+    def launched(self, inst: InstanceId, relaunch: bool) -> None:
+        if inst not in self.members:
+            self._member(inst)
         else:
+            m = self.members[inst]
             self._set_state(m, "pending")
             m.launches, m.progress_since_launch = m.launches + 1, False
         if inst.role == "worker":
@@ -51,7 +62,7 @@ class Membership:
             self.relaunched += int(relaunch)
 
     def on_event(self, ev: InstanceEvent) -> None:
-        m = self.members.setdefault(ev.instance, Member(ev.instance))
+        m = self._member(ev.instance)
         if ev.kind == EventKind.RUNNING and m.state in ("pending", "queued"):
             self._set_state(m, "running")
         elif ev.kind == EventKind.WAITING and m.state == "pending":
@@ -74,7 +85,7 @@ class Membership:
 
     def registered(self, inst: InstanceId, address: str = "") -> bool:
         """True when this is the launch's first registration (or at a new address)."""
-        m = self.members.setdefault(inst, Member(inst))
+        m = self._member(inst)
         new = m.state != "registered" or m.address != address
         self._set_state(m, "registered")
         m.address, m.last_seen = address, time.time()
@@ -99,9 +110,9 @@ class Membership:
         self.lost += 1
         self.lost_by_cause[cause] += 1
 
-    def states(self, role: str = "worker") -> collections.Counter[str]:
-        """How many instances of `role` are in each state (pending, queued, running, registered, gone)."""
-        return collections.Counter(m.state for i, m in self.members.items() if i.role == role)
+    def worker_states(self) -> collections.Counter[str]:
+        """How many workers are in each state (pending, queued, running, registered, gone), without listing them."""
+        return collections.Counter(self._workers)
 
     def training_count(self) -> int:
         """len(training()), without listing them: registrations of thousands of workers each take a sample."""

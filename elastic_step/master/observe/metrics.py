@@ -98,7 +98,7 @@ class JobCollector(Collector):
             trained_again = ledger.trained_again
             epoch, epochs = max(0, min(ledger.epoch, ledger.epochs - 1)), ledger.epochs
             per_epoch = ledger.records_per_epoch
-            states = membership.states()
+            states = membership.worker_states()
             fenced = sum(
                 1
                 for worker, f in coord.fences.fenced.items()
