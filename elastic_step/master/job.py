@@ -48,7 +48,7 @@ from elastic_step.master.tensorboard import TensorBoardLog
 from elastic_step.master.threads import HEAVY_MINIBATCH, multiply_adds, pools_env, worker_inter_op, worker_intra_op
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
-from elastic_step.util import phases
+from elastic_step.util import logs, phases
 from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
 from elastic_step.util.uri import local_path
@@ -264,7 +264,8 @@ class TrainingJob:
             return InstanceSpec(
                 inst,
                 argv,
-                env={**launch, **pools, **self.faults.instance_env(inst)},  # its own faults (tests: a slow worker)
+                # its own faults (tests: a slow worker); its logs' format, its master's
+                env={**launch, **pools, **self.faults.instance_env(inst), **logs.instance_env()},
                 cpu=c.worker_cpu,
                 memory=c.worker_memory,
                 priority_class=c.worker_priority_class,
@@ -272,7 +273,7 @@ class TrainingJob:
         return InstanceSpec(
             inst,
             argv,
-            env={**launch, **pools},
+            env={**launch, **pools, **logs.instance_env()},
             cpu=c.ps_cpu or None,
             memory=c.ps_memory or None,
             priority_class=c.ps_priority_class,
@@ -524,6 +525,7 @@ class TrainingJob:
             decision.action,
             decision.reason,
             f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "",
+            extra={"event": "decision"},
         )
         self.coord.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}", **cause)
         if decision.action == "relaunch":
@@ -669,6 +671,7 @@ class TrainingJob:
             self.plan.job_id,
             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)),
             goodput.describe(summary["goodput"]),
+            extra={"event": "finished"},
         )
         return summary
 

@@ -4,11 +4,14 @@ one loss of each cause injected, and the goodput."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from elastic_step.spec import cli_args
 from tests.infra.prometheus import SCRAPE_INTERVAL_S, Prometheus
 from tests.infra.stores.harness import free_port
-from tests.integration.harness import LEASES_OUTLAST_A_KILL, SMALL_LEASES, train
+from tests.integration.harness import LEASES_OUTLAST_A_KILL, SMALL_LEASES, run_cli, train
 from tests.models.witness import TALLY_MODEL, assert_chaos_fired, assert_exactly_once
 
 pytestmark = pytest.mark.slow
@@ -73,11 +76,25 @@ def test_prometheus_scraping_a_job_with_chaos_agrees_with_its_summary(tally_data
         prometheus.stop()
 
 
-def test_allreduce_members_report_their_steps_and_their_time_in_the_ring(tally_data, tmp_path):
-    proc, summary = train(
-        tally_data, tmp_path / "out", model=TALLY_MODEL, strategy="allreduce", epochs=2, max_workers=2, **SMALL_LEASES
-    )
+def test_allreduce_members_report_their_steps_and_their_time_in_the_ring_and_log_json(tally_data, tmp_path):
+    out = tmp_path / "out"
+    paths = {"model_def": TALLY_MODEL, "train_data": tally_data["train"], "eval_data": tally_data["eval"]}
+    settings = {"strategy": "allreduce", "epochs": 2, "max_workers": 2, "progress": "off", **SMALL_LEASES}
+    proc = run_cli("--log-format", "json", "train", *cli_args(**paths, output=out, **settings))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
     assert_exactly_once(summary)
     workers = summary["workers"]
     assert workers["step_s"] > 0 and workers["wait_s"] > 0, workers  # through StepReady, each launch's so far
+    # --log-format json: the master's lines, one object each, with the job's id (decided by the CLI) and the role
+    lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert {line["job"] for line in lines} == {summary["job_id"]}, {line["job"] for line in lines}
+    assert {line["role"] for line in lines} == {"master"}
+    assert [line["event"] for line in lines if line["event"]][-1] == "finished"
+    assert sum(line["event"] == "epoch_end" for line in lines) == 2
+    # ... and its members' logs are theirs, the same way
+    member = [
+        json.loads(line) for line in (out / "logs" / "worker-0.1.log").read_text().splitlines() if line[:1] == "{"
+    ]
+    assert member and {line["role"] for line in member} == {"worker-0"}
+    assert {line["job"] for line in member} == {summary["job_id"]}

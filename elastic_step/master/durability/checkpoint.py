@@ -180,6 +180,7 @@ class Checkpointer:
             held,
             took,
             self.store.root,
+            extra={"event": "checkpoint"},
         )
         self.next_id += 1
         self._last_at, self._last_records = time.time(), records

@@ -145,7 +145,8 @@ class Coordinator:
                 "",
                 f"epoch {epoch_before} committed {self.ledger.accounts[epoch_before].committed} records",
             )
-            log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
+            account = self.ledger.accounts[epoch_before].as_dict()
+            log.info("epoch %d complete: %s", epoch_before, account, extra={"event": "epoch_end"})
         if self.ledger.done:
             self.finished.set()
 
@@ -389,6 +390,7 @@ class Coordinator:
                     ev.instance,
                     detail or ev.kind.value,
                     *remainder,
+                    extra={"event": ev.kind.value},
                 )
             return remainder
 
@@ -417,7 +419,13 @@ class Coordinator:
             if inst.role != "worker" or member is None or not self.fences.fence(str(inst), member.launches, why):
                 return 0
             self.record("fenced", str(inst), f"launch {member.launches}: {why}", launch=member.launches)
-            log.info("%s launch %d fenced (%s): its calls and pushes are refused", inst, member.launches, why)
+            log.info(
+                "%s launch %d fenced (%s): its calls and pushes are refused",
+                inst,
+                member.launches,
+                why,
+                extra={"event": "fenced"},
+            )
             return member.launches
 
     def fenced_call(self, inst: InstanceId, launch: int, call: str) -> str | None:
@@ -480,7 +488,7 @@ class Coordinator:
             self.record("hung", hung.worker, f"{hung}: declared hung, stopped and replaced", t=now, **figures)
             remainder = self._release(hung.worker, f"declared hung, {hung}", now)
         what = f"lease requeued, records [{remainder[0]}, {remainder[1]})" if remainder else "it held no lease"
-        log.warning("%s: %s: declared hung, %s", hung.worker, hung, what)
+        log.warning("%s: %s: declared hung, %s", hung.worker, hung, what, extra={"event": "hung"})
         return remainder
 
     def ring_straggler(self, paused: bool = False) -> Straggler | None:
@@ -506,7 +514,7 @@ class Coordinator:
                 self.retired.add(worker)
             self.record("straggler", worker, str(straggler), t=now, **straggler.figures())
             remainder = self._release(worker, f"a straggler, {straggler.action}", now)
-        log.warning("%s is a straggler: %s", worker, straggler)
+        log.warning("%s is a straggler: %s", worker, straggler, extra={"event": "straggler"})
         return remainder
 
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
