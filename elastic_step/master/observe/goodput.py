@@ -18,8 +18,18 @@ import time
 from collections.abc import Callable, Iterator
 
 TRAINING = "training"
-# Every cause of time that did not produce records committed once, in the order the report shows them.
-CAUSES = ("startup", "waiting", "rewind", "checkpoint", "restore", "evaluation", "finishing")
+# Every cause of time that did not produce records committed once, in the order the report shows them, as the
+# summary line says them.
+SAID = {
+    "startup": "start-up",
+    "waiting": "waiting for workers",
+    "rewind": "training again",
+    "checkpoint": "checkpoints",
+    "restore": "restores",
+    "evaluation": "evaluation",
+    "finishing": "saving the model",
+}
+CAUSES = tuple(SAID)
 
 
 class Goodput:
@@ -95,7 +105,7 @@ def describe(figures: dict) -> str:
     wall = figures["wall_s"]
     total = sum(wall.values()) or 1.0
     lost = sorted(((v, k) for k, v in wall.items() if k != TRAINING and v > 0), reverse=True)[:3]
-    rest = ", ".join(f"{k} {100 * v / total:.0f} %" for v, k in lost)
+    rest = ", ".join(f"{SAID[k]} {100 * v / total:.0f} %" for v, k in lost)
     return (
         f"goodput {100 * figures['ratio']:.0f} % of wall time ({100 * figures['worker_ratio']:.0f} % of "
         f"worker-seconds)" + (f"; lost to {rest}" if rest else "")

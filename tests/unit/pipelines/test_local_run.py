@@ -96,7 +96,7 @@ def test_the_summary_names_accuracy_gate_losses_audit_and_where_things_are(tmp_p
     assert "18,400 records (2 epochs of 9,200) in 31.4 s" in text
     assert "1 lost, 1 rejoined" in text and "kill worker-0 at 6,016 records" in text and "on purpose" in text
     assert "audit exact" in text
-    assert "goodput 71 % of wall time (64 % of worker-seconds); lost to startup 20 %, rewind 9 %" in text
+    assert "goodput 71 % of wall time (64 % of worker-seconds); lost to start-up 20 %, training again 9 %" in text
     assert result["artifacts"]["elastic-train-op.report"] in text
     assert f"tensorboard --logdir {result['tensorboard']}" in text
     assert "--json" in text

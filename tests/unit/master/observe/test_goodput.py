@@ -54,7 +54,7 @@ def test_records_trained_again_take_their_share_of_training_as_rewind():
     f = g.figures(committed=750, trained_again=250)  # a quarter of what was trained was trained again
     assert f["wall_s"][TRAINING] == pytest.approx(75) and f["wall_s"]["rewind"] == pytest.approx(25)
     assert f["ratio"] == pytest.approx(0.75)
-    assert describe(f) == "goodput 75 % of wall time (75 % of worker-seconds); lost to rewind 25 %"
+    assert describe(f) == "goodput 75 % of wall time (75 % of worker-seconds); lost to training again 25 %"
 
 
 def test_reading_the_figures_changes_nothing():
