@@ -207,11 +207,12 @@ class MasterClient:
                 return list(reply.shard_versions)
         return []
 
-    def heartbeat(self) -> bool:
-        """True when the master asks this instance to stop."""
-        return rpc.call(
-            self.session.Heartbeat, pb.HeartbeatRequest(token=self.token, instance=self.me), timeout=10, retry_for=10
-        ).stop
+    def heartbeat(self, pushes_applied: int = 0, pushes_skipped: int = 0) -> bool:
+        """True when the master asks this instance to stop. A PS shard says its pushes so far, applied and skipped."""
+        request = pb.HeartbeatRequest(
+            token=self.token, instance=self.me, pushes_applied=pushes_applied, pushes_skipped=pushes_skipped
+        )
+        return rpc.call(self.session.Heartbeat, request, timeout=10, retry_for=10).stop
 
     def fail(self, kind: str, error: BaseException, minibatch: str = "") -> None:
         """Tell the master why this instance fails (`minibatch`: the records it failed on, when known)."""

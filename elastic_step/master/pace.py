@@ -26,6 +26,9 @@ class Pace:
         # What only the workers know, as they last said it: each launch's time computing its steps and waiting (on the
         # PS shards, or in the ring), cumulative, by (worker, launch). A launch's last figures stay once it is gone.
         self.spent: dict[tuple[str, int], tuple[float, float]] = {}
+        # ... and what only the PS shards know: each shard's pushes applied and skipped, as its heartbeat last said
+        # (its state's: a shard restored from a checkpoint counts from the checkpoint's).
+        self.shard_pushes: dict[int, tuple[int, int]] = {}
 
     def committed(self, now: float, loss: float, records_total: int) -> None:
         """Records committed at `now` (the job's `records_total` since), their mean `loss`."""

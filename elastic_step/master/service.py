@@ -283,6 +283,8 @@ class MasterService(pb_grpc.MasterServicer):
 
     def _heartbeat(self, inst: InstanceId, request) -> pb.HeartbeatResponse:
         self.c.heard_from(inst)
+        if inst.role == "ps" and (request.pushes_applied or request.pushes_skipped):
+            self.c.shard_pushes(inst, request.pushes_applied, request.pushes_skipped)
         return pb.HeartbeatResponse(stop=self.c.stop_all.is_set())
 
     def _get_task(self, inst: InstanceId, request) -> pb.GetTaskResponse:

@@ -72,6 +72,8 @@ def test_prometheus_scraping_a_job_with_chaos_agrees_with_its_summary(tally_data
         # What only the workers know, through their reports: their steps' time, and their waits on the shards.
         assert last("elastic_step_worker_step_seconds_total") > 0
         assert last("elastic_step_worker_wait_seconds_total", on="ps") > 0
+        # ... and the PS shards, through their heartbeats: their pushes applied
+        assert last("elastic_step_ps_pushes", result="applied") > 0
     finally:
         prometheus.stop()
 

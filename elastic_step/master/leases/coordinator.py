@@ -527,6 +527,11 @@ class Coordinator:
         with self.lock:
             self.pace.worker_spent(str(inst), launch, step_s, wait_s)
 
+    def shard_pushes(self, inst: InstanceId, applied: int, skipped: int) -> None:
+        """A PS shard's pushes so far, as its heartbeat says them (Pace.shard_pushes)."""
+        with self.lock:
+            self.pace.shard_pushes[inst.index] = (applied, skipped)
+
     def worker_counts(self) -> tuple[int, int]:
         """(workers launched and not gone, workers training)."""
         with self.lock:

@@ -111,6 +111,7 @@ class JobCollector(Collector):
             throughput = coord.throughput()
             step_s, wait_s = coord.pace.spent_total()
             pushes_skipped = coord.duplicates_suppressed
+            shard_pushes = [sum(p[i] for p in coord.pace.shard_pushes.values()) for i in (0, 1)]
             waits_on = "ring" if coord.rendezvous is not None else "ps"
         yield _counter("records_committed", "Records committed once (every epoch)", job, committed)
         yield _gauge("epoch", "The epoch being trained (from 0)", job, epoch)
@@ -153,6 +154,14 @@ class JobCollector(Collector):
         )
         waited.add_metric([s.job_id, waits_on], wait_s)
         yield waited
+        pushes = GaugeMetricFamily(
+            PREFIX + "ps_pushes",
+            "Pushes the PS shards hold as applied, and skipped as already applied, as their heartbeats say",
+            labels=["job", "result"],
+        )
+        for result, n in zip(("applied", "skipped"), shard_pushes):
+            pushes.add_metric([s.job_id, result], n)
+        yield pushes
         yield _counter(
             "pushes_skipped",
             "Pushes every PS shard had already applied (a lost worker's, pushed again)",

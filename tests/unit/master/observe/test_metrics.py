@@ -64,6 +64,9 @@ def test_metrics_follow_the_job_state_when_scraped():
         coord.worker_spent(W0, 1, 2.0, 0.5)
         coord.worker_spent(W0, 1, 3.0, 1.0)  # cumulative: the launch's figures so far, not more of them
         coord.worker_spent(W2, 1, 4.0, 2.0)  # a launch gone: its last figures stay
+        coord.shard_pushes(InstanceId("ps", 0), 10, 1)
+        coord.shard_pushes(InstanceId("ps", 1), 20, 2)
+        coord.shard_pushes(InstanceId("ps", 1), 30, 2)  # what the shard holds now
         got = scrape(server.port)
     finally:
         server.stop()
@@ -85,6 +88,8 @@ def test_metrics_follow_the_job_state_when_scraped():
     assert 0 <= got[("elastic_step_goodput_ratio", job)] <= 1
     assert got[("elastic_step_worker_step_seconds_total", job)] == 7.0
     assert got[("elastic_step_worker_wait_seconds_total", (("job", "j1"), ("on", "ps")))] == 3.0
+    assert got[("elastic_step_ps_pushes", (("job", "j1"), ("result", "applied")))] == 40
+    assert got[("elastic_step_ps_pushes", (("job", "j1"), ("result", "skipped")))] == 3
 
 
 def test_a_loss_is_counted_by_its_cause():
