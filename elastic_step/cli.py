@@ -14,7 +14,7 @@ import sys
 
 from elastic_step import spec
 from elastic_step.errors import ElasticStepError, write_termination_message
-from elastic_step.util import json_text
+from elastic_step.util import json_text, logs
 
 CHAOS_METAVAR = "ACTION:INSTANCE@RECORDS"
 
@@ -102,6 +102,7 @@ def _train(args) -> dict:
         },
         "workers": s["workers"],
         "throughput_records_per_s": s["throughput_records_per_s"],
+        "goodput_ratio": s["goodput"]["ratio"],
     }
 
 
@@ -191,6 +192,12 @@ def _compile(args) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-step", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="text",
+        help="json: one JSON object a line (job, role, event kind), for log shippers",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="data preparation").add_subparsers(dest="data_command", required=True)
@@ -275,10 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_step.util.process import quiet_tensorflow
 
     quiet_tensorflow()
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    if getattr(args, "job_id", None) == "" and args.log_format == "json":
+        from elastic_step.master.plan import new_job_id
+
+        args.job_id = new_job_id()  # decided here rather than by the job: every line names it
+    logs.configure(
+        args.log_format,
+        logging.DEBUG if args.verbose else logging.INFO,
+        "%(asctime)s %(name)s %(levelname)s %(message)s",
+        role="master" if args.command == "train" else args.command,
+        job=getattr(args, "job_id", "") or "",
         datefmt="%H:%M:%S",
     )
     try:

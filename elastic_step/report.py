@@ -22,7 +22,20 @@ LOST, JOINED, FAILED = "#d62728", "#2ca02c", "#8b0000"
 STRAGGLER = "#ff7f0e"  # a straggler: its work handed over to an idle worker (ps), or left out of the ring
 LOSS, EVAL, RATE, ALIVE = "#1f77b4", "#9467bd", "#ff7f0e", "#3b6ea5"
 EVAL_COLOURS = [EVAL, "#8c564b", "#e377c2", "#17becf"]
-CHART_IDS = ("chart-loss", "chart-eval", "chart-throughput", "chart-workers", "chart-ledger")
+CHART_IDS = ("chart-loss", "chart-eval", "chart-throughput", "chart-workers", "chart-goodput", "chart-ledger")
+
+
+# Goodput: training that counted, then each cause of the time that did not (master/observe/goodput.py CAUSES)
+GOODPUT_PARTS = (
+    ("training", "training that counted", JOINED),
+    ("startup", "start-up", "#c8c8c8"),
+    ("waiting", "waiting for workers", "#bcbd22"),
+    ("rewind", "trained again after a loss", LOST),
+    ("checkpoint", "checkpoint holds", "#17becf"),
+    ("restore", "restores", "#8b0000"),
+    ("evaluation", "evaluation", EVAL),
+    ("finishing", "saving the model", "#7f7f7f"),
+)
 
 
 # ---------------------------------------------------------------- tolerant access
@@ -501,6 +514,45 @@ def _finished(summary: dict) -> bool:
     return summary.get("status") == "succeeded"
 
 
+def goodput_chart(goodput: dict) -> str:
+    """Two stacked bars: the step's wall time and its workers' seconds, each split into training that produced records
+    committed once and the causes of the rest."""
+    title = "Goodput: where the step's time went"
+    bars = [
+        ("wall time", _dict(goodput, "wall_s"), "ratio"),
+        ("worker-seconds", _dict(goodput, "worker_s"), "worker_ratio"),
+    ]
+    shown = [(k, n, c) for k, n, c in GOODPUT_PARTS if any((num(b.get(k)) or 0) > 0 for _, b, _ in bars)]
+    height, left, bar_h = 86, 110, 22
+    out = [
+        f"<figure><figcaption>{title}{_legend([(n, c, None) for _, n, c in shown])}</figcaption>"
+        f'<svg id="chart-goodput" class="chart" viewBox="0 0 {W} {height}" role="img" aria-label="{title}" '
+        f'xmlns="http://www.w3.org/2000/svg">'
+    ]
+    width = W - left - PAD_R - 60
+    for row, (name, spent, ratio) in enumerate(bars):
+        y = 12 + row * (bar_h + 18)
+        total = sum(max(0.0, num(v) or 0.0) for v in spent.values())
+        out.append(f'<text x="{left - 6}" y="{y + bar_h * 0.7}" text-anchor="end">{name}</text>')
+        if not total:
+            out.append(f'<text x="{left}" y="{y + bar_h * 0.7}" class="nodata">no goodput recorded</text>')
+            continue
+        x = float(left)
+        for key, label, colour in shown:
+            w = max(0.0, num(spent.get(key)) or 0.0) / total * width
+            if w > 0:
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}">'
+                    f"<title>{esc(label)}: {fmt(num(spent.get(key)))} s</title></rect>"
+                )
+            x += w
+        share = num(goodput.get(ratio))
+        if share is not None:
+            out.append(f'<text x="{left + width + 6}" y="{y + bar_h * 0.7}">{100 * share:.0f} %</text>')
+    out.append("</svg></figure>")
+    return "".join(out)
+
+
 def ledger_chart(rows: list[dict], finished: bool = True) -> str:
     """One bar per epoch: records committed (green) against the epoch's records (dashed line), records
     not committed (red; grey in the epoch a failed job stopped in) and applied twice (dark red) stacked
@@ -852,6 +904,7 @@ def render_report(summary: dict) -> str:
 <p class="note">All charts share one time axis. Grey: start-up (parameter servers and workers starting).
 Dashed vertical lines: workers lost (red) and relaunched workers rejoining (green).</p>
 {"".join(charts)}
+{goodput_chart(_dict(summary, "goodput"))}
 <h2>Data ledger</h2>
 <p class="note">A lost worker's task is requeued from its last reported watermark, not replayed whole, and a
 parameter server applies each (task, minibatch) push at most once.</p>

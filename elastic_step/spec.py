@@ -697,6 +697,9 @@ def reference_markdown() -> str:
         "([kfp.md](kfp.md#recurring-runs)) |",
         "| `compile` | `--root` (`.`) | the repository root the generated files go to |",
         "| any (before the command: `elastic-step -v train ...`) | `-v`, `--verbose` | debug logging |",
+        "| any (before the command) | `--log-format` (`text`) | `json`: one JSON object a line, with the job, the "
+        "role and the event's kind, for log shippers (the job's workers and parameter servers log as its master "
+        "does) ([observability.md](observability.md#logs)) |",
         "",
         "Adding a parameter: one `Param` in elastic_step/spec.py (a training parameter also needs its "
         "TrainConfig field, a KFP surface its argument in the signature), then `elastic-step compile`; "

@@ -127,6 +127,11 @@ class Backend(abc.ABC):
         """Resume an instance `freeze` froze (SIGCONT): chaos only (faults/chaos.py `stop:...:resume`, a zombie)."""
         raise ConfigError(f"--chaos stop: the {self.name} backend cannot resume an instance; use --backend local.")
 
+    def tell(self, reason: str, note: str, action: str, warning: bool = False) -> None:  # noqa: B027 - no-op by default
+        """Tell the platform what the master saw and did (`reason`: CamelCase, e.g. WorkerLost; `action`: what the
+        master did, e.g. Relaunch): on Kubernetes an Event on the step's pod (kubernetes/events.py). Nowhere on a
+        backend whose platform has no such place (local processes: the step's log says it)."""
+
     @abc.abstractmethod
     def alive(self) -> set[InstanceId]:
         """Instances started and not yet ended."""

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from elastic_step.util import logs
 from elastic_step.util.process import die_with_parent
 
 TOKEN_ENV = "ELASTIC_STEP_TOKEN"
@@ -106,7 +107,12 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     args.token = os.environ.get(TOKEN_ENV, "")
     if not args.token:
         p.error(f"{TOKEN_ENV} is not set: the master passes the job token in the environment")
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format=f"%(asctime)s {role}-{args.index} %(levelname)s %(message)s"
+    log_format, job = logs.instance_format()
+    logs.configure(
+        log_format,
+        logging.INFO,
+        f"%(asctime)s {role}-{args.index} %(levelname)s %(message)s",
+        f"{role}-{args.index}",
+        job,
     )
     return args

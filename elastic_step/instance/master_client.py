@@ -171,8 +171,18 @@ class MasterClient:
     def get_task(self, ahead_of: int | None = None) -> pb.GetTaskResponse:
         return rpc.call(self.session.GetTask, pb.GetTaskRequest(token=self.token, instance=self.me, ahead_of=ahead_of))
 
-    def report(self, task_id: int, watermark: int, records: int, loss: float, duplicate: bool) -> pb.ProgressResponse:
-        """`stop`: the master refused the report (the lease is no longer ours); `hold`: a checkpoint is cut."""
+    def report(
+        self,
+        task_id: int,
+        watermark: int,
+        records: int,
+        loss: float,
+        duplicate: bool,
+        step_s: float = 0.0,
+        wait_s: float = 0.0,
+    ) -> pb.ProgressResponse:
+        """`stop`: the master refused the report (the lease is no longer ours); `hold`: a checkpoint is cut.
+        `step_s`, `wait_s`: this launch's time so far computing its steps and waiting on the PS shards."""
         return rpc.call(
             self.session.ReportProgress,
             pb.ProgressReport(
@@ -183,6 +193,8 @@ class MasterClient:
                 records=records,
                 loss=loss,
                 duplicate=duplicate,
+                step_s=step_s,
+                wait_s=wait_s,
             ),
         )
 
@@ -195,11 +207,12 @@ class MasterClient:
                 return list(reply.shard_versions)
         return []
 
-    def heartbeat(self) -> bool:
-        """True when the master asks this instance to stop."""
-        return rpc.call(
-            self.session.Heartbeat, pb.HeartbeatRequest(token=self.token, instance=self.me), timeout=10, retry_for=10
-        ).stop
+    def heartbeat(self, pushes_applied: int = 0, pushes_skipped: int = 0) -> bool:
+        """True when the master asks this instance to stop. A PS shard says its pushes so far, applied and skipped."""
+        request = pb.HeartbeatRequest(
+            token=self.token, instance=self.me, pushes_applied=pushes_applied, pushes_skipped=pushes_skipped
+        )
+        return rpc.call(self.session.Heartbeat, request, timeout=10, retry_for=10).stop
 
     def fail(self, kind: str, error: BaseException, minibatch: str = "") -> None:
         """Tell the master why this instance fails (`minibatch`: the records it failed on, when known)."""

@@ -8,4 +8,5 @@
 - `relaunch.py`  what an instance's end leads to: relaunch, restore or fail.
 - `timeline.py`, `failures.py`, `skipped.py`  what the job records and is told: its events, the failures
   reported, the minibatches skipped. They decide nothing.
+- `observe/`  what the platform sees: /metrics, the goodput, Kubernetes Events.
 """

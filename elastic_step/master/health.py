@@ -12,7 +12,7 @@ RPCs'), not by the pump's. A process frozen whole (SIGSTOP, a node cut off) does
 which the probe counts as a failure too.
 
 Served by its own thread, as the input server is (master/input_server.py), so a stalled pump cannot
-stall the answer.
+stall the answer. The same port serves ``GET /metrics`` (master/observe/metrics.py) when the step passes it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ from elastic_step.errors import ConfigError
 log = logging.getLogger("elastic_step.master")
 
 PATH = "/healthz"
+METRICS_PATH = "/metrics"
 POD_PORT = 8080  # --health-port -1 (the default) in a pod; the Argo template's probe asks this port
+Metrics = Callable[[], tuple[bytes, str]]  # a scrape's text and its content type
 PUMP_BOUND_S = 30.0  # the pump turns every 0.1 s: 30 s without a turn is a stall, not a busy turn
 
 
@@ -72,11 +74,12 @@ class Health:
 
 
 class HealthServer:
-    """``health`` served at ``GET /healthz`` on ``port`` (0: a free port, for tests) by a daemon thread."""
+    """``health`` served at ``GET /healthz`` on ``port`` (0: a free port, for tests) by a daemon thread, and
+    ``metrics()`` (the text of a scrape and its content type) at ``GET /metrics``."""
 
-    def __init__(self, health: Health, port: int, bind_host: str = "0.0.0.0"):
+    def __init__(self, health: Health, port: int, bind_host: str = "0.0.0.0", metrics: Metrics | None = None):
         self.health = health
-        self._httpd = ThreadingHTTPServer((bind_host, port), _handler(health))
+        self._httpd = ThreadingHTTPServer((bind_host, port), _handler(health, metrics))
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(
@@ -97,14 +100,16 @@ def resolve_port(health_port: int, in_pod: bool) -> int:
 
 
 @contextlib.contextmanager
-def serving(health_port: int, in_pod: bool, bind_host: str = "0.0.0.0") -> Iterator[Health]:
+def serving(
+    health_port: int, in_pod: bool, bind_host: str = "0.0.0.0", metrics: Metrics | None = None
+) -> Iterator[Health]:
     """A Health for the step, served for as long as the block runs when --health-port asks for it. A port
     asked for explicitly that cannot be bound is bad input; the default's, a warning (the step trains
     without the endpoint: a probe that asks it fails, and says why in the pod's events)."""
     health, port, server = Health(), resolve_port(health_port, in_pod), None
     if port:
         try:
-            server = HealthServer(health, port, bind_host)
+            server = HealthServer(health, port, bind_host, metrics)
         except OSError as e:
             if health_port != -1:
                 raise ConfigError(
@@ -114,6 +119,8 @@ def serving(health_port: int, in_pod: bool, bind_host: str = "0.0.0.0") -> Itera
             log.warning("no health endpoint: port %d cannot be bound (%s)", port, e.strerror)
         else:
             log.info("health endpoint: GET http://%s:%d%s", bind_host, server.port, PATH)
+            if metrics is not None:
+                log.info("metrics: GET http://%s:%d%s (Prometheus)", bind_host, server.port, METRICS_PATH)
     try:
         yield health
     finally:
@@ -121,18 +128,24 @@ def serving(health_port: int, in_pod: bool, bind_host: str = "0.0.0.0") -> Itera
             server.stop()
 
 
-def _handler(health: Health):
+def _handler(health: Health, metrics: Metrics | None):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            if self.path.split("?", 1)[0] != PATH:
+            path = self.path.split("?", 1)[0]
+            if path == METRICS_PATH and metrics is not None:
+                body, content_type = metrics()
+                return self._send(200, body, content_type)
+            if path != PATH:
                 return self._answer(404, "not found: the health endpoint is " + PATH)
             alive, reason = health.check()
             self._answer(200 if alive else 503, reason)
 
         def _answer(self, status: int, text: str) -> None:
-            body = (text + "\n").encode()
+            self._send(status, (text + "\n").encode(), "text/plain; charset=utf-8")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -37,9 +37,13 @@ from elastic_step.master.health import Health, serving
 from elastic_step.master.input_server import InputServer
 from elastic_step.master.leases.coordinator import Coordinator
 from elastic_step.master.leases.ledger import AUTO_MIN_TASKS_PER_EPOCH, AUTO_MINIBATCHES_PER_TASK, Ledger, ShardInfo
+from elastic_step.master.observe import goodput
+from elastic_step.master.observe.goodput import Goodput
+from elastic_step.master.observe.metrics import JobMetrics, JobState
+from elastic_step.master.observe.notices import Notices
 from elastic_step.master.plan import JobPlan, checked, checkpoint_root, new_job_id, new_token
 from elastic_step.master.progress import Progress
-from elastic_step.master.relaunch import RelaunchPolicy
+from elastic_step.master.relaunch import RelaunchPolicy, loss_cause
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.skipped import SkippedMinibatches
 from elastic_step.master.tensorboard import TensorBoardLog
@@ -47,7 +51,7 @@ from elastic_step.master.threads import HEAVY_MINIBATCH, multiply_adds, pools_en
 from elastic_step.master.timeline import Timeline
 from elastic_step.optimizers import finalize
 from elastic_step.report import write_report
-from elastic_step.util import phases
+from elastic_step.util import logs, phases
 from elastic_step.util.json_text import write_json
 from elastic_step.util.storage import check_writable, copy_folder, explain
 from elastic_step.util.uri import local_path
@@ -110,13 +114,20 @@ def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple
 
 class TrainingJob:
     def __init__(
-        self, cfg: TrainConfig, backend: Backend | None = None, staging: str | None = None, health: Health | None = None
+        self,
+        cfg: TrainConfig,
+        backend: Backend | None = None,
+        staging: str | None = None,
+        health: Health | None = None,
+        metrics: JobMetrics | None = None,
     ):
         """`backend`: one already started (tests), else the config's; `staging`: a local folder the job
         writes in, for an output in an object store that train() uploads at the end; `health`: what the
-        step's health endpoint answers from (train() serves it), told of every turn of the pump."""
+        step's health endpoint answers from (train() serves it), told of every turn of the pump; `metrics`: the
+        registry the step's /metrics serves (train() serves it), which the job's figures join."""
         self.cfg = checked(cfg)
         self.health = health or Health()
+        self.goodput = Goodput()  # from the master's start: its start-up is part of the step's time
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
         self.output = pathlib.Path(output)  # where this job writes
@@ -169,6 +180,7 @@ class TrainingJob:
             backend=self.backend.name,
             token=token,
         )
+        self.notices = Notices(self.backend.tell, self.timeline.events)  # on Kubernetes, Events on the step's pod
         # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
             self.coord,
@@ -189,6 +201,26 @@ class TrainingJob:
         self.eval_history: list[dict] = self.durable.eval_history
         self.curve = self._eval_curve() if self.eval is not None else None
         self._input_server: InputServer | None = None
+        self.observed = metrics.watch(self._state()) if metrics is not None else None
+
+    def _state(self) -> JobState:
+        """What /metrics reads of this job when scraped."""
+        return JobState(
+            job_id=self.plan.job_id,
+            coord=self.coord,
+            goodput=self.goodput,
+            hung=lambda: self.gray.given_up()[0],
+            left_out=lambda: self.gray.given_up()[1],
+            relaunches=lambda: self.relaunch.relaunches,
+            checkpoints=self.durable.summary,
+            evaluation=lambda: self.eval_history[-1] if self.eval_history else {},
+        )
+
+    @contextlib.contextmanager
+    def _busy(self, what: str, cause: str):
+        """Work that holds the pump (`what`, for the health endpoint), its time spent on `cause` (goodput.py)."""
+        with self.health.busy(what), self.goodput.doing(cause):
+            yield
 
     def _start_backend(self, given: Backend | None, job_id: str) -> tuple[Backend, str]:
         """The job's backend and its token: `given` (tests: a Kubernetes backend made for this job, with its
@@ -243,7 +275,8 @@ class TrainingJob:
             return InstanceSpec(
                 inst,
                 argv,
-                env={**launch, **pools, **self.faults.instance_env(inst)},  # its own faults (tests: a slow worker)
+                # its own faults (tests: a slow worker); its logs' format, its master's
+                env={**launch, **pools, **self.faults.instance_env(inst), **logs.instance_env()},
                 cpu=c.worker_cpu,
                 memory=c.worker_memory,
                 priority_class=c.worker_priority_class,
@@ -251,7 +284,7 @@ class TrainingJob:
         return InstanceSpec(
             inst,
             argv,
-            env={**launch, **pools},
+            env={**launch, **pools, **logs.instance_env()},
             cpu=c.ps_cpu or None,
             memory=c.ps_memory or None,
             priority_class=c.ps_priority_class,
@@ -310,11 +343,11 @@ class TrainingJob:
         self._log_plan()
         with self._teardown(server):
             self._train()
-            with self.health.busy("pulling the trained model"):
+            with self._busy("pulling the trained model", "finishing"):
                 if self.curve is not None:
                     self.curve.stop()
                 model, ps_stats, evidence = self._final_model()
-        with self.health.busy("evaluating and saving the model"):
+        with self._busy("evaluating and saving the model", "finishing"):
             return self._finish(model, ps_stats, evidence)
 
     def _serve(self):
@@ -333,6 +366,7 @@ class TrainingJob:
             skipped=self.skipped,
             checkpoint_state=lambda: self.durable.member_state,  # allreduce, resumed
             locate=self.locate,
+            observed=self.observed,
         )
         host = "127.0.0.1" if plan.backend == "local" else "0.0.0.0"
         server, port = serve(service, host=host)
@@ -411,13 +445,18 @@ class TrainingJob:
         self.train_seconds = time.time() - t_start
         if self.failures.failure:
             raise self._failure()
+        committed = self.ledger.records_committed_total()
+        self.notices.finished(
+            f"{committed} records committed in {self.cfg.epochs} epoch(s), {self.train_seconds:.0f} s; "
+            + goodput.describe(self.goodput.figures(committed, self.ledger.trained_again))
+        )
         self.progress.show(self.coord.sample(self.progress.rate(self.ledger.records_committed_total())), final=True)
 
     def _open_shards(self) -> None:
         """ps: once every shard is up, a first checkpoint (or a resumed job's restore), then workers may push."""
         self._pump(until=self.coord.ps_ready.is_set)
         if self.coord.ps_ready.is_set():  # else a shard failed: the job fails after the pump
-            with self.health.busy("opening the parameter servers (a first checkpoint, or a restore)"):
+            with self._busy("opening the parameter servers (a first checkpoint, or a restore)", "startup"):
                 self.durable.shards_ready()
                 if self.curve is not None and not self.eval_history:  # it starts at the initial weights
                     self.curve.initial_point()  # pulled now: once the shards are open, workers push at once
@@ -428,6 +467,8 @@ class TrainingJob:
         last_tick = 0.0
         while not until() and self.failures.failure is None:
             self.health.turned()
+            self.goodput.now_doing(self._doing(), *self.coord.worker_counts())
+            self.notices.tick()
             # A checkpoint's barrier holds every worker: look for it reached every few milliseconds rather
             # than once a turn, which held them ~0.1 s a checkpoint.
             for ev in self.backend.events(timeout=BARRIER_POLL_S if self.durable.cutting else PUMP_TURN_S):
@@ -436,7 +477,7 @@ class TrainingJob:
             committed = self.ledger.records_committed_total()
             fault_hooks.PUMP_TURN(committed)
             if self.terminated_at is not None:
-                with self.health.busy("cutting a last checkpoint"):
+                with self._busy("cutting a last checkpoint", "checkpoint"):
                     last = self.durable.last_cut(committed, now)
                 if last:
                     self.failures.report("master", "terminated", "the master received SIGTERM", "")
@@ -444,7 +485,7 @@ class TrainingJob:
             # Events in the order of the records they wait for: a cut due at fewer records than a fault is
             # cut before the fault fires, even when one turn of a busy pump sees the records pass both.
             # A checkpoint is written in a turn that began with its barrier up: that turn may take long.
-            with self.health.busy("cutting a checkpoint") if self.durable.cutting else contextlib.nullcontext():
+            with self._busy("cutting a checkpoint", "checkpoint") if self.durable.cutting else contextlib.nullcontext():
                 self.durable.tick(committed, now)
             if not self.durable.cutting:
                 self.faults.tick(committed, self.backend, self.coord)
@@ -456,6 +497,18 @@ class TrainingJob:
                 sample = self.coord.sample(self.progress.rate(committed, now))
                 self.progress.show(sample)
                 self.tensorboard.progress(sample)
+
+    def _doing(self) -> str:
+        """What the master does this turn, as goodput counts it (master/observe/goodput.py). The eval curve's points
+        run beside training, within their share of it: they show as slower training, not as time of their own."""
+        coord = self.coord
+        if self.durable.cutting or coord.holding:
+            return "checkpoint"
+        if coord.rewinding:
+            return "restore"
+        if coord.pace.first_commit_at is None:
+            return "startup"
+        return "waiting" if coord.membership.training_count() == 0 else goodput.TRAINING
 
     def _on_event(self, ev) -> None:
         ev = self.gray.on_end(ev)
@@ -477,15 +530,17 @@ class TrainingJob:
         )
         if decision.action == "none":
             return
-        if ev.instance.role == "worker":
-            self.coord.count_worker_loss()
+        cause = {"cause": loss_cause(ev)} if ev.instance.role == "worker" else {}
+        if cause:
+            self.coord.count_worker_loss(cause["cause"])
         log.info(
             "decision: %s — %s%s",
             decision.action,
             decision.reason,
             f"; remainder [{remainder[0]}, {remainder[1]}) requeued" if remainder else "",
+            extra={"event": "decision"},
         )
-        self.timeline.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}")
+        self.timeline.record("decision", str(ev.instance), f"{decision.action}: {decision.reason}", **cause)
         if decision.action == "relaunch":
             self.coord.mark_replacement(ev.instance, ev.time)
             self._launch(ev.instance, relaunch=True)
@@ -503,12 +558,12 @@ class TrainingJob:
         alone would leave the others holding updates it lost). The lost shard is relaunched and
         restored, the others restored in place, as a new generation: workers stay up, learn it from
         their next push (refused) and register again for the shards."""
-        with self.health.busy("rewinding to the last checkpoint"):
+        with self._busy("rewinding to the last checkpoint", "restore"):
             manifest, generation = self.durable.rewind(inst.index, lost_at)
         self._launch(inst, relaunch=True)
         self._pump(until=self.coord.ps_ready.is_set)
         if self.failures.failure is None:
-            with self.health.busy("restoring the parameter servers from the last checkpoint"):
+            with self._busy("restoring the parameter servers from the last checkpoint", "restore"):
                 self.durable.restore_shards(manifest, generation)
             self.durable.rewound(generation)
 
@@ -521,6 +576,8 @@ class TrainingJob:
 
     def _failure(self) -> ElasticStepError:
         f = self.failures.failure
+        where = f" ({f['instance']})" if f.get("instance") else ""
+        self.notices.failed(f"{f['kind']}{where}: {f['message']}")
         self.tensorboard.close()
         self._write_summary(status="failed", error=f)
         if f["kind"] == "terminated":
@@ -528,7 +585,6 @@ class TrainingJob:
                 "The training step was terminated (SIGTERM) before it finished; all its "
                 f"workers and parameter servers were stopped. {self.durable.resume_note()}"
             )
-        where = f" ({f['instance']})" if f.get("instance") else ""
         detail = f["message"]
         if f["kind"] == "instance_failed" and f.get("traceback"):
             detail += "\nLast lines of its log:\n" + f["traceback"]
@@ -611,7 +667,8 @@ class TrainingJob:
         from elastic_step.evaluation import evaluate
         from elastic_step.model_io import save_model
 
-        metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
+        with self.goodput.doing("evaluation"):
+            metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
         self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})  # the curve's last point
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
@@ -623,9 +680,11 @@ class TrainingJob:
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
         log.info(
-            "job %s succeeded: %s",
+            "job %s succeeded: %s; %s",
             self.plan.job_id,
             ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)),
+            goodput.describe(summary["goodput"]),
+            extra={"event": "finished"},
         )
         return summary
 
@@ -647,6 +706,7 @@ class TrainingJob:
         chaos_summary = self.faults.summary()
         with coord.lock:
             committed = self.ledger.records_committed_total()
+            spent = [round(x, 3) for x in coord.pace.spent_total()]
             summary = {
                 "status": status,
                 "job_id": self.plan.job_id,
@@ -675,7 +735,8 @@ class TrainingJob:
                     "duplicate_pushes_suppressed": coord.duplicates_suppressed,
                     "records_trained_again": self.ledger.trained_again,
                 },
-                "workers": coord.membership.summary(),
+                # the workers' own time computing their steps and waiting (on the shards, or in the ring)
+                "workers": {**coord.membership.summary(), **dict(zip(("step_s", "wait_s"), spent))},
                 "recovery": {
                     "requeue_latency_s": [round(x, 4) for x in self.ledger.requeue_latencies],
                     "first_commit_after_loss_s": [round(x, 3) for x in coord.pace.recovery_first_commit_s],
@@ -689,6 +750,7 @@ class TrainingJob:
                 "training_seconds": round(self.train_seconds, 3),
                 "startup_seconds": round((coord.pace.first_commit_at or time.time()) - t0, 3),
                 "throughput_records_per_s": round(coord.throughput(), 1),
+                "goodput": self.goodput.figures(committed, self.ledger.trained_again),
                 "eval": {k: v for k, v in extra.pop("eval", {}).items() if not hasattr(v, "shape")},
                 "eval_history": list(self.eval_history),
                 "timeseries": list(coord.pace.samples),
@@ -747,12 +809,13 @@ def train(cfg: TrainConfig) -> dict:
         fork_preloader()
     # Served from here to the step's end (the upload too): a probe that finds no endpoint counts a failure. In a
     # pod, on the pod's IP, where the kubelet's probe asks (and a mesh's rewritten probe too).
-    with serving(cfg.health_port, in_pod, master_host(in_pod)) as health:
+    metrics = JobMetrics()
+    with serving(cfg.health_port, in_pod, master_host(in_pod), metrics.render) as health:
         if local_path(cfg.output) is not None:
-            return TrainingJob(cfg, health=health).run()
+            return TrainingJob(cfg, health=health, metrics=metrics).run()
         staging = tempfile.mkdtemp(prefix="elastic-step-output-")
         try:
-            summary = TrainingJob(cfg, staging=staging, health=health).run()
+            summary = TrainingJob(cfg, staging=staging, health=health, metrics=metrics).run()
         except BaseException:
             with health.busy("uploading the failed step's output"):
                 _upload(staging, cfg.output, failed=True)  # a failed job's summary, report and logs

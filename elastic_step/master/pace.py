@@ -23,6 +23,12 @@ class Pace:
         self.on_next_commit: list[Callable[[float], None]] = []  # each called once, with the time, at the next commit
         self.samples: list[dict] = []  # progress over time, for the report
         self._alive_seen = 0  # the membership's alive samples already folded into a sample
+        # What only the workers know, as they last said it: each launch's time computing its steps and waiting (on the
+        # PS shards, or in the ring), cumulative, by (worker, launch). A launch's last figures stay once it is gone.
+        self.spent: dict[tuple[str, int], tuple[float, float]] = {}
+        # ... and what only the PS shards know: each shard's pushes applied and skipped, as its heartbeat last said
+        # (its state's: a shard restored from a checkpoint counts from the checkpoint's).
+        self.shard_pushes: dict[int, tuple[int, int]] = {}
 
     def committed(self, now: float, loss: float, records_total: int) -> None:
         """Records committed at `now` (the job's `records_total` since), their mean `loss`."""
@@ -33,6 +39,14 @@ class Pace:
             self.on_next_commit.pop()(now)
         if loss == loss:  # not NaN
             self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+
+    def worker_spent(self, worker: str, launch: int, step_s: float, wait_s: float) -> None:
+        """A worker's launch says how long it has computed its steps and waited, so far."""
+        self.spent[(worker, launch)] = (step_s, wait_s)
+
+    def spent_total(self) -> tuple[float, float]:
+        """Every worker launch's time computing its steps, and waiting, as they last said it."""
+        return sum(s for s, _ in self.spent.values()), sum(w for _, w in self.spent.values())
 
     def replaced(self, worker: str, lost_at: float) -> None:
         """A replacement of `worker` was launched; its first commit closes the recovery figure."""

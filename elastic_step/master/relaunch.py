@@ -21,6 +21,31 @@ from elastic_step.instance import EXIT_USER_ERROR
 log = logging.getLogger("elastic_step.master")
 
 
+# Why a worker was lost, as /metrics and the step's Kubernetes Events count it: the platform took it (Kueue, the
+# scheduler), something killed it, the master gave it up (hung, a straggler, fenced), or it crashed.
+LOSS_CAUSES = ("preempted", "kueue", "killed", "hung", "straggler", "fenced", "crash", "exited")
+
+
+def loss_cause(ev: InstanceEvent) -> str:
+    """The cause of a worker's end, one of LOSS_CAUSES, from the event as the master takes it (gray/policy.py
+    names what the master gave up; the backends name what the platform did)."""
+    detail = ev.detail or ""
+    if detail.startswith("declared hung"):
+        return "hung"
+    if detail.startswith("left out as a straggler"):
+        return "straggler"
+    if detail.startswith("fenced, then"):
+        return "fenced"
+    if ev.kind == EventKind.EXITED:
+        return "exited" if ev.exit_code in (0, None) else "crash"
+    if "by Kueue" in detail:
+        return "kueue"
+    # The scheduler's preemption, or another disruption the pod's DisruptionTarget names (backends/kubernetes/pods.py)
+    if detail.startswith(("preempted", "evicted")) or (detail.startswith("pod ") and " deleted: " in detail):
+        return "preempted"
+    return "killed"
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     action: str  # "relaunch" | "restore" | "fail" | "retire" | "none"

@@ -149,6 +149,19 @@ def report_interval_s(max_workers: int) -> float:
     return max(MIN_REPORT_INTERVAL_S, max_workers / REPORTS_PER_S_BUDGET)
 
 
+class Unobserved:
+    """What a service that nobody scrapes observes: nothing (master/observe/metrics.py ServedCalls observes)."""
+
+    def served(self, call: str, seconds: float) -> None:
+        pass
+
+    def refused(self, call: str, code: str) -> None:
+        pass
+
+    def lease_waited(self, seconds: float) -> None:
+        pass
+
+
 class MasterService(pb_grpc.MasterServicer):
     def __init__(
         self,
@@ -166,12 +179,17 @@ class MasterService(pb_grpc.MasterServicer):
         skipped: SkippedMinibatches,
         checkpoint_state: Callable[[], MemberState | None] = lambda: None,
         locate: Callable[[str], str] = lambda uri: uri,
+        observed=None,
     ):
         """`failures`, `skipped`: the job's, where the instances' reports go. `checkpoint_state`: allreduce, a
         resumed job: the state the members start from, or None (see master/durability/checkpoint.py). `locate`: a
-        URI as instances open it (a file local to the step is served by the master: input_server.py)."""
+        URI as instances open it (a file local to the step is served by the master: input_server.py). `observed`:
+        told of every hot call served and refused, and of every lease given with how long its worker asked
+        (master/observe/metrics.py ServedCalls)."""
         self.c = coordinator
         self.failures, self.skipped = failures, skipped
+        self.observed = observed or Unobserved()
+        self._asking_since: dict[InstanceId, float] = {}  # workers told to wait for work: since when
         self.admission = Admission(queue_target_s)
         self.calls = 0  # served, of every kind (the event loop is the only writer)
         self._waiting = futures.ThreadPoolExecutor(max_workers=WAITING_CALLS, thread_name_prefix="master-wait")
@@ -219,24 +237,35 @@ class MasterService(pb_grpc.MasterServicer):
         self.admission.observe(context)
         inst = self._caller(call, request)
         if isinstance(inst, tuple):
+            self.observed.refused(call, inst[0].name)
             await context.abort(*inst)
         return inst
+
+    async def _timed(self, call: str, context, request, serve):
+        """A hot unary call, served and observed."""
+        started = time.perf_counter()
+        inst = await self._instance(context, call, request)
+        reply = serve(inst, request)
+        if asyncio.iscoroutine(reply):
+            reply = await reply
+        self.observed.served(call, time.perf_counter() - started)
+        return reply
 
     async def _wait(self, fn, *args, **kw):
         """Run a call that blocks (a hold, a long poll) off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._waiting, lambda: fn(*args, **kw))
 
     async def Register(self, request, context):
-        return await self._register(await self._instance(context, "Register", request), request)
+        return await self._timed("Register", context, request, self._register)
 
     async def Heartbeat(self, request, context):
-        return self._heartbeat(await self._instance(context, "Heartbeat", request), request)
+        return await self._timed("Heartbeat", context, request, self._heartbeat)
 
     async def GetTask(self, request, context):
-        return self._get_task(await self._instance(context, "GetTask", request), request)
+        return await self._timed("GetTask", context, request, self._get_task)
 
     async def ReportProgress(self, request, context):
-        return self._report(await self._instance(context, "ReportProgress", request), request)
+        return await self._timed("ReportProgress", context, request, self._report)
 
     async def _register(self, inst: InstanceId, request) -> pb.RegisterResponse:
         member = self.c.membership.members.get(inst)
@@ -260,14 +289,20 @@ class MasterService(pb_grpc.MasterServicer):
 
     def _heartbeat(self, inst: InstanceId, request) -> pb.HeartbeatResponse:
         self.c.heard_from(inst)
+        if inst.role == "ps" and (request.pushes_applied or request.pushes_skipped):
+            self.c.shard_pushes(inst, request.pushes_applied, request.pushes_skipped)
         return pb.HeartbeatResponse(stop=self.c.stop_all.is_set())
 
     def _get_task(self, inst: InstanceId, request) -> pb.GetTaskResponse:
         lease = self.c.get_task(inst, after=request.ahead_of if request.HasField("ahead_of") else None)
         if lease == "done":
+            self._asking_since.pop(inst, None)
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.DONE)
         if lease is None:
+            self._asking_since.setdefault(inst, time.monotonic())
             return pb.GetTaskResponse(kind=pb.GetTaskResponse.WAIT, retry_after_s=self._wait_retry_s())
+        asked = self._asking_since.pop(inst, None)
+        self.observed.lease_waited(0.0 if asked is None else time.monotonic() - asked)
         t = lease.task
         return pb.GetTaskResponse(
             kind=pb.GetTaskResponse.TASK,
@@ -285,6 +320,8 @@ class MasterService(pb_grpc.MasterServicer):
     def _report(self, inst: InstanceId, request) -> pb.ProgressResponse:
         with phase("master: ReportProgress"):
             ok = self.c.report_progress(inst, request.task_id, request.watermark, request.loss, request.duplicate)
+            if request.step_s:
+                self.c.worker_spent(inst, request.instance.launch, request.step_s, request.wait_s)
         return pb.ProgressResponse(stop=not ok, hold=self.c.holding)
 
     async def Session(self, calls, context):
@@ -303,13 +340,16 @@ class MasterService(pb_grpc.MasterServicer):
                 continue
             name, serve = self._streamed[kind]
             request = getattr(call, kind)
+            started = time.perf_counter()
             inst = self._caller(name, request)
             if isinstance(inst, tuple):
+                self.observed.refused(name, inst[0].name)
                 reply = pb.SessionReply(id=call.id, code=inst[0].value[0], details=inst[1])
             elif kind == "register":
                 reply = pb.SessionReply(id=call.id, register=await serve(inst, request))
             else:
                 reply = pb.SessionReply(id=call.id, **{kind: serve(inst, request)})
+            self.observed.served(name, time.perf_counter() - started)
             await context.write(reply)
 
     async def Hold(self, request, context):
@@ -372,6 +412,8 @@ class MasterService(pb_grpc.MasterServicer):
         rdv = await self._rendezvous(context)
         self.c.heard_from(inst)
         r = request
+        if r.step_s:
+            self.c.worker_spent(inst, r.instance.launch, r.step_s, r.wait_s)
         ready = Ready(
             r.task_id, r.watermark, r.records, r.loss, r.checksum, r.compute_s, max(1, r.steps), tuple(r.step_compute_s)
         )

@@ -23,6 +23,7 @@ import time
 from elastic_step.errors import ConfigError
 from elastic_step.faults.chaos import ENV as CHAOS_ENV
 from elastic_step.faults.chaos import specs as chaos_specs
+from elastic_step.master.observe.goodput import describe as describe_goodput
 from elastic_step.master.tensorboard import VERTEX_LOG_DIR_ENV
 
 # task names in the compiled pipeline (KFP derives them from the component names)
@@ -227,6 +228,8 @@ def summary_text(result: dict) -> str:
         if summary.get("throughput_records_per_s"):
             trained += f", {summary['throughput_records_per_s']:,.0f} records/s"
         row("training", trained)
+        if summary.get("goodput"):
+            row("goodput", describe_goodput(summary["goodput"]))
         row("workers", _workers_text(summary, workers))
         row("exactly-once", _audit_text(summary.get("audit")))
     row("report", result["artifacts"].get(f"{TRAIN}.report", "none"))

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     # Serve until the master says the job is over, or SIGTERM.
     while not stop.wait(1.0):
         try:
-            if master.heartbeat():
+            if master.heartbeat(len(shard.applied), shard.skipped):
                 break
         except Exception:  # noqa: BLE001 - master gone: nobody needs us any more
             log.warning("master unreachable; stopping")

@@ -907,13 +907,14 @@ def test_shipped_role_is_namespaced_exact_and_matches_the_component_rbac():
         ("secrets",): {"create", "get", "delete"},
         ("localqueues",): {"get"},
         ("workloads",): {"list"},
+        ("events",): {"create", "patch"},
     }
     needed: dict = {}
     for verb, resource in NEEDED + tuple((v, r) for v, r, _ in (*KUEUE_NEEDED, *KUEUE_WANTED)):
         needed.setdefault((resource,), set()).add(verb)
     # Exactly what the backend checks for (a queue: localqueues, and the workloads it reads to explain a wait), no
-    # wildcard.
-    assert rules == needed
+    # wildcard; besides, the step's Events, whose lack costs a line of the log and not the job.
+    assert {k: v for k, v in rules.items() if k != ("events",)} == needed
     import yaml
 
     component = {

@@ -372,6 +372,15 @@ def test_the_training_step_is_probed_on_the_masters_health_endpoint():
     args = build_parser().parse_args([_substitute(a, values) for a in train["args"]])
     assert probe["httpGet"] == {"path": health.PATH, "port": args.health_port} and args.health_port == health.POD_PORT
     assert probe["failureThreshold"] > 1 and probe["timeoutSeconds"] > 1 and probe["initialDelaySeconds"] > 0
+    # ... and its /metrics scraped there: by the usual annotations, or by a PodMonitor naming the port
+    assert train["ports"] == [{"name": "metrics", "containerPort": health.POD_PORT}]
+    metadata = templates()["elastic-train"]["metadata"]
+    assert metadata["labels"] == {"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/component": "master"}
+    assert metadata["annotations"] == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(health.POD_PORT),
+        "prometheus.io/path": health.METRICS_PATH,
+    }
     for name, t in templates().items():
         if name != "elastic-train":
             assert "livenessProbe" not in t.get("container", {}), name

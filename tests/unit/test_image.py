@@ -190,7 +190,10 @@ def test_rbac_is_namespaced_exact_and_without_wildcards():
     } | {
         ("kueue.x-k8s.io", "localqueues", "get"),
         ("kueue.x-k8s.io", "workloads", "list"),
-    }  # a queue: its LocalQueue, looked up before any pod; its Workloads, read to say why a pod waits
+    } | {
+        ("events.k8s.io", "events", v) for v in ("create", "patch")
+    }  # a queue: its LocalQueue, looked up before any pod; its Workloads, read to say why a pod waits; the step's
+    # Events, created and their series patched
     binding = docs[("RoleBinding", "elastic-step")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "elastic-step"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "elastic-step"}]

@@ -423,3 +423,18 @@ def test_the_audit_is_shown_and_a_violation_stands_out():
         '<b class="bad">VIOLATED</b>' in html
         and '<tr class="bad"><td>0</td><td>80</td><td>70</td><td>4</td><td>6</td>' in html
     )
+
+
+def test_the_goodput_chart_splits_wall_time_and_worker_seconds_by_cause():
+    goodput = {
+        "ratio": 0.6,
+        "worker_ratio": 0.5,
+        "wall_s": {"training": 60.0, "startup": 30.0, "rewind": 10.0, "checkpoint": 0.0},
+        "worker_s": {"training": 100.0, "startup": 60.0, "waiting": 40.0},
+    }
+    page = render_report({"goodput": goodput})
+    chart = re.search(r'<svg id="chart-goodput".*?</svg>', page, re.S).group(0)
+    assert "60 %" in chart and "50 %" in chart
+    assert chart.count("<rect") == 6  # three parts of wall time, three of worker-seconds, none of 0 s
+    assert "trained again after a loss: 10 s" in chart and "checkpoint holds" not in chart
+    assert "no goodput recorded" in render_report({})

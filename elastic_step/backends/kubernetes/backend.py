@@ -31,6 +31,7 @@ from elastic_step.backends.kubernetes.config import (
     owner_refs,
 )
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
+from elastic_step.backends.kubernetes.events import EventRecorder
 from elastic_step.backends.kubernetes.pending import due, read_workloads, what_holds
 from elastic_step.backends.kubernetes.permissions import check_permissions, translate
 from elastic_step.backends.kubernetes.pods import (
@@ -118,6 +119,12 @@ class KubernetesBackend(Backend):
         self._numbers: dict[InstanceId, int] = {}
         self._default_priority = dict(DEFAULT_PRIORITY)
         self._closed = threading.Event()
+        # What the master tells the platform: Events on the step's pod (none without one to regard).
+        self._recorder = (
+            EventRecorder(kubernetes.client.EventsV1Api(api_client), self.namespace, self.owner, self.owner.name)
+            if self.owner
+            else None
+        )
 
         if preflight:
             check_permissions(
@@ -342,6 +349,10 @@ class KubernetesBackend(Backend):
         """The job's pods as the API has them now."""
         return self._list()["items"]
 
+    def tell(self, reason: str, note: str, action: str, warning: bool = False) -> None:
+        if self._recorder is not None:
+            self._recorder.record(reason, note, action, warning)
+
     def close(self, grace_s: float = 10.0) -> None:
         """The master's end (and SIGTERM path): delete every pod of the job, wait until they are
         gone, stop watching, delete the token Secret."""
@@ -391,6 +402,8 @@ class KubernetesBackend(Backend):
             except Exception as e:  # noqa: BLE001
                 log.error("job %s: could not delete the Secret %s: %s", self.job_id, self.secret_name, e)
             self._watcher.join(5)
+            if self._recorder is not None:
+                self._recorder.close()  # the last Events, before the client goes
             with contextlib.suppress(Exception):
                 self.api.close()
 

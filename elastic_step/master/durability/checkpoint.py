@@ -164,6 +164,7 @@ class Checkpointer:
                 "hold_s": round(hold_reached_at - self._holding_since, 4),
                 "held_s": round(held, 4),  # the workers waited this long once all held (the cut taken)
                 "write_s": round(took, 4),
+                "bytes": self.store.size(ckpt_id),
             }
         )
         self.coord.timeline.record(
@@ -180,6 +181,7 @@ class Checkpointer:
             held,
             took,
             self.store.root,
+            extra={"event": "checkpoint"},
         )
         self.next_id += 1
         self._last_at, self._last_records = time.time(), records

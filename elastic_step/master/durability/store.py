@@ -178,6 +178,10 @@ class CheckpointStore:
         """Where a part of checkpoint `ckpt_id` goes."""
         return self.uri(f"ckpt-{ckpt_id:06d}", name)
 
+    def size(self, ckpt_id: int) -> int:
+        """The bytes checkpoint `ckpt_id`'s parts take in the store."""
+        return int(self.fs.du(posixpath.join(self.path, f"ckpt-{ckpt_id:06d}"), total=True))
+
     def commit(self, ckpt_id: int, files: list[str], **meta) -> dict:
         """The commit point: the manifest naming the complete checkpoint; then older ones go."""
         manifest = {

@@ -112,6 +112,11 @@ class GrayFailures:
                 log.warning("%s: declared hung, fenced, and still running when its deferred kill came: killed", inst)
                 self.backend.kill(inst)
 
+    def given_up(self) -> tuple[int, int]:
+        """(workers declared hung, ring stragglers left out): given up, their end not reported yet. From any thread: the
+        set is copied at once (the pump changes it), then counted."""
+        return sum(1 for i in tuple(self._hung) if i.role == "worker"), len(self._left_out)
+
     def fence(self, inst: InstanceId, why: str, tell_shards: bool) -> None:
         """Give `inst`'s launch up: the master refuses its calls from now on and, with `tell_shards`, the PS shards
         its pushes (a short deadline: a shard that does not answer is stopped as a frozen PS, not waited for)."""

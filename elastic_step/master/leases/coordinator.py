@@ -148,7 +148,8 @@ class Coordinator:
                 "",
                 f"epoch {epoch_before} committed {self.ledger.accounts[epoch_before].committed} records",
             )
-            log.info("epoch %d complete: %s", epoch_before, self.ledger.accounts[epoch_before].as_dict())
+            account = self.ledger.accounts[epoch_before].as_dict()
+            log.info("epoch %d complete: %s", epoch_before, account, extra={"event": "epoch_end"})
         if self.ledger.done:
             self.finished.set()
 
@@ -339,6 +340,7 @@ class Coordinator:
                     ev.instance,
                     detail or ev.kind.value,
                     *remainder,
+                    extra={"event": ev.kind.value},
                 )
             return remainder
 
@@ -367,7 +369,13 @@ class Coordinator:
             if inst.role != "worker" or member is None or not self.fences.fence(str(inst), member.launches, why):
                 return 0
             self.timeline.record("fenced", str(inst), f"launch {member.launches}: {why}", launch=member.launches)
-            log.info("%s launch %d fenced (%s): its calls and pushes are refused", inst, member.launches, why)
+            log.info(
+                "%s launch %d fenced (%s): its calls and pushes are refused",
+                inst,
+                member.launches,
+                why,
+                extra={"event": "fenced"},
+            )
             return member.launches
 
     def fenced_call(self, inst: InstanceId, launch: int, call: str) -> str | None:
@@ -430,7 +438,7 @@ class Coordinator:
             self.timeline.record("hung", hung.worker, f"{hung}: declared hung, stopped and replaced", t=now, **figures)
             remainder = self._release(hung.worker, f"declared hung, {hung}", now)
         what = f"lease requeued, records [{remainder[0]}, {remainder[1]})" if remainder else "it held no lease"
-        log.warning("%s: %s: declared hung, %s", hung.worker, hung, what)
+        log.warning("%s: %s: declared hung, %s", hung.worker, hung, what, extra={"event": "hung"})
         return remainder
 
     def ring_straggler(self, paused: bool = False) -> Straggler | None:
@@ -456,7 +464,7 @@ class Coordinator:
                 self.retired.add(worker)
             self.timeline.record("straggler", worker, str(straggler), t=now, **straggler.figures())
             remainder = self._release(worker, f"a straggler, {straggler.action}", now)
-        log.warning("%s is a straggler: %s", worker, straggler)
+        log.warning("%s is a straggler: %s", worker, straggler, extra={"event": "straggler"})
         return remainder
 
     def mark_replacement(self, inst: InstanceId, lost_at: float) -> None:
@@ -464,9 +472,25 @@ class Coordinator:
         with self.lock:
             self.pace.replaced(str(inst), lost_at)
 
-    def count_worker_loss(self) -> None:
+    def worker_spent(self, inst: InstanceId, launch: int, step_s: float, wait_s: float) -> None:
+        """A worker's own figures (Pace.worker_spent), as its report or its run's StepReady carries them."""
         with self.lock:
-            self.membership.lost += 1
+            self.pace.worker_spent(str(inst), launch, step_s, wait_s)
+
+    def shard_pushes(self, inst: InstanceId, applied: int, skipped: int) -> None:
+        """A PS shard's pushes so far, as its heartbeat says them (Pace.shard_pushes)."""
+        with self.lock:
+            self.pace.shard_pushes[inst.index] = (applied, skipped)
+
+    def worker_counts(self) -> tuple[int, int]:
+        """(workers launched and not gone, workers training)."""
+        with self.lock:
+            states = self.membership.worker_states()
+            return sum(states.values()) - states["gone"], states["registered"]
+
+    def count_worker_loss(self, cause: str) -> None:
+        with self.lock:
+            self.membership.lost_one(cause)
 
     def sample(self, records_per_s: float) -> dict:
         """Progress now (Pace.sample)."""

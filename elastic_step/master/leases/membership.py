@@ -5,6 +5,7 @@ Counts what the summary reports (started, lost, relaunched, max alive) and keeps
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -14,7 +15,7 @@ from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 @dataclasses.dataclass
 class Member:
     id: InstanceId
-    state: str = "pending"  # pending -> running -> registered -> gone
+    state: str = "pending"  # pending (queued: held by the platform past its bound) -> running -> registered -> gone
     address: str = ""
     last_seen: float = 0.0
     launches: int = 1
@@ -27,21 +28,33 @@ class Membership:
         self.members: dict[InstanceId, Member] = {}
         self.started = 0
         self.lost = 0
+        self.lost_by_cause: collections.Counter[str] = collections.Counter()  # master/relaunch.py loss_cause
         self.relaunched = 0
         self.max_alive = 0
         self.alive_samples: list[tuple[float, int]] = []
         self._training: set[InstanceId] = set()  # workers registered: kept as states change, counted at each
+        self._workers: collections.Counter[str] = collections.Counter()  # workers by state, kept as states change
 
-    def _set_state(self, m: Member, state: str) -> None:
-        m.state = state
-        if m.id.role == "worker":
-            (self._training.add if state == "registered" else self._training.discard)(m.id)
-
-    def launched(self, inst: InstanceId, relaunch: bool) -> None:
+    def _member(self, inst: InstanceId) -> Member:
         m = self.members.get(inst)
         if m is None:
-            self.members[inst] = Member(inst)
+            m = self.members[inst] = Member(inst)
+            if inst.role == "worker":
+                self._workers[m.state] += 1
+        return m
+
+    def _set_state(self, m: Member, state: str) -> None:
+        if m.id.role == "worker":
+            self._workers[m.state] -= 1
+            self._workers[state] += 1
+            (self._training.add if state == "registered" else self._training.discard)(m.id)
+        m.state = state
+
+    def launched(self, inst: InstanceId, relaunch: bool) -> None:
+        if inst not in self.members:
+            self._member(inst)
         else:
+            m = self.members[inst]
             self._set_state(m, "pending")
             m.launches, m.progress_since_launch = m.launches + 1, False
         if inst.role == "worker":
@@ -49,9 +62,11 @@ class Membership:
             self.relaunched += int(relaunch)
 
     def on_event(self, ev: InstanceEvent) -> None:
-        m = self.members.setdefault(ev.instance, Member(ev.instance))
-        if ev.kind == EventKind.RUNNING and m.state == "pending":
+        m = self._member(ev.instance)
+        if ev.kind == EventKind.RUNNING and m.state in ("pending", "queued"):
             self._set_state(m, "running")
+        elif ev.kind == EventKind.WAITING and m.state == "pending":
+            self._set_state(m, "queued")
         elif ev.kind in (EventKind.EXITED, EventKind.LOST):
             self._set_state(m, "gone")
             crashed = ev.kind == EventKind.EXITED and ev.exit_code not in (0, None)
@@ -70,7 +85,7 @@ class Membership:
 
     def registered(self, inst: InstanceId, address: str = "") -> bool:
         """True when this is the launch's first registration (or at a new address)."""
-        m = self.members.setdefault(inst, Member(inst))
+        m = self._member(inst)
         new = m.state != "registered" or m.address != address
         self._set_state(m, "registered")
         m.address, m.last_seen = address, time.time()
@@ -90,6 +105,15 @@ class Membership:
     def training(self, role: str = "worker") -> list[InstanceId]:
         return sorted(i for i, m in self.members.items() if i.role == role and m.state == "registered")
 
+    def lost_one(self, cause: str) -> None:
+        """A worker's end that the relaunch policy acts on, by its cause."""
+        self.lost += 1
+        self.lost_by_cause[cause] += 1
+
+    def worker_states(self) -> collections.Counter[str]:
+        """How many workers are in each state (pending, queued, running, registered, gone), without listing them."""
+        return collections.Counter(self._workers)
+
     def training_count(self) -> int:
         """len(training()), without listing them: registrations of thousands of workers each take a sample."""
         return len(self._training)
@@ -100,4 +124,10 @@ class Membership:
         self.alive_samples.append((t, n))
 
     def summary(self) -> dict:
-        return {"started": self.started, "lost": self.lost, "relaunched": self.relaunched, "max_alive": self.max_alive}
+        return {
+            "started": self.started,
+            "lost": self.lost,
+            "lost_by_cause": dict(sorted(self.lost_by_cause.items())),
+            "relaunched": self.relaunched,
+            "max_alive": self.max_alive,
+        }

@@ -199,6 +199,7 @@ class AllReduceWorker:
         self.lease: Lease | None = None
         self.applied_step = -1  # the step whose state this worker's weights are (-1: none yet)
         self.profile = StepProfile()
+        self.step_s = self.ring_s = 0.0  # this launch's time computing its steps, and in the ring's collectives
         self.restored_from = 0  # the checkpoint whose state this worker loaded from the master
         self._last_poll = 0.0
         self._computed: tuple | None = None  # the step's minibatches, computed (`computed`), kept for its retry
@@ -421,10 +422,12 @@ class AllReduceWorker:
         total = self.ring.allreduce(payload, members, v.version, step, self.abort_check)
         total, slots, ends = total[: buf.size], total[buf.size : -1], total[-1] > 0
         self.profile.add("collective", t)
+        self.ring_s += time.perf_counter() - t
         n = float(total[-2])
         taken = contributions(slots)
         self.profile.steps += 1
         run.add(step, taken, records, loss, compute_s)
+        self.step_s += compute_s
         if self.lease is not None and contribution:
             self.lease.at = watermark
             run.moved = True
@@ -570,6 +573,8 @@ class AllReduceWorker:
                 compute_s=sum(run.compute_s),
                 steps=run.steps,
                 step_compute_s=run.compute_s,
+                step_s=self.step_s,
+                wait_s=self.ring_s,
             )
         )
         self.profile.add("step ready", t)

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from elastic_step import fault_hooks as faults
 from elastic_step.data.api import minibatch_end
@@ -61,8 +62,15 @@ class Reporter:
     goes without waiting for the pace: the master moves the worker on to its lease ahead then, so
     it goes as soon as the report before it is answered, not at the training thread's next pump."""
 
-    def __init__(self, master: MasterClient, interval_s: float = REPORT_INTERVAL_S):
+    def __init__(
+        self,
+        master: MasterClient,
+        interval_s: float = REPORT_INTERVAL_S,
+        spent: Callable[[], tuple[float, float]] = lambda: (0.0, 0.0),
+    ):
+        """`spent()`: the worker's time so far computing its steps and waiting on the shards, sent with each report."""
         self.master = master
+        self.spent = spent
         self.interval_s = interval_s
         self.pending: list[tuple] = []
         self.in_flight: concurrent.futures.Future | None = None
@@ -136,7 +144,7 @@ class Reporter:
 
     def _send(self, report: tuple, last: bool):
         with phase("report thread: ReportProgress"):
-            reply = self.master.report(*report)
+            reply = self.master.report(*report, *self.spent())
         if last and not reply.stop:
             with self._answered:
                 self._finished.add(report[0])
@@ -212,7 +220,8 @@ class TaskLoop:
         self.master, self.trainer, self.readers = master, trainer, readers
         self.records_per_push, self.stop, self.pushes_in_flight = records_per_push, stop, pushes_in_flight
         self.rejoin = rejoin
-        self.reporter = Reporter(master, report_interval_s)
+        self.step_s = self.wait_s = 0.0  # this launch's time computing its steps, and waiting on the shards
+        self.reporter = Reporter(master, report_interval_s, spent=lambda: (self.step_s, self.wait_s))
         # The next lease is asked for and read on its own thread while the current one trains: at the current one's
         # end the worker goes straight on, instead of waiting for its last push and report, a GetTask and a read
         # (several minibatches' worth of time for a small model).
@@ -298,8 +307,10 @@ class TaskLoop:
                 break
             # Before the step, not after: its gradient is then taken on values that hold every push of this
             # worker's but the newest pushes_in_flight - 1 (with one, all of them).
+            waiting = time.monotonic()
             with phase("train: wait for push and pull"):
                 self.settle(keep=self.trainer.pushes_ahead(self.pushes_in_flight))
+            self.wait_s += time.monotonic() - waiting
             group = bounds[done : done + self.trainer.minibatches_per_call(len(bounds) - done, len(bounds))]
             done += len(group)
             self.train_call(fed, group)
@@ -314,7 +325,9 @@ class TaskLoop:
         started = time.monotonic()
         with working_on(at), phase(COMPUTE if self.traced else "train: first compute (traces the step)"):
             result = self.trainer.compute(batch, at)
-        faults.STEP_DONE(time.monotonic() - started)
+        took = time.monotonic() - started
+        self.step_s += took
+        faults.STEP_DONE(took)
         self.traced = True
         key = PushKey(t.task_id, seq, hi, t.epoch, t.shard_index)
         with phase("train: hand the push over, pump reports"):

@@ -48,6 +48,12 @@ def training_summary(**changes) -> dict:
             "not_fired": [],
         },
         "audit": AUDIT_EXACT,
+        "goodput": {
+            "ratio": 0.71,
+            "worker_ratio": 0.64,
+            "wall_s": {"training": 71.0, "startup": 20.0, "rewind": 9.0},
+            "worker_s": {"training": 128.0, "startup": 60.0, "rewind": 12.0},
+        },
     }
     s.update(changes)
     return s
@@ -90,6 +96,7 @@ def test_the_summary_names_accuracy_gate_losses_audit_and_where_things_are(tmp_p
     assert "18,400 records (2 epochs of 9,200) in 31.4 s" in text
     assert "1 lost, 1 rejoined" in text and "kill worker-0 at 6,016 records" in text and "on purpose" in text
     assert "audit exact" in text
+    assert "goodput 71 % of wall time (64 % of worker-seconds); lost to start-up 20 %, training again 9 %" in text
     assert result["artifacts"]["elastic-train-op.report"] in text
     assert f"tensorboard --logdir {result['tensorboard']}" in text
     assert "--json" in text

@@ -56,6 +56,8 @@ def test_nothing_is_cut_before_every_shard_registered_nor_before_the_barrier_hol
     assert written == [1] and not coord.holding
     manifest = store.latest()
     assert manifest["id"] == 1 and manifest["records_committed"] == 16
+    size = sum(f.stat().st_size for f in (tmp_path / "checkpoints" / "ckpt-000001").iterdir())
+    assert c.written[-1]["bytes"] == size > len(b"state")  # its parts, the ledger's cut among them
     cut = store.read_json(manifest, "ledger.json")["ledger"]
     assert [lease.task.task_id, lease.watermark] in cut["queue"]  # the held lease goes back
 
