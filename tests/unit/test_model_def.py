@@ -4,6 +4,7 @@ is the same loss, regularization and batch-norm statistics included, as the mode
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -244,3 +245,68 @@ def test_a_model_definition_read_from_a_uri_is_copied_for_the_process_and_remove
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) > 0  # the model built from the copy
     assert not list(tmp_path.glob("elastic-step-model-*"))
+
+
+OVERRIDES = textwrap.dedent("""
+    class Custom(keras.Model):
+        def METHOD(self, *args, **kwargs):
+            raise AssertionError("never run")
+
+    _plain = model
+
+    def model():
+        plain = _plain()
+        return Custom(plain.inputs, plain.outputs)
+""")
+
+
+@pytest.mark.parametrize(
+    "method, instead",
+    [("train_step", "override compute_loss()"), ("test_step", "compute_loss()"), ("compute_metrics", "eval_metrics()")],
+)
+def test_a_model_overriding_a_step_elastic_step_runs_is_refused_naming_the_method_and_what_to_do(
+    tmp_path, method, instead
+):
+    path = tmp_path / f"{method}.py"
+    path.write_text(MODEL + OVERRIDES.replace("METHOD", method))
+    with pytest.raises(ModelDefError, match=rf"overrides {method}\(\) \(Custom\.{method}\).*{re.escape(instead)}"):
+        load_model_def(str(path)).model()
+
+
+def test_a_compute_loss_override_is_what_training_and_evaluation_minimise(tmp_path):
+    """As in fit and evaluate: the override's loss, in the stateful step (allreduce), the stateless one (ps) and
+    the evaluation alike."""
+    from elastic_step.evaluation import EvalBatch, evaluate_batches
+
+    path = tmp_path / "penalized.py"
+    path.write_text(
+        MODEL
+        + textwrap.dedent("""
+        class Penalized(keras.Model):
+            def compute_loss(self, x, y, y_pred, sample_weight=None, training=True):
+                return super().compute_loss(x, y, y_pred, sample_weight, training) + 100.0
+
+        _plain = model
+
+        def model():
+            plain = _plain()
+            return Penalized(plain.inputs, plain.outputs)
+    """)
+    )
+    md = load_model_def(str(path))
+    net = md.model()
+    x, y = np.random.default_rng(0).normal(size=(8, 4)).astype("float32"), np.array([0, 1] * 4)
+    net.compile(loss=md.module.loss)
+    expected = float(net.evaluate(x, y, verbose=0))  # Keras's own, the override included
+    assert expected > 100
+    assert evaluate_batches(net, md, [EvalBatch(x, y, None, 8)])["loss"] == pytest.approx(expected, rel=1e-6)
+    values = [v.value for v in net.trainable_variables]
+    assert float(md.training_loss(net, x, y)) > 100
+    assert float(md.training_loss(net, x, y, trainable_values=values)) > 100
+
+
+def test_a_loss_per_output_must_be_a_loss_each(tmp_path):
+    path = tmp_path / "heads.py"
+    path.write_text(MODEL + '\nloss = {"a": keras.losses.MeanSquaredError(), "b": "not a loss"}\n')
+    with pytest.raises(ModelDefError, match=r"loss\['b'\] .* is a str: each output's loss must be a function"):
+        load_model_def(str(path))
