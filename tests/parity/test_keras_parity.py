@@ -72,7 +72,7 @@ import os
 import pytest
 
 from elastic_step.data.reader import read_all
-from tests.integration.harness import CTR_MODEL, train
+from tests.integration.harness import CTR_MODEL, TWO_HEADS_MODEL, train
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,7 +85,7 @@ MODULES = {
     "class_weights": (os.path.join(HERE, "models", "class_weights.py"), "digits_data"),
     "optimizer": (os.path.join(HERE, "models", "optimizer.py"), "digits_data"),
     "compute_loss": (os.path.join(HERE, "models", "compute_loss.py"), "digits_data"),
-    "two_heads": (os.path.join(HERE, "models", "two_heads.py"), "digits_data"),
+    "sample_two_heads": (TWO_HEADS_MODEL, "digits_data"),
     "embedding": (os.path.join(HERE, "models", "embedding.py"), "ctr_data"),
     "sample_ctr": (CTR_MODEL, "ctr_data"),
 }
@@ -116,7 +116,7 @@ TOLERANCE = {"digits_data": {"accuracy": 0.04, "loss": 0.07}, "ctr_data": {"auc"
 # is the compute_loss penalty's effect on the weights: fit gave 1.57 and 1.54 (seeds 0, 1) with it, 4.40 without.
 MODULE_TOLERANCE = {
     "compute_loss": {**TOLERANCE["digits_data"], "mean_abs_logit": 0.3},
-    "two_heads": {"loss": 0.07, "digit_loss": 0.07, "big_loss": 0.07, "digit_accuracy": 0.04},
+    "sample_two_heads": {"loss": 0.07, "digit_loss": 0.07, "big_loss": 0.07, "digit_accuracy": 0.04},
 }
 
 
