@@ -30,6 +30,7 @@ from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
 from elastic_step.master.durability.audit import EXACT, audit, describe
 from elastic_step.master.durability.checkpoint import JobCheckpoints
+from elastic_step.master.early_stop import EarlyStop
 from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.health import Health, serving
@@ -130,6 +131,12 @@ class TrainingJob:
             cfg.minibatch_size,
             cfg.seed,
         )
+        self.early_stop = (
+            EarlyStop(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta)
+            if cfg.early_stop_metric
+            else None
+        )
+        self.ledger.hold_epochs = self.early_stop is not None  # each epoch's end waits for its point
         self.allreduce = cfg.strategy == "allreduce"
         self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
         self.coord = Coordinator(self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds)
@@ -205,7 +212,15 @@ class TrainingJob:
             if self.allreduce
             else ShardPuller(self.coord.shard_addresses, self.plan.token, self.cfg.num_ps)
         )
-        return EvalCurve(self.model_def, self.eval, self.coord, self.eval_history, self.tensorboard, pull=pull)
+        return EvalCurve(
+            self.model_def,
+            self.eval,
+            self.coord,
+            self.eval_history,
+            self.tensorboard,
+            pull=pull,
+            early_stop=self.early_stop,
+        )
 
     # ------------------------------------------------------------------ launching
     def _spec(self, inst: InstanceId) -> InstanceSpec:
@@ -435,7 +450,11 @@ class TrainingJob:
                 self.durable.tick(committed, now)
             if not self.durable.cutting:
                 self.faults.tick(committed, self.backend, self.coord)
-            if self.curve is not None and not self.ledger.done:  # a point for an epoch just ended, within its budget
+            if (
+                self.curve is not None and self.ledger.awaiting_evaluation
+            ):  # early stopping: the epoch waits for its point
+                self.curve.held(self.ledger.epoch)
+            elif self.curve is not None and not self.ledger.done:  # a point for an epoch just ended, within budget
                 self.curve.tick(self.ledger.epoch, now)
             self.gray.tick(time.time(), evaluating=self.curve is not None and self.curve.computing())
             if now - last_tick >= 0.5:
@@ -548,9 +567,15 @@ class TrainingJob:
         keras.utils.set_random_seed(self.cfg.seed)
         model = self.model_def.model()
         if self.allreduce:
-            return model, None, [self._load_from_rank0(model, final=True)]
-        stats = self._load_from_ps(model, with_stats=True, final=True)
-        return model, stats, [tensors.decode_applied(s.applied) for s in stats]
+            stats, evidence = None, [self._load_from_rank0(model, final=True)]
+        else:
+            stats = self._load_from_ps(model, with_stats=True, final=True)
+            evidence = [tensors.decode_applied(s.applied) for s in stats]
+        if self.early_stop is not None and self.early_stop.best_weights is not None:
+            # As EarlyStopping(restore_best_weights=True) leaves the model: the best epoch's weights. The evidence
+            # is still the last epoch's: the audit is of what training applied.
+            model.set_weights(self.early_stop.best_weights)
+        return model, stats, evidence
 
     def _load_from_rank0(self, model, final: bool = False) -> dict:
         """allreduce: the members' weights (identical on every member), from the first that answers, the one
@@ -599,7 +624,7 @@ class TrainingJob:
         from elastic_step.model_io import save_model
 
         metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
-        self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})  # the curve's last point
+        self.tensorboard.evaluation({"epoch": self.ledger.epochs - 1, **metrics})  # the curve's last point
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
@@ -607,6 +632,8 @@ class TrainingJob:
             k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.plan.output) for k, v in outputs.items()
         }
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
+        if self.early_stop is not None:
+            extra["early_stop"] = self.early_stop.summary(self.ledger.epochs)
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
         log.info(
@@ -621,7 +648,7 @@ class TrainingJob:
         laid over the training data, not over the ledger: see master/durability/audit.py."""
         result = audit(
             [s.rows for s in self.train.shards],
-            self.cfg.epochs,
+            self.ledger.epochs,  # the epochs that ran: fewer than configured when early stopping ended training
             evidence,
             source="allreduce" if self.allreduce else "ps",
         )
@@ -641,6 +668,7 @@ class TrainingJob:
                 "backend": self.plan.backend,
                 "records_per_epoch": self.ledger.records_per_epoch,
                 "epochs": c.epochs,
+                "epochs_ran": min(self.ledger.epoch, self.ledger.epochs),
                 "config": {
                     "minibatch_size": c.minibatch_size,
                     "records_per_task": self.ledger.records_per_task,

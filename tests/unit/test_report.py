@@ -423,3 +423,14 @@ def test_the_audit_is_shown_and_a_violation_stands_out():
         '<b class="bad">VIOLATED</b>' in html
         and '<tr class="bad"><td>0</td><td>80</td><td>70</td><td>4</td><td>6</td>' in html
     )
+
+
+def test_early_stopping_says_which_epochs_weights_the_model_holds_and_why_training_ended():
+    stop = {
+        "best_epoch": 3,
+        "stopped_epoch": 5,
+        "reason": "loss did not improve by more than 0 for 2 epoch(s) after epoch 4",
+    }
+    text = " ".join(parse(render_report({**SUMMARY, "early_stop": stop})).texts)
+    assert "early stopping" in text and "epoch 4's weights" in text and "did not improve" in text
+    assert "early stopping" not in " ".join(parse(render_report(SUMMARY)).texts)
