@@ -105,6 +105,12 @@ class ModelDef:
         m = self._call("model")
         if not isinstance(m, keras.Model):
             raise ModelDefError(f"model() in {self.spec!r} returned {type(m).__name__}, not a keras.Model.")
+        if m.dtype_policy.name == "mixed_float16":
+            raise ModelDefError(
+                f"The model of {self.spec!r} computes in mixed_float16, which `fit` trains with Keras's loss scaling "
+                "(a LossScaleOptimizer); elastic-step does not scale the loss, and float16 gradients would "
+                "underflow. Use the mixed_bfloat16 policy (trained as `fit` trains it) or float32."
+            )
         for method, instead in NOT_OVERRIDABLE.items():
             if getattr(type(m), method) is not getattr(keras.Model, method):
                 owner = next(c for c in type(m).__mro__ if method in vars(c))
@@ -121,6 +127,11 @@ class ModelDef:
         if not isinstance(o, keras.optimizers.Optimizer):
             raise ModelDefError(
                 f"optimizer() in {self.spec!r} returned {type(o).__name__}, not a keras.optimizers.Optimizer."
+            )
+        if isinstance(o, keras.optimizers.LossScaleOptimizer):
+            raise ModelDefError(
+                f"optimizer() in {self.spec!r} returned a LossScaleOptimizer: elastic-step does not scale the loss "
+                "(the mixed_float16 path). Return the optimizer it wraps, and use the mixed_bfloat16 policy or float32."
             )
         return o
 

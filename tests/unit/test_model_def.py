@@ -310,3 +310,21 @@ def test_a_loss_per_output_must_be_a_loss_each(tmp_path):
     path.write_text(MODEL + '\nloss = {"a": keras.losses.MeanSquaredError(), "b": "not a loss"}\n')
     with pytest.raises(ModelDefError, match=r"loss\['b'\] .* is a str: each output's loss must be a function"):
         load_model_def(str(path))
+
+
+def test_mixed_float16_and_loss_scaling_are_refused_naming_mixed_bfloat16(tmp_path):
+    """fit trains mixed_float16 with loss scaling, which the workers do not do: refused, not trained otherwise."""
+    path = tmp_path / "half.py"
+    path.write_text(
+        MODEL.replace("x = keras.Input", 'keras.config.set_dtype_policy("mixed_float16")\n    x = keras.Input')
+        + "\n\ndef scaled():\n    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))\n"
+    )
+    md = load_model_def(str(path))
+    try:
+        with pytest.raises(ModelDefError, match=r"mixed_float16, which `fit` trains with Keras's loss scaling.*"):
+            md.model()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    md.module.optimizer = md.module.scaled
+    with pytest.raises(ModelDefError, match=r"returned a LossScaleOptimizer: .* Return the optimizer it wraps"):
+        md.optimizer()
