@@ -48,6 +48,22 @@ NOT_OVERRIDABLE = {
 class ModelDef:
     spec: str
     module: types.ModuleType
+    # () -> the training data's column statistics (elastic_step.data.statistics of its manifest), which a
+    # model(statistics) receives; None: no training data at hand.
+    read_statistics: Callable[[], dict] | None = None
+
+    @functools.cached_property
+    def takes_statistics(self) -> bool:
+        return _required_args(self.module.model) == 1
+
+    @functools.cached_property
+    def statistics(self) -> dict:
+        if self.read_statistics is None:
+            raise ModelDefError(
+                f"model() in {self.spec!r} takes the data's statistics, and no training data was given to read them "
+                "from: pass the prepared training data (--train-data or --prepared)."
+            )
+        return self.read_statistics()
 
     def _call(self, name: str, *args) -> Any:
         try:
@@ -102,7 +118,7 @@ class ModelDef:
     def model(self):
         import keras
 
-        m = self._call("model")
+        m = self._call("model", self.statistics) if self.takes_statistics else self._call("model")
         if not isinstance(m, keras.Model):
             raise ModelDefError(f"model() in {self.spec!r} returned {type(m).__name__}, not a keras.Model.")
         if m.dtype_policy.name == "mixed_float16":
@@ -425,6 +441,18 @@ def _import_file(spec: str) -> types.ModuleType:
     return module
 
 
+def _required_args(fn) -> int | None:
+    """How many positional arguments `fn` requires (None: its signature cannot be read)."""
+    try:
+        return sum(
+            1
+            for p in inspect.signature(fn).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+    except (TypeError, ValueError):
+        return None
+
+
 def _check_losses(spec: str, losses) -> None:
     """A loss per output, as compile(loss={...}) or compile(loss=[...]) takes it: each a function or a
     keras.losses.Loss (None: that output has none)."""
@@ -437,7 +465,7 @@ def _check_losses(spec: str, losses) -> None:
             )
 
 
-def load_model_def(spec: str) -> ModelDef:
+def load_model_def(spec: str, read_statistics: Callable[[], dict] | None = None) -> ModelDef:
     if not spec:
         raise ModelDefError("No model definition given: pass --model-def pkg.module or a .py path/URI.")
     if spec.endswith(".py") or "/" in spec or "://" in spec:
@@ -463,24 +491,18 @@ def load_model_def(spec: str) -> ModelDef:
             _check_losses(spec, fn)
         elif not callable(fn):
             raise ModelDefError(f"{name} in the model definition {spec!r} is a {type(fn).__name__}, not a function.")
-    arity = {"model": 0, "optimizer": 0, "loss": 2, "feed": 1}
-    for name, n in arity.items():
+    arity = {"model": (0, 1), "optimizer": (0,), "loss": (2,), "feed": (1,)}  # model(statistics) may take one
+    for name, allowed in arity.items():
         if not callable(getattr(module, name)):  # a loss per output, checked above
             continue
-        try:
-            params = [
-                p
-                for p in inspect.signature(getattr(module, name)).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
-            continue
-        if len(params) != n:
+        n = _required_args(getattr(module, name))
+        if n is not None and n not in allowed:
             raise ModelDefError(
-                f"{name}() in the model definition {spec!r} takes {len(params)} required "
-                f"argument(s); the contract is {name}({', '.join(['...'] * n)}) with {n}."
+                f"{name}() in the model definition {spec!r} takes {n} required "
+                f"argument(s); the contract is {name}({', '.join(['...'] * allowed[-1])}) with {allowed[-1]}"
+                + (" (or model() with none)." if name == "model" else ".")
             )
     ev = getattr(module, "eval_metrics", None)
     if ev is not None and not callable(ev):
         raise ModelDefError(f"eval_metrics in {spec!r} must be a function returning a dict of metrics.")
-    return ModelDef(spec=spec, module=module)
+    return ModelDef(spec=spec, module=module, read_statistics=read_statistics)

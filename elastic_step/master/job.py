@@ -120,9 +120,11 @@ class TrainingJob:
         self.output = pathlib.Path(output)  # where this job writes
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
+        from elastic_step.data import statistics_of
         from elastic_step.model_def import load_model_def
 
-        self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
+        # A bad contract fails here, before anything starts; model(statistics) reads the training data's.
+        self.model_def = load_model_def(cfg.model_def, statistics_of(self.train.uri))
         check_splits(self.model_def, self.train, self.eval)  # eval data the model cannot take: said now
         self.ledger = Ledger(
             [ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
@@ -239,6 +241,7 @@ class TrainingJob:
             global_batch=c.global_batch,
             weight_column=self.train.weight_column,
             skip_non_finite=c.skip_non_finite and inst.role == "worker",
+            train_data=self.locate(self.train.uri) if self.model_def.takes_statistics else "",
         )
         # TensorFlow's pools: one thread each for a local shard; a worker's intra-op threads from worker_threads,
         # else the automatic rule, and its inter-op threads by its step's weight (master/threads.py, which says why).

@@ -328,3 +328,19 @@ def test_mixed_float16_and_loss_scaling_are_refused_naming_mixed_bfloat16(tmp_pa
     md.module.optimizer = md.module.scaled
     with pytest.raises(ModelDefError, match=r"returned a LossScaleOptimizer: .* Return the optimizer it wraps"):
         md.optimizer()
+
+
+def test_a_model_taking_the_statistics_gets_the_training_datas_and_needs_them(tmp_path):
+    from elastic_step.data.prep import prepare
+
+    (tmp_path / "d.csv").write_text("x,y\n" + "".join(f"{i / 10},{i % 2}\n" for i in range(40)))
+    r = prepare(str(tmp_path / "d.csv"), str(tmp_path / "out"), label="y")
+    path = tmp_path / "stats.py"
+    path.write_text(MODEL.replace("def model():", "def model(statistics):\n    global SEEN\n    SEEN = statistics"))
+    from elastic_step.data import statistics_of
+
+    load_model_def(str(path), statistics_of(r.train_uri)).model()
+    module = sys.modules[next(k for k, m in sys.modules.items() if getattr(m, "__file__", None) == str(path))]
+    assert module.SEEN["x"]["count"] == r.train.total_rows
+    with pytest.raises(ModelDefError, match=r"takes the data's statistics, and no training data was given"):
+        load_model_def(str(path)).model()
