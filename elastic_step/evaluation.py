@@ -59,29 +59,39 @@ def evaluate_batches(
     else:
         for m in metrics.values():
             m.reset_state()
+    for tracker in model_def.compiled_loss(model).metrics:  # each output's loss, for a model of several
+        tracker.reset_state()
     total_loss, count = 0.0, 0
     labels_all, preds_all = [], []
     for features, labels, weights, k in batches:
         try:
             preds = model(features, training=False)
-            loss = float(model_def.loss_fn(labels, preds, weights))
-            # The model's own losses (regularizers), as Keras's evaluate() reports them too.
-            loss += sum(float(extra) for extra in model.losses)
+            # What evaluate() reports: compute_loss() (the model's own, if it has one), regularization included.
+            loss = float(model_def.compute_loss(model, features, labels, preds, weights, training=False))
+            by_output = _by_output(model, labels), _by_output(model, preds)
             for m in metrics.values():
-                m.update_state(labels, preds)
+                m.update_state(*by_output)
         except Exception as e:
             raise model_def.user_error(e, "evaluating the model") from e
         total_loss += loss * k
         count += k
-        if keep_predictions:
+        if keep_predictions and not isinstance(preds, (dict, list, tuple)):
             labels_all.append(np.asarray(labels))
             preds_all.append(np.asarray(preds))
     result = {"loss": total_loss / count if count else float("nan"), "records": count}
+    result.update(model_def.output_losses(model))
     result.update({name: float(m.result()) for name, m in metrics.items()})
     if keep_predictions:
         result["labels"] = np.concatenate(labels_all) if labels_all else np.array([])
         result["predictions"] = np.concatenate(preds_all) if preds_all else np.array([])
     return result
+
+
+def _by_output(model, values):
+    """A model's outputs (or their labels) given as a list, by output name, as its per-output metrics take them."""
+    if isinstance(values, (list, tuple)) and len(values) == len(model.output_names) > 1:
+        return dict(zip(model.output_names, values))
+    return values
 
 
 def evaluate(

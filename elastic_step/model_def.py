@@ -1,5 +1,5 @@
 """The model contract: a user module with model(), loss(), optimizer(), feed() and, optionally,
-eval_metrics() and class_weight(). The same module trains with plain Keras and elastically, unchanged.
+eval_metrics(), class_weight() and loss_weights. The same module trains with plain Keras and elastically, unchanged.
 
 `spec` is an importable module path (`samples.digits.model`) or a path/URI to a `.py` file
 (any fsspec URI), so trying a model needs no image rebuild.
@@ -29,13 +29,41 @@ import numpy as np
 from elastic_step.errors import ModelDefError
 
 REQUIRED = ("model", "loss", "optimizer", "feed")
-OPTIONAL = ("eval_metrics", "class_weight")
+OPTIONAL = ("eval_metrics", "class_weight", "loss_weights")
+
+# Methods of keras.Model a model may not override, since elastic-step runs the step itself: what each is for
+# here instead. compute_loss is honoured (training and evaluation compute the loss through it).
+NOT_OVERRIDABLE = {
+    "train_step": "the training step is elastic-step's own; override compute_loss() to change what it minimises",
+    "make_train_function": "the training step is elastic-step's own; override compute_loss() to change the loss",
+    "test_step": "evaluation computes the loss through compute_loss() and the metrics of eval_metrics(); "
+    "override compute_loss(), or add metrics to eval_metrics()",
+    "make_test_function": "evaluation computes the loss through compute_loss() and the metrics of eval_metrics()",
+    "compute_metrics": "the metrics are eval_metrics()'s, per output if the model has several "
+    "({output: {name: metric}}); put yours there",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelDef:
     spec: str
     module: types.ModuleType
+    # () -> the training data's column statistics (elastic_step.data.statistics of its manifest), which a
+    # model(statistics) receives; None: no training data at hand.
+    read_statistics: Callable[[], dict] | None = None
+
+    @functools.cached_property
+    def takes_statistics(self) -> bool:
+        return _required_args(self.module.model) == 1
+
+    @functools.cached_property
+    def statistics(self) -> dict:
+        if self.read_statistics is None:
+            raise ModelDefError(
+                f"model() in {self.spec!r} takes the data's statistics, and no training data was given to read them "
+                "from: pass the prepared training data (--train-data or --prepared)."
+            )
+        return self.read_statistics()
 
     def _call(self, name: str, *args) -> Any:
         try:
@@ -90,9 +118,22 @@ class ModelDef:
     def model(self):
         import keras
 
-        m = self._call("model")
+        m = self._call("model", self.statistics) if self.takes_statistics else self._call("model")
         if not isinstance(m, keras.Model):
             raise ModelDefError(f"model() in {self.spec!r} returned {type(m).__name__}, not a keras.Model.")
+        if m.dtype_policy.name == "mixed_float16":
+            raise ModelDefError(
+                f"The model of {self.spec!r} computes in mixed_float16, which `fit` trains with Keras's loss scaling "
+                "(a LossScaleOptimizer); elastic-step does not scale the loss, and float16 gradients would "
+                "underflow. Use the mixed_bfloat16 policy (trained as `fit` trains it) or float32."
+            )
+        for method, instead in NOT_OVERRIDABLE.items():
+            if getattr(type(m), method) is not getattr(keras.Model, method):
+                owner = next(c for c in type(m).__mro__ if method in vars(c))
+                raise ModelDefError(
+                    f"The model of {self.spec!r} overrides {method}() ({owner.__qualname__}.{method}), which "
+                    f"elastic-step would not run: {instead}."
+                )
         return m
 
     def optimizer(self):
@@ -102,6 +143,11 @@ class ModelDef:
         if not isinstance(o, keras.optimizers.Optimizer):
             raise ModelDefError(
                 f"optimizer() in {self.spec!r} returned {type(o).__name__}, not a keras.optimizers.Optimizer."
+            )
+        if isinstance(o, keras.optimizers.LossScaleOptimizer):
+            raise ModelDefError(
+                f"optimizer() in {self.spec!r} returned a LossScaleOptimizer: elastic-step does not scale the loss "
+                "(the mixed_float16 path). Return the optimizer it wraps, and use the mixed_bfloat16 policy or float32."
             )
         return o
 
@@ -114,7 +160,15 @@ class ModelDef:
                 f"eval_metrics() in {self.spec!r} must return a dict of name -> "
                 f"keras.metrics.Metric, got {type(metrics).__name__}."
             )
-        return metrics
+        # A model of several outputs may name its metrics per output, {output: {name: metric}}: each is then
+        # reported as "<output>_<name>", as `evaluate` names compile(metrics={output: [...]})'s.
+        flat = {}
+        for name, metric in metrics.items():
+            if isinstance(metric, dict):
+                flat.update({f"{name}_{inner}": OutputMetric(name, m) for inner, m in metric.items()})
+            else:
+                flat[name] = metric
+        return flat
 
     def feed(self, batch):
         return self._call("feed", batch)
@@ -189,6 +243,40 @@ class ModelDef:
         table = np.array([self.class_weights.get(int(c), 1.0) for c in classes], dtype=np.float32)
         return table[at.reshape(-1)]
 
+    @property
+    def loss_weights(self):
+        """The module's optional `loss_weights`, as compile(loss_weights=...) takes it (None: every loss 1)."""
+        return getattr(self.module, "loss_weights", None)
+
+    def compiled_loss(self, model):
+        """The model's loss as compile(loss=loss, loss_weights=loss_weights) gives it to compute_loss() (a loss
+        per output for a model of several, each output's reported by `evaluate` as "<output>_loss"), set once
+        on the model, without compile()'s optimizer or compiled state, which saving would record."""
+        if model._compile_loss is None:
+            # Keras does not export CompileLoss: compile() is the only public way in, and it sets an optimizer.
+            from keras.src.trainers.compile_utils import CompileLoss
+
+            model._compile_loss = CompileLoss(
+                self.module.loss, self.loss_weights, output_names=getattr(model, "output_names", None)
+            )
+        return model._compile_loss
+
+    def compute_loss(self, model, features, labels, predictions, sample_weight=None, training=True):
+        """The model's compute_loss() (an override of it included, as `fit` and `evaluate` call it) on a call's
+        predictions: loss(), weighted per output, plus the model's own losses (regularization)."""
+        self._build_loss(model, labels, predictions)
+        # _compute_loss: what Keras's own steps call, taking overrides written before compute_loss took `training`.
+        return model._compute_loss(features, labels, predictions, sample_weight, training=training)
+
+    def _build_loss(self, model, labels, predictions) -> None:
+        compile_loss = self.compiled_loss(model)
+        if not compile_loss.built:  # its per-output trackers are made here, outside any stateless scope
+            compile_loss.build(labels, predictions)
+
+    def output_losses(self, model) -> dict[str, float]:
+        """Each output's loss since the trackers were reset ("<output>_loss"), for a model of several outputs."""
+        return {m.name: float(m.result()) for m in self.compiled_loss(model).metrics}
+
     @functools.cached_property
     def loss_fn(self) -> Callable:
         """loss() reduced exactly as Keras's compile/fit reduce it: a `keras.losses.Loss` is used as
@@ -207,38 +295,68 @@ class ModelDef:
         return LossFunctionWrapper(loss, name=getattr(loss, "__name__", "loss"))
 
     def training_loss(self, model, features, labels, sample_weight=None, trainable_values=None, state_values=None):
-        """What a training step minimises: loss() plus the model's own regularization losses, as Keras's
-        fit adds them. Traced inside the workers' compiled steps (both strategies). `sample_weight` (None:
-        none) weighs each record's loss as `fit` does: through loss()'s own reduction.
+        """What a training step minimises: the model's compute_loss() (loss() per output, weighted, plus the
+        model's own regularization losses, as Keras's fit computes it; a compute_loss() of the model's own
+        instead). Traced inside the workers' compiled steps (both strategies). `sample_weight` (None: none)
+        weighs each record's loss as `fit` does: through loss()'s own reduction.
 
         With `trainable_values` (tensors, in the order of model.trainable_variables) the model runs on
-        them instead of its variables (Keras's stateless_call); its non-trainable state (e.g. batch
-        norm statistics) is still updated. With `state_values` too ({position in
+        them instead of its variables (Keras's stateless_call and stateless_compute_loss); its non-trainable
+        state (e.g. batch norm statistics) is still updated. With `state_values` too ({position in
         model.non_trainable_variables: tensor}), those parts of the state are taken from it and their
         new values returned, not assigned: the result is then (loss, {position: new value})."""
-        import tensorflow as tf
-
         if trainable_values is None:
-            predictions, losses = model(features, training=True), model.losses
-        else:
-            given = state_values or {}
-            state = model.non_trainable_variables
-            predictions, new_state, losses = model.stateless_call(
+            predictions = model(features, training=True)
+            return self.compute_loss(model, features, labels, predictions, sample_weight)
+        given = state_values or {}
+        state = model.non_trainable_variables
+        predictions, new_state, losses = model.stateless_call(
+            trainable_values,
+            [given[i] if i in given else v.value for i, v in enumerate(state)],
+            features,
+            training=True,
+            return_losses=True,
+        )
+        self._build_loss(model, labels, predictions)
+        # This call's own losses, for compute_loss() to add, as Keras's stateless (JAX) trainer hands them over.
+        model._losses_override.clear()
+        model._losses_override.extend(losses)
+        try:
+            loss, (_, new_state, _) = model.stateless_compute_loss(
                 trainable_values,
-                [given[i] if i in given else v.value for i, v in enumerate(state)],
-                features,
+                new_state,
+                [v.value for v in model.metrics_variables],  # its loss trackers: moved, then dropped
+                x=features,
+                y=labels,
+                y_pred=predictions,
+                sample_weight=sample_weight,
                 training=True,
-                return_losses=True,
             )
-            for i, (var, value) in enumerate(zip(state, new_state)):
-                if i not in given:
-                    var.assign(value)
-        loss = self.loss_fn(labels, predictions, sample_weight)
-        if losses:
-            loss = loss + tf.add_n(losses)
+        finally:
+            model._losses_override.clear()
+        for i, (var, value) in enumerate(zip(state, new_state)):
+            if i not in given:
+                var.assign(value)
         if state_values is None:
             return loss
         return loss, {i: new_state[i] for i in state_values}
+
+
+class OutputMetric:
+    """A metric of one output of a model of several: given every output's labels and predictions (by output
+    name), it scores that output's."""
+
+    def __init__(self, output: str, metric):
+        self.output, self.metric = output, metric
+
+    def update_state(self, labels, predictions):
+        self.metric.update_state(labels[self.output], predictions[self.output])
+
+    def reset_state(self):
+        self.metric.reset_state()
+
+    def result(self):
+        return self.metric.result()
 
 
 # A line of an error's message longer than this is cut (a label error lists every label of the batch).
@@ -323,7 +441,31 @@ def _import_file(spec: str) -> types.ModuleType:
     return module
 
 
-def load_model_def(spec: str) -> ModelDef:
+def _required_args(fn) -> int | None:
+    """How many positional arguments `fn` requires (None: its signature cannot be read)."""
+    try:
+        return sum(
+            1
+            for p in inspect.signature(fn).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_losses(spec: str, losses) -> None:
+    """A loss per output, as compile(loss={...}) or compile(loss=[...]) takes it: each a function or a
+    keras.losses.Loss (None: that output has none)."""
+    items = losses.items() if isinstance(losses, dict) else enumerate(losses)
+    for key, fn in items:
+        if fn is not None and not callable(fn):
+            raise ModelDefError(
+                f"loss[{key!r}] in the model definition {spec!r} is a {type(fn).__name__}: each output's loss "
+                "must be a function (labels, predictions) or a keras.losses.Loss, as compile(loss=...) takes it."
+            )
+
+
+def load_model_def(spec: str, read_statistics: Callable[[], dict] | None = None) -> ModelDef:
     if not spec:
         raise ModelDefError("No model definition given: pass --model-def pkg.module or a .py path/URI.")
     if spec.endswith(".py") or "/" in spec or "://" in spec:
@@ -345,24 +487,22 @@ def load_model_def(spec: str) -> ModelDef:
                 f"The model definition {spec!r} has no function {name}(). It must define "
                 "model(), loss(labels, predictions), optimizer() and feed(batch)."
             )
-        if not callable(fn):
+        if name == "loss" and isinstance(fn, (dict, list, tuple)):
+            _check_losses(spec, fn)
+        elif not callable(fn):
             raise ModelDefError(f"{name} in the model definition {spec!r} is a {type(fn).__name__}, not a function.")
-    arity = {"model": 0, "optimizer": 0, "loss": 2, "feed": 1}
-    for name, n in arity.items():
-        try:
-            params = [
-                p
-                for p in inspect.signature(getattr(module, name)).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):
+    arity = {"model": (0, 1), "optimizer": (0,), "loss": (2,), "feed": (1,)}  # model(statistics) may take one
+    for name, allowed in arity.items():
+        if not callable(getattr(module, name)):  # a loss per output, checked above
             continue
-        if len(params) != n:
+        n = _required_args(getattr(module, name))
+        if n is not None and n not in allowed:
             raise ModelDefError(
-                f"{name}() in the model definition {spec!r} takes {len(params)} required "
-                f"argument(s); the contract is {name}({', '.join(['...'] * n)}) with {n}."
+                f"{name}() in the model definition {spec!r} takes {n} required "
+                f"argument(s); the contract is {name}({', '.join(['...'] * allowed[-1])}) with {allowed[-1]}"
+                + (" (or model() with none)." if name == "model" else ".")
             )
     ev = getattr(module, "eval_metrics", None)
     if ev is not None and not callable(ev):
         raise ModelDefError(f"eval_metrics in {spec!r} must be a function returning a dict of metrics.")
-    return ModelDef(spec=spec, module=module)
+    return ModelDef(spec=spec, module=module, read_statistics=read_statistics)

@@ -447,6 +447,12 @@ def _cards(summary: dict) -> str:
                 else str(audit.get("reason", "")),
             )
         )
+    stop = _dict(summary, "early_stop")
+    if stop:  # which epoch's weights the model holds, and why training ended
+        best = stop.get("best_epoch")
+        cards.append(
+            ("early stopping", f"epoch {best + 1}'s weights" if isinstance(best, int) else "-", stop["reason"])
+        )
     return (
         '<div class="cards" id="cards">'
         + "".join(

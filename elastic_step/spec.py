@@ -254,6 +254,32 @@ PARAMS: tuple[Param, ...] = (
         (ELASTIC_TRAIN,),
     ),
     Param(
+        "early_stop_metric",
+        str,
+        "",
+        "stop training when this metric of the per-epoch evaluation (loss, <output>_loss or a name of "
+        "eval_metrics()) has not improved for early_stop_patience epochs, and keep the best epoch's weights, as "
+        "Keras's EarlyStopping(restore_best_weights=True); a loss improves down, any other metric up (empty: off)",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "early_stop_patience",
+        int,
+        0,
+        "early stopping: epochs without improvement before the job stops",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
+        "early_stop_min_delta",
+        float,
+        0.0,
+        "early stopping: the least change of the metric that counts as an improvement",
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
+    ),
+    Param(
         "backend",
         str,
         "auto",

@@ -50,6 +50,8 @@ class Manifest:
     # integer or bool label with few values, "distinct" (their count). Empty without a numeric label, and
     # in a manifest written before prep recorded it.
     label_summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Per-column statistics of this split (data/column_stats.py); empty in a manifest written before prep kept them.
+    statistics: dict[str, dict] = dataclasses.field(default_factory=dict)
     uri: str = ""  # where this manifest was read from (not serialised)
 
     @property
@@ -78,6 +80,7 @@ class Manifest:
                 "bad_rows": self.bad_rows,
                 "non_finite": self.non_finite,
                 "label_summary": self.label_summary,
+                "statistics": self.statistics,
                 "schema": {"fields": [dataclasses.asdict(f) for f in self.schema]},
                 "shards": [dataclasses.asdict(s) for s in self.shards],
             },
@@ -140,6 +143,7 @@ def load_manifest(path_or_dir: str) -> Manifest:
             bad_rows=list(raw.get("bad_rows", [])),
             non_finite=dict(raw.get("non_finite") or {}),
             label_summary=dict(raw.get("label_summary") or {}),
+            statistics=dict(raw.get("statistics") or {}),
             schema=[Field(**f) for f in raw["schema"]["fields"]],
             shards=[Shard(path=s["path"], rows=int(s["rows"])) for s in raw["shards"]],
             uri=uri,

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from elastic_step.data import shuffle
 from elastic_step.data.api import MANIFEST_NAME, Field, Manifest, Shard
+from elastic_step.data.column_stats import ColumnStatistics
 from elastic_step.data.parse import (
     FORMATS,
     MAX_BAD_ROWS,
@@ -427,6 +428,7 @@ def _write_splits(
     pool = _Writers(threads)
     writers = {s: _ShardWriter(fs, folders[s], manifests[s], shard_rows, row_group_rows, pool, options) for s in SPLITS}
     labels = {s: _LabelSummary(manifests[s].label) for s in SPLITS}
+    stats = {s: ColumnStatistics() for s in SPLITS}
     try:
         position = 0
         for table in rows:
@@ -434,10 +436,12 @@ def _write_splits(
             if head:
                 writers["eval"].write(table.slice(0, head))
                 labels["eval"].add(table.slice(0, head))
+                stats["eval"].add(table.slice(0, head))
             if head < table.num_rows:
                 writers["eval"].close()
                 writers["train"].write(table.slice(head))
                 labels["train"].add(table.slice(head))
+                stats["train"].add(table.slice(head))
             position += table.num_rows
             for w in writers.values():
                 w.release()
@@ -447,6 +451,7 @@ def _write_splits(
         pool.wait()
         for split, summary in labels.items():
             manifests[split].label_summary = summary.result()
+            manifests[split].statistics = stats[split].result()
     finally:
         pool.shutdown()
         for w in writers.values():

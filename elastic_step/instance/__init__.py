@@ -55,6 +55,7 @@ def instance_argv(
     global_batch: str = "scaled",
     weight_column: str | None = None,
     skip_non_finite: bool = False,
+    train_data: str = "",
 ) -> list[str]:
     argv = [
         sys.executable,
@@ -79,6 +80,8 @@ def instance_argv(
         argv += ["--weight-column", weight_column]
     if skip_non_finite:
         argv.append("--skip-non-finite")
+    if train_data:  # the manifest whose column statistics model(statistics) receives
+        argv += ["--train-data", train_data]
     return argv + (["--host", host] if host else [])
 
 
@@ -93,6 +96,7 @@ def parse_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="ps", choices=["ps", "allreduce"])
     p.add_argument("--global-batch", default="scaled", choices=["scaled", "fixed"])
     p.add_argument("--weight-column", default=None)
+    p.add_argument("--train-data", default="", help="the training data's manifest, for model(statistics)")
     p.add_argument(
         "--skip-non-finite", action="store_true", help="skip a minibatch whose loss or gradient is not finite"
     )

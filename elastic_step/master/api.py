@@ -39,6 +39,9 @@ class TrainConfig:
     global_batch: str = _D["global_batch"]  # allreduce: "scaled" (lr follows world size) or "fixed"
     seed: int = _D["seed"]
     skip_non_finite: bool = _D["skip_non_finite"]  # skip a minibatch whose loss or gradient is not finite
+    early_stop_metric: str = _D["early_stop_metric"]  # empty: no early stopping (master/early_stop.py)
+    early_stop_patience: int = _D["early_stop_patience"]
+    early_stop_min_delta: float = _D["early_stop_min_delta"]
     pushes_in_flight: int = _D["pushes_in_flight"]
     minibatches_per_push: int = _D["minibatches_per_push"]
     worker_threads: int = _D["worker_threads"]  # 0: automatic (master/threads.py)
@@ -125,6 +128,16 @@ class TrainConfig:
             raise ConfigError(
                 f"--minibatches-per-push {self.minibatches_per_push} is for --strategy ps; "
                 "with allreduce, --global-batch fixed accumulates minibatches instead."
+            )
+        if self.early_stop_metric and not self.eval_data:
+            raise ConfigError(
+                f"--early-stop-metric {self.early_stop_metric!r} needs the per-epoch evaluation: pass --eval-data "
+                "(or --prepared with an eval split), or leave --early-stop-metric empty."
+            )
+        if self.early_stop_patience < 0 or not self.early_stop_min_delta >= 0:  # NaN too
+            raise ConfigError(
+                f"--early-stop-patience ({self.early_stop_patience}) and --early-stop-min-delta "
+                f"({self.early_stop_min_delta}) must be >= 0."
             )
         if self.min_workers > self.max_workers:
             raise ConfigError(

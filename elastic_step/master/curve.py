@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from elastic_step.errors import ModelDefError
+from elastic_step.errors import ConfigError, ModelDefError
 from elastic_step.master.failures import FailureReports
 from elastic_step.util import phases
 from elastic_step.util.process import own_threads
@@ -99,10 +99,14 @@ class EvalCurve:
         pull,
         failures: FailureReports,
         share: float = EVAL_SHARE,
+        early_stop=None,
     ):
         self.model_def, self.manifest, self.coord, self.history = model_def, manifest, coord, history
         self.failures = failures
         self.tensorboard, self.pull, self.share = tensorboard, pull, share
+        # Early stopping (master/early_stop.py): a point after every epoch, which waits for it (`held`), not `tick`.
+        self.early_stop = early_stop
+        self._held: int | None = None  # the last held epoch a point was submitted for
         self.last: PointCost | None = None  # the last point this master took
         self._model = None
         self._batches: list | None = None  # the curve's records, read and fed once
@@ -132,6 +136,8 @@ class EvalCurve:
         """A turn of the master's pump, the ledger at `epoch`: a point for the epoch that just ended, unless one
         is being computed (so a point's weights are those of the epoch it is labelled with) or the budget says
         to skip it."""
+        if self.early_stop is not None:  # every epoch's point is taken while the epoch is held
+            return
         seen = self._seen
         if seen is not None and epoch <= seen:  # nothing ended since (or a rewind: its epochs had their chance)
             return
@@ -155,6 +161,14 @@ class EvalCurve:
                 )
             return
         self._pending = self._evaluator.submit(self._point, epoch - 1)
+
+    def held(self, epoch: int) -> None:
+        """Early stopping: epoch `epoch` is committed and waits for its point, which decides whether training goes
+        on. Its weights stay as they are meanwhile, so the point may queue behind one in progress."""
+        if self._held == epoch:
+            return
+        self._held = epoch
+        self._pending = self._evaluator.submit(self._point, epoch)
 
     def computing(self) -> bool:
         """A point is being computed (it holds the hang clocks: see master/gray/policy.py)."""
@@ -218,6 +232,8 @@ class EvalCurve:
             return
         except Exception as e:  # noqa: BLE001 - a curve point is not worth failing the job for
             log.warning("evaluation after epoch %d failed: %s", epoch, e)
+            if self.early_stop is not None and epoch >= 0:  # the held epoch goes on, without this point
+                self.coord.epoch_evaluated(epoch, last=False)
             return
         log.debug("the eval curve: epoch %d's point took %.1f ms", epoch, self.last.seconds * 1000)
         point = {
@@ -228,6 +244,18 @@ class EvalCurve:
         with self.coord.lock:
             self.history.append(point)
         self.tensorboard.evaluation(point)
+        if self.early_stop is not None and epoch >= 0:
+            self._early_stop(epoch, point, model)
+
+    def _early_stop(self, epoch: int, point: dict, model) -> None:
+        try:
+            last = self.early_stop.after_epoch(epoch, point, model.get_weights)
+        except ConfigError as e:  # a metric the evaluation does not report
+            self.failures.report("master", "config_error", str(e), "")
+            return
+        if last:
+            log.info("early stopping after epoch %d: %s", epoch, self.early_stop.summary(epoch + 1)["reason"])
+        self.coord.epoch_evaluated(epoch, last)
 
 
 def yield_to_training() -> None:

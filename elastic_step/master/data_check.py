@@ -25,15 +25,18 @@ INTEGRAL = ("int64", "bool")  # label types whose values are classes when the lo
 
 
 def check_splits(model_def, train: Manifest, eval: Manifest | None) -> None:
-    """Raise ModelDefError (the user's) when feed() fails on the training data's first records; DataError
-    when feed() cannot take the eval data as it takes the training data, or the two feed the model differently
-    (structure, dtypes, shapes past the batch), or a split's labels are outside what the model takes or the eval
-    labels outside the training data's classes. Columns that differ otherwise are logged."""
+    """Raise ModelDefError (the user's) when model() fails or overrides a step elastic-step runs, or feed() fails
+    on the training data's first records; DataError when feed() cannot take the eval data as it takes the
+    training data, or the two feed the model differently (structure, dtypes, shapes past the batch), or a split's
+    labels are outside what the model takes or the eval labels outside the training data's classes. Columns
+    that differ otherwise are logged."""
+    # A model() that raises, or a model overriding a method elastic-step runs itself: the user's error, now.
+    model = model_def.model()
     records = _first_records(train)
     fed = _feed(model_def, records, f"the first {SAMPLE_RECORDS} records of the training data {train.uri}")
     if eval is not None:
         _check_eval_feed(model_def, train, eval, fed)
-    _check_labels(model_def, train, eval, records, fed)
+    _check_labels(model_def, model, train, eval, records, fed)
 
 
 def _feed(model_def, records: dict, what: str):
@@ -77,14 +80,14 @@ def _check_eval_feed(model_def, train: Manifest, eval: Manifest, fed) -> None:
         log.warning("the eval data's columns differ from the training data's (%s); feed() takes both", columns)
 
 
-def _check_labels(model_def, train: Manifest, eval: Manifest | None, records: dict, fed) -> None:
+def _check_labels(model_def, model, train: Manifest, eval: Manifest | None, records: dict, fed) -> None:
     """Each split's label range (from its manifest, written by prep) against the classes the model's output
     has when loss() takes class indices, and the eval labels against the training labels. Skipped for data
     prepared before prep recorded the range, and when feed() changes the labels (their range is then unknown)."""
     splits = [(name, m) for name, m in (("training", train), ("eval", eval)) if m is not None and m.label_summary]
     if not splits or train.label is None:
         return
-    classes = _class_count(model_def, fed) if _passes_labels(records.get(train.label), fed) else None
+    classes = _class_count(model_def, model, fed) if _passes_labels(records.get(train.label), fed) else None
     if classes is not None:
         for name, m in splits:
             low, high = m.label_summary["min"], m.label_summary["max"]
@@ -125,13 +128,12 @@ def _passes_labels(raw, fed) -> bool:
         return False
 
 
-def _class_count(model_def, fed) -> int | None:
+def _class_count(model_def, model, fed) -> int | None:
     """K when loss() takes class indices 0..K-1 over the last axis of the model's output (sparse categorical
-    cross-entropy), else None. The model is built once and called on the sampled records; a loss that is not
+    cross-entropy), else None. The model is called on the sampled records; a loss that is not
     Keras's own is tried with the labels K-1 and K (taking the first and not the second is that loss)."""
     import keras
 
-    model = model_def.model()  # a model() that raises: the user's error, now
     x, y = fed[0], np.asarray(fed[1])
     try:
         predictions = model(x, training=False)

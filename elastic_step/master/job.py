@@ -30,6 +30,7 @@ from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
 from elastic_step.master.durability.audit import EXACT, audit, describe
 from elastic_step.master.durability.checkpoint import JobCheckpoints
+from elastic_step.master.early_stop import EarlyStop
 from elastic_step.master.failures import FailureReports
 from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
@@ -133,9 +134,11 @@ class TrainingJob:
         self.output = pathlib.Path(output)  # where this job writes
         self.train = load_manifest(cfg.train_data)
         self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
+        from elastic_step.data import statistics_of
         from elastic_step.model_def import load_model_def
 
-        self.model_def = load_model_def(cfg.model_def)  # fail on a bad contract before starting anything
+        # A bad contract fails here, before anything starts; model(statistics) reads the training data's.
+        self.model_def = load_model_def(cfg.model_def, statistics_of(self.train.uri))
         check_splits(self.model_def, self.train, self.eval)  # eval data the model cannot take: said now
         self.ledger = Ledger(
             [ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
@@ -144,6 +147,12 @@ class TrainingJob:
             cfg.minibatch_size,
             cfg.seed,
         )
+        self.early_stop = (
+            EarlyStop(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta)
+            if cfg.early_stop_metric
+            else None
+        )
+        self.ledger.hold_epochs = self.early_stop is not None  # each epoch's end waits for its point
         self.allreduce = cfg.strategy == "allreduce"
         self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
         self.timeline = Timeline()  # what happened when (summary.json, the report)
@@ -247,7 +256,14 @@ class TrainingJob:
             else ShardPuller(self.coord.shard_addresses, self.plan.token, self.cfg.num_ps)
         )
         return EvalCurve(
-            self.model_def, self.eval, self.coord, self.eval_history, self.tensorboard, pull, self.failures
+            self.model_def,
+            self.eval,
+            self.coord,
+            self.eval_history,
+            self.tensorboard,
+            pull,
+            self.failures,
+            early_stop=self.early_stop,
         )
 
     # ------------------------------------------------------------------ launching
@@ -267,6 +283,7 @@ class TrainingJob:
             global_batch=c.global_batch,
             weight_column=self.train.weight_column,
             skip_non_finite=c.skip_non_finite and inst.role == "worker",
+            train_data=self.locate(self.train.uri) if self.model_def.takes_statistics else "",
         )
         # TensorFlow's pools: one thread each for a local shard; a worker's intra-op threads from worker_threads,
         # else the automatic rule, and its inter-op threads by its step's weight (master/threads.py, which says why).
@@ -489,7 +506,11 @@ class TrainingJob:
                 self.durable.tick(committed, now)
             if not self.durable.cutting:
                 self.faults.tick(committed, self.backend, self.coord)
-            if self.curve is not None and not self.ledger.done:  # a point for an epoch just ended, within its budget
+            if (
+                self.curve is not None and self.ledger.awaiting_evaluation
+            ):  # early stopping: the epoch waits for its point
+                self.curve.held(self.ledger.epoch)
+            elif self.curve is not None and not self.ledger.done:  # a point for an epoch just ended, within budget
                 self.curve.tick(self.ledger.epoch, now)
             self.gray.tick(time.time(), evaluating=self.curve is not None and self.curve.computing())
             if now - last_tick >= 0.5:
@@ -617,9 +638,15 @@ class TrainingJob:
         keras.utils.set_random_seed(self.cfg.seed)
         model = self.model_def.model()
         if self.allreduce:
-            return model, None, [self._load_from_rank0(model, final=True)]
-        stats = self._load_from_ps(model, with_stats=True, final=True)
-        return model, stats, [tensors.decode_applied(s.applied) for s in stats]
+            stats, evidence = None, [self._load_from_rank0(model, final=True)]
+        else:
+            stats = self._load_from_ps(model, with_stats=True, final=True)
+            evidence = [tensors.decode_applied(s.applied) for s in stats]
+        if self.early_stop is not None and self.early_stop.best_weights is not None:
+            # As EarlyStopping(restore_best_weights=True) leaves the model: the best epoch's weights. The evidence
+            # is still the last epoch's: the audit is of what training applied.
+            model.set_weights(self.early_stop.best_weights)
+        return model, stats, evidence
 
     def _load_from_rank0(self, model, final: bool = False) -> dict:
         """allreduce: the members' weights (identical on every member), from the first that answers, the one
@@ -669,7 +696,7 @@ class TrainingJob:
 
         with self.goodput.doing("evaluation"):
             metrics = evaluate(model, self.model_def, self.eval) if self.eval else {}
-        self.tensorboard.evaluation({"epoch": self.cfg.epochs - 1, **metrics})  # the curve's last point
+        self.tensorboard.evaluation({"epoch": self.ledger.epochs - 1, **metrics})  # the curve's last point
         self.tensorboard.close()
         outputs = save_model(model, str(self.output))
         outputs["report"] = str(self.output / REPORT_FILE)
@@ -677,6 +704,8 @@ class TrainingJob:
             k: self.plan.output_uri.rstrip("/") + "/" + os.path.relpath(v, self.plan.output) for k, v in outputs.items()
         }
         extra = {"audit": self._audit(evidence), **({"ps": [ps_summary(s) for s in ps_stats]} if ps_stats else {})}
+        if self.early_stop is not None:
+            extra["early_stop"] = self.early_stop.summary(self.ledger.epochs)
         summary = self._write_summary(status="succeeded", eval=metrics, outputs=outputs, **extra)
         self.durable.finished()
         log.info(
@@ -693,7 +722,7 @@ class TrainingJob:
         laid over the training data, not over the ledger: see master/durability/audit.py."""
         result = audit(
             [s.rows for s in self.train.shards],
-            self.cfg.epochs,
+            self.ledger.epochs,  # the epochs that ran: fewer than configured when early stopping ended training
             evidence,
             source="allreduce" if self.allreduce else "ps",
         )
@@ -714,6 +743,7 @@ class TrainingJob:
                 "backend": self.plan.backend,
                 "records_per_epoch": self.ledger.records_per_epoch,
                 "epochs": c.epochs,
+                "epochs_ran": min(self.ledger.epoch, self.ledger.epochs),
                 "config": {
                     "minibatch_size": c.minibatch_size,
                     "records_per_task": self.ledger.records_per_task,

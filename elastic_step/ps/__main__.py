@@ -28,11 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import keras
 
+        from elastic_step.data import statistics_of
         from elastic_step.model_def import load_model_def
         from elastic_step.ps.api import Placement
         from elastic_step.ps.server import ParameterServerService, ParameterShard
 
-        model_def = load_model_def(args.model_def)
+        model_def = load_model_def(args.model_def, statistics_of(args.train_data))
         keras.utils.set_random_seed(args.seed)  # every process builds identical initial weights
         model = model_def.model()
         shard = ParameterShard(model, model_def.optimizer(), Placement.of(model, args.num_ps), args.index)

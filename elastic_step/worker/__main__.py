@@ -36,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
     install_worker_faults(f"worker-{args.index}")  # tests: ELASTIC_STEP_COLLECTIVE_CHAOS, ELASTIC_STEP_SLOW
     try:
+        from elastic_step.data import statistics_of
         from elastic_step.model_def import load_model_def
 
-        model_def = load_model_def(args.model_def)
+        model_def = load_model_def(args.model_def, statistics_of(args.train_data))
         if args.strategy == "allreduce":
             from elastic_step.worker.allreduce.process import run
         else:

@@ -14,6 +14,7 @@ from tests.infra import zygote
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGITS_MODEL = os.path.join(ROOT, "samples", "digits", "model.py")
 CTR_MODEL = os.path.join(ROOT, "samples", "ctr", "model.py")
+TWO_HEADS_MODEL = os.path.join(ROOT, "samples", "digits", "two_heads.py")
 # The tests' usual leases: 4 minibatches of 32 (the CLI's defaults are 8 of 64). A test's settings add them
 # (`**SMALL_LEASES`) as they add any parameter.
 SMALL_LEASES = {"minibatch_size": 32, "records_per_task": 128}

@@ -305,3 +305,23 @@ def test_a_loss_that_is_not_finite_fails_the_job_naming_the_records_and_the_work
     assert "(worker-" in msg and " in epoch 1" in msg, msg
     assert proc.stderr.count("elastic-step: error:") == 1
     assert summary["status"] == "failed" and summary["workers"]["relaunched"] == 0
+
+
+def test_a_model_overriding_train_step_is_refused_before_any_worker_starts(tmp_path, digits_data):
+    model = write_model(
+        tmp_path,
+        """
+        class OwnStep(keras.Model):
+            def train_step(self, data):
+                return {}
+
+        _plain = model
+
+        def model():
+            plain = _plain()
+            return OwnStep(plain.inputs, plain.outputs)
+        """,
+    )
+    proc, summary = train(digits_data, tmp_path / "out", model=model)
+    assert_clean_error(proc, "overrides train_step() (OwnStep.train_step)", "override compute_loss()")
+    assert summary == {} and proc.returncode == 2

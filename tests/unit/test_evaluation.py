@@ -76,3 +76,29 @@ def test_records_read_once_evaluate_as_evaluate_does_with_the_metrics_used_again
         assert 50 <= expected["records"] < r.eval.total_rows
         assert evaluate_batches(net, md, batches, metrics) == expected
         net.set_weights([w + 0.5 for w in net.get_weights()])  # the next epoch's weights
+
+
+def test_a_gate_picks_one_outputs_metric_of_a_model_with_two_heads(tmp_path, digits_data):
+    """evaluate_op on the two-headed sample: the total loss and each output's, as evaluate() reports them, and
+    the gate on `digit_accuracy`."""
+    from elastic_step.model_io import save_model
+    from elastic_step.steps import evaluate_step
+    from tests.integration.harness import TWO_HEADS_MODEL
+
+    md = load_model_def(TWO_HEADS_MODEL)
+    keras.utils.set_random_seed(0)
+    net = md.model()
+    save_model(net, str(tmp_path / "model"))
+    net.compile(
+        loss=md.module.loss,
+        loss_weights=md.loss_weights,
+        metrics={"digit": [*md.module.eval_metrics()["digit"].values()]},
+    )
+    x, y = md.feed(read_all(digits_data["eval"]))
+    expected = net.evaluate(x, y, batch_size=1024, verbose=0, return_dict=True)
+    assert set(expected) == {"loss", "digit_loss", "big_loss", "digit_accuracy"}
+    got = evaluate_step(
+        str(tmp_path / "model"), digits_data["eval"], TWO_HEADS_MODEL, metric="digit_accuracy", threshold=0.5
+    )
+    assert got["metrics"] == pytest.approx({**expected, "records": len(y["digit"])}, rel=1e-5)
+    assert got["score"] == pytest.approx(expected["digit_accuracy"]) and got["passed"] is False

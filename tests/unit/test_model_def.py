@@ -4,6 +4,7 @@ is the same loss, regularization and batch-norm statistics included, as the mode
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -244,3 +245,102 @@ def test_a_model_definition_read_from_a_uri_is_copied_for_the_process_and_remove
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) > 0  # the model built from the copy
     assert not list(tmp_path.glob("elastic-step-model-*"))
+
+
+OVERRIDES = textwrap.dedent("""
+    class Custom(keras.Model):
+        def METHOD(self, *args, **kwargs):
+            raise AssertionError("never run")
+
+    _plain = model
+
+    def model():
+        plain = _plain()
+        return Custom(plain.inputs, plain.outputs)
+""")
+
+
+@pytest.mark.parametrize(
+    "method, instead",
+    [("train_step", "override compute_loss()"), ("test_step", "compute_loss()"), ("compute_metrics", "eval_metrics()")],
+)
+def test_a_model_overriding_a_step_elastic_step_runs_is_refused_naming_the_method_and_what_to_do(
+    tmp_path, method, instead
+):
+    path = tmp_path / f"{method}.py"
+    path.write_text(MODEL + OVERRIDES.replace("METHOD", method))
+    with pytest.raises(ModelDefError, match=rf"overrides {method}\(\) \(Custom\.{method}\).*{re.escape(instead)}"):
+        load_model_def(str(path)).model()
+
+
+def test_a_compute_loss_override_is_what_training_and_evaluation_minimise(tmp_path):
+    """As in fit and evaluate: the override's loss, in the stateful step (allreduce), the stateless one (ps) and
+    the evaluation alike."""
+    from elastic_step.evaluation import EvalBatch, evaluate_batches
+
+    path = tmp_path / "penalized.py"
+    path.write_text(
+        MODEL
+        + textwrap.dedent("""
+        class Penalized(keras.Model):
+            def compute_loss(self, x, y, y_pred, sample_weight=None, training=True):
+                return super().compute_loss(x, y, y_pred, sample_weight, training) + 100.0
+
+        _plain = model
+
+        def model():
+            plain = _plain()
+            return Penalized(plain.inputs, plain.outputs)
+    """)
+    )
+    md = load_model_def(str(path))
+    net = md.model()
+    x, y = np.random.default_rng(0).normal(size=(8, 4)).astype("float32"), np.array([0, 1] * 4)
+    net.compile(loss=md.module.loss)
+    expected = float(net.evaluate(x, y, verbose=0))  # Keras's own, the override included
+    assert expected > 100
+    assert evaluate_batches(net, md, [EvalBatch(x, y, None, 8)])["loss"] == pytest.approx(expected, rel=1e-6)
+    values = [v.value for v in net.trainable_variables]
+    assert float(md.training_loss(net, x, y)) > 100
+    assert float(md.training_loss(net, x, y, trainable_values=values)) > 100
+
+
+def test_a_loss_per_output_must_be_a_loss_each(tmp_path):
+    path = tmp_path / "heads.py"
+    path.write_text(MODEL + '\nloss = {"a": keras.losses.MeanSquaredError(), "b": "not a loss"}\n')
+    with pytest.raises(ModelDefError, match=r"loss\['b'\] .* is a str: each output's loss must be a function"):
+        load_model_def(str(path))
+
+
+def test_mixed_float16_and_loss_scaling_are_refused_naming_mixed_bfloat16(tmp_path):
+    """fit trains mixed_float16 with loss scaling, which the workers do not do: refused, not trained otherwise."""
+    path = tmp_path / "half.py"
+    path.write_text(
+        MODEL.replace("x = keras.Input", 'keras.config.set_dtype_policy("mixed_float16")\n    x = keras.Input')
+        + "\n\ndef scaled():\n    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))\n"
+    )
+    md = load_model_def(str(path))
+    try:
+        with pytest.raises(ModelDefError, match=r"mixed_float16, which `fit` trains with Keras's loss scaling.*"):
+            md.model()
+    finally:
+        keras.config.set_dtype_policy("float32")
+    md.module.optimizer = md.module.scaled
+    with pytest.raises(ModelDefError, match=r"returned a LossScaleOptimizer: .* Return the optimizer it wraps"):
+        md.optimizer()
+
+
+def test_a_model_taking_the_statistics_gets_the_training_datas_and_needs_them(tmp_path):
+    from elastic_step.data.prep import prepare
+
+    (tmp_path / "d.csv").write_text("x,y\n" + "".join(f"{i / 10},{i % 2}\n" for i in range(40)))
+    r = prepare(str(tmp_path / "d.csv"), str(tmp_path / "out"), label="y")
+    path = tmp_path / "stats.py"
+    path.write_text(MODEL.replace("def model():", "def model(statistics):\n    global SEEN\n    SEEN = statistics"))
+    from elastic_step.data import statistics_of
+
+    load_model_def(str(path), statistics_of(r.train_uri)).model()
+    module = sys.modules[next(k for k, m in sys.modules.items() if getattr(m, "__file__", None) == str(path))]
+    assert module.SEEN["x"]["count"] == r.train.total_rows
+    with pytest.raises(ModelDefError, match=r"takes the data's statistics, and no training data was given"):
+        load_model_def(str(path)).model()

@@ -438,3 +438,14 @@ def test_the_goodput_chart_splits_wall_time_and_worker_seconds_by_cause():
     assert chart.count("<rect") == 6  # three parts of wall time, three of worker-seconds, none of 0 s
     assert "trained again after a loss: 10 s" in chart and "checkpoint holds" not in chart
     assert "no goodput recorded" in render_report({})
+
+
+def test_early_stopping_says_which_epochs_weights_the_model_holds_and_why_training_ended():
+    stop = {
+        "best_epoch": 3,
+        "stopped_epoch": 5,
+        "reason": "loss did not improve by more than 0 for 2 epoch(s) after epoch 4",
+    }
+    text = " ".join(parse(render_report({**SUMMARY, "early_stop": stop})).texts)
+    assert "early stopping" in text and "epoch 4's weights" in text and "did not improve" in text
+    assert "early stopping" not in " ".join(parse(render_report(SUMMARY)).texts)

@@ -139,9 +139,21 @@ class Coordinator:
         """The steady state's records a second (lock held): see Pace.throughput."""
         return self.pace.throughput(self.ledger.records_committed_total())
 
+    def epoch_evaluated(self, epoch: int, last: bool) -> None:
+        """Early stopping: the epoch `epoch`, held at its end, was evaluated; the next may be leased, unless `last`
+        (training ends with it)."""
+        with self.lock:
+            epoch_before = self.ledger.epoch
+            self.ledger.epoch_evaluated(epoch, last)
+            self._epoch_ended(epoch_before)
+
     def _committed(self, now: float, loss: float, epoch_before: int) -> None:
         """After records committed (lock held): the pace's figures, an epoch's end, the end of the job."""
         self.pace.committed(now, loss, self.ledger.records_committed_total())
+        self._epoch_ended(epoch_before)
+
+    def _epoch_ended(self, epoch_before: int) -> None:
+        """An epoch's end, if the ledger went past `epoch_before`, and the end of the job (lock held)."""
         if self.ledger.epoch != epoch_before:
             self.timeline.record(
                 "epoch_end",

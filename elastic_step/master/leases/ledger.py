@@ -211,12 +211,28 @@ class Ledger:
         self.requeue_latencies: list[float] = []
         self.trained_again = 0  # records committed, then rewound (see rewind)
         self._handed_over: set[tuple[str, int]] = set()  # (worker, task_id) whose work went to another worker
+        # Early stopping: an epoch's end waits for its evaluation (`epoch_evaluated`) before the next is leased, so
+        # that training can end with it, exactly. `evaluated`: the last epoch evaluated.
+        self.hold_epochs = False
+        self.evaluated = -1
         self._advance_epoch()
 
     # ------------------------------------------------------------------ state
     @property
     def done(self) -> bool:
         return self.epoch >= self.epochs
+
+    @property
+    def awaiting_evaluation(self) -> bool:
+        """The current epoch is committed whole and waits for its evaluation (early stopping)."""
+        return self.hold_epochs and not self.done and self._complete_epoch() and self.evaluated < self.epoch
+
+    def epoch_evaluated(self, epoch: int, last: bool) -> None:
+        """Early stopping: epoch `epoch` was evaluated; `last`: training ends with it (the epochs that ran)."""
+        self.evaluated = max(self.evaluated, epoch)
+        if last:
+            self.epochs = min(self.epochs, epoch + 1)
+        self._maybe_finish_epoch()
 
     @property
     def account(self) -> EpochAccount:
@@ -444,8 +460,11 @@ class Ledger:
         acct.committed += (hi - lo) - overlap
         return (hi - lo) - overlap
 
+    def _complete_epoch(self) -> bool:
+        return not self.queue and not self.leases and self.account.committed >= self.account.records
+
     def _maybe_finish_epoch(self) -> None:
-        if not self.done and not self.queue and not self.leases and self.account.committed >= self.account.records:
+        if not self.done and self._complete_epoch() and not (self.hold_epochs and self.evaluated < self.epoch):
             self._advance_epoch()
 
     def _advance_epoch(self) -> None:

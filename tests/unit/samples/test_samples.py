@@ -128,3 +128,16 @@ def test_ctr_loss_falls_with_plain_keras(tmp_path):
     auc = md.eval_metrics()["auc"]
     auc.update_state(y, net.predict(x, verbose=0, batch_size=1024))
     assert float(auc.result()) > 0.62
+
+
+def test_the_adapted_ctr_sample_trains_with_plain_fit_on_the_statistics_of_its_manifest(ctr_data):
+    import elastic_step.data
+    from elastic_step.data.reader import read_all
+
+    module = load_model_def(str(ROOT / "samples/ctr/adapted.py")).module
+    net = module.model(elastic_step.data.statistics(ctr_data["train"]))
+    net.compile(optimizer=module.optimizer(), loss=module.loss, metrics=list(module.eval_metrics().values()))
+    keras.utils.set_random_seed(0)
+    net.fit(*module.feed(read_all(ctr_data["train"])), epochs=1, batch_size=64, verbose=0)
+    result = net.evaluate(*module.feed(read_all(ctr_data["eval"])), verbose=0, return_dict=True)
+    assert result["auc"] > 0.6, result

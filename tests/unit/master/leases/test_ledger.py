@@ -153,6 +153,24 @@ def test_done_after_the_last_epoch():
     assert [a["committed"] for a in ledger.summary()["epochs"]] == [10, 10]
 
 
+def test_early_stopping_holds_each_epochs_end_for_its_evaluation_and_can_end_training_with_it():
+    ledger = Ledger([ShardInfo("a", 10)], records_per_task=5, epochs=5)
+    ledger.hold_epochs = True
+
+    def one_epoch():
+        while (lease := ledger.lease("w", 0.0)) is not None:
+            ledger.report("w", lease.task.task_id, lease.task.end)
+
+    one_epoch()
+    assert ledger.awaiting_evaluation and ledger.epoch == 0 and ledger.lease("w", 0.0) is None
+    ledger.epoch_evaluated(0, last=False)
+    assert not ledger.awaiting_evaluation and ledger.epoch == 1
+    one_epoch()
+    ledger.epoch_evaluated(1, last=True)
+    assert ledger.done and ledger.epochs == 2 and ledger.lease("w", 0.0) is None
+    assert [a["committed"] for a in ledger.summary()["epochs"]] == [10, 10]
+
+
 # ---------------------------------------------------------------------------- leases and reports
 
 
