@@ -3,7 +3,9 @@ numbers (and bools) the count, mean, variance, min and max; for strings and inte
 frequent first, with each value's count, up to MAX_VOCABULARY values. What Keras's structured-data guides `adapt`
 `Normalization` and `StringLookup` on, so a model() taking one argument can build them without reading the data.
 
-Means and variances merge table by table (Chan et al.'s pairwise update, in float64). A vocabulary stops taking
+Rows are taken in blocks of BLOCK_ROWS, whatever tables prep hands over (their sizes follow its sort units and
+buffers): the same rows in the same order give the same statistics, bit for bit, as they give the same shards.
+Means and variances merge block by block (Chan et al.'s pairwise update, in float64). A vocabulary stops taking
 new values at its cap (and says so: `complete` false); the values it holds keep counting. Prep writes rows
 shuffled, so the values it holds are those of a random sample, the frequent ones first.
 """
@@ -18,6 +20,7 @@ import pyarrow.compute as pc
 from elastic_step.errors import DataError
 
 MAX_VOCABULARY = 10_000  # values per column
+BLOCK_ROWS = 1 << 16  # rows a block: bounds the memory of a block's value counts too
 
 
 class _Moments:
@@ -59,8 +62,8 @@ class _Vocabulary:
         self.complete = True
 
     def add(self, column: pa.ChunkedArray) -> None:
-        for item in pc.value_counts(column.drop_null()).to_pylist():
-            value, n = item["values"], item["counts"]
+        counted = pc.value_counts(column.drop_null())
+        for value, n in zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist()):
             if value in self.counts:
                 self.counts[value] += n
             elif len(self.counts) < MAX_VOCABULARY:
@@ -79,8 +82,18 @@ class ColumnStatistics:
     def __init__(self):
         self._moments: dict[str, _Moments] = {}
         self._vocabularies: dict[str, _Vocabulary] = {}
+        self._pending: pa.Table | None = None  # the rows of the block not yet full: a copy, holding no sort unit
 
     def add(self, table: pa.Table) -> None:
+        rows = table if self._pending is None else pa.concat_tables([self._pending, table])
+        start = 0
+        while rows.num_rows - start >= BLOCK_ROWS:
+            self._add_block(rows.slice(start, BLOCK_ROWS))
+            start += BLOCK_ROWS
+        rest = rows.slice(start)
+        self._pending = pc.take(rest, pa.array(range(rest.num_rows), pa.int64())) if rest.num_rows else None
+
+    def _add_block(self, table: pa.Table) -> None:
         for name, column in zip(table.column_names, table.columns):
             t = column.type
             if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t):
@@ -90,6 +103,9 @@ class ColumnStatistics:
 
     def result(self) -> dict[str, dict]:
         """{column: {"count", "mean", "variance", "min", "max"} and/or {"vocabulary", "counts", "complete"}}."""
+        if self._pending is not None:
+            self._add_block(self._pending)
+            self._pending = None
         out: dict[str, dict] = {}
         for name, moments in self._moments.items():
             if moments.count:
