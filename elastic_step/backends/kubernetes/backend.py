@@ -17,11 +17,10 @@ import re
 import threading
 import time
 
-from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
+from elastic_step.backends.api import ROLES, Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import kueue
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
 from elastic_step.backends.kubernetes.config import (
-    DEFAULT_IMAGE,
     NAMESPACE_ENV,
     Owner,
     load_api_client,
@@ -31,6 +30,7 @@ from elastic_step.backends.kubernetes.config import (
     owner_refs,
 )
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
+from elastic_step.backends.kubernetes.image import container_image, no_step_pod, role_images, step_pod_name
 from elastic_step.backends.kubernetes.permissions import check_permissions, translate
 from elastic_step.backends.kubernetes.pods import (
     _JOB_ID,
@@ -97,7 +97,6 @@ class KubernetesBackend(Backend):
         self.api = api_client
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.namespace = namespace or os.environ.get(NAMESPACE_ENV) or ns_hint or "default"
-        self.image = image or DEFAULT_IMAGE
         self.owner = Owner.from_env() if owner == "env" else owner
         self.pod_spec = load_pod_spec(pod_spec)
         self.pod_labels = load_pod_labels(pod_labels)
@@ -119,6 +118,12 @@ class KubernetesBackend(Backend):
 
         if preflight:
             check_permissions(self.k8s, self.api, self.namespace, self._call, kueue.NEEDED if queue else ())
+        step_pod = self.owner.name if self.owner else step_pod_name(in_cluster)
+        self.images = role_images(
+            image,
+            lambda: self._step_image(step_pod),
+            {role: self.settings.role(role).accelerators for role in ROLES},
+        )
         if queue:
             kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
         self.token, self.token_reused = ensure_secret(
@@ -193,6 +198,23 @@ class KubernetesBackend(Backend):
                 f"{reason}). Check that KUBECONFIG, or the service account of the step's pod, points at a "
                 "running cluster that this process can reach, or use --backend local."
             ) from None
+
+    def _step_image(self, pod_name: str | None) -> str:
+        """The image of the step's own pod (image.py)."""
+        if not pod_name:
+            raise no_step_pod()
+        r = self._call(
+            "get", "pods", self.core.read_namespaced_pod, pod_name, self.namespace, ok=(404,), _preload_content=False
+        )
+        if r is None:
+            raise ConfigError(
+                f"worker_image is not set and the step's pod {pod_name} (whose image the workers and parameter servers "
+                f"run by default) is not in namespace {self.namespace}: set worker_image to their image, or run the "
+                "step in that namespace."
+            )
+        image = container_image(json.loads(r.data))
+        log.info("job %s: workers and parameter servers run the step's image %s (pod %s)", self.job_id, image, pod_name)
+        return image
 
     # ---------------------------------------------------------------- listing
     def _list(self) -> dict:
@@ -398,7 +420,7 @@ class KubernetesBackend(Backend):
                 launch,
                 job_id=self.job_id,
                 namespace=self.namespace,
-                image=self.image,
+                image=self.images[launch.spec.id.role],
                 secret_name=self.secret_name,
                 grace_s=self.grace_s,
                 pod_spec=self.pod_spec,

@@ -10,11 +10,9 @@ import os
 import pathlib
 import socket
 
-from elastic_step import __version__
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError
 from elastic_step.errors import ConfigError
 
-DEFAULT_IMAGE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
 POD_IP_ENV = "ELASTIC_STEP_POD_IP"
 POD_SPEC_ENV = "ELASTIC_STEP_POD_SPEC"
 POD_LABELS_ENV = "ELASTIC_STEP_POD_LABELS"
