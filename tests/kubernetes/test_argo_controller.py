@@ -14,9 +14,11 @@ import pytest
 import yaml
 from kubernetes import client
 
+from elastic_step.backends.kubernetes.security import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.argo import ArgoController
 from tests.infra.kube.harness.pod import Image
+from tests.kubernetes.pod_security import restricted, restricted_container
 from tests.kubernetes.test_backend import PodRecorder, priority_classes  # noqa: F401
 
 pytestmark = pytest.mark.kubernetes
@@ -27,7 +29,10 @@ PROJECT_IMAGE = "ghcr.io/elastic-step/elastic-step"  # the shipped YAMLs' image:
 
 @pytest.fixture(scope="module")
 def argo(control_plane, node):
-    with ArgoController(control_plane) as controller:
+    # Argo's own init and wait containers run under the controller's executor settings: a platform that enforces
+    # the restricted Pod Security level sets their security context there, as here (docs/kubernetes.md).
+    executor = {"securityContext": CONTAINER_SECURITY_CONTEXT}
+    with ArgoController(control_plane, config={"executor": executor}) as controller:
         node.images.update(controller.images)
         # The project's image is this checkout and its environment, visible under /work's emptyDir.
         node.images[PROJECT_IMAGE] = Image((Path(sys.executable).parent,), (REPO, Path(sys.prefix)))
@@ -104,6 +109,7 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
         "hello",
         entrypoint="main",
         serviceAccountName="elastic-step",
+        securityContext=POD_SECURITY_CONTEXT,  # the namespace is restricted
         templates=[
             {
                 "name": "main",
@@ -124,29 +130,33 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
             {
                 "name": "say",
                 "volumes": [{"name": "work", "emptyDir": {}}],
-                "container": {
-                    "image": image,
-                    "volumeMounts": [work],
-                    "command": [
-                        "python",
-                        "-c",
-                        "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
-                    ],
-                },
+                "container": restricted_container(
+                    {
+                        "image": image,
+                        "volumeMounts": [work],
+                        "command": [
+                            "python",
+                            "-c",
+                            "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
+                        ],
+                    }
+                ),
                 "outputs": {"parameters": [{"name": "msg", "valueFrom": {"path": "/work/msg"}}]},
             },
             {
                 "name": "echo",
                 "inputs": {"parameters": [{"name": "msg"}]},
-                "container": {
-                    "image": image,
-                    "command": [
-                        "python",
-                        "-c",
-                        "import sys; print('got', sys.argv[1])",
-                        "{{inputs.parameters.msg}}",
-                    ],
-                },
+                "container": restricted_container(
+                    {
+                        "image": image,
+                        "command": [
+                            "python",
+                            "-c",
+                            "import sys; print('got', sys.argv[1])",
+                            "{{inputs.parameters.msg}}",
+                        ],
+                    }
+                ),
             },
         ],
     )
@@ -472,23 +482,25 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
             assert answer.status == 200, answer.read()
         core.create_namespaced_pod(
             namespace,
-            {
-                "metadata": {"name": "intruder"},
-                "spec": {
-                    "priorityClassName": "elastic-high",
-                    "terminationGracePeriodSeconds": 1,
-                    "restartPolicy": "Never",
-                    **placement,
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "x",
-                            "command": ["sleep", "600"],
-                            "resources": {"requests": {"cpu": "1"}},
-                        }
-                    ],
-                },
-            },
+            restricted(
+                {
+                    "metadata": {"name": "intruder"},
+                    "spec": {
+                        "priorityClassName": "elastic-high",
+                        "terminationGracePeriodSeconds": 1,
+                        "restartPolicy": "Never",
+                        **placement,
+                        "containers": [
+                            {
+                                "name": "main",
+                                "image": "x",
+                                "command": ["sleep", "600"],
+                                "resources": {"requests": {"cpu": "1"}},
+                            }
+                        ],
+                    },
+                }
+            ),
         )
         wait_for(
             lambda: core.read_namespaced_pod("intruder", namespace).status.phase == "Running",

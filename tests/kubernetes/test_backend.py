@@ -36,6 +36,7 @@ from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.kubernetes.fleet import PodRecorder
 from tests.kubernetes.jobs import ROOT, SMALL, WORKER_IMAGE, start_train, train, train_command, wait_two_workers
+from tests.kubernetes.pod_security import restricted
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
@@ -111,22 +112,24 @@ def step_account(cp, namespace: str, drop: tuple[str, str] | None = None) -> Pat
 def sleeper_pod(core, namespace: str, name: str, image: str = "sleeper", **spec) -> client.V1Pod:
     pod = core.create_namespaced_pod(
         namespace,
-        {
-            "metadata": {"name": name},
-            "spec": {
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 2,
-                **spec,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": image,
-                        "command": SLEEPER,
-                        **({"resources": spec.pop("resources")} if "resources" in spec else {}),
-                    }
-                ],
-            },
-        },
+        restricted(
+            {
+                "metadata": {"name": name},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 2,
+                    **spec,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": image,
+                            "command": SLEEPER,
+                            **({"resources": spec.pop("resources")} if "resources" in spec else {}),
+                        }
+                    ],
+                },
+            }
+        ),
     )
     wait_for(
         lambda: core.read_namespaced_pod(name, namespace).status.phase == "Running", 60, what=f"pod {name} running"
@@ -359,32 +362,34 @@ def test_digits_trains_with_the_master_in_a_pod(
     t0 = time.monotonic()
     core.create_namespaced_pod(
         namespace,
-        {
-            "metadata": {"name": "step"},
-            "spec": {
-                "serviceAccountName": "elastic-step",
-                "restartPolicy": "Never",
-                "priorityClassName": "elastic-high",
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
-                        "env": env,
-                        "command": train_command(
-                            job_id=job,
-                            model_def=DIGITS_MODEL,
-                            train_data=digits["train"],
-                            eval_data=digits["eval"],
-                            output=out,
-                            epochs=40,
-                            **SMALL,
-                            num_ps=1,
-                            progress="lines",
-                        ),
-                    }
-                ],
-            },
-        },
+        restricted(
+            {
+                "metadata": {"name": "step"},
+                "spec": {
+                    "serviceAccountName": "elastic-step",
+                    "restartPolicy": "Never",
+                    "priorityClassName": "elastic-high",
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
+                            "env": env,
+                            "command": train_command(
+                                job_id=job,
+                                model_def=DIGITS_MODEL,
+                                train_data=digits["train"],
+                                eval_data=digits["eval"],
+                                output=out,
+                                epochs=40,
+                                **SMALL,
+                                num_ps=1,
+                                progress="lines",
+                            ),
+                        }
+                    ],
+                },
+            }
+        ),
     )
     pod = wait_for(
         lambda: (p := core.read_namespaced_pod("step", namespace)).status.phase in ("Succeeded", "Failed") and p,
@@ -486,16 +491,20 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
     t_full = ledger.records_committed_total()
     # a high-priority pod that does not fit: the real scheduler preempts a worker
     t0 = time.monotonic()
-    intruder = {
-        "metadata": {"name": "intruder"},
-        "spec": {
-            "priorityClassName": "elastic-high",
-            "terminationGracePeriodSeconds": 1,
-            "restartPolicy": "Never",
-            **PLACEMENT,
-            "containers": [{"name": "main", "image": "x", "command": SLEEPER, "resources": {"requests": {"cpu": "1"}}}],
-        },
-    }
+    intruder = restricted(
+        {
+            "metadata": {"name": "intruder"},
+            "spec": {
+                "priorityClassName": "elastic-high",
+                "terminationGracePeriodSeconds": 1,
+                "restartPolicy": "Never",
+                **PLACEMENT,
+                "containers": [
+                    {"name": "main", "image": "x", "command": SLEEPER, "resources": {"requests": {"cpu": "1"}}}
+                ],
+            },
+        }
+    )
     core.create_namespaced_pod(namespace, intruder)
     lost = wait_for(lambda: [e for e in coord.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]

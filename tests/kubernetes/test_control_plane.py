@@ -17,7 +17,10 @@ from tests.infra.kube.harness import ControlPlaneError, wait_for
 from tests.infra.kube.harness.pod import Image
 from tests.infra.kube.harness.process import alive, stopped
 
-pytestmark = pytest.mark.kubernetes
+# The harness's self-tests: plain pods that exercise the process kubelet (hostPath volumes among them), not the
+# project's pods, so their namespaces enforce no Pod Security level; tests/kubernetes/test_pod_security.py checks
+# the restricted level itself.
+pytestmark = [pytest.mark.kubernetes, pytest.mark.pod_security("privileged")]
 
 POOL = "elastic-step-test/pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "preemption", "effect": "NoSchedule"}

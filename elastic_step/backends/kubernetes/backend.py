@@ -22,6 +22,7 @@ from elastic_step.backends.kubernetes import kueue
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
 from elastic_step.backends.kubernetes.config import (
     NAMESPACE_ENV,
+    POD_SPEC_ENV,
     Owner,
     load_api_client,
     load_pod_labels,
@@ -45,6 +46,7 @@ from elastic_step.backends.kubernetes.pods import (
     track,
 )
 from elastic_step.backends.kubernetes.secret import ensure_secret
+from elastic_step.backends.kubernetes.security import restricted_violations
 from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.backends.kubernetes.watch import PodWatch, apply_pod, overdue_loss, transition
 from elastic_step.errors import ConfigError
@@ -124,6 +126,7 @@ class KubernetesBackend(Backend):
             lambda: self._step_image(step_pod),
             {role: self.settings.role(role).accelerators for role in ROLES},
         )
+        self._check_pod_security()
         if queue:
             kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
         self.token, self.token_reused = ensure_secret(
@@ -408,6 +411,36 @@ class KubernetesBackend(Backend):
         self._watcher.join(5)
 
     # ---------------------------------------------------------------- pods
+    def _body(self, launch: _Launch) -> dict:
+        return pod_body(
+            launch,
+            job_id=self.job_id,
+            namespace=self.namespace,
+            image=self.images[launch.spec.id.role],
+            secret_name=self.secret_name,
+            grace_s=self.grace_s,
+            pod_spec=self.pod_spec,
+            default_priority=self._default_priority.get(launch.spec.id.role),
+            owner_refs=owner_refs(self.owner),
+            pod_labels=self.pod_labels,
+            queue=self.queue,
+            num_ps=self.num_ps,
+            settings=self.settings,
+        )
+
+    def _check_pod_security(self) -> None:
+        """The pods the job would create, checked against the restricted Pod Security level (security.py) before
+        any exists: what breaks it came from ELASTIC_STEP_POD_SPEC or the pod settings."""
+        for role in ROLES:
+            launch = _Launch(InstanceSpec(InstanceId(role, 0), ["elastic-step"]), 1, name=f"{self.job_id}-{role}-0")
+            broken = restricted_violations(self._body(launch)["spec"])
+            if broken:
+                raise ConfigError(
+                    f"The {role} pods would break the restricted Pod Security Standard, which many namespaces enforce: "
+                    f"{'; '.join(broken)}. The backend's pods pass it; remove what {POD_SPEC_ENV} or the pod "
+                    "settings (volumes) change there."
+                )
+
     def _create(self, launch: _Launch) -> None:
         inst = launch.spec.id
         for _ in range(10):
@@ -416,21 +449,7 @@ class KubernetesBackend(Backend):
                 name += f"-{launch.number}"
             with self._lock:
                 launch.name = name
-            body = pod_body(
-                launch,
-                job_id=self.job_id,
-                namespace=self.namespace,
-                image=self.images[launch.spec.id.role],
-                secret_name=self.secret_name,
-                grace_s=self.grace_s,
-                pod_spec=self.pod_spec,
-                default_priority=self._default_priority.get(inst.role),
-                owner_refs=owner_refs(self.owner),
-                pod_labels=self.pod_labels,
-                queue=self.queue,
-                num_ps=self.num_ps,
-                settings=self.settings,
-            )
+            body = self._body(launch)
             try:
                 r = self._call(
                     "create",
