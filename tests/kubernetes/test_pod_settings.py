@@ -101,7 +101,7 @@ def test_the_parameters_and_the_task_config_dress_each_role_s_pods(
 
 
 def test_the_pods_run_the_step_s_image_and_gpu_pods_its_gpu_variant(
-    control_plane, core, namespace, sa_kubeconfig, caplog
+    control_plane, core, node, namespace, sa_kubeconfig, caplog
 ):
     """No worker_image: each role's image is read from the step's pod (its `main` container), the GPU variant for a
     role with accelerators; worker_image wins, with a warning when GPU pods get an image without the GPU suffix;
