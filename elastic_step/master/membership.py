@@ -31,6 +31,7 @@ class Membership:
         self.max_alive = 0
         self.alive_samples: list[tuple[float, int]] = []
         self._training: set[InstanceId] = set()  # workers registered: kept as states change, counted at each
+        self.devices: dict[tuple[str, int], str] = {}  # (worker, launch) -> the device it said it trains on
 
     def _set_state(self, m: Member, state: str) -> None:
         m.state = state
@@ -68,9 +69,12 @@ class Membership:
             self._set_state(m, "gone")
             self._sample(t)
 
-    def registered(self, inst: InstanceId, address: str = "") -> bool:
-        """True when this is the launch's first registration (or at a new address)."""
+    def registered(self, inst: InstanceId, address: str = "", device: str = "") -> bool:
+        """True when this is the launch's first registration (or at a new address). `device`: what a worker trains
+        on, kept per launch."""
         m = self.members.setdefault(inst, Member(inst))
+        if inst.role == "worker" and device:
+            self.devices.setdefault((str(inst), m.launches), device)
         new = m.state != "registered" or m.address != address
         self._set_state(m, "registered")
         m.address, m.last_seen = address, time.time()
@@ -100,4 +104,11 @@ class Membership:
         self.alive_samples.append((t, n))
 
     def summary(self) -> dict:
-        return {"started": self.started, "lost": self.lost, "relaunched": self.relaunched, "max_alive": self.max_alive}
+        return {
+            "started": self.started,
+            "lost": self.lost,
+            "relaunched": self.relaunched,
+            "max_alive": self.max_alive,
+            # each worker launch's device, in the order they registered
+            "devices": [{"instance": i, "launch": n, "device": d} for (i, n), d in self.devices.items()],
+        }
