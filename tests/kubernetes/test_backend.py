@@ -137,6 +137,24 @@ def sleeper_pod(core, namespace: str, name: str, image: str = "sleeper", **spec)
     return pod
 
 
+def intruder_pod(placement: dict, command: list[str]) -> dict:
+    """A high-priority pod of 1 cpu, placed by `placement`: on a full pool, the scheduler preempts a worker for it."""
+    return restricted(
+        {
+            "metadata": {"name": "intruder"},
+            "spec": {
+                "priorityClassName": "elastic-high",
+                "terminationGracePeriodSeconds": 1,
+                "restartPolicy": "Never",
+                **placement,
+                "containers": [
+                    {"name": "main", "image": "x", "command": command, "resources": {"requests": {"cpu": "1"}}}
+                ],
+            },
+        }
+    )
+
+
 def job_backend(
     job: str, kubeconfig: Path, namespace: str, owner: client.V1Pod | None = None, token: str = "t", **kwargs
 ) -> KubernetesBackend:
@@ -491,20 +509,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
     t_full = ledger.records_committed_total()
     # a high-priority pod that does not fit: the real scheduler preempts a worker
     t0 = time.monotonic()
-    intruder = restricted(
-        {
-            "metadata": {"name": "intruder"},
-            "spec": {
-                "priorityClassName": "elastic-high",
-                "terminationGracePeriodSeconds": 1,
-                "restartPolicy": "Never",
-                **PLACEMENT,
-                "containers": [
-                    {"name": "main", "image": "x", "command": SLEEPER, "resources": {"requests": {"cpu": "1"}}}
-                ],
-            },
-        }
-    )
+    intruder = intruder_pod(PLACEMENT, SLEEPER)
     core.create_namespaced_pod(namespace, intruder)
     lost = wait_for(lambda: [e for e in coord.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]
