@@ -12,6 +12,7 @@ import threading
 import time
 
 from bench.common import ROOT, train_command
+from elastic_step import __version__
 
 # The model: digits with a simulated accelerator (a sleep per minibatch in worker pods).
 MODEL = ROOT / "bench" / "models" / "slow_digits.py"
@@ -54,6 +55,8 @@ class Master:
                 worker_cpu=1,
                 worker_priority_class="elastic-low",
                 ps_priority_class="elastic-high",
+                # The master runs outside a pod here: it has no pod of its own whose image the workers would take.
+                worker_image=f"ghcr.io/elastic-step/elastic-step:{__version__}",
             ),
             cwd=ROOT,
             env=env,

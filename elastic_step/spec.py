@@ -305,7 +305,8 @@ PARAMS: tuple[Param, ...] = (
         "worker_image",
         str,
         "",
-        "kubernetes: image of the worker and parameter server pods (empty: the runtime image)",
+        "kubernetes: image of the worker and parameter server pods (empty: the step's own image, its -gpu variant "
+        "for pods with accelerators)",
         _on(*_TRAINING),
         (ELASTIC_TRAIN,),
         aliases=("--image",),

@@ -152,16 +152,18 @@ class Session:
 
 
 class MasterClient:
-    def __init__(self, address: str, token: str, role: str, index: int, launch: int = 0):
+    def __init__(self, address: str, token: str, role: str, index: int, launch: int = 0, device: str = ""):
+        """`device`: what this instance trains on (a worker's), told to the master when it registers."""
         self.token = token
         self.me = pb.Instance(role=role, index=index, launch=launch)
+        self.device = device
         self._channel = rpc.channel(address)
         self.stub = pb_grpc.MasterStub(self._channel)
         self.session = Session(self.stub)  # Register and the hot calls; the others are unary
 
     def register(self, address: str = "") -> pb.RegisterResponse:
         """Registers, coming back as often as a master at its limit asks (a burst of workers joining at once)."""
-        request = pb.RegisterRequest(token=self.token, instance=self.me, address=address)
+        request = pb.RegisterRequest(token=self.token, instance=self.me, address=address, device=self.device)
         while True:
             reply = rpc.call(self.session.Register, request)
             if not reply.retry_after_s:

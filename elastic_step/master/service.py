@@ -275,7 +275,7 @@ class MasterService(pb_grpc.MasterServicer):
                 return pb.RegisterResponse(retry_after_s=wait)
             await asyncio.sleep(wait)  # answered at its turn, with the other workers of that turn
             self.admission.joined(inst)
-        addrs = self.c.register(inst, request.address)
+        addrs = self.c.register(inst, request.address, request.device)
         return pb.RegisterResponse(
             job_id=self.job_id,
             ps_addresses=addrs,

@@ -17,6 +17,7 @@ from elastic_step.errors import ConfigError, DataError, ElasticStepError
 from elastic_step.instance import EXIT_FENCED, EXIT_USER_ERROR, fenced, parse_args
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.util.process import quiet_tensorflow
+from elastic_step.worker.device import training_device
 from elastic_step.worker.records import minibatch_of
 
 log = logging.getLogger("elastic_step.worker")
@@ -30,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_tensorflow()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    master = MasterClient(args.master, args.token, "worker", args.index, args.launch)
+    device = training_device()
+    log.info("training on %s", device)
+    master = MasterClient(args.master, args.token, "worker", args.index, args.launch, device=device)
     model_def = None
     from elastic_step.faults.process import install_worker_faults
 

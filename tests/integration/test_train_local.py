@@ -34,6 +34,11 @@ def test_digits_trains_to_090(undisturbed):
     assert_exactly_once(summary)
     assert summary["eval"]["accuracy"] >= 0.90
     assert summary["workers"]["max_alive"] == 2
+    # Each worker launch's device, as the worker told the master: this machine's TensorFlow is the CPU build.
+    cpu = "CPU (TensorFlow's CPU-only build)"
+    launches = sorted((d["instance"], d["launch"], d["device"]) for d in summary["workers"]["devices"])
+    assert launches == [("worker-0", 1, cpu), ("worker-1", 1, cpu)], launches
+    assert f"worker-0 registered, trains on {cpu}" in proc.stderr
     # The default backend, auto, outside a pod: processes of this step, and the log says why.
     assert summary["backend"] == "local" and "backend auto -> local" in proc.stderr
     assert (out / "model.keras").is_file()

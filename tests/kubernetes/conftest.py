@@ -7,7 +7,9 @@
   ``control_plane.add_token(user, groups)`` adds a user, ``control_plane.add_node(...)`` a
   process-kubelet node.
 * ``node`` (session): a general-purpose node, ``node-1`` (8 cpu, 16Gi, 50 pods).
-* ``namespace``: a fresh namespace per test (deleted afterwards), ready for pods.
+* ``namespace``: a fresh namespace per test (deleted afterwards), ready for pods, enforcing the ``restricted``
+  Pod Security level as tenant namespaces do: every pod the project creates must pass it. A test that needs a
+  lower level says so with ``@pytest.mark.pod_security("baseline")`` (or ``"privileged"``), and why.
 * ``core``: an admin CoreV1Api.
 * ``kueue`` (session, started by the first test that asks for it): Kueue's real manager
   (tests.infra.kube.harness.kueue.Kueue: built once by scripts/build-kueue, CRDs, webhooks).
@@ -35,6 +37,10 @@ log = logging.getLogger("tests.kubernetes")
 
 def _ours(item) -> bool:
     return HERE in Path(str(item.fspath)).resolve().parents
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "pod_security(level): the Pod Security level the test's namespace enforces")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,7 +81,8 @@ _ns_counter = itertools.count(1)
 def namespace(control_plane, core, request):
     name = f"t{os.getpid() % 10000}-{next(_ns_counter)}-{request.node.name[:30]}".lower().replace("_", "-")
     name = "".join(c for c in name if c.isalnum() or c == "-").strip("-")[:63]
-    control_plane.create_namespace(name)
+    marker = request.node.get_closest_marker("pod_security")
+    control_plane.create_namespace(name, pod_security=marker.args[0] if marker else "restricted")
     yield name
     try:
         core.delete_namespace(name, propagation_policy="Background")

@@ -30,6 +30,7 @@ from elastic_step.master.leases.ledger import Ledger, ShardInfo
 from elastic_step.master.service import MasterService, serve
 from elastic_step.master.skipped import SkippedMinibatches
 from tests.infra.kube.harness import wait_for
+from tests.kubernetes.jobs import WORKER_IMAGE
 
 LIGHT_WORKER = Path(__file__).with_name("light_worker.py")
 MINIBATCH = 64
@@ -102,7 +103,14 @@ class FleetMaster:
         self.server, self.port = serve(service, port=port)
         self.address = f"127.0.0.1:{self.port}"
         self.backend = KubernetesBackend(
-            job, token, api_client=self.api, namespace=namespace, owner=None, master_ip="127.0.0.1", pod_spec=pod_spec
+            job,
+            token,
+            api_client=self.api,
+            namespace=namespace,
+            owner=None,
+            master_ip="127.0.0.1",
+            pod_spec=pod_spec,
+            image=WORKER_IMAGE,
         )
         self.events: list[tuple[float, InstanceEvent]] = []
         self._closed = threading.Event()

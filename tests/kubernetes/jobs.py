@@ -17,6 +17,8 @@ from tests.infra.kube.harness import wait_for
 from tests.models.witness import TALLY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
+# The image of the job's pods when the master runs outside a pod (it has no pod of its own to take the image from).
+WORKER_IMAGE = "ghcr.io/elastic-step/elastic-step:0.1.0"
 
 # The shape of most jobs here: 32-record minibatches, 128-record tasks, at most two workers.
 SMALL = {"minibatch_size": 32, "records_per_task": 128, "max_workers": 2}
@@ -54,7 +56,7 @@ def train(kubeconfig: Path, namespace: str, *flags: str, timeout: float = 600, *
     """Run the master with backend kubernetes to its end. Returns (the CompletedProcess, the job's summary,
     {} unless it succeeded)."""
     proc = subprocess.run(
-        train_command(*flags, backend="kubernetes", **params),
+        train_command(*flags, backend="kubernetes", **{"worker_image": WORKER_IMAGE, **params}),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -70,7 +72,7 @@ def start_train(kubeconfig: Path, namespace: str, log: Path, env: dict | None = 
     step's pod)."""
     with open(log, "w") as err:
         return subprocess.Popen(
-            train_command(backend="kubernetes", **params),
+            train_command(backend="kubernetes", **{"worker_image": WORKER_IMAGE, **params}),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,

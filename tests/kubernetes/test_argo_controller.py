@@ -4,7 +4,9 @@ containers, the emissary executor) run on the process kubelet, and Argo decides 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -14,10 +16,13 @@ import pytest
 import yaml
 from kubernetes import client
 
+from elastic_step.backends.kubernetes.security import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.argo import ArgoController
 from tests.infra.kube.harness.pod import Image
-from tests.kubernetes.test_backend import PodRecorder, priority_classes  # noqa: F401
+from tests.infra.kube.harness.process import stopped
+from tests.kubernetes.pod_security import restricted_container
+from tests.kubernetes.test_backend import PodRecorder, intruder_pod, priority_classes  # noqa: F401
 
 pytestmark = pytest.mark.kubernetes
 
@@ -27,7 +32,10 @@ PROJECT_IMAGE = "ghcr.io/elastic-step/elastic-step"  # the shipped YAMLs' image:
 
 @pytest.fixture(scope="module")
 def argo(control_plane, node):
-    with ArgoController(control_plane) as controller:
+    # Argo's own init and wait containers run under the controller's executor settings: a platform that enforces
+    # the restricted Pod Security level sets their security context there, as here (docs/kubernetes.md).
+    executor = {"securityContext": CONTAINER_SECURITY_CONTEXT}
+    with ArgoController(control_plane, config={"executor": executor}) as controller:
         node.images.update(controller.images)
         # The project's image is this checkout and its environment, visible under /work's emptyDir.
         node.images[PROJECT_IMAGE] = Image((Path(sys.executable).parent,), (REPO, Path(sys.prefix)))
@@ -104,6 +112,7 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
         "hello",
         entrypoint="main",
         serviceAccountName="elastic-step",
+        securityContext=POD_SECURITY_CONTEXT,  # the namespace is restricted
         templates=[
             {
                 "name": "main",
@@ -124,29 +133,33 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
             {
                 "name": "say",
                 "volumes": [{"name": "work", "emptyDir": {}}],
-                "container": {
-                    "image": image,
-                    "volumeMounts": [work],
-                    "command": [
-                        "python",
-                        "-c",
-                        "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
-                    ],
-                },
+                "container": restricted_container(
+                    {
+                        "image": image,
+                        "volumeMounts": [work],
+                        "command": [
+                            "python",
+                            "-c",
+                            "import platform; open('/work/msg', 'w').write('hi from ' + platform.node())",
+                        ],
+                    }
+                ),
                 "outputs": {"parameters": [{"name": "msg", "valueFrom": {"path": "/work/msg"}}]},
             },
             {
                 "name": "echo",
                 "inputs": {"parameters": [{"name": "msg"}]},
-                "container": {
-                    "image": image,
-                    "command": [
-                        "python",
-                        "-c",
-                        "import sys; print('got', sys.argv[1])",
-                        "{{inputs.parameters.msg}}",
-                    ],
-                },
+                "container": restricted_container(
+                    {
+                        "image": image,
+                        "command": [
+                            "python",
+                            "-c",
+                            "import sys; print('got', sys.argv[1])",
+                            "{{inputs.parameters.msg}}",
+                        ],
+                    }
+                ),
             },
         ],
     )
@@ -333,6 +346,34 @@ def records_trained(control_plane, namespace: str, pod: str) -> tuple[int, int]:
     return 0, 0
 
 
+class TrainingStep:
+    """The training step of `workflow`: its latest attempt's pod, and the master's progress there."""
+
+    def __init__(self, control_plane, core, namespace: str, workflow: str):
+        self.cp, self.core, self.namespace, self.workflow = control_plane, core, namespace, workflow
+
+    def pod(self) -> str | None:
+        pods = step_pods(self.core, self.namespace, self.workflow, "elastic-train")
+        return pods[-1].metadata.name if pods else None
+
+    def records(self) -> tuple[int, int]:
+        pod = self.pod()
+        return records_trained(self.cp, self.namespace, pod) if pod else (0, 0)
+
+    def progress(self) -> float:
+        done, total = self.records()
+        return done / total if total else 0.0
+
+    def wait_checkpoint_then(self, ckpt: Path, fraction: float, timeout: float) -> None:
+        """Until a checkpoint is committed under `ckpt` and the step has trained `fraction` of its records."""
+        wait_for(
+            lambda: self.progress() >= fraction and list(ckpt.glob("*/checkpoint.json")),
+            timeout,
+            interval=0.5,
+            what=f"a checkpoint, then {fraction:.0%} of the records",
+        )
+
+
 def test_the_shipped_template_trains_evaluates_and_publishes_on_argos_controller(
     control_plane, node, argo, workflows, pipeline_ns, s3_server, tmp_path
 ):
@@ -411,7 +452,6 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     step's pod is deleted at once (grace 0, as when a node is lost). Argo retries the step under the
     shipped retry policy, the retried master resumes the job from its checkpoint, and the workflow
     succeeds with every record applied exactly once in the published model."""
-    from tests.models.witness import assert_each_record_applied_exactly, assert_exactly_once
 
     namespace, core = pipeline_ns, client.CoreV1Api(control_plane.api_client())
     epochs = 80  # ~40 s of training: the master's progress lines (every 5 s) see each stage of it
@@ -436,18 +476,11 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
         workflows, namespace, "chaos", params, template=shipped_template(), podSpecPatch=json.dumps(patch), **placement
     )
 
-    def master_pod():
-        pods = step_pods(core, namespace, "chaos", "elastic-train")
-        return pods[-1].metadata.name if pods else None
+    step = TrainingStep(control_plane, core, namespace, "chaos")
+    master_pod, progress = step.pod, step.progress
 
     def records() -> int:
-        pod = master_pod()
-        return records_trained(control_plane, namespace, pod)[0] if pod else 0
-
-    def progress() -> float:
-        pod = master_pod()
-        done, total = records_trained(control_plane, namespace, pod) if pod else (0, 0)
-        return done / total if total else 0.0
+        return step.records()[0]
 
     def workers(phase: str = "Running") -> list:
         return [
@@ -465,31 +498,12 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
         )
         first = {p.metadata.name for p in workers()}
         # The training step's master answers its liveness probe's request, on the pod's IP and the probe's port
-        # (the request is made here: this control plane runs no real kubelet, so the probe itself never runs).
+        # (the kubelet probes it too: test_a_frozen_training_step_is_restarted_by_its_liveness_probe).
         probe = shipped_template_probe()
         ip = core.read_namespaced_pod(master_pod(), namespace).status.pod_ip
         with urllib.request.urlopen(f"http://{ip}:{probe['port']}{probe['path']}", timeout=10) as answer:
             assert answer.status == 200, answer.read()
-        core.create_namespaced_pod(
-            namespace,
-            {
-                "metadata": {"name": "intruder"},
-                "spec": {
-                    "priorityClassName": "elastic-high",
-                    "terminationGracePeriodSeconds": 1,
-                    "restartPolicy": "Never",
-                    **placement,
-                    "containers": [
-                        {
-                            "name": "main",
-                            "image": "x",
-                            "command": ["sleep", "600"],
-                            "resources": {"requests": {"cpu": "1"}},
-                        }
-                    ],
-                },
-            },
-        )
+        core.create_namespaced_pod(namespace, intruder_pod(placement, ["sleep", "600"]))
         wait_for(
             lambda: core.read_namespaced_pod("intruder", namespace).status.phase == "Running",
             120,
@@ -504,12 +518,7 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
         core.delete_namespaced_pod("intruder", namespace, grace_period_seconds=0)
         wait_for(lambda: len(workers()) == 2, 180, what="the relaunched worker running")
         # 2. The training step's pod deleted at once, after a checkpoint and at 55 % of the records.
-        wait_for(
-            lambda: progress() >= 0.55 and list(ckpt.glob("*/checkpoint.json")),
-            300,
-            interval=0.5,
-            what="a checkpoint, then 55 % of the records",
-        )
+        step.wait_checkpoint_then(ckpt, 0.55, 300)
         killed = master_pod()
         killed_at = records()
         core.delete_namespaced_pod(killed, namespace, grace_period_seconds=0)
@@ -539,23 +548,135 @@ def test_a_preempted_worker_and_a_killed_training_pod_cost_the_workflow_nothing(
     assert retried != killed
     log = pod_logs(control_plane, namespace, "chaos", "elastic-train", tail=10**6)
     assert "resuming job" in log and "from checkpoint" in log, log[-4000:]
-    published = Path(params["publish-uri"])
-    summary = json.loads((published / "summary.json").read_text())
-    (restart,) = summary["checkpoints"]["restarts"]
-    assert restart["from_checkpoint"] == last_before_kill["id"], (restart, last_before_kill)
-    assert 0 < restart["records_committed_at_checkpoint"] == last_before_kill["records_committed"], (
-        restart,
-        last_before_kill,
-    )
-    assert_exactly_once(summary)  # the audit exact, and the ledger agreeing with it
-    prep = next(n for n in done["status"]["nodes"].values() if n["displayName"] == "data-prep")
-    prepared = s3_artifact(s3_server, "artifacts", prep, "prepared", tmp_path / "prepared")
-    assert_each_record_applied_exactly(published, {"train": str(prepared / "prepared" / "train")}, epochs)
+    restart = assert_resumed_exactly(last_before_kill, done, params, s3_server, tmp_path, epochs)
     assert job_pods(core, namespace) == []
     print(
         f"\nArgo chaos: {preempted.pop()} preempted at {at} records; step pod {killed} deleted at {killed_at}; "
         f"the retry resumed from the checkpoint at {restart['records_committed_at_checkpoint']}"
     )
+
+
+def assert_resumed_exactly(checkpoint: dict, done: dict, params: dict, s3_server, tmp_path: Path, epochs: int) -> dict:
+    """The retried step resumed once, from `checkpoint` (its manifest), and the published model applied every record
+    exactly once per epoch (the audit exact, the ledger agreeing with it). The restart's record."""
+    from tests.models.witness import assert_each_record_applied_exactly, assert_exactly_once
+
+    published = Path(params["publish-uri"])
+    summary = json.loads((published / "summary.json").read_text())
+    (restart,) = summary["checkpoints"]["restarts"]
+    assert restart["from_checkpoint"] == checkpoint["id"], (restart, checkpoint)
+    assert 0 < restart["records_committed_at_checkpoint"] == checkpoint["records_committed"], (restart, checkpoint)
+    assert_exactly_once(summary)
+    prep = next(n for n in done["status"]["nodes"].values() if n["displayName"] == "data-prep")
+    prepared = s3_artifact(s3_server, "artifacts", prep, "prepared", tmp_path / "prepared")
+    assert_each_record_applied_exactly(published, {"train": str(prepared / "prepared" / "train")}, epochs)
+    return restart
+
+
+def pod_processes(kubelet, namespace: str, pod: str, match) -> set[int]:
+    """The host PIDs of the processes of `pod` whose argv (a list of bytes) `match` accepts."""
+    pids = set()
+    for pid in kubelet.processes(namespace, pod):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if match(argv):
+            pids.add(pid)
+    return pids
+
+
+def is_master(argv: list[bytes]) -> bool:
+    """The training step's master: `elastic-step train` (Argo's emissary, which runs it, is not)."""
+    return b"train" in argv and any(a.endswith((b"elastic-step", b"elastic_step.cli")) for a in argv)
+
+
+def is_argo_wait(argv: list[bytes]) -> bool:
+    return any(a.endswith(b"argoexec") for a in argv) and b"wait" in argv
+
+
+def main_terminated(core, namespace: str, pod: str):
+    """The `main` container's terminated state, once it has one."""
+    for cs in core.read_namespaced_pod(pod, namespace).status.container_statuses or []:
+        if cs.name == "main" and cs.state.terminated is not None:
+            return cs.state.terminated
+    return None
+
+
+def test_a_frozen_training_step_is_restarted_by_its_liveness_probe(
+    control_plane, node, argo, workflows, pipeline_ns, s3_server, tmp_path
+):
+    """The shipped template's training step, its master frozen (SIGSTOP) once it has trained past a checkpoint: alive
+    to the API, silent to its probe. The kubelet's liveness probe fails, the kubelet kills the container (Unhealthy,
+    then Killing), the pod fails under its restartPolicy Never, Argo retries the step under the shipped retry policy,
+    and the retried master resumes from the checkpoint: every record applied exactly once in the published model."""
+
+    namespace, core = pipeline_ns, client.CoreV1Api(control_plane.api_client())
+    epochs = 80
+    ckpt = tmp_path / "checkpoints"
+    params = tally_params(
+        tmp_path,
+        **{"epochs": str(epochs), "checkpoint-uri": str(ckpt), "checkpoint-every": "20000", "backend": "kubernetes"},
+    )
+    submit(workflows, namespace, "frozen", params, template=shipped_template())
+
+    step = TrainingStep(control_plane, core, namespace, "frozen")
+    try:
+        step.wait_checkpoint_then(ckpt, 0.35, 400)  # on progress, never on time
+        frozen = step.pod()
+        pids = pod_processes(node, namespace, frozen, is_master)
+        assert pids, f"no master process found in pod {frozen}: the freeze did not fire"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        wait_for(lambda: all(stopped(p) for p in pids), 30, interval=0.05, what=f"the master {sorted(pids)} stopped")
+        (frozen_at,) = (json.loads(m.read_text()) for m in ckpt.glob("*/checkpoint.json"))
+        # The probe (every 15 s, 4 failures) kills it; the pod's grace (30 s) passes unheard by a stopped process.
+        killed = wait_for(
+            lambda: main_terminated(core, namespace, frozen), 300, interval=1, what=f"{frozen}'s main killed"
+        )
+        assert killed.exit_code == 137, killed  # SIGKILL, after the grace period
+        # Argo's controller then stops the pod's wait container through pods/exec, which the process kubelet does
+        # not serve ("error dialing backend" in its log): the test sends that SIGTERM as the controller's exec would.
+        for pid in pod_processes(node, namespace, frozen, is_argo_wait):
+            os.kill(pid, signal.SIGTERM)
+        wait_for(
+            lambda: read_phase(core, namespace, frozen) in ("Failed", None),
+            120,
+            interval=1,
+            what=f"the frozen step's pod {frozen} failed",
+        )
+        done = finished(workflows, namespace, "frozen", timeout=900)
+    except Exception:
+        print(pod_logs(control_plane, namespace, "frozen", "elastic-train", tail=6000))
+        raise
+    assert_succeeded(done, control_plane, namespace, "frozen")
+    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={frozen}").items
+    said = [(e.reason, e.message) for e in events]
+    assert any(r == "Unhealthy" and m.startswith("Liveness probe failed") for r, m in said), said
+    assert ("Killing", "Container main failed liveness probe, will be restarted") in said, said
+    attempts = [
+        n for n in done["status"]["nodes"].values() if n["type"] == "Pod" and _task(n["name"]) == "elastic-train"
+    ]
+    assert sorted(n["phase"] for n in attempts) in (["Error", "Succeeded"], ["Failed", "Succeeded"]), [
+        (n["name"], n["phase"], n.get("message")) for n in attempts
+    ]
+    assert step.pod() != frozen
+    assert_resumed_exactly(frozen_at, done, params, s3_server, tmp_path, epochs)
+    assert job_pods(core, namespace) == []
+    print(
+        f"\nArgo liveness: step pod {frozen} frozen after checkpoint {frozen_at['id']} "
+        f"({frozen_at['records_committed']} records), killed by its probe, resumed from it"
+    )
+
+
+def read_phase(core, namespace: str, name: str) -> str | None:
+    """The pod's phase; None once it is gone."""
+    try:
+        return core.read_namespaced_pod(name, namespace).status.phase
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
 
 
 def test_deleting_the_workflow_removes_every_pod_of_the_job(control_plane, argo, workflows, pipeline_ns, tmp_path):

@@ -36,7 +36,8 @@ from elastic_step.backends.kubernetes.kueue import WANTED as KUEUE_WANTED
 from elastic_step.errors import ElasticStepError
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.kubernetes.fleet import PodRecorder
-from tests.kubernetes.jobs import ROOT, SMALL, start_train, train, train_command, wait_two_workers
+from tests.kubernetes.jobs import ROOT, SMALL, WORKER_IMAGE, start_train, train, train_command, wait_two_workers
+from tests.kubernetes.pod_security import restricted
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
@@ -46,6 +47,7 @@ SLOW_MODEL = str(ROOT / "bench" / "models" / "slow_digits.py")
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}
+STEP_IMAGE = "registry.example.com/ml/elastic-step:1.2"  # a step's image that is not the project's default
 
 
 def sleeper(ready: Path | None = None) -> list[str]:
@@ -108,25 +110,27 @@ def step_account(cp, namespace: str, drop: tuple[str, str] | None = None) -> Pat
     return cp.kubeconfig_for(token, user=f"elastic-step-{namespace}")
 
 
-def sleeper_pod(core, namespace: str, name: str, **spec) -> client.V1Pod:
+def sleeper_pod(core, namespace: str, name: str, image: str = "sleeper", **spec) -> client.V1Pod:
     pod = core.create_namespaced_pod(
         namespace,
-        {
-            "metadata": {"name": name},
-            "spec": {
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 2,
-                **spec,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "sleeper",
-                        "command": SLEEPER,
-                        **({"resources": spec.pop("resources")} if "resources" in spec else {}),
-                    }
-                ],
-            },
-        },
+        restricted(
+            {
+                "metadata": {"name": name},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 2,
+                    **spec,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": image,
+                            "command": SLEEPER,
+                            **({"resources": spec.pop("resources")} if "resources" in spec else {}),
+                        }
+                    ],
+                },
+            }
+        ),
     )
     wait_for(
         lambda: core.read_namespaced_pod(name, namespace).status.phase == "Running", 60, what=f"pod {name} running"
@@ -134,11 +138,30 @@ def sleeper_pod(core, namespace: str, name: str, **spec) -> client.V1Pod:
     return pod
 
 
+def intruder_pod(placement: dict, command: list[str]) -> dict:
+    """A high-priority pod of 1 cpu, placed by `placement`: on a full pool, the scheduler preempts a worker for it."""
+    return restricted(
+        {
+            "metadata": {"name": "intruder"},
+            "spec": {
+                "priorityClassName": "elastic-high",
+                "terminationGracePeriodSeconds": 1,
+                "restartPolicy": "Never",
+                **placement,
+                "containers": [
+                    {"name": "main", "image": "x", "command": command, "resources": {"requests": {"cpu": "1"}}}
+                ],
+            },
+        }
+    )
+
+
 def job_backend(
     job: str, kubeconfig: Path, namespace: str, owner: client.V1Pod | None = None, token: str = "t", **kwargs
 ) -> KubernetesBackend:
     """The backend of job `job` (its token `token`) with the rights `kubeconfig` holds, its pods owned by
-    pod `owner` (none if None)."""
+    pod `owner` (none if None), running its image (WORKER_IMAGE without an owner, unless `image` is given)."""
+    kwargs.setdefault("image", None if owner else WORKER_IMAGE)
     return KubernetesBackend(
         job,
         token,
@@ -282,7 +305,7 @@ def sa_kubeconfig(control_plane, namespace):
 def test_pods_carry_labels_owner_secret_token_and_resources(
     control_plane, core, node, namespace, sa_kubeconfig, priority_classes, tmp_path
 ):
-    owner = sleeper_pod(core, namespace, "step")
+    owner = sleeper_pod(core, namespace, "step", image=STEP_IMAGE)
     b = job_backend("job-shape", sa_kubeconfig, namespace, owner, token="the-token")
     try:
         check_pods_and_events(b, core, namespace, owner, tmp_path)
@@ -317,7 +340,7 @@ def check_pods_and_events(b, core, namespace, owner, tmp_path):
     assert core.read_namespaced_pod("job-shape-ps-0", namespace).spec.priority == 1000
     assert spec.automount_service_account_token is False
     c = spec.containers[0]
-    assert c.command == sleeper(ready) and c.image == "ghcr.io/elastic-step/elastic-step:0.1.0"
+    assert c.command == sleeper(ready) and c.image == STEP_IMAGE  # the step's own image, read from its pod
     assert c.resources.requests == {"cpu": "250m", "memory": "128Mi"} == c.resources.limits
     env = {e.name: e for e in c.env}
     assert env["ELASTIC_STEP_TOKEN"].value is None
@@ -358,32 +381,34 @@ def test_digits_trains_with_the_master_in_a_pod(
     t0 = time.monotonic()
     core.create_namespaced_pod(
         namespace,
-        {
-            "metadata": {"name": "step"},
-            "spec": {
-                "serviceAccountName": "elastic-step",
-                "restartPolicy": "Never",
-                "priorityClassName": "elastic-high",
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
-                        "env": env,
-                        "command": train_command(
-                            job_id=job,
-                            model_def=DIGITS_MODEL,
-                            train_data=digits["train"],
-                            eval_data=digits["eval"],
-                            output=out,
-                            epochs=40,
-                            **SMALL,
-                            num_ps=1,
-                            progress="lines",
-                        ),
-                    }
-                ],
-            },
-        },
+        restricted(
+            {
+                "metadata": {"name": "step"},
+                "spec": {
+                    "serviceAccountName": "elastic-step",
+                    "restartPolicy": "Never",
+                    "priorityClassName": "elastic-high",
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
+                            "env": env,
+                            "command": train_command(
+                                job_id=job,
+                                model_def=DIGITS_MODEL,
+                                train_data=digits["train"],
+                                eval_data=digits["eval"],
+                                output=out,
+                                epochs=40,
+                                **SMALL,
+                                num_ps=1,
+                                progress="lines",
+                            ),
+                        }
+                    ],
+                },
+            }
+        ),
     )
     pod = wait_for(
         lambda: (p := core.read_namespaced_pod("step", namespace)).status.phase in ("Succeeded", "Failed") and p,
@@ -406,6 +431,7 @@ def test_digits_trains_with_the_master_in_a_pod(
     for o in ours.values():
         assert o["metadata"]["ownerReferences"][0]["uid"] == pod.metadata.uid
         assert o["spec"]["nodeName"] == "node-1"
+        assert o["spec"]["containers"][0]["image"] == pod.spec.containers[0].image  # the step's, read from its pod
     master_ip = pod.status.pod_ip
     assert all(f"--master {master_ip}:" in " ".join(o["spec"]["containers"][0]["command"]) for o in ours.values())
     # pods on one node share no /dev/shm: pushes went as bytes over gRPC, as between two nodes
@@ -442,6 +468,7 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(
         worker_memory="256Mi",
         worker_priority_class="elastic-low",
         ps_priority_class="elastic-high",
+        worker_image=WORKER_IMAGE,
         progress="off",
     )
     backend = KubernetesBackend.from_train_config(
@@ -483,16 +510,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
     t_full = ledger.records_committed_total()
     # a high-priority pod that does not fit: the real scheduler preempts a worker
     t0 = time.monotonic()
-    intruder = {
-        "metadata": {"name": "intruder"},
-        "spec": {
-            "priorityClassName": "elastic-high",
-            "terminationGracePeriodSeconds": 1,
-            "restartPolicy": "Never",
-            **PLACEMENT,
-            "containers": [{"name": "main", "image": "x", "command": SLEEPER, "resources": {"requests": {"cpu": "1"}}}],
-        },
-    }
+    intruder = intruder_pod(PLACEMENT, SLEEPER)
     core.create_namespaced_pod(namespace, intruder)
     lost = wait_for(lambda: [e for e in coord.timeline.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]

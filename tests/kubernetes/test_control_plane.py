@@ -17,7 +17,10 @@ from tests.infra.kube.harness import ControlPlaneError, wait_for
 from tests.infra.kube.harness.pod import Image
 from tests.infra.kube.harness.process import alive, stopped
 
-pytestmark = pytest.mark.kubernetes
+# The harness's self-tests: plain pods that exercise the process kubelet (hostPath volumes among them), not the
+# project's pods, so their namespaces enforce no Pod Security level; tests/kubernetes/test_pod_security.py checks
+# the restricted level itself.
+pytestmark = [pytest.mark.kubernetes, pytest.mark.pod_security("privileged")]
 
 POOL = "elastic-step-test/pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "preemption", "effect": "NoSchedule"}
@@ -826,3 +829,73 @@ def test_service_account_token_from_outside_a_pod(control_plane, namespace):
 
     other = client.CoreV1Api(config.new_client_from_config(str(kubeconfig)))
     assert other.list_namespaced_pod(namespace).items == []
+
+
+# ------------------------------------------------------------------------------ probes (probes.py)
+PROBED = """
+import http.server, os, sys
+
+flag = sys.argv[1]
+
+
+class Answer(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # /live, /ready: 500 while the test's flag file for that path exists
+        self.send_response(500 if os.path.exists(flag + self.path.replace("/", "-")) else 200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer((os.environ["PROCESS_KUBELET_POD_IP"], 8080), Answer).serve_forever()
+"""
+
+
+def test_liveness_and_readiness_probes_fire_as_a_kubelet_s(core, node, namespace, tmp_path):
+    """Readiness holds the pod not Ready until it passes, and takes Ready away when it fails; a failing liveness
+    probe kills the container, which restarts under the pod's restartPolicy (its restartCount counted), with the
+    kubelet's Events. The flags, not time, say when each probe fails."""
+    flag = str(tmp_path / "flag")
+    probe = {"periodSeconds": 1, "timeoutSeconds": 1}
+    body = pod_body(
+        "probed",
+        [sys.executable, "-c", PROBED, flag],
+        restart="Always",
+        terminationGracePeriodSeconds=2,
+    )
+    body["spec"]["containers"][0].update(
+        ports=[{"name": "health", "containerPort": 8080}],
+        livenessProbe={"httpGet": {"path": "/live", "port": "health"}, "failureThreshold": 2, **probe},
+        readinessProbe={"httpGet": {"path": "/ready", "port": 8080}, "failureThreshold": 1, **probe},
+    )
+    open(flag + "-ready", "w").close()  # not ready from the start
+    core.create_namespaced_pod(namespace, body)
+
+    def ready() -> bool:
+        pod = read(core, namespace, "probed")
+        conditions = {c.type: c.status for c in (pod.status.conditions or [])} if pod else {}
+        return conditions.get("Ready") == "True"
+
+    def status():
+        return read(core, namespace, "probed").status.container_statuses[0]
+
+    wait_phase(core, namespace, "probed", ("Running",))
+    wait_for(lambda: status().state.running is not None, 60, what="the server running")
+    assert not ready() and not status().ready
+    os.unlink(flag + "-ready")
+    wait_for(ready, 30, what="Ready once the readiness probe passes")
+    open(flag + "-ready", "w").close()
+    wait_for(lambda: not ready(), 30, what="not Ready once the readiness probe fails")
+    os.unlink(flag + "-ready")
+    wait_for(ready, 30, what="Ready again")
+    assert status().restart_count == 0
+    open(flag + "-live", "w").close()
+    wait_for(lambda: status().restart_count == 1, 60, what="the container restarted by its liveness probe")
+    os.unlink(flag + "-live")
+    wait_for(ready, 60, what="the restarted container Ready")
+    assert status().restart_count == 1 and status().last_state.terminated is not None
+    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=probed").items
+    said = {(e.reason, e.message) for e in events}
+    assert ("Unhealthy", "Liveness probe failed: HTTP probe failed with statuscode: 500") in said, said
+    assert ("Unhealthy", "Readiness probe failed: HTTP probe failed with statuscode: 500") in said, said
+    assert ("Killing", "Container main failed liveness probe, will be restarted") in said, said

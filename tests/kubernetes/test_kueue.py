@@ -8,6 +8,7 @@ from kubernetes import client, watch
 
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.kueue import ADMISSION_GATE, PRIORITY_LABEL, QUEUE_LABEL
+from tests.kubernetes.pod_security import restricted
 
 pytestmark = pytest.mark.kubernetes
 
@@ -16,16 +17,23 @@ def pod(name: str, *, queue: str | None = "q", cpu: str = "1", priority: str | N
     labels = {QUEUE_LABEL: queue} if queue else {}
     if priority:
         labels[PRIORITY_LABEL] = priority
-    return {
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {"name": "main", "image": "none", "command": ["sleep", "600"], "resources": {"requests": {"cpu": cpu}}}
-            ],
-        },
-    }
+    return restricted(
+        {
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": "none",
+                        "command": ["sleep", "600"],
+                        "resources": {"requests": {"cpu": cpu}},
+                    }
+                ],
+            },
+        }
+    )
 
 
 def gated(p: client.V1Pod) -> bool:

@@ -9,11 +9,20 @@ from __future__ import annotations
 import pytest
 
 from elastic_step.backends.api import InstanceId, InstanceSpec
-from elastic_step.backends.kubernetes import KubernetesBackend
+from elastic_step.backends.kubernetes import KubernetesBackend, Owner
 from elastic_step.backends.kubernetes.settings import SPOT_AUTO, from_task_config
+from elastic_step.errors import ConfigError
 from elastic_step.master.api import TrainConfig
 from tests.infra.kube.harness import wait_for
-from tests.kubernetes.test_backend import SLEEPER, job_pods, sa_kubeconfig  # noqa: F401
+from tests.kubernetes.jobs import WORKER_IMAGE
+from tests.kubernetes.test_backend import (  # noqa: F401
+    SLEEPER,
+    STEP_IMAGE,
+    job_pods,
+    sa_kubeconfig,
+    secret_exists,
+    sleeper_pod,
+)
 from tests.unit.backends.test_k8s_settings import INJECTED, task_config
 
 pytestmark = pytest.mark.kubernetes
@@ -89,3 +98,37 @@ def test_the_parameters_and_the_task_config_dress_each_role_s_pods(
         assert volumes["v"].persistent_volume_claim.claim_name == "v"
         assert {(m.name, m.mount_path) for m in c.volume_mounts} >= {("emptydir-scratch", "/scratch"), ("v", "/data")}
         assert spec.service_account_name == "training" and spec.automount_service_account_token is False
+
+
+def test_the_pods_run_the_step_s_image_and_gpu_pods_its_gpu_variant(
+    control_plane, core, node, namespace, sa_kubeconfig, caplog
+):
+    """No worker_image: each role's image is read from the step's pod (its `main` container), the GPU variant for a
+    role with accelerators; worker_image wins, with a warning when GPU pods get an image without the GPU suffix;
+    outside a pod with no image given, a ConfigError names what to set, before the job's Secret or any pod exists."""
+    owner = sleeper_pod(core, namespace, "step", image=STEP_IMAGE)
+
+    def backend(job: str, own: bool = True, **values):
+        cfg = TrainConfig(model_def="m.py", train_data="t", output="o", **values).validate()
+        return KubernetesBackend.from_train_config(
+            cfg,
+            job,
+            "t",
+            kubeconfig=str(sa_kubeconfig),
+            namespace=namespace,
+            owner=Owner(owner.metadata.name, owner.metadata.uid) if own else None,
+        )
+
+    b = backend("step-image", worker_accelerators=f"{GPU}=1")
+    b.close()
+    assert b.images == {"worker": f"{STEP_IMAGE}-gpu", "ps": STEP_IMAGE}
+    with caplog.at_level("WARNING", "elastic_step.backends.kubernetes"):
+        b = backend("given-image", worker_accelerators=f"{GPU}=1", worker_image=WORKER_IMAGE)
+        b.close()
+    assert b.images == {"worker": WORKER_IMAGE, "ps": WORKER_IMAGE}
+    assert "GPUs they hold sit idle, paid for" in caplog.text and f"{GPU}=1" in caplog.text, caplog.text
+    with pytest.raises(ConfigError) as e:
+        backend("no-image", own=False)
+    assert "worker_image is not set and the master does not run in a pod" in str(e.value), e.value
+    assert "--worker-image" in str(e.value)
+    assert job_pods(core, namespace, "no-image") == [] and not secret_exists(core, namespace, "no-image-token")

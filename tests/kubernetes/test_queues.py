@@ -19,6 +19,7 @@ from kubernetes import client
 
 from tests.infra.kube.harness import wait_for
 from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held, tally_job, train
+from tests.kubernetes.pod_security import restricted
 from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig, secret_exists  # noqa: F401
 from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
 
@@ -62,25 +63,27 @@ def urgent_pod(core, namespace: str, name: str, queue: str, cpu: str, priority_c
     """Another team's workload in a queue: a plain pod Kueue admits (or not) by its quota and priority."""
     core.create_namespaced_pod(
         namespace,
-        {
-            "metadata": {"name": name, "labels": {"kueue.x-k8s.io/queue-name": queue}},
-            "spec": {
-                "restartPolicy": "Never",
-                "terminationGracePeriodSeconds": 1,
-                "priorityClassName": priority_class,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": "busybox",
-                        "command": ["sleep", "3600"],
-                        "resources": {
-                            "requests": {"cpu": cpu, "memory": "1Gi"},
-                            "limits": {"cpu": cpu, "memory": "1Gi"},
-                        },
-                    }
-                ],
-            },
-        },
+        restricted(
+            {
+                "metadata": {"name": name, "labels": {"kueue.x-k8s.io/queue-name": queue}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "terminationGracePeriodSeconds": 1,
+                    "priorityClassName": priority_class,
+                    "containers": [
+                        {
+                            "name": "main",
+                            "image": "busybox",
+                            "command": ["sleep", "3600"],
+                            "resources": {
+                                "requests": {"cpu": cpu, "memory": "1Gi"},
+                                "limits": {"cpu": cpu, "memory": "1Gi"},
+                            },
+                        }
+                    ],
+                },
+            }
+        ),
     )
 
 

@@ -24,6 +24,7 @@ import yaml
 from hera.workflows import models
 
 from elastic_step.backends.kubernetes import _JOB_ID
+from elastic_step.backends.kubernetes.security import restricted_violations
 from elastic_step.cli import build_parser
 from elastic_step.errors import ConfigError, JobFailed, StepTerminated
 from elastic_step.master import health
@@ -386,13 +387,22 @@ def test_the_training_step_is_probed_on_the_masters_health_endpoint():
             assert "livenessProbe" not in t.get("container", {}), name
 
 
-def test_pods_run_as_the_image_user_in_a_writable_work_dir():
+def test_pods_run_as_the_image_user_in_a_writable_work_dir_and_pass_restricted():
     spec = load("train-eval-template.yaml")["spec"]
-    assert spec["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000}
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
     for name, t in templates().items():
         if "container" in t:
             assert t["volumes"] == [{"name": "work", "emptyDir": {}}], name
             assert t["container"]["volumeMounts"] == [{"name": "work", "mountPath": "/work"}], name
+            # the step's pod as Argo makes it, less Argo's own init and wait containers (compliant on their own)
+            pod = {"securityContext": spec["securityContext"], "volumes": t["volumes"], "containers": [t["container"]]}
+            assert restricted_violations(pod) == [], name
 
 
 # ---------------------------------------------------------------- the cron, and the account it runs as

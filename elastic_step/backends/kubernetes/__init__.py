@@ -12,6 +12,7 @@ One module per concern, each documenting its part of the semantics:
     secret.py       the job's token Secret, kept across a restart
     permissions.py  the verbs the Role must grant, checked up front; refusals as errors
     config.py       credentials, namespace, owner, the master's address, extra pod spec fields
+    image.py        the pods' image: the step's own (its GPU variant for GPU roles) unless worker_image is set
     settings.py     the pod settings of each role (resources, placement, spot, env, volumes), parsed once
     errors.py       KubernetesBackendError, KubernetesPermissionError
 """
@@ -19,7 +20,6 @@ One module per concern, each documenting its part of the semantics:
 # The names below are what code imported from the single module this package replaced.
 from elastic_step.backends.kubernetes.backend import KubernetesBackend
 from elastic_step.backends.kubernetes.config import (
-    DEFAULT_IMAGE,
     NAMESPACE_ENV,
     POD_IP_ENV,
     POD_LABELS_ENV,
@@ -45,7 +45,6 @@ from elastic_step.backends.kubernetes.pods import (
 )
 
 __all__ = [
-    "DEFAULT_IMAGE",
     "DEFAULT_PRIORITY",
     "KubernetesBackend",
     "KubernetesBackendError",

@@ -17,12 +17,12 @@ import re
 import threading
 import time
 
-from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
+from elastic_step.backends.api import ROLES, Backend, EventKind, InstanceEvent, InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes import kueue
 from elastic_step.backends.kubernetes.adoption import adopt, compatible, launch_number, reown_patch
 from elastic_step.backends.kubernetes.config import (
-    DEFAULT_IMAGE,
     NAMESPACE_ENV,
+    POD_SPEC_ENV,
     Owner,
     load_api_client,
     load_pod_labels,
@@ -32,6 +32,7 @@ from elastic_step.backends.kubernetes.config import (
 )
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError, KubernetesPermissionError
 from elastic_step.backends.kubernetes.events import EventRecorder
+from elastic_step.backends.kubernetes.image import container_image, no_step_pod, role_images, step_pod_name
 from elastic_step.backends.kubernetes.pending import due, read_workloads, what_holds
 from elastic_step.backends.kubernetes.permissions import check_permissions, translate
 from elastic_step.backends.kubernetes.pods import (
@@ -47,6 +48,7 @@ from elastic_step.backends.kubernetes.pods import (
     track,
 )
 from elastic_step.backends.kubernetes.secret import ensure_secret
+from elastic_step.backends.kubernetes.security import restricted_violations
 from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.backends.kubernetes.watch import PodWatch, apply_pod, overdue_loss, transition
 from elastic_step.errors import ConfigError
@@ -100,7 +102,6 @@ class KubernetesBackend(Backend):
         self.api = api_client
         self.core = kubernetes.client.CoreV1Api(api_client)
         self.namespace = namespace or os.environ.get(NAMESPACE_ENV) or ns_hint or "default"
-        self.image = image or DEFAULT_IMAGE
         self.owner = Owner.from_env() if owner == "env" else owner
         self.pod_spec = load_pod_spec(pod_spec)
         self.pod_labels = load_pod_labels(pod_labels)
@@ -135,6 +136,13 @@ class KubernetesBackend(Backend):
                 kueue.NEEDED if queue else (),
                 kueue.WANTED if queue else None,
             )
+        step_pod = self.owner.name if self.owner else step_pod_name(in_cluster)
+        self.images = role_images(
+            image,
+            lambda: self._step_image(step_pod),
+            {role: self.settings.role(role).accelerators for role in ROLES},
+        )
+        self._check_pod_security()
         if queue:
             kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
         self.token, self.token_reused = ensure_secret(
@@ -214,6 +222,23 @@ class KubernetesBackend(Backend):
                 f"{reason}). Check that KUBECONFIG, or the service account of the step's pod, points at a "
                 "running cluster that this process can reach, or use --backend local."
             ) from None
+
+    def _step_image(self, pod_name: str | None) -> str:
+        """The image of the step's own pod (image.py)."""
+        if not pod_name:
+            raise no_step_pod()
+        r = self._call(
+            "get", "pods", self.core.read_namespaced_pod, pod_name, self.namespace, ok=(404,), _preload_content=False
+        )
+        if r is None:
+            raise ConfigError(
+                f"worker_image is not set and the step's pod {pod_name} (whose image the workers and parameter servers "
+                f"run by default) is not in namespace {self.namespace}: set worker_image to their image, or run the "
+                "step in that namespace."
+            )
+        image = container_image(json.loads(r.data))
+        log.info("job %s: workers and parameter servers run the step's image %s (pod %s)", self.job_id, image, pod_name)
+        return image
 
     # ---------------------------------------------------------------- listing
     def _list(self) -> dict:
@@ -414,6 +439,36 @@ class KubernetesBackend(Backend):
         self._watcher.join(5)
 
     # ---------------------------------------------------------------- pods
+    def _body(self, launch: _Launch) -> dict:
+        return pod_body(
+            launch,
+            job_id=self.job_id,
+            namespace=self.namespace,
+            image=self.images[launch.spec.id.role],
+            secret_name=self.secret_name,
+            grace_s=self.grace_s,
+            pod_spec=self.pod_spec,
+            default_priority=self._default_priority.get(launch.spec.id.role),
+            owner_refs=owner_refs(self.owner),
+            pod_labels=self.pod_labels,
+            queue=self.queue,
+            num_ps=self.num_ps,
+            settings=self.settings,
+        )
+
+    def _check_pod_security(self) -> None:
+        """The pods the job would create, checked against the restricted Pod Security level (security.py) before
+        any exists: what breaks it came from ELASTIC_STEP_POD_SPEC or the pod settings."""
+        for role in ROLES:
+            launch = _Launch(InstanceSpec(InstanceId(role, 0), ["elastic-step"]), 1, name=f"{self.job_id}-{role}-0")
+            broken = restricted_violations(self._body(launch)["spec"])
+            if broken:
+                raise ConfigError(
+                    f"The {role} pods would break the restricted Pod Security Standard, which many namespaces enforce: "
+                    f"{'; '.join(broken)}. The backend's pods pass it; remove what {POD_SPEC_ENV} or the pod "
+                    "settings (volumes) change there."
+                )
+
     def _create(self, launch: _Launch) -> None:
         inst = launch.spec.id
         for _ in range(10):
@@ -422,21 +477,7 @@ class KubernetesBackend(Backend):
                 name += f"-{launch.number}"
             with self._lock:
                 launch.name = name
-            body = pod_body(
-                launch,
-                job_id=self.job_id,
-                namespace=self.namespace,
-                image=self.image,
-                secret_name=self.secret_name,
-                grace_s=self.grace_s,
-                pod_spec=self.pod_spec,
-                default_priority=self._default_priority.get(inst.role),
-                owner_refs=owner_refs(self.owner),
-                pod_labels=self.pod_labels,
-                queue=self.queue,
-                num_ps=self.num_ps,
-                settings=self.settings,
-            )
+            body = self._body(launch)
             try:
                 r = self._call(
                     "create",

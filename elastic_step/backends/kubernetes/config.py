@@ -10,16 +10,16 @@ import os
 import pathlib
 import socket
 
-from elastic_step import __version__
+from elastic_step.backends.api import ROLES
 from elastic_step.backends.kubernetes.errors import KubernetesBackendError
 from elastic_step.errors import ConfigError
 
-DEFAULT_IMAGE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
 POD_IP_ENV = "ELASTIC_STEP_POD_IP"
 POD_SPEC_ENV = "ELASTIC_STEP_POD_SPEC"
 POD_LABELS_ENV = "ELASTIC_STEP_POD_LABELS"
 NAMESPACE_ENV = "ELASTIC_STEP_NAMESPACE"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+BACKEND_CONTAINER_FIELDS = ("image", "command", "args")  # a container's fields the backend alone sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,8 @@ def master_host(in_cluster: bool) -> str:
 
 def load_pod_spec(pod_spec: dict | None) -> dict:
     """The pod spec fields merged into every pod: `pod_spec`, else `ELASTIC_STEP_POD_SPEC` (JSON),
-    else none. The backend builds the container itself."""
+    else none. Its `containers` are merged by name into the role's container (`worker`, `ps`): any field but the
+    image and the command, which the backend sets."""
     spec_env = os.environ.get(POD_SPEC_ENV)
     try:
         pod_spec = pod_spec if pod_spec is not None else json.loads(spec_env) if spec_env else {}
@@ -121,8 +122,25 @@ def load_pod_spec(pod_spec: dict | None) -> dict:
             '{"nodeSelector": {"pool": "training"}}, not ' + type(pod_spec).__name__ + "."
         )
     pod_spec = dict(pod_spec)
-    if "containers" in pod_spec:
-        raise ConfigError(f"{POD_SPEC_ENV} may not set containers: the backend builds the container.")
+    example = '{"containers": [{"name": "worker", "securityContext": {"readOnlyRootFilesystem": true}}]}'
+    containers = pod_spec.get("containers", [])
+    if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
+        raise ConfigError(
+            f"{POD_SPEC_ENV}: containers must be a list of objects, each named by a role, e.g. {example}."
+        )
+    for c in containers:
+        if c.get("name") not in ROLES:
+            raise ConfigError(
+                f"{POD_SPEC_ENV}: the container {c.get('name')!r} is not one the backend builds: containers are merged "
+                f"by name into the role's container ({', '.join(ROLES)}), and no other container is added (a sidecar "
+                f"would keep a finished worker's pod running), e.g. {example}."
+            )
+        own = sorted(set(c) & set(BACKEND_CONTAINER_FIELDS))
+        if own:
+            raise ConfigError(
+                f"{POD_SPEC_ENV}: the {c['name']} container may not set {', '.join(own)}: the backend sets it (the "
+                "image with worker_image, the command from the job), e.g. " + example + "."
+            )
     return pod_spec
 
 

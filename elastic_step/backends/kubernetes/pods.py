@@ -7,18 +7,18 @@ the Secret `<job>-token` (`secretKeyRef`, never a literal), `ELASTIC_STEP_POD_IP
 downward API (`status.podIP`: a PS serves and advertises on it); requests = limits = the
 instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `elastic-high`
 for PS, when the cluster has them: see manifests/priorityclasses.yaml); restartPolicy Never;
-no service-account token; terminationGracePeriodSeconds 30; an ownerReference
-(blockOwnerDeletion false) to the step's pod: `KFP_POD_NAME`/`KFP_POD_UID`, else the master's
-own pod (`POD_NAME`/`POD_UID` from the downward API), else none. The job's pod settings (resources,
-tolerations, node selector, affinity, service account, env, volumes, spot: settings.py) dress each role's
-pods. `ELASTIC_STEP_POD_SPEC` (JSON, an escape hatch under those settings) is merged into every pod's spec:
-imagePullSecrets, schedulerName...; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling
-PodGroup's `scheduling.x-k8s.io/pod-group` on the workers.
+the `restricted` Pod Security level's security context (security.py); no service-account token;
+terminationGracePeriodSeconds 30; an ownerReference (blockOwnerDeletion false) to the step's pod:
+`KFP_POD_NAME`/`KFP_POD_UID`, else the master's own pod (`POD_NAME`/`POD_UID` from the downward API), else
+none. The job's pod settings (resources, tolerations, node selector, affinity, service account, env, volumes,
+spot: settings.py) dress each role's pods. `ELASTIC_STEP_POD_SPEC` (JSON, an escape hatch under those settings)
+is merged into every pod's spec: imagePullSecrets, schedulerName, a securityContext, and fields of the role's
+container by its name; `ELASTIC_STEP_POD_LABELS` (JSON, by role) adds labels, e.g. a coscheduling PodGroup's
+`scheduling.x-k8s.io/pod-group` on the workers.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 import threading
@@ -27,6 +27,7 @@ import time
 from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.config import POD_IP_ENV
 from elastic_step.backends.kubernetes.kueue import eviction_cause, queue_metadata
+from elastic_step.backends.kubernetes.security import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, merge
 from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.errors import ConfigError
 from elastic_step.instance import TOKEN_ENV
@@ -171,23 +172,30 @@ def pod_body(
     ]
     env += [{"name": k, "value": v} for k, v in spec.env.items() if k not in (TOKEN_ENV, POD_IP_ENV)]
     quantities = {k: v for k, v in (("cpu", spec.cpu), ("memory", spec.memory)) if v}
-    container = {
-        "name": inst.role,
-        "image": image,
-        "imagePullPolicy": "IfNotPresent",
-        "command": list(spec.argv),
-        "env": env,
-    }
+    # ELASTIC_STEP_POD_SPEC's container of this role is merged into the backend's (config.py); its own fields win.
+    given = next((c for c in pod_spec.get("containers", []) if c.get("name") == inst.role), {})
+    container = merge({"imagePullPolicy": "IfNotPresent", "securityContext": CONTAINER_SECURITY_CONTEXT}, given)
+    names = {e["name"] for e in env}
+    container.update(
+        name=inst.role,
+        image=image,
+        command=list(spec.argv),
+        env=[e for e in container.get("env", []) if e.get("name") not in names] + env,
+    )
     if quantities:
-        container["resources"] = {"requests": dict(quantities), "limits": dict(quantities)}
-    body_spec = {
+        container["resources"] = {
+            **container.get("resources", {}),
+            "requests": dict(quantities),
+            "limits": dict(quantities),
+        }
+    defaults = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": grace_s,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        **copy.deepcopy(pod_spec),
-        "containers": [container],
+        "securityContext": POD_SECURITY_CONTEXT,
     }
+    body_spec = {**merge(defaults, {k: v for k, v in pod_spec.items() if k != "containers"}), "containers": [container]}
     (settings or PodSettings()).dress(inst.role, body_spec, container)
     priority = spec.priority_class or default_priority
     if priority:

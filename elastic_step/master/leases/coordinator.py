@@ -173,13 +173,18 @@ class Coordinator:
             self._release(peer, f"unreachable from {reporter}", time.time())
 
     # ------------------------------------------------------------ RPC side
-    def register(self, inst: InstanceId, address: str) -> list[str]:
-        """An instance registers (a worker again and again while it waits for the shards). Returns the
-        shards' addresses, or empty ones while a worker may not push to them yet."""
+    def register(self, inst: InstanceId, address: str, device: str = "") -> list[str]:
+        """An instance registers (a worker again and again while it waits for the shards), a worker saying what it
+        trains on (`device`). Returns the shards' addresses, or empty ones while a worker may not push to them yet."""
         with self.lock:
-            if self.membership.registered(inst, address):
-                self.timeline.record("registered", str(inst), address)
-                log.info("%s registered%s", inst, f" at {address}" if address else "")
+            if self.membership.registered(inst, address, device):
+                self.timeline.record("registered", str(inst), address, **({"device": device} if device else {}))
+                log.info(
+                    "%s registered%s%s",
+                    inst,
+                    f" at {address}" if address else "",
+                    f", trains on {device}" * bool(device),
+                )
             if inst.role == "ps":
                 self.ps_addresses[inst.index] = address
                 if all(self.ps_addresses):

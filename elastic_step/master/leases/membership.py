@@ -34,6 +34,7 @@ class Membership:
         self.alive_samples: list[tuple[float, int]] = []
         self._training: set[InstanceId] = set()  # workers registered: kept as states change, counted at each
         self._workers: collections.Counter[str] = collections.Counter()  # workers by state, kept as states change
+        self.devices: dict[tuple[str, int], str] = {}  # (worker, launch) -> the device it said it trains on
 
     def _member(self, inst: InstanceId) -> Member:
         m = self.members.get(inst)
@@ -83,9 +84,12 @@ class Membership:
             self._set_state(m, "gone")
             self._sample(t)
 
-    def registered(self, inst: InstanceId, address: str = "") -> bool:
-        """True when this is the launch's first registration (or at a new address)."""
+    def registered(self, inst: InstanceId, address: str = "", device: str = "") -> bool:
+        """True when this is the launch's first registration (or at a new address). `device`: what a worker trains
+        on, kept per launch."""
         m = self._member(inst)
+        if inst.role == "worker" and device:
+            self.devices.setdefault((str(inst), m.launches), device)
         new = m.state != "registered" or m.address != address
         self._set_state(m, "registered")
         m.address, m.last_seen = address, time.time()
@@ -130,4 +134,6 @@ class Membership:
             "lost_by_cause": dict(sorted(self.lost_by_cause.items())),
             "relaunched": self.relaunched,
             "max_alive": self.max_alive,
+            # each worker launch's device, in the order they registered
+            "devices": [{"instance": i, "launch": n, "device": d} for (i, n), d in self.devices.items()],
         }

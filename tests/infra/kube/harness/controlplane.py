@@ -1,7 +1,7 @@
 """A real Kubernetes control plane on loopback, for tests.
 
 ``ControlPlane`` starts etcd, kube-apiserver (TLS, token authentication, ``Node,RBAC``
-authorization, the ``Priority`` and ``ServiceAccount`` admission plugins, service-account
+authorization, the ``Priority``, ``ServiceAccount`` and ``PodSecurity`` admission plugins, service-account
 token signing), kube-scheduler and kube-controller-manager (garbage collector, token and
 service-account controllers, node lifecycle) on 127.0.0.1 with free ports, in a temporary
 directory; writes an admin kubeconfig; and stops everything on exit. Nodes are added with
@@ -56,6 +56,7 @@ BUILD_SCRIPT = REPO / "scripts" / "build-control-plane"
 SERVICE_CIDR = "10.0.0.0/24"
 SERVICE_IP = "10.0.0.1"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
+POD_SECURITY_LABEL = "pod-security.kubernetes.io/enforce"  # the level a namespace's pods must pass
 
 
 class ControlPlaneError(RuntimeError):
@@ -411,7 +412,7 @@ class ControlPlane(Service):
                 "--authentication-token-webhook-cache-ttl=10s",
                 "--authorization-mode=Node,RBAC",
                 "--enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,Priority,"
-                "DefaultTolerationSeconds,ResourceQuota,NodeRestriction,MutatingAdmissionWebhook,"
+                "DefaultTolerationSeconds,ResourceQuota,NodeRestriction,PodSecurity,MutatingAdmissionWebhook,"
                 "ValidatingAdmissionWebhook",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -717,14 +718,16 @@ class ControlPlane(Service):
                 raise ControlPlaneError(f"node {name} not schedulable after {timeout}s: ready={ready} taints={taints}")
             time.sleep(0.2)
 
-    def create_namespace(self, name: str, timeout: float = 60.0) -> None:
+    def create_namespace(self, name: str, timeout: float = 60.0, pod_security: str | None = None) -> None:
         """Create a namespace and wait until pods can be created in it (its ``default``
-        service account and ``kube-root-ca.crt`` exist)."""
+        service account and ``kube-root-ca.crt`` exist). ``pod_security``: the Pod Security level its pods must
+        pass (``restricted``, ``baseline``; the PodSecurity admission plugin enforces it), else none (privileged)."""
         import kubernetes.client
 
         core = kubernetes.client.CoreV1Api(self.api_client())
+        labels = {POD_SECURITY_LABEL: pod_security} if pod_security else {}
         try:
-            core.create_namespace({"metadata": {"name": name}})
+            core.create_namespace({"metadata": {"name": name, "labels": labels}})
         except kubernetes.client.ApiException as e:
             if e.status != 409:
                 raise

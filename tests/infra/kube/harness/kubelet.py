@@ -35,6 +35,8 @@
   ``containerStatuses`` (and ``initContainerStatuses``); restartPolicy Always/OnFailure restart
   a container's process, counting its ``restartCount``; a failed init container fails the pod
   under restartPolicy Never;
+* runs the containers' ``httpGet`` liveness and readiness probes (probes.py): a failed liveness probe kills the
+  container, restarted under the pod's restartPolicy; readiness sets its Ready condition;
 * tells a pod's containers' exit codes (:meth:`ProcessKubelet.exit_codes`), a deleted one's whose kill is held too;
 * freezes a pod and resumes it (:meth:`ProcessKubelet.freeze`, :meth:`ProcessKubelet.resume`): SIGSTOP / SIGCONT
   to every process of its containers, for tests of hung workers; and holds a pod's kill
@@ -49,8 +51,8 @@ Logs: each container's stdout+stderr goes to ``<workdir>/pods/<ns>_<name>_<uid>/
 (:meth:`ProcessKubelet.log_path`), the kubelet's own log to ``<workdir>/kubelet.log``.
 
 Several kubelets can run in one process; pod addresses come from one allocator per
-process. Not implemented: probes, lifecycle hooks, resource enforcement, image entrypoints
-(a container needs a command), exec/logs/port-forward through the apiserver.
+process. Not implemented: startup, exec, tcpSocket and grpc probes, lifecycle hooks, resource enforcement,
+image entrypoints (a container needs a command), exec/logs/port-forward through the apiserver.
 """
 
 from __future__ import annotations

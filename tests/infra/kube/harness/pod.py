@@ -32,6 +32,7 @@ from pathlib import Path
 from tests.infra.zygote import client_argv
 
 from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
+from .probes import start_probes
 from .process import alive, die_with_parent, stopped, wait_for
 
 TERMINAL = ("Succeeded", "Failed")
@@ -163,8 +164,11 @@ class Container:
                 self.container_id = f"process://{k.name}/{self.proc.pid}"
                 self.state = {"running": {"startedAt": started}}
                 self.ready = self.started = not self.init
+                probes = start_probes(self)  # probes.py: a readiness probe holds it not ready until it passes
                 pod.publish()
                 code = self._wait()
+                if probes is not None:
+                    probes.stop()
                 reason, message = ("Completed" if code == 0 else "Error"), None
                 if code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
                     message = self._log_tail(log_start)
