@@ -104,3 +104,29 @@ def kueue_namespace(kueue, namespace):
     mark = len(kueue.cluster_objects)
     yield namespace
     kueue.delete_since(mark)
+
+
+@pytest.fixture(scope="session")
+def project_image():
+    """The runtime image (scripts/build-image: a no-op when built, else it builds, or waits on the lock of the build
+    scripts/test started in the background), unpacked once for runc (tests.infra.kube.harness.oci)."""
+    from tests.infra.kube.harness.oci import unpacked_image
+    from tests.infra.kube.harness.process import REPO, run_build
+
+    t0 = time.monotonic()
+    layout = run_build(REPO / "scripts" / "build-image", override_env="ELASTIC_STEP_IMAGE_LAYOUT")
+    image = unpacked_image(layout)
+    log.warning("runtime image %s: built and unpacked in %.1fs", layout, time.monotonic() - t0)
+    return image
+
+
+@pytest.fixture
+def image_node(node, project_image):
+    """``node``, running the pods of the project's image (ghcr.io/elastic-step/elastic-step) inside it under runc for
+    the test."""
+    from elastic_step.pipelines.argo import IMAGE
+
+    repository = IMAGE.rsplit(":", 1)[0]
+    node.oci_images[repository] = project_image
+    yield node
+    del node.oci_images[repository]
