@@ -121,12 +121,17 @@ def project_image():
 
 
 @pytest.fixture
-def image_node(node, project_image):
+def image_node(node, project_image, tmp_path_factory):
     """``node``, running the pods of the project's image (ghcr.io/elastic-step/elastic-step) inside it under runc for
-    the test."""
+    the test. Its containers see the repository's samples and this session's temporary directories at their own
+    paths (the node's shared filesystem): jobs.share_with_pods lets the image's user into one of them."""
     from elastic_step.pipelines.argo import IMAGE
+    from tests.infra.kube.harness.process import REPO
 
     repository = IMAGE.rsplit(":", 1)[0]
     node.oci_images[repository] = project_image
+    shared = node.shared_paths
+    node.shared_paths = (str(REPO / "samples"), str(tmp_path_factory.getbasetemp()))
     yield node
     del node.oci_images[repository]
+    node.shared_paths = shared

@@ -35,7 +35,7 @@ from elastic_step.errors import ElasticStepError
 from elastic_step.faults import api as faults
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.kubernetes.fleet import PodRecorder
-from tests.kubernetes.jobs import ROOT, SMALL, start_train, train, train_command, wait_two_workers
+from tests.kubernetes.jobs import ROOT, SMALL, share_with_pods, start_train, train, train_command, wait_two_workers
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
@@ -254,7 +254,7 @@ def digits(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("digits")
     r = prepare(str(ROOT / "samples" / "digits" / "digits.csv"), str(out), label="label", seed=0)
-    return {"train": r.train_uri, "eval": r.eval_uri, "rows": r.train.total_rows}
+    return {"train": r.train_uri, "eval": r.eval_uri, "rows": r.train.total_rows, "dir": out}
 
 
 @pytest.fixture(scope="module")
@@ -341,11 +341,16 @@ def check_pods_and_events(b, core, namespace, owner, tmp_path):
 
 
 def test_digits_trains_with_the_master_in_a_pod(
-    control_plane, core, node, namespace, digits, priority_classes, tmp_path
+    control_plane, core, image_node, namespace, digits, priority_classes, tmp_path
 ):
     """The step as Kubernetes runs it: the master is a pod of service account elastic-step (in-cluster
     config, namespace from the token's directory, owner = its own pod via the downward API), with the
-    default backend, auto: in a pod whose service account holds the Role's verbs, that means pods."""
+    default backend, auto: in a pod whose service account holds the Role's verbs, that means pods. The step, its
+    workers and its PS run inside the runtime image (scripts/build-image) under runc, as its user; the step's
+    command is the image's entrypoint, `elastic-step train ...`."""
+    node = image_node
+    share_with_pods(digits["dir"])
+    share_with_pods(tmp_path, writable=True)
     step_account(control_plane, namespace)
     recorder = PodRecorder(core, namespace)
     out, job = tmp_path / "out", "digits-k8s"
@@ -368,7 +373,7 @@ def test_digits_trains_with_the_master_in_a_pod(
                         "name": "main",
                         "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
                         "env": env,
-                        "command": train_command(
+                        "args": train_command(
                             job_id=job,
                             model_def=DIGITS_MODEL,
                             train_data=digits["train"],
@@ -378,7 +383,7 @@ def test_digits_trains_with_the_master_in_a_pod(
                             **SMALL,
                             num_ps=1,
                             progress="lines",
-                        ),
+                        )[3:],  # `train ...`, after the image's entrypoint
                     }
                 ],
             },
