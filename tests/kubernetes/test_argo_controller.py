@@ -4,8 +4,8 @@ containers, the emissary executor) run on the process kubelet, and Argo decides 
 from __future__ import annotations
 
 import json
+import platform
 import re
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -16,7 +16,8 @@ from kubernetes import client
 
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.argo import ArgoController
-from tests.infra.kube.harness.pod import Image
+from tests.kubernetes.conftest import in_the_image
+from tests.kubernetes.jobs import share_with_pods
 from tests.kubernetes.test_backend import PodRecorder, priority_classes  # noqa: F401
 
 pytestmark = pytest.mark.kubernetes
@@ -26,11 +27,11 @@ PROJECT_IMAGE = "ghcr.io/elastic-step/elastic-step"  # the shipped YAMLs' image:
 
 
 @pytest.fixture(scope="module")
-def argo(control_plane, node):
-    with ArgoController(control_plane) as controller:
+def argo(control_plane, node, project_image, tmp_path_factory):
+    """Argo's controller, its executor's image mapped to the built argoexec; the project's image runs inside the
+    built runtime image under runc (Argo's emissary, a static binary, runs there too)."""
+    with ArgoController(control_plane) as controller, in_the_image(node, project_image, tmp_path_factory):
         node.images.update(controller.images)
-        # The project's image is this checkout and its environment, visible under /work's emptyDir.
-        node.images[PROJECT_IMAGE] = Image((Path(sys.executable).parent,), (REPO, Path(sys.prefix)))
         yield controller
 
 
@@ -156,7 +157,7 @@ def test_a_dag_passing_a_parameter_runs_to_success_on_argos_controller(control_p
     assert_succeeded(done, control_plane, namespace, "hello", argo.log()[-3000:])
     say = next(n for n in nodes if n.get("displayName") == "say")
     msg = next(p["value"] for p in say["outputs"]["parameters"] if p["name"] == "msg")
-    assert msg.startswith("hi from ")
+    assert msg.startswith("hi from ") and msg != f"hi from {platform.node()}"  # its own hostname: in the image
     assert f"got {msg}" in pod_logs(control_plane, namespace, "hello", "echo")
 
 
@@ -231,9 +232,11 @@ def shipped_template_probe() -> dict:
 
 
 @pytest.fixture
-def pipeline_ns(control_plane, namespace, s3_server, priority_classes):
+def pipeline_ns(control_plane, namespace, s3_server, priority_classes, tmp_path):
     """A namespace set up as pipelines/argo/README.md tells a platform team: the shipped RBAC, an
-    artifact repository, the shipped WorkflowTemplate."""
+    artifact repository, the shipped WorkflowTemplate. The test's tmp_path, where its sources, models and outputs
+    go, is open to the image's user."""
+    share_with_pods(tmp_path, writable=True)
     apply_rbac(control_plane, namespace)
     artifact_repository(control_plane, namespace, s3_server, "artifacts")
     return namespace
@@ -400,6 +403,8 @@ def argo_pool(control_plane, argo, node):
         "argo-pool", cpu="3", memory="16Gi", pods=30, labels={POOL_LABEL: "yes"}, taints=[POOL_TAINT]
     )
     pool.images.update(node.images)
+    pool.oci_images.update(node.oci_images)  # the project's image, as on node
+    pool.shared_paths = node.shared_paths
     return pool
 
 

@@ -197,3 +197,28 @@ def test_the_projects_programs_are_forked_in_the_image_from_its_own_zygote_as_th
     assert uid == "1000"
     core.delete_namespaced_pod("worker", namespace, grace_period_seconds=0)
     wait_for(lambda: not alive(instance), 60, what="the forked worker gone with its pod")
+
+
+def test_the_image_holds_the_pinned_extras_the_docs_promise_and_no_build_tools(project_image):
+    """What image.json records and the root filesystem holds: the project at its version, TensorFlow, Keras, kfp,
+    gcsfs and s3fs at constraints.txt's pins, TensorBoard's event writer (TensorFlow's tf.summary); no pip, no
+    compiler, no pip cache; the numeric user and the CLI as entrypoint."""
+    from packaging.utils import canonicalize_name
+
+    from tests.unit.test_image import VERSION, pins
+
+    rootfs = project_image.rootfs
+    record = json.loads((rootfs / "opt" / "elastic-step" / "image.json").read_text())
+    installed = {canonicalize_name(n): v for n, v in (p.split("==", 1) for p in record["python"])}
+    pinned = pins()
+    assert (record["version"], record["variant"], installed["elastic-step"]) == (VERSION, "cpu", VERSION)
+    for name in ("tensorflow-cpu", "keras", "kfp", "gcsfs", "s3fs", "fsspec", "pyarrow", "kubernetes", "hera"):
+        assert installed[name] == pinned[name], name
+    site = rootfs / "opt" / "elastic-step" / "lib" / "python3.11" / "site-packages"
+    assert (site / "tensorflow" / "python" / "ops" / "summary_ops_v2.py").exists()  # tf.summary's writer
+    assert "pip" not in installed and not (rootfs / "opt" / "elastic-step" / "bin" / "pip").exists()
+    assert not any((rootfs / "usr" / "bin" / tool).exists() for tool in ("gcc", "cc", "g++", "make"))
+    assert not (rootfs / "root" / ".cache").exists()
+    assert any(p.startswith("python3.11=") for p in record["debian"])
+    assert project_image.user() == (1000, 1000)
+    assert project_image.process["args"] == ["elastic-step"]

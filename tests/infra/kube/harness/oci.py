@@ -153,7 +153,8 @@ class RuncContainer:
             },
             # An overlay even when read-only: runc makes the volumes' mount points in its upper layer, not the image's.
             "root": {"path": str(self.bundle / "rootfs"), "readonly": read_only},
-            "hostname": hostname,
+            # the kubelet's: a pod name longer than a hostname may be is cut to 63 characters
+            "hostname": hostname[:63].rstrip("-."),
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
                 {

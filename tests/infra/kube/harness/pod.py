@@ -145,7 +145,8 @@ class Container:
                     if forks_in_image(argv):  # forked from the image's own zygote, preloaded
                         process, client = ImageZygote(oci, k.workdir).client(argv)
                         extra.append(client)
-                    self.runc.configure(pod.pod, self.spec, process, env, [*extra, *mounts], pod.pod_name)
+                    mounts_in_order = sorted([*extra, *mounts], key=lambda m: m.target.count("/"))  # parents first
+                    self.runc.configure(pod.pod, self.spec, process, env, mounts_in_order, pod.pod_name)
                     wrapped, popen_env, popen_cwd = self.runc.argv(), {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, None
                 else:
                     if not self.spec.get("command"):
