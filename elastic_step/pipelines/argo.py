@@ -5,7 +5,7 @@ built with Hera and rendered to YAML under pipelines/argo/ by `elastic-step comp
 The DAG is the KFP pipeline's (elastic_step/pipelines/train_eval.py), and so are its parameters: the
 job spec's pipeline parameters (elastic_step/spec.py), with dashes. Data prep → elastic train →
 evaluate → publish, the last only when the evaluation passed the gate. Each step is a container
-running the `elastic-step` CLI in the runtime image (images/Dockerfile); the prepared data and the
+running the `elastic-step` CLI in the runtime image (scripts/build-image); the prepared data and the
 model pass between steps as Argo artifacts (so an artifact repository must be configured, as for
 any Argo workflow that passes artifacts). The training report and summary are output artifacts of
 the training step, not archived, so the Argo UI shows the report. The CronWorkflow uses `schedules`

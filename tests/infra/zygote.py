@@ -15,6 +15,10 @@ imports them once and, for each request over an abstract Unix socket, forks a *k
   kubelet reads the status a fresh interpreter would have left; the container's end kills every process of its
   PID namespace, the program included, and the keeper kills the program when its client is gone.
 
+In the project's image (tests/infra/kube/harness/oci.py) the zygote is this file run by the image's Python inside
+the image under runc, and the client the image's Python too: the program is forked with the client's user, groups
+and no_new_privs, so it runs as the container's user, on the image's code, in the container's root and volumes.
+
 The program runs in a session of its own, as `python -m MODULE ARGS` (the product's run_as_main, as the preloader's
 instances do). Only `python -m elastic_step.*` with this interpreter is forked (backends/preloaded.py's
 `preloadable`), and in a container only as root (one with a user namespace of its own would need the keeper in
@@ -33,13 +37,16 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
 CLIENT = Path(__file__).with_name("zygote_client.py")
 
 _lock = threading.Lock()
-_zygote: tuple[subprocess.Popen, str] | None = None  # this test process's zygote, and its socket's name
+# this test process's zygotes, by what they run in ("" for this interpreter; an image's root filesystem), each with
+# its socket's name
+_zygotes: dict[str, tuple[subprocess.Popen, str]] = {}
 _alive_w: list[int] = []  # pipes' write ends, open for this test process's life: their EOF ends its zygotes
 
 
@@ -116,19 +123,21 @@ def run(argv: list[str], *, cwd: str, env: dict[str, str], timeout: float) -> su
     return subprocess.CompletedProcess(argv, code, out, err)
 
 
-def _started() -> str:
-    """The zygote's socket name, the zygote started once per test process (it imports for seconds: a client that
-    connects meanwhile waits in the socket's backlog)."""
-    global _zygote
+def _started(key: str = "", command: Callable[[int, int], list[str]] | None = None) -> str:
+    """The socket name of the zygote `key`, started once per test process (it imports for seconds: a client that
+    connects meanwhile waits in the socket's backlog). `command(listener, alive)`, when given, is the zygote's
+    command line, which hands it the two descriptors as 3 and 4 (an image's zygote: oci.py); by default it is this
+    interpreter running this file."""
     with _lock:
-        if _zygote is None or _zygote[0].poll() is not None:
+        if key not in _zygotes or _zygotes[key][0].poll() is not None:
             name = f"elastic-step-zygote-{os.getpid()}-{secrets.token_hex(4)}"
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind("\0" + name)
             listener.listen(128)
             alive_r, alive_w = os.pipe()  # EOF tells the zygote that this process is gone
+            argv = [sys.executable, __file__, str(listener.fileno()), str(alive_r)]
             proc = subprocess.Popen(
-                [sys.executable, __file__, str(listener.fileno()), str(alive_r)],
+                argv if command is None else command(listener.fileno(), alive_r),
                 pass_fds=(listener.fileno(), alive_r),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
@@ -136,9 +145,9 @@ def _started() -> str:
             listener.close()
             os.close(alive_r)
             atexit.register(proc.kill)
-            _zygote = (proc, name)
+            _zygotes[key] = (proc, name)
             _alive_w.append(alive_w)
-        return _zygote[1]
+        return _zygotes[key][1]
 
 
 # --------------------------------------------------------------------------------------------- the zygote
@@ -191,7 +200,8 @@ def _keep(conn: socket.socket) -> None:
             return
         data += more
     req = json.loads(data)
-    pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    creds = _credentials(pid, uid, gid)  # read before entering the namespaces: /proc is this zygote's until then
     for kind, nstype in (("pid", CLONE_NEWPID), ("mnt", CLONE_NEWNS)):
         if os.readlink(f"/proc/{pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"):  # a container's
             ns = os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY)
@@ -199,7 +209,7 @@ def _keep(conn: socket.socket) -> None:
             os.close(ns)
     child = os.fork()  # in the client's PID namespace
     if child == 0:
-        _instance(req, fds, conn)
+        _instance(req, fds, conn, creds)
     conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
     for fd in fds:
         os.close(fd)
@@ -231,10 +241,25 @@ def _messages(buffer: bytes) -> tuple[list[dict], bytes]:
     return [json.loads(line) for line in lines], rest
 
 
-def _instance(req: dict, fds: list[int], conn: socket.socket) -> NoReturn:
+def _credentials(pid: int, uid: int, gid: int) -> tuple[int, int, list[int], bool]:
+    """The client's user, group, supplementary groups and no_new_privs: what the program takes on."""
+    status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return uid, gid, [int(g) for g in status["Groups"].split()], status.get("NoNewPrivs", "0").strip() == "1"
+
+
+def _instance(req: dict, fds: list[int], conn: socket.socket, creds: tuple[int, int, list[int], bool]) -> NoReturn:
     from elastic_step.backends.preloaded import run_as_main
 
     os.setsid()
+    uid, gid, groups, no_new_privs = creds
+    if (uid, gid) != (os.getuid(), os.getgid()):  # a container's user (an image's zygote runs as root)
+        os.setgroups(groups)
+        os.setgid(gid)
+        os.setuid(uid)  # which clears every capability this root process had
+    if no_new_privs:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in fds:

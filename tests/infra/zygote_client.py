@@ -15,7 +15,7 @@ if __name__ == "__main__":
     try:
         conn.connect("\0" + name)
     except OSError:
-        os.execv(argv[0], argv)
+        os.execvp(argv[0], argv)
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
 

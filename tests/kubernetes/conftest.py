@@ -20,6 +20,7 @@ Every test under tests/kubernetes gets the ``kubernetes`` marker.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -111,3 +112,46 @@ def kueue_namespace(kueue, namespace):
     mark = len(kueue.cluster_objects)
     yield namespace
     kueue.delete_since(mark)
+
+
+@pytest.fixture(scope="session")
+def project_image():
+    """The runtime image (scripts/build-image: a no-op when built, else it builds, or waits on the lock of the build
+    scripts/test started in the background), unpacked once for runc (tests.infra.kube.harness.oci)."""
+    from tests.infra.kube.harness.oci import unpacked_image
+    from tests.infra.kube.harness.process import REPO, run_build
+
+    t0 = time.monotonic()
+    layout = run_build(REPO / "scripts" / "build-image", override_env="ELASTIC_STEP_IMAGE_LAYOUT")
+    image = unpacked_image(layout)
+    log.warning("runtime image %s: built and unpacked in %.1fs", layout, time.monotonic() - t0)
+    return image
+
+
+@pytest.fixture
+def image_node(node, project_image, tmp_path_factory):
+    """``node``, running the pods of the project's image (ghcr.io/elastic-step/elastic-step) inside it under runc for
+    the test. Its containers see the repository's samples and this session's temporary directories at their own
+    paths (the node's shared filesystem): jobs.share_with_pods lets the image's user into one of them."""
+    with in_the_image(node, project_image, tmp_path_factory):
+        yield node
+
+
+@contextlib.contextmanager
+def in_the_image(node, project_image, tmp_path_factory):
+    """Within: ``node`` runs the pods of the project's image inside it under runc, and their containers see the
+    repository's sample and test models and this session's temporary directories at their own paths."""
+    from elastic_step.pipelines.argo import IMAGE
+    from tests.infra.kube.harness.process import REPO
+
+    repository = IMAGE.rsplit(":", 1)[0]
+    node.oci_images[repository] = project_image
+    shared = node.shared_paths
+    node.shared_paths = tuple(
+        str(p) for p in (REPO / "samples", REPO / "tests" / "models", tmp_path_factory.getbasetemp())
+    )
+    try:
+        yield node
+    finally:
+        del node.oci_images[repository]
+        node.shared_paths = shared

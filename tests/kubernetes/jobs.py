@@ -147,3 +147,14 @@ def run_held(
     text = log.read_text()
     assert master.returncode == 0, text[-4000:]
     return json.loads((out / "summary.json").read_text()), text, out
+
+
+def share_with_pods(path: Path, writable: bool = False) -> Path:
+    """Let any user (the image's, 1000) read ``path``, a temporary directory pytest made for the owner alone, or
+    write it too: the directory and the ones above it up to the session's base directory."""
+    path.chmod(0o777 if writable else 0o755)
+    for parent in path.parents:
+        parent.chmod(parent.stat().st_mode | 0o055)
+        if parent.name.startswith("pytest-"):  # the session's base directory: the containers see it, not above
+            break
+    return path

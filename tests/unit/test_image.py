@@ -1,8 +1,8 @@
-"""The runtime image, without a Docker engine: the Dockerfile builds what a platform team expects
-(slim, pinned by constraints.txt, non-root, the CLI as entrypoint, no build tools left), and the
-Dockerfile, pyproject, constraints.txt, the compiled components, the Argo templates and the code
-all name one image at one version. Also the step's RBAC: namespaced, no wildcards, and the same as
-the Kubernetes backend's own Role."""
+"""The runtime image, without building it (tests/kubernetes/test_image_pods.py builds and runs it): its recipe
+(scripts/build-image) builds what a platform team expects (pinned by constraints.txt, non-root, the CLI as
+entrypoint, no build tools left), and the recipe, pyproject, constraints.txt, the compiled components, the Argo
+templates and the code all name one image at one version. Also the step's RBAC: namespaced, no wildcards, and the
+same as the Kubernetes backend's own Role."""
 
 from __future__ import annotations
 
@@ -22,24 +22,12 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 
 
-def dockerfile(text: str | None = None) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = (ROOT / "images" / "Dockerfile").read_text() if text is None else text
-    text = re.sub(r"\s*\\\n(\s*#.*\n)*\s*", " ", text)
-    return [
-        (i.upper(), a.strip())
-        for i, _, a in (l.strip().partition(" ") for l in text.splitlines())
-        if i and not i.startswith("#")
-    ]
+RECIPE = (ROOT / "scripts" / "build-image").read_text()  # the one recipe of the image
 
 
-def stages(steps: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
-    out: list[list[tuple[str, str]]] = []
-    for step in steps:
-        if step[0] == "FROM":
-            out.append([])
-        out[-1].append(step)
-    return out
+def recipe_config(option: str) -> list[str]:
+    """The values the recipe gives the image's configuration option ``--config.<option>``."""
+    return re.findall(rf'--config\.{re.escape(option)} "?([^"\s]+)"?', RECIPE)
 
 
 def pins() -> dict[str, str]:
@@ -53,50 +41,36 @@ def pins() -> dict[str, str]:
     return out
 
 
-# ---------------------------------------------------------------- the Dockerfile
-def test_dockerfile_is_slim_and_python_matches_pyproject():
-    froms = [a.split()[0] for i, a in dockerfile() if i == "FROM"]
-    assert froms and all(f.startswith("python:3.11-slim") for f in froms), froms
+# ---------------------------------------------------------------- the recipe (test_image_pods.py runs what it builds)
+def test_the_image_is_debians_python_311_within_pyprojects_range():
+    assert re.search(r"(?m)^suite=bookworm\b", RECIPE)  # bookworm's python3 is 3.11
     assert SpecifierSet(PYPROJECT["project"]["requires-python"]).contains("3.11")
 
 
-def test_the_runtime_stage_installs_the_pinned_project_and_leaves_nothing_behind():
-    *_, final = stages(dockerfile())
-    runs = " ".join(a for i, a in final if i == "RUN")
-    assert re.search(r"(^|\s)-c \S*constraints\.txt\b", runs), "install with -c constraints.txt"
-    assert f"elastic-step=={VERSION}" in runs
-    assert "--no-cache-dir" in runs and "--no-index" in runs
-    assert "--mount=type=bind,from=build,source=/wheels" in runs  # wheels never land in a layer
-    assert not re.search(r"apt-get|apk add|build-essential|gcc|g\+\+|\bmake\b", runs)
-    assert not any(i in ("COPY", "ADD") for i, _ in final), "the runtime stage copies nothing in"
-    build, *_ = stages(dockerfile())
-    assert re.search(r"pip wheel .*--no-cache-dir.*-c constraints\.txt", " ".join(a for i, a in build if i == "RUN"))
+def test_the_recipe_installs_the_pins_from_wheels_only_and_leaves_no_pip_or_compiler():
+    assert "-r /wheels/requirements.txt -c /wheels/constraints.txt" in RECIPE
+    assert "--no-index" in RECIPE and "--no-cache-dir" in RECIPE
+    assert "python3 -m venv --without-pip" in RECIPE
+    assert not re.search(r"build-essential|\bgcc\b|g\+\+|apt-get install", RECIPE)
+    assert '"optional-dependencies"]["s3"]' in RECIPE  # s3fs, which the docs promise for s3:// and MinIO
 
 
 def test_runs_as_a_numeric_non_root_user_with_the_cli_as_entrypoint():
-    *_, final = stages(dockerfile())
-    users = [a for i, a in final if i == "USER"]
-    assert users, "no USER: the image would run as root"
-    uid = users[-1].split(":")[0]
+    (user,) = recipe_config("user")
+    uid = user.split(":")[0]
     assert uid.isdigit() and uid != "0", "a numeric non-root uid lets Kubernetes verify runAsNonRoot"
     argo = yaml.safe_load((ROOT / "pipelines" / "argo" / "train-eval-template.yaml").read_text())
     assert argo["spec"]["securityContext"]["runAsUser"] == int(uid)  # the Argo pods run as that user
-    entry = [a for i, a in final if i == "ENTRYPOINT"]
-    assert entry == ['["elastic-step"]']
+    assert recipe_config("entrypoint") == ["elastic-step"]
     assert PYPROJECT["project"]["scripts"]["elastic-step"] == "elastic_step.cli:run"
 
 
 def test_labels_carry_the_version():
-    *_, final = stages(dockerfile())
-    labels = dict(re.findall(r'([\w.]+)="([^"]*)"', " ".join(a for i, a in final if i == "LABEL")))
-    assert labels["org.opencontainers.image.version"] == VERSION
+    labels = dict(label.split("=", 1) for label in recipe_config("label"))
+    assert labels["org.opencontainers.image.version"] == "$version"
+    assert re.search(r"(?m)^version=.*pyproject\.toml", RECIPE.replace("\\\n", ""))  # read from pyproject
     assert labels["org.opencontainers.image.title"] == "elastic-step"
     assert labels["org.opencontainers.image.licenses"] == PYPROJECT["project"]["license"]
-
-
-def test_the_parser_sees_through_continuations_and_comments():
-    steps = dockerfile("FROM a AS b\n# c\nRUN x \\\n    # inside\n    && y\nUSER 1000\n")
-    assert steps == [("FROM", "a AS b"), ("RUN", "x && y"), ("USER", "1000")]
 
 
 # ---------------------------------------------------------------- one version everywhere

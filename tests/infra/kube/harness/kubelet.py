@@ -47,12 +47,18 @@
   DELETE with grace period 0 (uid precondition) so the pod disappears and e.g. the
   scheduler's preemption completes. A pod deleted outright is killed at once.
 
+Containers in a real image: with ``oci_images`` (image repository -> ``oci.OciImage``, the layout scripts/build-image
+writes, unpacked), a container of that image runs inside it under runc instead (oci.py): the image's root
+filesystem, user, environment and entrypoint, the pod's env, volumes and securityContext, and none of the host's
+environment or files but ``shared_paths``. Its deletion, freezing and exit codes work as a process container's.
+
 Logs: each container's stdout+stderr goes to ``<workdir>/pods/<ns>_<name>_<uid>/<container>.log``
 (:meth:`ProcessKubelet.log_path`), the kubelet's own log to ``<workdir>/kubelet.log``.
 
 Several kubelets can run in one process; pod addresses come from one allocator per
 process. Not implemented: startup, exec, tcpSocket and grpc probes, lifecycle hooks, resource enforcement,
-image entrypoints (a container needs a command), exec/logs/port-forward through the apiserver.
+image entrypoints outside ``oci_images`` (a container needs a command), exec/logs/port-forward through the
+apiserver.
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ import time
 from pathlib import Path
 
 from .mounts import mount_namespace_mode
+from .oci import OciImage
 from .pod import TERMINAL, Image, PodWorker, log_files, now_iso, now_micro
 from .process import Service
 
@@ -137,6 +144,8 @@ class ProcessKubelet(Service):
         node_status_period: float = 60.0,
         ips: _IPAllocator | None = None,
         images: dict[str, Image] | None = None,
+        oci_images: dict[str, OciImage] | None = None,
+        shared_paths: tuple[str, ...] = (),
     ):
         import kubernetes.client
 
@@ -160,6 +169,10 @@ class ProcessKubelet(Service):
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.cwd = cwd
         self.images = dict(images or {})  # image repository -> Image (its PATH and files here)
+        self.oci_images = dict(oci_images or {})  # image repository -> OciImage: its containers run under runc
+        # Host directories every container in an image sees at their own paths, writable: the node's shared
+        # filesystem (as a cluster mounts NFS or a CSI volume in its pods), where tests keep data, models, outputs.
+        self.shared_paths = tuple(shared_paths)
         self.lease_duration = lease_duration
         self.node_status_period = node_status_period
         self.ips = ips or IPS

@@ -102,10 +102,13 @@ def in_namespaces(
 
 
 def namespace_init(wrapper_pid: int) -> int | None:
-    """The PID (as the host sees it) of INIT, the wrapper's one child; None before it has forked."""
+    """The PID (as the host sees it) of INIT, the wrapper's one child; None before it has forked. Any of the
+    wrapper's threads may have forked it (runc's do)."""
+    children = []
     try:
-        with open(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children") as f:
-            children = f.read().split()
+        for task in os.listdir(f"/proc/{wrapper_pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{wrapper_pid}/task/{task}/children") as f:
+                children += f.read().split()
     except OSError:
         return None
     return int(children[0]) if children else None

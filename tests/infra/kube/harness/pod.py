@@ -32,6 +32,7 @@ from pathlib import Path
 from tests.infra.zygote import client_argv
 
 from .mounts import Mount, in_namespaces, namespace_init, namespace_pids, private_dev_shm
+from .oci import ContainerConfigError, ImageZygote, RuncContainer, container_env, forks_in_image
 from .probes import start_probes
 from .process import alive, die_with_parent, stopped, wait_for
 
@@ -95,6 +96,7 @@ class Container:
         self.ready = self.started = False
         self.term_sent = False
         self.thread: threading.Thread | None = None
+        self.runc: RuncContainer | None = None  # the start under runc, in an image (oci.py)
 
     @property
     def terminated(self) -> dict | None:
@@ -122,38 +124,65 @@ class Container:
         policy = pod.pod["spec"].get("restartPolicy", "Always")
         if self.init and policy == "Always":
             policy = "OnFailure"  # an init container runs to completion
-        env = pod.env(self.spec)
+        oci = k.oci_images.get(image_repository(self.spec.get("image", "")))
+        env = container_env(oci, pod.env(self.spec, host=False)) if oci else pod.env(self.spec)
         mounts = pod.mounts(self.spec)
         while True:
             argv = [expand(a, env) for a in (self.spec.get("command") or [])] + [
                 expand(a, env) for a in (self.spec.get("args") or [])
             ]
             started = now_iso()
+            self.runc = None
             try:
-                if not self.spec.get("command"):
-                    raise FileNotFoundError("the process kubelet ignores images: the container needs a command")
-                # Found before wrapping, so a missing program is a StartError as with a runtime,
-                # not the wrapper's exit code 127. A path under a mount is looked for in the volume.
-                program = argv[0] if "/" not in argv[0] else _host_path(argv[0], mounts)
-                if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
-                    raise FileNotFoundError(f"executable file not found: {argv[0]}")
+                if oci:  # inside the image, under runc (oci.py)
+                    self.runc = RuncContainer(
+                        oci,
+                        pod.dir / f"{self.name}.{self.restarts}.bundle",
+                        f"{pod.uid}-{self.name}-{self.restarts}",
+                        k.workdir / "runc",
+                    )
+                    argv = [expand(a, env) for a in self.runc.process_args(self.spec)]
+                    process, extra = argv, [Mount(p, "bind", p) for p in k.shared_paths]
+                    if forks_in_image(argv):  # forked from the image's own zygote, preloaded
+                        process, client = ImageZygote(oci, k.workdir).client(argv)
+                        extra.append(client)
+                    mounts_in_order = sorted([*extra, *mounts], key=lambda m: m.target.count("/"))  # parents first
+                    self.runc.configure(pod.pod, self.spec, process, env, mounts_in_order, pod.pod_name)
+                    wrapped, popen_env, popen_cwd = self.runc.argv(), {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, None
+                else:
+                    if not self.spec.get("command"):
+                        raise FileNotFoundError("the process kubelet ignores images: the container needs a command")
+                    # Found before wrapping, so a missing program is a StartError as with a runtime,
+                    # not the wrapper's exit code 127. A path under a mount is looked for in the volume.
+                    program = argv[0] if "/" not in argv[0] else _host_path(argv[0], mounts)
+                    if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+                        raise FileNotFoundError(f"executable file not found: {argv[0]}")
+                    wrapped = in_namespaces(
+                        client_argv(argv, k.map_root_user),  # the project's programs forked, preloaded
+                        mounts,
+                        map_root_user=k.map_root_user,
+                        cwd=self.spec.get("workingDir"),
+                    )
+                    popen_env, popen_cwd = env, k.cwd
                 with open(self.log_file, "ab") as out:
                     log_start = out.tell()
                     self.proc = subprocess.Popen(
-                        in_namespaces(
-                            client_argv(argv, k.map_root_user),  # the project's programs forked, preloaded
-                            mounts,
-                            map_root_user=k.map_root_user,
-                            cwd=self.spec.get("workingDir"),
-                        ),
-                        env=env,
-                        cwd=k.cwd,
+                        wrapped,
+                        env=popen_env,
+                        cwd=popen_cwd,
                         stdin=subprocess.DEVNULL,
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                         preexec_fn=die_with_parent,
                     )
+            except ContainerConfigError as e:
+                k.log.warning("%s: %s: %s", pod.ref, self.name, e)
+                self.state = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+                pod.publish()
+                if pod.wait_deleting(2.0):
+                    return {"exitCode": 128, "reason": "CreateContainerConfigError", "message": str(e)}
+                continue
             except OSError as e:
                 with open(self.log_file, "ab") as out:
                     out.write(f"[process kubelet] cannot start {argv}: {e}\n".encode())
@@ -169,6 +198,8 @@ class Container:
                 code = self._wait()
                 if probes is not None:
                     probes.stop()
+                if self.runc is not None:
+                    self.runc.cleanup()
                 reason, message = ("Completed" if code == 0 else "Error"), None
                 if code != 0 and self.spec.get("terminationMessagePolicy") == "FallbackToLogsOnError":
                     message = self._log_tail(log_start)
@@ -223,8 +254,7 @@ class Container:
                 pod.k.log.info("%s: %s: SIGTERM pid %d", pod.ref, self.name, init)
             if deleting and deadline is not None and time.monotonic() >= deadline:
                 pod.k.log.info("%s: %s: grace period over, SIGKILL", pod.ref, self.name)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, signal.SIGKILL)
+                self.kill()
                 rc = p.wait()
                 break
         self.kill()  # what the container left behind
@@ -234,7 +264,12 @@ class Container:
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
+        """SIGKILL the container: its PID namespace's first process, which takes every other one of the namespace with
+        it (under runc the runc process, the wrapper, is not its parent's only way to it), then the wrapper's group."""
         if self.proc is not None:
+            if self.proc.poll() is None and (init := namespace_init(self.proc.pid)) is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(init, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
@@ -528,11 +563,13 @@ class PodWorker(threading.Thread):
                 self.k.log.warning("%s: status patch failed: %s %s", self.ref, e.status, e.body)
 
     # -- environment
-    def env(self, spec: dict) -> dict:
+    def env(self, spec: dict, host: bool = True) -> dict:
+        """The container's environment: with ``host``, this process's (``base_env``) and the image's PATH under it;
+        then what the kubelet sets, then the container's ``envFrom`` and ``env``."""
         k = self.k
-        env = dict(k.base_env)
+        env = dict(k.base_env) if host else {}
         image = k.images.get(image_repository(spec.get("image", "")))
-        if image:
+        if image and host:
             env["PATH"] = os.pathsep.join([*map(str, image.path), env.get("PATH", os.defpath)])
         env.update(
             {
@@ -623,7 +660,7 @@ class PodWorker(threading.Thread):
             target.mkdir(parents=True, exist_ok=True)
             files: dict[str, bytes] = {}
             if "emptyDir" in v:
-                pass
+                target.chmod(0o777)  # as the kubelet makes it: writable by any user the containers run as
             elif "secret" in v:
                 files = self._items("secret", v["secret"].get("secretName"), v["secret"])
             elif "configMap" in v:
