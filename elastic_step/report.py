@@ -529,7 +529,7 @@ def goodput_chart(goodput: dict) -> str:
         ("worker-seconds", _dict(goodput, "worker_s"), "worker_ratio"),
     ]
     shown = [(k, n, c) for k, n, c in GOODPUT_PARTS if any((num(b.get(k)) or 0) > 0 for _, b, _ in bars)]
-    height, left, bar_h = 86, 110, 22
+    height, left, bar_h = 116, 110, 32  # as tall as a person reads a bar at a glance (the render test: > 100 px)
     out = [
         f"<figure><figcaption>{title}{_legend([(n, c, None) for _, n, c in shown])}</figcaption>"
         f'<svg id="chart-goodput" class="chart" viewBox="0 0 {W} {height}" role="img" aria-label="{title}" '
@@ -537,7 +537,7 @@ def goodput_chart(goodput: dict) -> str:
     ]
     width = W - left - PAD_R - 60
     for row, (name, spent, ratio) in enumerate(bars):
-        y = 12 + row * (bar_h + 18)
+        y = 14 + row * (bar_h + 22)
         total = sum(max(0.0, num(v) or 0.0) for v in spent.values())
         out.append(f'<text x="{left - 6}" y="{y + bar_h * 0.7}" text-anchor="end">{name}</text>')
         if not total:

@@ -10,12 +10,18 @@ import pathlib
 import re
 import textwrap
 
+import pytest
 from kubernetes import client
 
 from elastic_step.pipelines.argo import IMAGE
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.process import alive
 from tests.kubernetes.test_control_plane import deleted, pod_body, wait_phase
+
+# The image runtime's self-tests: plain pods that exercise runc under the kubelet (a root container refused, hostPath
+# volumes), so their namespaces enforce no Pod Security level; the project's pods are checked at the restricted
+# level in tests/kubernetes/test_pod_security.py.
+pytestmark = [pytest.mark.kubernetes, pytest.mark.pod_security("privileged")]
 
 REPORT = """
     import json, os, pathlib, socket, sys
