@@ -30,6 +30,7 @@ log = logging.getLogger("elastic_step.master")
 
 PATH = "/healthz"
 METRICS_PATH = "/metrics"
+FINAL_SCRAPE_MAX_S = 30.0  # the longest the step's end waits for a scraper to read its final figures
 POD_PORT = 8080  # --health-port -1 (the default) in a pod; the Argo template's probe asks this port
 Metrics = Callable[[], tuple[bytes, str]]  # a scrape's text and its content type
 PUMP_BOUND_S = 30.0  # the pump turns every 0.1 s: 30 s without a turn is a stall, not a busy turn
@@ -79,7 +80,9 @@ class HealthServer:
 
     def __init__(self, health: Health, port: int, bind_host: str = "0.0.0.0", metrics: Metrics | None = None):
         self.health = health
-        self._httpd = ThreadingHTTPServer((bind_host, port), _handler(health, metrics))
+        self._scrapes = threading.Condition()
+        self._scraped_at: list[float] = []  # when the last scrapes of /metrics began (monotonic), the newest last
+        self._httpd = ThreadingHTTPServer((bind_host, port), _handler(health, metrics, self._scraped))
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(
@@ -88,8 +91,26 @@ class HealthServer:
         self._thread.start()
 
     def stop(self) -> None:
+        self._final_scrape()
         self._httpd.shutdown()
         self._httpd.server_close()
+
+    def _scraped(self, began: float) -> None:
+        with self._scrapes:
+            self._scraped_at = [*self._scraped_at[-1:], began]
+            self._scrapes.notify_all()
+
+    def _final_scrape(self) -> None:
+        """A scraper that has been reading /metrics reads the step's final figures before the endpoint goes: its next
+        scrape that begins now or later is waited for, at most two of its intervals (and FINAL_SCRAPE_MAX_S)."""
+        with self._scrapes:
+            if len(self._scraped_at) < 2:
+                return
+            now = time.monotonic()
+            interval = self._scraped_at[-1] - self._scraped_at[-2]
+            deadline = now + min(2 * interval + 5.0, FINAL_SCRAPE_MAX_S)
+            while self._scraped_at[-1] < now and (left := deadline - time.monotonic()) > 0:
+                self._scrapes.wait(left)
 
 
 def resolve_port(health_port: int, in_pod: bool) -> int:
@@ -128,13 +149,15 @@ def serving(
             server.stop()
 
 
-def _handler(health: Health, metrics: Metrics | None):
+def _handler(health: Health, metrics: Metrics | None, scraped: Callable[[float], None]):
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
             path = self.path.split("?", 1)[0]
             if path == METRICS_PATH and metrics is not None:
+                began = time.monotonic()
                 body, content_type = metrics()
-                return self._send(200, body, content_type)
+                self._send(200, body, content_type)
+                return scraped(began)
             if path != PATH:
                 return self._answer(404, "not found: the health endpoint is " + PATH)
             alive, reason = health.check()

@@ -4,6 +4,7 @@ the pump on purpose (a clock the test moves), over real HTTP; and which port --h
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -99,3 +100,34 @@ def test_served_only_for_the_block():
         assert get(port)[0] == 200
     with pytest.raises(urllib.error.URLError):
         get(port)
+
+
+def test_a_scraper_reads_the_final_figures_before_the_endpoint_goes():
+    figures = {"records": 1}
+    server = HealthServer(
+        Health(), 0, "127.0.0.1", metrics=lambda: (f"records {figures['records']}\n".encode(), "text/plain")
+    )
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    seen: list[bytes] = []
+
+    def scrape() -> None:
+        seen.append(urllib.request.urlopen(url, timeout=5).read())
+
+    scrape()
+    scrape()  # a scraper every few milliseconds
+    figures["records"] = 2  # the step's end: its final figures
+    stopping = threading.Thread(target=server.stop)
+    stopping.start()
+    stopping.join(0.2)
+    assert stopping.is_alive()  # the endpoint waits for the scraper's next read
+    scrape()
+    stopping.join(5)
+    assert not stopping.is_alive() and seen[-1] == b"records 2\n"
+
+
+def test_without_a_scraper_the_endpoint_goes_at_once():
+    server = HealthServer(Health(), 0, "127.0.0.1", metrics=lambda: (b"", "text/plain"))
+    stopping = threading.Thread(target=server.stop)
+    stopping.start()
+    stopping.join(2)
+    assert not stopping.is_alive()
