@@ -17,6 +17,7 @@ import math
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from elastic_step.data.tables import compact
 from elastic_step.errors import DataError
 
 MAX_VOCABULARY = 10_000  # values per column
@@ -91,7 +92,7 @@ class ColumnStatistics:
             self._add_block(rows.slice(start, BLOCK_ROWS))
             start += BLOCK_ROWS
         rest = rows.slice(start)
-        self._pending = pc.take(rest, pa.array(range(rest.num_rows), pa.int64())) if rest.num_rows else None
+        self._pending = compact(rest) if rest.num_rows else None
 
     def _add_block(self, table: pa.Table) -> None:
         for name, column in zip(table.column_names, table.columns):

@@ -40,6 +40,7 @@ from elastic_step.data.parse import (
     file_format,
     record_lines,
 )
+from elastic_step.data.tables import compact
 from elastic_step.errors import ConfigError, DataError
 from elastic_step.util.atomic import atomic_directory
 from elastic_step.util.storage import check_writable, explain, on_disk
@@ -578,7 +579,7 @@ class _ShardWriter:
     def release(self) -> None:
         """Copy the rows waiting for the rest of their shard, so they no longer hold their sort unit."""
         if len(self._pieces) > 1 or self._pieces and self._pieces[0].num_rows:
-            self._pieces = [_compact(pa.concat_tables(self._pieces))]
+            self._pieces = [compact(pa.concat_tables(self._pieces))]
 
     def abort(self) -> None:
         if self._file is not None:
@@ -597,14 +598,14 @@ class _ShardWriter:
         if self._writer is None:
             self._file = _open_output(self.fs, posixpath.join(self.folder, self._path()))
             self._writer = pq.ParquetWriter(self._file, pending.schema, **self.options)
-        self._writer.write_table(_compact(pending.slice(0, whole)), row_group_size=self.group_rows)
+        self._writer.write_table(compact(pending.slice(0, whole)), row_group_size=self.group_rows)
         self._pieces = [pending.slice(whole)]
         self._pending_bytes *= (self._pending_rows - whole) / self._pending_rows
         self._pending_rows -= whole
 
     def _end_shard(self) -> None:
         path = self._path()
-        table = _compact(pa.concat_tables(self._pieces))
+        table = compact(pa.concat_tables(self._pieces))
         if self._writer is None:
             self.writers.submit(
                 _write_shard, self.fs, posixpath.join(self.folder, path), table, self.group_rows, self.options
@@ -617,14 +618,6 @@ class _ShardWriter:
             self._file = self._writer = None
         self.manifest.shards.append(Shard(path=path, rows=self._rows))
         self._pieces, self._pending_rows, self._pending_bytes, self._rows = [], 0, 0.0, 0
-
-
-def _compact(table: pa.Table) -> pa.Table:
-    """A copy of `table` in fresh contiguous buffers: not a slice holding a whole sort unit in memory,
-    and laid out the same whatever the pieces it came from."""
-    if not table.num_rows:
-        return table
-    return pa.Table.from_arrays([pa.concat_arrays(c.chunks) for c in table.columns], schema=table.schema)
 
 
 def _parquet_options(sample: pa.Table) -> dict:

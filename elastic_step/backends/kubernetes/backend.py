@@ -9,6 +9,7 @@ One identity, one process
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -632,9 +633,10 @@ class KubernetesBackend(Backend):
                 ]
                 for launch, _ in waiting:
                     launch.waits_reported += 1
+            workloads = functools.cache(self._workloads)  # one listing a round, read only if a pod is gated
             for launch, obj in waiting:
                 waited = now - launch.pending_since
-                detail = f"pod {launch.name} pending for {waited:.0f}s: {what_holds(obj, self._workloads)}"
+                detail = f"pod {launch.name} pending for {waited:.0f}s: {what_holds(obj, workloads)}"
                 self.emit(InstanceEvent(EventKind.WAITING, launch.spec.id, detail=detail))
 
     def _lost_after_grace(self, launch: _Launch, name: str) -> None:
