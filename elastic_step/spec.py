@@ -364,7 +364,8 @@ PARAMS: tuple[Param, ...] = (
         "holds it, in its log and summary.json: Kueue's Workload and its condition while a queue holds the pod, "
         "else the scheduler's reason. The pod keeps waiting, and is reported again after each further such wait. "
         "0: never",
-        _on(CONFIG, TRAIN),
+        _on(*_TRAINING),
+        (ELASTIC_TRAIN,),
         metavar="SECONDS",
     ),
     Param(

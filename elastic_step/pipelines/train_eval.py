@@ -62,6 +62,7 @@ def build(caching: bool = True):
         worker_priority_class: str = "",
         ps_priority_class: str = "",
         queue: str = "",
+        pending_report: float = 300.0,
         ps_cpu: str = "",
         ps_memory: str = "",
         worker_accelerators: str = "",
