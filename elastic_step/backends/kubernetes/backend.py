@@ -55,6 +55,9 @@ from elastic_step.backends.kubernetes.watch import PodWatch, apply_pod, overdue_
 from elastic_step.errors import ConfigError
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
+# How long a replacement waits for its predecessor's Workload to leave the queue once that pod is gone: the garbage
+# collector deletes it after its owner, in seconds, unless the cluster is in trouble.
+WORKLOAD_WAIT_S = 60
 
 
 class KubernetesBackend(Backend):
@@ -290,15 +293,15 @@ class KubernetesBackend(Backend):
             n = self._numbers.get(inst, 0) + 1
             self._numbers[inst] = n
             launch = _Launch(spec, n)
-            # A Kueue pod group takes a replacement only once its predecessor has left the API (kueue.py).
-            launch.blocked_until_gone = kueue.in_group(self.queue, inst.role)
+            # A queued pod's replacement waits until its predecessor and its Workload have left the API (kueue.py).
+            launch.blocked_until_gone = kueue.replaces_once_gone(self.queue)
             blockers = [
-                p.name
+                p
                 for p in self._pods.values()
                 if p.inst == inst and not (p.gone if launch.blocked_until_gone else p.process_over)
             ]
             if blockers:
-                launch.blocker = blockers[0]
+                launch.blocker, launch.blocker_uid = blockers[0].name, blockers[0].uid
             else:
                 launch.state = "creating"
             self._launches[inst] = launch
@@ -564,8 +567,8 @@ class KubernetesBackend(Backend):
     def _unblock(self, launch: _Launch) -> None:
         """The predecessor outlived its grace period (e.g. its node is gone): force it."""
         with self._lock:
-            if launch.state != "deferred" or self._closed.is_set():
-                return
+            if launch.state != "deferred" or self._closed.is_set() or launch.blocker not in self._pods:
+                return  # created meanwhile, or the predecessor left and its Workload is being waited for
             blocker = launch.blocker
         log.warning("pod %s still there %ds after its deletion; deleting it with grace 0", blocker, self.grace_s + 15)
         with contextlib.suppress(Exception):
@@ -573,6 +576,8 @@ class KubernetesBackend(Backend):
         self._create_deferred(launch)
 
     def _create_deferred(self, launch: _Launch) -> None:
+        if self._queued_predecessor(launch):
+            return
         with self._lock:
             current = self._launches.get(launch.spec.id) is launch
             if launch.state != "deferred" or not current or self._closed.is_set():
@@ -589,6 +594,45 @@ class KubernetesBackend(Backend):
             self.emit(InstanceEvent(EventKind.LOST, launch.spec.id, detail=f"could not create its pod: {e}"))
             return
         self._created(launch, None)
+
+    def _queued_predecessor(self, launch: _Launch) -> bool:
+        """Whether the predecessor's Workload is still in the queue (its pod gone): the replacement then waits for
+        it, checked again every second, for WORKLOAD_WAIT_S at most (kueue.replaces_once_gone says why)."""
+        if not (launch.blocked_until_gone and launch.blocker_uid) or self._closed.is_set():
+            return False
+        workloads = self._workloads()
+        wl = kueue.owned_workload(launch.blocker_uid, workloads) if workloads is not None else None
+        if wl is None:
+            return False
+        now, name = time.monotonic(), wl["metadata"]["name"]
+        with self._lock:
+            if launch.state != "deferred" or self._launches.get(launch.spec.id) is not launch:
+                return True
+            first = launch.workload_deadline is None
+            if first:
+                launch.workload_deadline = now + WORKLOAD_WAIT_S
+            overdue = now >= launch.workload_deadline
+        if overdue:
+            log.warning(
+                "Kueue's Workload %s of pod %s is still there %ds after its pod left: creating the pod of %s anyway",
+                name,
+                launch.blocker,
+                WORKLOAD_WAIT_S,
+                launch.spec.id,
+            )
+            return False
+        if first:
+            log.info(
+                "the pod of %s is created once Kueue's Workload %s of its predecessor %s has left the queue "
+                "(Kueue would admit that one first)",
+                launch.spec.id,
+                name,
+                launch.blocker,
+            )
+        timer = threading.Timer(1.0, self._create_deferred, args=(launch,))
+        timer.daemon = True
+        timer.start()
+        return True
 
     def _created(self, launch: _Launch, started: str | None) -> None:
         """After the create call: STARTED (unless already said), then whatever the watch saw meanwhile."""

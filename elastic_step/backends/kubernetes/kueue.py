@@ -33,10 +33,28 @@ WANTED = {("list", "workloads", GROUP): "a pod the queue keeps pending is report
 
 
 def in_group(queue: str, role: str) -> bool:
-    """Whether a pod of `role` is in a Kueue pod group. A group counts a member Kueue has not yet seen end as
-    active, so a replacement created beside it would be one pod too many (Kueue deletes it): the backend creates it
-    once its predecessor has left the API."""
+    """Whether a pod of `role` is in a Kueue pod group (the parameter servers, admitted whole)."""
     return bool(queue) and role == "ps"
+
+
+def replaces_once_gone(queue: str) -> bool:
+    """Whether a queued pod's replacement waits until its predecessor, and the predecessor's Workload, have left
+    the API. A pod group counts a member Kueue has not yet seen end as active, so a replacement beside it is one
+    pod too many (Kueue deletes it). And Kueue puts a preempted pod's Workload back in the queue, where it stays
+    until the garbage collector deletes it after its pod: older than the replacement, it is first in line, and
+    when quota frees Kueue can admit it just before it is deleted, then drop that quota without trying the
+    Workloads behind it again (Kueue 0.15), so the replacement would wait for ever. One Workload per pod of the
+    job in the queue at a time."""
+    return bool(queue)
+
+
+def owned_workload(pod_uid: str, workloads: list[dict]) -> dict | None:
+    """The Workload Kueue made for the pod of this uid (it owns it), if any."""
+    for wl in workloads:
+        refs = wl["metadata"].get("ownerReferences") or []
+        if any(o.get("kind") == "Pod" and o.get("uid") == pod_uid for o in refs):
+            return wl
+    return None
 
 
 def queue_metadata(queue: str, role: str, job_id: str, num_ps: int) -> tuple[dict[str, str], dict[str, str]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from elastic_step.backends.kubernetes.kueue import ADMISSION_GATE, GROUP, VERSION
+from elastic_step.backends.kubernetes.kueue import ADMISSION_GATE, GROUP, VERSION, owned_workload
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
@@ -25,15 +25,6 @@ _EXPLAINING = ("QuotaReserved", "Evicted", "Admitted")
 def gated(obj: dict) -> bool:
     """Whether Kueue's admission gate holds the pod (Kueue has not admitted its workload yet)."""
     return any(g.get("name") == ADMISSION_GATE for g in (obj.get("spec") or {}).get("schedulingGates") or [])
-
-
-def workload_of(obj: dict, workloads: list[dict]) -> dict | None:
-    """The Workload Kueue made for this pod (it owns it), if any."""
-    uid = (obj.get("metadata") or {}).get("uid")
-    for wl in workloads:
-        if any(o.get("kind") == "Pod" and o.get("uid") == uid for o in wl["metadata"].get("ownerReferences") or []):
-            return wl
-    return None
 
 
 def _condition(conds: list[dict], kind: str) -> dict | None:
@@ -47,7 +38,7 @@ def queue_reason(obj: dict, workloads: list[dict] | None) -> str:
     held = f"held by Kueue's admission gate in queue {queue!r}"
     if workloads is None:
         return f"{held} (its Workload cannot be read: give the step's Role list on workloads.{GROUP})"
-    wl = workload_of(obj, workloads)
+    wl = owned_workload((obj.get("metadata") or {}).get("uid", ""), workloads)
     if wl is None:
         return f"{held}; Kueue has made no Workload for it yet"
     conds = (wl.get("status") or {}).get("conditions") or []

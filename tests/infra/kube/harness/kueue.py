@@ -594,6 +594,10 @@ class Kueue(Service):
                 f"finalizers={p.metadata.finalizers} deleting={p.metadata.deletion_timestamp} "
                 f"conditions={[(c.type, c.status, c.reason) for c in p.status.conditions or []]}"
             )
+        # What Kueue itself decided about them (requeues, scheduling attempts, deletions), from its own log.
+        about = [line for line in self._tail(20000).splitlines() if namespace in line]
+        lines.append(f"--- Kueue's log on {namespace} (last {min(len(about), 300)} of {len(about)} lines):")
+        lines += about[-300:]
         return "\n".join(lines)
 
     def workloads(self, namespace: str) -> list[Workload]:
