@@ -301,22 +301,25 @@ class KubernetesBackend(Backend):
                 if p.inst == inst and not (p.gone if launch.blocked_until_gone else p.process_over)
             ]
             if blockers:
-                launch.blocker, launch.blocker_uid = blockers[0].name, blockers[0].uid
+                launch.blocker = blockers[0].name
+            elif launch.blocked_until_gone and cur is not None and cur.name:
+                launch.blocker = cur.name  # gone already, and its Workload perhaps not
             else:
                 launch.state = "creating"
             self._launches[inst] = launch
         if launch.blocker:
-            launch.timer = threading.Timer(self.grace_s + 15, self._unblock, args=(launch,))
-            launch.timer.daemon = True
-            launch.timer.start()
+            if blockers:
+                launch.timer = threading.Timer(self.grace_s + 15, self._unblock, args=(launch,))
+                launch.timer.daemon = True
+                launch.timer.start()
+            until = "left the API" if launch.blocked_until_gone else "terminated"
             self.emit(
                 InstanceEvent(
-                    EventKind.STARTED,
-                    inst,
-                    detail=f"{replaced}its pod is created once pod {launch.blocker} has "
-                    + ("left the API" if launch.blocked_until_gone else "terminated"),
+                    EventKind.STARTED, inst, detail=f"{replaced}its pod is created once pod {launch.blocker} has {until}"
                 )
             )
+            if not blockers:
+                self._create_deferred(launch)
             return
         try:
             self._create(launch)
@@ -598,10 +601,10 @@ class KubernetesBackend(Backend):
     def _queued_predecessor(self, launch: _Launch) -> bool:
         """Whether the predecessor's Workload is still in the queue (its pod gone): the replacement then waits for
         it, checked again every second, for WORKLOAD_WAIT_S at most (kueue.replaces_once_gone says why)."""
-        if not (launch.blocked_until_gone and launch.blocker_uid) or self._closed.is_set():
+        if not (launch.blocked_until_gone and launch.blocker) or self._closed.is_set():
             return False
         workloads = self._workloads()
-        wl = kueue.owned_workload(launch.blocker_uid, workloads) if workloads is not None else None
+        wl = kueue.owned_workload(workloads, name=launch.blocker) if workloads is not None else None
         if wl is None:
             return False
         now, name = time.monotonic(), wl["metadata"]["name"]

@@ -48,12 +48,13 @@ def replaces_once_gone(queue: str) -> bool:
     return bool(queue)
 
 
-def owned_workload(pod_uid: str, workloads: list[dict]) -> dict | None:
-    """The Workload Kueue made for the pod of this uid (it owns it), if any."""
+def owned_workload(workloads: list[dict], *, uid: str = "", name: str = "") -> dict | None:
+    """The Workload Kueue made for a pod (it owns it), found by the pod's uid, or by its name once the pod is gone
+    (the backend never reuses a pod name), if any."""
     for wl in workloads:
-        refs = wl["metadata"].get("ownerReferences") or []
-        if any(o.get("kind") == "Pod" and o.get("uid") == pod_uid for o in refs):
-            return wl
+        for o in wl["metadata"].get("ownerReferences") or []:
+            if o.get("kind") == "Pod" and (o.get("uid") == uid if uid else o.get("name") == name):
+                return wl
     return None
 
 

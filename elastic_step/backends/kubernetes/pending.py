@@ -38,7 +38,7 @@ def queue_reason(obj: dict, workloads: list[dict] | None) -> str:
     held = f"held by Kueue's admission gate in queue {queue!r}"
     if workloads is None:
         return f"{held} (its Workload cannot be read: give the step's Role list on workloads.{GROUP})"
-    wl = owned_workload((obj.get("metadata") or {}).get("uid", ""), workloads)
+    wl = owned_workload(workloads, uid=(obj.get("metadata") or {}).get("uid", ""))
     if wl is None:
         return f"{held}; Kueue has made no Workload for it yet"
     conds = (wl.get("status") or {}).get("conditions") or []

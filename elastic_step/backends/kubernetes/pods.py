@@ -89,7 +89,6 @@ class _Launch:
     state: str = "deferred"  # deferred -> pending -> running -> ended
     blocker: str = ""  # predecessor pod whose process must end first
     blocked_until_gone: bool = False  # ... and, in a Kueue queue, be gone from the API with its Workload (kueue.py)
-    blocker_uid: str = ""
     workload_deadline: float | None = None  # monotonic: past it, the replacement no longer waits on that Workload
     stopping: bool = False  # we deleted it gracefully (scale-in): EXITED with its code
     killing: bool = False  # we deleted it with grace 0: LOST
