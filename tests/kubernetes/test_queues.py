@@ -258,6 +258,18 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     assert restore["ps"] == 0 and restore["from_checkpoint"] >= 2, restore
     assert_each_record_applied_exactly(out, tally_data, EPOCHS_HELD)
     assert_audit_exact(summary, "ps")
+    # By Kueue's own log: a preempted worker's Workload had left the queue before its replacement's was made, so
+    # Kueue never had both to choose from (it would admit the older one first, its pod gone).
+    lives = kueue.workload_lifetimes(namespace)
+    for pod in kueue_took:
+        base, number = re.fullmatch(r"(.+-worker-\d+)(?:-(\d+))?", pod).groups()
+        launches = {
+            int(m.group(1) or 1): name
+            for name in lives
+            if (m := re.fullmatch(rf"pod-{re.escape(base)}(?:-(\d+))?-[0-9a-f]{{5}}", name))
+        }
+        old, new = launches[int(number or 1)], launches[min(n for n in launches if n > int(number or 1))]
+        assert lives[old][1] is not None and lives[old][1] <= lives[new][0], (old, new, lives)
 
 
 def cluster_usage(kueue, cq: str) -> dict[str, dict]:

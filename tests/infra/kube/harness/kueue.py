@@ -559,6 +559,23 @@ class Kueue(Service):
             }
         )
 
+    def workload_lifetimes(self, namespace: str) -> dict[str, list[float | None]]:
+        """Kueue's own log on the Workloads of ``namespace``: when each one's create and delete events reached Kueue
+        (seconds since the epoch; None when not seen), by Workload name."""
+        lives: dict[str, list[float | None]] = {}
+        events = {"Workload create event": 0, "Workload delete event": 1}
+        for line in self._tail(10**6).splitlines():
+            if namespace not in line or '"Workload ' not in line:
+                continue
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                entry = json.loads(line)
+                which = events.get(entry["msg"])
+                if which is not None and entry["workload"]["namespace"] == namespace:
+                    day, _, fraction = entry["ts"].rstrip("Z").partition(".")
+                    when = time.mktime(time.strptime(day, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{fraction or 0}")
+                    lives.setdefault(entry["workload"]["name"], [None, None])[which] = when
+        return lives
+
     def describe(self, namespace: str, cluster_queues: tuple[str, ...] = ()) -> str:
         """What Kueue and the API hold for ``namespace`` now, as a person would read it with kubectl when a test
         fails: every Workload with all its conditions and requeue state, the ClusterQueues' status, and the pods
