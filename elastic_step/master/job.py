@@ -24,7 +24,7 @@ from elastic_step.data.api import load_manifest
 from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
 from elastic_step.faults import chaos
-from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
+from elastic_step.instance.api import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
