@@ -20,7 +20,7 @@ import time
 from elastic_step import fault_hooks
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.preloaded import fork_preloader
-from elastic_step.data.api import load_manifest
+from elastic_step.data.manifest import load_manifest
 from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
 from elastic_step.faults import chaos
