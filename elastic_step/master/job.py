@@ -157,7 +157,13 @@ class TrainingJob:
         self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
         self.timeline = Timeline()  # what happened when (summary.json, the report)
         self.coord = Coordinator(
-            self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds, self.timeline
+            self.ledger,
+            0 if self.allreduce else cfg.num_ps,
+            cfg.min_workers,
+            self.bounds,
+            self.timeline,
+            ring_max_workers=cfg.max_workers if self.allreduce else None,
+            members_lost=lambda: self.durable.members_lost(),  # the job's checkpoints, made below
         )
         self.failures = FailureReports(self.timeline, job_failed=self.coord.finished.set)
         self.skipped = SkippedMinibatches(self.timeline)
@@ -174,11 +180,6 @@ class TrainingJob:
         ckpt_root = checkpoint_root(cfg.checkpoint_uri, cfg.output, job_id)
         self.durable = JobCheckpoints(
             cfg, job_id, ckpt_root, self.model_def, self.coord, token=lambda: self.plan.token, faults=self.faults
-        )
-        self.rendezvous = (
-            self.coord.attach_rendezvous(cfg.max_workers, self.durable.members_lost, self.durable.ring_start)
-            if self.allreduce
-            else None
         )
         self.backend, token = self._start_backend(backend, job_id)
         self.plan = JobPlan(
@@ -662,7 +663,7 @@ class TrainingJob:
             if final:  # with use_ema, the moving averages the members' optimizer state holds
                 finalize(model, self.model_def.optimizer(), values[num_model:])
 
-        rdv = self.rendezvous
+        rdv = self.coord.rendezvous
         with self.coord.lock:
             members, step, restoring = list(rdv.members), rdv.committed_step, rdv.restore_checkpoint
             # The member heard from last first: one that has said nothing since the others' last step may be
@@ -731,7 +732,7 @@ class TrainingJob:
 
     def _write_summary(self, status: str, **extra) -> dict:
         c, coord, t0 = self.cfg, self.coord, self.timeline.t0
-        rdv_summary = self.rendezvous.summary() if self.rendezvous else None
+        rdv_summary = self.coord.rendezvous.summary() if self.coord.rendezvous else None
         chaos_summary = self.faults.summary()
         with coord.lock:
             committed = self.ledger.records_committed_total()

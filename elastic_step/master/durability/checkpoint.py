@@ -228,7 +228,6 @@ class JobCheckpoints:
         every = parse_interval(cfg.checkpoint_every)
         self.allreduce = cfg.strategy == "allreduce"
         self.member_state = None  # allreduce: the MemberState newcomers load (resumed, or every member lost)
-        self.ring_start: tuple[int, int] | None = None  # allreduce, resumed: the (step, checkpoint id) to start at
         if every:
             self.store.check_writable()
         self.resumed = self.store.latest() if cfg.resume == "auto" else None
@@ -268,7 +267,7 @@ class JobCheckpoints:
         self.ledger.restore(self.state["ledger"])
         if self.allreduce:
             self.member_state = self.store.read_members(self.resumed)
-            self.ring_start = (self.member_state.step, self.resumed["id"])
+            self.coord.rendezvous.restore(self.member_state.step, self.resumed["id"])  # before any member joined
         self.coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
         started = time.time()
         before = self.store.watermark()
