@@ -281,7 +281,7 @@ class JobCheckpoints:
             }
         )
         entry = self.restarts[-1]
-        self.coord.pace.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
+        self.coord.pace.until_next_commit(entry, "start_to_first_commit_s", started)
         log.info(
             "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
             "records the previous master committed after it are trained again",
@@ -418,7 +418,7 @@ class JobCheckpoints:
         entry = {"at": lost_at, "ps": lost_ps, "from_checkpoint": manifest["id"], "records_trained_again": again}
         self.ps_restores.append(entry)
         with coord.lock:
-            coord.pace.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
+            coord.pace.until_next_commit(entry, "loss_to_first_commit_s", lost_at)
         coord.timeline.record(
             "rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again"
         )
