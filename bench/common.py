@@ -73,7 +73,7 @@ def digits_prepared(rows: int, out: pathlib.Path) -> pathlib.Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from elastic_step.data.api import Manifest, Shard, load_manifest
+    from elastic_step.data.manifest import Manifest, Shard, load_manifest
 
     prepared = prepare(str(ROOT / "samples" / "digits" / "digits.csv"), out)
     train = load_manifest(str(prepared / "train"))

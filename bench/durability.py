@@ -32,7 +32,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import prepare, run_cli, small_job, summary, train_command  # noqa: E402
-from elastic_step.data.api import load_manifest  # noqa: E402
+from elastic_step.data.manifest import load_manifest  # noqa: E402
 
 
 def train(out: pathlib.Path, data: pathlib.Path, epochs: int, every: str, *flags: str, **values) -> tuple[int, dict]:

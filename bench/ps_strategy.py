@@ -75,7 +75,7 @@ def tf_chief(
     import keras
     import tensorflow as tf
 
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
     from elastic_step.data.reader import read_all
     from elastic_step.evaluation import evaluate
     from elastic_step.model_def import load_model_def

@@ -62,7 +62,7 @@ from elastic_step.util.phases import ENV as PHASES_ENV  # noqa: E402
 def keras_fit(model_path: str, data: pathlib.Path, batch: int, steps_per_execution: int = 1) -> dict:
     import keras
 
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
     from elastic_step.data.reader import read_all
     from elastic_step.evaluation import evaluate
     from elastic_step.model_def import load_model_def
@@ -142,7 +142,7 @@ def elastic(
 
 def saved_accuracy(model_path: str, data: pathlib.Path, out: pathlib.Path) -> float:
     """The eval split's accuracy of the model a run exported (for a run with no eval split of its own)."""
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
     from elastic_step.evaluation import evaluate
     from elastic_step.model_def import load_model_def
     from elastic_step.model_io import load_model

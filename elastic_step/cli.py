@@ -189,6 +189,21 @@ def _compile(args) -> dict:
     return {"written": compile_all(args.root)}
 
 
+def _add_schedule_args(sc: argparse.ArgumentParser) -> None:
+    sc.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
+    sc.add_argument("--cron", required=True, help='6 fields, seconds first: "0 0 2 * * *" is 02:00 daily')
+    spec.add_arguments(sc, spec.PIPELINE)
+    sc.add_argument("--experiment", default="elastic-step")
+    sc.add_argument("--name", default="elastic-step-train-eval-nightly")
+    sc.add_argument("--namespace")
+    sc.add_argument(
+        "--service-account",
+        help="the runs' service account (it needs the Role in "
+        "components/elastic_train/rbac.yaml for backend kubernetes)",
+    )
+    sc.add_argument("--pipeline-root", help="where the runs' artifacts go (default: the cluster's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="elastic-step", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -255,18 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="schedule_command", required=True
     )
     sc = schedule.add_parser("create", help="compile the pipeline and create a KFP recurring run")
-    sc.add_argument("--host", required=True, help="KFP API endpoint, e.g. https://kfp.example.com/pipeline")
-    sc.add_argument("--cron", required=True, help='6 fields, seconds first: "0 0 2 * * *" is 02:00 daily')
-    spec.add_arguments(sc, spec.PIPELINE)
-    sc.add_argument("--experiment", default="elastic-step")
-    sc.add_argument("--name", default="elastic-step-train-eval-nightly")
-    sc.add_argument("--namespace")
-    sc.add_argument(
-        "--service-account",
-        help="the runs' service account (it needs the Role in "
-        "components/elastic_train/rbac.yaml for backend kubernetes)",
-    )
-    sc.add_argument("--pipeline-root", help="where the runs' artifacts go (default: the cluster's)")
+    _add_schedule_args(sc)
     sc.set_defaults(func=_schedule)
 
     comp = sub.add_parser(

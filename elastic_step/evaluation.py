@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from elastic_step.data.api import Manifest
+from elastic_step.data.manifest import Manifest
 from elastic_step.data.reader import ShardReader
 
 

@@ -97,7 +97,7 @@ def step_job_id(job_id: str = "", run_id: str = "", task_name: str = "", anchor:
 
 def evaluate_step(model_uri: str, eval_data: str, model_def: str, *, metric: str, threshold: float) -> dict:
     """Evaluate a trained model and decide the gate: {"score", "passed", "metrics", "confusion"}."""
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
     from elastic_step.evaluation import evaluate
     from elastic_step.model_def import load_model_def
     from elastic_step.model_io import load_model

@@ -46,7 +46,7 @@ PRELOAD = (
     "keras",
     "numpy",
     "grpc",
-    "elastic_step.instance",
+    "elastic_step.instance.startup",
     "elastic_step.instance.master_client",
     "elastic_step.model_def",
 )

@@ -1,4 +1,6 @@
-"""data role of elastic-step."""
+"""The data: prep writes Parquet shards and their manifest (prep.py, parse.py, shuffle.py, column_stats.py; the
+format in manifest.py); training reads record ranges of them (reader.py) and accounts for each record it applied
+(accounting.py)."""
 
 
 def statistics(uri: str) -> dict[str, dict]:

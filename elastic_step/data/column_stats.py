@@ -118,7 +118,7 @@ class ColumnStatistics:
 
 def read_statistics(uri: str) -> dict[str, dict]:
     """The statistics prep recorded in the manifest at `uri` (a manifest.json or its folder)."""
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
 
     manifest = load_manifest(uri)
     if not manifest.statistics:

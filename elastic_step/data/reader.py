@@ -64,7 +64,7 @@ class ShardReader:
 def read_all(manifest) -> dict[str, np.ndarray]:
     """Every record of a manifest (a Manifest or its URI), in order, as columns: for data that one
     process holds whole (a plain Keras baseline, a test), never for a worker's leases."""
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
 
     if isinstance(manifest, str):
         manifest = load_manifest(manifest)

@@ -24,7 +24,7 @@ DEADLINE_EXCEEDED = "Deadline Exceeded"  # as gRPC words a unary call's
 
 class CallError(grpc.RpcError):
     """A call on the session stream that ended as its unary twin would have: its status code and details, as
-    grpc.RpcError gives them (rpc.call retries the same codes, instance.fenced reads the same details)."""
+    grpc.RpcError gives them (rpc.call retries the same codes, instance.api.fenced reads the same details)."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")

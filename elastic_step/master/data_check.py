@@ -14,7 +14,7 @@ import logging
 
 import numpy as np
 
-from elastic_step.data.api import Manifest, schema_differences
+from elastic_step.data.manifest import Manifest, schema_differences
 from elastic_step.data.reader import ShardReader
 from elastic_step.errors import DataError, ModelDefError
 

@@ -20,11 +20,11 @@ import time
 from elastic_step import fault_hooks
 from elastic_step.backends.api import Backend, EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.preloaded import fork_preloader
-from elastic_step.data.api import load_manifest
+from elastic_step.data.manifest import load_manifest
 from elastic_step.data.shuffle import usable_cpus
 from elastic_step.errors import ConfigError, ElasticStepError, JobFailed, StepTerminated
 from elastic_step.faults import chaos
-from elastic_step.instance import LAUNCH_ENV, TOKEN_ENV, instance_argv
+from elastic_step.instance.api import LAUNCH_ENV, TOKEN_ENV, instance_argv
 from elastic_step.master.api import TrainConfig
 from elastic_step.master.curve import EvalCurve, ShardPuller
 from elastic_step.master.data_check import check_splits
@@ -113,6 +113,33 @@ def _auto_backend(cfg: TrainConfig, job_id: str, log_dir: pathlib.Path) -> tuple
     return _backend("local", cfg, job_id, log_dir)
 
 
+def _inputs(cfg: TrainConfig):
+    """The training data's manifest, the eval data's (or None) and the model definition, checked against each
+    other: a bad contract, or eval data the model cannot take, fails here, before anything starts."""
+    from elastic_step.data import statistics_of
+    from elastic_step.model_def import load_model_def
+
+    train = load_manifest(cfg.train_data)
+    evaluation = load_manifest(cfg.eval_data) if cfg.eval_data else None
+    model_def = load_model_def(cfg.model_def, statistics_of(train.uri))  # model(statistics) reads the training data's
+    check_splits(model_def, train, evaluation)
+    return train, evaluation, model_def
+
+
+def _ledger(cfg: TrainConfig, train, hold_epochs: bool) -> Ledger:
+    """The training data's tasks, leased epoch by epoch; `hold_epochs`: each epoch's end waits for its eval point
+    (early stopping)."""
+    ledger = Ledger(
+        [ShardInfo(train.shard_uri(s), s.rows) for s in train.shards],
+        cfg.records_per_task,
+        cfg.epochs,
+        cfg.minibatch_size,
+        cfg.seed,
+    )
+    ledger.hold_epochs = hold_epochs
+    return ledger
+
+
 class TrainingJob:
     def __init__(
         self,
@@ -132,32 +159,24 @@ class TrainingJob:
         job_id = cfg.job_id or new_job_id()
         output = staging or cfg.output
         self.output = pathlib.Path(output)  # where this job writes
-        self.train = load_manifest(cfg.train_data)
-        self.eval = load_manifest(cfg.eval_data) if cfg.eval_data else None
-        from elastic_step.data import statistics_of
-        from elastic_step.model_def import load_model_def
-
-        # A bad contract fails here, before anything starts; model(statistics) reads the training data's.
-        self.model_def = load_model_def(cfg.model_def, statistics_of(self.train.uri))
-        check_splits(self.model_def, self.train, self.eval)  # eval data the model cannot take: said now
-        self.ledger = Ledger(
-            [ShardInfo(self.train.shard_uri(s), s.rows) for s in self.train.shards],
-            cfg.records_per_task,
-            cfg.epochs,
-            cfg.minibatch_size,
-            cfg.seed,
-        )
+        self.train, self.eval, self.model_def = _inputs(cfg)
         self.early_stop = (
             EarlyStop(cfg.early_stop_metric, cfg.early_stop_patience, cfg.early_stop_min_delta)
             if cfg.early_stop_metric
             else None
         )
-        self.ledger.hold_epochs = self.early_stop is not None  # each epoch's end waits for its point
+        self.ledger = _ledger(cfg, self.train, hold_epochs=self.early_stop is not None)
         self.allreduce = cfg.strategy == "allreduce"
         self.bounds = HangBounds(cfg.hang_timeout)  # every watch's, and what a pull from a frozen member waits
         self.timeline = Timeline()  # what happened when (summary.json, the report)
         self.coord = Coordinator(
-            self.ledger, 0 if self.allreduce else cfg.num_ps, cfg.min_workers, self.bounds, self.timeline
+            self.ledger,
+            0 if self.allreduce else cfg.num_ps,
+            cfg.min_workers,
+            self.bounds,
+            self.timeline,
+            ring_max_workers=cfg.max_workers if self.allreduce else None,
+            members_lost=lambda: self.durable.members_lost(),  # the job's checkpoints, made below
         )
         self.failures = FailureReports(self.timeline, job_failed=self.coord.finished.set)
         self.skipped = SkippedMinibatches(self.timeline)
@@ -175,20 +194,7 @@ class TrainingJob:
         self.durable = JobCheckpoints(
             cfg, job_id, ckpt_root, self.model_def, self.coord, token=lambda: self.plan.token, faults=self.faults
         )
-        self.rendezvous = (
-            self.coord.attach_rendezvous(cfg.max_workers, self.durable.members_lost, self.durable.ring_start)
-            if self.allreduce
-            else None
-        )
-        self.backend, token = self._start_backend(backend, job_id)
-        self.plan = JobPlan(
-            job_id=job_id,
-            output=output,
-            output_uri=cfg.output,
-            checkpoint_root=ckpt_root,
-            backend=self.backend.name,
-            token=token,
-        )
+        self.backend, self.plan = self._start_backend(backend, job_id, output, ckpt_root)
         self.notices = Notices(self.backend.tell, self.timeline.events)  # on Kubernetes, Events on the step's pod
         # Hung workers, silent shards, ring stragglers: given up, fenced and stopped (master/gray/).
         self.gray = GrayFailures(
@@ -231,22 +237,32 @@ class TrainingJob:
         with self.health.busy(what), self.goodput.doing(cause):
             yield
 
-    def _start_backend(self, given: Backend | None, job_id: str) -> tuple[Backend, str]:
-        """The job's backend and its token: `given` (tests: a Kubernetes backend made for this job, with its
-        token), else the config's, which starts processes: after every check. Closed again when the job's
-        faults cannot run on it."""
+    def _start_backend(
+        self, given: Backend | None, job_id: str, output: str, checkpoint_root: str
+    ) -> tuple[Backend, JobPlan]:
+        """The job's backend and its plan, which records the backend and its token: `given` (tests: a Kubernetes
+        backend made for this job, with its token), else the config's, which starts processes: after every check.
+        Closed again when the job's faults cannot run on it."""
         if given is not None:
             if getattr(given, "job_id", job_id) != job_id:
                 raise ValueError(f"the backend given is job {given.job_id}'s, not {job_id}'s")
-            started = given, given.token
+            backend, token = given, given.token
         else:
-            started = make_backend(self.cfg, job_id, self.output / "logs")
+            backend, token = make_backend(self.cfg, job_id, self.output / "logs")
         try:
-            self.faults.check_backend(started[0])
+            self.faults.check_backend(backend)
         except ConfigError:
-            started[0].close()
+            backend.close()
             raise
-        return started
+        plan = JobPlan(
+            job_id=job_id,
+            output=output,
+            output_uri=self.cfg.output,
+            checkpoint_root=checkpoint_root,
+            backend=backend.name,
+            token=token,
+        )
+        return backend, plan
 
     def _eval_curve(self) -> EvalCurve:
         """The eval curve, pulling the weights from the shards (ps) or from a member of the ring (allreduce)."""
@@ -662,7 +678,7 @@ class TrainingJob:
             if final:  # with use_ema, the moving averages the members' optimizer state holds
                 finalize(model, self.model_def.optimizer(), values[num_model:])
 
-        rdv = self.rendezvous
+        rdv = self.coord.rendezvous
         with self.coord.lock:
             members, step, restoring = list(rdv.members), rdv.committed_step, rdv.restore_checkpoint
             # The member heard from last first: one that has said nothing since the others' last step may be
@@ -731,7 +747,7 @@ class TrainingJob:
 
     def _write_summary(self, status: str, **extra) -> dict:
         c, coord, t0 = self.cfg, self.coord, self.timeline.t0
-        rdv_summary = self.rendezvous.summary() if self.rendezvous else None
+        rdv_summary = self.coord.rendezvous.summary() if self.coord.rendezvous else None
         chaos_summary = self.faults.summary()
         with coord.lock:
             committed = self.ledger.records_committed_total()

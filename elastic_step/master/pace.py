@@ -7,8 +7,6 @@ reads them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 
 class Pace:
     def __init__(self):
@@ -20,7 +18,8 @@ class Pace:
         self.loss_ema: float | None = None
         self.recovery_first_commit_s: list[float] = []  # from a worker's loss to its replacement's first commit
         self._replacement_lost_at: dict[str, float] = {}  # worker -> its predecessor's loss time
-        self.on_next_commit: list[Callable[[float], None]] = []  # each called once, with the time, at the next commit
+        # Recovery figures that the next commit closes: (figures, key, since) -> figures[key] = its seconds since.
+        self.to_next_commit: list[tuple[dict, str, float]] = []
         self.samples: list[dict] = []  # progress over time, for the report
         self._alive_seen = 0  # the membership's alive samples already folded into a sample
         # What only the workers know, as they last said it: each launch's time computing its steps and waiting (on the
@@ -35,10 +34,15 @@ class Pace:
         if self.first_commit_at is None:
             self.first_commit_at, self.committed_at_first_commit = now, records_total
         self.last_commit_at = now
-        while self.on_next_commit:  # recovery figures: from a loss or a restart to training again
-            self.on_next_commit.pop()(now)
+        while self.to_next_commit:  # recovery figures: from a loss or a restart to training again
+            figures, key, since = self.to_next_commit.pop()
+            figures[key] = round(now - since, 3)
         if loss == loss:  # not NaN
             self.loss_ema = loss if self.loss_ema is None else 0.9 * self.loss_ema + 0.1 * loss
+
+    def until_next_commit(self, figures: dict, key: str, since: float) -> None:
+        """At the next commit, `figures[key]` becomes the seconds from `since` to it."""
+        self.to_next_commit.append((figures, key, since))
 
     def worker_spent(self, worker: str, launch: int, step_s: float, wait_s: float) -> None:
         """A worker's launch says how long it has computed its steps and waited, so far."""

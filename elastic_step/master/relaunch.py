@@ -16,7 +16,7 @@ import dataclasses
 import logging
 
 from elastic_step.backends.api import EventKind, InstanceEvent
-from elastic_step.instance import EXIT_USER_ERROR
+from elastic_step.instance.api import EXIT_USER_ERROR
 
 log = logging.getLogger("elastic_step.master")
 

@@ -130,6 +130,55 @@ def _step(name: str, args: list[str], inputs: list, outputs: list = (), **kwargs
     )
 
 
+def _train_step() -> Container:
+    """The training step: the elastic master, which starts the job's worker and PS pods, retried with its job id."""
+    return _step(
+        TRAIN_STEP,
+        [
+            "train",
+            "--train-data",
+            f"{WORK}/prepared/train",
+            "--eval-data",
+            f"{WORK}/prepared/eval",
+            "--output",
+            f"{WORK}/model",
+            "--job-id",
+            TRAIN_JOB_ID,
+            "--progress",
+            "lines",
+            "--health-port",
+            str(health.POD_PORT),
+            *_flags(TRAIN_PARAMS),
+        ],
+        inputs=[Artifact(name="prepared", path=f"{WORK}/prepared"), *(Parameter(name=n) for n in TRAIN_PARAMS)],
+        outputs=[
+            Artifact(name="model", path=f"{WORK}/model"),
+            Artifact(name="report", path=f"{WORK}/model/report.html", archive=NoneArchiveStrategy()),
+            Artifact(name="summary", path=f"{WORK}/model/summary.json", archive=NoneArchiveStrategy()),
+        ],
+        # The master: light, but it must not be the first pod evicted (its workers are).
+        resources=Resources(cpu_request="1", memory_request="2Gi"),
+        # With the same --job-id, the retried master adopts the job's worker and PS pods.
+        retry_strategy=TRAIN_RETRY,
+        liveness_probe=HEALTH_PROBE,
+        # The master's /metrics, on the health port: for a Prometheus that scrapes annotated pods, or a
+        # PodMonitor that selects the labels and names the port (docs/observability.md).
+        labels={"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/component": "master"},
+        annotations={
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(health.POD_PORT),
+            "prometheus.io/path": health.METRICS_PATH,
+        },
+        ports=[m.ContainerPort(name="metrics", container_port=health.POD_PORT)],
+        env=[
+            m.EnvVar(name="POD_NAME", value_from=_field("metadata.name")),  # owner of the job's pods
+            m.EnvVar(name="POD_UID", value_from=_field("metadata.uid")),
+            m.EnvVar(name="ELASTIC_STEP_NAMESPACE", value_from=_field("metadata.namespace")),
+            m.EnvVar(name="ELASTIC_STEP_POD_IP", value_from=_field("status.podIP")),  # the master's address
+        ],
+    )
+
+
 def workflow_template() -> WorkflowTemplate:
     with WorkflowTemplate(
         name=TEMPLATE_NAME,
@@ -160,51 +209,7 @@ def workflow_template() -> WorkflowTemplate:
             inputs=[Parameter(name=n) for n in PREP_PARAMS],
             outputs=[Artifact(name="prepared", path=f"{WORK}/prepared")],
         )
-        train = _step(
-            TRAIN_STEP,
-            [
-                "train",
-                "--train-data",
-                f"{WORK}/prepared/train",
-                "--eval-data",
-                f"{WORK}/prepared/eval",
-                "--output",
-                f"{WORK}/model",
-                "--job-id",
-                TRAIN_JOB_ID,
-                "--progress",
-                "lines",
-                "--health-port",
-                str(health.POD_PORT),
-                *_flags(TRAIN_PARAMS),
-            ],
-            inputs=[Artifact(name="prepared", path=f"{WORK}/prepared"), *(Parameter(name=n) for n in TRAIN_PARAMS)],
-            outputs=[
-                Artifact(name="model", path=f"{WORK}/model"),
-                Artifact(name="report", path=f"{WORK}/model/report.html", archive=NoneArchiveStrategy()),
-                Artifact(name="summary", path=f"{WORK}/model/summary.json", archive=NoneArchiveStrategy()),
-            ],
-            # The master: light, but it must not be the first pod evicted (its workers are).
-            resources=Resources(cpu_request="1", memory_request="2Gi"),
-            # With the same --job-id, the retried master adopts the job's worker and PS pods.
-            retry_strategy=TRAIN_RETRY,
-            liveness_probe=HEALTH_PROBE,
-            # The master's /metrics, on the health port: for a Prometheus that scrapes annotated pods, or a
-            # PodMonitor that selects the labels and names the port (docs/observability.md).
-            labels={"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/component": "master"},
-            annotations={
-                "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(health.POD_PORT),
-                "prometheus.io/path": health.METRICS_PATH,
-            },
-            ports=[m.ContainerPort(name="metrics", container_port=health.POD_PORT)],
-            env=[
-                m.EnvVar(name="POD_NAME", value_from=_field("metadata.name")),  # owner of the job's pods
-                m.EnvVar(name="POD_UID", value_from=_field("metadata.uid")),
-                m.EnvVar(name="ELASTIC_STEP_NAMESPACE", value_from=_field("metadata.namespace")),
-                m.EnvVar(name="ELASTIC_STEP_POD_IP", value_from=_field("status.podIP")),
-            ],
-        )  # the master's address
+        train = _train_step()
         evaluate = _step(
             "evaluate",
             [

@@ -9,8 +9,9 @@ import sys
 import threading
 
 from elastic_step.errors import ElasticStepError
-from elastic_step.instance import EXIT_USER_ERROR, parse_args
+from elastic_step.instance.api import EXIT_USER_ERROR
 from elastic_step.instance.master_client import MasterClient
+from elastic_step.instance.startup import start
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
 from elastic_step.proto import rpc
 from elastic_step.util import phases
@@ -20,7 +21,7 @@ log = logging.getLogger("elastic_step.ps")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args("ps", argv)
+    args = start("ps", argv)
     quiet_tensorflow()
     master = MasterClient(args.master, args.token, "ps", args.index)
     stop = threading.Event()

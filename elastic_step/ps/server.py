@@ -15,7 +15,7 @@ import threading
 import grpc
 import numpy as np
 
-from elastic_step.data.api import AppliedRecords
+from elastic_step.data.accounting import AppliedRecords
 from elastic_step.optimizers import without_clipping
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.proto import elastic_pb2_grpc as pb_grpc
@@ -110,7 +110,7 @@ class ParameterShard:
                 )
             if key.data_shard < 0:
                 # A minibatch a worker skipped (--skip-non-finite), its data shard named by its complement
-                # (data/api.py, skipped_key): nothing to apply, its records accounted for as skipped, once.
+                # (data/accounting.py, skipped_key): nothing to apply, its records accounted for as skipped, once.
                 self.applied.add(key.idempotency)
                 self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
                 return True, self.version, self._values(out)

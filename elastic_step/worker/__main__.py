@@ -14,8 +14,9 @@ import sys
 import threading
 
 from elastic_step.errors import ConfigError, DataError, ElasticStepError
-from elastic_step.instance import EXIT_FENCED, EXIT_USER_ERROR, fenced, parse_args
+from elastic_step.instance.api import EXIT_FENCED, EXIT_USER_ERROR, fenced
 from elastic_step.instance.master_client import MasterClient
+from elastic_step.instance.startup import start
 from elastic_step.util.process import quiet_tensorflow
 from elastic_step.worker.device import training_device
 from elastic_step.worker.records import minibatch_of
@@ -27,7 +28,7 @@ KINDS = ((DataError, "data_error"), (ConfigError, "config_error"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args("worker", argv)
+    args = start("worker", argv)
     quiet_tensorflow()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

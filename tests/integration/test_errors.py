@@ -242,7 +242,7 @@ def shard_ids(manifest_uri: str) -> dict[str, list[int]]:
     """Each training data shard's record ids, in order, by the shard's URI."""
     import pyarrow.parquet as pq
 
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
 
     m = load_manifest(manifest_uri)
     return {m.shard_uri(s): pq.read_table(m.shard_uri(s), columns=["id"])["id"].to_pylist() for s in m.shards}

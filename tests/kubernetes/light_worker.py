@@ -20,7 +20,7 @@ import grpc
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from elastic_step.instance import TOKEN_ENV
+from elastic_step.instance.api import TOKEN_ENV
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_step.instance import EXIT_FENCED
+from elastic_step.instance.api import EXIT_FENCED
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.process import alive, started, stopped
 from tests.integration.harness import LEASES_OUTLAST_A_KILL

@@ -9,7 +9,7 @@ import fsspec
 import numpy as np
 import pyarrow.parquet as pq
 
-from elastic_step.data.api import load_manifest
+from elastic_step.data.manifest import load_manifest
 from tests.models import tally
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -196,7 +196,7 @@ def test_evaluation_reports_what_keras_evaluate_reports(request, name):
     Keras's evaluate() on the same weights: no training, so any gap is the evaluation's own."""
     import keras
 
-    from elastic_step.data.api import load_manifest
+    from elastic_step.data.manifest import load_manifest
     from elastic_step.evaluation import evaluate
     from elastic_step.model_def import load_model_def
 

@@ -60,6 +60,14 @@ log = logging.getLogger("elastic_step.backends.kubernetes")
 WORKLOAD_WAIT_S = 60
 
 
+def _check_job_id(job_id: str) -> None:
+    if not (len(job_id) <= 50 and _JOB_ID.fullmatch(job_id)):
+        raise ConfigError(
+            f"The job id {job_id!r} cannot name Kubernetes pods: use at most 50 lowercase "
+            "letters, digits and '-', starting and ending with a letter or digit."
+        )
+
+
 class KubernetesBackend(Backend):
     name = "kubernetes"
     shares_files = False  # pods on other nodes: a step's local inputs are served to them
@@ -90,11 +98,7 @@ class KubernetesBackend(Backend):
         super().__init__()
         import kubernetes
 
-        if not (len(job_id) <= 50 and _JOB_ID.fullmatch(job_id)):
-            raise ConfigError(
-                f"The job id {job_id!r} cannot name Kubernetes pods: use at most 50 lowercase "
-                "letters, digits and '-', starting and ending with a letter or digit."
-            )
+        _check_job_id(job_id)
         self.k8s = kubernetes.client
         self.ApiException = kubernetes.client.ApiException
         self.job_id = job_id
@@ -116,6 +120,7 @@ class KubernetesBackend(Backend):
             log.info("job %s pods: %s", job_id, self.settings.describe())
         self.grace_s = int(grace_s)
         self.watch_timeout_s = int(watch_timeout_s)
+        self.pending_report_s = float(pending_report_s)
         self.selector = f"{LABEL_JOB}={job_id}"
         self.secret_name = f"{job_id}-token"
         self._lock = threading.Lock()
@@ -130,25 +135,7 @@ class KubernetesBackend(Backend):
             if self.owner
             else None
         )
-
-        if preflight:
-            check_permissions(
-                self.k8s,
-                self.api,
-                self.namespace,
-                self._call,
-                kueue.NEEDED if queue else (),
-                kueue.WANTED if queue else None,
-            )
-        step_pod = self.owner.name if self.owner else step_pod_name(in_cluster)
-        self.images = role_images(
-            image,
-            lambda: self._step_image(step_pod),
-            {role: self.settings.role(role).accelerators for role in ROLES},
-        )
-        self._check_pod_security()
-        if queue:
-            kueue.check_local_queue(kubernetes.client.CustomObjectsApi(api_client), self.namespace, queue, self._call)
+        self._preflight(preflight, image, in_cluster)
         self.token, self.token_reused = ensure_secret(
             self._call,
             self.core,
@@ -159,8 +146,35 @@ class KubernetesBackend(Backend):
             token=token,
             reuse=reuse_token,
         )
+        self._take_over_and_watch()
+
+    def _preflight(self, permissions: bool, image: str | None, in_cluster: bool) -> None:
+        """Before the backend creates anything: its permissions (unless told not to), the roles' images, the pods'
+        security, and the Kueue queue it is given."""
+        if permissions:
+            check_permissions(
+                self.k8s,
+                self.api,
+                self.namespace,
+                self._call,
+                kueue.NEEDED if self.queue else (),
+                kueue.WANTED if self.queue else None,
+            )
+        step_pod = self.owner.name if self.owner else step_pod_name(in_cluster)
+        self.images = role_images(
+            image,
+            lambda: self._step_image(step_pod),
+            {role: self.settings.role(role).accelerators for role in ROLES},
+        )
+        self._check_pod_security()
+        if self.queue:
+            kueue.check_local_queue(self.k8s.CustomObjectsApi(self.api), self.namespace, self.queue, self._call)
+
+    def _take_over_and_watch(self) -> None:
+        """The job's pods a previous master left: adopted, or deleted when they cannot be; then the watch, from the
+        adoption's listing, and the report of pods held pending."""
         listing = self._list()
-        self._adoptable, leftovers = adopt(listing["items"], self._pods, self._numbers, job_id)
+        self._adoptable, leftovers = adopt(listing["items"], self._pods, self._numbers, self.job_id)
         for name in leftovers:
             self._delete(name, 0)
         self.adopted = dict(self._adoptable)
@@ -169,7 +183,7 @@ class KubernetesBackend(Backend):
             self.core,
             self.namespace,
             self.selector,
-            job_id,
+            self.job_id,
             timeout_s=self.watch_timeout_s,
             rv=listing["metadata"]["resourceVersion"],
             closed=self._closed,
@@ -178,12 +192,11 @@ class KubernetesBackend(Backend):
             list_pods=self._list,
             on_pod=self._on_pod,
         )
-        self._watcher = threading.Thread(target=self._watch.run, name=f"k8s-watch-{job_id}", daemon=True)
+        self._watcher = threading.Thread(target=self._watch.run, name=f"k8s-watch-{self.job_id}", daemon=True)
         self._watcher.start()
-        self.pending_report_s = float(pending_report_s)
-        self._workloads = read_workloads(kubernetes.client.CustomObjectsApi(api_client), self.namespace, self._call)
+        self._workloads = read_workloads(self.k8s.CustomObjectsApi(self.api), self.namespace, self._call)
         if self.pending_report_s > 0:
-            threading.Thread(target=self._report_pending, name=f"k8s-pending-{job_id}", daemon=True).start()
+            threading.Thread(target=self._report_pending, name=f"k8s-pending-{self.job_id}", daemon=True).start()
 
     @classmethod
     def from_train_config(cls, cfg, job_id: str, token: str, **kwargs) -> KubernetesBackend:

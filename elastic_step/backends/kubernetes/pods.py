@@ -30,7 +30,7 @@ from elastic_step.backends.kubernetes.kueue import eviction_cause, queue_metadat
 from elastic_step.backends.kubernetes.security import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT, merge
 from elastic_step.backends.kubernetes.settings import PodSettings
 from elastic_step.errors import ConfigError
-from elastic_step.instance import TOKEN_ENV
+from elastic_step.instance.api import TOKEN_ENV
 
 PRIORITY_FILE = "elastic_step/backends/manifests/priorityclasses.yaml"
 

@@ -1,7 +1,7 @@
 """The exactly-once audit: what the model's state holds, compared with the data set.
 
 The ledger is what the master believes; the audit is the check on it. Whoever holds the model's
-state accounts for the records of each update it applied (data/api.py, AppliedRecords): every PS
+state accounts for the records of each update it applied (data/accounting.py, AppliedRecords): every PS
 shard for its pushes; in allreduce, every member for each step it applied, all members'
 contributions included (they travel in the allreduced buffer, and with the weights to a newcomer).
 Here those ranges are laid over the training manifest: per epoch, how many records were applied 0,
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_step.data.api import skipped_key
+from elastic_step.data.accounting import skipped_key
 
 EXACT, VIOLATED, UNAVAILABLE = "exact", "violated", "unavailable"
 

@@ -228,7 +228,6 @@ class JobCheckpoints:
         every = parse_interval(cfg.checkpoint_every)
         self.allreduce = cfg.strategy == "allreduce"
         self.member_state = None  # allreduce: the MemberState newcomers load (resumed, or every member lost)
-        self.ring_start: tuple[int, int] | None = None  # allreduce, resumed: the (step, checkpoint id) to start at
         if every:
             self.store.check_writable()
         self.resumed = self.store.latest() if cfg.resume == "auto" else None
@@ -268,7 +267,7 @@ class JobCheckpoints:
         self.ledger.restore(self.state["ledger"])
         if self.allreduce:
             self.member_state = self.store.read_members(self.resumed)
-            self.ring_start = (self.member_state.step, self.resumed["id"])
+            self.coord.rendezvous.restore(self.member_state.step, self.resumed["id"])  # before any member joined
         self.coord.duplicates_suppressed = self.state.get("duplicates_suppressed", 0)
         started = time.time()
         before = self.store.watermark()
@@ -282,7 +281,7 @@ class JobCheckpoints:
             }
         )
         entry = self.restarts[-1]
-        self.coord.pace.on_next_commit.append(lambda now: entry.update(start_to_first_commit_s=round(now - started, 3)))
+        self.coord.pace.until_next_commit(entry, "start_to_first_commit_s", started)
         log.info(
             "resuming job %s from checkpoint %d under %s: %d records committed in epoch %d; the %s "
             "records the previous master committed after it are trained again",
@@ -419,7 +418,7 @@ class JobCheckpoints:
         entry = {"at": lost_at, "ps": lost_ps, "from_checkpoint": manifest["id"], "records_trained_again": again}
         self.ps_restores.append(entry)
         with coord.lock:
-            coord.pace.on_next_commit.append(lambda now: entry.update(loss_to_first_commit_s=round(now - lost_at, 3)))
+            coord.pace.until_next_commit(entry, "loss_to_first_commit_s", lost_at)
         coord.timeline.record(
             "rewound", f"ps-{lost_ps}", f"to checkpoint {manifest['id']}: {again} records to train again"
         )

@@ -141,7 +141,7 @@ class CheckpointStore:
         """allreduce: a member's state (tensors.MemberState) as checkpoint `ckpt_id`'s part."""
         import numpy as np
 
-        from elastic_step.data.api import AppliedRecords
+        from elastic_step.data.accounting import AppliedRecords
 
         buf = io.BytesIO()
         np.savez(
@@ -158,7 +158,7 @@ class CheckpointStore:
         """allreduce: the members' state (tensors.MemberState) of a checkpoint."""
         import numpy as np
 
-        from elastic_step.data.api import AppliedRecords
+        from elastic_step.data.accounting import AppliedRecords
         from elastic_step.proto.tensors import MemberState
 
         try:

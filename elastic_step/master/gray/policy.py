@@ -18,7 +18,7 @@ from typing import Protocol
 
 from elastic_step.backends.api import Backend, EventKind, InstanceEvent, InstanceId
 from elastic_step.fault_hooks import JobFaults
-from elastic_step.instance import EXIT_FENCED
+from elastic_step.instance.api import EXIT_FENCED
 from elastic_step.master.gray.hang import HangBounds, Hung
 from elastic_step.master.gray.ps_watch import PSWatch
 from elastic_step.master.gray.ring_straggler import Straggler

@@ -20,6 +20,7 @@ from elastic_step.master.gray.ring_straggler import RingPaceWatch, Straggler
 from elastic_step.master.gray.straggler import StragglerWatch
 from elastic_step.master.leases.ledger import Lease, LeaseOver, Ledger, LedgerError
 from elastic_step.master.leases.membership import Membership
+from elastic_step.master.leases.rendezvous import Rendezvous
 from elastic_step.master.pace import Pace
 from elastic_step.master.timeline import Timeline
 
@@ -34,8 +35,13 @@ class Coordinator:
         min_workers: int = 1,
         bounds: HangBounds = MEASURED,
         timeline: Timeline | None = None,
+        ring_max_workers: int | None = None,
+        members_lost: Callable[[], bool] = lambda: False,
     ):
-        """`timeline`: the job's, where each decision is recorded (a new one by default)."""
+        """`timeline`: the job's, where each decision is recorded (a new one by default). `ring_max_workers`:
+        --strategy allreduce, the ring's largest size; its rendezvous (versioned membership and atomic step commits)
+        decides under this lock. `members_lost` (allreduce, lock held): every member is gone; True once the job's
+        checkpoints took it back to the last one."""
         self.lock = threading.Lock()
         self.timeline = timeline or Timeline()
         self.ledger = ledger
@@ -57,7 +63,6 @@ class Coordinator:
         self.stop_all = threading.Event()  # the master no longer needs any instance (PS included)
         self.duplicates_suppressed = 0
         self.pace = Pace()  # figures, fed as commits happen: throughput, loss, recovery, samples
-        self.rendezvous = None  # --strategy allreduce: see attach_rendezvous
         # The checkpoint barrier: while `holding`, no lease is handed out, every report's answer asks
         # its worker to hold, and the workers that finished their pushes wait in `hold`.
         self.holding = False
@@ -68,29 +73,18 @@ class Coordinator:
         self.rewinding = False
         self.ps_generation = 0
         self._released = threading.Condition(self.lock)
-
-    def attach_rendezvous(
-        self,
-        max_workers: int,
-        members_lost: Callable[[], bool] = lambda: False,
-        start: tuple[int, int] | None = None,
-    ):
-        """--strategy allreduce: versioned membership and atomic step commits, under this lock. `members_lost`
-        (lock held): every member is gone; True once the job's checkpoints took it back to the last one. `start`:
-        a resumed job's (step, checkpoint id), whose state the members of the first version load."""
-        from elastic_step.master.leases.rendezvous import Rendezvous
-
-        self.rendezvous = Rendezvous(
-            self.min_workers,
-            max_workers,
-            lock=self.lock,
-            commit_fn=self._commit_step,
-            record=self.timeline.record,
-            state_lost_fn=lambda: self._state_lost(members_lost),
+        self.rendezvous = (
+            Rendezvous(
+                min_workers,
+                ring_max_workers,
+                lock=self.lock,
+                commit_fn=self._commit_step,
+                record=self.timeline.record,
+                state_lost_fn=lambda: self._state_lost(members_lost),
+            )
+            if ring_max_workers is not None
+            else None
         )
-        if start is not None:
-            self.rendezvous.restore(*start)
-        return self.rendezvous
 
     def _state_lost(self, members_lost: Callable[[], bool]) -> None:
         """allreduce: the last member is gone, and the only copy of the weights with it (lock held).

@@ -81,6 +81,63 @@ class JobState:
     evaluation: Callable[[], dict]  # the last point of the eval curve (or the final evaluation)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Figures:
+    """What a scrape reads of the coordinator, in one moment under its lock."""
+
+    committed: int
+    epoch: int
+    epochs: int
+    per_epoch: int
+    this_epoch: int  # records of the current epoch committed
+    requeued: int
+    trained_again: int
+    throughput: float
+    states: dict[str, int]  # the membership's workers by state
+    fenced: int
+    lost_by_cause: dict[str, int]
+    step_s: float
+    wait_s: float
+    waits_on: str  # what the workers wait on: "ps" or "ring"
+    shard_pushes: list[int]  # applied, skipped
+    pushes_skipped: int
+    goodput: dict
+
+    @classmethod
+    def read(cls, coord, goodput: Goodput) -> _Figures:
+        with coord.lock:
+            ledger, membership = coord.ledger, coord.membership
+            committed, trained_again = ledger.records_committed_total(), ledger.trained_again
+            account = ledger.accounts[-1] if ledger.accounts else None
+            fenced = sum(
+                1
+                for worker, f in coord.fences.fenced.items()
+                if (m := membership.members.get(_parse(worker))) is not None
+                and f.launch >= m.launches
+                and m.state != "gone"
+            )
+            step_s, wait_s = coord.pace.spent_total()
+            return cls(
+                committed=committed,
+                epoch=max(0, min(ledger.epoch, ledger.epochs - 1)),
+                epochs=ledger.epochs,
+                per_epoch=ledger.records_per_epoch,
+                this_epoch=account.committed if account else 0,
+                requeued=sum(a.requeued for a in ledger.accounts),
+                trained_again=trained_again,
+                throughput=coord.throughput(),
+                states=membership.worker_states(),
+                fenced=fenced,
+                lost_by_cause=dict(membership.lost_by_cause),
+                step_s=step_s,
+                wait_s=wait_s,
+                waits_on="ring" if coord.rendezvous is not None else "ps",
+                shard_pushes=[sum(p[i] for p in coord.pace.shard_pushes.values()) for i in (0, 1)],
+                pushes_skipped=coord.duplicates_suppressed,
+                goodput=goodput.figures(committed, trained_again),
+            )
+
+
 class JobCollector(Collector):
     """Every figure the master keeps anyway, read when scraped."""
 
@@ -89,85 +146,9 @@ class JobCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s, job = self.state, [self.state.job_id]
-        coord = s.coord
-        with coord.lock:
-            ledger, membership = coord.ledger, coord.membership
-            committed = ledger.records_committed_total()
-            account = ledger.accounts[-1] if ledger.accounts else None
-            requeued = sum(a.requeued for a in ledger.accounts)
-            trained_again = ledger.trained_again
-            epoch, epochs = max(0, min(ledger.epoch, ledger.epochs - 1)), ledger.epochs
-            per_epoch = ledger.records_per_epoch
-            states = membership.worker_states()
-            fenced = sum(
-                1
-                for worker, f in coord.fences.fenced.items()
-                if (m := membership.members.get(_parse(worker))) is not None
-                and f.launch >= m.launches
-                and m.state != "gone"
-            )
-            lost_by_cause = dict(membership.lost_by_cause)
-            goodput = s.goodput.figures(committed, trained_again)
-            throughput = coord.throughput()
-            step_s, wait_s = coord.pace.spent_total()
-            pushes_skipped = coord.duplicates_suppressed
-            shard_pushes = [sum(p[i] for p in coord.pace.shard_pushes.values()) for i in (0, 1)]
-            waits_on = "ring" if coord.rendezvous is not None else "ps"
-        yield _counter("records_committed", "Records committed once (every epoch)", job, committed)
-        yield _gauge("epoch", "The epoch being trained (from 0)", job, epoch)
-        yield _gauge("epochs", "The epochs the step trains", job, epochs)
-        yield _gauge("epoch_records", "Records an epoch holds", job, per_epoch)
-        this_epoch = account.committed if account else 0
-        yield _gauge("epoch_records_committed", "Records of the current epoch committed", job, this_epoch)
-        yield _counter("records_requeued", "Records put back in the queue by a worker's loss", job, requeued)
-        yield _counter(
-            "records_trained_again",
-            "Records committed, then trained again after a rewind to a checkpoint",
-            job,
-            trained_again,
-        )
-        yield _gauge("records_per_second", "Records committed a second, in the steady state", job, throughput)
-        workers = GaugeMetricFamily(PREFIX + "workers", "Workers by state", labels=["job", "state"])
-        counts = {
-            "pending": states["pending"] + states["running"],  # launched, not registered yet
-            "queued": states["queued"],  # held by the platform (Kueue, the scheduler) past its bound
-            "training": states["registered"],
-            "lost": states["gone"],
-            "fenced": fenced,
-            "hung": s.hung(),
-            "straggling": s.left_out(),  # allreduce: left out of the ring (ps: a handover is an event, not a state)
-        }
-        for state in WORKER_STATES:
-            workers.add_metric([s.job_id, state], counts[state])
-        yield workers
-        losses = CounterMetricFamily(PREFIX + "worker_losses", "Workers lost, by cause", labels=["job", "cause"])
-        for cause in LOSS_CAUSES:
-            losses.add_metric([s.job_id, cause], lost_by_cause.get(cause, 0))
-        yield losses
-        yield _counter("worker_relaunches", "Instances relaunched after a loss", job, s.relaunches())
-        # What only the workers know, as their reports carry it (ps: ReportProgress; allreduce: StepReady)
-        yield _counter("worker_step_seconds", "The workers' time computing their steps", job, step_s)
-        waited = CounterMetricFamily(
-            PREFIX + "worker_wait_seconds",
-            "The workers' time waiting on the PS shards (ps) or in the ring's collectives (allreduce)",
-            labels=["job", "on"],
-        )
-        waited.add_metric([s.job_id, waits_on], wait_s)
-        yield waited
-        pushes = GaugeMetricFamily(
-            PREFIX + "ps_pushes",
-            "Pushes the PS shards hold as applied, and skipped as already applied, as their heartbeats say",
-            labels=["job", "result"],
-        )
-        for result, n in zip(("applied", "skipped"), shard_pushes):
-            pushes.add_metric([s.job_id, result], n)
-        yield pushes
-        yield _counter(
-            "pushes_skipped",
-            "Pushes every PS shard had already applied (a lost worker's, pushed again)",
-            job,
-            pushes_skipped,
-        )
+        f = _Figures.read(s.coord, s.goodput)
+        yield from _records(job, f)
+        yield from _workers(s, f)
         yield from _checkpoints(job, s.checkpoints())
         evaluation = GaugeMetricFamily(
             PREFIX + "eval_metric", "The last evaluation's metrics, by name", labels=["job", "metric"]
@@ -176,24 +157,89 @@ class JobCollector(Collector):
             if isinstance(value, (int, float)) and name != "epoch":
                 evaluation.add_metric([s.job_id, name], float(value))
         yield evaluation
-        yield _gauge(
-            "goodput_ratio", "Share of the step's wall time that produced records committed once", job, goodput["ratio"]
+        yield from _goodput(job, f.goodput)
+
+
+def _records(job: list[str], f: _Figures) -> Iterator[Metric]:
+    yield _counter("records_committed", "Records committed once (every epoch)", job, f.committed)
+    yield _gauge("epoch", "The epoch being trained (from 0)", job, f.epoch)
+    yield _gauge("epochs", "The epochs the step trains", job, f.epochs)
+    yield _gauge("epoch_records", "Records an epoch holds", job, f.per_epoch)
+    yield _gauge("epoch_records_committed", "Records of the current epoch committed", job, f.this_epoch)
+    yield _counter("records_requeued", "Records put back in the queue by a worker's loss", job, f.requeued)
+    yield _counter(
+        "records_trained_again",
+        "Records committed, then trained again after a rewind to a checkpoint",
+        job,
+        f.trained_again,
+    )
+    yield _gauge("records_per_second", "Records committed a second, in the steady state", job, f.throughput)
+
+
+def _workers(s: JobState, f: _Figures) -> Iterator[Metric]:
+    job = [s.job_id]
+    workers = GaugeMetricFamily(PREFIX + "workers", "Workers by state", labels=["job", "state"])
+    counts = {
+        "pending": f.states["pending"] + f.states["running"],  # launched, not registered yet
+        "queued": f.states["queued"],  # held by the platform (Kueue, the scheduler) past its bound
+        "training": f.states["registered"],
+        "lost": f.states["gone"],
+        "fenced": f.fenced,
+        "hung": s.hung(),
+        "straggling": s.left_out(),  # allreduce: left out of the ring (ps: a handover is an event, not a state)
+    }
+    for state in WORKER_STATES:
+        workers.add_metric([s.job_id, state], counts[state])
+    yield workers
+    losses = CounterMetricFamily(PREFIX + "worker_losses", "Workers lost, by cause", labels=["job", "cause"])
+    for cause in LOSS_CAUSES:
+        losses.add_metric([s.job_id, cause], f.lost_by_cause.get(cause, 0))
+    yield losses
+    yield _counter("worker_relaunches", "Instances relaunched after a loss", job, s.relaunches())
+    # What only the workers know, as their reports carry it (ps: ReportProgress; allreduce: StepReady)
+    yield _counter("worker_step_seconds", "The workers' time computing their steps", job, f.step_s)
+    waited = CounterMetricFamily(
+        PREFIX + "worker_wait_seconds",
+        "The workers' time waiting on the PS shards (ps) or in the ring's collectives (allreduce)",
+        labels=["job", "on"],
+    )
+    waited.add_metric([s.job_id, f.waits_on], f.wait_s)
+    yield waited
+    pushes = GaugeMetricFamily(
+        PREFIX + "ps_pushes",
+        "Pushes the PS shards hold as applied, and skipped as already applied, as their heartbeats say",
+        labels=["job", "result"],
+    )
+    for result, n in zip(("applied", "skipped"), f.shard_pushes):
+        pushes.add_metric([s.job_id, result], n)
+    yield pushes
+    yield _counter(
+        "pushes_skipped",
+        "Pushes every PS shard had already applied (a lost worker's, pushed again)",
+        job,
+        f.pushes_skipped,
+    )
+
+
+def _goodput(job: list[str], goodput: dict) -> Iterator[Metric]:
+    yield _gauge(
+        "goodput_ratio", "Share of the step's wall time that produced records committed once", job, goodput["ratio"]
+    )
+    yield _gauge(
+        "worker_goodput_ratio",
+        "Share of the workers' seconds that produced records committed once",
+        job,
+        goodput["worker_ratio"],
+    )
+    for unit, key, what in (("seconds", "wall_s", "wall time"), ("worker_seconds", "worker_s", "worker-seconds")):
+        spent = CounterMetricFamily(
+            f"{PREFIX}goodput_{unit}",
+            f"The step's {what}, by what it went to (training or a cause of loss)",
+            labels=["job", "cause"],
         )
-        yield _gauge(
-            "worker_goodput_ratio",
-            "Share of the workers' seconds that produced records committed once",
-            job,
-            goodput["worker_ratio"],
-        )
-        for unit, key, what in (("seconds", "wall_s", "wall time"), ("worker_seconds", "worker_s", "worker-seconds")):
-            spent = CounterMetricFamily(
-                f"{PREFIX}goodput_{unit}",
-                f"The step's {what}, by what it went to (training or a cause of loss)",
-                labels=["job", "cause"],
-            )
-            for cause in ("training", *CAUSES):
-                spent.add_metric([s.job_id, cause], goodput[key][cause])
-            yield spent
+        for cause in ("training", *CAUSES):
+            spent.add_metric(job + [cause], goodput[key][cause])
+        yield spent
 
 
 def _checkpoints(job: list[str], summary: dict) -> Iterator[Metric]:

@@ -114,7 +114,7 @@ class Ring:
     this member's own host address a shared-memory lane (used if it is on this host)."""
 
     def __init__(self, token: str, me: str, host: str, shared_memory: bool = True, launch: int = 0):
-        """`launch`: this process's launch of `me` (instance/__init__.py, LAUNCH_ENV), which its ring hellos name."""
+        """`launch`: this process's launch of `me` (instance/api.py, LAUNCH_ENV), which its ring hellos name."""
         self.token, self.me, self.shared_memory, self.launch = token, me, shared_memory, launch
         self.listener = RingListener(token, host)
         self.port = self.listener.port

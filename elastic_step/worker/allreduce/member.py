@@ -50,7 +50,7 @@ import grpc
 import numpy as np
 
 from elastic_step import fault_hooks as faults
-from elastic_step.data.api import minibatch_end, skipped_key
+from elastic_step.data.accounting import minibatch_end, skipped_key
 from elastic_step.instance.collective_client import pull_state
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
@@ -101,7 +101,7 @@ class Lease:
         self.fed_from = t.start
 
     def minibatch_end(self, lo: int, minibatch_size: int) -> int:
-        """The end of the minibatch that holds record `lo` (data.api.minibatch_end)."""
+        """The end of the minibatch that holds record `lo` (data/accounting.py, minibatch_end)."""
         return minibatch_end(self.task_start, self.end, lo, minibatch_size)
 
 
@@ -122,7 +122,7 @@ def contribution_slots(contribution: tuple[int, int, int, int] | None, rank: int
 
 def contributions(slots: np.ndarray) -> list[tuple[int, int, int, int]]:
     """Every member's (epoch, data shard, start, end) in a step, from the allreduced slots. A skipped minibatch's
-    data shard is its complement (data/api.py, skipped_key)."""
+    data shard is its complement (data/accounting.py, skipped_key)."""
     pairs = np.rint(slots).astype(np.int64).reshape(-1, 4, 2)
     ints = pairs[:, :, 0] * _LOW + pairs[:, :, 1]
     return [tuple(int(x) for x in c) for c in ints if c[3] > c[2]]

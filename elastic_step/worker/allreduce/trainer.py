@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from elastic_step.data.api import AppliedRecords
+from elastic_step.data.accounting import AppliedRecords
 from elastic_step.errors import ConfigError
 from elastic_step.optimizers import LearningRateScale
 from elastic_step.ps.api import CHANGED_MODEL, CHANGED_MODEL_FIX, layout_mismatch

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from elastic_step import fault_hooks as faults
-from elastic_step.data.api import minibatch_end
+from elastic_step.data.accounting import minibatch_end
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.proto import elastic_pb2 as pb
 from elastic_step.ps.api import PushKey

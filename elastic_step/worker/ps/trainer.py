@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from elastic_step.data.api import skipped_key
+from elastic_step.data.accounting import skipped_key
 from elastic_step.ps.api import Placement, PushKey, embedding_variable_paths, variable_names
 from elastic_step.ps.client import PSClient, ShardsMoved
 from elastic_step.ps.doorbell import MAX_MINIBATCHES

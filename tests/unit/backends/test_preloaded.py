@@ -16,7 +16,7 @@ import pytest
 from elastic_step.backends.api import EventKind, InstanceId, InstanceSpec
 from elastic_step.backends.local import LocalBackend
 from elastic_step.backends.preloaded import Preloader
-from elastic_step.instance import TOKEN_ENV
+from elastic_step.instance.api import TOKEN_ENV
 
 
 def program(action: str) -> list[str]:

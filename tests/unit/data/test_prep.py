@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from elastic_step.data import prep as prep_module
-from elastic_step.data.api import load_manifest
+from elastic_step.data.manifest import load_manifest
 from elastic_step.data.prep import MAX_BAD_ROWS, prepare
 from elastic_step.errors import ConfigError, DataError
 

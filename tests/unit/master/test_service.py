@@ -35,11 +35,16 @@ class Master:
         pushes_in_flight=1,
         num_ps=0,
         minibatches_per_push=1,
+        min_workers=1,
+        ring=False,
     ):
         self.ledger = Ledger(
             [ShardInfo(f"s{i}", n) for i, n in enumerate(rows)], records_per_task, epochs, minibatch_size=MINIBATCH
         )
-        self.coord = Coordinator(self.ledger, num_ps=num_ps)
+        # ring: --strategy allreduce, a rendezvous of up to max_workers members
+        self.coord = Coordinator(
+            self.ledger, num_ps=num_ps, min_workers=min_workers, ring_max_workers=max_workers if ring else None
+        )
         self.failures = FailureReports(self.coord.timeline, job_failed=self.coord.finished.set)
         self.skipped = SkippedMinibatches(self.coord.timeline)
         self.service = MasterService(
@@ -485,10 +490,8 @@ def test_members_step_calls_wait_on_the_event_loop_woken_by_the_commit_and_by_a_
     long poll is made longer than the test may wait: a call not woken would time the test out."""
     monkeypatch.setattr(service, "STEP_WAIT_S", 120.0)
     monkeypatch.setattr(service, "WAITING_CALLS", 1)
-    m = Master()
+    m = Master(max_workers=3, min_workers=3, ring=True)  # version 1 is all three
     try:
-        m.coord.min_workers = 3  # version 1 is all three
-        m.coord.attach_rendezvous(max_workers=3)
         members = [m.client(i) for i in range(3)]
         for i, c in enumerate(members):
             c.register(f"127.0.0.1:{i + 1}")

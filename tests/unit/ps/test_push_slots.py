@@ -209,7 +209,7 @@ def test_only_our_segments_under_dev_shm_are_mapped(tmp_path):
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["doorbell", "grpc"])
 def test_a_fenced_launch_s_pushes_are_refused_whichever_way_they_come(serve, shared_memory):
-    from elastic_step.instance import fenced
+    from elastic_step.instance.api import fenced
 
     service, client = serve(keras.optimizers.SGD(0.1))
     zombie, successor = (

@@ -12,7 +12,7 @@ from tests.unit.ps.keys import key
 keras = pytest.importorskip("keras")
 
 from elastic_step import optimizers  # noqa: E402
-from elastic_step.data.api import skipped_key  # noqa: E402
+from elastic_step.data.accounting import skipped_key  # noqa: E402
 from elastic_step.ps import server, shard_graph  # noqa: E402
 from elastic_step.ps.api import Placement  # noqa: E402
 from elastic_step.ps.server import ParameterShard  # noqa: E402

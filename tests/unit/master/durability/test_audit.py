@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_step.data.api import AppliedRecords, skipped_key
+from elastic_step.data.accounting import AppliedRecords, skipped_key
 from elastic_step.master.durability.audit import EXACT, UNAVAILABLE, VIOLATED, audit, coverage, describe
 from elastic_step.ps.api import PushKey
 

@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from elastic_step.backends.api import InstanceId
-from elastic_step.instance import fenced
+from elastic_step.instance.api import fenced
 from elastic_step.instance.master_client import MasterClient
 from elastic_step.master.gray.fence import Fences
 from elastic_step.proto import elastic_pb2 as pb

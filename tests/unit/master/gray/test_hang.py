@@ -160,8 +160,10 @@ def test_ps_a_worker_waiting_in_a_checkpoint_barrier_is_not_hung_one_that_never_
 
 
 def test_allreduce_the_silent_member_of_a_stalled_ring_is_hung_not_the_members_waiting_on_it():
-    coord = Coordinator(Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, min_workers=2, bounds=HangBounds(2.0))
-    rdv = coord.attach_rendezvous(2)
+    coord = Coordinator(
+        Ledger([ShardInfo("s", 1000)], 100, 1, 10), num_ps=0, min_workers=2, bounds=HangBounds(2.0), ring_max_workers=2
+    )
+    rdv = coord.rendezvous
     workers = [InstanceId("worker", i) for i in (0, 1)]
     for w in workers:
         coord.membership.launched(w, relaunch=False)

@@ -9,7 +9,7 @@ import pytest
 from elastic_step.backends.api import EventKind, InstanceEvent, InstanceId
 from elastic_step.backends.local import LocalBackend
 from elastic_step.fault_hooks import JobFaults
-from elastic_step.instance import EXIT_FENCED
+from elastic_step.instance.api import EXIT_FENCED
 from elastic_step.master.gray.hang import HangBounds
 from elastic_step.master.gray.policy import GrayFailures
 from elastic_step.master.leases.coordinator import Coordinator

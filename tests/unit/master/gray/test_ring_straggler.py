@@ -84,8 +84,8 @@ def test_two_members_the_slower_leaves_when_one_at_full_pace_beats_two_at_its_pa
 
 def _ring(min_workers: int = 1) -> Coordinator:
     # The ring starts with all three (min_workers 3), then keeps `min_workers`.
-    coord = Coordinator(Ledger([ShardInfo("s", 100_000)], 1000, 1, 32), num_ps=0, min_workers=3)
-    rdv = coord.attach_rendezvous(3)
+    coord = Coordinator(Ledger([ShardInfo("s", 100_000)], 1000, 1, 32), num_ps=0, min_workers=3, ring_max_workers=3)
+    rdv = coord.rendezvous
     for i in range(len(RING)):
         coord.membership.launched(InstanceId("worker", i), relaunch=False)
         coord.register(InstanceId("worker", i), f"h:{i}")

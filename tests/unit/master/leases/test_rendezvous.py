@@ -172,8 +172,8 @@ def test_checksum_mismatch_is_counted():
 
 def test_coordinator_commits_every_member_watermark_at_once_and_requeues_the_lost_remainder():
     ledger = Ledger([ShardInfo("s0", 64)], records_per_task=32, epochs=1, minibatch_size=8)
-    coord = Coordinator(ledger, num_ps=0, min_workers=2)
-    rdv = coord.attach_rendezvous(max_workers=2)
+    coord = Coordinator(ledger, num_ps=0, min_workers=2, ring_max_workers=2)
+    rdv = coord.rendezvous
     w0, w1 = InstanceId("worker", 0), InstanceId("worker", 1)
     coord.register(w0, "a0")
     coord.register(w1, "a1")
@@ -199,8 +199,8 @@ def one_member_that_committed(max_workers: int):
     from elastic_step.master.leases.ledger import Ledger, ShardInfo
 
     ledger = Ledger([ShardInfo("s0", 64)], records_per_task=16, epochs=2, minibatch_size=16)
-    coord = Coordinator(ledger, 0, min_workers=1)
-    rdv = coord.attach_rendezvous(max_workers=max_workers)
+    coord = Coordinator(ledger, 0, min_workers=1, ring_max_workers=max_workers)
+    rdv = coord.rendezvous
     with coord.lock:
         rdv.join_locked("worker-0", "a0")
         lease = ledger.lease("worker-0", 0.0)
@@ -265,8 +265,8 @@ def test_a_resumed_rendezvous_starts_at_the_checkpoints_step_whose_state_comes_f
 
 def test_a_coordinator_checkpoint_hold_in_allreduce_holds_commits_not_leases():
     ledger = Ledger([ShardInfo("s0", 64)], 16, 1, minibatch_size=8)
-    c = Coordinator(ledger, num_ps=0, min_workers=1)
-    rdv = c.attach_rendezvous(2)
+    c = Coordinator(ledger, num_ps=0, min_workers=1, ring_max_workers=2)
+    rdv = c.rendezvous
     c.register(InstanceId("worker", 0), "a0")
     c.begin_hold()
     assert c.hold_reached() and c.waiting_for_hold() == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from elastic_step.data.api import skipped_key
+from elastic_step.data.accounting import skipped_key
 from elastic_step.worker.allreduce.member import contribution_slots, contributions, step_lr_scale
 
 

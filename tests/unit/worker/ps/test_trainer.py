@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from elastic_step.data.api import skipped_key
+from elastic_step.data.accounting import skipped_key
 from elastic_step.errors import DataError
 from elastic_step.proto import rpc, tensors
 from elastic_step.worker.finite import NonFinite
