@@ -228,19 +228,25 @@ def test_the_pipelines_training_pod_carries_the_masters_scrape_labels_and_annota
     assert health.SCRAPE_ANNOTATIONS["prometheus.io/port"] == str(health.POD_PORT)
 
 
+def training_task(model_def):
+    """The training component as a task of a pipeline being built, on imported data."""
+    from elastic_step.components import elastic_train_op
+
+    return elastic_train_op(
+        train_data=dsl.importer(artifact_uri="gs://b/t/", artifact_class=dsl.Dataset).output,
+        eval_data=dsl.importer(artifact_uri="gs://b/e/", artifact_class=dsl.Dataset).output,
+        model_def=model_def,
+    )
+
+
 def test_the_scrape_metadata_adds_to_the_pod_metadata_a_pipeline_author_gives_the_training_task(tmp_path):
     """kfp-kubernetes' add_pod_label writes the task's platform config where `scraped` does: neither loses the
     other's."""
-    from elastic_step.components import elastic_train_op
     from elastic_step.pipelines.train_eval import scraped
 
     @dsl.pipeline(name="labelled")
     def p(model_def: str):
-        t = elastic_train_op(
-            train_data=dsl.importer(artifact_uri="gs://b/t/", artifact_class=dsl.Dataset).output,
-            eval_data=dsl.importer(artifact_uri="gs://b/e/", artifact_class=dsl.Dataset).output,
-            model_def=model_def,
-        )
+        t = training_task(model_def)
         # as kubernetes.add_pod_label(t, "team", "a") and kubernetes.add_node_selector(t, "pool", "spot") write them
         t.platform_config["kubernetes"] = {
             "podMetadata": {"labels": {"team": "a"}},
@@ -563,15 +569,10 @@ def test_the_training_component_takes_the_task_config_kfp_passes_through():
 
 def test_a_task_that_sets_resources_on_the_training_step_compiles(tmp_path):
     """KFP refuses a task setting what its component does not pass through: the training step's may set them."""
-    from elastic_step.components import elastic_train_op
 
     @dsl.pipeline(name="gpus")
     def p(model_def: str):
-        t = elastic_train_op(
-            train_data=dsl.importer(artifact_uri="gs://b/t/", artifact_class=dsl.Dataset).output,
-            eval_data=dsl.importer(artifact_uri="gs://b/e/", artifact_class=dsl.Dataset).output,
-            model_def=model_def,
-        )
+        t = training_task(model_def)
         t.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1).set_cpu_limit("4").set_env_variable("A", "b")
 
     compiler.Compiler().compile(p, str(tmp_path / "p.yaml"))
