@@ -15,7 +15,7 @@ name placeholders, each passed as a whole argument (KFP substitutes a placeholde
 Scraping: the training step's pod carries the master's scrape labels and annotations (master/health.py), as the
 Argo template's does, in the Kubernetes platform config kfp-kubernetes writes (its `podMetadata`; written here
 as that library writes it, which this release's kfp pin cannot install beside). KFP has no field for a
-container's ports, so the pod has no named port: a PodMonitor names the port by number (docs/observability.md).
+container's ports, so the pod has no named port: docs/observability.md's PodMonitor takes it from the annotation.
 """
 
 from kfp import dsl
