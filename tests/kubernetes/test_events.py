@@ -24,7 +24,13 @@ from tests.kubernetes.test_backend import (  # noqa: F401 - fixtures
     sleeper_pod,
     step_account,
 )
-from tests.kubernetes.test_queues import QUEUED, preempted, urgent_pod, urgent_priority  # noqa: F401 - a fixture
+from tests.kubernetes.test_queues import (  # noqa: F401 - a fixture
+    QUEUED,
+    preempted,
+    team_queue,
+    urgent_pod,
+    urgent_priority,
+)
 from tests.models.witness import assert_audit_exact, assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
@@ -82,11 +88,7 @@ def test_a_worker_kueue_preempts_is_an_event_on_the_steps_pod_with_kueues_reason
     Workload."""
     job, namespace = "kueue-events", kueue_namespace
     step = sleeper_pod(core, namespace, "step")  # not Kueue's: it has no queue label
-    cq = f"{namespace}-cq"
-    kueue.resource_flavor(namespace)
-    quotas = {"cpu": "2500m", "memory": "16Gi"}  # the PS's 500m and two workers' 1 cpu each
-    kueue.cluster_queue(cq, quotas, flavor=namespace, preemption={"withinClusterQueue": "LowerPriority"})
-    kueue.local_queue(namespace, "team", cq)
+    cq = team_queue(kueue, namespace)
 
     def steps(master, log):
         wait_for(lambda: registrations(log) >= 2 or master.poll() is not None, 300, what="both workers")
