@@ -7,7 +7,7 @@ a step is overhead).
 
     .venv/bin/python bench/throughput.py [--model M ...] [--rows 20000] [--batch 64] [--repeat 3]
                                          [--minibatches-per-push 8] [--pushes-in-flight 2] [--worker-threads N ...]
-                                         [--master-work [--checkpoint-every INTERVAL]] [--profile]
+                                         [--master-work [--checkpoint-every INTERVAL]] [--scrape] [--profile]
 
 Each side runs --repeat times, the sides alternating, each round starting one side further on (this VM's speed
 drifts by tens of percent over a minute, and a slow moment only ever slows a run); ratios are best against best,
@@ -33,6 +33,10 @@ round's two runs, close in time: the median and the range). Extra elastic-step s
                             short job (the default, every 60 s, would cut none; --checkpoint-every 60s asks for
                             it), and the master's cost is on against off: best against best, and round by round
                             (each round's on run against that round's off run: the median and the range);
+  --scrape                  the same defaults with the master's /metrics on a loopback port, read every second by
+                            a scraper thread here, as Prometheus would, against the default side (no scraping):
+                            best against best, and round by round; each run's scrapes are counted, so a side that
+                            was never scraped cannot pass for one that was;
   --profile                 where the default side's time goes, per minibatch, from each process's phase clock
                             (elastic_step/util/phases.py): the training thread, the push and lease threads, the
                             PS's update, the master's reports, evaluations and checkpoints.
@@ -47,7 +51,9 @@ import pathlib
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EPOCHS = 3  # both sides train 3 epochs, and each side's figure is over all of them
@@ -55,7 +61,7 @@ MODELS = [str(ROOT / "bench" / "models" / "digits_cnn.py"), str(ROOT / "samples"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, splits, train  # noqa: E402
+from bench.common import digits_prepared, free_ports, splits, train  # noqa: E402
 from elastic_step.util.phases import ENV as PHASES_ENV  # noqa: E402
 
 
@@ -103,9 +109,11 @@ def elastic(
     master_work: bool = True,
     checkpoint_every: str | None = None,
     profile: pathlib.Path | None = None,
+    scrape_every_s: float = 0.0,
 ) -> dict:
     """One elastic-step run at default settings but the job's shape; `master_work` off: no eval split, no
-    checkpoint (the accuracy is then scored here, on the exported model)."""
+    checkpoint (the accuracy is then scored here, on the exported model); `scrape_every_s`: the master's /metrics
+    served and read that often for the whole run."""
     env = {**os.environ, PHASES_ENV: str(profile)} if profile else None
     values = {} if per_push == 1 else {"minibatches_per_push": per_push}
     if in_flight != 1:
@@ -118,26 +126,62 @@ def elastic(
         flags, data_values = ("--prepared", str(data)), {}
     else:
         flags, data_values = (), {"train_data": splits(data)["train_data"], "checkpoint_every": "0"}
-    s = train(
-        out,
-        *flags,
-        env=env,
-        model_def=model_path,
-        epochs=EPOCHS,
-        minibatch_size=batch,
-        min_workers=1,
-        max_workers=1,
-        num_ps=1,
-        **values,
-        **data_values,
-    )
+    scraper = Scraper(scrape_every_s) if scrape_every_s else None
+    if scraper:
+        values["health_port"] = scraper.port
+    try:
+        s = train(
+            out,
+            *flags,
+            env=env,
+            model_def=model_path,
+            epochs=EPOCHS,
+            minibatch_size=batch,
+            min_workers=1,
+            max_workers=1,
+            num_ps=1,
+            **values,
+            **data_values,
+        )
+    finally:
+        scrapes = scraper.stop() if scraper else []
     accuracy = s["eval"]["accuracy"] if master_work else saved_accuracy(model_path, data, out)
     return {
         "records_per_s": s["throughput_records_per_s"],
         "accuracy": accuracy,
         "startup_s": s["startup_seconds"],
         "summary": s,
+        "scrapes": scrapes,
     }
+
+
+class Scraper:
+    """Reads http://127.0.0.1:<port>/metrics every `every_s` on a thread of its own, as Prometheus would, from now
+    until `stop`; a refused connection (the master not up yet, or gone) is a scrape missed."""
+
+    def __init__(self, every_s: float):
+        (self.port,) = free_ports(1)
+        self.every_s, self.took_s = every_s, []  # each scrape's time, answer read
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        while not self._stop.wait(self.every_s):
+            began = time.perf_counter()
+            try:
+                with urllib.request.urlopen(url, timeout=self.every_s) as answer:
+                    if b"elastic_step_records_committed_total" in answer.read():
+                        self.took_s.append(time.perf_counter() - began)
+            except OSError:
+                pass
+
+    def stop(self) -> list[float]:
+        """Stop scraping; the times of the scrapes that read the step's metrics."""
+        self._stop.set()
+        self._thread.join()
+        return self.took_s
 
 
 def saved_accuracy(model_path: str, data: pathlib.Path, out: pathlib.Path) -> float:
@@ -168,6 +212,18 @@ def round_by_round(a: list[dict], b: list[dict]) -> list[float]:
     leaves out the machine's drift between rounds, which best against best (each side's fastest moment, maybe
     minutes apart) does not."""
     return sorted(x["records_per_s"] / y["records_per_s"] for x, y in zip(a, b))
+
+
+def cost(what: str, on: list[dict], off: list[dict]) -> str:
+    """What `what` costs training: side `on` (with it) against side `off` (without), best against best and round
+    by round."""
+    best_on, best_off = (max(r["records_per_s"] for r in rs) for rs in (on, off))
+    paired = sorted(1 - r for r in round_by_round(on, off))
+    return (
+        f"  {what} costs training {1 - best_on / best_off:+.1%} best against best (on {best_on:.0f} / off "
+        f"{best_off:.0f}); round by round {statistics.median(paired):+.1%} median, {paired[0]:+.1%} to "
+        f"{paired[-1]:+.1%}"
+    )
 
 
 def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args) -> None:
@@ -201,6 +257,9 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     off = "elastic-step, master's work off"
     if args.master_work:
         sides[off] = lambda i: run_elastic(i, off, master_work=False)
+    scraped = "elastic-step, /metrics read every 1 s"
+    if args.scrape:
+        sides[scraped] = lambda i: run_elastic(i, scraped, checkpoint_every=checkpoints, scrape_every_s=1.0)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     order = list(sides)
     for i in range(args.repeat):
@@ -241,12 +300,14 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
         + " or ".join(f"{intra} intra-op and {inter} inter-op thread(s)" for intra, inter in sorted(pools, key=str))
     )
     if args.master_work:
-        on, without = best[default], best[off]
-        paired = sorted(1 - r for r in round_by_round(runs[default], runs[off]))
+        print(cost("the master's own work", runs[default], runs[off]))
+    if args.scrape:
+        print(cost("reading /metrics every second", runs[scraped], runs[default]))
+        took = sorted(t for r in runs[scraped] for t in r["scrapes"])
+        counts = ", ".join(str(len(r["scrapes"])) for r in runs[scraped])
         print(
-            f"  the master's own work costs training {1 - on / without:+.1%} best against best (on {on:.0f} / off "
-            f"{without:.0f}); round by round {statistics.median(paired):+.1%} median, {paired[0]:+.1%} to "
-            f"{paired[-1]:+.1%}"
+            f"  scrapes that read the step's metrics, each run: {counts}; each took "
+            f"{1e3 * statistics.median(took):.1f} ms median, {1e3 * took[-1]:.1f} ms at most (the answer read)"
         )
     if args.profile:
         top = max(range(len(runs[default])), key=lambda j: runs[default][j]["records_per_s"])
@@ -272,6 +333,7 @@ def main() -> None:
         default="",
         help="with --master-work: the sides' checkpoint_every (default: --rows, one an epoch; 60s: the job's default)",
     )
+    p.add_argument("--scrape", action="store_true", help="a side whose master's /metrics is read every second")
     p.add_argument("--profile", action="store_true", help="the phase profile of the default side's best run")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:

@@ -32,6 +32,14 @@ PATH = "/healthz"
 METRICS_PATH = "/metrics"
 FINAL_SCRAPE_MAX_S = 30.0  # the longest the step's end waits for a scraper to read its final figures
 POD_PORT = 8080  # --health-port -1 (the default) in a pod; the Argo template's probe asks this port
+# The master's pod, as a Prometheus that scrapes annotated pods or a PodMonitor finds it (the Argo template and the
+# KFP pipeline put them on the training step's pod; docs/observability.md)
+SCRAPE_LABELS = {"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/component": "master"}
+SCRAPE_ANNOTATIONS = {
+    "prometheus.io/scrape": "true",
+    "prometheus.io/port": str(POD_PORT),
+    "prometheus.io/path": METRICS_PATH,
+}
 Metrics = Callable[[], tuple[bytes, str]]  # a scrape's text and its content type
 PUMP_BOUND_S = 30.0  # the pump turns every 0.1 s: 30 s without a turn is a stall, not a busy turn
 

@@ -163,12 +163,8 @@ def _train_step() -> Container:
         liveness_probe=HEALTH_PROBE,
         # The master's /metrics, on the health port: for a Prometheus that scrapes annotated pods, or a
         # PodMonitor that selects the labels and names the port (docs/observability.md).
-        labels={"app.kubernetes.io/name": "elastic-step", "app.kubernetes.io/component": "master"},
-        annotations={
-            "prometheus.io/scrape": "true",
-            "prometheus.io/port": str(health.POD_PORT),
-            "prometheus.io/path": health.METRICS_PATH,
-        },
+        labels=dict(health.SCRAPE_LABELS),
+        annotations=dict(health.SCRAPE_ANNOTATIONS),
         ports=[m.ContainerPort(name="metrics", container_port=health.POD_PORT)],
         env=[
             m.EnvVar(name="POD_NAME", value_from=_field("metadata.name")),  # owner of the job's pods

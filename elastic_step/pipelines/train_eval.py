@@ -11,12 +11,18 @@ schedule helper builds it with caching off on every task (`build(caching=False)`
 Retries: the training step is retried (TRAIN_RETRY) and resumes its job from the last checkpoint,
 as its job id stays the same across retries: the component derives it from KFP's run id and task
 name placeholders, each passed as a whole argument (KFP substitutes a placeholder only there).
+
+Scraping: the training step's pod carries the master's scrape labels and annotations (master/health.py), as the
+Argo template's does, in the Kubernetes platform config kfp-kubernetes writes (its `podMetadata`; written here
+as that library writes it, which this release's kfp pin cannot install beside). KFP has no field for a
+container's ports, so the pod has no named port: docs/observability.md's PodMonitor takes it from the annotation.
 """
 
 from kfp import dsl
 
 from elastic_step import spec
 from elastic_step.components import data_prep_op, elastic_train_op, evaluate_op, publish_model_op
+from elastic_step.master import health
 
 PIPELINE_NAME = "elastic-step-train-eval"
 GATE_NAME = "gate-passed"
@@ -26,6 +32,16 @@ GATE_NAME = "gate-passed"
 # retries only within backoff_max_duration of the first attempt's start, 1 h by default: it must outlast the
 # longest training, or a step preempted after an hour would not be retried.
 TRAIN_RETRY = {"num_retries": 2, "backoff_duration": "15s", "backoff_factor": 2.0, "backoff_max_duration": "168h"}
+
+
+def scraped(task):
+    """`task` (the training step) with the master's scrape labels and annotations on its pod, added to whatever
+    Kubernetes platform config it has (kfp-kubernetes' add_pod_label and add_pod_annotation read and add the same)."""
+    config = task.platform_config.setdefault("kubernetes", {})
+    metadata = config.setdefault("podMetadata", {})
+    metadata["labels"] = {**metadata.get("labels", {}), **health.SCRAPE_LABELS}
+    metadata["annotations"] = {**metadata.get("annotations", {}), **health.SCRAPE_ANNOTATIONS}
+    return task
 
 
 def build(caching: bool = True):
@@ -101,6 +117,7 @@ def build(caching: bool = True):
             caching,
         )
         train.set_retry(**TRAIN_RETRY)
+        scraped(train)
         evaluation = no_cache_unless(
             evaluate_op(
                 model=train.outputs["model"],

@@ -18,17 +18,20 @@ SCRAPE_INTERVAL_S = 1
 
 class Prometheus:
     """`prometheus` scraping `targets` ("127.0.0.1:PORT", each a master's health port) at /metrics. The series'
-    own `job` label (the training job's id) is kept: `honor_labels`, as docs/observability.md's PodMonitor does."""
+    own `job` label (the training job's id) is kept: `honor_labels`, as docs/observability.md's PodMonitor does.
+    `scrape_configs`: more scrape jobs, as Prometheus' configuration spells them (its service discovery among
+    them), each every second."""
 
-    def __init__(self, folder: pathlib.Path, targets: list[str]):
+    def __init__(self, folder: pathlib.Path, targets: list[str] = (), scrape_configs: list[dict] = ()):
         exe = shutil.which("prometheus")
         assert exe, "Debian's prometheus is missing: run scripts/bootstrap (as root it installs it)"
         folder.mkdir(parents=True, exist_ok=True)
+        jobs = list(scrape_configs)
+        if targets:
+            jobs.insert(0, {"job_name": "elastic-step", "honor_labels": True, "static_configs": [{"targets": targets}]})
         config = {
             "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "scrape_timeout": f"{SCRAPE_INTERVAL_S}s"},
-            "scrape_configs": [
-                {"job_name": "elastic-step", "honor_labels": True, "static_configs": [{"targets": targets}]}
-            ],
+            "scrape_configs": jobs,
         }
         (folder / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self.port = free_port()
@@ -69,6 +72,13 @@ class Prometheus:
         result = self.query(promql)
         assert len(result) == 1, f"{promql}: {result}"
         return float(result[0]["value"][1])
+
+    def targets(self) -> list[dict]:
+        """The active targets, as its HTTP API lists them (scrapePool, scrapeUrl, health, labels, ...)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/targets?state=active", timeout=30) as r:
+            answer = json.load(r)
+        assert answer["status"] == "success", answer
+        return answer["data"]["activeTargets"]
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -123,15 +123,24 @@ def registrations(log: Path) -> int:
 
 
 def run_held(
-    kubeconfig: Path, namespace: str, tmp_path: Path, tally_data: dict, job: str, steps, diagnose=None, **params
+    kubeconfig: Path,
+    namespace: str,
+    tmp_path: Path,
+    tally_data: dict,
+    job: str,
+    steps,
+    diagnose=None,
+    env: dict | None = None,
+    **params,
 ):
     """Run job `job` (the tally, EPOCHS_HELD, `params`) held: paced until `steps(master, log)` has returned, then
     released to its end. Returns (its summary, the master's log, its output folder). When a step fails,
-    `diagnose()` (if given) says what the cluster held at that moment, beside the master's log."""
+    `diagnose()` (if given) says what the cluster held at that moment, beside the master's log. `env`: as
+    start_train's (the step's pod)."""
     out, log, hold = tmp_path / "out", tmp_path / "master.log", tmp_path / "hold"
     hold.write_text("")
     params = tally_job(job, tally_data, out, EPOCHS_HELD, **params) | {"model_def": paced_tally(tmp_path, hold)}
-    master = start_train(kubeconfig, namespace, log, **params)
+    master = start_train(kubeconfig, namespace, log, env, **params)
     try:
         try:
             steps(master, log)

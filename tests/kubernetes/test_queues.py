@@ -115,6 +115,17 @@ def critical_priority(control_plane):
         yield name
 
 
+def team_queue(kueue, namespace: str) -> str:
+    """LocalQueue `team` in `namespace`, on a ClusterQueue of its own with room for the core (the PS: PS_CPU) and
+    two workers, where a workload preempts those of a lower priority; returns the ClusterQueue's name."""
+    cq = f"{namespace}-cq"
+    kueue.resource_flavor(namespace)
+    quotas = {"cpu": "2500m", "memory": "16Gi"}
+    kueue.cluster_queue(cq, quotas, flavor=namespace, preemption={"withinClusterQueue": "LowerPriority"})
+    kueue.local_queue(namespace, "team", cq)
+    return cq
+
+
 def kueue_losses(summary: dict) -> list[dict]:
     return [e for e in summary["events"] if e["kind"] == "lost" and "by Kueue" in e["detail"]]
 
@@ -138,12 +149,7 @@ def test_the_quota_admits_workers_one_by_one_and_priority_preempts_workers_not_t
     the workers' replacements. Last, a workload above the core's own priority takes the whole quota: Kueue preempts
     the PS group too; once it ends, the job resumes from its last checkpoint."""
     job, namespace = "quota", kueue_namespace
-    # Room for the core (the PS: PS_CPU) and two workers.
-    cq = f"{namespace}-cq"
-    kueue.resource_flavor(namespace)
-    quotas = {"cpu": "2500m", "memory": "16Gi"}
-    kueue.cluster_queue(cq, quotas, flavor=namespace, preemption={"withinClusterQueue": "LowerPriority"})
-    kueue.local_queue(namespace, "team", cq)
+    cq = team_queue(kueue, namespace)
 
     urgent_took = []  # the workers Kueue preempted for the urgent workload, before the critical one arrived
     first_waiting = []  # the worker pods Kueue kept waiting for quota at first

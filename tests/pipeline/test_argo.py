@@ -30,6 +30,7 @@ from elastic_step.errors import ConfigError, JobFailed, StepTerminated
 from elastic_step.master import health
 from elastic_step.pipelines.argo import IMAGE, PARAMETERS, SERVICE_ACCOUNT, render
 from tests.infra.kube.harness.argo import lint
+from tests.pipeline.test_components import kfp_pipeline
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KINDS = {
@@ -275,7 +276,7 @@ def test_every_parameter_and_artifact_is_declared_and_passed():
 
 def test_the_workflow_takes_every_kfp_pipeline_parameter():
     """Same knobs on both orchestrators: the KFP pipeline's parameters, with dashes."""
-    spec = yaml.safe_load((ROOT / "pipelines" / "train_eval" / "train_eval.yaml").read_text())
+    spec, _ = kfp_pipeline()
     kfp = {n.replace("_", "-") for n in spec["root"]["inputDefinitions"]["parameters"]}
     argo = {p["name"] for p in load("train-eval-template.yaml")["spec"]["arguments"]["parameters"]}
     assert kfp <= argo, kfp - argo
@@ -285,7 +286,7 @@ def test_the_workflow_takes_every_kfp_pipeline_parameter():
 
 def test_the_workflow_and_the_kfp_pipeline_have_the_same_defaults():
     """One source of truth: a knob left alone does the same on either orchestrator."""
-    spec = yaml.safe_load((ROOT / "pipelines" / "train_eval" / "train_eval.yaml").read_text())
+    spec, _ = kfp_pipeline()
     for name, p in spec["root"]["inputDefinitions"]["parameters"].items():
         if "defaultValue" not in p:
             continue

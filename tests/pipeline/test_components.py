@@ -17,10 +17,12 @@ from kfp.components import load_component_from_file
 
 from elastic_step.cli import build_parser
 from elastic_step.components import DEFAULT_IMAGE
+from elastic_step.master import health
 from elastic_step.pipelines.compile import COMPONENTS, PARAMETERS_DOC, PIPELINES, compile_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VERSION = re.compile(r"(kfp-|elastic-step:)\d[\w.\-]*")
+PIPELINE_FILE = ROOT / "pipelines/train_eval/train_eval.yaml"
 IR_FILES = [f"components/{folder}/{stem}.yaml" for folder, stems in COMPONENTS.items() for stem in stems]
 V1_FILES = [f"components/{folder}/component.yaml" for folder in COMPONENTS]
 NOT_COMPILED = {"components/elastic_train/rbac.yaml", "pipelines/argo/rbac.yaml"}  # hand-written, beside them
@@ -39,6 +41,12 @@ def normalised(path: pathlib.Path):
         return VERSION.sub(r"\1<version>", node) if isinstance(node, str) else node
 
     return [strip(doc) for doc in yaml.safe_load_all(path.read_text())]
+
+
+def kfp_pipeline() -> tuple[dict, dict]:
+    """The compiled KFP pipeline: its IR and its platform config (the second document: {} when it has none)."""
+    spec, *platform = yaml.safe_load_all(PIPELINE_FILE.read_text())
+    return spec, (platform[0] if platform else {})
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +187,7 @@ def test_ui_uploadable_files_take_only_strings_and_numbers():
         "components/evaluate/evaluate_uri.yaml",
         "pipelines/train_eval/train_eval.yaml",
     ):
-        spec = yaml.safe_load((ROOT / rel).read_text())
+        spec = next(yaml.safe_load_all((ROOT / rel).read_text()))
         inputs = spec["root"].get("inputDefinitions", {})
         assert "artifacts" not in inputs, rel
         assert {p["parameterType"] for p in inputs["parameters"].values()} <= {
@@ -191,7 +199,7 @@ def test_ui_uploadable_files_take_only_strings_and_numbers():
 
 
 def test_pipeline_gates_publish_on_evaluate_passed():
-    spec = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
+    spec, _ = kfp_pipeline()
     root = spec["root"]["dag"]["tasks"]
     (gate,) = [t for t in root.values() if "triggerPolicy" in t]
     assert gate["taskInfo"]["name"] == "gate-passed"
@@ -208,13 +216,61 @@ def test_pipeline_gates_publish_on_evaluate_passed():
     assert root["data-prep-op"]["cachingOptions"] == {}  # the source URI's content changes: never cached
 
 
+def test_the_pipelines_training_pod_carries_the_masters_scrape_labels_and_annotations():
+    """A Prometheus that scrapes annotated pods, or a PodMonitor selecting the labels, finds the master's /metrics
+    on the KFP training step's pod as on the Argo template's; no other step's pod is scraped."""
+    spec, platform = kfp_pipeline()
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    train = spec["components"]["comp-elastic-train-op"]["executorLabel"]
+    assert executors == {
+        train: {"podMetadata": {"labels": health.SCRAPE_LABELS, "annotations": health.SCRAPE_ANNOTATIONS}}
+    }
+    assert health.SCRAPE_ANNOTATIONS["prometheus.io/port"] == str(health.POD_PORT)
+
+
+def training_task(model_def):
+    """The training component as a task of a pipeline being built, on imported data."""
+    from elastic_step.components import elastic_train_op
+
+    return elastic_train_op(
+        train_data=dsl.importer(artifact_uri="gs://b/t/", artifact_class=dsl.Dataset).output,
+        eval_data=dsl.importer(artifact_uri="gs://b/e/", artifact_class=dsl.Dataset).output,
+        model_def=model_def,
+    )
+
+
+def test_the_scrape_metadata_adds_to_the_pod_metadata_a_pipeline_author_gives_the_training_task(tmp_path):
+    """kfp-kubernetes' add_pod_label writes the task's platform config where `scraped` does: neither loses the
+    other's."""
+    from elastic_step.pipelines.train_eval import scraped
+
+    @dsl.pipeline(name="labelled")
+    def p(model_def: str):
+        t = training_task(model_def)
+        # as kubernetes.add_pod_label(t, "team", "a") and kubernetes.add_node_selector(t, "pool", "spot") write them
+        t.platform_config["kubernetes"] = {
+            "podMetadata": {"labels": {"team": "a"}},
+            "nodeSelector": {"labels": {"pool": "spot"}},
+        }
+        scraped(t)
+
+    compiler.Compiler().compile(p, str(tmp_path / "p.yaml"))
+    _, platform = yaml.safe_load_all((tmp_path / "p.yaml").read_text())
+    (executor,) = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values()
+    assert executor["podMetadata"] == {
+        "labels": {"team": "a", **health.SCRAPE_LABELS},
+        "annotations": health.SCRAPE_ANNOTATIONS,
+    }
+    assert executor["nodeSelector"] == {"labels": {"pool": "spot"}}
+
+
 # ---------------------------------------------------------------- a retried training step resumes its job
 TRAIN_STEMS = COMPONENTS["elastic_train"]
 JOB_ID_INPUTS = {"job_id", "pipeline_run_id", "pipeline_task_name"}
 
 
 def test_the_pipelines_training_task_is_retried_with_a_job_id_from_the_placeholders():
-    spec = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
+    spec, _ = kfp_pipeline()
     train = spec["root"]["dag"]["tasks"]["elastic-train-op"]
     assert train["retryPolicy"] == {
         "maxRetryCount": 2,
@@ -507,21 +563,16 @@ def test_the_training_component_takes_the_task_config_kfp_passes_through():
         {"field": "ENV", "applyToTask": True},
         {"field": "KUBERNETES_VOLUMES", "applyToTask": True},
     ]
-    pipeline = yaml.safe_load((ROOT / "pipelines/train_eval/train_eval.yaml").read_text())
+    pipeline, _ = kfp_pipeline()
     assert pipeline["components"]["comp-elastic-train-op"]["taskConfigPassthroughs"] == comp["taskConfigPassthroughs"]
 
 
 def test_a_task_that_sets_resources_on_the_training_step_compiles(tmp_path):
     """KFP refuses a task setting what its component does not pass through: the training step's may set them."""
-    from elastic_step.components import elastic_train_op
 
     @dsl.pipeline(name="gpus")
     def p(model_def: str):
-        t = elastic_train_op(
-            train_data=dsl.importer(artifact_uri="gs://b/t/", artifact_class=dsl.Dataset).output,
-            eval_data=dsl.importer(artifact_uri="gs://b/e/", artifact_class=dsl.Dataset).output,
-            model_def=model_def,
-        )
+        t = training_task(model_def)
         t.set_accelerator_type("nvidia.com/gpu").set_accelerator_limit(1).set_cpu_limit("4").set_env_variable("A", "b")
 
     compiler.Compiler().compile(p, str(tmp_path / "p.yaml"))

@@ -148,8 +148,11 @@ def test_schedule_create_sends_a_six_field_cron_without_caching_or_catch_up(kfp_
     assert params["publish_uri"] == "gs://bucket/published/"
     assert params["epochs"] == 12 and params["max_workers"] == 6 and params["backend"] == "auto"
 
-    spec = rr["pipeline_spec"]
+    # With a platform config, kfp.Client sends the pipeline spec and the platform spec side by side.
+    spec, platform = rr["pipeline_spec"]["pipeline_spec"], rr["pipeline_spec"]["platform_spec"]
     assert spec["pipelineInfo"]["name"] == "elastic-step-train-eval"
+    (executor,) = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].values()
+    assert executor["podMetadata"]["annotations"]["prometheus.io/scrape"] == "true"  # the training pod still scraped
     tasks = dict(all_tasks(spec))
     assert {"data-prep-op", "elastic-train-op", "evaluate-op", "publish-model-op"} <= set(tasks)
     cached = [name for name, t in tasks.items() if t.get("cachingOptions", {}).get("enableCache")]
