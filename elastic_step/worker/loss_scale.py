@@ -10,7 +10,8 @@ failure. A loss that is not finite still is one, as Keras's TerminateOnNaN stops
 
 The scale is each worker's own, as TensorFlow's parameter-server training keeps it per worker: the gradients it
 sends are unscaled, so workers (or ring members) at different scales still add up, and a relaunched worker or a
-newcomer simply starts at the initial scale.
+newcomer simply starts at the initial scale. Nor does it travel with the model's state (a checkpoint, a peer's
+pull, an aborted allreduce run's undo): it only decides which steps overflow, and re-learns its level in a few.
 """
 
 from __future__ import annotations
