@@ -121,12 +121,6 @@ class ModelDef:
         m = self._call("model", self.statistics) if self.takes_statistics else self._call("model")
         if not isinstance(m, keras.Model):
             raise ModelDefError(f"model() in {self.spec!r} returned {type(m).__name__}, not a keras.Model.")
-        if m.dtype_policy.name == "mixed_float16":
-            raise ModelDefError(
-                f"The model of {self.spec!r} computes in mixed_float16, which `fit` trains with Keras's loss scaling "
-                "(a LossScaleOptimizer); elastic-step does not scale the loss, and float16 gradients would "
-                "underflow. Use the mixed_bfloat16 policy (trained as `fit` trains it) or float32."
-            )
         for method, instead in NOT_OVERRIDABLE.items():
             if getattr(type(m), method) is not getattr(keras.Model, method):
                 owner = next(c for c in type(m).__mro__ if method in vars(c))
@@ -136,7 +130,7 @@ class ModelDef:
                 )
         return m
 
-    def optimizer(self):
+    def _user_optimizer(self):
         import keras
 
         o = self._call("optimizer")
@@ -144,12 +138,28 @@ class ModelDef:
             raise ModelDefError(
                 f"optimizer() in {self.spec!r} returned {type(o).__name__}, not a keras.optimizers.Optimizer."
             )
-        if isinstance(o, keras.optimizers.LossScaleOptimizer):
-            raise ModelDefError(
-                f"optimizer() in {self.spec!r} returned a LossScaleOptimizer: elastic-step does not scale the loss "
-                "(the mixed_float16 path). Return the optimizer it wraps, and use the mixed_bfloat16 policy or float32."
-            )
         return o
+
+    def optimizer(self):
+        """The optimizer that applies the gradients: optimizer()'s, or the one its LossScaleOptimizer wraps (the
+        workers scale the loss themselves: `loss_scaling`)."""
+        import keras
+
+        o = self._user_optimizer()
+        return o.inner_optimizer if isinstance(o, keras.optimizers.LossScaleOptimizer) else o
+
+    def loss_scaling(self, model) -> tuple[float, int] | None:
+        """(initial scale, growth steps) of the dynamic loss scaling `fit` trains `model` with: that of the
+        LossScaleOptimizer optimizer() returns, or of the one compile() wraps around it for a mixed_float16 model
+        (Keras's defaults); None: no loss scaling."""
+        import keras
+
+        o = self._user_optimizer()
+        if not isinstance(o, keras.optimizers.LossScaleOptimizer):
+            if model.dtype_policy.name != "mixed_float16":
+                return None
+            o = keras.optimizers.LossScaleOptimizer(o)
+        return float(o.initial_scale), int(o.dynamic_growth_steps)
 
     def eval_metrics(self) -> dict:
         if not hasattr(self.module, "eval_metrics"):

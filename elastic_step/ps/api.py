@@ -137,12 +137,15 @@ class PushKey(NamedTuple):
     generation: int = 0  # the shards' state it was computed for (see PushRequest.generation)
     worker: int = -1  # who pushes: the worker's index and launch (see PushRequest.worker); a fenced launch's
     launch: int = 0  # pushes are refused
+    # Loss scaling skipped this minibatch (its gradient overflowed at the worker's scale): the shard applies nothing
+    # and accounts for its records as trained, as Keras's LossScaleOptimizer skips a step that consumed its batch.
+    scale_skipped: bool = False
 
     @classmethod
     def of(cls, request) -> PushKey:
         """The key a PushRequest carries."""
         r = request
-        return cls(r.task_id, r.seq, r.end, r.epoch, r.data_shard, r.generation, r.worker, r.launch)
+        return cls(r.task_id, r.seq, r.end, r.epoch, r.data_shard, r.generation, r.worker, r.launch, r.scale_skipped)
 
     @property
     def idempotency(self) -> tuple[int, int]:

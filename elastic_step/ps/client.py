@@ -264,6 +264,7 @@ class PSClient:
                 generation=key.generation,
                 worker=self.pusher[0],
                 launch=self.pusher[1],
+                scale_skipped=key.scale_skipped,
                 want_dense=want_dense,
                 bounds=bounds,
             )

@@ -27,10 +27,10 @@ from elastic_step.ps.api import PushKey
 log = logging.getLogger("elastic_step.ps")
 
 HELLO = struct.Struct("<qi16s")  # segment, slot, the segment's nonce
-# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch), want_dense, the state's base
-# version (-1: the slot holds gradients, no state; see PushRequest.state_base); a push of several minibatches follows it
-# with their bounds (int64 each: seq, ..., end; see PushRequest.bounds).
-RING = struct.Struct("<qqqiiqiq?q")
+# A PushKey (task_id, seq, end, epoch, data_shard, generation, worker, launch, scale_skipped), want_dense, the
+# state's base version (-1: the slot holds gradients, no state; see PushRequest.state_base); a push of several
+# minibatches follows it with their bounds (int64 each: seq, ..., end; see PushRequest.bounds).
+RING = struct.Struct("<qqqiiqiq??q")
 NO_STATE = -1
 BOUND = struct.Struct("<q")
 MAX_MINIBATCHES = 64  # in one push: their applied flags are one bit each of the answer's mask

@@ -114,6 +114,14 @@ class ParameterShard:
                 self.applied.add(key.idempotency)
                 self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
                 return True, self.version, self._values(out)
+            if key.scale_skipped:
+                # A step loss scaling skipped (its gradient overflowed at the worker's scale): nothing to apply,
+                # its records trained, as Keras's LossScaleOptimizer skips a step that consumed its batch. It is a
+                # step all the same: the version counts it, as a worker counting its own pushes expects.
+                self.applied.add(key.idempotency)
+                self.applied_records.add(key.epoch, key.data_shard, key.seq, key.end)
+                self.version += 1
+                return True, self.version, self._values(out)
             if not np.isfinite(flat_grad).all() or not all(np.isfinite(v).all() for _n, _i, v in emb_grads):
                 raise ValueError(f"a push to shard {self.shard} holds a gradient that is not finite: not applied")
             rows = {name: (ids, values) for name, ids, values in emb_grads}
@@ -167,7 +175,7 @@ class ParameterShard:
                     f"a push of generation {key.generation} to shard {self.shard}, which is "
                     f"at generation {self.generation}: it was restored to a checkpoint since"
                 )
-            if self._apply_many is None or key.data_shard < 0:
+            if self._apply_many is None or key.data_shard < 0 or key.scale_skipped:
                 raise ValueError(f"shard {self.shard} takes pushes of several minibatches only of dense gradients")
             if count < 1 or flat_grads.shape[0] < count or flat_grads.shape[-1] != self.dense_size:
                 raise ValueError(

@@ -85,6 +85,7 @@ MODULES = {
     "class_weights": (os.path.join(HERE, "models", "class_weights.py"), "digits_data"),
     "optimizer": (os.path.join(HERE, "models", "optimizer.py"), "digits_data"),
     "compute_loss": (os.path.join(HERE, "models", "compute_loss.py"), "digits_data"),
+    "mixed_float16": (os.path.join(HERE, "models", "mixed_float16.py"), "digits_data"),
     "sample_two_heads": (TWO_HEADS_MODEL, "digits_data"),
     "embedding": (os.path.join(HERE, "models", "embedding.py"), "ctr_data"),
     "sample_ctr": (CTR_MODEL, "ctr_data"),

@@ -312,22 +312,29 @@ def test_a_loss_per_output_must_be_a_loss_each(tmp_path):
         load_model_def(str(path))
 
 
-def test_mixed_float16_and_loss_scaling_are_refused_naming_mixed_bfloat16(tmp_path):
-    """fit trains mixed_float16 with loss scaling, which the workers do not do: refused, not trained otherwise."""
+def test_loss_scaling_is_fits_a_mixed_float16_models_or_the_loss_scale_optimizers(tmp_path):
+    """As compile() decides it: a mixed_float16 model gets Keras's default loss scaling, an optimizer() returning a
+    LossScaleOptimizer its own; the gradients are applied by the optimizer it wraps (the workers scale the loss)."""
     path = tmp_path / "half.py"
     path.write_text(
         MODEL.replace("x = keras.Input", 'keras.config.set_dtype_policy("mixed_float16")\n    x = keras.Input')
-        + "\n\ndef scaled():\n    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))\n"
+        + "\n\ndef scaled():\n    return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), 1024.0, 7)\n"
     )
     md = load_model_def(str(path))
     try:
-        with pytest.raises(ModelDefError, match=r"mixed_float16, which `fit` trains with Keras's loss scaling.*"):
-            md.model()
+        half = md.model()
     finally:
         keras.config.set_dtype_policy("float32")
+    (tmp_path / "full.py").write_text(MODEL)
+    full = load_model_def(str(tmp_path / "full.py")).model()
+    half.compile(optimizer=md.module.optimizer(), loss="mse")  # what fit does with it
+    defaults = half.optimizer
+    assert isinstance(defaults, keras.optimizers.LossScaleOptimizer)
+    assert md.loss_scaling(half) == (defaults.initial_scale, defaults.dynamic_growth_steps)
+    assert md.loss_scaling(full) is None
     md.module.optimizer = md.module.scaled
-    with pytest.raises(ModelDefError, match=r"returned a LossScaleOptimizer: .* Return the optimizer it wraps"):
-        md.optimizer()
+    assert md.loss_scaling(full) == (1024.0, 7) and md.loss_scaling(half) == (1024.0, 7)
+    assert type(md.optimizer()) is keras.optimizers.SGD
 
 
 def test_a_model_taking_the_statistics_gets_the_training_datas_and_needs_them(tmp_path):

@@ -458,7 +458,7 @@ class AllReduceWorker:
             faults.STEP_DONE(compute_s)
             self.profile.add("compute", clock[1])
             lo, hi = bounds
-            if not (math.isfinite(loss) and np.isfinite(flat).all()):
+            if not self.trainer.goes_to_the_ring(loss, flat):
                 return None
             n = hi - lo
             buf = np.empty(flat.size + 2, np.float32)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elastic_step.optimizers import updater
+from elastic_step.worker.loss_scale import LossScale
 
 
 @dataclass(frozen=True)
@@ -39,24 +40,39 @@ class AllReduceSteps:
     targets: list  # the state: the model's weights, then the optimizer's variables
 
 
-def build_steps(model_def, model, optimizer, step_done: Callable) -> AllReduceSteps:
+def build_steps(
+    model_def, model, optimizer, step_done: Callable, loss_scaling: tuple[float, int] | None = None
+) -> AllReduceSteps:
     """The compiled calls of a member training `model` with `optimizer` (built on its trainable variables).
     `step_done(loss, flat)`: `run_loop`'s callback (numpy in and out, on one of TensorFlow's threads) after each
-    step's gradient: (next average float32 [size], begin int64 [1], end int64 [1], going on bool)."""
+    step's gradient: (next average float32 [size], begin int64 [1], end int64 [1], going on bool).
+    `loss_scaling`: (initial scale, growth steps) of the member's dynamic loss scaling (ModelDef.loss_scaling), or
+    None."""
     import tensorflow as tf
 
     trainable = model.trainable_variables
     sizes = [int(v.shape.num_elements()) for v in trainable]
     size = sum(sizes)
-    loss_and_gradient = _loss_and_gradient(model_def, model)
+    loss_scale = None if loss_scaling is None else LossScale(*loss_scaling)
+    loss_and_gradient = _loss_and_gradient(model_def, model, loss_scale)
     update = updater(optimizer, trainable)
 
     def sliced(data, begin, end):
         # One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.
         return tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), data)
 
-    def apply_mean(flat):
+    def update_mean(flat):
         update([tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(tf.split(flat, sizes), trainable)])
+        return tf.constant(True)
+
+    def apply_mean(flat):
+        if loss_scale is None:
+            update_mean(flat)
+            return
+        # Under loss scaling, a member whose gradient overflowed sends it into the ring as it is, so the average
+        # is not finite on every member alike: all skip the step, as Keras's LossScaleOptimizer skips it. The
+        # scale is each member's own (its contribution is unscaled): one that overflowed has lowered its own.
+        tf.cond(tf.reduce_all(tf.math.is_finite(flat)), lambda: update_mean(flat), lambda: tf.constant(False))
 
     targets = [*model.weights, *optimizer.variables]
     kept = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in targets]
@@ -133,8 +149,9 @@ def _run_loop(size: int, keep, apply_mean, lease_step, step_done: Callable):
     return tf.function(run_loop)
 
 
-def _loss_and_gradient(model_def, model):
-    """(data) -> (the user's loss, its gradient as one flat float32 buffer; zeros where a variable has none)."""
+def _loss_and_gradient(model_def, model, loss_scale: LossScale | None):
+    """(data) -> (the user's loss, its gradient as one flat float32 buffer; zeros where a variable has none). Under
+    loss scaling, the gradient of the scaled loss, unscaled, and the member's scale updated after it."""
     import tensorflow as tf
 
     trainable = model.trainable_variables
@@ -143,7 +160,11 @@ def _loss_and_gradient(model_def, model):
         features, labels, *weights = data  # (features, labels[, sample weights])
         with tf.GradientTape() as tape:
             loss = model_def.training_loss(model, features, labels, *weights)
-        grads = tape.gradient(loss, trainable)
+            scaled = loss if loss_scale is None else loss_scale.scaled(loss)
+        grads = tape.gradient(scaled, trainable)
+        if loss_scale is not None:
+            grads = loss_scale.unscaled(grads)
+            loss_scale.update(loss_scale.finite(grads))
         flat = tf.concat(
             [
                 tf.reshape(tf.cast(tf.zeros_like(v) if g is None else tf.convert_to_tensor(g), tf.float32), [-1])

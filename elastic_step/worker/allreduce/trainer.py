@@ -19,6 +19,7 @@ from elastic_step.optimizers import LearningRateScale
 from elastic_step.ps.api import CHANGED_MODEL, CHANGED_MODEL_FIX, layout_mismatch
 from elastic_step.worker.allreduce.step import build_steps
 from elastic_step.worker.finite import NonFinite
+from elastic_step.worker.loss_scale import overflowed
 
 log = logging.getLogger("elastic_step.worker")
 
@@ -42,7 +43,9 @@ class AllReduceTrainer:
         self.lr_scale = LearningRateScale(self.optimizer)
         # The records whose updates the weights hold: every member's contribution to each applied step.
         self.applied_records = AppliedRecords()
-        steps = build_steps(model_def, model, self.optimizer, self._step_done)
+        loss_scaling = model_def.loss_scaling(model)
+        self.loss_scaled = loss_scaling is not None
+        steps = build_steps(model_def, model, self.optimizer, self._step_done, loss_scaling)
         self.size = steps.size
         sizes = [int(v.shape.num_elements()) for v in trainable]
         self._offsets, self._names = np.cumsum(sizes)[:-1], [v.path for v in trainable]
@@ -214,11 +217,18 @@ class AllReduceTrainer:
         # Before the ring: no member applies an average that holds it. One pass over the buffer when all is
         # finite (every step); per variable, to name it, only when not.
         skipped = None
-        if not (math.isfinite(loss) and np.isfinite(flat).all()):
+        if not self.goes_to_the_ring(loss, flat):
             skipped = self.non_finite.check(loss, np.split(flat, self._offsets), where, self._names)
         if profile is not None:
             profile.add("compute", t)
         return loss, flat, n, skipped
+
+    def goes_to_the_ring(self, loss: float, flat: np.ndarray) -> bool:
+        """Whether a minibatch's gradient goes to the ring as it is: its loss and gradient are finite or, under loss
+        scaling, it overflowed (every member then skips the step: step.py); else it is a non-finite one."""
+        if math.isfinite(loss) and np.isfinite(flat).all():
+            return True
+        return self.loss_scaled and overflowed(loss, [flat])
 
     def apply(self, mean_grad: np.ndarray, lr_scale: float) -> None:
         """The step's mean gradient, through the user's optimizer at its learning rate × `lr_scale`, before the

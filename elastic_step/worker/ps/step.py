@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from elastic_step.optimizers import clip_gradients, clips
 from elastic_step.ps.api import Placement, state_variables, variable_names
 from elastic_step.ps.server import ParameterShard
+from elastic_step.worker.loss_scale import LossScale
 
 # A copy's state (values and optimizer slots: Adam's are 3x the model) rides in each push only up to this size:
 # beyond it the shared slots would hold more than the model several times over, in /dev/shm.
@@ -39,6 +40,7 @@ class PSSteps:
     copies: list  # the worker's copies of the shards (ps/server.py's ParameterShard, not served), one per shard
     copies_carry_state: bool  # copies_step returns each copy's state after the call
     flat_specs: list  # each shard's flat values, as the step's input spec
+    loss_scale: LossScale | None = None  # the worker's dynamic loss scaling, which the steps update, or None
 
 
 class StepGraph:
@@ -46,10 +48,11 @@ class StepGraph:
     buffer holds, in order, ("weight", position in trainable) or ("state", position in the non-trainable
     variables). A push carries the weights' gradients and how the step changed the state."""
 
-    def __init__(self, model_def, model, placement: Placement):
+    def __init__(self, model_def, model, placement: Placement, loss_scale: LossScale | None = None):
         import tensorflow as tf
 
         self.tf, self.model_def, self.model = tf, model_def, model
+        self.loss_scale = loss_scale  # the worker's own (worker/loss_scale.py), or None
         names = variable_names(model)
         self.trainable = model.trainable_variables
         self.state_vars = model.non_trainable_variables
@@ -127,7 +130,8 @@ class StepGraph:
 
     def gradients(self, data, lo, hi, values, state):
         """Loss, gradients and new state of records [lo, hi) of the lease's tensors: `data` is (features, labels)
-        or (features, labels, sample weights)."""
+        or (features, labels, sample weights). Under loss scaling the gradients are taken of the scaled loss and
+        unscaled; the scale is not updated here (`scale_after`)."""
         tf = self.tf
         # One op per tensor: `lo`/`hi` are [lo]/[hi], the other dimensions taken whole.
         features, labels, *weights = tf.nest.map_structure(lambda t: tf.strided_slice(t, lo, hi), data)
@@ -136,7 +140,14 @@ class StepGraph:
             loss, new_state = self.model_def.training_loss(
                 self.model, features, labels, *weights, trainable_values=values, state_values=state
             )
-        return loss, tape.gradient(loss, values), new_state
+            scaled = loss if self.loss_scale is None else self.loss_scale.scaled(loss)
+        grads = tape.gradient(scaled, values)
+        return loss, (grads if self.loss_scale is None else self.loss_scale.unscaled(grads)), new_state
+
+    def scale_after(self, grads) -> None:
+        """Under loss scaling, the worker's scale updated after a step's (unscaled) gradients."""
+        if self.loss_scale is not None:
+            self.loss_scale.update(self.loss_scale.finite(grads))
 
 
 def build_steps(
@@ -149,12 +160,14 @@ def build_steps(
     on_copies: bool = False,
     skip_non_finite: bool = False,
     state_may_ride: bool = False,
+    loss_scaling: tuple[float, int] | None = None,
 ) -> PSSteps:
     """The PS worker's compiled calls. `on_copies`: with copies of the shards, to run several minibatches a call on;
     `skip_non_finite`: a minibatch that is not finite leaves the copies as they were; `state_may_ride`: a push may
     carry a copy's state (the shards are on this host), which it then does unless the state exceeds
-    MAX_STATE_BYTES."""
-    graph = StepGraph(model_def, model, placement)
+    MAX_STATE_BYTES; `loss_scaling`: (initial scale, growth steps) of the worker's dynamic loss scaling
+    (ModelDef.loss_scaling), or None."""
+    graph = StepGraph(model_def, model, placement, None if loss_scaling is None else LossScale(*loss_scaling))
     step = _one_step(graph) if minibatches_per_push == 1 else _group_step(graph, minibatch_size)
     copies = (
         [ParameterShard(model, model_def.optimizer(), placement, s, serve=False) for s in range(placement.num_ps)]
@@ -165,8 +178,10 @@ def build_steps(
     # call started from takes instead of running the same updates again (ParameterShard.push_many): the shard's
     # update competes with the worker's step for the cores only there.
     carry = bool(copies) and state_may_ride and all(0 < c.state_words * 4 <= MAX_STATE_BYTES for c in copies)
-    copies_step = _copies_step(graph, copies, skip_non_finite, carry) if copies else None
-    return PSSteps(step, copies_step, copies, carry, graph.flat_specs())
+    # Under loss scaling a step that overflowed leaves the copies as they were, as it leaves the shards.
+    skip = skip_non_finite or loss_scaling is not None
+    copies_step = _copies_step(graph, copies, skip, carry) if copies else None
+    return PSSteps(step, copies_step, copies, carry, graph.flat_specs(), graph.loss_scale)
 
 
 def _one_step(g: StepGraph):
@@ -176,6 +191,7 @@ def _one_step(g: StepGraph):
     def step(data, begin, end, flats):
         values, state = g.unpack(flats)
         loss, grads, new_state = g.gradients(data, begin, end, values, state)
+        g.scale_after(grads)
         tables = [g.table_grad(grads[i], i) for i in g.table_pos]
         return (loss, *g.pack(grads, {i: new_state[i] - state[i] for i in state}, tables))
 
@@ -222,6 +238,8 @@ def _group_step(g: StepGraph, minibatch_size: int):
             (ids_ta.concat(), rows_ta.concat() / tf.cast(count, trainable[i].dtype))
             for (ids_ta, rows_ta), i in zip(tas, g.table_pos)
         ]
+        # Under loss scaling the group is one step: skipped as a whole when any of its minibatches overflowed.
+        g.scale_after([grads[i] for i in g.dense_pos] + [rows for _, rows in tables])
         return (loss_sum / count, *g.pack(grads, {i: last_state[i] - state[i] for i in state}, tables))
 
     return group_step
@@ -245,6 +263,8 @@ def _copies_step(g: StepGraph, copies: list, skip: bool, words: bool):
             dense, _ = g.pack(grads, {i: new_state[i] - state[i] for i in state}, [])
             loss = tf.cast(loss, tf.float32)
             finite = tf.reduce_all([tf.math.is_finite(loss)] + [tf.reduce_all(tf.math.is_finite(d)) for d in dense])
+            if g.loss_scale is not None:
+                g.loss_scale.update(finite)
             if skip:
                 flats = [
                     tf.cond(finite, lambda c=c, d=d: c.update(d), lambda f=f: f)

@@ -52,6 +52,7 @@ from elastic_step.ps.client import PSClient, ShardsMoved
 from elastic_step.ps.doorbell import MAX_MINIBATCHES
 from elastic_step.util.phases import phase
 from elastic_step.worker.finite import NonFinite
+from elastic_step.worker.loss_scale import overflowed
 from elastic_step.worker.ps.step import PSSteps, build_steps
 from elastic_step.worker.records import Records
 
@@ -141,6 +142,8 @@ class PSTrainer:
         self._ids_of = self._id_extractor(keras, model)
         # Several minibatches a call, on copies of the shards (see the module's docstring): for dense shards.
         self.local = minibatches_per_push == 1 and not self.table_names
+        loss_scaling = model_def.loss_scaling(model)
+        self.loss_scaled = loss_scaling is not None
         steps = build_steps(
             model_def,
             model,
@@ -150,8 +153,10 @@ class PSTrainer:
             on_copies=self.local,
             skip_non_finite=self.non_finite.skip,
             state_may_ride=self.local and ps.carries_state(),
+            loss_scaling=loss_scaling,
         )
         self._step = steps.step
+        self._loss_scale = steps.loss_scale
         self._copies_pushes: set[concurrent.futures.Future] = set()  # pushes of calls on the copies, in flight
         self._step_pushes = 0  # with copies: pushes of one-minibatch steps (not on the copies) not yet finished
         if self.local:
@@ -394,7 +399,10 @@ class PSTrainer:
         would be taken from training; here it is part of the start."""
         step = self._step_for(batch.specs)
         begin, end = (self.tf.constant([b], self.tf.int64) for b in (batch.bounds[0], batch.bounds[0] + 1))
+        scale = self._loss_scale.values() if self._loss_scale is not None else None
         step(batch.data, begin, end, [c.values() for c in self._copies])
+        if scale is not None:  # a step that trains nothing moves no loss scale
+            self._loss_scale.load(scale)
 
     def _step_for(self, specs):
         """The step traced once for any minibatch size: a concrete function skips the per-call
@@ -516,19 +524,23 @@ class PSTrainer:
         if not finite.all():
             with phase("push thread: gradients to numpy"):
                 dense = [g.numpy() for g in result.dense]
-        bad = {
-            i
-            for i in range(count)
-            if not finite[i] and self.non_finite.check(float(losses[i]), [g[i] for g in dense], at(i))
-        }
-        if bad:  # one by one, the skipped ones under their skipped keys (see _push): the copies are re-pulled
+        marked = {}  # minibatch -> the key it is pushed under, when not its own: skipped, or by loss scaling
+        for i in range(count):
+            if finite[i]:
+                continue
+            k = key._replace(seq=bounds[i], end=bounds[i + 1])
+            if self.loss_scaled and overflowed(float(losses[i]), [g[i] for g in dense]):
+                marked[i] = k._replace(scale_skipped=True)
+            elif self.non_finite.check(float(losses[i]), [g[i] for g in dense], at(i)):
+                marked[i] = k._replace(data_shard=skipped_key(k.epoch, k.data_shard)[1])
+        if marked:  # one by one, the marked ones under their keys (see _push): the copies are re-pulled
             self._base = [None] * len(dense)
             each = []
             for i in range(count):
                 k, grads, loss = key._replace(seq=bounds[i], end=bounds[i + 1]), [g[i] for g in dense], float(losses[i])
-                if i in bad:
-                    k = k._replace(data_shard=skipped_key(k.epoch, k.data_shard)[1])
-                    grads, loss = [np.zeros_like(g) for g in grads], float("nan")
+                if i in marked:
+                    k, grads = marked[i], [np.zeros_like(g) for g in grads]
+                    loss = loss if k.scale_skipped else float("nan")
                 applied, _ = self.ps.push(k, grads, {}, want_dense=False)
                 each.append((applied, loss))
             return each, None
@@ -553,7 +565,12 @@ class PSTrainer:
             rows = {n: (ids.numpy(), v.numpy()) for n, (ids, v) in zip(self.table_names, result.sparse)}
             loss = float(result.loss)
         # Checked here, on the push thread, where the values are numpy anyway: nothing non-finite is applied.
-        if self.non_finite.check(loss, [*dense, *(v for _ids, v in rows.values())], result.where):
+        if self.loss_scaled and overflowed(loss, [*dense, *(v for _ids, v in rows.values())]):
+            # Loss scaling skipped it (worker/loss_scale.py): every shard accounts for its records as trained
+            # and applies nothing, as Keras's LossScaleOptimizer skips the step.
+            key = key._replace(scale_skipped=True)
+            dense, rows = [np.zeros_like(g) for g in dense], {}
+        elif self.non_finite.check(loss, [*dense, *(v for _ids, v in rows.values())], result.where):
             # Skipped: every shard gets the key of a skipped minibatch (its data shard's complement), applies
             # nothing and accounts for its records as skipped (ps/server.py), so no shard applies part of it.
             key = key._replace(data_shard=skipped_key(key.epoch, key.data_shard)[1])

@@ -350,3 +350,39 @@ def test_a_runs_second_step_in_one_call_keeps_the_state_the_run_started_from(tmp
     t.undo()
     for now, before in zip(t.state()[1], start):
         np.testing.assert_array_equal(now, before)
+
+
+def test_a_step_loss_scaling_skips_goes_to_the_ring_and_every_member_skips_it(tmp_path):
+    """mixed_float16 at a loss scale no float16 gradient survives: the member's gradient is not finite, yet that is
+    no failure and no --skip-non-finite skip. It goes to the ring as it is, so the average holds it on every member
+    alike, and each skips the step as Keras's LossScaleOptimizer does: weights and optimizer state as they were.
+    A loss that is not finite still fails."""
+    keras = pytest.importorskip("keras")
+    (tmp_path / "model_def.py").write_text(
+        MODEL.replace(
+            "keras.optimizers.Adam(0.01)", "keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), 1e30)"
+        )
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"units": 3}))
+    model_def = load_model_def(str(tmp_path / "model_def.py"))
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        t = AllReduceTrainer(model_def, model_def.model())
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert t.loss_scaled and type(t.optimizer) is keras.optimizers.Adam
+    batch = {"x": np.ones((4, 4), np.float32), "y": np.ones((4, 1), np.float32)}
+    loss, flat, n, skipped = t.gradients(batch, "records [0, 4) of part-0 in epoch 1")
+    assert np.isfinite(loss) and not np.isfinite(flat).all() and skipped is None
+    before = [v.numpy().copy() for v in t._targets]
+    t.apply((flat + np.ones_like(flat)) / 2, 1.0)  # the ring's average of it and a finite one
+    t.commit()
+    for v, b in zip(t._targets, before):
+        np.testing.assert_array_equal(v.numpy(), b, err_msg=v.path)
+    t.apply(np.full_like(flat, 0.5), 1.0)  # a finite average is applied
+    t.commit()
+    assert int(t.optimizer.iterations.numpy()) == 1
+    assert not np.array_equal(t.model.weights[0].numpy(), before[0])
+    batch["y"][1] = np.nan
+    with pytest.raises(DataError, match="the loss became nan on records"):
+        t.gradients(batch, "records [4, 8) of part-0 in epoch 1")

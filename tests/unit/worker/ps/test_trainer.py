@@ -537,3 +537,86 @@ def test_after_a_checkpoint_a_lone_worker_pulls_only_when_the_cuts_versions_are_
         ((version, now),) = ps.pull_dense_at()
         t.refresh_dense(unless_at=[version])
         np.testing.assert_array_equal(t._copies[0].values().numpy(), now)  # pulled: the other's push is in
+
+
+DENSE = textwrap.dedent("""
+    import keras
+    import numpy as np
+
+    SCALE = 65536.0  # the worker's first minibatch overflows float16 at it, the next ones at half of it do not
+
+    def model():
+        layers = [keras.Input(shape=(3,)), keras.layers.Dense(4), keras.layers.Dense(1, dtype="float32")]
+        return keras.Sequential(layers)
+
+    def loss(labels, predictions):
+        return keras.ops.mean(keras.ops.square(labels - predictions))
+
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=SCALE)
+
+    def feed(batch):
+        return np.stack([batch["a"], batch["b"], batch["c"]], axis=1).astype("float32"), batch["y"].astype("float32")
+""")
+
+
+def serve_mixed_float16(tmp_path, source: str, **trainer_options):
+    """`serve`, the models built in Keras's mixed_float16 policy (the policy is then theirs)."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        served = serve(tmp_path, source, **trainer_options)
+        yield next(served)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    yield from served
+
+
+@pytest.mark.parametrize("per_push", [1, 3], ids=["a minibatch", "a group of them"])
+def test_a_step_loss_scaling_skips_is_trained_applies_nothing_and_is_no_failure(tmp_path, per_push):
+    """mixed_float16 at a loss scale no float16 gradient survives: Keras's LossScaleOptimizer skips the step (its
+    batch consumed). The push applies nothing, its records are trained, not skipped, and, though the gradient is
+    not finite, it is neither a failure nor a --skip-non-finite skip. With --minibatches-per-push, the group's."""
+    told = []
+    source = MODEL.replace(
+        "keras.optimizers.SGD(0.1)", "keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1), 1e30)"
+    )
+    skip = NonFinite(True, lambda *a: told.append(a))
+    options = {"non_finite": skip, "minibatch_size": 8, "minibatches_per_push": per_push}
+    for t, ps, _ps_model in serve_mixed_float16(tmp_path, source, **options):
+        assert t.loss_scaled and not t.local  # a model with a table: one minibatch a step
+        before = ps.pull_dense()
+        result = t.compute(t.minibatch(t.feed_lease(lease_rows(32, seed=5)), 16, 32), Records("part-0", 0, 1, 16, 32))
+        applied, loss = t.push_finish(t.push_start(result, PushKey(9, 16, 32, 1, 0)))
+        assert applied and np.isfinite(loss) and told == []
+        for a, b in zip(ps.pull_dense(), before):
+            np.testing.assert_array_equal(a, b)
+        evidence = tensors.decode_applied(ps.stats()[0].applied)  # what the audit reads
+        assert {k: v.tolist() for k, v in evidence.items()} == {(1, 0): [[16, 32]]}
+
+
+def test_a_call_under_loss_scaling_leaves_the_shard_as_fit_leaves_it(tmp_path):
+    """mixed_float16, three minibatches in one call on the worker's copy of the shard: the first overflows at the
+    initial scale and is skipped, the scale halves, the others are applied, unscaled. The witness is Keras's fit
+    of the same records at batch 8 with the same LossScaleOptimizer, from the same values."""
+    for t, ps, ps_model in serve_mixed_float16(tmp_path, DENSE, minibatch_size=8):
+        assert t.local and t.loss_scaled
+        witness = keras.models.clone_model(ps_model)
+        before = ps.pull_dense_named()
+        load_named(witness, before)
+        rows = lease_rows(20, seed=4)
+        result = t.compute(t.minibatch(t.feed_lease(rows), 0, 20, [0, 8, 16]))
+        each = t.push_finish_each(t.push_start(result, PushKey(7, 0, 20, 0, 0), [0, 8, 16, 20]))
+        assert [applied for applied, _loss in each] == [True, True, True]
+        assert all(np.isfinite(loss) for _applied, loss in each)
+        evidence = tensors.decode_applied(ps.stats()[0].applied)
+        assert {k: v.tolist() for k, v in evidence.items()} == {(0, 0): [[0, 20]]}  # every record trained once
+
+        witness.compile(optimizer=t.model_def.module.optimizer(), loss=t.model_def.loss_fn)
+        x, y = t.model_def.feed(rows)
+        witness.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        assert int(witness.optimizer.iterations.numpy()) == 2  # fit skipped one step too
+        expected = {n: v.numpy() for n, v in named_variables(witness).items()}
+        after = ps.pull_dense_named()
+        for name, value in after.items():
+            np.testing.assert_allclose(value, expected[name], rtol=1e-3, atol=1e-4, err_msg=name)
+            assert not np.allclose(value, before[name]), name
