@@ -26,8 +26,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic_step.data import shuffle
-from elastic_step.data.manifest import MANIFEST_NAME, Field, Manifest, Shard
 from elastic_step.data.column_stats import ColumnStatistics
+from elastic_step.data.manifest import MANIFEST_NAME, Field, Manifest, Shard
 from elastic_step.data.parse import (
     FORMATS,
     MAX_BAD_ROWS,

@@ -1,6 +1,7 @@
 """The step's Kubernetes Events on the real control plane: a killed worker, a worker Kueue preempted (with Kueue's own
-reason) and the job's end are Events on the step's own pod, read back from the apiserver; repeated Events are one Event with a series, many similar ones are combined
-(as client-go's recorder does), and a Role without the right to them costs one warning, not the job."""
+reason) and the job's end are Events on the step's own pod, read back from the apiserver; repeated Events are one
+Event with a series, many similar ones are combined (as client-go's recorder does), and a Role without the right to
+them costs one warning, not the job."""
 
 from __future__ import annotations
 

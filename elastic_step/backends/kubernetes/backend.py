@@ -328,7 +328,9 @@ class KubernetesBackend(Backend):
             until = "left the API" if launch.blocked_until_gone else "terminated"
             self.emit(
                 InstanceEvent(
-                    EventKind.STARTED, inst, detail=f"{replaced}its pod is created once pod {launch.blocker} has {until}"
+                    EventKind.STARTED,
+                    inst,
+                    detail=f"{replaced}its pod is created once pod {launch.blocker} has {until}",
                 )
             )
             if not blockers:
