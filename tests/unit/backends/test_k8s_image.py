@@ -10,8 +10,9 @@ import pytest
 from elastic_step.backends.api import InstanceId, InstanceSpec
 from elastic_step.backends.kubernetes.adoption import compatible
 from elastic_step.backends.kubernetes.image import container_image, gpu_variant, role_images, step_pod_name
-from elastic_step.backends.kubernetes.pods import _Launch, container_command, pod_body, track
+from elastic_step.backends.kubernetes.pods import container_command, track
 from elastic_step.errors import ConfigError
+from tests.unit.backends.pods import job_pod
 
 GPU = {"nvidia.com/gpu": "1"}
 
@@ -77,21 +78,10 @@ def test_the_pods_run_the_image_s_python_not_the_master_s_interpreter():
     """The master's interpreter is a path on its own machine (a laptop's venv): the pod runs the image's `python`, and
     a retried master's adoption compares the same command."""
     argv = [sys.executable, "-m", "elastic_step.worker", "--index", "0"]
-    launch = _Launch(InstanceSpec(InstanceId("worker", 0), argv), 1, name="j-worker-0")
-    body = pod_body(
-        launch,
-        job_id="j",
-        namespace="ns",
-        image="img",
-        secret_name="j-token",
-        grace_s=30,
-        pod_spec={},
-        default_priority=None,
-        owner_refs=[],
-    )
+    body = job_pod("worker", argv=argv)
     assert body["spec"]["containers"][0]["command"] == ["python", "-m", "elastic_step.worker", "--index", "0"]
     pod = track({}, {**body, "metadata": {**body["metadata"], "uid": "u"}})
-    assert compatible(pod, launch.spec, token_reused=True)
+    assert compatible(pod, InstanceSpec(InstanceId("worker", 0), argv), token_reused=True)
     assert not compatible(pod, InstanceSpec(InstanceId("worker", 0), [*argv, "--other"]), token_reused=True)
     assert container_command(["/opt/other/python", "-c", "x"]) == ["/opt/other/python", "-c", "x"]
 
