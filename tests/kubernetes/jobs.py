@@ -70,16 +70,18 @@ def train(kubeconfig: Path, namespace: str, *flags: str, timeout: float = 600, *
     return proc, json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else {}
 
 
-def start_train(kubeconfig: Path, namespace: str, log: Path, env: dict | None = None, **params) -> subprocess.Popen:
-    """Start the master with backend kubernetes, its stderr to `log` (`env`: variables to set, such as the
-    step's pod)."""
+def start_train(
+    kubeconfig: Path, namespace: str, log: Path, step_env: dict | None = None, **params
+) -> subprocess.Popen:
+    """Start the master with backend kubernetes, its stderr to `log` (`step_env`: variables of the step's
+    environment to set, such as its pod's)."""
     with open(log, "w") as err:
         return subprocess.Popen(
             train_command(backend="kubernetes", **{"worker_image": WORKER_IMAGE, **params}),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
-            env=cli_env(kubeconfig, namespace, **(env or {})),
+            env=cli_env(kubeconfig, namespace, **(step_env or {})),
         )
 
 

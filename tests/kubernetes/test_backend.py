@@ -52,7 +52,9 @@ from tests.models.witness import assert_exactly_once
 pytestmark = pytest.mark.kubernetes
 
 DIGITS_MODEL = str(ROOT / "samples" / "digits" / "model.py")
-SLOW_MODEL = str(ROOT / "bench" / "models" / "slow_digits.py")
+# The digits model with a simulated accelerator; its pods, in the image, find the digits sample it wraps on the nodes'
+# shared filesystem.
+SLOW = {"model_def": str(ROOT / "bench" / "models" / "slow_digits.py"), "env": f"DIGITS_SAMPLE={DIGITS_MODEL}"}
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}
@@ -463,7 +465,7 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(
 
     job = "preempt"
     cfg = TrainConfig(
-        model_def=SLOW_MODEL,
+        **SLOW,
         train_data=digits["train"],
         eval_data=None,
         output=str(tmp_path / "out"),
@@ -684,9 +686,9 @@ def test_restarted_master_adopts_its_pods_without_duplicates(
             sa_kubeconfig,
             namespace,
             log,
-            env={"KFP_POD_NAME": attempt.metadata.name, "KFP_POD_UID": attempt.metadata.uid},
+            step_env={"KFP_POD_NAME": attempt.metadata.name, "KFP_POD_UID": attempt.metadata.uid},
             job_id=job,
-            model_def=SLOW_MODEL,
+            **SLOW,
             train_data=digits["train"],
             output=tmp_path / attempt.metadata.name,
             epochs=epochs,
@@ -756,7 +758,7 @@ def test_sigterm_to_the_master_deletes_the_job_pods(
         namespace,
         log,
         job_id="term",
-        model_def=SLOW_MODEL,
+        **SLOW,
         train_data=digits["train"],
         output=tmp_path / "out",
         epochs=200,
