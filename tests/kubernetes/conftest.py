@@ -15,12 +15,20 @@
   (tests.infra.kube.harness.kueue.Kueue: built once by scripts/build-kueue, CRDs, webhooks).
 * ``kueue_namespace``: the test's ``namespace``, opted in to Kueue (its pods with a queue name are gated).
 
+The project's image: every node runs the pods of the project's image (ghcr.io/elastic-step/elastic-step, and the same
+image as a platform's registry names it, ``jobs.STEP_IMAGE``) inside that image under runc, as a cluster does: the
+step, its workers and its PS run the image's code, as its user, on its Python. The image is the one scripts/build-image
+builds (``project_image``). The pods see the repository's sample, test and bench models and this session's temporary
+directories at their own paths (the nodes' shared filesystem); each test's ``tmp_path`` is writable by the image's
+user, the session's other folders readable. A harness self-test that needs no image says so with
+``@pytest.mark.process_pods("why")``: its pods of the project's image are then processes of this checkout's
+environment (its venv's ``python`` first on their PATH).
+
 Every test under tests/kubernetes gets the ``kubernetes`` marker.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -31,6 +39,7 @@ import pytest
 
 kubernetes = pytest.importorskip("kubernetes")
 from tests.infra.kube.harness import ControlPlane, wait_for  # noqa: E402,F401
+from tests.kubernetes.images import checkout_images, in_the_image  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 log = logging.getLogger("tests.kubernetes")
@@ -42,6 +51,9 @@ def _ours(item) -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "pod_security(level): the Pod Security level the test's namespace enforces")
+    config.addinivalue_line(
+        "markers", "process_pods(why): the test's pods of the project's image run as processes of this checkout"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,7 +65,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def control_plane():
     t0 = time.monotonic()
-    with ControlPlane() as cp:
+    with ControlPlane(node_defaults={"images": checkout_images()}) as cp:
         log.warning(
             "control plane: build %.1fs, start %.1fs (%s); work dir %s",
             cp.timings.get("build", 0.0),
@@ -128,30 +140,25 @@ def project_image():
     return image
 
 
+@pytest.fixture(autouse=True)
+def pods_in_the_image(request):
+    """Every node of the test's control plane runs the project's image's pods inside it (module docstring), unless
+    the test is marked ``process_pods`` or needs no control plane."""
+    if "control_plane" not in request.fixturenames or request.node.get_closest_marker("process_pods"):
+        yield
+        return
+    control_plane = request.getfixturevalue("control_plane")
+    image, factory = request.getfixturevalue("project_image"), request.getfixturevalue("tmp_path_factory")
+    if "tmp_path" in request.fixturenames:
+        from tests.kubernetes.jobs import share_with_pods
+
+        share_with_pods(request.getfixturevalue("tmp_path"), writable=True)
+    with in_the_image(control_plane, image, factory):
+        yield
+
+
 @pytest.fixture
-def image_node(node, project_image, tmp_path_factory):
-    """``node``, running the pods of the project's image (ghcr.io/elastic-step/elastic-step) inside it under runc for
-    the test. Its containers see the repository's samples and this session's temporary directories at their own
-    paths (the node's shared filesystem): jobs.share_with_pods lets the image's user into one of them."""
-    with in_the_image(node, project_image, tmp_path_factory):
+def image_node(node, control_plane, project_image, tmp_path_factory):
+    """``node``, running the pods of the project's image inside it under runc for the test, whatever its marks."""
+    with in_the_image(control_plane, project_image, tmp_path_factory):
         yield node
-
-
-@contextlib.contextmanager
-def in_the_image(node, project_image, tmp_path_factory):
-    """Within: ``node`` runs the pods of the project's image inside it under runc, and their containers see the
-    repository's sample and test models and this session's temporary directories at their own paths."""
-    from elastic_step.pipelines.argo import IMAGE
-    from tests.infra.kube.harness.process import REPO
-
-    repository = IMAGE.rsplit(":", 1)[0]
-    node.oci_images[repository] = project_image
-    shared = node.shared_paths
-    node.shared_paths = tuple(
-        str(p) for p in (REPO / "samples", REPO / "tests" / "models", tmp_path_factory.getbasetemp())
-    )
-    try:
-        yield node
-    finally:
-        del node.oci_images[repository]
-        node.shared_paths = shared

@@ -12,13 +12,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+from elastic_step.pipelines.argo import IMAGE
 from elastic_step.spec import cli_args
 from tests.infra.kube.harness import wait_for
 from tests.models.witness import TALLY_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 # The image of the job's pods when the master runs outside a pod (it has no pod of its own to take the image from).
-WORKER_IMAGE = "ghcr.io/elastic-step/elastic-step:0.1.0"
+WORKER_IMAGE = IMAGE
+# The project's image as a platform's registry names it: a step's image that is not the project's default.
+STEP_IMAGE = "registry.example.com/ml/elastic-step:1.2"
 
 # The shape of most jobs here: 32-record minibatches, 128-record tasks, at most two workers.
 SMALL = {"minibatch_size": 32, "records_per_task": 128, "max_workers": 2}
@@ -46,10 +49,10 @@ def cli_env(kubeconfig: Path, namespace: str, **extra) -> dict:
     return env
 
 
-def train_command(*flags: str, **params) -> list[str]:
+def train_command(*flags: str, python: str = sys.executable, **params) -> list[str]:
     """`python -m elastic_step.cli train` with these parameter values, then `flags` (those that are not
-    parameters, such as --chaos, as they are)."""
-    return [sys.executable, "-m", "elastic_step.cli", "train", *cli_args(**params), *flags]
+    parameters, such as --chaos, as they are). `python`: this interpreter, or a pod's (`python` in the image)."""
+    return [python, "-m", "elastic_step.cli", "train", *cli_args(**params), *flags]
 
 
 def train(kubeconfig: Path, namespace: str, *flags: str, timeout: float = 600, **params):
@@ -67,16 +70,18 @@ def train(kubeconfig: Path, namespace: str, *flags: str, timeout: float = 600, *
     return proc, json.loads(summary.read_text()) if proc.returncode == 0 and summary.exists() else {}
 
 
-def start_train(kubeconfig: Path, namespace: str, log: Path, env: dict | None = None, **params) -> subprocess.Popen:
-    """Start the master with backend kubernetes, its stderr to `log` (`env`: variables to set, such as the
-    step's pod)."""
+def start_train(
+    kubeconfig: Path, namespace: str, log: Path, step_env: dict | None = None, **params
+) -> subprocess.Popen:
+    """Start the master with backend kubernetes, its stderr to `log` (`step_env`: variables of the step's
+    environment to set, such as its pod's)."""
     with open(log, "w") as err:
         return subprocess.Popen(
             train_command(backend="kubernetes", **{"worker_image": WORKER_IMAGE, **params}),
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=err,
-            env=cli_env(kubeconfig, namespace, **(env or {})),
+            env=cli_env(kubeconfig, namespace, **(step_env or {})),
         )
 
 

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -19,7 +18,6 @@ from kubernetes import client
 from elastic_step.backends.kubernetes.security import CONTAINER_SECURITY_CONTEXT, POD_SECURITY_CONTEXT
 from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.argo import ArgoController
-from tests.infra.kube.harness.pod import Image
 from tests.infra.kube.harness.process import stopped
 from tests.kubernetes.pod_security import restricted_container
 from tests.kubernetes.test_backend import PodRecorder, intruder_pod, priority_classes  # noqa: F401
@@ -37,8 +35,6 @@ def argo(control_plane, node):
     executor = {"securityContext": CONTAINER_SECURITY_CONTEXT}
     with ArgoController(control_plane, config={"executor": executor}) as controller:
         node.images.update(controller.images)
-        # The project's image is this checkout and its environment, visible under /work's emptyDir.
-        node.images[PROJECT_IMAGE] = Image((Path(sys.executable).parent,), (REPO, Path(sys.prefix)))
         yield controller
 
 

@@ -12,7 +12,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -36,28 +35,39 @@ from elastic_step.backends.kubernetes.kueue import WANTED as KUEUE_WANTED
 from elastic_step.errors import ElasticStepError
 from tests.infra.kube.harness import ControlPlane, wait_for
 from tests.kubernetes.fleet import PodRecorder
-from tests.kubernetes.jobs import ROOT, SMALL, WORKER_IMAGE, start_train, train, train_command, wait_two_workers
+from tests.kubernetes.images import checkout_images
+from tests.kubernetes.jobs import (
+    ROOT,
+    SMALL,
+    STEP_IMAGE,
+    WORKER_IMAGE,
+    start_train,
+    train,
+    train_command,
+    wait_two_workers,
+)
 from tests.kubernetes.pod_security import restricted
 from tests.models.witness import assert_exactly_once
 
 pytestmark = pytest.mark.kubernetes
 
 DIGITS_MODEL = str(ROOT / "samples" / "digits" / "model.py")
-SLOW_MODEL = str(ROOT / "bench" / "models" / "slow_digits.py")
+# The digits model with a simulated accelerator; its pods, in the image, find the digits sample it wraps on the nodes'
+# shared filesystem.
+SLOW = {"model_def": str(ROOT / "bench" / "models" / "slow_digits.py"), "env": f"DIGITS_SAMPLE={DIGITS_MODEL}"}
 POOL = "elastic-step-test/elastic-pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "elastic", "effect": "NoSchedule"}
 PLACEMENT = {"nodeSelector": {POOL: "yes"}, "tolerations": [{**TAINT, "operator": "Equal"}]}
-STEP_IMAGE = "registry.example.com/ml/elastic-step:1.2"  # a step's image that is not the project's default
 
 
 def sleeper(ready: Path | None = None) -> list[str]:
-    """A pod's program that sleeps, and exits 0 on SIGTERM. With `ready`, it touches that file once its handler is
-    installed: a SIGTERM before that ends it with 143, not the 0 a test of graceful stops waits for (a loaded
-    machine may take seconds to start Python)."""
+    """A pod's program (the image's `python`) that sleeps, and exits 0 on SIGTERM. With `ready`, it touches that file
+    once its handler is installed: a SIGTERM before that ends it with 143, not the 0 a test of graceful stops waits
+    for (a loaded machine may take seconds to start Python)."""
     program = "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\n"
     if ready is not None:
         program += f"open({str(ready)!r}, 'w').close()\n"
-    return [sys.executable, "-c", program + "time.sleep(600)"]
+    return ["python", "-c", program + "time.sleep(600)"]
 
 
 SLEEPER = sleeper()
@@ -110,7 +120,7 @@ def step_account(cp, namespace: str, drop: tuple[str, str] | None = None) -> Pat
     return cp.kubeconfig_for(token, user=f"elastic-step-{namespace}")
 
 
-def sleeper_pod(core, namespace: str, name: str, image: str = "sleeper", **spec) -> client.V1Pod:
+def sleeper_pod(core, namespace: str, name: str, image: str = WORKER_IMAGE, **spec) -> client.V1Pod:
     pod = core.create_namespaced_pod(
         namespace,
         restricted(
@@ -391,9 +401,10 @@ def test_digits_trains_with_the_master_in_a_pod(
                     "containers": [
                         {
                             "name": "main",
-                            "image": "ghcr.io/elastic-step/elastic-step:0.1.0",
+                            "image": WORKER_IMAGE,
                             "env": env,
                             "command": train_command(
+                                python="python",
                                 job_id=job,
                                 model_def=DIGITS_MODEL,
                                 train_data=digits["train"],
@@ -454,7 +465,7 @@ def test_preempted_worker_is_requeued_relaunched_and_rejoins(
 
     job = "preempt"
     cfg = TrainConfig(
-        model_def=SLOW_MODEL,
+        **SLOW,
         train_data=digits["train"],
         eval_data=None,
         output=str(tmp_path / "out"),
@@ -510,7 +521,7 @@ def preemption_scenario(core, namespace, job, backend, coord, ledger, thread, re
     t_full = ledger.records_committed_total()
     # a high-priority pod that does not fit: the real scheduler preempts a worker
     t0 = time.monotonic()
-    intruder = intruder_pod(PLACEMENT, SLEEPER)
+    intruder = intruder_pod(PLACEMENT, ["sleep", "600"])  # another team's program
     core.create_namespaced_pod(namespace, intruder)
     lost = wait_for(lambda: [e for e in coord.timeline.events if e["kind"] == "lost"], 60, what="a worker lost")[0]
     victim = lost["instance"]
@@ -675,9 +686,9 @@ def test_restarted_master_adopts_its_pods_without_duplicates(
             sa_kubeconfig,
             namespace,
             log,
-            env={"KFP_POD_NAME": attempt.metadata.name, "KFP_POD_UID": attempt.metadata.uid},
+            step_env={"KFP_POD_NAME": attempt.metadata.name, "KFP_POD_UID": attempt.metadata.uid},
             job_id=job,
-            model_def=SLOW_MODEL,
+            **SLOW,
             train_data=digits["train"],
             output=tmp_path / attempt.metadata.name,
             epochs=epochs,
@@ -747,7 +758,7 @@ def test_sigterm_to_the_master_deletes_the_job_pods(
         namespace,
         log,
         job_id="term",
-        model_def=SLOW_MODEL,
+        **SLOW,
         train_data=digits["train"],
         output=tmp_path / "out",
         epochs=200,
@@ -851,7 +862,9 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
     """The watch is held while pods change, etcd is compacted past its resourceVersion, and on
     resuming the apiserver answers 410 Gone: the backend re-lists and reports what it missed.
     A control plane of its own, with the watch cache off, so the watch reads etcd itself."""
-    with ControlPlane(extra_args={"kube-apiserver": ["--watch-cache=false"]}) as cp:
+    with ControlPlane(
+        extra_args={"kube-apiserver": ["--watch-cache=false"]}, node_defaults={"images": checkout_images()}
+    ) as cp:
         cp.add_node("n410", cpu="4", memory="8Gi", pods=20)
         ns = "watch-410"
         cp.create_namespace(ns)
@@ -862,7 +875,7 @@ def test_watch_relists_after_410_gone_and_catches_up(tmp_path):
         held = WatchHold(b)
         w0, w1, w2 = (InstanceId("worker", i) for i in range(3))
         quits = [
-            sys.executable,
+            "python",
             "-c",
             "import os, pathlib, sys, time\n"
             "while not (pathlib.Path(sys.argv[1]) / os.environ['HOSTNAME']).exists(): time.sleep(0.1)\n"

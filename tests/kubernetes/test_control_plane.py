@@ -20,7 +20,11 @@ from tests.infra.kube.harness.process import alive, stopped
 # The harness's self-tests: plain pods that exercise the process kubelet (hostPath volumes among them), not the
 # project's pods, so their namespaces enforce no Pod Security level; tests/kubernetes/test_pod_security.py checks
 # the restricted level itself.
-pytestmark = [pytest.mark.kubernetes, pytest.mark.pod_security("privileged")]
+pytestmark = [
+    pytest.mark.kubernetes,
+    pytest.mark.pod_security("privileged"),
+    pytest.mark.process_pods("the harness's own self-tests: their pods run the host's programs"),
+]
 
 POOL = "elastic-step-test/pool"
 TAINT = {"key": "elastic-step-test/dedicated", "value": "preemption", "effect": "NoSchedule"}

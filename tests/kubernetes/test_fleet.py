@@ -9,7 +9,12 @@ import pytest
 from elastic_step.backends.api import EventKind, InstanceId
 from tests.kubernetes.fleet import FleetMaster, PodRecorder
 
-pytestmark = pytest.mark.kubernetes
+pytestmark = [
+    pytest.mark.kubernetes,
+    pytest.mark.process_pods(
+        "light workers of the tests' own (no TensorFlow), dozens at once: the master's adoption at scale"
+    ),
+]
 
 FLEET = 30
 JOB = "fleet"

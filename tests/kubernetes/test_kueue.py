@@ -10,7 +10,10 @@ from tests.infra.kube.harness import wait_for
 from tests.infra.kube.harness.kueue import ADMISSION_GATE, PRIORITY_LABEL, QUEUE_LABEL
 from tests.kubernetes.pod_security import restricted
 
-pytestmark = pytest.mark.kubernetes
+pytestmark = [
+    pytest.mark.kubernetes,
+    pytest.mark.process_pods("Kueue's admission of plain pods: none runs the project's image"),
+]
 
 
 def pod(name: str, *, queue: str | None = "q", cpu: str = "1", priority: str | None = None) -> dict:

@@ -19,7 +19,7 @@ import contextlib
 import logging
 
 from elastic_step.backends.api import InstanceId, InstanceSpec
-from elastic_step.backends.kubernetes.pods import LABEL_LAUNCH, TERMINAL, _Pod, track
+from elastic_step.backends.kubernetes.pods import LABEL_LAUNCH, TERMINAL, _Pod, container_command, track
 
 log = logging.getLogger("elastic_step.backends.kubernetes")
 
@@ -70,7 +70,7 @@ def launch_number(pods: dict[str, _Pod], name: str) -> int:
 def compatible(pod: _Pod, spec: InstanceSpec, token_reused: bool) -> bool:
     """Whether the adopted pod runs exactly `spec` (so it can be kept rather than replaced)."""
     containers = (pod.obj.get("spec") or {}).get("containers") or [{}]
-    return token_reused and containers[0].get("command") == list(spec.argv)
+    return token_reused and containers[0].get("command") == container_command(spec.argv)
 
 
 def reown_patch(pod: _Pod, refs: list[dict]) -> list[dict] | None:

@@ -8,14 +8,16 @@ compiled on another image, or pinned by digest, runs its workers on that same im
 
 A role with accelerators (`worker_accelerators`, `ps_accelerators`) runs the GPU variant of that image: the same
 reference with `-gpu` after the tag (`registry.example.com/ml/elastic-step:1.2` -> `...:1.2-gpu`, as
-`make image GPU=1` names it). An image given explicitly is taken as it is; given without the `-gpu` suffix to a
-role with GPUs, the backend warns that TensorFlow's CPU build would leave the GPUs idle.
+`make image GPU=1` names it). An image given explicitly is taken as it is, once it is a reference a container
+runtime can pull (a malformed one is a ConfigError before any pod exists, not pods that never start); given without
+the `-gpu` suffix to a role with GPUs, the backend warns that TensorFlow's CPU build would leave the GPUs idle.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 
 from elastic_step import __version__
@@ -26,6 +28,38 @@ log = logging.getLogger("elastic_step.backends.kubernetes")
 GPU_SUFFIX = "-gpu"
 STEP_CONTAINER = "main"  # KFP's and Argo's name for the container of a step
 EXAMPLE = f"ghcr.io/elastic-step/elastic-step:{__version__}"
+
+
+# An image reference as container runtimes parse it (the distribution project's grammar): [registry[:port]/]path, in
+# lowercase components, then an optional :tag and @algorithm:digest.
+_LABEL = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_HOST = rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9a-fA-F:]+\])(?::[0-9]+)?"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_TAG = r"[\w][\w.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+_REFERENCE = re.compile(rf"(?:{_HOST}/)?{_COMPONENT}(?:/{_COMPONENT})*(?::{_TAG})?(?:@{_DIGEST})?")
+
+
+def check_reference(image: str) -> str:
+    """`image`, given as worker_image, if a container runtime can pull it; else a ConfigError saying why."""
+    if _REFERENCE.fullmatch(image):
+        return image
+    if image.startswith(("/", ".", "oci:")) or image.partition(":")[0].endswith("/oci"):
+        why = (
+            "it is a path, such as the OCI layout `make image` writes, which no node can pull: push the layout to a "
+            "registry first (skopeo copy oci:<layout>:<tag> docker://<registry>/<name>:<tag>) and give that name"
+        )
+    elif image != image.strip() or not image:
+        why = "it is empty or has spaces around it"
+    else:
+        why = (
+            "a repository is lowercase letters and digits with . _ - between them, after an optional registry host, "
+            "then an optional :tag and @sha256:<64 hex digits>"
+        )
+    raise ConfigError(
+        f"worker_image {image!r} is not an image reference a container runtime can pull: {why}. Give one such as "
+        f"{EXAMPLE}, or leave worker_image empty to run the step's own image."
+    )
 
 
 def step_pod_name(in_cluster: bool, env=None) -> str | None:
@@ -91,7 +125,7 @@ def role_images(given: str | None, step_image, accelerators: dict[str, dict]) ->
     """The image of each role's pods. `given`: worker_image (or None); `step_image()`: the step's own (called only
     when needed); `accelerators`: each role's extended resources."""
     out = {}
-    base = given or step_image()
+    base = check_reference(given) if given else step_image()
     for role, resources in accelerators.items():
         if not resources:
             out[role] = base

@@ -2,7 +2,8 @@
 
 `<job>-<role>-<index>` (a relaunch: `<job>-<role>-<index>-<launch>`), labels `elastic-step/job`,
 `elastic-step/role`, `elastic-step/index`, `elastic-step/launch` and
-`app.kubernetes.io/managed-by: elastic-step`; command = the instance's argv; the job token from
+`app.kubernetes.io/managed-by: elastic-step`; command = the instance's argv, with the image's `python` for the
+master's own interpreter (container_command); the job token from
 the Secret `<job>-token` (`secretKeyRef`, never a literal), `ELASTIC_STEP_POD_IP` from the
 downward API (`status.podIP`: a PS serves and advertises on it); requests = limits = the
 instance's cpu/memory; `priorityClassName` (default `elastic-low` for workers, `elastic-high`
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 import threading
 import time
 
@@ -44,6 +46,15 @@ DEFAULT_PRIORITY = {"worker": "elastic-low", "ps": "elastic-high"}
 TERMINAL = ("Succeeded", "Failed")
 
 _JOB_ID = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+IMAGE_PYTHON = "python"  # the image's interpreter, first on its PATH (images/)
+
+
+def container_command(argv: list[str]) -> list[str]:
+    """The pod's command for an instance's `argv`: the master's own interpreter, a path on the master's machine
+    that the image need not have (a master run from a laptop's venv), becomes the image's `python`."""
+    if argv and argv[0] == sys.executable:
+        return [IMAGE_PYTHON, *argv[1:]]
+    return list(argv)
 
 
 def job_labels(job_id: str, inst: InstanceId | None = None, number: int | None = None) -> dict:
@@ -180,7 +191,7 @@ def pod_body(
     container.update(
         name=inst.role,
         image=image,
-        command=list(spec.argv),
+        command=container_command(spec.argv),
         env=[e for e in container.get("env", []) if e.get("name") not in names] + env,
     )
     if quantities:

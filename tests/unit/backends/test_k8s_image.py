@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 
+from elastic_step.backends.api import InstanceId, InstanceSpec
+from elastic_step.backends.kubernetes.adoption import compatible
 from elastic_step.backends.kubernetes.image import container_image, gpu_variant, role_images, step_pod_name
+from elastic_step.backends.kubernetes.pods import container_command, track
 from elastic_step.errors import ConfigError
+from tests.unit.backends.pods import job_pod
 
 GPU = {"nvidia.com/gpu": "1"}
 
@@ -67,3 +72,53 @@ def test_the_step_s_pod_is_kfp_s_then_the_downward_api_s_then_its_hostname():
     assert step_pod_name(False, {"POD_NAME": "downward"}) == "downward"
     assert step_pod_name(True, {"HOSTNAME": "host"}) == "host"
     assert step_pod_name(False, {"HOSTNAME": "host"}) is None  # outside a pod there is no step pod
+
+
+def test_the_pods_run_the_image_s_python_not_the_master_s_interpreter():
+    """The master's interpreter is a path on its own machine (a laptop's venv): the pod runs the image's `python`, and
+    a retried master's adoption compares the same command."""
+    argv = [sys.executable, "-m", "elastic_step.worker", "--index", "0"]
+    body = job_pod("worker", argv=argv)
+    assert body["spec"]["containers"][0]["command"] == ["python", "-m", "elastic_step.worker", "--index", "0"]
+    pod = track({}, {**body, "metadata": {**body["metadata"], "uid": "u"}})
+    assert compatible(pod, InstanceSpec(InstanceId("worker", 0), argv), token_reused=True)
+    assert not compatible(pod, InstanceSpec(InstanceId("worker", 0), [*argv, "--other"]), token_reused=True)
+    assert container_command(["/opt/other/python", "-c", "x"]) == ["/opt/other/python", "-c", "x"]
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "registry.example.com/ml/elastic-step:1.2",
+        "localhost:5000/elastic-step",
+        "elastic-step",
+        "ghcr.io/elastic-step/elastic-step:0.1.0-gpu",
+        "registry.example.com/ml/elastic-step@sha256:" + "0" * 64,
+        "registry.example.com/ml/elastic-step:1.2@sha256:" + "a" * 64,
+        "[::1]:5000/a_b/c--d:v1.2_x",
+    ],
+)
+def test_a_pullable_worker_image_is_taken_as_given(image):
+    assert role_images(image, lambda: "unused", {"worker": {}, "ps": {}}) == {"worker": image, "ps": image}
+
+
+@pytest.mark.parametrize(
+    ("image", "why"),
+    [
+        ("/root/.cache/elastic-step/image/cpu-1/oci:0.1.0", "push the layout to a registry first"),
+        ("oci:/tmp/layout:0.1.0", "push the layout to a registry first"),
+        ("Registry.example.com/ML/Elastic-Step:1.2", "lowercase"),
+        ("elastic-step:", "optional :tag"),
+        ("elastic step:1.2", "lowercase"),
+        (" elastic-step:1.2", "spaces around it"),
+        ("elastic-step@sha256:abc", "@sha256:<64 hex digits>"),
+    ],
+)
+def test_a_worker_image_no_runtime_can_pull_is_an_error_naming_it_before_any_pod(image, why):
+    asked = []
+    with pytest.raises(ConfigError) as e:
+        role_images(image, lambda: asked.append(1), {"worker": {}, "ps": {}})
+    message = str(e.value)
+    assert f"worker_image {image!r} is not an image reference a container runtime can pull" in message
+    assert why in message and "ghcr.io/elastic-step/elastic-step:" in message
+    assert asked == []

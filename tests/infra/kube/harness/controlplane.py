@@ -280,8 +280,12 @@ class ControlPlane(Service):
         extra_args: dict[str, list[str]] | None = None,
         keep_workdir: bool | None = None,
         start_timeout: float = 120.0,
+        node_defaults: dict | None = None,
     ):
         self.bin_dir = Path(bin_dir) if bin_dir else None
+        # ProcessKubelet's arguments for every node add_node starts, under the ones it is given (images, oci_images,
+        # shared_paths: what the nodes run a test's images as)
+        self.node_defaults = dict(node_defaults or {})
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else None
         self.verbosity = verbosity
@@ -563,7 +567,8 @@ class ControlPlane(Service):
     # ---- nodes and namespaces ----------------------------------------------------------
     def add_node(self, name: str, *, wait: bool = True, **kwargs) -> ProcessKubelet:
         """Start a ProcessKubelet registering Node ``name``, of the shape ``kwargs`` give (``cpu``,
-        ``memory``, ``pods``, ``labels``, ...: ProcessKubelet's arguments); it stops with the control plane.
+        ``memory``, ``pods``, ``labels``, ...: ProcessKubelet's arguments, over ``node_defaults``); it stops with the
+        control plane.
 
         The kubelet authenticates as ``system:node:<name>``. With ``wait`` this returns once
         the node is Ready and has no not-ready taint, i.e. schedulable."""
@@ -578,7 +583,7 @@ class ControlPlane(Service):
             workdir=self.workdir / "kubelets" / name,
             api_host="127.0.0.1",
             api_port=self.port,
-            **kwargs,
+            **{**self.node_defaults, **kwargs},
         )
         kubelet.start()
         self.nodes[name] = kubelet

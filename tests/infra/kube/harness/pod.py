@@ -155,10 +155,14 @@ class Container:
                     # Found before wrapping, so a missing program is a StartError as with a runtime,
                     # not the wrapper's exit code 127. A path under a mount is looked for in the volume.
                     program = argv[0] if "/" not in argv[0] else _host_path(argv[0], mounts)
-                    if shutil.which(program, path=env.get("PATH", os.defpath)) is None:
+                    found = shutil.which(program, path=env.get("PATH", os.defpath))
+                    if found is None:
                         raise FileNotFoundError(f"executable file not found: {argv[0]}")
+                    # the project's programs forked, preloaded: `python` found on the image's PATH is this interpreter
+                    resolved = argv if "/" in argv[0] else [found, *argv[1:]]
+                    command = client_argv(resolved, k.map_root_user)
                     wrapped = in_namespaces(
-                        client_argv(argv, k.map_root_user),  # the project's programs forked, preloaded
+                        argv if command is resolved else command,
                         mounts,
                         map_root_user=k.map_root_user,
                         cwd=self.spec.get("workingDir"),
@@ -643,7 +647,9 @@ class PodWorker(threading.Thread):
                 if m["name"] not in self._host_volumes and not os.path.exists(source):
                     os.makedirs(source)  # as the kubelet makes a missing subPath
             binds.append(Mount(m["mountPath"].rstrip("/") or "/", "bind", source, "ro" if m.get("readOnly") else ""))
-        image = self.k.images.get(image_repository(spec.get("image", "")))
+        repository = image_repository(spec.get("image", ""))
+        # an image run under runc (oci_images) has files of its own: none of the host's are shown to it
+        image = None if repository in self.k.oci_images else self.k.images.get(repository)
         for files in image.files if image else ():
             if any(str(files).startswith(b.target.rstrip("/") + "/") for b in binds):
                 binds.append(Mount(str(files), "bind", str(files)))
