@@ -668,9 +668,10 @@ class TrainingJob:
         """allreduce: the members' weights (identical on every member), from the first that answers, the one
         heard from last asked first.
         `final`: the state of the last committed step, finalized as `fit` leaves a model (with use_ema, the
-        moving averages); else whatever step the member is at. Returns
+        moving averages); else that of the last committed step or a later one (an epoch's point: never a state
+        before the epoch's end, which a member serves until it hears the commit). Returns
         the records those weights hold, as the member accounted them (the audit's evidence)."""
-        from elastic_step.instance.collective_client import pull_state
+        from elastic_step.instance.collective_client import pull_state, pull_state_since
 
         def load(num_model, values):
             for var, value in zip(model.weights, values[:num_model]):
@@ -698,7 +699,8 @@ class TrainingJob:
         timeout = 30.0 if final else min(30.0, self.bounds.least)
         for name, address in members:
             try:
-                state = pull_state(address, self.plan.token, step if final else -1, timeout=timeout)
+                pull = pull_state if final else pull_state_since
+                state = pull(address, self.plan.token, step, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - try the next member
                 errors.append(f"{name}: {e}")
                 continue
