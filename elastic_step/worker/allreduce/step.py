@@ -55,24 +55,11 @@ def build_steps(
     size = sum(sizes)
     loss_scale = None if loss_scaling is None else LossScale(*loss_scaling)
     loss_and_gradient = _loss_and_gradient(model_def, model, loss_scale)
-    update = updater(optimizer, trainable)
+    apply_mean = _mean_applier(updater(optimizer, trainable), trainable, sizes, loss_scale is not None)
 
     def sliced(data, begin, end):
         # One op per tensor: `begin`/`end` are [lo]/[hi], the other dimensions taken whole.
         return tf.nest.map_structure(lambda t: tf.strided_slice(t, begin, end), data)
-
-    def update_mean(flat):
-        update([tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(tf.split(flat, sizes), trainable)])
-        return tf.constant(True)
-
-    def apply_mean(flat):
-        if loss_scale is None:
-            update_mean(flat)
-            return
-        # Under loss scaling, a member whose gradient overflowed sends it into the ring as it is, so the average
-        # is not finite on every member alike: all skip the step, as Keras's LossScaleOptimizer skips it. The
-        # scale is each member's own (its contribution is unscaled): one that overflowed has lowered its own.
-        tf.cond(tf.reduce_all(tf.math.is_finite(flat)), lambda: update_mean(flat), lambda: tf.constant(False))
 
     targets = [*model.weights, *optimizer.variables]
     kept = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in targets]
@@ -121,6 +108,26 @@ def build_steps(
         kept=kept,
         targets=targets,
     )
+
+
+def _mean_applier(update: Callable, trainable, sizes: list[int], loss_scaled: bool) -> Callable:
+    """`apply_mean(flat)`: the ring's average gradient, split back into the trainable variables' shapes, applied."""
+    import tensorflow as tf
+
+    def update_mean(flat):
+        update([tf.cast(tf.reshape(p, v.shape), v.dtype) for p, v in zip(tf.split(flat, sizes), trainable)])
+        return tf.constant(True)
+
+    def apply_mean(flat):
+        if not loss_scaled:
+            update_mean(flat)
+            return
+        # Under loss scaling, a member whose gradient overflowed sends it into the ring as it is, so the average
+        # is not finite on every member alike: all skip the step, as Keras's LossScaleOptimizer skips it. The
+        # scale is each member's own (its contribution is unscaled): one that overflowed has lowered its own.
+        tf.cond(tf.reduce_all(tf.math.is_finite(flat)), lambda: update_mean(flat), lambda: tf.constant(False))
+
+    return apply_mean
 
 
 def _run_loop(size: int, keep, apply_mean, lease_step, step_done: Callable):
