@@ -1,14 +1,18 @@
 """What the benches share: `elastic-step` command lines and runs (train, data prep) with the real CLI, the small
-job the recovery, chaos and durability benches disturb, and the digits records the PS benches train on."""
+job the recovery, chaos and durability benches disturb, the digits records the PS benches train on, and an earlier
+revision of the project to run beside this one (`revision_tree`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 
 from elastic_step.spec import cli_args
 
@@ -23,9 +27,26 @@ def train_command(*flags: str, **values) -> list[str]:
     return [*CLI, "train", *cli_args(**{"progress": "off", **values}), *flags]
 
 
-def run_cli(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    """An `elastic-step` command line (CLI + arguments) run from ROOT, its output captured as text."""
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
+def run_cli(cmd: list[str], root: pathlib.Path = ROOT, **kw) -> subprocess.CompletedProcess:
+    """An `elastic-step` command line (CLI + arguments) run from `root` (ROOT, or a `revision_tree`: its package,
+    with this venv), its output captured as text."""
+    if root != ROOT:
+        kw["env"] = {**(kw.get("env") or os.environ), "PYTHONPATH": str(root)}
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True, **kw)
+
+
+@contextlib.contextmanager
+def revision_tree(rev: str) -> Iterator[pathlib.Path]:
+    """A checkout of this repository at `rev` (a git worktree in a temporary folder, removed at the end), for a
+    bench to run an earlier revision's `elastic-step` beside this one's in the same invocation (`run_cli(root=)`)."""
+    with tempfile.TemporaryDirectory(prefix="bench-revision-") as tmp:
+        tree = pathlib.Path(tmp) / "tree"
+        git = ["git", "-C", str(ROOT)]
+        subprocess.run([*git, "worktree", "add", "--detach", "--quiet", str(tree), rev], check=True)
+        try:
+            yield tree
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def summary(out: pathlib.Path | str) -> dict:
@@ -33,10 +54,10 @@ def summary(out: pathlib.Path | str) -> dict:
     return json.loads((pathlib.Path(out) / "summary.json").read_text())
 
 
-def train(out: pathlib.Path, *flags: str, env: dict | None = None, **values) -> dict:
+def train(out: pathlib.Path, *flags: str, env: dict | None = None, root: pathlib.Path = ROOT, **values) -> dict:
     """`elastic-step train` (train_command) into `out`, which must succeed, in environment `env` (None: this
-    process's); its summary."""
-    proc = run_cli(train_command(*flags, output=str(out), **values), env=env)
+    process's), from `root` (run_cli); its summary."""
+    proc = run_cli(train_command(*flags, output=str(out), **values), root=root, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"elastic-step train failed:\n{proc.stderr[-3000:]}")
     return summary(out)

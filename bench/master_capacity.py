@@ -18,16 +18,21 @@ The same workload is then driven in-process, with no gRPC, against the Ledger al
 
 Client processes share the machine with the master, so on a small box the figures are a lower bound of what the
 master alone sustains.
+
+`--before REV` runs, after each gRPC run, the same run as the git revision REV has this bench and the master (its
+checkout, run by this venv), and prints this revision's records/s and master CPU a call against it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -232,12 +237,24 @@ async def _clients(address, indices, minibatch, think_s, unary, ramp_s, ready, s
 
 
 def run_grpc(args, workers: int, window_s: float) -> dict:
+    from elastic_step.master.failures import FailureReports
     from elastic_step.master.leases.coordinator import Coordinator
     from elastic_step.master.service import MasterService, serve
+    from elastic_step.master.skipped import SkippedMinibatches
 
     ledger = _ledger(args, workers)
     coord = Coordinator(ledger, num_ps=0)
-    service = MasterService(coord, TOKEN, "bench", args.minibatch, "synthetic", max_workers=workers)
+    failures = FailureReports(coord.timeline, job_failed=coord.finished.set)
+    service = MasterService(
+        coord,
+        TOKEN,
+        "bench",
+        args.minibatch,
+        "synthetic",
+        max_workers=workers,
+        failures=failures,
+        skipped=SkippedMinibatches(coord.timeline),
+    )
     server, port = serve(service)
     address = f"127.0.0.1:{port}"
     ctx = mp.get_context("spawn")  # never fork a process that already runs gRPC
@@ -419,6 +436,35 @@ def _row(label: str, r: dict, base: dict | None) -> str:
     )
 
 
+def run_before(tree, argv: list[str], workers: int) -> dict:
+    """The gRPC run of `workers` as the checkout `tree` (an earlier revision) has this bench and the master, with
+    this invocation's other arguments `argv`."""
+    from bench.common import run_cli
+
+    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
+        out = os.path.join(tmp, "figures.json")
+        cmd = [sys.executable, "bench/master_capacity.py", *argv, "--workers", str(workers), "--json", out]
+        proc = run_cli(cmd, root=tree)
+        if proc.returncode != 0:
+            raise SystemExit(f"the earlier revision's run failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)[0]["grpc"]
+
+
+def forwarded(argv: list[str]) -> list[str]:
+    """`argv` without the flags `run_before` sets itself (--workers, --json) and without --before."""
+    out, skip = [], False
+    for a in argv:
+        if a.split("=", 1)[0] in ("--workers", "--json", "--before"):
+            skip = "=" not in a
+            continue
+        if skip and not a.startswith("--"):
+            continue
+        skip = False
+        out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[1000], help="simulated workers per run")
@@ -441,7 +487,17 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=float, default=30.0, help="longest gRPC run, seconds")
     p.add_argument("--baseline-s", type=float, default=3.0, help="window of each in-process baseline")
     p.add_argument("--json", help="also write the raw figures here")
+    p.add_argument("--before", metavar="REV", help="also each gRPC run as this git revision has it")
     args = p.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        from bench.common import revision_tree
+
+        tree = stack.enter_context(revision_tree(args.before)) if args.before else None
+        return measure(args, tree, forwarded(sys.argv[1:] if argv is None else argv))
+
+
+def measure(args, tree, argv: list[str]) -> int:
+    """main's runs: per worker count, the in-process baselines, the gRPC run and, with a `tree`, its gRPC run."""
 
     t_start = time.perf_counter()
     print(
@@ -455,7 +511,8 @@ def main(argv=None) -> int:
         ledger_r = run_inprocess(args, w, args.baseline_s, with_coordinator=False)
         coord_r = run_inprocess(args, w, args.baseline_s, with_coordinator=True)
         grpc_r = run_grpc(args, w, args.window)
-        results.append((w, ledger_r, coord_r, grpc_r))
+        before_r = run_before(tree, argv, w) if tree else None
+        results.append((w, ledger_r, coord_r, grpc_r, before_r))
         g = grpc_r
         print(
             f"  workers={w}: {_records(args, w):,} records, {g['elapsed_s']:.1f} s, "
@@ -475,10 +532,18 @@ def main(argv=None) -> int:
     print()
     print(hdr)
     print("-" * len(hdr))
-    for w, ledger_r, coord_r, grpc_r in results:
+    for w, ledger_r, coord_r, grpc_r, before_r in results:
         print(_row(f"ledger      W={w}", ledger_r, None))
         print(_row(f"coordinator W={w}", coord_r, ledger_r))
         print(_row(f"gRPC        W={w}", grpc_r, ledger_r))
+        if before_r:
+            print(_row(f"gRPC at {args.before[:8]} W={w}", before_r, ledger_r))
+            ratio = _rates(grpc_r)["records_per_s"] / _rates(before_r)["records_per_s"]
+            cpu = (grpc_r["master_cpu_us_per_rpc"], before_r["master_cpu_us_per_rpc"])
+            print(
+                f"  this revision against {args.before}: records/s x{ratio:.2f}, master CPU a call {cpu[0]:.0f} us "
+                f"against {cpu[1]:.0f}"
+            )
     print(
         "latencies in ms; '*' = window ended before the ledger was done; "
         "'x ledger' = records/s relative to the in-process Ledger alone"
@@ -486,7 +551,14 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t_start:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{"workers": w, "ledger": a, "coordinator": b, "grpc": c} for w, a, b, c in results], f, indent=1)
+            json.dump(
+                [
+                    {"workers": w, "ledger": a, "coordinator": b, "grpc": c, **({"grpc_before": d} if d else {})}
+                    for w, a, b, c, d in results
+                ],
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -2,7 +2,7 @@
 MultiWorkerMirroredStrategy, side by side in one run, 2 and 3 workers.
 
     .venv/bin/python bench/sync.py [--model samples/digits/model.py bench/models/digits_cnn.py]
-                                   [--workers 2 3] [--runs 3] [--epochs 3] [--tf-steps 1 16]
+                                   [--workers 2 3] [--runs 3] [--epochs 3] [--tf-steps 1 16] [--before REV]
 
 Both sides: N worker processes on this machine, the same model module (model, loss, optimizer, feed), the same
 prepared records (the digits train split repeated to --rows: 60,000 for the MLP, 20,000 for the CNN), minibatch
@@ -24,12 +24,14 @@ prepared records (the digits train split repeated to --rows: 60,000 for the MLP,
 
 Sides alternate, --runs times each: this machine's speed drifts over a minute, and a slow moment only ever
 slows a run. Printed per model and worker count: each side's best records/s, its spread (slowest over
-best), its accuracy (min-max) and elastic-step / best TensorFlow, best against best.
+best), its accuracy (min-max) and elastic-step / best TensorFlow, best against best. `--before REV` adds
+elastic-step as the git revision REV has it (its checkout, run by this venv), and this revision's ratio to it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -45,7 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, free_ports, splits, train  # noqa: E402
+from bench.common import digits_prepared, free_ports, revision_tree, splits, train  # noqa: E402
 
 MINIBATCH = 64  # per worker
 ROWS = {"samples/digits/model.py": 60_000, "bench/models/digits_cnn.py": 20_000}
@@ -165,9 +167,12 @@ def tensorflow(model_path: str, data: pathlib.Path, workers: int, epochs: int, s
 
 
 # ---------------------------------------------------------------- elastic-step's side
-def elastic(model_path: str, data: pathlib.Path, workers: int, epochs: int, out: pathlib.Path, **values) -> dict:
+def elastic(
+    model_path: str, data: pathlib.Path, workers: int, epochs: int, out: pathlib.Path, root=ROOT, **values
+) -> dict:
     s = train(
         out,
+        root=root,
         model_def=model_path,
         **splits(data),
         epochs=epochs,
@@ -209,6 +214,7 @@ def main() -> None:
         help="minibatches per tf.function call on TensorFlow's side; the best is kept",
     )
     p.add_argument("--json", help="also write every run's figures here")
+    p.add_argument("--before", metavar="REV", help="also elastic-step at this git revision")
     args = p.parse_args()
     print(
         f"--strategy allreduce against MultiWorkerMirroredStrategy: minibatch {MINIBATCH} per worker, "
@@ -216,8 +222,10 @@ def main() -> None:
     )
     print(f"{'model':>10} {'N':>2} {'side':>34} {'best rec/s':>11} {'spread':>7} {'accuracy':>11}")
     figures = []
-    with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
-        work = pathlib.Path(tmp)
+    before = f"elastic-step allreduce at {args.before}"
+    with contextlib.ExitStack() as stack:
+        tree = stack.enter_context(revision_tree(args.before)) if args.before else None
+        work = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-sync-")))
         for model_path in args.model:
             rows = args.rows or ROWS.get(model_path, 60_000)
             name = pathlib.Path(model_path).stem.replace("model", "digits_mlp")
@@ -225,10 +233,15 @@ def main() -> None:
             for workers in args.workers:
                 sides: dict[str, list[dict]] = {"elastic-step allreduce": []}
                 sides.update({f"TF MWMS, {k} step(s)/call": [] for k in args.tf_steps})
+                if tree:
+                    sides[before] = []
                 for run in range(args.runs):
                     sides["elastic-step allreduce"].append(
                         elastic(model_path, data, workers, args.epochs, work / f"out-{name}-{workers}-{run}")
                     )
+                    if tree:
+                        out = work / f"out-{name}-{workers}-{run}-before"
+                        sides[before].append(elastic(model_path, data, workers, args.epochs, out, root=tree))
                     for k in args.tf_steps:
                         sides[f"TF MWMS, {k} step(s)/call"].append(
                             tensorflow(model_path, data, workers, args.epochs, k)
@@ -241,6 +254,9 @@ def main() -> None:
                 print(
                     f"{name:>10} {workers:>2} elastic-step / best TF MWMS (best against best): {ratio:.2f}", flush=True
                 )
+                if tree:
+                    than = best["elastic-step allreduce"] / best[before]
+                    print(f"{name:>10} {workers:>2} this revision / {args.before} (best against best): {than:.2f}")
                 figures.append(
                     {
                         "model": model_path,

@@ -8,6 +8,7 @@ a step is overhead).
     .venv/bin/python bench/throughput.py [--model M ...] [--rows 20000] [--batch 64] [--repeat 3]
                                          [--minibatches-per-push 8] [--pushes-in-flight 2] [--worker-threads N ...]
                                          [--master-work [--checkpoint-every INTERVAL]] [--scrape] [--profile]
+                                         [--before REV]
 
 Each side runs --repeat times, the sides alternating, each round starting one side further on (this VM's speed
 drifts by tens of percent over a minute, and a slow moment only ever slows a run); ratios are best against best,
@@ -37,6 +38,9 @@ round's two runs, close in time: the median and the range). Extra elastic-step s
                             a scraper thread here, as Prometheus would, against the default side (no scraping):
                             best against best, and round by round; each run's scrapes are counted, so a side that
                             was never scraped cannot pass for one that was;
+  --before REV              the default side as the revision REV of this repository has it (its checkout, beside
+                            this one's, run by this venv), against this one's: best against best, and round by
+                            round, so that a change is held to what it changed;
   --profile                 where the default side's time goes, per minibatch, from each process's phase clock
                             (elastic_step/util/phases.py): the training thread, the push and lease threads, the
                             PS's update, the master's reports, evaluations and checkpoints.
@@ -45,6 +49,7 @@ round's two runs, close in time: the median and the range). Extra elastic-step s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -61,7 +66,7 @@ MODELS = [str(ROOT / "bench" / "models" / "digits_cnn.py"), str(ROOT / "samples"
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from bench.common import digits_prepared, free_ports, splits, train  # noqa: E402
+from bench.common import digits_prepared, free_ports, revision_tree, splits, train  # noqa: E402
 from elastic_step.util.phases import ENV as PHASES_ENV  # noqa: E402
 
 
@@ -110,10 +115,11 @@ def elastic(
     checkpoint_every: str | None = None,
     profile: pathlib.Path | None = None,
     scrape_every_s: float = 0.0,
+    root: pathlib.Path = ROOT,
 ) -> dict:
     """One elastic-step run at default settings but the job's shape; `master_work` off: no eval split, no
     checkpoint (the accuracy is then scored here, on the exported model); `scrape_every_s`: the master's /metrics
-    served and read that often for the whole run."""
+    served and read that often for the whole run; `root`: the checkout whose `elastic-step` runs."""
     env = {**os.environ, PHASES_ENV: str(profile)} if profile else None
     values = {} if per_push == 1 else {"minibatches_per_push": per_push}
     if in_flight != 1:
@@ -134,6 +140,7 @@ def elastic(
             out,
             *flags,
             env=env,
+            root=root,
             model_def=model_path,
             epochs=EPOCHS,
             minibatch_size=batch,
@@ -260,6 +267,9 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
     scraped = "elastic-step, /metrics read every 1 s"
     if args.scrape:
         sides[scraped] = lambda i: run_elastic(i, scraped, checkpoint_every=checkpoints, scrape_every_s=1.0)
+    before = f"elastic-step at {args.before}"
+    if args.before:
+        sides[before] = lambda i: run_elastic(i, before, checkpoint_every=checkpoints, root=args.before_tree)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     order = list(sides)
     for i in range(args.repeat):
@@ -309,6 +319,8 @@ def compare(model: str, batch: int, data: pathlib.Path, work: pathlib.Path, args
             f"  scrapes that read the step's metrics, each run: {counts}; each took "
             f"{1e3 * statistics.median(took):.1f} ms median, {1e3 * took[-1]:.1f} ms at most (the answer read)"
         )
+    if args.before:
+        print(cost(f"this revision, against {args.before},", runs[default], runs[before]))
     if args.profile:
         top = max(range(len(runs[default])), key=lambda j: runs[default][j]["records_per_s"])
         rate = runs[default][top]["records_per_s"]
@@ -335,8 +347,11 @@ def main() -> None:
     )
     p.add_argument("--scrape", action="store_true", help="a side whose master's /metrics is read every second")
     p.add_argument("--profile", action="store_true", help="the phase profile of the default side's best run")
+    p.add_argument("--before", metavar="REV", help="a side of the default settings at this git revision")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="bench-throughput-") as tmp:
+    with contextlib.ExitStack() as stack:
+        args.before_tree = stack.enter_context(revision_tree(args.before)) if args.before else None
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-throughput-"))
         work = pathlib.Path(tmp)
         data = digits_prepared(args.rows, work / "data")
         print(
