@@ -22,7 +22,9 @@ builds (``project_image``). The pods see the repository's sample, test and bench
 directories at their own paths (the nodes' shared filesystem); each test's ``tmp_path`` is writable by the image's
 user, the session's other folders readable. A harness self-test that needs no image says so with
 ``@pytest.mark.process_pods("why")``: its pods of the project's image are then processes of this checkout's
-environment (its venv's ``python`` first on their PATH).
+environment (its venv's ``python`` first on their PATH). A test marked ``gpu_image`` runs the pods of the image's GPU
+variant (``-gpu`` tags: a role with accelerators) inside the GPU image (``project_gpu_image``, TensorFlow's CUDA
+build; no GPU here, so it trains on the CPU); other tests run them in the CPU image.
 
 Every test under tests/kubernetes gets the ``kubernetes`` marker.
 """
@@ -54,6 +56,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "process_pods(why): the test's pods of the project's image run as processes of this checkout"
     )
+    config.addinivalue_line("markers", "gpu_image: the test's pods of the GPU variant run inside the GPU image")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -140,6 +143,20 @@ def project_image():
     return image
 
 
+@pytest.fixture(scope="session")
+def project_gpu_image():
+    """The runtime image's GPU variant (scripts/build-image --gpu, which scripts/test builds in the background after
+    the CPU image), unpacked once for runc."""
+    from tests.infra.kube.harness.oci import unpacked_image
+    from tests.infra.kube.harness.process import REPO, run_build
+
+    t0 = time.monotonic()
+    layout = run_build(REPO / "scripts" / "build-image", "--gpu", override_env="ELASTIC_STEP_GPU_IMAGE_LAYOUT")
+    image = unpacked_image(layout)
+    log.warning("runtime GPU image %s: built and unpacked in %.1fs", layout, time.monotonic() - t0)
+    return image
+
+
 @pytest.fixture(autouse=True)
 def pods_in_the_image(request):
     """Every node of the test's control plane runs the project's image's pods inside it (module docstring), unless
@@ -153,7 +170,8 @@ def pods_in_the_image(request):
         from tests.kubernetes.jobs import share_with_pods
 
         share_with_pods(request.getfixturevalue("tmp_path"), writable=True)
-    with in_the_image(control_plane, image, factory):
+    gpu = request.getfixturevalue("project_gpu_image") if request.node.get_closest_marker("gpu_image") else None
+    with in_the_image(control_plane, image, factory, gpu):
         yield
 
 

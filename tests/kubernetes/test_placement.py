@@ -2,16 +2,22 @@
 GPU each (`worker_accelerators`), tolerate and prefer the spot pool (`spot_nodes`, by default the well-known spot
 labels), and the parameter server stays on an on-demand node. A node advertising 2 GPUs runs exactly 2 of 4 workers
 while the others wait, Pending; a second GPU node lets them in; the spot node drained through the Eviction API moves
-its workers to a third. The workers train on CPU here: the test is about scheduling and elasticity. Every record is
-still applied exactly once, by the tally weights and the audit."""
+its workers to a third. Every record is still applied exactly once, by the tally weights and the audit.
+
+The master takes the image from its step's pod, and gives the GPU workers that image's GPU variant (TensorFlow's CUDA
+build), as a role with accelerators does when no worker_image is set; the PS runs the step's image. No GPU backs the
+nodes' `nvidia.com/gpu`, so each worker falls back to its CPU and says why: TensorFlow itself reports a CUDA build
+that found no GPU, which the CPU image could not."""
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 from tests.infra.kube.harness import wait_for
-from tests.kubernetes.jobs import EPOCHS_HELD, registrations, run_held
-from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig  # noqa: F401
+from tests.kubernetes.jobs import EPOCHS_HELD, STEP_IMAGE, registrations, run_held
+from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig, sleeper_pod  # noqa: F401
 from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
 
 SPOT = ("cloud.google.com/gke-spot", "true")  # GKE's spot label and taint: one of spot_nodes' well-known ones
@@ -40,10 +46,13 @@ def placement(core, namespace: str, job: str) -> dict[str, str]:
     return out
 
 
+@pytest.mark.gpu_image
 def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_drained(
     control_plane, core, node, namespace, tally_data, priority_classes, sa_kubeconfig, tmp_path
 ):
     job, added = "gpus", []
+    step = sleeper_pod(core, namespace, "step", image=STEP_IMAGE)  # the pod the step's master would run in
+    images = {}
     try:
         added.append(gpu_node(control_plane, "spot-gpu", spot=True).name)
 
@@ -73,6 +82,7 @@ def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_dr
             wait_for(lambda: registrations(log) >= 6 or master.poll() is not None, 240, what="the replacements")
             where = placement(core, namespace, job)
             assert sorted(v for k, v in where.items() if "-worker-" in k) == ["gpu-2"] * 2 + ["gpu-3"] * 2, where
+            images.update({p.metadata.name: p.spec.containers[0].image for p in job_pods(core, namespace, job)})
 
         summary, text, out = run_held(
             sa_kubeconfig,
@@ -84,6 +94,8 @@ def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_dr
             max_workers=4,
             worker_memory="1Gi",
             worker_accelerators=f"{GPU}=1",
+            worker_image="",
+            env={"KFP_POD_NAME": step.metadata.name, "KFP_POD_UID": step.metadata.uid},
         )
     finally:
         for name in added:
@@ -91,5 +103,10 @@ def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_dr
                 control_plane.remove_node(name)
     lost = [e for e in summary["events"] if e["kind"] == "lost"]
     assert len(lost) == 2 and all("EvictionByEvictionAPI" in e["detail"] for e in lost), lost
+    assert images[f"{job}-ps-0"] == STEP_IMAGE, images
+    assert {i for p, i in images.items() if "-worker-" in p} == {f"{STEP_IMAGE}-gpu"}, images
+    # Every launch trained in the GPU image, on its CPU: TensorFlow's CUDA build, with no GPU to see.
+    devices = summary["workers"]["devices"]
+    assert len(devices) == 6 and {d["device"] for d in devices} == {"CPU (no GPU visible)"}, devices
     assert_each_record_applied_exactly(out, tally_data, EPOCHS_HELD)
     assert_audit_exact(summary, "ps")

@@ -47,8 +47,9 @@
   DELETE with grace period 0 (uid precondition) so the pod disappears and e.g. the
   scheduler's preemption completes. A pod deleted outright is killed at once.
 
-Containers in a real image: with ``oci_images`` (image repository -> ``oci.OciImage``, the layout scripts/build-image
-writes, unpacked), a container of that image runs inside it under runc instead (oci.py): the image's root
+Containers in a real image: with ``oci_images`` (image repository, or ``repository:tag`` for one tag of it, ->
+``oci.OciImage``, the layout scripts/build-image writes, unpacked), a container of that image runs inside it under
+runc instead (oci.py): the image's root
 filesystem, user, environment and entrypoint, the pod's env, volumes and securityContext, and none of the host's
 environment or files but ``shared_paths``. Its deletion, freezing and exit codes work as a process container's.
 
@@ -169,7 +170,7 @@ class ProcessKubelet(Service):
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.cwd = cwd
         self.images = dict(images or {})  # image repository -> Image (its PATH and files here)
-        self.oci_images = dict(oci_images or {})  # image repository -> OciImage: its containers run under runc
+        self.oci_images = dict(oci_images or {})  # repository[:tag] -> OciImage: its containers run under runc
         # Host directories every container in an image sees at their own paths, writable: the node's shared
         # filesystem (as a cluster mounts NFS or a CSI volume in its pods), where tests keep data, models, outputs.
         self.shared_paths = tuple(shared_paths)

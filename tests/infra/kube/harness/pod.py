@@ -68,6 +68,14 @@ def image_repository(image: str) -> str:
     return f"{head}/{tail.split(':', 1)[0]}" if head else tail.split(":", 1)[0]
 
 
+def oci_image(oci_images: dict, image: str):
+    """The entry of ``oci_images`` for ``image``: its ``repository:tag`` first (a variant such as ``:1.0-gpu``),
+    else its repository's."""
+    repository = image_repository(image)
+    tag = image.split("@", 1)[0].rpartition("/")[2].partition(":")[2]
+    return oci_images.get(f"{repository}:{tag}") or oci_images.get(repository)
+
+
 @dataclass(frozen=True)
 class Image:
     """What an image is on this host: ``path``, directories first on its containers' PATH;
@@ -124,7 +132,7 @@ class Container:
         policy = pod.pod["spec"].get("restartPolicy", "Always")
         if self.init and policy == "Always":
             policy = "OnFailure"  # an init container runs to completion
-        oci = k.oci_images.get(image_repository(self.spec.get("image", "")))
+        oci = oci_image(k.oci_images, self.spec.get("image", ""))
         env = container_env(oci, pod.env(self.spec, host=False)) if oci else pod.env(self.spec)
         mounts = pod.mounts(self.spec)
         while True:
@@ -647,9 +655,9 @@ class PodWorker(threading.Thread):
                 if m["name"] not in self._host_volumes and not os.path.exists(source):
                     os.makedirs(source)  # as the kubelet makes a missing subPath
             binds.append(Mount(m["mountPath"].rstrip("/") or "/", "bind", source, "ro" if m.get("readOnly") else ""))
-        repository = image_repository(spec.get("image", ""))
+        ref = spec.get("image", "")
         # an image run under runc (oci_images) has files of its own: none of the host's are shown to it
-        image = None if repository in self.k.oci_images else self.k.images.get(repository)
+        image = None if oci_image(self.k.oci_images, ref) else self.k.images.get(image_repository(ref))
         for files in image.files if image else ():
             if any(str(files).startswith(b.target.rstrip("/") + "/") for b in binds):
                 binds.append(Mount(str(files), "bind", str(files)))
