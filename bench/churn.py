@@ -380,13 +380,9 @@ def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path
     ps = launch("ps", 0)
     procs = [launch("worker", i) for i in range(workers)]
     cfg = {"work": str(work), "model": MODEL, "data": str(data), "epochs": epochs, "kills": kills, "cluster": cluster}
-    chief_err = open(work / "chief.log", "w")
+    chief_out, chief_log = open(work / "chief.out", "w"), open(work / "chief.log", "w")  # closed below
     chief = subprocess.Popen(
-        [sys.executable, __file__, "--ps-chief", json.dumps(cfg)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=chief_err,
-        text=True,
+        [sys.executable, __file__, "--ps-chief", json.dumps(cfg)], cwd=ROOT, stdout=chief_out, stderr=chief_log
     )
     restarts = 0
     try:
@@ -403,7 +399,6 @@ def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path
                     restarts += 1
             time.sleep(0.05)
         wall = time.perf_counter() - t0
-        out = chief.stdout.read()
         if chief.returncode != 0:
             raise SystemExit(f"psstrategy: the coordinator failed:\n{(work / 'chief.log').read_text()[-3000:]}")
     finally:
@@ -411,9 +406,9 @@ def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path
             if p.poll() is None:
                 p.kill()
             p.wait()
-        logs.close()
-        chief_err.close()
-    r = json.loads(out.strip().splitlines()[-1])
+        for f in (logs, chief_out, chief_log):
+            f.close()
+    r = json.loads((work / "chief.out").read_text().strip().splitlines()[-1])
     return {
         "fired_at": fired_at(),
         "time_to_target_s": wall,
