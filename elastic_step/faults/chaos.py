@@ -418,12 +418,12 @@ class Chaos(fault_hooks.JobFaults):
         a lease to cut short), and that worker; a preemption whose worker is down (or still starting) waits for it
         alone. (pending[0], None) while none is ready."""
         leased = self._cuttable(coord)  # once a tick: it keeps the watermarks it tells moves from
-        members = coord.membership.members
         for sig in self.pending:
             if sig.at > committed or not sig.preempt:
                 break  # a due signal of another kind keeps its place in the order
             # After the launch's first commit: a relaunched worker killed before it would count as a crash loop.
-            if sig.target in alive and str(sig.target) in leased and members[sig.target].progress_since_launch:
+            member = coord.membership.members.get(sig.target)
+            if sig.target in alive and str(sig.target) in leased and member and member.progress_since_launch:
                 return sig, sig.target
         return self.pending[0], None
 
