@@ -53,6 +53,7 @@ import math
 import os
 import pathlib
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -355,6 +356,18 @@ def ps_chief(cfg: dict) -> None:
     )
 
 
+def _failure(work: pathlib.Path) -> str:
+    """The coordinator's traceback (its log ends with TF's gRPC complaints at exit, after it), and where its logs
+    and the servers' are kept: the run's own directory goes with the bench's."""
+    log = (work / "chief.log").read_text()
+    kept = pathlib.Path(tempfile.mkdtemp(prefix="churn-psstrategy-failed-"))
+    for name in ("chief.log", "servers.log", "fired.jsonl"):
+        if (work / name).exists():
+            shutil.copy(work / name, kept / name)
+    at = log.rfind("Traceback (most recent call last)")
+    return (log[at : at + 4000] if at >= 0 else log[-3000:]) + f"\n(the logs: {kept})"
+
+
 def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path, kills, budget_s: float) -> dict:
     """TF's ParameterServerStrategy to its end: 1 PS and `workers` workers, `tf.distribute.Server`s, and the
     coordinator (ps_chief), each a local process on loopback. The bench is the operator: a worker that dies is
@@ -400,7 +413,7 @@ def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path
             time.sleep(0.05)
         wall = time.perf_counter() - t0
         if chief.returncode != 0:
-            raise SystemExit(f"psstrategy: the coordinator failed:\n{(work / 'chief.log').read_text()[-3000:]}")
+            raise SystemExit(f"psstrategy: the coordinator failed (exit {chief.returncode}):\n{_failure(work)}")
     finally:
         for p in [chief, ps, *procs]:
             if p.poll() is None:
@@ -491,8 +504,7 @@ def figures(results: list[dict]) -> list[dict]:
         times = [r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
         f = {"churn": churn, "side": side, "runs": len(runs), "stalled": len(runs) - len(times)}
         f["fired_differs"] = any(r["preemptions"] != r.get("due", r["trace"]) for r in runs)
-        f["fired"] = "/".join(str(r["preemptions"]) for r in runs)
-        f["due"] = "/".join(str(r.get("due", r["trace"])) for r in runs)
+        f["fired"] = " ".join(f"{r['preemptions']}/{r.get('due', r['trace'])}" for r in runs)  # run by run
         if times:
             f.update(time_best=min(times), time_worst=max(times))
             if side in best_none:
@@ -509,11 +521,11 @@ def report(results: list[dict]) -> None:
     records trained again, and the preemptions fired against those due, run by run, `!` where they differ."""
     print(
         f"\n{'side':10s} {'churn':9s} {'time to target':>16s} {'goodput':>8s} {'accuracy':>9s} {'again':>8s}"
-        "  preemptions fired/due"
+        "  preemptions fired/due, run by run"
     )
     for f in figures(results):
         flag = "!" if f["fired_differs"] else " "
-        fired = f"{flag} {f['fired']} / {f['due']}"
+        fired = f"{flag} {f['fired']}"
         if "time_best" not in f:
             print(f"{f['side']:10s} {f['churn']:9s} {'stalled':>16s} {'':>8s} {'':>9s} {'':>8s}  {fired}")
             continue
@@ -568,7 +580,7 @@ def _bar(f: dict, value: str, low: str, high: str) -> dict:
         "value": f.get(value),
         "low": f.get(low),
         "high": f.get(high),
-        "under": f"fired {f['fired']} of {f['due']}" + (" !" if f["fired_differs"] else ""),
+        "under": f"fired/due {f['fired']}" + (" !" if f["fired_differs"] else ""),
         "missing": "stalled" if "time_best" not in f else "no run without churn",
     }
 
