@@ -294,6 +294,7 @@ def ps_chief(cfg: dict) -> None:
     import logging
 
     import keras
+    import tensorflow as tf
 
     from bench.ps_strategy import coordinated_training, evaluate_weights
     from elastic_step.data.reader import read_all
@@ -329,7 +330,11 @@ def ps_chief(cfg: dict) -> None:
             in_flight.append((scheduled, coordinator.schedule(train_steps, args=(iterator,))))
             scheduled += 1
         seq, value = in_flight.popleft()
-        ran_on = int(value.fetch()[1])
+        try:
+            ran_on = int(value.fetch()[1])
+        except tf.errors.UnavailableError:
+            # It completed (its steps are applied) on a worker killed since: its result, left there, went with it.
+            ran_on = None
         done += 1
         if ran_on in down and seq >= down[ran_on]:  # scheduled after the kill: its restarted incarnation ran it
             del down[ran_on]
