@@ -20,7 +20,7 @@ The sides, each through its public interface, on the same model module, prepared
 workers and target epochs:
   * ps, allreduce: `elastic-step train --strategy ps|allreduce` on the local backend, min 1 worker, the trace as
     `--chaos preempt:worker-N@RECORDS` (SIGKILL once the job has committed RECORDS and worker-N has committed
-    since its launch; the master relaunches the worker).
+    since its launch; the master relaunches the worker), a checkpoint an epoch as the peers back up.
   * mwms: TensorFlow's MultiWorkerMirroredStrategy, one process a worker (TF_CONFIG on loopback), on TF's custom
     loop (Keras 3's `fit` fails under the strategy), backed up every epoch by a `tf.train.CheckpointManager` as
     Keras' `BackupAndRestore` does (it is built on one). A lost worker restarts every worker from the last backup,
@@ -93,7 +93,7 @@ def at_records(points: list[tuple[int, float]], total: int) -> list[tuple[int, i
 
 
 # ---------------------------------------------------------------- elastic-step
-def elastic(strategy: str, data: pathlib.Path, workers: int, epochs: int, out: pathlib.Path, kills) -> dict:
+def elastic(strategy: str, data: pathlib.Path, rows: int, workers: int, epochs: int, out: pathlib.Path, kills) -> dict:
     chaos = [a for w, r in kills for a in ("--chaos", f"preempt:worker-{w}@{r}")]
     cmd = train_command(
         *chaos,
@@ -108,6 +108,9 @@ def elastic(strategy: str, data: pathlib.Path, workers: int, epochs: int, out: p
         output=str(out),
         job_id=f"churn-{out.name}",
         max_relaunches=20 + len(kills),  # the default crash-loop guard, on top of the trace's own losses
+        # A checkpoint an epoch, as the peers back up: the default 60 s is longer than a compressed job, and an
+        # allreduce ring that loses every member goes back to its last checkpoint.
+        checkpoint_every=rows,
     )
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -481,7 +484,7 @@ def run_all(args) -> list[dict]:
                 for side in args.sides:
                     out = work / f"{side}-{churn}-{run}"
                     if side in ("ps", "allreduce"):
-                        r = elastic(side, data, args.workers, args.epochs, out, kills)
+                        r = elastic(side, data, args.rows, args.workers, args.epochs, out, kills)
                     elif side == "psstrategy":
                         r = psstrategy(data, args.workers, args.epochs, out, kills, args.budget_s)
                     else:
