@@ -287,6 +287,17 @@ PS_STEPS_PER_CALL = 16  # minibatches a scheduled function: bench/ps_strategy.py
 PS_IN_FLIGHT = 2  # scheduled functions a worker, so the coordinator always has one queued behind the one running
 
 
+def points_due(pending: list[tuple[int, int]], records: int, down: set[int]) -> list[tuple[int, int]]:
+    """The trace's points (worker, records) that fire at `records`, in order: reached, and their worker up. A point
+    whose worker is down waits for it, alone; a worker shot here is down for its later points."""
+    due, shot = [], set(down)
+    for w, at in pending:
+        if at <= records and w not in shot:
+            due.append((w, at))
+            shot.add(w)
+    return due
+
+
 def ps_chief(cfg: dict) -> None:
     """The coordinator of the `psstrategy` side: TF's custom loop over `coordinator.schedule` (bench/ps_strategy.py's),
     its progress the records of the scheduled functions it has fetched. At a trace's point it SIGKILLs that worker
@@ -341,15 +352,13 @@ def ps_chief(cfg: dict) -> None:
         done += 1
         if ran_on in down and seq >= down[ran_on]:  # scheduled after the kill: its restarted incarnation ran it
             del down[ran_on]
-        for w, at in list(pending):
-            if at <= done * per_call and w not in down:
-                pid = int((work / f"pid-{w}").read_text())
-                os.kill(pid, signal.SIGKILL)
-                pending.remove((w, at))
-                down[w] = scheduled
-                fired.append({"worker": w, "at": at, "records": done * per_call})
-                with open(work / "fired.jsonl", "a") as f:  # for the operator, should the run stall
-                    f.write(json.dumps(fired[-1]) + "\n")
+        for w, at in points_due(pending, done * per_call, set(down)):
+            os.kill(int((work / f"pid-{w}").read_text()), signal.SIGKILL)
+            pending.remove((w, at))
+            down[w] = scheduled
+            fired.append({"worker": w, "at": at, "records": done * per_call})
+            with open(work / "fired.jsonl", "a") as f:  # for the operator, should the run stall
+                f.write(json.dumps(fired[-1]) + "\n")
     coordinator.join()
     print(
         json.dumps(

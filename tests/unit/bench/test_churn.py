@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from bench.churn import at_records, figures, plot, trace
+from bench.churn import at_records, figures, plot, points_due, trace
 
 
 def test_a_seed_draws_one_trace_and_no_churn_draws_none():
@@ -77,3 +77,11 @@ def test_one_svg_a_churn_rate_with_a_bar_a_side_in_each_panel(tmp_path):
     assert texts.count("ps") == texts.count("psstrategy") == 2  # goodput and time to target
     assert "stalled" in texts and "fired/due 3/3 2/3 !" in texts
     assert len(list(heavy.iter("{http://www.w3.org/2000/svg}rect"))) == 1 + 2  # the page, ps's two bars
+
+
+def test_a_point_whose_worker_is_down_waits_for_it_alone_and_a_worker_is_shot_once_a_pass():
+    pending = [(0, 100), (1, 150), (0, 180), (1, 400)]
+    assert points_due(pending, 90, set()) == []
+    assert points_due(pending, 200, set()) == [(0, 100), (1, 150)]  # worker 0's later point waits for its restart
+    assert points_due(pending, 200, {0}) == [(1, 150)]  # worker 0 is down: its points wait, worker 1's do not
+    assert points_due(pending, 500, {1}) == [(0, 100)]
