@@ -1,7 +1,8 @@
 """One seeded preemption trace replayed on elastic-step and on what a TensorFlow user runs instead, locally.
 
     .venv/bin/python bench/churn.py --backend local                     # every side, none/moderate/heavy, 3 runs
-    .venv/bin/python bench/churn.py --sides ps mwms --churn none moderate --runs 1 --json /tmp/churn.json
+    .venv/bin/python bench/churn.py --sides ps psstrategy --churn none heavy --runs 1 --json /tmp/churn.json
+    .venv/bin/python bench/churn.py --plot /tmp/churn.json --svg docs/churn   # the table and plots of a --json
 
 The trace: each worker is preempted as a Poisson process in training time, one preemption per worker per 10
 minutes of training (moderate) or per 2 minutes (heavy). Time is compressed: the job's undisturbed run stands for
@@ -9,14 +10,26 @@ minutes of training (moderate) or per 2 minutes (heavy). Time is compressed: the
 of its target records trained) rather than to the clock, so every side meets the same preemptions at the same
 point of its training. Seeded by the run's index: run i of every side replays the same trace.
 
+Every side fires a preemption at the first point at or past its records where its worker trains. A side that
+restarts all its workers makes no progress while they are down, so it meets every point; an elastic side trains on
+while a worker comes back, and a point due to that worker waits for it (without holding back the other worker's):
+one that is still waiting when the job reaches its target never fires. Each run reports the preemptions fired
+against those it was due, and the table flags a run where they differ.
+
 The sides, each through its public interface, on the same model module, prepared data, minibatch per worker,
 workers and target epochs:
   * ps, allreduce: `elastic-step train --strategy ps|allreduce` on the local backend, min 1 worker, the trace as
-    `--chaos kill:worker-N@RECORDS` (SIGKILL once the job has committed RECORDS; the master relaunches the worker).
+    `--chaos preempt:worker-N@RECORDS` (SIGKILL once the job has committed RECORDS and worker-N has committed
+    since its launch; the master relaunches the worker), a checkpoint an epoch as the peers back up.
   * mwms: TensorFlow's MultiWorkerMirroredStrategy, one process a worker (TF_CONFIG on loopback), on TF's custom
     loop (Keras 3's `fit` fails under the strategy), backed up every epoch by a `tf.train.CheckpointManager` as
     Keras' `BackupAndRestore` does (it is built on one). A lost worker restarts every worker from the last backup,
     as TFJob and Kubeflow Trainer restart a job's pods: the bench plays the operator.
+  * psstrategy: TensorFlow's ParameterServerStrategy with a ClusterCoordinator, 1 PS and the workers as
+    `tf.distribute.Server` processes on loopback, the coordinator on TF's custom loop (bench/ps_strategy.py's, 16
+    minibatches a scheduled function). The coordinator SIGKILLs a worker at the trace's points (its progress: the
+    records of the functions it has fetched); the bench restarts the worker on its address at once, as an operator
+    restarts a failed pod, and the coordinator's own failure handling reschedules the functions the loss cut.
   * fit: a lone Keras `fit` with `BackupAndRestore` (a backup every epoch), restarted from it on its loss; worker
     0's trace.
 A peer's worker SIGKILLs itself when the trace says so (once its step passes the trace's records); each point
@@ -26,17 +39,21 @@ Figures per side and churn rate: time to target (the command's wall time, start-
 = useful worker-seconds / allocated worker-seconds, where a side's workers are allocated for its whole run and its
 useful worker-seconds are those its undisturbed run took, so goodput = time without churn / time with it (the same
 definition for every side, separate from how fast the side is to begin with); held-out accuracy; records trained
-again (elastic-step: its ledger's; the peers: the records trained between the last backup and each loss); the
-preemptions fired. `--json FILE` writes every run's figures.
+again (elastic-step: its ledger's; mwms and fit: the records trained between the last backup and each loss;
+psstrategy: the minibatches its PS applied beyond the target's, counted on the PS, and, apart, the functions TF
+logs it put back to run again); the preemptions fired. `--json FILE` writes every run's figures, `--svg PREFIX` a
+plot per churn rate.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -49,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from bench.common import digits_prepared, free_ports, splits, summary, train_command  # noqa: E402
 
-SIDES = ("ps", "allreduce", "mwms", "fit")
+SIDES = ("ps", "allreduce", "mwms", "psstrategy", "fit")
 CHURN_MINUTES = {"none": None, "moderate": 10.0, "heavy": 2.0}  # training minutes between a worker's preemptions
 MINIBATCH = 64  # per worker
 MODEL = "samples/digits/model.py"
@@ -76,8 +93,8 @@ def at_records(points: list[tuple[int, float]], total: int) -> list[tuple[int, i
 
 
 # ---------------------------------------------------------------- elastic-step
-def elastic(strategy: str, data: pathlib.Path, workers: int, epochs: int, out: pathlib.Path, kills) -> dict:
-    chaos = [a for w, r in kills for a in ("--chaos", f"kill:worker-{w}@{r}")]
+def elastic(strategy: str, data: pathlib.Path, rows: int, workers: int, epochs: int, out: pathlib.Path, kills) -> dict:
+    chaos = [a for w, r in kills for a in ("--chaos", f"preempt:worker-{w}@{r}")]
     cmd = train_command(
         *chaos,
         model_def=MODEL,
@@ -90,6 +107,10 @@ def elastic(strategy: str, data: pathlib.Path, workers: int, epochs: int, out: p
         max_workers=workers,
         output=str(out),
         job_id=f"churn-{out.name}",
+        max_relaunches=20 + len(kills),  # the default crash-loop guard, on top of the trace's own losses
+        # A checkpoint an epoch, as the peers back up: the default 60 s is longer than a compressed job, and an
+        # allreduce ring that loses every member goes back to its last checkpoint.
+        checkpoint_every=rows,
     )
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -101,7 +122,7 @@ def elastic(strategy: str, data: pathlib.Path, workers: int, epochs: int, out: p
         "time_to_target_s": wall,
         "accuracy": s["eval"].get("accuracy"),
         "records_trained_again": s["ledger"]["records_trained_again"],
-        "preemptions": len(s.get("chaos", {}).get("fired", [])),
+        "fired_at": [f["at_records"] for f in s.get("chaos", {}).get("fired", [])],
         "audit": s.get("audit", {}).get("verdict", "no PS"),
     }
 
@@ -206,7 +227,8 @@ def peer(kind: str, data: pathlib.Path, workers: int, epochs: int, work: pathlib
     work.mkdir(parents=True, exist_ok=True)
     n = 1 if kind == "fit" else workers
     pending = [(w, r) for w, r in kills if w < n]
-    again = restarts = fired = 0
+    again = restarts = 0
+    fired = []  # the records at which each of the trace's preemptions fired
     owed = None  # the records at the last loss: trained again down to what the next incarnation restores
     t0 = time.perf_counter()
     while True:
@@ -244,11 +266,11 @@ def peer(kind: str, data: pathlib.Path, workers: int, epochs: int, work: pathlib
                 "time_to_target_s": time.perf_counter() - t0,
                 "accuracy": result["accuracy"],
                 "records_trained_again": again,
-                "preemptions": fired,
+                "fired_at": fired,
                 "restarts": restarts,
             }
         if lost == "budget":
-            return {"time_to_target_s": None, "stalled": True, "preemptions": fired, "restarts": restarts}
+            return {"time_to_target_s": None, "stalled": True, "fired_at": fired, "restarts": restarts}
         marker = work / "fired.json"
         if not marker.exists():
             raise SystemExit(f"{kind}: a worker failed, not by the trace:\n{outs[procs.index(lost)][1][-3000:]}")
@@ -256,8 +278,175 @@ def peer(kind: str, data: pathlib.Path, workers: int, epochs: int, work: pathlib
         marker.unlink()
         owed = shot["records"]
         pending.remove((shot["worker"], shot["at"]))
-        fired += 1
+        fired.append(shot["records"])
         restarts += 1
+
+
+# ---------------------------------------------------------------- TensorFlow's ParameterServerStrategy
+PS_STEPS_PER_CALL = 16  # minibatches a scheduled function: bench/ps_strategy.py's best, as TF's tutorial advises
+PS_IN_FLIGHT = 2  # scheduled functions a worker, so the coordinator always has one queued behind the one running
+
+
+def points_due(pending: list[tuple[int, int]], records: int, down: set[int]) -> list[tuple[int, int]]:
+    """The trace's points (worker, records) that fire at `records`, in order: reached, and their worker up. A point
+    whose worker is down waits for it, alone; a worker shot here is down for its later points."""
+    due, shot = [], set(down)
+    for w, at in pending:
+        if at <= records and w not in shot:
+            due.append((w, at))
+            shot.add(w)
+    return due
+
+
+def ps_chief(cfg: dict) -> None:
+    """The coordinator of the `psstrategy` side: TF's custom loop over `coordinator.schedule` (bench/ps_strategy.py's),
+    its progress the records of the scheduled functions it has fetched. At a trace's point it SIGKILLs that worker
+    (its pid in `pid-<i>`, which the operator rewrites on each restart); the coordinator's own failure handling does
+    the rest. A point whose worker is down fires once the coordinator has fetched a function it ran since its
+    restart. Prints the figures as a JSON line."""
+    import collections
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    from bench.ps_strategy import coordinated_training, evaluate_weights
+    from elastic_step.data.reader import read_all
+    from elastic_step.model_def import load_model_def
+
+    class PutBack(logging.Handler):  # TF tells of a closure to run again only in its log: count those lines
+        count = 0
+
+        def emit(self, record):
+            PutBack.count += "Putting back a closure" in record.getMessage()
+
+    tf_log = logging.getLogger("tensorflow")
+    for h in tf_log.handlers:
+        h.setLevel(logging.WARNING)
+    tf_log.setLevel(logging.INFO)
+    tf_log.addHandler(PutBack())
+
+    work, workers = pathlib.Path(cfg["work"]), len(cfg["cluster"]["worker"])
+    keras.utils.set_random_seed(0)
+    md = load_model_def(cfg["model"])
+    x, y = md.feed(read_all(os.path.join(cfg["data"], "train")))
+    coordinator, model, iterator, train_steps, steps = coordinated_training(
+        cfg["cluster"], md, x, y, MINIBATCH, PS_STEPS_PER_CALL, seed=0, count_steps=True
+    )
+    per_call = PS_STEPS_PER_CALL * MINIBATCH
+    calls = max(1, cfg["epochs"] * len(y) // per_call)
+    pending, fired = [tuple(k) for k in cfg["kills"]], []
+    down: dict[int, int] = {}  # a killed worker -> the number of functions scheduled when it was killed
+    in_flight: collections.deque = collections.deque()
+    scheduled = done = 0
+    while done < calls:
+        while scheduled < calls and len(in_flight) < PS_IN_FLIGHT * workers:
+            in_flight.append((scheduled, coordinator.schedule(train_steps, args=(iterator,))))
+            scheduled += 1
+        seq, value = in_flight.popleft()
+        try:
+            ran_on = int(value.fetch()[1])
+        except tf.errors.UnavailableError:
+            # It completed (its steps are applied) on a worker killed since: its result, left there, went with it.
+            ran_on = None
+        done += 1
+        if ran_on in down and seq >= down[ran_on]:  # scheduled after the kill: its restarted incarnation ran it
+            del down[ran_on]
+        for w, at in points_due(pending, done * per_call, set(down)):
+            os.kill(int((work / f"pid-{w}").read_text()), signal.SIGKILL)
+            pending.remove((w, at))
+            down[w] = scheduled
+            fired.append({"worker": w, "at": at, "records": done * per_call})
+            with open(work / "fired.jsonl", "a") as f:  # for the operator, should the run stall
+                f.write(json.dumps(fired[-1]) + "\n")
+    coordinator.join()
+    print(
+        json.dumps(
+            {
+                "accuracy": evaluate_weights(md, model, cfg["data"])["accuracy"],
+                "closures_put_back": PutBack.count,
+                "steps_applied": int(steps.numpy()),
+                "steps_needed": calls * PS_STEPS_PER_CALL,
+            }
+        ),
+        flush=True,
+    )
+
+
+def _failure(work: pathlib.Path) -> str:
+    """The coordinator's traceback (its log ends with TF's gRPC complaints at exit, after it), and where its logs
+    and the servers' are kept: the run's own directory goes with the bench's."""
+    log = (work / "chief.log").read_text()
+    kept = pathlib.Path(tempfile.mkdtemp(prefix="churn-psstrategy-failed-"))
+    for name in ("chief.log", "servers.log", "fired.jsonl"):
+        if (work / name).exists():
+            shutil.copy(work / name, kept / name)
+    at = log.rfind("Traceback (most recent call last)")
+    return (log[at : at + 4000] if at >= 0 else log[-3000:]) + f"\n(the logs: {kept})"
+
+
+def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path, kills, budget_s: float) -> dict:
+    """TF's ParameterServerStrategy to its end: 1 PS and `workers` workers, `tf.distribute.Server`s, and the
+    coordinator (ps_chief), each a local process on loopback. The bench is the operator: a worker that dies is
+    started again at once on its address, as a failed pod is; the coordinator reschedules what the loss cut."""
+    from bench.ps_strategy import server_command, tf_cluster
+
+    work.mkdir(parents=True, exist_ok=True)
+    cluster = tf_cluster(workers)
+    logs = open(work / "servers.log", "w")  # the servers' output, closed below
+
+    def launch(job: str, i: int) -> subprocess.Popen:
+        proc = subprocess.Popen(server_command(cluster, job, i), cwd=ROOT, stdout=logs, stderr=logs)
+        if job == "worker":  # where the coordinator's trace finds the incarnation to kill
+            (work / f"pid-{i}.tmp").write_text(str(proc.pid))
+            (work / f"pid-{i}.tmp").replace(work / f"pid-{i}")
+        return proc
+
+    def fired_at() -> list[int]:
+        marks = work / "fired.jsonl"
+        return [json.loads(line)["records"] for line in marks.read_text().splitlines()] if marks.exists() else []
+
+    t0 = time.perf_counter()
+    ps = launch("ps", 0)
+    procs = [launch("worker", i) for i in range(workers)]
+    cfg = {"work": str(work), "model": MODEL, "data": str(data), "epochs": epochs, "kills": kills, "cluster": cluster}
+    chief_out, chief_log = open(work / "chief.out", "w"), open(work / "chief.log", "w")  # closed below
+    chief = subprocess.Popen(
+        [sys.executable, __file__, "--ps-chief", json.dumps(cfg)], cwd=ROOT, stdout=chief_out, stderr=chief_log
+    )
+    restarts = 0
+    try:
+        while chief.poll() is None:
+            if time.perf_counter() - t0 > budget_s:
+                return {"time_to_target_s": None, "stalled": True, "fired_at": fired_at(), "restarts": restarts}
+            if ps.poll() is not None:
+                raise SystemExit(
+                    f"psstrategy: the parameter server died:\n{(work / 'servers.log').read_text()[-3000:]}"
+                )
+            for i, p in enumerate(procs):
+                if p.poll() is not None:  # the operator restarts a failed worker's pod
+                    procs[i] = launch("worker", i)
+                    restarts += 1
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        if chief.returncode != 0:
+            raise SystemExit(f"psstrategy: the coordinator failed (exit {chief.returncode}):\n{_failure(work)}")
+    finally:
+        for p in [chief, ps, *procs]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for f in (logs, chief_out, chief_log):
+            f.close()
+    r = json.loads((work / "chief.out").read_text().strip().splitlines()[-1])
+    return {
+        "fired_at": fired_at(),
+        "time_to_target_s": wall,
+        "accuracy": r["accuracy"],
+        "records_trained_again": (r["steps_applied"] - r["steps_needed"]) * MINIBATCH,
+        "closures_put_back": r["closures_put_back"],
+        "restarts": restarts,
+    }
 
 
 # ---------------------------------------------------------------- the bench
@@ -272,10 +461,27 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=24_000, help="the digits train split repeated to this many records")
     p.add_argument("--job-minutes", type=float, default=20.0, help="the training an undisturbed run stands for")
     p.add_argument("--budget-s", type=float, default=600.0, help="a peer's run past this is reported as stalled")
-    p.add_argument("--json", type=pathlib.Path)
+    p.add_argument("--json", type=pathlib.Path, help="write every run's figures to this file")
+    p.add_argument("--svg", type=pathlib.Path, metavar="PREFIX", help="write PREFIX-<churn>.svg, one a churn rate")
+    p.add_argument("--plot", type=pathlib.Path, metavar="JSON", help="run nothing: report (and plot) a --json file")
     args = p.parse_args()
     if args.runs < 1 or args.workers < 1 or args.epochs < 1:
         p.error("--runs, --workers and --epochs must be at least 1")
+    if args.plot:
+        if not args.plot.exists():
+            p.error(f"--plot {args.plot}: no such file (write one with --json)")
+        results = json.loads(args.plot.read_text())
+    else:
+        results = run_all(args)
+    report(results)
+    if args.json and not args.plot:
+        args.json.write_text(json.dumps(results, indent=1))
+    if args.svg:
+        for path in plot(results, args.svg):
+            print(f"wrote {path}")
+
+
+def run_all(args) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="churn-") as tmp:
         work = pathlib.Path(tmp)
@@ -287,41 +493,120 @@ def main() -> None:
                 for side in args.sides:
                     out = work / f"{side}-{churn}-{run}"
                     if side in ("ps", "allreduce"):
-                        r = elastic(side, data, args.workers, args.epochs, out, kills)
+                        r = elastic(side, data, args.rows, args.workers, args.epochs, out, kills)
+                    elif side == "psstrategy":
+                        r = psstrategy(data, args.workers, args.epochs, out, kills, args.budget_s)
                     else:
                         r = peer(side, data, args.workers, args.epochs, out, kills, args.budget_s)
-                    r.update(side=side, churn=churn, run=run, trace=len(kills))
+                    # `due`: the trace's preemptions this side has workers for (a lone fit: worker 0's)
+                    due = len([k for k in kills if side != "fit" or k[0] == 0])
+                    r.update(side=side, churn=churn, run=run, trace=len(kills), due=due, preemptions=len(r["fired_at"]))
                     results.append(r)
                     print(json.dumps(r), flush=True)
-    report(results)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def figures(results: list[dict]) -> list[dict]:
+    """Per churn rate and side, in order: best time to target and its runs' range, goodput (the side's best time
+    without churn over each run's time: best and range), median accuracy and records trained again, and whether a
+    run fired other than the preemptions it was due."""
+    best_none = {}
+    for r in results:
+        if r["churn"] == "none" and r["time_to_target_s"]:
+            best_none[r["side"]] = min(best_none.get(r["side"], math.inf), r["time_to_target_s"])
+    keys = {(r["churn"], r["side"]) for r in results}
+    out = []
+    for churn, side in sorted(keys, key=lambda k: (list(CHURN_MINUTES).index(k[0]), SIDES.index(k[1]))):
+        runs = [r for r in results if r["side"] == side and r["churn"] == churn]
+        times = [r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
+        f = {"churn": churn, "side": side, "runs": len(runs), "stalled": len(runs) - len(times)}
+        f["fired_differs"] = any(r["preemptions"] != r.get("due", r["trace"]) for r in runs)
+        f["fired"] = " ".join(f"{r['preemptions']}/{r.get('due', r['trace'])}" for r in runs)  # run by run
+        f["fired_total"] = f"{sum(r['preemptions'] for r in runs)}/{sum(r.get('due', r['trace']) for r in runs)}"
+        if times:
+            f.update(time_best=min(times), time_worst=max(times))
+            if side in best_none:
+                f.update(goodput_best=best_none[side] / min(times), goodput_worst=best_none[side] / max(times))
+            accs = [r["accuracy"] for r in runs if r.get("accuracy") is not None]
+            f["accuracy"] = statistics.median(accs) if accs else None
+            f["again"] = statistics.median(r["records_trained_again"] for r in runs if "records_trained_again" in r)
+        out.append(f)
+    return out
 
 
 def report(results: list[dict]) -> None:
-    """Per side and churn: best time to target and its spread, goodput against the side's own best without churn."""
-    best_none = {
-        r["side"]: min(x["time_to_target_s"] for x in results if x["side"] == r["side"] and x["churn"] == "none")
-        for r in results
-        if r["churn"] == "none"
-    }
-    print(f"\n{'side':10s} {'churn':9s} {'time to target':>16s} {'goodput':>8s} {'accuracy':>9s} {'again':>8s}")
-    keys = sorted({(r["churn"], r["side"]) for r in results}, key=lambda k: (list(CHURN_MINUTES).index(k[0]), k[1]))
-    for churn, side in keys:
-        runs = [r for r in results if r["side"] == side and r["churn"] == churn]
-        times = [r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
-        if not times:
-            print(f"{side:10s} {churn:9s} {'stalled':>16s}")
+    """The table: per churn and side, best time to target (spread: worst over best), goodput (best), accuracy,
+    records trained again, and the preemptions fired against those due, run by run, `!` where they differ."""
+    print(
+        f"\n{'side':10s} {'churn':9s} {'time to target':>16s} {'goodput':>8s} {'accuracy':>9s} {'again':>8s}"
+        "  preemptions fired/due, run by run"
+    )
+    for f in figures(results):
+        flag = "!" if f["fired_differs"] else " "
+        fired = f"{flag} {f['fired']}"
+        if "time_best" not in f:
+            print(f"{f['side']:10s} {f['churn']:9s} {'stalled':>16s} {'':>8s} {'':>9s} {'':>8s}  {fired}")
             continue
-        best = min(times)
-        goodput = f"{best_none[side] / best:.2f}" if side in best_none else "-"
-        acc = statistics.median(r["accuracy"] for r in runs if r.get("accuracy") is not None)
-        again = statistics.median(r["records_trained_again"] for r in runs if "records_trained_again" in r)
-        print(f"{side:10s} {churn:9s} {best:8.1f} s ({max(times) / best:.2f}) {goodput:>8s} {acc:9.4f} {again:8.0f}")
+        goodput = f"{f['goodput_best']:.2f}" if "goodput_best" in f else "-"
+        acc = f"{f['accuracy']:.4f}" if f["accuracy"] is not None else "-"
+        spread = f"{f['time_best']:8.1f} s ({f['time_worst'] / f['time_best']:.2f})"
+        stalled = f"  {f['stalled']} stalled" if f["stalled"] else ""
+        print(f"{f['side']:10s} {f['churn']:9s} {spread} {goodput:>8s} {acc:>9s} {f['again']:8.0f}  {fired}{stalled}")
+    if any(f["fired_differs"] for f in figures(results)):
+        print("! a run fired other than the preemptions it was due: compare its times with care")
+
+
+COLOURS = {"ps": "#1b7837", "allreduce": "#5aae61", "mwms": "#2166ac", "psstrategy": "#b2182b", "fit": "#762a83"}
+
+
+def plot(results: list[dict], prefix: pathlib.Path) -> list[pathlib.Path]:
+    """PREFIX-<churn>.svg for each churn rate: goodput and time to target per side, a bar the best run, whiskers
+    the range of the runs."""
+    from bench.plot import bar_panels
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    rows = figures(results)
+    top_time = 1.15 * max((f["time_worst"] for f in rows if "time_worst" in f), default=1.0)
+    top_goodput = max(1.15, 1.15 * max((f["goodput_best"] for f in rows if "goodput_best" in f), default=1.0))
+    paths = []
+    for churn in [c for c in CHURN_MINUTES if any(f["churn"] == c for f in rows)]:
+        here = [f for f in rows if f["churn"] == churn]
+        goodput = [_bar(f, "goodput_best", "goodput_worst", "goodput_best") for f in here]
+        times = [_bar(f, "time_best", "time_best", "time_worst") for f in here]
+        runs = max(f["runs"] for f in here)
+        every = CHURN_MINUTES[churn]
+        rate = "no preemptions" if every is None else f"a preemption a worker per {every:g} training minutes"
+        svg = bar_panels(
+            f"Preemptions, {churn} churn: one trace on every side",
+            f"{rate}; bar: best of {runs} run(s), whiskers: range; under a side: preemptions fired/due",
+            [
+                ("goodput (best time without churn / time)", top_goodput, goodput),
+                ("time to target, s", top_time, times),
+            ],
+            COLOURS,
+        )
+        path = prefix.with_name(f"{prefix.name}-{churn}.svg")
+        path.write_text(svg)
+        paths.append(path)
+    return paths
+
+
+def _bar(f: dict, value: str, low: str, high: str) -> dict:
+    """A side's bar: its figure, the range of its runs, and under its name the preemptions fired of those due."""
+    return {
+        "name": f["side"],
+        "value": f.get(value),
+        "low": f.get(low),
+        "high": f.get(high),
+        "under": f["fired_total"] + (" !" if f["fired_differs"] else ""),  # over its runs: the table has each
+        "missing": "stalled" if "time_best" not in f else "no run without churn",
+    }
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--peer-worker":
         peer_worker(sys.argv[2], json.loads(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "--ps-chief":
+        ps_chief(json.loads(sys.argv[2]))
     else:
         main()

@@ -54,6 +54,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench.plot import log_lines
+
 SIDES = ("elastic", "gang", "kueue")
 HIGH, LOW = 1, 0
 
@@ -658,7 +661,7 @@ def report(nodes: int, by_side: dict[str, list[dict]], mix: Mix) -> None:
                 print(f"  {side}/elastic {k}: {spread(ratios)}")
 
 
-# ---------------------------------------------------------------- plots (SVG by hand: no plotting library needed)
+# ---------------------------------------------------------------- plots (bench/plot.py draws them)
 COLOURS = {"elastic": "#1b7837", "gang": "#b2182b", "kueue": "#2166ac"}
 FIGURES = {
     "utilization": ("utilization while jobs arrive", 1.0),
@@ -684,49 +687,10 @@ def plot(runs: list[dict], prefix: pathlib.Path, subtitle: str) -> None:
                         pts.append((n, statistics.median(vals), min(vals), max(vals)))
                 lines.append((side, dash, pts))
         ymax = top or 1.1 * max(hi for _, _, pts in lines for *_, hi in pts)
-        prefix.with_name(f"{prefix.name}-{name}.svg").write_text(svg(title, subtitle, nodes, ymax, lines))
-
-
-def svg(title: str, subtitle: str, nodes: list[int], ymax: float, lines: list) -> str:
-    W, H, L, R, T, B = 560, 340, 70, 110, 50, 45
-    lo, hi = math.log10(min(nodes)), math.log10(max(nodes))
-
-    def x(n):
-        return L + (W - L - R) * ((math.log10(n) - lo) / (hi - lo) if hi > lo else 0.5)
-
-    def y(v):
-        return H - B - (H - T - B) * v / ymax
-
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-        f'<rect width="{W}" height="{H}" fill="white"/>',
-        f'<text x="{L}" y="20" font-size="14">{title}</text>',
-        f'<text x="{L}" y="37" fill="#555">{subtitle}; median over seeds, bars min-max</text>',
-        f'<line x1="{L}" y1="{H - B}" x2="{W - R}" y2="{H - B}" stroke="black"/>',
-        f'<line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="black"/>',
-    ]
-    for i in range(5):
-        v = ymax * i / 4
-        label = f"{v:.2f}" if ymax <= 2 else f"{v:,.0f}"
-        out.append(f'<line x1="{L}" y1="{y(v):.1f}" x2="{W - R}" y2="{y(v):.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{L - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{label}</text>')
-    for n in nodes:
-        out.append(f'<text x="{x(n):.1f}" y="{H - B + 18}" text-anchor="middle">{n:,}</text>')
-    out.append(f'<text x="{(L + W - R) / 2}" y="{H - 8}" text-anchor="middle">nodes (8 slots each)</text>')
-    for k, (side, dash, pts) in enumerate(lines):
-        c = COLOURS[side]
-        style = f' stroke-dasharray="{dash}"' if dash else ""
-        path = " ".join(f"{x(n):.1f},{y(m):.1f}" for n, m, _, _ in pts)
-        out.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2"{style}/>')
-        for n, m, a, b in pts:
-            out.append(f'<line x1="{x(n):.1f}" y1="{y(a):.1f}" x2="{x(n):.1f}" y2="{y(b):.1f}" stroke="{c}"/>')
-            out.append(f'<circle cx="{x(n):.1f}" cy="{y(m):.1f}" r="3" fill="{c}"/>')
-        if not dash:
-            ly = T + 10 + 18 * len([1 for s, d, _ in lines[:k] if not d])
-            out.append(f'<line x1="{W - R + 10}" y1="{ly}" x2="{W - R + 30}" y2="{ly}" stroke="{c}" stroke-width="2"/>')
-            out.append(f'<text x="{W - R + 35}" y="{ly + 4}">{side}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        chart = log_lines(
+            title, f"{subtitle}; median over seeds, bars min-max", nodes, "nodes (8 slots each)", ymax, lines, COLOURS
+        )
+        prefix.with_name(f"{prefix.name}-{name}.svg").write_text(chart)
 
 
 def _write(path, out: dict, worst: float) -> int:

@@ -57,32 +57,45 @@ def make_data(sample: str, rows: int, out: pathlib.Path) -> pathlib.Path:
 
 
 # ---------------------------------------------------------------- TensorFlow's side, one process per task
+# (bench/churn.py's `psstrategy` side runs the same cluster, servers and training loop: one copy of each)
+def tf_cluster(workers: int = NUM_WORKERS) -> dict:
+    """A cluster spec on free loopback ports: one chief (the coordinator), one PS, `workers` workers."""
+    ports = free_ports(workers + 2)
+    return {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{ports[1]}"],
+        "worker": [f"127.0.0.1:{p}" for p in ports[2:]],
+    }
+
+
+def server_command(cluster: dict, job: str, index: int) -> list[str]:
+    """The command line of task `index` of `job` (ps or worker): a `tf.distribute.Server` until it is killed."""
+    return [sys.executable, os.path.abspath(__file__), "--tf-server", json.dumps(cluster), job, str(index)]
+
+
 def tf_server(cluster: dict, job: str, index: int) -> None:
     import tensorflow as tf
 
     # The tutorial's advice when tasks share few cores: enough inter-op threads for every worker's calls.
     config = tf.compat.v1.ConfigProto()
-    config.inter_op_parallelism_threads = NUM_WORKERS + 1
+    config.inter_op_parallelism_threads = len(cluster["worker"]) + 1
     server = tf.distribute.Server(
         tf.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc", config=config, start=True
     )
     server.join()
 
 
-def tf_chief(
-    cluster: dict, model_path: str, data: str, batch: int, epochs: int, steps_per_call: int, seed: int
-) -> dict:
-    import keras
+def coordinated_training(
+    cluster: dict, md, x, y, batch: int, steps_per_call: int, seed: int, count_steps: bool = False
+):
+    """The chief's side of TF's parameter-server training of model module `md` on (x, y), as TF's tutorial
+    writes its custom loop: (coordinator, model, iterator, train_steps, steps). `train_steps(iterator)`,
+    scheduled with `coordinator.schedule`, runs `steps_per_call` minibatches of `batch` on one worker (each
+    worker a shard of the records) and returns (its last loss, the index of the worker that ran it). `steps`:
+    with `count_steps`, a variable on the PS that every step applied adds one to, re-runs included; else None."""
     import tensorflow as tf
 
-    from elastic_step.data.manifest import load_manifest
-    from elastic_step.data.reader import read_all
-    from elastic_step.evaluation import evaluate
-    from elastic_step.model_def import load_model_def
-
-    keras.utils.set_random_seed(seed)
-    md = load_model_def(model_path)
-    x, y = md.feed(read_all(os.path.join(data, "train")))
+    workers = len(cluster["worker"])
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
     )
@@ -92,11 +105,13 @@ def tf_chief(
         model = md.model()
         optimizer = md.optimizer()
         optimizer.build(model.trainable_variables)
+        # Not the optimizer's `iterations`: its count came out short of the steps run under concurrent workers.
+        steps = tf.Variable(0, dtype=tf.int64, trainable=False) if count_steps else None
 
     def dataset_fn(context):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
-        return ds.shuffle(len(y) // NUM_WORKERS + 1, seed=seed).repeat().batch(batch).prefetch(2)
+        return ds.shuffle(len(y) // workers + 1, seed=seed).repeat().batch(batch).prefetch(2)
 
     @tf.function
     def per_worker_dataset_fn():  # as TF's parameter-server tutorial builds it
@@ -117,10 +132,37 @@ def tf_chief(
         for _ in tf.range(steps_per_call):
             features, labels = next(it)
             loss = strategy.run(replica_fn, args=(features, labels))
-        return loss
+            if steps is not None:
+                steps.assign_add(1)
+        return loss, tf.distribute.coordinator.experimental_get_current_worker_index()
 
+    return coordinator, model, iterator, train_steps, steps
+
+
+def evaluate_weights(md, model, data: str) -> dict:
+    """`model`'s variables (on the PS) copied into a local model of `md`, evaluated on `data`'s eval split."""
+    from elastic_step.data.manifest import load_manifest
+    from elastic_step.evaluation import evaluate
+
+    local = md.model()
+    local.set_weights([v.numpy() for v in model.weights])
+    return evaluate(local, md, load_manifest(os.path.join(data, "eval")))
+
+
+def tf_chief(
+    cluster: dict, model_path: str, data: str, batch: int, epochs: int, steps_per_call: int, seed: int
+) -> dict:
+    import keras
+
+    from elastic_step.data.reader import read_all
+    from elastic_step.model_def import load_model_def
+
+    keras.utils.set_random_seed(seed)
+    md = load_model_def(model_path)
+    x, y = md.feed(read_all(os.path.join(data, "train")))
+    coordinator, model, iterator, train_steps, _ = coordinated_training(cluster, md, x, y, batch, steps_per_call, seed)
     calls = max(1, epochs * len(y) // (batch * steps_per_call))
-    for _ in range(NUM_WORKERS):  # warm-up: each worker traces the function
+    for _ in range(len(cluster["worker"])):  # warm-up: each worker traces the function
         coordinator.schedule(train_steps, args=(iterator,))
     coordinator.join()
     t0 = time.perf_counter()
@@ -128,26 +170,15 @@ def tf_chief(
         coordinator.schedule(train_steps, args=(iterator,))
     coordinator.join()
     seconds = time.perf_counter() - t0
-    local = md.model()
-    local.set_weights([v.numpy() for v in model.weights])
-    metrics = evaluate(local, md, load_manifest(os.path.join(data, "eval")))
-    return {"records_per_s": calls * steps_per_call * batch / seconds, "eval": metrics}
+    return {"records_per_s": calls * steps_per_call * batch / seconds, "eval": evaluate_weights(md, model, data)}
 
 
 def tensorflow(model_path: str, data: pathlib.Path, batch: int, epochs: int, steps_per_call: int, seed: int) -> dict:
-    ports = free_ports(NUM_WORKERS + 2)
-    cluster = {
-        "chief": [f"127.0.0.1:{ports[0]}"],
-        "ps": [f"127.0.0.1:{ports[1]}"],
-        "worker": [f"127.0.0.1:{p}" for p in ports[2:]],
-    }
+    cluster = tf_cluster()
     me = [sys.executable, os.path.abspath(__file__)]
     servers = [
         subprocess.Popen(
-            [*me, "--tf-server", json.dumps(cluster), job, str(i)],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            server_command(cluster, job, i), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         for job, i in [("ps", 0)] + [("worker", i) for i in range(NUM_WORKERS)]
     ]

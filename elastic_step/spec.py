@@ -502,7 +502,7 @@ PARAMS: tuple[Param, ...] = (
         int,
         20,
         "relaunches of lost workers and parameter servers per job: a crash loop fails the job instead of spinning",
-        _on(CONFIG),
+        _on(CONFIG, TRAIN),
     ),
     Param(
         "health_port",

@@ -6,6 +6,10 @@ job's start by `for_job`):
 - `kill:worker-0@400` SIGKILLs worker-0 once 400 records are committed and every worker is training
   (so each loss hits a job at full strength); `term:` sends SIGTERM instead (graceful scale-in). `@0`
   fires as soon as the job is at full strength.
+- `preempt:worker-0@400` SIGKILLs worker-0 as a spot preemption does: once 400 records are committed and worker-0
+  is training, whatever the others are doing. One that falls while worker-0 is down (being relaunched) fires once
+  it trains again, and it holds back no preemption of another worker: each worker is preempted on its own, so a
+  replayed preemption trace fires whole, as it does on a peer that restarts its job (bench/churn.py).
 - `kill:ps-1@900` SIGKILLs a parameter server once 900 records are committed (`term:` SIGTERMs it).
 - `kill:master@900` SIGKILLs the master itself once 900 records are committed (a lost step pod; run
   the step again with the same job id and output to resume it); `kill:master@checkpoint=2` does it
@@ -77,7 +81,8 @@ SIGNALS = (*ACTIONS, "stop")
 MASTER = "master"  # a signal's target: the master itself
 ROLES = ("worker", "ps", MASTER)
 SPEC_HELP = (
-    "use kill:worker-0@400, term:worker-1@900, stop:worker-1@400, stop:worker-1@400:resume, slow:worker-1@0:x10, "
+    "use kill:worker-0@400, preempt:worker-0@400, term:worker-1@900, stop:worker-1@400, stop:worker-1@400:resume, "
+    "slow:worker-1@0:x10, "
     "slow:worker-1@400:x10, "
     "random:4:seed=7, "
     "random:4:seed=7:roles=worker,ps,master, random:4:seed=7:actions=kill,term,stop, kill:master@900, "
@@ -102,6 +107,7 @@ class Signal:
     index: int = 0  # its place in the job's schedule
     factor: float = 1.0  # slow: how many times slower
     resume: bool = False  # stop: resumed once declared hung, before its kill (a zombie)
+    preempt: bool = False  # kill: as a preemption, once its worker trains, whatever the job's strength
 
 
 def specs(configured: Sequence[str] = ()) -> tuple[str, ...]:
@@ -152,6 +158,7 @@ class Chaos(fault_hooks.JobFaults):
                 "instance": str(sig.target) if sig.target else "any worker holding a lease",
                 **({"factor": sig.factor} if sig.action == "slow" else {}),
                 **({"resume": "once declared hung"} if sig.resume else {}),
+                **({"preempt": True} if sig.preempt else {}),
             }
             for sig in self.pending
         ]
@@ -208,6 +215,10 @@ class Chaos(fault_hooks.JobFaults):
                     signals.append(sig)
                 return signals
             name, at = rest.split("@", 1)
+            if kind == "preempt":
+                if not name.startswith("worker-") or int(at) < 0:
+                    raise ValueError
+                return [Signal("kill", int(at), InstanceId("worker", int(name.removeprefix("worker-"))), preempt=True)]
             if kind == "slow":
                 at, times = at.split(":x", 1)
                 target = InstanceId("worker", int(name.removeprefix("worker-")))
@@ -324,7 +335,10 @@ class Chaos(fault_hooks.JobFaults):
         if sig.action == "slow":
             self._slow_down(sig, committed, coord)
             return
-        target = self._ready_target(sig, alive, coord)
+        if sig.preempt:
+            sig, target = self._ready_preemption(committed, alive, coord)
+        else:
+            target = self._ready_target(sig, alive, coord)
         if target is None:
             return
         if sig.action == "kill" and coord.rendezvous is not None and target.role == "worker":
@@ -398,6 +412,20 @@ class Chaos(fault_hooks.JobFaults):
             InstanceId("worker", i) for i in sig.rank if InstanceId("worker", i) in alive and f"worker-{i}" in leased
         ]
         return ready[0] if ready else None
+
+    def _ready_preemption(self, committed: int, alive: set[InstanceId], coord) -> tuple[Signal, InstanceId | None]:
+        """The first due preemption, in threshold order, whose worker trains (alive, committed since its launch, with
+        a lease to cut short), and that worker; a preemption whose worker is down (or still starting) waits for it
+        alone. (pending[0], None) while none is ready."""
+        leased = self._cuttable(coord)  # once a tick: it keeps the watermarks it tells moves from
+        for sig in self.pending:
+            if sig.at > committed or not sig.preempt:
+                break  # a due signal of another kind keeps its place in the order
+            # After the launch's first commit: a relaunched worker killed before it would count as a crash loop.
+            member = coord.membership.members.get(sig.target)
+            if sig.target in alive and str(sig.target) in leased and member and member.progress_since_launch:
+                return sig, sig.target
+        return self.pending[0], None
 
     def _cuttable(self, coord) -> set[str]:
         """The workers a signal would cut short now: their lease's watermark moved since the last tick (a commit, or

@@ -1,10 +1,13 @@
-"""bench/churn.py's trace: one seeded Poisson process per worker, the same on every side, its rates ordered."""
+"""bench/churn.py's trace (one seeded Poisson process per worker, the same on every side, its rates ordered), its
+figures per side and its plots."""
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
+
 import pytest
 
-from bench.churn import at_records, trace
+from bench.churn import at_records, figures, plot, points_due, trace
 
 
 def test_a_seed_draws_one_trace_and_no_churn_draws_none():
@@ -28,3 +31,57 @@ def test_the_trace_is_keyed_to_progress_in_order_within_the_job():
     assert {w for w, _ in points} <= {0, 1, 2}
     records = at_records(points, 10_000)
     assert [r for _, r in records] == sorted(r for _, r in records) and all(1 <= r < 10_000 for _, r in records)
+
+
+def _run(side, churn, run, time_s, fired, due):
+    return {
+        "side": side,
+        "churn": churn,
+        "run": run,
+        "time_to_target_s": time_s,
+        "accuracy": 0.97,
+        "records_trained_again": 0,
+        "fired_at": list(range(fired)),
+        "preemptions": fired,
+        "trace": due,
+        "due": due,
+    }
+
+
+RUNS = [
+    _run("ps", "none", 0, 10.0, 0, 0),
+    _run("ps", "none", 1, 12.0, 0, 0),
+    _run("ps", "heavy", 0, 20.0, 3, 3),
+    _run("ps", "heavy", 1, 25.0, 2, 3),
+    _run("psstrategy", "none", 0, 15.0, 0, 0),
+    _run("psstrategy", "heavy", 0, None, 1, 3),  # stalled
+]
+
+
+def test_goodput_is_the_sides_best_time_without_churn_over_each_runs_and_a_short_fired_count_is_flagged():
+    rows = {(f["churn"], f["side"]): f for f in figures(RUNS)}
+    assert list(rows) == [("none", "ps"), ("none", "psstrategy"), ("heavy", "ps"), ("heavy", "psstrategy")]
+    heavy = rows["heavy", "ps"]
+    assert (heavy["time_best"], heavy["time_worst"]) == (20.0, 25.0)
+    assert (heavy["goodput_best"], heavy["goodput_worst"]) == (0.5, 0.4)
+    assert heavy["fired_differs"] and heavy["fired"] == "3/3 2/3"
+    assert not rows["none", "ps"]["fired_differs"] and rows["none", "ps"]["goodput_best"] == 1.0
+    assert rows["heavy", "psstrategy"]["stalled"] == 1 and "time_best" not in rows["heavy", "psstrategy"]
+
+
+def test_one_svg_a_churn_rate_with_a_bar_a_side_in_each_panel(tmp_path):
+    paths = plot(RUNS, tmp_path / "churn")
+    assert [p.name for p in paths] == ["churn-none.svg", "churn-heavy.svg"]
+    heavy = ET.parse(paths[1]).getroot()  # well-formed SVG
+    texts = [t.text for t in heavy.iter("{http://www.w3.org/2000/svg}text")]
+    assert texts.count("ps") == texts.count("psstrategy") == 2  # goodput and time to target
+    assert "stalled" in texts and "5/6 !" in texts  # fired/due over its runs
+    assert len(list(heavy.iter("{http://www.w3.org/2000/svg}rect"))) == 1 + 2  # the page, ps's two bars
+
+
+def test_a_point_whose_worker_is_down_waits_for_it_alone_and_a_worker_is_shot_once_a_pass():
+    pending = [(0, 100), (1, 150), (0, 180), (1, 400)]
+    assert points_due(pending, 90, set()) == []
+    assert points_due(pending, 200, set()) == [(0, 100), (1, 150)]  # worker 0's later point waits for its restart
+    assert points_due(pending, 200, {0}) == [(1, 150)]  # worker 0 is down: its points wait, worker 1's do not
+    assert points_due(pending, 500, {1}) == [(0, 100)]

@@ -202,6 +202,29 @@ def test_a_signal_to_a_worker_lands_right_after_a_commit_with_minibatches_of_its
     assert [f["instance"] for f in fresh.fired] == ["worker-0"]
 
 
+def test_a_preemption_waits_for_its_own_worker_alone_and_not_for_full_strength(job):
+    """preempt: (bench/churn.py's trace) lands on its worker once it trains, while the job is short of workers, and
+    one whose worker is down (worker-1 here: never started) holds back no other worker's."""
+    coord, backend = job
+    with pytest.raises(ElasticStepError, match="Bad --chaos spec 'preempt:ps-0@10'"):
+        Chaos(["preempt:ps-0@10"], 1000, 2, num_ps=1)
+    chaos = Chaos(["preempt:worker-1@10", "preempt:worker-0@12", "kill:worker-0@14"], 1000, 2, num_ps=1)
+    assert chaos.schedule[0] == {"action": "kill", "at_records": 10, "instance": "worker-1", "preempt": True}
+    chaos.tick(15, backend, coord)
+    coord.ledger.leases.pop("worker-0")  # a lease just granted, before the launch's first commit: not yet
+    coord.ledger.lease("worker-0", 0.0)
+    chaos.tick(15, backend, coord)
+    assert chaos.fired == []
+    _commit_once(coord)
+    chaos.tick(15, backend, coord)
+    assert [(f["instance"], f["at_records"]) for f in chaos.fired] == [("worker-0", 15)]
+    assert [(str(sig.target), sig.preempt) for sig in chaos.pending] == [("worker-1", True), ("worker-0", False)]
+    deadline = time.monotonic() + 30
+    while backend.alive() and InstanceId("worker", 0) in backend.alive():
+        assert time.monotonic() < deadline, "worker-0 was never killed"
+        time.sleep(0.02)
+
+
 def _commit_once(coord) -> None:
     """worker-0 reports its lease's first minibatch: its first commit of the launch."""
     lease = coord.ledger.leases["worker-0"]
