@@ -129,32 +129,29 @@ def kueue_namespace(kueue, namespace):
     kueue.delete_since(mark)
 
 
-@pytest.fixture(scope="session")
-def project_image():
-    """The runtime image (scripts/build-image: a no-op when built, else it builds, or waits on the lock of the build
+def runtime_image(*args: str, override_env: str):
+    """scripts/build-image ``args`` (a no-op when built, else it builds, or waits on the lock of the build
     scripts/test started in the background), unpacked once for runc (tests.infra.kube.harness.oci)."""
     from tests.infra.kube.harness.oci import unpacked_image
     from tests.infra.kube.harness.process import REPO, run_build
 
     t0 = time.monotonic()
-    layout = run_build(REPO / "scripts" / "build-image", override_env="ELASTIC_STEP_IMAGE_LAYOUT")
+    layout = run_build(REPO / "scripts" / "build-image", *args, override_env=override_env)
     image = unpacked_image(layout)
     log.warning("runtime image %s: built and unpacked in %.1fs", layout, time.monotonic() - t0)
     return image
 
 
 @pytest.fixture(scope="session")
-def project_gpu_image():
-    """The runtime image's GPU variant (scripts/build-image --gpu, which scripts/test builds in the background after
-    the CPU image), unpacked once for runc."""
-    from tests.infra.kube.harness.oci import unpacked_image
-    from tests.infra.kube.harness.process import REPO, run_build
+def project_image():
+    """The runtime image."""
+    return runtime_image(override_env="ELASTIC_STEP_IMAGE_LAYOUT")
 
-    t0 = time.monotonic()
-    layout = run_build(REPO / "scripts" / "build-image", "--gpu", override_env="ELASTIC_STEP_GPU_IMAGE_LAYOUT")
-    image = unpacked_image(layout)
-    log.warning("runtime GPU image %s: built and unpacked in %.1fs", layout, time.monotonic() - t0)
-    return image
+
+@pytest.fixture(scope="session")
+def project_gpu_image():
+    """The runtime image's GPU variant (scripts/test builds it after the CPU image)."""
+    return runtime_image("--gpu", override_env="ELASTIC_STEP_GPU_IMAGE_LAYOUT")
 
 
 @pytest.fixture(autouse=True)

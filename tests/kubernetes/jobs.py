@@ -41,6 +41,11 @@ def feed(batch):
 """
 
 
+def step_pod_env(pod) -> dict:
+    """What KFP tells a step's master of its own pod (the downward API): the master then runs as if in ``pod``."""
+    return {"KFP_POD_NAME": pod.metadata.name, "KFP_POD_UID": pod.metadata.uid}
+
+
 def cli_env(kubeconfig: Path, namespace: str, **extra) -> dict:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "ELASTIC_STEP_NAMESPACE": namespace, **extra}
     for k in ("KFP_POD_NAME", "KFP_POD_UID", "POD_NAME", "POD_UID", "POD_IP", "ELASTIC_STEP_POD_IP"):

@@ -16,7 +16,7 @@ from elastic_step.backends.kubernetes.events import COMBINED, CONTROLLER, SIMILA
 from elastic_step.master.api import TrainConfig
 from tests.infra.kube.harness import wait_for
 from tests.integration.harness import LEASES_OUTLAST_A_KILL
-from tests.kubernetes.jobs import registrations, run_held, tally_job
+from tests.kubernetes.jobs import registrations, run_held, step_pod_env, tally_job
 from tests.kubernetes.test_backend import (  # noqa: F401 - fixtures
     job_backend,
     priority_classes,
@@ -104,7 +104,7 @@ def test_a_worker_kueue_preempts_is_an_event_on_the_steps_pod_with_kueues_reason
         job,
         steps,
         diagnose=lambda: kueue.describe(namespace, (cq,)),
-        env={"KFP_POD_NAME": step.metadata.name, "KFP_POD_UID": step.metadata.uid},
+        env=step_pod_env(step),
         **{**QUEUED, "max_workers": 2},
         queue="team",
     )

@@ -16,7 +16,7 @@ import contextlib
 import pytest
 
 from tests.infra.kube.harness import wait_for
-from tests.kubernetes.jobs import EPOCHS_HELD, STEP_IMAGE, registrations, run_held
+from tests.kubernetes.jobs import EPOCHS_HELD, STEP_IMAGE, registrations, run_held, step_pod_env
 from tests.kubernetes.test_backend import job_pods, priority_classes, sa_kubeconfig, sleeper_pod  # noqa: F401
 from tests.models.witness import assert_audit_exact, assert_each_record_applied_exactly
 
@@ -95,7 +95,7 @@ def test_gpu_workers_wait_for_gpus_prefer_spot_and_move_when_the_spot_node_is_dr
             worker_memory="1Gi",
             worker_accelerators=f"{GPU}=1",
             worker_image="",
-            env={"KFP_POD_NAME": step.metadata.name, "KFP_POD_UID": step.metadata.uid},
+            env=step_pod_env(step),
         )
     finally:
         for name in added:
