@@ -57,7 +57,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.infra.kube.harness and bench.*, when run as `python bench/gang.py`
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from bench.common import digits_prepared  # noqa: E402
-from bench.kube_job import MINIBATCH, Master, PodSampler, slow_digits  # noqa: E402
+from bench.kube_job import MINIBATCH, Master, PodSampler, master_namespace, slow_digits  # noqa: E402
 
 NS = "bench"
 SERVICE = "online"
@@ -290,7 +290,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from kubernetes import client
 
-    from elastic_step.backends.kubernetes import load_manifests
     from tests.infra.kube.harness import ControlPlane
     from tests.infra.kube.harness.coscheduling import GangScheduler
 
@@ -307,16 +306,10 @@ def main() -> None:
                 gang = GangScheduler(cp, args.gang_scheduler).start() if "two_jobs" in scenarios else None
                 t_gang = time.time() - t
                 cp.add_node("slots", cpu=str(args.slots), memory="64Gi", pods=60)
-                cp.create_namespace(NS)
+                env = master_namespace(cp, NS)
                 api = cp.api_client()
-                core, rbac, sched = (
-                    client.CoreV1Api(api),
-                    client.RbacAuthorizationV1Api(api),
-                    client.SchedulingV1Api(api),
-                )
+                core, sched = client.CoreV1Api(api), client.SchedulingV1Api(api)
                 custom, apps = client.CustomObjectsApi(api), client.AppsV1Api(api)
-                for d in load_manifests("priorityclasses"):
-                    sched.create_priority_class(d)
                 sched.create_priority_class(
                     {
                         "apiVersion": "scheduling.k8s.io/v1",
@@ -326,30 +319,6 @@ def main() -> None:
                         "description": "the online service: preempts training workers",
                     }
                 )
-                for d in load_manifests("role", NS):
-                    {
-                        "ServiceAccount": core.create_namespaced_service_account,
-                        "Role": rbac.create_namespaced_role,
-                        "RoleBinding": rbac.create_namespaced_role_binding,
-                    }[d["kind"]](NS, d)
-                token = cp.service_account_token(NS, "elastic-step")
-                time.sleep(2)  # the RoleBinding reaches the authorizer
-                env = {
-                    **os.environ,
-                    "KUBECONFIG": str(cp.kubeconfig_for(token, user="elastic-step")),
-                    "ELASTIC_STEP_NAMESPACE": NS,
-                }
-                for k in (
-                    "KFP_POD_NAME",
-                    "KFP_POD_UID",
-                    "POD_NAME",
-                    "POD_UID",
-                    "POD_IP",
-                    "ELASTIC_STEP_POD_IP",
-                    "ELASTIC_STEP_POD_SPEC",
-                    "ELASTIC_STEP_POD_LABELS",
-                ):
-                    env.pop(k, None)
                 out = {"run": run + 1, "gang_scheduler_start_s": round(t_gang, 1)}
                 rate = None
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import threading
@@ -149,3 +150,45 @@ class PodSampler(threading.Thread):
         """slot-seconds of samples[idx] (1: bound, 2: Running) between t0 and t1."""
         pts = [(s[0], s[idx]) for s in self.samples if t0 <= s[0] <= t1]
         return sum(n * (tb - ta) for (ta, n), (tb, _) in zip(pts, pts[1:]))
+
+
+# The pod identity a master reads from its environment: a bench's master runs outside a pod, and must not take the
+# bench's own shell's for its step's.
+POD_ENV = (
+    "KFP_POD_NAME",
+    "KFP_POD_UID",
+    "POD_NAME",
+    "POD_UID",
+    "POD_IP",
+    "ELASTIC_STEP_POD_IP",
+    "ELASTIC_STEP_POD_SPEC",
+    "ELASTIC_STEP_POD_LABELS",
+)
+
+
+def master_namespace(cp, namespace: str) -> dict:
+    """`namespace` made ready for masters run outside the cluster as the shipped manifests allow: the project's
+    PriorityClasses (once per cluster), its ServiceAccount, Role and RoleBinding; the environment a master runs in
+    (KUBECONFIG with that account's token, ELASTIC_STEP_NAMESPACE, no pod identity)."""
+    from kubernetes import client
+
+    from elastic_step.backends.kubernetes import load_manifests
+
+    api = cp.api_client()
+    core, rbac, sched = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api), client.SchedulingV1Api(api)
+    cp.create_namespace(namespace)
+    have = {p.metadata.name for p in sched.list_priority_class().items}
+    for d in load_manifests("priorityclasses"):
+        if d["metadata"]["name"] not in have:
+            sched.create_priority_class(d)
+    for d in load_manifests("role", namespace):
+        {
+            "ServiceAccount": core.create_namespaced_service_account,
+            "Role": rbac.create_namespaced_role,
+            "RoleBinding": rbac.create_namespaced_role_binding,
+        }[d["kind"]](namespace, d)
+    token = cp.service_account_token(namespace, "elastic-step")
+    time.sleep(2)  # the RoleBinding reaches the authorizer
+    env = {k: v for k, v in os.environ.items() if k not in POD_ENV}
+    env.update(KUBECONFIG=str(cp.kubeconfig_for(token, user="elastic-step")), ELASTIC_STEP_NAMESPACE=namespace)
+    return env

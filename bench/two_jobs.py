@@ -38,7 +38,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, str(ROOT))  # tests.infra.kube.harness and bench.*, when run as `python bench/two_jobs.py`
-from bench.kube_job import MINIBATCH, PodSampler, slow_digits  # noqa: E402
+from bench.kube_job import MINIBATCH, PodSampler, master_namespace, slow_digits  # noqa: E402
 from bench.kube_job import Master as KubeJob  # noqa: E402
 
 
@@ -127,7 +127,6 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from kubernetes import client
 
-    from elastic_step.backends.kubernetes import load_manifests
     from elastic_step.data.prep import prepare
     from tests.infra.kube.harness import ControlPlane
 
@@ -137,26 +136,8 @@ def main() -> None:
         work = pathlib.Path(tmp)
         prepare(str(ROOT / "samples" / "digits" / "digits.csv"), str(work / "data"), label="label", seed=0)
         cp.add_node("slots", cpu=str(args.slots), memory="32Gi", pods=50)
-        cp.create_namespace("bench")
-        api = cp.api_client()
-        core, rbac, sched = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api), client.SchedulingV1Api(api)
-        for d in load_manifests("priorityclasses"):
-            sched.create_priority_class(d)
-        for d in load_manifests("role", "bench"):
-            {
-                "ServiceAccount": core.create_namespaced_service_account,
-                "Role": rbac.create_namespaced_role,
-                "RoleBinding": rbac.create_namespaced_role_binding,
-            }[d["kind"]]("bench", d)
-        token = cp.service_account_token("bench", "elastic-step")
-        time.sleep(2)  # the RoleBinding reaches the authorizer
-        env = {
-            **os.environ,
-            "KUBECONFIG": str(cp.kubeconfig_for(token, user="elastic-step")),
-            "ELASTIC_STEP_NAMESPACE": "bench",
-        }
-        for k in ("KFP_POD_NAME", "KFP_POD_UID", "POD_NAME", "POD_UID", "POD_IP", "ELASTIC_STEP_POD_IP"):
-            env.pop(k, None)
+        env = master_namespace(cp, "bench")
+        core = client.CoreV1Api(cp.api_client())
         for mode in ("gang", "elastic"):
             r = scenario(mode, args, cp, core, work / "data", work, env)
             results.append(r)
