@@ -1,6 +1,8 @@
-"""One seeded preemption trace replayed on elastic-step and on what a TensorFlow user runs instead, locally.
+"""One seeded preemption trace replayed on elastic-step and on what a TensorFlow user runs instead: locally, or
+on a real control plane where kube-scheduler makes the preemptions (bench/churn_kube.py).
 
     .venv/bin/python bench/churn.py --backend local                     # every side, none/moderate/heavy, 3 runs
+    .venv/bin/python bench/churn.py --backend kubernetes --runs 1       # the same trace as pods and preemptions
     .venv/bin/python bench/churn.py --sides ps psstrategy --churn none heavy --runs 1 --json /tmp/churn.json
     .venv/bin/python bench/churn.py --plot /tmp/churn.json --svg docs/churn   # the table and plots of a --json
 
@@ -10,11 +12,12 @@ minutes of training (moderate) or per 2 minutes (heavy). Time is compressed: the
 of its target records trained) rather than to the clock, so every side meets the same preemptions at the same
 point of its training. Seeded by the run's index: run i of every side replays the same trace.
 
-Every side fires a preemption at the first point at or past its records where its worker trains. A side that
-restarts all its workers makes no progress while they are down, so it meets every point; an elastic side trains on
-while a worker comes back, and a point due to that worker waits for it (without holding back the other worker's):
-one that is still waiting when the job reaches its target never fires. Each run reports the preemptions fired
-against those it was due, and the table flags a run where they differ.
+The local backend (below; the Kubernetes one is described in bench/churn_kube.py): every side fires a preemption
+at the first point at or past its records where its worker trains. A side that restarts all its workers makes no
+progress while they are down, so it meets every point; an elastic side trains on while a worker comes back, and a
+point due to that worker waits for it (without holding back the other worker's): one that is still waiting when
+the job reaches its target never fires. Each run reports the preemptions fired against those it was due, and the
+table flags a run where they differ.
 
 The sides, each through its public interface, on the same model module, prepared data, minibatch per worker,
 workers and target epochs:
@@ -48,11 +51,11 @@ plot per churn rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pathlib
-import random
 import shutil
 import signal
 import statistics
@@ -64,32 +67,17 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-from bench.common import digits_prepared, free_ports, splits, summary, train_command  # noqa: E402
-
-SIDES = ("ps", "allreduce", "mwms", "psstrategy", "fit")
-CHURN_MINUTES = {"none": None, "moderate": 10.0, "heavy": 2.0}  # training minutes between a worker's preemptions
-MINIBATCH = 64  # per worker
-MODEL = "samples/digits/model.py"
-
-
-# ---------------------------------------------------------------- the trace
-def trace(churn: str, workers: int, job_minutes: float, seed: int) -> list[tuple[int, float]]:
-    """(worker, share of the job's records) of every preemption, in order: Poisson per worker in training time."""
-    every = CHURN_MINUTES[churn]
-    if every is None:
-        return []
-    rng = random.Random(seed)
-    points = []
-    for w in range(workers):
-        t = rng.expovariate(1.0 / every)
-        while t < job_minutes:
-            points.append((w, t / job_minutes))
-            t += rng.expovariate(1.0 / every)
-    return sorted(points, key=lambda p: p[1])
-
-
-def at_records(points: list[tuple[int, float]], total: int) -> list[tuple[int, int]]:
-    return [(w, max(1, int(share * total))) for w, share in points]
+from bench.churn_trace import (  # noqa: E402
+    CHURN_MINUTES,
+    MINIBATCH,
+    MODEL,
+    SIDES,
+    at_records,
+    elastic_figures,
+    points_due,
+    trace,
+)
+from bench.common import digits_prepared, free_ports, splits, train_command  # noqa: E402
 
 
 # ---------------------------------------------------------------- elastic-step
@@ -117,17 +105,25 @@ def elastic(strategy: str, data: pathlib.Path, rows: int, workers: int, epochs: 
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"elastic-step train --strategy {strategy} failed:\n{proc.stderr[-3000:]}")
-    s = summary(out)
-    return {
-        "time_to_target_s": wall,
-        "accuracy": s["eval"].get("accuracy"),
-        "records_trained_again": s["ledger"]["records_trained_again"],
-        "fired_at": [f["at_records"] for f in s.get("chaos", {}).get("fired", [])],
-        "audit": s.get("audit", {}).get("verdict", "no PS"),
-    }
+    return elastic_figures(out, wall)
 
 
 # ---------------------------------------------------------------- the peers: one incarnation of a worker
+def write_json(path: str | pathlib.Path, value: dict | list) -> None:
+    """`value` to `path` whole or not at all: a reader in another process never sees half of it."""
+    tmp = pathlib.Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+def result(cfg: dict, value: dict) -> None:
+    """A peer's figures at its end: a JSON line on stdout, and in cfg['result'] when the bench reads them from a
+    file (a pod's output goes to its log)."""
+    print(json.dumps(value), flush=True)
+    if cfg.get("result"):
+        write_json(cfg["result"], value)
+
+
 def peer_worker(kind: str, cfg: dict) -> None:
     """One process of a peer (`mwms` worker `cfg['index']`, or the lone `fit`) until it ends or the trace kills it.
     Writes `start-<i>.json` (the records its backup restored) and, before it kills itself, `fired.json`."""
@@ -146,7 +142,14 @@ def peer_worker(kind: str, cfg: dict) -> None:
     md = load_model_def(cfg["model"])
     x, y = md.feed(read_all(os.path.join(cfg["data"], "train")))
 
-    def killed_at(records: int) -> None:
+    reported = [0.0]
+
+    def trained(records: int) -> None:
+        """After each step: the records the job has trained (worker 0's, for a trace run from outside: Kubernetes),
+        then this worker's own death if the trace says so (the local trace)."""
+        if index == 0 and cfg.get("progress") and time.monotonic() - reported[0] > 0.1:
+            reported[0] = time.monotonic()
+            write_json(cfg["progress"], {"records": records})
         due = [r for r in kills if r <= records]
         if due:
             (work / "fired.json").write_text(json.dumps({"worker": index, "at": due[0], "records": records}))
@@ -164,13 +167,11 @@ def peer_worker(kind: str, cfg: dict) -> None:
                     start.write_text(json.dumps({"records": epoch * len(y)}))
 
             def on_train_batch_end(self, batch, logs=None):
-                killed_at(self.epoch * len(y) + min((batch + 1) * MINIBATCH, len(y)))
+                trained(self.epoch * len(y) + min((batch + 1) * MINIBATCH, len(y)))
 
         backup = keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch")
         model.fit(x, y, batch_size=MINIBATCH, epochs=cfg["epochs"], verbose=0, callbacks=[backup, Preemption()])
-        print(
-            json.dumps({"accuracy": evaluate(model, md, load_manifest(os.path.join(cfg["data"], "eval")))["accuracy"]})
-        )
+        result(cfg, {"accuracy": evaluate(model, md, load_manifest(os.path.join(cfg["data"], "eval")))["accuracy"]})
         return
 
     from bench.sync import mwms_replicas
@@ -214,12 +215,13 @@ def peer_worker(kind: str, cfg: dict) -> None:
         if (s + 1) % steps_per_epoch == 0:  # a backup an epoch, BackupAndRestore's default
             step.assign(s + 1)
             manager.save()
-        killed_at((s + 1) * global_batch)
+        trained((s + 1) * global_batch)
     weights = [v.numpy() for v in model.weights]
     local = md.model()
     local.set_weights(weights)
     accuracy = evaluate(local, md, load_manifest(os.path.join(cfg["data"], "eval")))["accuracy"]
-    print(json.dumps({"accuracy": accuracy, "weights": float(sum(np.sum(w) for w in weights))}))
+    if index == 0:
+        result(cfg, {"accuracy": accuracy, "weights": float(sum(np.sum(w) for w in weights))})
 
 
 def peer(kind: str, data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path, kills, budget_s: float) -> dict:
@@ -287,17 +289,6 @@ PS_STEPS_PER_CALL = 16  # minibatches a scheduled function: bench/ps_strategy.py
 PS_IN_FLIGHT = 2  # scheduled functions a worker, so the coordinator always has one queued behind the one running
 
 
-def points_due(pending: list[tuple[int, int]], records: int, down: set[int]) -> list[tuple[int, int]]:
-    """The trace's points (worker, records) that fire at `records`, in order: reached, and their worker up. A point
-    whose worker is down waits for it, alone; a worker shot here is down for its later points."""
-    due, shot = [], set(down)
-    for w, at in pending:
-        if at <= records and w not in shot:
-            due.append((w, at))
-            shot.add(w)
-    return due
-
-
 def ps_chief(cfg: dict) -> None:
     """The coordinator of the `psstrategy` side: TF's custom loop over `coordinator.schedule` (bench/ps_strategy.py's),
     its progress the records of the scheduled functions it has fetched. At a trace's point it SIGKILLs that worker
@@ -350,6 +341,8 @@ def ps_chief(cfg: dict) -> None:
             # It completed (its steps are applied) on a worker killed since: its result, left there, went with it.
             ran_on = None
         done += 1
+        if cfg.get("progress"):  # for a trace run from outside (Kubernetes)
+            write_json(cfg["progress"], {"records": done * per_call})
         if ran_on in down and seq >= down[ran_on]:  # scheduled after the kill: its restarted incarnation ran it
             del down[ran_on]
         for w, at in points_due(pending, done * per_call, set(down)):
@@ -360,16 +353,14 @@ def ps_chief(cfg: dict) -> None:
             with open(work / "fired.jsonl", "a") as f:  # for the operator, should the run stall
                 f.write(json.dumps(fired[-1]) + "\n")
     coordinator.join()
-    print(
-        json.dumps(
-            {
-                "accuracy": evaluate_weights(md, model, cfg["data"])["accuracy"],
-                "closures_put_back": PutBack.count,
-                "steps_applied": int(steps.numpy()),
-                "steps_needed": calls * PS_STEPS_PER_CALL,
-            }
-        ),
-        flush=True,
+    result(
+        cfg,
+        {
+            "accuracy": evaluate_weights(md, model, cfg["data"])["accuracy"],
+            "closures_put_back": PutBack.count,
+            "steps_applied": int(steps.numpy()),
+            "steps_needed": calls * PS_STEPS_PER_CALL,
+        },
     )
 
 
@@ -452,14 +443,27 @@ def psstrategy(data: pathlib.Path, workers: int, epochs: int, work: pathlib.Path
 # ---------------------------------------------------------------- the bench
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=["local"], default="local", help="local only, for now")
+    p.add_argument(
+        "--backend",
+        choices=["local", "kubernetes"],
+        default="local",
+        help="local: processes, the trace as kills; kubernetes: pods on a real control plane, the trace as "
+        "kube-scheduler's preemptions (bench/churn_kube.py)",
+    )
     p.add_argument("--churn", nargs="+", default=list(CHURN_MINUTES), choices=list(CHURN_MINUTES))
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--first-run", type=int, default=0, help="the first run's index (its trace's seed): more runs later")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--rows", type=int, default=24_000, help="the digits train split repeated to this many records")
     p.add_argument("--job-minutes", type=float, default=20.0, help="the training an undisturbed run stands for")
+    p.add_argument(
+        "--pending-s",
+        type=float,
+        default=5.0,
+        help="kubernetes: mean of the exponential time a preempted worker's slot stays taken",
+    )
     p.add_argument("--budget-s", type=float, default=600.0, help="a peer's run past this is reported as stalled")
     p.add_argument("--json", type=pathlib.Path, help="write every run's figures to this file")
     p.add_argument("--svg", type=pathlib.Path, metavar="PREFIX", help="write PREFIX-<churn>.svg, one a churn rate")
@@ -474,8 +478,6 @@ def main() -> None:
     else:
         results = run_all(args)
     report(results)
-    if args.json and not args.plot:
-        args.json.write_text(json.dumps(results, indent=1))
     if args.svg:
         for path in plot(results, args.svg):
             print(f"wrote {path}")
@@ -483,27 +485,43 @@ def main() -> None:
 
 def run_all(args) -> list[dict]:
     results = []
-    with tempfile.TemporaryDirectory(prefix="churn-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="churn-") as tmp, on_backend(args) as run_side:
         work = pathlib.Path(tmp)
         data = digits_prepared(args.rows, work / "data")
         total = args.rows * args.epochs
         for churn in args.churn:
-            for run in range(args.runs):
+            for run in range(args.first_run, args.first_run + args.runs):
                 kills = at_records(trace(churn, args.workers, args.job_minutes, seed=run), total)
                 for side in args.sides:
-                    out = work / f"{side}-{churn}-{run}"
-                    if side in ("ps", "allreduce"):
-                        r = elastic(side, data, args.rows, args.workers, args.epochs, out, kills)
-                    elif side == "psstrategy":
-                        r = psstrategy(data, args.workers, args.epochs, out, kills, args.budget_s)
-                    else:
-                        r = peer(side, data, args.workers, args.epochs, out, kills, args.budget_s)
+                    r = run_side(side, data, work / f"{side}-{churn}-{run}", kills, run)
                     # `due`: the trace's preemptions this side has workers for (a lone fit: worker 0's)
                     due = len([k for k in kills if side != "fit" or k[0] == 0])
                     r.update(side=side, churn=churn, run=run, trace=len(kills), due=due, preemptions=len(r["fired_at"]))
                     results.append(r)
                     print(json.dumps(r), flush=True)
+                    if args.json:  # as it goes: a run that fails later keeps what was measured
+                        write_json(args.json, results)
     return results
+
+
+@contextlib.contextmanager
+def on_backend(args):
+    """Yields run_side(side, data, out, kills, seed) -> the run's figures, on the backend args name."""
+    if args.backend == "kubernetes":
+        from bench.churn_kube import kube_cluster, run_side
+
+        with kube_cluster(args.workers) as (cp, env):
+            yield lambda side, data, out, kills, seed: run_side(cp, env, side, data, args, out, kills, seed)
+        return
+
+    def local(side, data, out, kills, seed):
+        if side in ("ps", "allreduce"):
+            return elastic(side, data, args.rows, args.workers, args.epochs, out, kills)
+        if side == "psstrategy":
+            return psstrategy(data, args.workers, args.epochs, out, kills, args.budget_s)
+        return peer(side, data, args.workers, args.epochs, out, kills, args.budget_s)
+
+    yield local
 
 
 def figures(results: list[dict]) -> list[dict]:
@@ -554,6 +572,36 @@ def report(results: list[dict]) -> None:
         print(f"{f['side']:10s} {f['churn']:9s} {spread} {goodput:>8s} {acc:>9s} {f['again']:8.0f}  {fired}{stalled}")
     if any(f["fired_differs"] for f in figures(results)):
         print("! a run fired other than the preemptions it was due: compare its times with care")
+    for c in claims(results):
+        print(f"{c['side']:10s} {c['claim']:48s} {c['value']:7.3f}  {'holds' if c['holds'] else 'DOES NOT HOLD'}")
+
+
+def claims(results: list[dict]) -> list[dict]:
+    """What elastic-step claims under churn, each side of it checked on these runs (best against best): at moderate
+    churn, at most 1.2x its own time without churn, goodput at least 0.9, at most 0.7x MultiWorkerMirrored's time at
+    equal or better accuracy; at heavy churn, goodput at least 2x MultiWorkerMirrored's. Each: side, claim, value,
+    bound, holds."""
+    f = {(r["churn"], r["side"]): r for r in figures(results)}
+    out = []
+    for side in ("ps", "allreduce"):
+        none, mod, heavy = (f.get((c, side), {}) for c in ("none", "moderate", "heavy"))
+        mwms_mod, mwms_heavy = f.get(("moderate", "mwms"), {}), f.get(("heavy", "mwms"), {})
+        checks = []
+        if "time_best" in none and "time_best" in mod:
+            checks.append(("moderate: time / own time without churn <= 1.2", mod["time_best"] / none["time_best"], 1.2))
+            checks.append(("moderate: goodput >= 0.9", mod["goodput_best"], 0.9))
+        if "time_best" in mod and "time_best" in mwms_mod:
+            checks.append(("moderate: time / mwms's <= 0.7", mod["time_best"] / mwms_mod["time_best"], 0.7))
+            if mod["accuracy"] is not None and mwms_mod.get("accuracy") is not None:
+                checks.append(("moderate: accuracy - mwms's >= 0", mod["accuracy"] - mwms_mod["accuracy"], 0.0))
+        if "goodput_best" in heavy and "goodput_best" in mwms_heavy:
+            checks.append(("heavy: goodput / mwms's >= 2", heavy["goodput_best"] / mwms_heavy["goodput_best"], 2.0))
+        elif "time_best" in heavy and mwms_heavy.get("stalled") == mwms_heavy.get("runs", 0) > 0:
+            checks.append(("heavy: finishes where mwms stalls", 1.0, 1.0))
+        for claim, value, bound in checks:
+            holds = value <= bound if "<=" in claim else value >= bound
+            out.append({"side": side, "claim": claim, "value": value, "bound": bound, "holds": holds})
+    return out
 
 
 COLOURS = {"ps": "#1b7837", "allreduce": "#5aae61", "mwms": "#2166ac", "psstrategy": "#b2182b", "fit": "#762a83"}

@@ -1,9 +1,12 @@
-"""bench/churn.py's smoke: a tiny trace, one run, elastic-step `ps`, TensorFlow's ParameterServerStrategy and a lone
-`fit` with BackupAndRestore, through the bench's own command line, with its plots."""
+"""bench/churn.py's smokes, through the bench's own command line: a tiny trace, one run. Locally: elastic-step `ps`,
+TensorFlow's ParameterServerStrategy and a lone `fit` with BackupAndRestore, with its plots. On a control plane of its
+own (the Kubernetes backend): elastic-step `ps` and MultiWorkerMirrored restarted whole by its operator, kube-scheduler
+making the preemptions; its own Events witness them (a pod created to take the worker's node, not a deletion)."""
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -39,3 +42,26 @@ def test_the_churn_bench_replays_one_trace_on_elastic_step_and_on_its_peers(tmp_
     assert ps["records_trained_again"] >= 0
     assert "goodput" in proc.stdout and "fired/due" in proc.stdout
     assert (tmp_path / "churn-none.svg").exists() and (tmp_path / "churn-heavy.svg").exists()
+
+
+@pytest.mark.kubernetes
+def test_kube_scheduler_preempts_on_the_trace_and_each_side_recovers_as_its_operator_does(tmp_path):
+    out = tmp_path / "churn.json"
+    cmd = [sys.executable, "bench/churn.py", "--backend", "kubernetes", "--sides", "ps", "mwms", "--churn", "heavy"]
+    cmd += ["--runs", "1", "--rows", "3000", "--epochs", "3", "--job-minutes", "4", "--pending-s", "1"]
+    cmd += ["--budget-s", "300", "--json", str(out)]
+    # Its pods' loopback addresses apart from those of a control plane this session runs (the harness keys them to
+    # the xdist worker).
+    env = {**os.environ, "PYTEST_XDIST_WORKER": "gw9"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = {r["side"]: r for r in json.loads(out.read_text())}
+    assert set(runs) == {"ps", "mwms"}
+    assert runs["ps"]["trace"] == runs["mwms"]["trace"] > 0
+    for r in runs.values():
+        assert r["time_to_target_s"] > 0 and r["accuracy"] > 0.8, r
+        assert 1 <= r["preemptions"] == len(r["fired_at"]) <= r["due"], r
+        # Every preemption the bench set off, kube-scheduler made: its Events name as many of the side's pods.
+        assert len(r["scheduler_preempted"]) == r["preemptions"], r
+    assert runs["ps"]["audit"] == "exact"
+    assert runs["mwms"]["restarts"] == runs["mwms"]["preemptions"]  # each loss restarted every worker

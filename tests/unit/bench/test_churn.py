@@ -7,7 +7,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from bench.churn import at_records, figures, plot, points_due, trace
+from bench.churn import claims, figures, plot
+from bench.churn_trace import at_records, points_due, trace
 
 
 def test_a_seed_draws_one_trace_and_no_churn_draws_none():
@@ -85,3 +86,22 @@ def test_a_point_whose_worker_is_down_waits_for_it_alone_and_a_worker_is_shot_on
     assert points_due(pending, 200, set()) == [(0, 100), (1, 150)]  # worker 0's later point waits for its restart
     assert points_due(pending, 200, {0}) == [(1, 150)]  # worker 0 is down: its points wait, worker 1's do not
     assert points_due(pending, 500, {1}) == [(0, 100)]
+
+
+def test_the_claims_under_churn_are_checked_best_against_best_and_a_missed_one_is_said():
+    runs = [
+        _run("ps", "none", 0, 10.0, 0, 0),
+        _run("ps", "moderate", 0, 11.0, 1, 1),  # 1.1x its own time, goodput 0.91
+        _run("ps", "heavy", 0, 20.0, 5, 5),  # goodput 0.5
+        _run("mwms", "none", 0, 12.0, 0, 0),
+        _run("mwms", "moderate", 0, 15.0, 1, 1),  # ps takes 0.73x its time: more than 0.7x
+        _run("mwms", "heavy", 0, 40.0, 5, 5),  # goodput 0.3: ps's is 1.67x it
+    ]
+    verdict = {(c["side"], c["claim"]): c["holds"] for c in claims(runs)}
+    assert verdict == {
+        ("ps", "moderate: time / own time without churn <= 1.2"): True,
+        ("ps", "moderate: goodput >= 0.9"): True,
+        ("ps", "moderate: time / mwms's <= 0.7"): False,
+        ("ps", "moderate: accuracy - mwms's >= 0"): True,
+        ("ps", "heavy: goodput / mwms's >= 2"): False,
+    }  # and nothing for allreduce, which has no runs
