@@ -98,33 +98,36 @@ class Trace:
     """One run's trace fired at one side: each point (worker N, records R) preempts the side's worker on slot-N by a
     preemptor pod, once the side's progress reaches R and a worker of the side runs there."""
 
-    def __init__(self, core, job: str, selector: str, kills: list[tuple[int, int]], seed: int, pending_s: float):
+    def __init__(
+        self, core, job: str, selector: str, kills: list[tuple[int, int]], seed: int, pending_s: float, total: int
+    ):
         rng = random.Random(seed)
-        self.core, self.job, self.selector = core, job, selector
+        self.core, self.job, self.selector, self.total = core, job, selector, total
         self.pending = list(kills)
         self.hold = {k: rng.expovariate(1.0 / pending_s) for k in kills}  # each point's pending time
         self.victims: dict[int, str] = {}  # slot -> uid of the worker last preempted there
         self.fired: list[dict] = []
 
     def poll(self, records: int) -> None:
-        if not self.pending:
+        if not self.pending or records >= self.total:  # a point still waiting when the job is trained never fires
             return
         pods = self.core.list_namespaced_pod(NS, label_selector=self.selector).items
         if {p.metadata.uid for p in pods} & set(self.victims.values()):
             # One preemption at a time: the next point waits until the last victim is gone, so that a side that
             # trains on in the seconds the scheduler takes to preempt meets no second point in them.
             return
-        up = {}  # slot -> uid of the side's worker Running there
+        up = {}  # slot -> the side's worker Running there
         for p in pods:
             node = p.spec.node_name or ""
             if node.startswith("slot-") and p.status.phase == "Running" and not p.metadata.deletion_timestamp:
-                up[int(node.removeprefix("slot-"))] = p.metadata.uid
+                up[int(node.removeprefix("slot-"))] = p
         down = {w for w, _ in self.pending if w not in up}
         for w, at in points_due(self.pending, records, down)[:1]:
             self.pending.remove((w, at))
-            self.victims[w] = up[w]
+            self.victims[w] = up[w].metadata.uid
             self.core.create_namespaced_pod(NS, preemptor(self.job, w, self.hold[w, at]))
-            self.fired.append({"worker": w, "at": at, "records": records, "pending_s": round(self.hold[w, at], 2)})
+            pod, hold = up[w].metadata.name, round(self.hold[w, at], 2)
+            self.fired.append({"worker": w, "at": at, "records": records, "pending_s": hold, "pod": pod})
 
     def fired_at(self) -> list[int]:
         return [f["records"] for f in self.fired]
@@ -187,7 +190,7 @@ class Side:
 
         self.cp, self.job, self.budget_s = cp, job, args.budget_s
         self.core = client.CoreV1Api(cp.api_client())
-        self.trace = Trace(self.core, job, selector, kills, seed, args.pending_s)
+        self.trace = Trace(self.core, job, selector, kills, seed, args.pending_s, args.rows * args.epochs)
         self.cordoned = [slot(w) for w in range(n_workers, args.workers)]
         self.t0 = time.perf_counter()
 

@@ -60,8 +60,11 @@ def test_kube_scheduler_preempts_on_the_trace_and_each_side_recovers_as_its_oper
     assert runs["ps"]["trace"] == runs["mwms"]["trace"] > 0
     for r in runs.values():
         assert r["time_to_target_s"] > 0 and r["accuracy"] > 0.8, r
-        assert 1 <= r["preemptions"] == len(r["fired_at"]) <= r["due"], r
-        # Every preemption the bench set off, kube-scheduler made: its Events name as many of the side's pods.
-        assert len(r["scheduler_preempted"]) == r["preemptions"], r
+        assert 1 <= r["preemptions"] == len(r["fired_at"]) == len(r["preempted"]) <= r["due"], r
+        # The preemptions the bench set off were kube-scheduler's: its Events name the pods the trace aimed at, every
+        # one but perhaps the last, which the job's end may overtake (trained, its pods go before the scheduler acts).
+        aimed = [p["pod"] for p in r["preempted"]]
+        assert set(r["scheduler_preempted"]) <= set(aimed), r
+        assert len(r["scheduler_preempted"]) >= max(1, len(aimed) - 1), r
     assert runs["ps"]["audit"] == "exact"
     assert runs["mwms"]["restarts"] == runs["mwms"]["preemptions"]  # each loss restarted every worker
