@@ -67,6 +67,11 @@ def slot(w: int) -> str:
     return f"slot-{w}"
 
 
+def job_name(out: pathlib.Path) -> str:
+    """The job of a side's run (its pods' names start with it), from the run's own directory."""
+    return f"churn-{out.name}"
+
+
 @contextlib.contextmanager
 def kube_cluster(workers: int):
     """The control plane for the whole bench: `workers` slot nodes, the infra node, the namespace with elastic-step's
@@ -129,8 +134,9 @@ class Trace:
             pod, hold = up[w].metadata.name, round(self.hold[w, at], 2)
             self.fired.append({"worker": w, "at": at, "records": records, "pending_s": hold, "pod": pod})
 
-    def fired_at(self) -> list[int]:
-        return [f["records"] for f in self.fired]
+    def figures(self) -> dict:
+        """A run's figures of its trace: the records at which each point fired, and each point's details."""
+        return {"fired_at": [f["records"] for f in self.fired], "preempted": self.fired}
 
 
 def preemptor(job: str, w: int, hold_s: float) -> dict:
@@ -201,17 +207,13 @@ class Side:
 
     def __exit__(self, *exc) -> None:
         """Every pod of the side and of its trace deleted and gone, its slots given back for the next side."""
-        for selector in (f"churn/job={self.job}", f"elastic-step/job={self.job}"):
+        selectors = (f"churn/job={self.job}", f"elastic-step/job={self.job}")  # the peers' and the trace's; ours
+        for selector in selectors:
             self.core.delete_collection_namespaced_pod(NS, label_selector=selector, grace_period_seconds=0)
         deadline = time.time() + 120
-        while time.time() < deadline:
-            left = [
-                p
-                for s in (f"churn/job={self.job}", f"elastic-step/job={self.job}")
-                for p in self.core.list_namespaced_pod(NS, label_selector=s).items
-            ]
-            if not left:
-                break
+        while time.time() < deadline and any(
+            self.core.list_namespaced_pod(NS, label_selector=s).items for s in selectors
+        ):
             time.sleep(0.2)
         for node in self.cordoned:
             self.cp.cordon_node(node, False)
@@ -221,6 +223,10 @@ class Side:
 
     def over_budget(self) -> bool:
         return self.elapsed() > self.budget_s
+
+    def stalled(self) -> dict:
+        """The figures of a run given up past --budget-s."""
+        return {"time_to_target_s": None, "stalled": True, **self.trace.figures()}
 
     def pods(self, role: str | None = None) -> dict:
         """name -> pod, of the side's peer pods (of `role`)."""
@@ -258,7 +264,7 @@ def metrics_records(port: int) -> int:
 
 
 def elastic(cp, env, strategy, data, args, out: pathlib.Path, kills, seed: int) -> dict:
-    job = f"churn-{out.name}"
+    job = job_name(out)
     port = free_ports(1)[0]
     cmd = train_command(
         model_def=str(ROOT / MODEL),
@@ -292,7 +298,7 @@ def elastic(cp, env, strategy, data, args, out: pathlib.Path, kills, seed: int) 
             while proc.poll() is None:
                 side.trace.poll(metrics_records(port))
                 if side.over_budget():
-                    return {"time_to_target_s": None, "stalled": True, "fired_at": side.trace.fired_at()}
+                    return side.stalled()
                 time.sleep(0.2)
         finally:
             if proc.poll() is None:
@@ -301,7 +307,7 @@ def elastic(cp, env, strategy, data, args, out: pathlib.Path, kills, seed: int) 
         wall = side.elapsed()
         if proc.returncode != 0:
             raise SystemExit(f"elastic-step train --backend kubernetes failed:\n{log.name}")
-    return {**elastic_figures(out, wall), "fired_at": side.trace.fired_at(), "preempted": side.trace.fired}
+    return {**elastic_figures(out, wall), **side.trace.figures()}
 
 
 # ---------------------------------------------------------------- the peers
@@ -327,7 +333,7 @@ def peer_command(kind: str, cfg: dict) -> list[str]:
 def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int) -> dict:
     """mwms or fit as their operator runs them: a worker pod lost, every worker pod deleted and created again."""
     work.mkdir(parents=True, exist_ok=True)
-    job = f"churn-{work.name}"
+    job = job_name(work)
     n = 1 if kind == "fit" else args.workers
     ports = free_ports(n) if kind == "mwms" else []  # each replica's address, kept across restarts
     cfg = peer_config(work, data, args, ports=ports)
@@ -352,7 +358,7 @@ def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int)
                 if all(nm in pods and pods[nm].status.phase == "Succeeded" for nm in names):
                     break
                 if side.over_budget():
-                    return {"time_to_target_s": None, "stalled": True, "fired_at": side.trace.fired_at()}
+                    return side.stalled()
                 gone = [nm for nm in names if nm not in pods or pods[nm].metadata.deletion_timestamp]
                 failed = [nm for nm in names if nm in pods and pods[nm].status.phase == "Failed"]
                 if gone or failed:
@@ -376,8 +382,7 @@ def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int)
         "time_to_target_s": wall,
         "accuracy": r["accuracy"],
         "records_trained_again": again,
-        "fired_at": side.trace.fired_at(),
-        "preempted": side.trace.fired,
+        **side.trace.figures(),
         "restarts": restarts,
     }
 
@@ -388,7 +393,7 @@ def ps_operator(cp, data, args, work: pathlib.Path, kills, seed: int) -> dict:
     from bench.ps_strategy import server_command, tf_cluster
 
     work.mkdir(parents=True, exist_ok=True)
-    job = f"churn-{work.name}"
+    job = job_name(work)
     cluster = tf_cluster(args.workers)  # each replica's address, kept across restarts
     cfg = peer_config(work, data, args, cluster=cluster)
     chief = f"{job}-chief"
@@ -417,7 +422,7 @@ def ps_operator(cp, data, args, work: pathlib.Path, kills, seed: int) -> dict:
             if (pods.get(f"{job}-ps-0") is None) or pods[f"{job}-ps-0"].status.phase == "Failed":
                 raise SystemExit(f"psstrategy: the parameter server failed:\n{side.log(f'{job}-ps-0')}")
             if side.over_budget():
-                return {"time_to_target_s": None, "stalled": True, "fired_at": side.trace.fired_at()}
+                return side.stalled()
             for i in range(args.workers):
                 p = pods.get(worker(i))
                 if p is None or p.metadata.deletion_timestamp or p.status.phase == "Failed":
@@ -436,8 +441,7 @@ def ps_operator(cp, data, args, work: pathlib.Path, kills, seed: int) -> dict:
         "accuracy": r["accuracy"],
         "records_trained_again": (r["steps_applied"] - r["steps_needed"]) * MINIBATCH,
         "closures_put_back": r["closures_put_back"],
-        "fired_at": side.trace.fired_at(),
-        "preempted": side.trace.fired,
+        **side.trace.figures(),
         "restarts": restarts,
     }
 
@@ -451,7 +455,7 @@ def run_side(cp, env, side: str, data, args, out: pathlib.Path, kills, seed: int
         r = ps_operator(cp, data, args, out, kills, seed)
     else:
         r = restart_all(cp, side, data, args, out, kills, seed)
-    r["scheduler_preempted"] = scheduler_preempted(cp, f"churn-{out.name}-")
+    r["scheduler_preempted"] = scheduler_preempted(cp, f"{job_name(out)}-")
     return r
 
 
