@@ -33,8 +33,8 @@ workers and target epochs:
     minibatches a scheduled function). The coordinator SIGKILLs a worker at the trace's points (its progress: the
     records of the functions it has fetched); the bench restarts the worker on its address at once, as an operator
     restarts a failed pod, and the coordinator's own failure handling reschedules the functions the loss cut.
-  * fit: a lone Keras `fit` with `BackupAndRestore` (a backup every epoch), restarted from it on its loss; worker
-    0's trace.
+  * fit: a lone Keras `fit` with `BackupAndRestore` (a backup every epoch, the one before kept against a torn
+    write: `double_checkpoint`), restarted from it on its loss; worker 0's trace.
 A peer's worker SIGKILLs itself when the trace says so (once its step passes the trace's records); each point
 fires once across restarts.
 
@@ -169,7 +169,9 @@ def peer_worker(kind: str, cfg: dict) -> None:
             def on_train_batch_end(self, batch, logs=None):
                 trained(self.epoch * len(y) + min((batch + 1) * MINIBATCH, len(y)))
 
-        backup = keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch")
+        # double_checkpoint, as Keras advises where a kill can land mid-write: without it, a preemption during the
+        # backup's write left a file no restart could load, and the job failed for good
+        backup = keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch", double_checkpoint=True)
         model.fit(x, y, batch_size=MINIBATCH, epochs=cfg["epochs"], verbose=0, callbacks=[backup, Preemption()])
         result(cfg, {"accuracy": evaluate(model, md, load_manifest(os.path.join(cfg["data"], "eval")))["accuracy"]})
         return
@@ -455,8 +457,10 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--first-run", type=int, default=0, help="the first run's index (its trace's seed): more runs later")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--rows", type=int, default=24_000, help="the digits train split repeated to this many records")
+    # 2 epochs of 360,000 records: an epoch stands for 10 training minutes, a backup's interval as long as a real
+    # epoch's, where shorter ones would cost a restart little
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--rows", type=int, default=360_000, help="the digits train split repeated to this many records")
     p.add_argument("--job-minutes", type=float, default=20.0, help="the training an undisturbed run stands for")
     p.add_argument(
         "--pending-s",
@@ -538,6 +542,7 @@ def figures(results: list[dict]) -> list[dict]:
         runs = [r for r in results if r["side"] == side and r["churn"] == churn]
         times = [r["time_to_target_s"] for r in runs if r["time_to_target_s"]]
         f = {"churn": churn, "side": side, "runs": len(runs), "stalled": len(runs) - len(times)}
+        f["failed"] = sum(1 for r in runs if r.get("failed"))  # of the stalled: failed for good
         f["fired_differs"] = any(r["preemptions"] != r.get("due", r["trace"]) for r in runs)
         f["fired"] = " ".join(f"{r['preemptions']}/{r.get('due', r['trace'])}" for r in runs)  # run by run
         f["fired_total"] = f"{sum(r['preemptions'] for r in runs)}/{sum(r.get('due', r['trace']) for r in runs)}"
@@ -563,12 +568,13 @@ def report(results: list[dict]) -> None:
         flag = "!" if f["fired_differs"] else " "
         fired = f"{flag} {f['fired']}"
         if "time_best" not in f:
-            print(f"{f['side']:10s} {f['churn']:9s} {'stalled':>16s} {'':>8s} {'':>9s} {'':>8s}  {fired}")
+            gone = "failed" if f["failed"] else "stalled"
+            print(f"{f['side']:10s} {f['churn']:9s} {gone:>16s} {'':>8s} {'':>9s} {'':>8s}  {fired}")
             continue
         goodput = f"{f['goodput_best']:.2f}" if "goodput_best" in f else "-"
         acc = f"{f['accuracy']:.4f}" if f["accuracy"] is not None else "-"
         spread = f"{f['time_best']:8.1f} s ({f['time_worst'] / f['time_best']:.2f})"
-        stalled = f"  {f['stalled']} stalled" if f["stalled"] else ""
+        stalled = f"  {f['stalled']} stalled ({f['failed']} failed)" if f["stalled"] else ""
         print(f"{f['side']:10s} {f['churn']:9s} {spread} {goodput:>8s} {acc:>9s} {f['again']:8.0f}  {fired}{stalled}")
     if any(f["fired_differs"] for f in figures(results)):
         print("! a run fired other than the preemptions it was due: compare its times with care")
@@ -647,7 +653,7 @@ def _bar(f: dict, value: str, low: str, high: str) -> dict:
         "low": f.get(low),
         "high": f.get(high),
         "under": f["fired_total"] + (" !" if f["fired_differs"] else ""),  # over its runs: the table has each
-        "missing": "stalled" if "time_best" not in f else "no run without churn",
+        "missing": ("failed" if f["failed"] else "stalled") if "time_best" not in f else "no run without churn",
     }
 
 

@@ -32,7 +32,8 @@ Who restarts what, each side as its operator does, the bench playing the peers' 
   * mwms, fit: a worker pod lost, every worker pod of the job is deleted and created again, and the job resumes from
     its last backup (Kubeflow Trainer's JobSet restarts all of a job's pods; TFJob does for MultiWorkerMirrored,
     whose collectives need every worker). A replica keeps its address across restarts, as the headless Service an
-    operator gives each replica does (here a loopback port).
+    operator gives each replica does (here a loopback port). A restarted pod that fails with no preemption since
+    its start ends the run as failed: its next restart would load the same backup.
   * psstrategy: a lost worker's pod is created again at its address, as TFJob restarts a failed replica; the
     coordinator's own failure handling reschedules what the loss cut.
 """
@@ -228,6 +229,20 @@ class Side:
         """The figures of a run given up past --budget-s."""
         return {"time_to_target_s": None, "stalled": True, **self.trace.figures()}
 
+    def failed(self, pod: str) -> dict:
+        """The figures of a run whose restarted pod failed on its own: the side cannot come back from its loss."""
+        log = self.log(pod)
+        print(
+            f"{self.job}: pod {pod} failed after a restart, not by the trace; the run ends here:\n{log}",
+            file=sys.stderr,
+        )
+        return {
+            "time_to_target_s": None,
+            "stalled": True,
+            "failed": log.strip().splitlines()[-1],
+            **self.trace.figures(),
+        }
+
     def pods(self, role: str | None = None) -> dict:
         """name -> pod, of the side's peer pods (of `role`)."""
         selector = f"churn/job={self.job}" + (f",churn/role={role}" if role else "")
@@ -364,6 +379,8 @@ def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int)
                 if gone or failed:
                     lost = (gone + failed)[0]
                     if len(side.trace.fired) == fired:  # no preemption since this start: the worker failed
+                        if restarts:  # from its backup: the operator's next restart would load the same
+                            return side.failed(lost)
                         raise SystemExit(f"{kind}: worker pod {lost} failed, not by the trace:\n{side.log(lost)}")
                     break
                 time.sleep(0.2)

@@ -70,6 +70,18 @@ def test_goodput_is_the_sides_best_time_without_churn_over_each_runs_and_a_short
     assert rows["heavy", "psstrategy"]["stalled"] == 1 and "time_best" not in rows["heavy", "psstrategy"]
 
 
+def test_a_run_that_failed_for_good_is_told_from_one_past_the_budget(tmp_path):
+    failed = {**_run("fit", "heavy", 0, None, 2, 3), "stalled": True, "failed": "OSError: truncated file"}
+    runs = [*RUNS, _run("fit", "none", 0, 8.0, 0, 0), failed]
+    rows = {(f["churn"], f["side"]): f for f in figures(runs)}
+    assert (rows["heavy", "fit"]["stalled"], rows["heavy", "fit"]["failed"]) == (1, 1)
+    assert (rows["heavy", "psstrategy"]["stalled"], rows["heavy", "psstrategy"]["failed"]) == (1, 0)
+    texts = [
+        t.text for t in ET.parse(plot(runs, tmp_path / "churn")[1]).getroot().iter("{http://www.w3.org/2000/svg}text")
+    ]
+    assert "failed" in texts and "stalled" in texts
+
+
 def test_one_svg_a_churn_rate_with_a_bar_a_side_in_each_panel(tmp_path):
     paths = plot(RUNS, tmp_path / "churn")
     assert [p.name for p in paths] == ["churn-none.svg", "churn-heavy.svg"]
