@@ -169,8 +169,8 @@ def peer_worker(kind: str, cfg: dict) -> None:
             def on_train_batch_end(self, batch, logs=None):
                 trained(self.epoch * len(y) + min((batch + 1) * MINIBATCH, len(y)))
 
-        # double_checkpoint, as Keras advises where a kill can land mid-write: without it, a preemption during the
-        # backup's write left a file no restart could load, and the job failed for good
+        # double_checkpoint, as Keras advises where a kill can land mid-write: a torn backup falls back to the one
+        # before. A torn first backup has none, and the job fails for good (churn_kube reports the run as failed).
         backup = keras.callbacks.BackupAndRestore(str(work / "backup"), save_freq="epoch", double_checkpoint=True)
         model.fit(x, y, batch_size=MINIBATCH, epochs=cfg["epochs"], verbose=0, callbacks=[backup, Preemption()])
         result(cfg, {"accuracy": evaluate(model, md, load_manifest(os.path.join(cfg["data"], "eval")))["accuracy"]})
