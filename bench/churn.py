@@ -110,7 +110,9 @@ def elastic(strategy: str, data: pathlib.Path, rows: int, workers: int, epochs: 
 
 # ---------------------------------------------------------------- the peers: one incarnation of a worker
 def write_json(path: str | pathlib.Path, value: dict | list) -> None:
-    """`value` to `path` whole or not at all: a reader in another process never sees half of it."""
+    """`value` to `path` whole or not at all: a reader in another process never sees half of it. Not
+    elastic_step.util.json_text.write_json, which fsyncs for durability: a peer writes its progress here ten times
+    a second from inside its training loop, and only another process's view of it matters."""
     tmp = pathlib.Path(f"{path}.tmp")
     tmp.write_text(json.dumps(value))
     tmp.replace(path)

@@ -341,8 +341,14 @@ def peer_config(work: pathlib.Path, data, args, **more) -> dict:
     }
 
 
-def peer_command(kind: str, cfg: dict) -> list[str]:
-    return [sys.executable, str(ROOT / "bench" / "churn.py"), "--peer-worker", kind, json.dumps(cfg)]
+def peer_command(*args: str) -> list[str]:
+    """A peer process's command: bench/churn.py's --peer-worker KIND CFG or --ps-chief CFG."""
+    return [sys.executable, str(ROOT / "bench" / "churn.py"), *args]
+
+
+def progress(work: pathlib.Path) -> int:
+    """The records a peer reports trained, in its run's directory (0 before its first report)."""
+    return (read_json(work / "progress.json") or {"records": 0})["records"]
 
 
 def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int) -> dict:
@@ -361,12 +367,11 @@ def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int)
             fired = len(side.trace.fired)
             names = [f"{job}-worker-{i}-{restarts}" for i in range(n)]
             for i, name in enumerate(names):
-                side.core.create_namespaced_pod(
-                    NS, peer_pod(job, name, "worker", peer_command(kind, {**cfg, "index": i}), "1")
-                )
+                command = peer_command("--peer-worker", kind, json.dumps({**cfg, "index": i}))
+                side.core.create_namespaced_pod(NS, peer_pod(job, name, "worker", command, "1"))
             lost = None
             while True:
-                side.trace.poll((read_json(work / "progress.json") or {"records": 0})["records"])
+                side.trace.poll(progress(work))
                 if owed is not None and (start := read_json(work / "start-0.json")):
                     again, owed = again + max(0, owed - start["records"]), None
                 pods = side.pods("worker")
@@ -388,7 +393,7 @@ def restart_all(cp, kind: str, data, args, work: pathlib.Path, kills, seed: int)
                 wall = side.elapsed()
                 break
             # The operator restarts every worker: delete them all, and create them again once they are gone.
-            owed = (read_json(work / "progress.json") or {"records": 0})["records"]
+            owed = progress(work)
             (work / "progress.json").unlink(missing_ok=True)  # the next start's progress is its own
             side.core.delete_collection_namespaced_pod(NS, label_selector=f"churn/job={job},churn/role=worker")
             while side.pods("worker"):
@@ -425,11 +430,11 @@ def ps_operator(cp, data, args, work: pathlib.Path, kills, seed: int) -> dict:
             side.core.create_namespaced_pod(
                 NS, peer_pod(job, worker(i), "worker", server_command(cluster, "worker", i), "1")
             )
-        command = [sys.executable, str(ROOT / "bench" / "churn.py"), "--ps-chief", json.dumps(cfg)]
+        command = peer_command("--ps-chief", json.dumps(cfg))
         side.core.create_namespaced_pod(NS, peer_pod(job, chief, "chief", command, None))
         restarts = 0
         while True:
-            side.trace.poll((read_json(work / "progress.json") or {"records": 0})["records"])
+            side.trace.poll(progress(work))
             pods = side.pods()
             phase = pods[chief].status.phase if chief in pods else "gone"
             if phase == "Succeeded":
