@@ -227,7 +227,7 @@ class Side:
 
     def stalled(self) -> dict:
         """The figures of a run given up past --budget-s."""
-        return {"time_to_target_s": None, "stalled": True, **self.trace.figures()}
+        return {"time_to_target_s": None, "stalled": True, "stalled_at_s": self.elapsed(), **self.trace.figures()}
 
     def failed(self, pod: str) -> dict:
         """The figures of a run whose restarted pod failed on its own: the side cannot come back from its loss."""

@@ -117,3 +117,30 @@ def test_the_claims_under_churn_are_checked_best_against_best_and_a_missed_one_i
         ("ps", "moderate: accuracy - mwms's >= 0"): True,
         ("ps", "heavy: goodput / mwms's >= 2"): False,
     }  # and nothing for allreduce, which has no runs
+
+
+def test_where_every_mwms_run_stalled_its_budget_bounds_the_claims_against_it(tmp_path):
+    def stalled(churn, run, at_s):
+        return {**_run("mwms", churn, run, None, 3, 3), "stalled": True, "stalled_at_s": at_s}
+
+    runs = [
+        _run("ps", "none", 0, 10.0, 0, 0),
+        _run("ps", "moderate", 0, 11.0, 1, 1),
+        _run("ps", "heavy", 0, 20.0, 5, 5),  # goodput 0.5
+        {**_run("mwms", "none", 0, 30.0, 0, 0), "accuracy": 0.98},
+        stalled("moderate", 0, 601.0),
+        stalled("heavy", 0, 640.0),
+        stalled("heavy", 1, 602.0),  # its best took more than 602 s: goodput under 30/602
+    ]
+    rows = {(f["churn"], f["side"]): f for f in figures(runs)}
+    assert rows["heavy", "mwms"]["time_over"] == 602.0
+    assert rows["heavy", "mwms"]["goodput_under"] == pytest.approx(30 / 602)
+    got = {c["claim"]: (round(c["value"], 4), c["bounded"], c["holds"]) for c in claims(runs) if c["side"] == "ps"}
+    assert got["moderate: time / mwms's <= 0.7"] == (round(11 / 601, 4), "<", True)
+    assert got["heavy: goodput / mwms's >= 2"] == (round(0.5 / (30 / 602), 4), ">", True)
+    # mwms's churned runs have no accuracy: ps's is held against mwms's without churn, and is 0.01 below it
+    assert got["moderate: accuracy - mwms's without churn >= 0"] == (-0.01, None, False)
+    texts = [
+        t.text for t in ET.parse(plot(runs, tmp_path / "churn")[2]).getroot().iter("{http://www.w3.org/2000/svg}text")
+    ]
+    assert "stalled > 602 s" in texts
