@@ -587,9 +587,9 @@ def report(results: list[dict]) -> None:
         flag = "!" if f["fired_differs"] else " "
         fired = f"{flag} {f['fired']}"
         if "time_best" not in f:
-            gone = "failed" if f["failed"] else "stalled"
             over = f"> {f['time_over']:.1f} s" if "time_over" in f else ""
             under = f"< {f['goodput_under']:.2f}" if "goodput_under" in f else ""
+            gone = _missing(f)
             print(f"{f['side']:10s} {f['churn']:9s} {over or gone:>16s} {under:>8s} {'':>9s} {'':>8s}  {fired}  {gone}")
             continue
         goodput = f"{f['goodput_best']:.2f}" if "goodput_best" in f else "-"
